@@ -1,0 +1,15 @@
+/* cli.h: the `kvfleet` subcommands. Each takes argv with argv[0] = the subcommand name and
+ * returns the process exit code (0 ok, 1 failure, 2 usage error). Only cli/ prints for users. */
+#ifndef KVF_CLI_H
+#define KVF_CLI_H
+
+#include "common/status.h"
+
+int kvf_cli_plan(int argc, char **argv);
+int kvf_cli_bench(int argc, char **argv);
+
+/* Exit code for a status from kvf_cfg_parse or a command: 0 for OK and HELP, 2 for invalid
+ * arguments, 1 otherwise; prints err's message (prefixed "kvfleet: ") when there is one. */
+int kvf_cli_exit(kvf_status st, const kvf_err *err);
+
+#endif

@@ -1,0 +1,45 @@
+/* cmd_bench.c: `kvfleet bench <what>` runs one of the benchmarks in bench/. */
+#include <stdio.h>
+#include <string.h>
+
+#include "bench/bench.h"
+#include "cli/cli.h"
+
+typedef struct kvf_cli_bench_entry {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} kvf_cli_bench_entry;
+
+static const kvf_cli_bench_entry benches[] = {
+    {"kv", NULL, "KV cache: allocate/free/lookup/insert ops/s, hashing GB/s"},
+    {"engine", NULL, "prefill and decode tokens/s, decode memory bandwidth"},
+    {"xfer", NULL, "KV block transfer GB/s over UCX vs ucx_perftest"},
+    {"router", NULL, "index ops/s and routing-decision latency"},
+    {"serve", NULL, "TTFT / ITL / throughput through a running fleet"},
+    {"attn", NULL, "paged attention bandwidth on a GPU"},
+};
+
+int kvf_cli_bench(int argc, char **argv)
+{
+    size_t n = sizeof benches / sizeof benches[0];
+    if (argc < 2 || strcmp(argv[1], "--help") == 0) {
+        FILE *out = argc < 2 ? stderr : stdout;
+        fprintf(out, "usage: kvfleet bench <what> [flags]\n\nbenchmarks:\n");
+        for (size_t i = 0; i < n; i++)
+            fprintf(out, "  %-8s %s%s\n", benches[i].name, benches[i].summary,
+                    benches[i].run ? "" : " (not in this build yet)");
+        return argc < 2 ? 2 : 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(argv[1], benches[i].name) != 0)
+            continue;
+        if (!benches[i].run) {
+            fprintf(stderr, "kvfleet bench: '%s' is not in this build yet\n", argv[1]);
+            return 2;
+        }
+        return benches[i].run(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "kvfleet bench: unknown benchmark '%s'\n", argv[1]);
+    return 2;
+}

@@ -1,0 +1,78 @@
+/* main.c: the `kvfleet` entry point: picks a subcommand from the table and runs it. Every
+ * subcommand lives in its own cmd_*.c; --help on any of them prints its flags. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "common/log.h"
+
+typedef struct kvf_cli_cmd {
+    const char *name;
+    int (*run)(int argc, char **argv); /* NULL: planned, not in this build yet */
+    const char *summary;
+} kvf_cli_cmd;
+
+static const kvf_cli_cmd commands[] = {
+    {"up", NULL, "a local fleet: router + prefill + decode processes on loopback"},
+    {"router", NULL, "the KV-aware router with the OpenAI HTTP front end"},
+    {"prefill", NULL, "a prefill worker"},
+    {"decode", NULL, "a decode worker"},
+    {"generate", NULL, "single-process generation (the end-to-end reference)"},
+    {"tokenize", NULL, "encode text to token ids or decode ids to text"},
+    {"chat-template", NULL, "render a model's chat template for a list of messages"},
+    {"gen-model", NULL, "write a random-weight model with a working tokenizer"},
+    {"plan", kvf_cli_plan, "KV sizing: bytes per token, blocks, concurrent sequences"},
+    {"sim", NULL, "replay a request trace through the router against simulated workers"},
+    {"bench", kvf_cli_bench, "benchmarks: kv, engine, xfer, router, serve, attn"},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+int kvf_cli_exit(kvf_status st, const kvf_err *err)
+{
+    if (st == KVF_OK || st == KVF_HELP)
+        return 0;
+    if (err && err->msg[0])
+        fprintf(stderr, "kvfleet: %s\n", err->msg);
+    else
+        fprintf(stderr, "kvfleet: %s\n", kvf_status_str(st));
+    return st == KVF_ERR_INVALID ? 2 : 1;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: kvfleet <command> [flags]   (kvfleet <command> --help for its flags)\n\n"
+                 "kvfleet serves Llama-family models with prefill and decode disaggregated.\n\n"
+                 "commands:\n");
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        fprintf(out, "  %-14s %s%s\n", commands[i].name, commands[i].summary,
+                commands[i].run ? "" : " (not in this build yet)");
+    fprintf(out, "\nEvery flag can also be set as KVFLEET_<FLAG> in the environment.\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+        strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("kvfleet %s\n", KVF_VERSION);
+        return 0;
+    }
+    for (size_t i = 0; i < N_COMMANDS; i++) {
+        if (strcmp(argv[1], commands[i].name) != 0)
+            continue;
+        if (!commands[i].run) {
+            fprintf(stderr, "kvfleet: '%s' is not in this build yet\n", argv[1]);
+            return 2;
+        }
+        return commands[i].run(argc - 1, argv + 1);
+    }
+    fprintf(stderr, "kvfleet: unknown command '%s' (see kvfleet --help)\n", argv[1]);
+    return 2;
+}
