@@ -1,0 +1,532 @@
+/* xfer.c: the backend-independent half of kvf_xfer: picking a backend, the descriptor format,
+ * checking pairs and coalescing them into runs, the event queue and the receiver's expectations
+ * with their deadlines. How bytes move is left to xfer_local.c and xfer_ucx.c.
+ *
+ * Descriptor, version 1 (all integers little-endian):
+ *   "KVFX" | u32 version | u8 backend name length | name | u32 n_layers | u32 n_kv_heads |
+ *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
+ *   u32 blob length | backend blob */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "transport/xfer_impl.h"
+
+#define DESC_MAGIC "KVFX"
+#define DESC_FIXED (4 + 4 + 1 + 5 * 4 + 2 * 8 + 4) /* every field but the name and the blob */
+
+static const kvf_xfer_ops *const backends[] = {&kvf_xfer_ucx_ops, &kvf_xfer_local_ops};
+#define N_BACKENDS (sizeof backends / sizeof backends[0])
+
+/* ---- little-endian helpers ---- */
+
+kvf_status kvf_xfer_put_u32(kvf_sbuf *b, uint32_t v)
+{
+    uint8_t p[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    return kvf_sbuf_append(b, p, 4);
+}
+
+kvf_status kvf_xfer_put_u64(kvf_sbuf *b, uint64_t v)
+{
+    kvf_status st = kvf_xfer_put_u32(b, (uint32_t)v);
+    return st != KVF_OK ? st : kvf_xfer_put_u32(b, (uint32_t)(v >> 32));
+}
+
+uint32_t kvf_xfer_get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+uint64_t kvf_xfer_get_u64(const uint8_t *p)
+{
+    return (uint64_t)kvf_xfer_get_u32(p) | (uint64_t)kvf_xfer_get_u32(p + 4) << 32;
+}
+
+/* ---- create / destroy ---- */
+
+kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, kvf_xfer **out,
+                           kvf_err *err)
+{
+    static const kvf_xfer_cfg defaults = {0};
+    if (!cfg)
+        cfg = &defaults;
+    const char *name = cfg->backend && *cfg->backend ? cfg->backend : "ucx";
+    const kvf_xfer_ops *ops = NULL;
+    for (size_t i = 0; i < N_BACKENDS; i++)
+        if (strcmp(backends[i]->name, name) == 0)
+            ops = backends[i];
+    if (!ops)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: backend '%s' is not known (use ucx or local)", name);
+    if (!pool || !pool->base || pool->n_blocks <= 0 || pool->n_blocks > INT32_MAX)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: pool needs a base address and 1 to %d blocks (got %lld)",
+                           INT32_MAX, pool ? (long long)pool->n_blocks : 0LL);
+    kvf_kv_layout check;
+    const kvf_kv_layout *l = &pool->layout;
+    kvf_status st = kvf_kv_layout_init(l->n_layers, l->n_kv_heads, l->head_dim, l->block_size,
+                                       l->dtype, &check, err);
+    if (st != KVF_OK)
+        return kvf_err_prefix(err, "xfer: pool");
+    if (check.block_bytes != l->block_bytes)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: pool block_bytes %lld does not match its layout (%lld)",
+                           (long long)l->block_bytes, (long long)check.block_bytes);
+    if (pool->n_blocks > INT64_MAX / l->block_bytes)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: pool of %lld blocks of %lld bytes overflows",
+                           (long long)pool->n_blocks, (long long)l->block_bytes);
+
+    kvf_xfer *x = calloc(1, sizeof *x);
+    if (!x)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory");
+    x->ops = ops;
+    x->pool = *pool;
+    x->accept_unexpected = cfg->accept_unexpected;
+    pthread_mutex_init(&x->mu, NULL);
+    st = ops->open(x, cfg, err);
+    if (st != KVF_OK) {
+        pthread_mutex_destroy(&x->mu);
+        free(x);
+        return st;
+    }
+    *out = x;
+    return KVF_OK;
+}
+
+void kvf_xfer_destroy(kvf_xfer *x)
+{
+    if (!x)
+        return;
+    while (x->peers)
+        kvf_xfer_disconnect(x, x->peers);
+    x->ops->close(x);
+    pthread_mutex_destroy(&x->mu);
+    free(x->ev);
+    free(x->exp);
+    free(x);
+}
+
+const char *kvf_xfer_backend_name(const kvf_xfer *x)
+{
+    return x->ops->name;
+}
+
+/* ---- descriptors ---- */
+
+kvf_status kvf_xfer_desc_export(kvf_xfer *x, uint8_t **desc_out, size_t *len_out, kvf_err *err)
+{
+    kvf_sbuf b, blob;
+    kvf_sbuf_init(&b);
+    kvf_sbuf_init(&blob);
+    const kvf_kv_layout *l = &x->pool.layout;
+    size_t nl = strlen(x->ops->name);
+    uint8_t nl8 = (uint8_t)nl;
+    kvf_status st = x->ops->export_blob(x, &blob, err);
+    if (st != KVF_OK)
+        goto fail_blob;
+    kvf_xfer_put_u32(&b, 0); /* the magic is written over below */
+    kvf_xfer_put_u32(&b, KVF_XFER_DESC_VERSION);
+    kvf_sbuf_append(&b, &nl8, 1);
+    kvf_sbuf_append(&b, x->ops->name, nl);
+    kvf_xfer_put_u32(&b, (uint32_t)l->n_layers);
+    kvf_xfer_put_u32(&b, (uint32_t)l->n_kv_heads);
+    kvf_xfer_put_u32(&b, (uint32_t)l->head_dim);
+    kvf_xfer_put_u32(&b, (uint32_t)l->block_size);
+    kvf_xfer_put_u32(&b, (uint32_t)l->dtype);
+    kvf_xfer_put_u64(&b, (uint64_t)l->block_bytes);
+    kvf_xfer_put_u64(&b, (uint64_t)x->pool.n_blocks);
+    kvf_xfer_put_u32(&b, (uint32_t)blob.len);
+    if (blob.len)
+        kvf_sbuf_append(&b, blob.data, blob.len);
+    if (b.oom || blob.oom) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a descriptor");
+        goto fail_blob;
+    }
+    memcpy(b.data, DESC_MAGIC, 4);
+    *len_out = b.len;
+    *desc_out = (uint8_t *)kvf_sbuf_take(&b);
+    kvf_sbuf_fini(&blob);
+    return KVF_OK;
+
+fail_blob:
+    kvf_sbuf_fini(&blob);
+    kvf_sbuf_fini(&b);
+    return st;
+}
+
+kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_info *out,
+                               kvf_err *err)
+{
+    kvf_xfer_desc_info d = {0};
+    if (!desc || len < DESC_FIXED)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor of %zu bytes is too short (at least %d)", len,
+                           DESC_FIXED);
+    if (memcmp(desc, DESC_MAGIC, 4) != 0)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor does not start with \"KVFX\" (not a kvfleet descriptor)");
+    uint32_t version = kvf_xfer_get_u32(desc + 4);
+    if (version != KVF_XFER_DESC_VERSION)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "xfer: descriptor version %u is not supported (this build reads %d)",
+                           version, KVF_XFER_DESC_VERSION);
+    size_t nl = desc[8];
+    if (nl == 0 || nl >= sizeof d.backend || len < DESC_FIXED + nl)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor backend name length %zu is invalid (1 to %zu, within "
+                           "%zu bytes)", nl, sizeof d.backend - 1, len);
+    memcpy(d.backend, desc + 9, nl);
+    for (size_t i = 0; i < nl; i++)
+        if (d.backend[i] < 'a' || d.backend[i] > 'z')
+            return kvf_err_set(err, KVF_ERR_PARSE,
+                               "xfer: descriptor backend name has byte 0x%02x (allowed: a-z)",
+                               (unsigned)(uint8_t)d.backend[i]);
+    const uint8_t *p = desc + 9 + nl;
+    uint32_t f[5];
+    for (int i = 0; i < 5; i++)
+        f[i] = kvf_xfer_get_u32(p + 4 * i);
+    p += 20;
+    uint64_t block_bytes = kvf_xfer_get_u64(p), n_blocks = kvf_xfer_get_u64(p + 8);
+    uint32_t blob_len = kvf_xfer_get_u32(p + 16);
+    p += 20;
+    for (int i = 0; i < 5; i++)
+        if (f[i] > INT32_MAX)
+            return kvf_err_set(err, KVF_ERR_PARSE, "xfer: descriptor layout field %d is %u (> %d)",
+                               i, f[i], INT32_MAX);
+    kvf_status st = kvf_kv_layout_init((int32_t)f[0], (int32_t)f[1], (int32_t)f[2], (int32_t)f[3],
+                                       (kvf_dtype)f[4], &d.layout, err);
+    if (st != KVF_OK)
+        return kvf_err_prefix(err, "xfer: descriptor");
+    if ((uint64_t)d.layout.block_bytes != block_bytes)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor block_bytes %llu does not match its layout (%lld)",
+                           (unsigned long long)block_bytes, (long long)d.layout.block_bytes);
+    if (n_blocks == 0 || n_blocks > INT32_MAX)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor n_blocks %llu is out of range (1 to %d)",
+                           (unsigned long long)n_blocks, INT32_MAX);
+    size_t off = (size_t)(p - desc);
+    if (blob_len != len - off)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor says %u backend bytes but %zu follow", blob_len,
+                           len - off);
+    d.version = (int)version;
+    d.n_blocks = (int64_t)n_blocks;
+    d.blob_off = off;
+    d.blob_len = blob_len;
+    *out = d;
+    return KVF_OK;
+}
+
+/* ---- peers ---- */
+
+kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
+                            kvf_err *err)
+{
+    kvf_xfer_desc_info d;
+    kvf_status st = kvf_xfer_desc_parse(desc, len, &d, err);
+    if (st != KVF_OK)
+        return st;
+    if (strcmp(d.backend, x->ops->name) != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: descriptor is for backend '%s', this side uses '%s'", d.backend,
+                           x->ops->name);
+    st = kvf_kv_layout_check_same(&x->pool.layout, "this side", &d.layout, "the peer", err);
+    if (st != KVF_OK)
+        return kvf_err_prefix(err, "xfer: connect refused");
+    kvf_xfer_peer *peer = calloc(1, sizeof *peer);
+    if (!peer)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory");
+    peer->owner = x;
+    peer->layout = d.layout;
+    peer->n_blocks = d.n_blocks;
+    peer->status = KVF_OK;
+    st = x->ops->connect(x, peer, desc + d.blob_off, d.blob_len, err);
+    if (st != KVF_OK) {
+        free(peer);
+        return st;
+    }
+    peer->next = x->peers;
+    x->peers = peer;
+    *out = peer;
+    return KVF_OK;
+}
+
+void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer)
+{
+    if (!peer)
+        return;
+    for (kvf_xfer_peer **pp = &x->peers; *pp; pp = &(*pp)->next)
+        if (*pp == peer) {
+            *pp = peer->next;
+            break;
+        }
+    x->ops->disconnect(x, peer);
+    free(peer);
+}
+
+kvf_status kvf_xfer_peer_status(const kvf_xfer_peer *peer)
+{
+    return peer->status;
+}
+
+/* ---- writes ---- */
+
+static int pair_cmp_dst(const void *a, const void *b)
+{
+    const kvf_xfer_pair *p = a, *q = b;
+    return (p->dst > q->dst) - (p->dst < q->dst);
+}
+
+kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                          const kvf_xfer_pair *pairs, size_t n, int64_t deadline_ns, kvf_err *err)
+{
+    if (!peer || peer->owner != x)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: write %llu: peer is not one of this xfer's",
+                           (unsigned long long)id);
+    if (peer->status != KVF_OK)
+        return kvf_err_set(err, peer->status, "xfer: write %llu: peer was lost (connect again)",
+                           (unsigned long long)id);
+    if (n == 0 || !pairs)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: write %llu has no block pairs",
+                           (unsigned long long)id);
+    for (size_t i = 0; i < n; i++) {
+        if (pairs[i].src < 0 || pairs[i].src >= x->pool.n_blocks)
+            return kvf_err_set(err, KVF_ERR_INVALID,
+                               "xfer: write %llu: pair %zu: source block %d is not in this pool "
+                               "(0 to %lld)", (unsigned long long)id, i, pairs[i].src,
+                               (long long)x->pool.n_blocks - 1);
+        if (pairs[i].dst < 0 || pairs[i].dst >= peer->n_blocks)
+            return kvf_err_set(err, KVF_ERR_INVALID,
+                               "xfer: write %llu: pair %zu: destination block %d is not in the "
+                               "peer's pool (0 to %lld)", (unsigned long long)id, i, pairs[i].dst,
+                               (long long)peer->n_blocks - 1);
+    }
+    kvf_xfer_pair *sorted = malloc(n * sizeof *sorted);
+    kvf_xfer_run *runs = malloc(n * sizeof *runs);
+    kvf_status st = KVF_OK;
+    if (!sorted || !runs) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: write %llu: out of memory for %zu pairs",
+                         (unsigned long long)id, n);
+        goto done;
+    }
+    memcpy(sorted, pairs, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, pair_cmp_dst);
+    size_t n_runs = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0 && sorted[i].dst == sorted[i - 1].dst) {
+            st = kvf_err_set(err, KVF_ERR_INVALID,
+                             "xfer: write %llu: destination block %d appears twice (each "
+                             "destination at most once)", (unsigned long long)id, sorted[i].dst);
+            goto done;
+        }
+        kvf_xfer_run *r = n_runs ? &runs[n_runs - 1] : NULL;
+        if (r && r->src + r->count == sorted[i].src && r->dst + r->count == sorted[i].dst) {
+            r->count++;
+        } else {
+            runs[n_runs++] = (kvf_xfer_run){.src = sorted[i].src, .dst = sorted[i].dst, .count = 1};
+        }
+    }
+    /* Counted before the backend runs: the local backend ends the write inside ops->write. */
+    pthread_mutex_lock(&x->mu);
+    x->stats.in_flight++;
+    pthread_mutex_unlock(&x->mu);
+    st = x->ops->write(x, peer, id, runs, n_runs, deadline_ns, err);
+    pthread_mutex_lock(&x->mu);
+    if (st == KVF_OK) {
+        x->stats.writes++;
+        x->stats.puts += (int64_t)n_runs;
+        x->stats.bytes += (int64_t)n * x->pool.layout.block_bytes;
+    } else {
+        x->stats.in_flight--;
+    }
+    pthread_mutex_unlock(&x->mu);
+done:
+    free(sorted);
+    free(runs);
+    return st;
+}
+
+/* ---- events and expectations ---- */
+
+/* Queues an event; the caller holds x->mu. Returns false only when out of memory. */
+static bool event_push_locked(kvf_xfer *x, kvf_xfer_event ev)
+{
+    if (x->ev_len == x->ev_cap) {
+        size_t cap = x->ev_cap ? x->ev_cap * 2 : 64;
+        kvf_xfer_event *nv = malloc(cap * sizeof *nv);
+        if (!nv) {
+            kvf_log(KVF_LOG_ERROR, "xfer: out of memory queueing the event of transfer %llu",
+                    (unsigned long long)ev.id);
+            return false;
+        }
+        for (size_t i = 0; i < x->ev_len; i++)
+            nv[i] = x->ev[(x->ev_head + i) % x->ev_cap];
+        free(x->ev);
+        x->ev = nv;
+        x->ev_cap = cap;
+        x->ev_head = 0;
+    }
+    x->ev[(x->ev_head + x->ev_len) % x->ev_cap] = ev;
+    x->ev_len++;
+    return true;
+}
+
+void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st)
+{
+    pthread_mutex_lock(&x->mu);
+    x->stats.in_flight--;
+    if (st == KVF_OK)
+        x->stats.sent_ok++;
+    else
+        x->stats.sent_failed++;
+    event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_SENT, .id = id, .status = st});
+    pthread_mutex_unlock(&x->mu);
+}
+
+/* Removes expectation i; the caller holds x->mu. */
+static void exp_remove_locked(kvf_xfer *x, size_t i)
+{
+    x->exp[i] = x->exp[--x->n_exp];
+    x->stats.expected--;
+}
+
+static ssize_t exp_find_locked(const kvf_xfer *x, uint64_t id)
+{
+    for (size_t i = 0; i < x->n_exp; i++)
+        if (x->exp[i].id == id)
+            return (ssize_t)i;
+    return -1;
+}
+
+bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)
+{
+    pthread_mutex_lock(&x->mu);
+    ssize_t i = exp_find_locked(x, id);
+    bool expected = i >= 0;
+    if (expected)
+        exp_remove_locked(x, (size_t)i);
+    else
+        x->stats.late_notices++;
+    if (expected || x->accept_unexpected) {
+        if (st == KVF_OK)
+            x->stats.received_ok++;
+        else
+            x->stats.received_failed++;
+        event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_RECEIVED, .id = id, .status = st});
+    }
+    pthread_mutex_unlock(&x->mu);
+    if (!expected && !x->accept_unexpected)
+        kvf_log(KVF_LOG_WARN,
+                "xfer: notice for transfer %llu that is not expected here (timed out, cancelled "
+                "or never announced): dropped", (unsigned long long)id);
+    return expected;
+}
+
+kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err)
+{
+    kvf_status st = KVF_OK;
+    pthread_mutex_lock(&x->mu);
+    if (exp_find_locked(x, id) >= 0) {
+        st = kvf_err_set(err, KVF_ERR_EXISTS, "xfer: transfer %llu is already expected",
+                         (unsigned long long)id);
+        goto unlock;
+    }
+    if (x->n_exp == x->exp_cap) {
+        size_t cap = x->exp_cap ? x->exp_cap * 2 : 16;
+        kvf_xfer_expectation *ne = realloc(x->exp, cap * sizeof *ne);
+        if (!ne) {
+            st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory expecting transfer %llu",
+                             (unsigned long long)id);
+            goto unlock;
+        }
+        x->exp = ne;
+        x->exp_cap = cap;
+    }
+    x->exp[x->n_exp++] = (kvf_xfer_expectation){.id = id, .deadline_ns = deadline_ns};
+    x->stats.expected++;
+unlock:
+    pthread_mutex_unlock(&x->mu);
+    return st;
+}
+
+kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err)
+{
+    pthread_mutex_lock(&x->mu);
+    ssize_t i = exp_find_locked(x, id);
+    if (i >= 0) {
+        exp_remove_locked(x, (size_t)i);
+        x->stats.received_failed++;
+        event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_RECEIVED, .id = id,
+                                              .status = KVF_ERR_CANCELLED});
+        pthread_mutex_unlock(&x->mu);
+        return KVF_OK;
+    }
+    pthread_mutex_unlock(&x->mu);
+    kvf_status st = x->ops->cancel(x, id);
+    if (st == KVF_ERR_NOT_FOUND)
+        return kvf_err_set(err, st, "xfer: cancel: transfer %llu is neither in flight nor expected",
+                           (unsigned long long)id);
+    if (st == KVF_ERR_STATE)
+        return kvf_err_set(err, st,
+                           "xfer: cancel: transfer %llu already notified its receiver (wait for "
+                           "its event)", (unsigned long long)id);
+    return st;
+}
+
+void kvf_xfer_progress(kvf_xfer *x)
+{
+    x->ops->progress(x);
+    int64_t now = kvf_now_ns();
+    pthread_mutex_lock(&x->mu);
+    for (size_t i = 0; i < x->n_exp;) {
+        if (x->exp[i].deadline_ns > now) {
+            i++;
+            continue;
+        }
+        uint64_t id = x->exp[i].id;
+        exp_remove_locked(x, i);
+        x->stats.received_failed++;
+        event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_RECEIVED, .id = id,
+                                              .status = KVF_ERR_TIMEOUT});
+        kvf_log(KVF_LOG_WARN, "xfer: transfer %llu: no completion notice by its deadline",
+                (unsigned long long)id);
+    }
+    pthread_mutex_unlock(&x->mu);
+}
+
+bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out)
+{
+    bool got = false;
+    pthread_mutex_lock(&x->mu);
+    if (x->ev_len) {
+        *ev_out = x->ev[x->ev_head];
+        x->ev_head = (x->ev_head + 1) % x->ev_cap;
+        x->ev_len--;
+        got = true;
+    }
+    pthread_mutex_unlock(&x->mu);
+    return got;
+}
+
+kvf_status kvf_xfer_wait(kvf_xfer *x, kvf_xfer_event *ev_out, int64_t deadline_ns, kvf_err *err)
+{
+    for (;;) {
+        if (kvf_xfer_poll(x, ev_out))
+            return KVF_OK;
+        kvf_xfer_progress(x);
+        if (kvf_xfer_poll(x, ev_out))
+            return KVF_OK;
+        if (kvf_now_ns() >= deadline_ns)
+            return kvf_err_set(err, KVF_ERR_TIMEOUT, "xfer: no transfer event before the deadline");
+    }
+}
+
+void kvf_xfer_stats_get(const kvf_xfer *x, kvf_xfer_stats *out)
+{
+    pthread_mutex_lock((pthread_mutex_t *)&x->mu);
+    *out = x->stats;
+    pthread_mutex_unlock((pthread_mutex_t *)&x->mu);
+}

@@ -1,0 +1,155 @@
+/* xfer.h: moving KV blocks between processes (DESIGN.md section 7). A kvf_xfer registers one KV
+ * pool, exports a descriptor other processes connect to, writes lists of (local block -> remote
+ * block) pairs and tells the receiver, per transfer id, that every byte has landed. It knows
+ * nothing of the pool's allocator or of the control plane that carries descriptors and ids.
+ *
+ * Backends: "ucx" (RMA puts over UCX: tcp or shared memory on hosts) and "local" (memcpy
+ * between two kvf_xfer objects of one process, for tests of the layers above).
+ *
+ * Progress model: integrated with the caller's loop. Nothing happens unless the owner calls
+ * kvf_xfer_progress (or kvf_xfer_wait, which calls it); a receiver must keep calling it, since
+ * UCX tcp wire-up and the completion notice need the receiver's progress. A kvf_xfer and its
+ * peers are used from one thread (the local backend may deliver notices into another thread's
+ * kvf_xfer: its event queue is locked). No thread is started.
+ *
+ * Life of a transfer:
+ *   receiver: kvf_xfer_expect(rx, id, deadline)        before the sender may write
+ *   sender:   kvf_xfer_write(tx, peer, id, pairs, n, deadline)
+ *             UCX: one put per run of adjacent blocks, flush, then an active message carrying
+ *             (id, status); the receiver answers with an acknowledgement.
+ *   receiver: event {KVF_XFER_RECEIVED, id, KVF_OK}: every byte of transfer id has landed;
+ *             or {.., KVF_ERR_TIMEOUT} at its deadline when the sender died or stalled.
+ *   sender:   event {KVF_XFER_SENT, id, KVF_OK} once the receiver acknowledged the notice; or
+ *             KVF_ERR_PEER_LOST / KVF_ERR_TIMEOUT / KVF_ERR_CANCELLED, never later than
+ *             the deadline (plus one progress call). Only then may the source blocks be freed:
+ *             UCX reads them until the event.
+ * Exactly one event is delivered per accepted write and per expect; the event names the
+ * transfer id, so the caller knows which blocks to return to its pool. */
+#ifndef KVF_TRANSPORT_XFER_H
+#define KVF_TRANSPORT_XFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kv/layout.h"
+
+typedef struct kvf_xfer kvf_xfer;
+typedef struct kvf_xfer_peer kvf_xfer_peer;
+
+/* Raw pool memory: n_blocks blocks of layout.block_bytes each, contiguous at base. Owned by the
+ * caller; it must outlive the kvf_xfer registered on it. */
+typedef struct kvf_xfer_pool {
+    void *base; /* [n_blocks][layout.block_bytes] */
+    kvf_kv_layout layout;
+    int64_t n_blocks;
+} kvf_xfer_pool;
+
+/* Transport choice. Programs expose these as flags/env through their cfg tables, by
+ * convention --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport / KVFLEET_XFER_TRANSPORT and
+ * --xfer-net-devices / KVFLEET_XFER_NET_DEVICES. Zeroed fields take the defaults. */
+typedef struct kvf_xfer_cfg {
+    const char *backend;     /* "ucx" (default) or "local" */
+    const char *transport;   /* ucx: "auto" (default: UCX decides, UCX_TLS is honoured), "tcp"
+                              * (needed between network namespaces), "sm" (shared memory, one host) */
+    const char *net_devices; /* ucx: UCX_NET_DEVICES value, e.g. "lo" or "eth0"; NULL: all */
+    bool accept_unexpected;  /* receiver: deliver notices for ids nobody expected as events
+                              * (benchmarks); by default they are logged and dropped */
+} kvf_xfer_cfg;
+
+typedef struct kvf_xfer_pair {
+    int32_t src; /* block in the sender's pool */
+    int32_t dst; /* block in the receiver's pool */
+} kvf_xfer_pair;
+
+typedef enum kvf_xfer_event_kind {
+    KVF_XFER_SENT = 1,     /* sender side: a write finished (status says how) */
+    KVF_XFER_RECEIVED = 2, /* receiver side: an expected transfer landed, or timed out */
+} kvf_xfer_event_kind;
+
+typedef struct kvf_xfer_event {
+    kvf_xfer_event_kind kind;
+    uint64_t id;
+    kvf_status status;
+} kvf_xfer_event;
+
+typedef struct kvf_xfer_stats {
+    int64_t writes;         /* writes accepted */
+    int64_t puts;           /* puts issued: one per run of adjacent blocks */
+    int64_t bytes;          /* bytes put */
+    int64_t sent_ok, sent_failed;
+    int64_t received_ok, received_failed;
+    int64_t late_notices;   /* notices for ids not expected (dropped unless accept_unexpected) */
+    int64_t in_flight;      /* writes without their SENT event yet */
+    int64_t expected;       /* expects without their RECEIVED event yet */
+} kvf_xfer_stats;
+
+/* Creates a kvf_xfer on pool (registering its memory with the backend). *out is owned by the
+ * caller; kvf_xfer_destroy releases it. */
+kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, kvf_xfer **out,
+                           kvf_err *err);
+/* Closes every peer (transfers in flight are dropped without events) and deregisters the pool. */
+void kvf_xfer_destroy(kvf_xfer *x);
+const char *kvf_xfer_backend_name(const kvf_xfer *x);
+
+/* The descriptor other processes connect with: a versioned byte string (layout, block count,
+ * backend, addresses and remote keys) the control plane carries opaquely. *desc_out is malloc'd;
+ * the caller frees it. */
+kvf_status kvf_xfer_desc_export(kvf_xfer *x, uint8_t **desc_out, size_t *len_out, kvf_err *err);
+
+#define KVF_XFER_DESC_VERSION 1
+/* What a descriptor says, without connecting (for Info, logs and checks). */
+typedef struct kvf_xfer_desc_info {
+    int version;
+    char backend[16];
+    kvf_kv_layout layout;
+    int64_t n_blocks;
+    size_t blob_off, blob_len; /* backend part, inside the descriptor */
+} kvf_xfer_desc_info;
+/* Parses and checks a descriptor; names the field that is wrong. */
+kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_info *out,
+                               kvf_err *err);
+
+/* Connects to the pool a descriptor describes. A descriptor of another backend, or a layout
+ * that differs from ours (block size, dtype, layers, kv heads, head_dim), is refused here with
+ * a message naming both values. *out belongs to x; kvf_xfer_disconnect or kvf_xfer_destroy
+ * releases it. */
+kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
+                            kvf_err *err);
+/* Closes a peer. Writes in flight to it end with KVF_ERR_CANCELLED events. */
+void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer);
+/* KVF_OK while the peer is usable; KVF_ERR_PEER_LOST once it failed (connect again). */
+kvf_status kvf_xfer_peer_status(const kvf_xfer_peer *peer);
+
+/* Starts writing pairs (n of them) to peer as transfer id. Every src must be a block of our
+ * pool, every dst a block of the peer's, and no dst may appear twice. Pairs need not be sorted:
+ * they are sorted by dst and adjacent runs are coalesced into one put each. deadline_ns is an
+ * absolute kvf_now_ns() time. On KVF_OK exactly one SENT event for id follows; on any error
+ * nothing was started and no event follows. id must not be in flight already (KVF_ERR_EXISTS). */
+kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                          const kvf_xfer_pair *pairs /* [n] */, size_t n, int64_t deadline_ns,
+                          kvf_err *err);
+
+/* Receiver: announces transfer id. Exactly one RECEIVED event for id follows: KVF_OK when the
+ * sender's notice arrives, KVF_ERR_TIMEOUT at deadline_ns (kvf_now_ns() time) otherwise. */
+kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err);
+
+/* Cancels transfer id on either side. Sender: the write ends with a KVF_ERR_CANCELLED event once
+ * the backend has let go of the source blocks (no notice is sent if it was not yet); receiver:
+ * the expectation ends with a KVF_ERR_CANCELLED event at once. KVF_ERR_NOT_FOUND when id is
+ * neither in flight nor expected. A sender's notice that arrives after a receiver's cancel or
+ * timeout is dropped; its bytes may still land in the destination blocks, so the control plane
+ * should cancel the sender too before those blocks are reused. */
+kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err);
+
+/* One non-blocking pass: drives the backend, fires deadlines, queues events. */
+void kvf_xfer_progress(kvf_xfer *x);
+/* Pops one event: returns true and fills *ev_out, or false when none is queued. */
+bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out);
+/* Progresses until an event is queued (returns it) or deadline_ns passes (KVF_ERR_TIMEOUT). */
+kvf_status kvf_xfer_wait(kvf_xfer *x, kvf_xfer_event *ev_out, int64_t deadline_ns, kvf_err *err);
+
+void kvf_xfer_stats_get(const kvf_xfer *x, kvf_xfer_stats *out);
+
+#endif
