@@ -1,0 +1,94 @@
+/* backend.h: the compute backend behind the forward pass (DESIGN.md section 2): a const struct
+ * of function pointers that the CPU backend (cpu_backend.c, OpenBLAS + threads) implements and
+ * a CUDA backend can implement later. The forward pass (forward.c) decides what to compute;
+ * a backend only computes. Plain C: no foreign types. */
+#ifndef KVF_MODEL_BACKEND_H
+#define KVF_MODEL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "kv/layout.h"
+#include "model/safetensors.h"
+
+/* Pointers named "backend memory" below come from the backend's alloc (host memory on CPU,
+ * device memory on a GPU); every float buffer the ops take is backend memory. */
+
+/* A weight in the backend's compute form (the CPU backend: f32, row-major). */
+typedef struct kvf_backend_weight {
+    const void *data;   /* backend memory, [rows][cols] */
+    int64_t rows, cols; /* a 1-D tensor has rows 1 */
+    kvf_dtype dtype;    /* of data */
+    void *owned;        /* what weight_free releases; NULL when data is borrowed from the file */
+} kvf_backend_weight;
+
+/* What attention needs about one step's tokens. Arrays are backend memory. */
+typedef struct kvf_backend_attn {
+    int32_t n_tokens;
+    int32_t n_heads, n_kv_heads, head_dim;
+    const int32_t *tok_seq; /* [n_tokens]: the row of block_tables holding the token's sequence */
+    const int32_t *tok_pos; /* [n_tokens]: its position; it attends to positions <= it */
+    const int32_t *block_tables; /* [n_seqs][max_blocks] block ids */
+    int32_t max_blocks;          /* row stride of block_tables */
+    int32_t window;              /* attend to the last `window` positions only; 0 = all */
+    float scale;                 /* 1/sqrt(head_dim) */
+} kvf_backend_attn;
+
+typedef struct kvf_backend_opts {
+    int32_t n_threads; /* 0: one per online CPU */
+} kvf_backend_opts;
+
+typedef struct kvf_backend {
+    const char *name;
+    kvf_status (*create)(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err);
+    void (*destroy)(void *ctx);
+
+    /* Memory: alloc'd buffers are zeroed; upload/download copy between host and backend. */
+    kvf_status (*alloc)(void *ctx, size_t bytes, void **out, kvf_err *err);
+    void (*free)(void *ctx, void *p);
+    void (*upload)(void *ctx, void *dst, const void *src_host, size_t bytes);
+    void (*download)(void *ctx, void *dst_host, const void *src, size_t bytes);
+
+    /* Makes a file tensor (F32/F16/BF16, 1-D or 2-D) usable by the ops below. */
+    kvf_status (*weight_load)(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
+                              kvf_err *err);
+    void (*weight_free)(void *ctx, kvf_backend_weight *w);
+
+    /* out[i] = emb[tokens[i]] (rows of emb). */
+    void (*embed)(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens /* [n] */,
+                  int64_t n, float *out /* [n][emb->cols] */);
+    /* y = x @ W^T (+ bias): y[n][w->rows] from x[n][w->cols]. bias may be NULL. */
+    void (*matmul)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
+                   const kvf_backend_weight *bias, float *y);
+    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, for n rows of w->cols. out may be x. */
+    void (*rmsnorm)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
+                    float *out);
+    /* Rotates pairs (j, j + head_dim/2) of every head of x[n][n_heads][head_dim] by the angles
+     * whose cosines and sines are cos_sin[n][head_dim/2][2] (the Hugging Face convention). */
+    void (*rope)(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t head_dim,
+                 const float *cos_sin);
+    /* out = silu(gate) * up, elementwise over n values. out may be gate. */
+    void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
+    /* x += y over n values. */
+    void (*add)(void *ctx, float *x, const float *y, int64_t n);
+    /* out[i] = x[rows[i]], rows of row_len floats. */
+    void (*gather)(void *ctx, const float *x, int64_t row_len, const int32_t *rows, int64_t n,
+                   float *out);
+    /* Writes k and v ([n][n_kv_heads][head_dim]) of `layer` into the pool at slots[i] =
+     * block * block_size + offset, converting to the layout's dtype. */
+    void (*kv_write)(void *ctx, void *pool, const kvf_kv_layout *layout, int32_t layer,
+                     const float *k, const float *v, const int64_t *slots /* [n] */, int64_t n);
+    /* out[t] = softmax(q[t] . K / sqrt(d)) V over the paged KV of `layer`, causal and windowed
+     * as a says; q and out are [n_tokens][n_heads][head_dim]. */
+    void (*attention)(void *ctx, const float *q, const void *pool, const kvf_kv_layout *layout,
+                      int32_t layer, const kvf_backend_attn *a, float *out);
+    /* out_host[i] = argmax of row i of logits[n][vocab] (ties to the lowest id). */
+    void (*argmax)(void *ctx, const float *logits, int64_t n, int64_t vocab, int32_t *out_host);
+} kvf_backend;
+
+/* The CPU backend (model/cpu_backend.c). */
+const kvf_backend *kvf_model_backend_cpu(void);
+
+#endif

@@ -1,0 +1,480 @@
+/* cpu_backend.c: the CPU implementation of kvf_backend: OpenBLAS sgemm/sgemv for projections,
+ * a small persistent pthread pool for paged attention, plain loops for the elementwise ops.
+ * Weights become f32 at load (borrowed from the mapping when already aligned f32). */
+#include <cblas.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "model/backend.h"
+#include "model/config.h"
+
+/* ---- a persistent thread pool: run(fn, n_items) hands items out through an atomic counter;
+ * the calling thread works too. No allocation per run. */
+typedef void (*cpu_job_fn)(void *arg, int64_t item);
+
+typedef struct cpu_ctx {
+    int32_t n_threads;
+    pthread_t *workers; /* n_threads - 1 */
+    int32_t n_workers;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_start, cv_done;
+    uint64_t generation;
+    int32_t n_done;
+    bool stop;
+    cpu_job_fn fn;
+    void *arg;
+    int64_t n_items;
+    atomic_llong next;
+} cpu_ctx;
+
+static void pool_drain(cpu_ctx *c)
+{
+    for (;;) {
+        long long i = atomic_fetch_add(&c->next, 1);
+        if (i >= c->n_items)
+            break;
+        c->fn(c->arg, i);
+    }
+}
+
+static void *pool_worker(void *p)
+{
+    cpu_ctx *c = p;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && c->generation == seen)
+            pthread_cond_wait(&c->cv_start, &c->mu);
+        if (c->stop)
+            break;
+        seen = c->generation;
+        pthread_mutex_unlock(&c->mu);
+        pool_drain(c);
+        pthread_mutex_lock(&c->mu);
+        if (++c->n_done == c->n_workers)
+            pthread_cond_signal(&c->cv_done);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static void pool_run(cpu_ctx *c, cpu_job_fn fn, void *arg, int64_t n_items)
+{
+    if (c->n_workers == 0 || n_items < 2) {
+        for (int64_t i = 0; i < n_items; i++)
+            fn(arg, i);
+        return;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->fn = fn;
+    c->arg = arg;
+    c->n_items = n_items;
+    atomic_store(&c->next, 0);
+    c->n_done = 0;
+    c->generation++;
+    pthread_cond_broadcast(&c->cv_start);
+    pthread_mutex_unlock(&c->mu);
+    pool_drain(c);
+    pthread_mutex_lock(&c->mu);
+    while (c->n_done < c->n_workers)
+        pthread_cond_wait(&c->cv_done, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void cpu_destroy(void *ctx)
+{
+    cpu_ctx *c = ctx;
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->stop = true;
+    pthread_cond_broadcast(&c->cv_start);
+    pthread_mutex_unlock(&c->mu);
+    for (int32_t i = 0; i < c->n_workers; i++)
+        pthread_join(c->workers[i], NULL);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv_start);
+    pthread_cond_destroy(&c->cv_done);
+    free(c->workers);
+    free(c);
+}
+
+static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err)
+{
+    int32_t n = opts ? opts->n_threads : 0;
+    if (n < 0 || n > 1024)
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: cpu backend: %d threads is not allowed (0 for one per CPU, up to 1024)", n);
+    if (n == 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        n = cpus > 0 ? (int32_t)(cpus > 64 ? 64 : cpus) : 1;
+    }
+    cpu_ctx *c = calloc(1, sizeof *c);
+    if (!c)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
+    c->n_threads = n;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv_start, NULL);
+    pthread_cond_init(&c->cv_done, NULL);
+    atomic_init(&c->next, 0);
+    if (n > 1) {
+        c->workers = calloc((size_t)n - 1, sizeof *c->workers);
+        if (!c->workers) {
+            cpu_destroy(c);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
+        }
+        for (int32_t i = 0; i < n - 1; i++) {
+            if (pthread_create(&c->workers[i], NULL, pool_worker, c) != 0) {
+                cpu_destroy(c);
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "model: cpu backend: cannot start thread %d of %d", i + 1, n);
+            }
+            c->n_workers++;
+        }
+    }
+    openblas_set_num_threads(n);
+    *ctx_out = c;
+    return KVF_OK;
+}
+
+/* ---- memory */
+static kvf_status cpu_alloc(void *ctx, size_t bytes, void **out, kvf_err *err)
+{
+    size_t n = (bytes + 63) / 64 * 64;
+    void *p = aligned_alloc(64, n ? n : 64);
+    if (!p)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory for %zu bytes", bytes);
+    memset(p, 0, n ? n : 64);
+    *out = p;
+    return KVF_OK;
+}
+
+static void cpu_free(void *ctx, void *p)
+{
+    free(p);
+}
+
+static void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    if (bytes)
+        memmove(dst, src, bytes);
+}
+
+/* ---- element conversion */
+static void load_f32(const void *src, kvf_dtype dt, int64_t n, float *out)
+{
+    switch (dt) {
+    case KVF_DTYPE_F32:
+        memcpy(out, src, (size_t)n * sizeof(float));
+        return;
+    case KVF_DTYPE_F16: {
+        const uint8_t *b = src;
+        for (int64_t i = 0; i < n; i++)
+            out[i] = kvf_f16_to_f32((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+        return;
+    }
+    case KVF_DTYPE_BF16: {
+        const uint8_t *b = src;
+        for (int64_t i = 0; i < n; i++)
+            out[i] = kvf_bf16_to_f32((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+        return;
+    }
+    case KVF_DTYPE_FP8_E4M3: {
+        const uint8_t *b = src;
+        for (int64_t i = 0; i < n; i++)
+            out[i] = kvf_fp8e4m3_to_f32(b[i]);
+        return;
+    }
+    }
+}
+
+static void store_f32(void *dst, kvf_dtype dt, const float *x, int64_t n)
+{
+    switch (dt) {
+    case KVF_DTYPE_F32:
+        memcpy(dst, x, (size_t)n * sizeof(float));
+        return;
+    case KVF_DTYPE_F16: {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++)
+            d[i] = kvf_f32_to_f16(x[i]);
+        return;
+    }
+    case KVF_DTYPE_BF16: {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++)
+            d[i] = kvf_f32_to_bf16(x[i]);
+        return;
+    }
+    case KVF_DTYPE_FP8_E4M3: {
+        uint8_t *d = dst;
+        for (int64_t i = 0; i < n; i++)
+            d[i] = kvf_f32_to_fp8e4m3(x[i]);
+        return;
+    }
+    }
+}
+
+/* ---- weights */
+static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
+                                  kvf_err *err)
+{
+    if (t->dtype != KVF_DTYPE_F32 && t->dtype != KVF_DTYPE_F16 && t->dtype != KVF_DTYPE_BF16)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: tensor \"%s\" is %s (use F32, F16 or BF16)",
+                           t->name, t->dtype_name);
+    if (t->n_dims < 1 || t->n_dims > 2)
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: tensor \"%s\" has %d dimensions (1 or 2 expected)",
+                           t->name, t->n_dims);
+    kvf_backend_weight w = {.rows = t->n_dims == 2 ? t->shape[0] : 1,
+                            .cols = t->n_dims == 2 ? t->shape[1] : t->shape[0],
+                            .dtype = KVF_DTYPE_F32};
+    if (t->dtype == KVF_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
+        w.data = t->data;
+    } else {
+        void *p;
+        kvf_status st = cpu_alloc(ctx, (size_t)t->n_elems * sizeof(float), &p, err);
+        if (st != KVF_OK) {
+            if (err)
+                kvf_err_prefix(err, "model: tensor \"%s\"", t->name);
+            return st;
+        }
+        load_f32(t->data, (kvf_dtype)t->dtype, t->n_elems, p);
+        w.data = w.owned = p;
+    }
+    *out = w;
+    return KVF_OK;
+}
+
+static void cpu_weight_free(void *ctx, kvf_backend_weight *w)
+{
+    free(w->owned);
+    memset(w, 0, sizeof *w);
+}
+
+/* ---- ops */
+static void cpu_embed(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens, int64_t n,
+                      float *out)
+{
+    const float *e = emb->data;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(out + i * emb->cols, e + (int64_t)tokens[i] * emb->cols, (size_t)emb->cols * sizeof(float));
+}
+
+static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
+                       const kvf_backend_weight *bias, float *y)
+{
+    const float *W = w->data;
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)w->rows, (blasint)w->cols, 1.0f, W,
+                    (blasint)w->cols, x, 1, 0.0f, y, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
+                    (blasint)w->cols, 1.0f, x, (blasint)w->cols, W, (blasint)w->cols, 0.0f, y,
+                    (blasint)w->rows);
+    if (bias) {
+        const float *b = bias->data;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < w->rows; j++)
+                y[i * w->rows + j] += b[j];
+    }
+}
+
+static void cpu_rmsnorm(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
+                        float *out)
+{
+    const float *g = w->data;
+    int64_t d = w->cols;
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * d;
+        double ss = 0;
+        for (int64_t j = 0; j < d; j++)
+            ss += (double)xi[j] * xi[j];
+        float r = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+        for (int64_t j = 0; j < d; j++)
+            out[i * d + j] = xi[j] * r * g[j];
+    }
+}
+
+static void cpu_rope(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t head_dim,
+                     const float *cos_sin)
+{
+    int32_t half = head_dim / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const float *cs = cos_sin + t * half * 2;
+        for (int32_t h = 0; h < n_heads; h++) {
+            float *v = x + (t * n_heads + h) * head_dim;
+            for (int32_t j = 0; j < half; j++) {
+                float c = cs[2 * j], s = cs[2 * j + 1];
+                float a = v[j], b = v[j + half];
+                v[j] = a * c - b * s;
+                v[j + half] = b * c + a * s;
+            }
+        }
+    }
+}
+
+static void cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+static void cpu_add(void *ctx, float *x, const float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] += y[i];
+}
+
+static void cpu_gather(void *ctx, const float *x, int64_t row_len, const int32_t *rows, int64_t n,
+                       float *out)
+{
+    for (int64_t i = 0; i < n; i++)
+        memmove(out + i * row_len, x + (int64_t)rows[i] * row_len, (size_t)row_len * sizeof(float));
+}
+
+static void cpu_kv_write(void *ctx, void *pool, const kvf_kv_layout *l, int32_t layer,
+                         const float *k, const float *v, const int64_t *slots, int64_t n)
+{
+    uint8_t *base = pool;
+    int64_t hd = l->head_dim, stride = (int64_t)l->n_kv_heads * hd;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t block = slots[i] / l->block_size;
+        int32_t off = (int32_t)(slots[i] % l->block_size);
+        for (int32_t h = 0; h < l->n_kv_heads; h++) {
+            store_f32(base + kvf_kv_offset(l, block, layer, KVF_KV_K, h, off), l->dtype,
+                      k + i * stride + h * hd, hd);
+            store_f32(base + kvf_kv_offset(l, block, layer, KVF_KV_V, h, off), l->dtype,
+                      v + i * stride + h * hd, hd);
+        }
+    }
+}
+
+/* One attention job: the arguments of a call, shared by the pool's items. */
+typedef struct cpu_attn_job {
+    const float *q;
+    const uint8_t *pool;
+    const kvf_kv_layout *l;
+    int32_t layer;
+    const kvf_backend_attn *a;
+    float *out;
+} cpu_attn_job;
+
+/* Item = (token, head): online softmax over the token's visible positions, a block at a time. */
+static void cpu_attn_item(void *arg, int64_t item)
+{
+    const cpu_attn_job *j = arg;
+    const kvf_backend_attn *a = j->a;
+    const kvf_kv_layout *l = j->l;
+    int32_t hd = a->head_dim, bs = l->block_size;
+    int64_t t = item / a->n_heads;
+    int32_t h = (int32_t)(item % a->n_heads);
+    int32_t kvh = h / (a->n_heads / a->n_kv_heads);
+    const float *q = j->q + (t * a->n_heads + h) * hd;
+    float *o = j->out + (t * a->n_heads + h) * hd;
+    const int32_t *bt = a->block_tables + (int64_t)a->tok_seq[t] * a->max_blocks;
+    int32_t pos = a->tok_pos[t];
+    int32_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
+    bool f32 = l->dtype == KVF_DTYPE_F32;
+    size_t es = kvf_dtype_size(l->dtype);
+
+    float acc[KVF_MODEL_MAX_HEAD_DIM], row[KVF_MODEL_MAX_HEAD_DIM], s[KVF_KV_MAX_BLOCK_SIZE];
+    float m = -INFINITY, sum = 0.0f;
+    for (int32_t d = 0; d < hd; d++)
+        acc[d] = 0.0f;
+    for (int32_t p0 = lo; p0 <= pos;) {
+        int32_t blk = bt[p0 / bs], off0 = p0 % bs;
+        int32_t cnt = bs - off0;
+        if (cnt > pos - p0 + 1)
+            cnt = pos - p0 + 1;
+        const uint8_t *kb = j->pool + kvf_kv_offset(l, blk, j->layer, KVF_KV_K, kvh, off0);
+        const uint8_t *vb = j->pool + kvf_kv_offset(l, blk, j->layer, KVF_KV_V, kvh, off0);
+        /* scores of this block's positions */
+        float bm = m;
+        for (int32_t i = 0; i < cnt; i++) {
+            const float *kr = (const float *)(kb + (size_t)i * hd * es);
+            if (!f32) {
+                load_f32(kb + (size_t)i * hd * es, l->dtype, hd, row);
+                kr = row;
+            }
+            float dot = 0.0f;
+            for (int32_t d = 0; d < hd; d++)
+                dot += q[d] * kr[d];
+            s[i] = dot * a->scale;
+            if (s[i] > bm)
+                bm = s[i];
+        }
+        /* rescale what was accumulated to the new maximum, then add this block */
+        float corr = expf(m - bm);
+        sum *= corr;
+        for (int32_t d = 0; d < hd; d++)
+            acc[d] *= corr;
+        for (int32_t i = 0; i < cnt; i++) {
+            float w = expf(s[i] - bm);
+            sum += w;
+            const float *vr = (const float *)(vb + (size_t)i * hd * es);
+            if (!f32) {
+                load_f32(vb + (size_t)i * hd * es, l->dtype, hd, row);
+                vr = row;
+            }
+            for (int32_t d = 0; d < hd; d++)
+                acc[d] += w * vr[d];
+        }
+        m = bm;
+        p0 += cnt;
+    }
+    float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    for (int32_t d = 0; d < hd; d++)
+        o[d] = acc[d] * inv;
+}
+
+static void cpu_attention(void *ctx, const float *q, const void *pool, const kvf_kv_layout *l,
+                          int32_t layer, const kvf_backend_attn *a, float *out)
+{
+    cpu_attn_job job = {.q = q, .pool = pool, .l = l, .layer = layer, .a = a, .out = out};
+    pool_run(ctx, cpu_attn_item, &job, (int64_t)a->n_tokens * a->n_heads);
+}
+
+static void cpu_argmax(void *ctx, const float *logits, int64_t n, int64_t vocab, int32_t *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float *r = logits + i * vocab;
+        int64_t best = 0;
+        for (int64_t j = 1; j < vocab; j++)
+            if (r[j] > r[best])
+                best = j;
+        out[i] = (int32_t)best;
+    }
+}
+
+static const kvf_backend kvf_backend_cpu_ops = {
+    .name = "cpu",
+    .create = cpu_create,
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .weight_load = cpu_weight_load,
+    .weight_free = cpu_weight_free,
+    .embed = cpu_embed,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+    .gather = cpu_gather,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .argmax = cpu_argmax,
+};
+
+const kvf_backend *kvf_model_backend_cpu(void)
+{
+    return &kvf_backend_cpu_ops;
+}

@@ -1,0 +1,334 @@
+/* forward.c: the Llama-family forward pass (RMSNorm, RoPE, GQA attention over paged KV, SwiGLU
+ * MLP, tied or separate LM head) written once over kvf_backend. It validates a batch, lays out
+ * per-token metadata in preallocated scratch and calls the backend's ops layer by layer. */
+#include "model/forward.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct fwd_layer_w {
+    kvf_backend_weight attn_norm, wq, wk, wv, wo, bq, bk, bv, bo;
+    kvf_backend_weight ffn_norm, w_gate, w_up, w_down, b_gate, b_up, b_down;
+} fwd_layer_w;
+
+struct kvf_model_fwd {
+    const kvf_model *m;
+    const kvf_backend *be;
+    void *ctx;
+    kvf_kv_layout layout;
+    kvf_model_fwd_opts opts;
+    int32_t max_blocks; /* per sequence */
+    double *inv_freq;   /* [head_dim/2] */
+    double pos_scale;
+
+    kvf_backend_weight embed, final_norm, lm_head_own;
+    const kvf_backend_weight *lm_head; /* &embed when tied */
+    fwd_layer_w *layers;
+
+    /* backend scratch */
+    float *x, *xb, *q, *k, *v, *att, *hg, *hu, *xs, *logits, *cos_sin;
+    int32_t *tokens, *tok_seq, *tok_pos, *tables, *last_rows;
+    int64_t *slots;
+    /* host staging for the metadata above */
+    int32_t *h_tokens, *h_tok_seq, *h_tok_pos, *h_tables, *h_last_rows;
+    int64_t *h_slots;
+    float *h_cos_sin;
+};
+
+static void free_w(kvf_model_fwd *f, kvf_backend_weight *w)
+{
+    if (w->data)
+        f->be->weight_free(f->ctx, w);
+}
+
+void kvf_model_fwd_destroy(kvf_model_fwd *f)
+{
+    if (!f)
+        return;
+    if (f->layers) {
+        for (int32_t i = 0; i < f->m->cfg.n_layers; i++) {
+            fwd_layer_w *L = &f->layers[i];
+            kvf_backend_weight *ws[] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->bq,
+                                        &L->bk, &L->bv, &L->bo, &L->ffn_norm, &L->w_gate,
+                                        &L->w_up, &L->w_down, &L->b_gate, &L->b_up, &L->b_down};
+            for (size_t j = 0; j < sizeof ws / sizeof ws[0]; j++)
+                free_w(f, ws[j]);
+        }
+        free(f->layers);
+    }
+    free_w(f, &f->embed);
+    free_w(f, &f->final_norm);
+    free_w(f, &f->lm_head_own);
+    void *bufs[] = {f->x, f->xb, f->q, f->k, f->v, f->att, f->hg, f->hu, f->xs, f->logits,
+                    f->cos_sin, f->tokens, f->tok_seq, f->tok_pos, f->tables, f->last_rows, f->slots};
+    for (size_t j = 0; j < sizeof bufs / sizeof bufs[0]; j++)
+        if (bufs[j])
+            f->be->free(f->ctx, bufs[j]);
+    free(f->h_tokens);
+    free(f->h_tok_seq);
+    free(f->h_tok_pos);
+    free(f->h_tables);
+    free(f->h_last_rows);
+    free(f->h_slots);
+    free(f->h_cos_sin);
+    free(f->inv_freq);
+    free(f);
+}
+
+/* Loads t (which may be NULL: an absent bias) into w. */
+static kvf_status load_w(kvf_model_fwd *f, const kvf_model_tensor *t, kvf_backend_weight *w,
+                         kvf_err *err)
+{
+    if (!t)
+        return KVF_OK;
+    return f->be->weight_load(f->ctx, t, w, err);
+}
+
+static kvf_status load_weights(kvf_model_fwd *f, kvf_err *err)
+{
+    const kvf_model *m = f->m;
+    kvf_status st;
+    if ((st = load_w(f, m->embed, &f->embed, err)) != KVF_OK ||
+        (st = load_w(f, m->final_norm, &f->final_norm, err)) != KVF_OK)
+        return st;
+    if (m->lm_head == m->embed) {
+        f->lm_head = &f->embed;
+    } else {
+        if ((st = load_w(f, m->lm_head, &f->lm_head_own, err)) != KVF_OK)
+            return st;
+        f->lm_head = &f->lm_head_own;
+    }
+    f->layers = calloc((size_t)m->cfg.n_layers, sizeof *f->layers);
+    if (!f->layers)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: out of memory for layer weights");
+    for (int32_t i = 0; i < m->cfg.n_layers; i++) {
+        const kvf_model_layer *s = &m->layers[i];
+        fwd_layer_w *L = &f->layers[i];
+        const kvf_model_tensor *ts[] = {s->attn_norm, s->wq, s->wk, s->wv, s->wo, s->bq, s->bk,
+                                        s->bv, s->bo, s->ffn_norm, s->w_gate, s->w_up, s->w_down,
+                                        s->b_gate, s->b_up, s->b_down};
+        kvf_backend_weight *ws[] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->bq, &L->bk,
+                                    &L->bv, &L->bo, &L->ffn_norm, &L->w_gate, &L->w_up, &L->w_down,
+                                    &L->b_gate, &L->b_up, &L->b_down};
+        for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++)
+            if ((st = load_w(f, ts[j], ws[j], err)) != KVF_OK)
+                return st;
+    }
+    return KVF_OK;
+}
+
+static kvf_status scratch(kvf_model_fwd *f, void *p, size_t bytes, kvf_err *err)
+{
+    return f->be->alloc(f->ctx, bytes ? bytes : 1, (void **)p, err);
+}
+
+static kvf_status host(void *p, size_t bytes, kvf_err *err)
+{
+    void *q = calloc(1, bytes ? bytes : 1);
+    if (!q)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: out of memory for %zu bytes of step metadata", bytes);
+    *(void **)p = q;
+    return KVF_OK;
+}
+
+kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void *be_ctx,
+                                const kvf_kv_layout *layout, const kvf_model_fwd_opts *opts,
+                                kvf_model_fwd **out, kvf_err *err)
+{
+    const kvf_model_config *c = &m->cfg;
+    kvf_model_fwd_opts o = *opts;
+    if (o.max_ctx == 0)
+        o.max_ctx = c->max_pos;
+    if (o.max_tokens <= 0 || o.max_seqs <= 0 || o.max_ctx <= 0 || o.max_seqs > o.max_tokens)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "model: forward limits max_tokens %d, max_seqs %d, max_ctx %d must be positive with max_seqs <= max_tokens",
+                           o.max_tokens, o.max_seqs, o.max_ctx);
+    if (layout->n_layers != c->n_layers || layout->n_kv_heads != c->n_kv_heads ||
+        layout->head_dim != c->head_dim)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "model: KV layout (%d layers, %d kv heads, head_dim %d) does not match the model (%d, %d, %d)",
+                           layout->n_layers, layout->n_kv_heads, layout->head_dim, c->n_layers,
+                           c->n_kv_heads, c->head_dim);
+    if (layout->dtype != KVF_DTYPE_F32 && layout->dtype != KVF_DTYPE_F16 && layout->dtype != KVF_DTYPE_BF16)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: KV dtype %s is not supported by the forward pass (use f32, f16 or bf16)",
+                           kvf_dtype_name(layout->dtype));
+    kvf_model_fwd *f = calloc(1, sizeof *f);
+    if (!f)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: out of memory");
+    f->m = m;
+    f->be = be;
+    f->ctx = be_ctx;
+    f->layout = *layout;
+    f->opts = o;
+    f->max_blocks = (int32_t)kvf_kv_blocks_for(o.max_ctx, layout->block_size);
+    kvf_status st;
+    if ((st = host(&f->inv_freq, sizeof(double) * (size_t)(c->head_dim / 2), err)) != KVF_OK)
+        goto fail;
+    kvf_model_config_rope_freqs(c, f->inv_freq, &f->pos_scale);
+    if ((st = load_weights(f, err)) != KVF_OK)
+        goto fail;
+
+    size_t T = (size_t)o.max_tokens, S = (size_t)o.max_seqs, F = sizeof(float);
+    size_t dim = (size_t)c->dim, qd = (size_t)c->n_heads * c->head_dim,
+           kvd = (size_t)c->n_kv_heads * c->head_dim, hid = (size_t)c->hidden_dim, half = (size_t)c->head_dim / 2;
+    size_t tab = S * (size_t)f->max_blocks * sizeof(int32_t);
+    if ((st = scratch(f, &f->x, T * dim * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->xb, T * dim * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->q, T * qd * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->k, T * kvd * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->v, T * kvd * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->att, T * qd * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->hg, T * hid * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->hu, T * hid * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->xs, S * dim * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->logits, S * (size_t)c->vocab_size * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->cos_sin, T * half * 2 * F, err)) != KVF_OK ||
+        (st = scratch(f, &f->tokens, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = scratch(f, &f->tok_seq, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = scratch(f, &f->tok_pos, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = scratch(f, &f->tables, tab, err)) != KVF_OK ||
+        (st = scratch(f, &f->last_rows, S * sizeof(int32_t), err)) != KVF_OK ||
+        (st = scratch(f, &f->slots, T * sizeof(int64_t), err)) != KVF_OK ||
+        (st = host(&f->h_tokens, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = host(&f->h_tok_seq, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = host(&f->h_tok_pos, T * sizeof(int32_t), err)) != KVF_OK ||
+        (st = host(&f->h_tables, tab, err)) != KVF_OK ||
+        (st = host(&f->h_last_rows, S * sizeof(int32_t), err)) != KVF_OK ||
+        (st = host(&f->h_slots, T * sizeof(int64_t), err)) != KVF_OK ||
+        (st = host(&f->h_cos_sin, T * half * 2 * F, err)) != KVF_OK)
+        goto fail;
+    *out = f;
+    return KVF_OK;
+fail:
+    kvf_model_fwd_destroy(f);
+    return st;
+}
+
+const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f)
+{
+    return &f->opts;
+}
+
+/* Checks the batch and fills the host metadata; returns the number of tokens. */
+static kvf_status prepare(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n_seqs,
+                          int64_t n_pool_blocks, int32_t *n_tokens_out, kvf_err *err)
+{
+    const kvf_model_config *c = &f->m->cfg;
+    if (!seqs || n_seqs <= 0 || n_seqs > f->opts.max_seqs)
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: forward: %d sequences in a step (allowed: 1 to %d)",
+                           n_seqs, f->opts.max_seqs);
+    int32_t T = 0, half = c->head_dim / 2, bs = f->layout.block_size;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const kvf_model_seq *q = &seqs[s];
+        if (!q->tokens || q->n_tokens <= 0 || q->n_tokens > f->opts.max_tokens - T)
+            return kvf_err_set(err, KVF_ERR_INVALID,
+                               "model: forward: sequence %d brings %d tokens; the step holds %d tokens in all (%d used before it)",
+                               s, q->n_tokens, f->opts.max_tokens, T);
+        if (q->start_pos < 0 || q->start_pos > f->opts.max_ctx - q->n_tokens)
+            return kvf_err_set(err, KVF_ERR_INVALID,
+                               "model: forward: sequence %d: positions %d..%d are outside 0..%d (max_ctx)",
+                               s, q->start_pos, q->start_pos + q->n_tokens - 1, f->opts.max_ctx - 1);
+        int32_t need = (int32_t)kvf_kv_blocks_for((int64_t)q->start_pos + q->n_tokens, bs);
+        if (!q->block_table || q->n_blocks < need)
+            return kvf_err_set(err, KVF_ERR_INVALID,
+                               "model: forward: sequence %d: block table has %d blocks, positions up to %d need %d",
+                               s, q->block_table ? q->n_blocks : 0, q->start_pos + q->n_tokens - 1, need);
+        int32_t *row = f->h_tables + (int64_t)s * f->max_blocks;
+        for (int32_t b = 0; b < need; b++) {
+            if (q->block_table[b] < 0 || q->block_table[b] >= n_pool_blocks)
+                return kvf_err_set(err, KVF_ERR_INVALID,
+                                   "model: forward: sequence %d: block_table[%d] = %d is outside the pool (0 to %lld)",
+                                   s, b, q->block_table[b], (long long)n_pool_blocks - 1);
+            row[b] = q->block_table[b];
+        }
+        for (int32_t i = 0; i < q->n_tokens; i++, T++) {
+            int32_t tok = q->tokens[i], pos = q->start_pos + i;
+            if (tok < 0 || tok >= c->vocab_size)
+                return kvf_err_set(err, KVF_ERR_INVALID,
+                                   "model: forward: sequence %d: token %d at index %d is outside the vocabulary (0 to %d)",
+                                   s, tok, i, c->vocab_size - 1);
+            f->h_tokens[T] = tok;
+            f->h_tok_seq[T] = s;
+            f->h_tok_pos[T] = pos;
+            f->h_slots[T] = (int64_t)row[pos / bs] * bs + pos % bs;
+            double p = (double)pos * f->pos_scale;
+            float *cs = f->h_cos_sin + (int64_t)T * half * 2;
+            for (int32_t j = 0; j < half; j++) {
+                double a = p * f->inv_freq[j];
+                cs[2 * j] = (float)cos(a);
+                cs[2 * j + 1] = (float)sin(a);
+            }
+        }
+        f->h_last_rows[s] = T - 1;
+    }
+    *n_tokens_out = T;
+    return KVF_OK;
+}
+
+kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n_seqs,
+                             void *kv_pool, int64_t n_pool_blocks, float *logits_out,
+                             int32_t *next_out, kvf_err *err)
+{
+    const kvf_model_config *c = &f->m->cfg;
+    const kvf_backend *be = f->be;
+    void *ctx = f->ctx;
+    if (!kv_pool || n_pool_blocks <= 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: forward: no KV pool (%lld blocks)", (long long)n_pool_blocks);
+    int32_t T = 0;
+    kvf_status st = prepare(f, seqs, n_seqs, n_pool_blocks, &T, err);
+    if (st != KVF_OK)
+        return st;
+
+    /* 1. metadata to the backend */
+    int32_t half = c->head_dim / 2;
+    be->upload(ctx, f->tokens, f->h_tokens, (size_t)T * sizeof(int32_t));
+    be->upload(ctx, f->tok_seq, f->h_tok_seq, (size_t)T * sizeof(int32_t));
+    be->upload(ctx, f->tok_pos, f->h_tok_pos, (size_t)T * sizeof(int32_t));
+    be->upload(ctx, f->slots, f->h_slots, (size_t)T * sizeof(int64_t));
+    be->upload(ctx, f->cos_sin, f->h_cos_sin, (size_t)T * half * 2 * sizeof(float));
+    be->upload(ctx, f->tables, f->h_tables, (size_t)n_seqs * f->max_blocks * sizeof(int32_t));
+    be->upload(ctx, f->last_rows, f->h_last_rows, (size_t)n_seqs * sizeof(int32_t));
+
+    int64_t dim = c->dim, hid = c->hidden_dim;
+    kvf_backend_attn attn = {.n_tokens = T, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads,
+                             .head_dim = c->head_dim, .tok_seq = f->tok_seq, .tok_pos = f->tok_pos,
+                             .block_tables = f->tables, .max_blocks = f->max_blocks,
+                             .scale = (float)(1.0 / sqrt((double)c->head_dim))};
+
+    /* 2. token embeddings */
+    be->embed(ctx, &f->embed, f->tokens, T, f->x);
+
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        const fwd_layer_w *L = &f->layers[l];
+        /* 3. attention: norm, q/k/v, RoPE, K/V into the blocks, attention over them, o_proj */
+        be->rmsnorm(ctx, f->x, T, &L->attn_norm, c->norm_eps, f->xb);
+        be->matmul(ctx, f->xb, T, &L->wq, L->bq.data ? &L->bq : NULL, f->q);
+        be->matmul(ctx, f->xb, T, &L->wk, L->bk.data ? &L->bk : NULL, f->k);
+        be->matmul(ctx, f->xb, T, &L->wv, L->bv.data ? &L->bv : NULL, f->v);
+        be->rope(ctx, f->q, T, c->n_heads, c->head_dim, f->cos_sin);
+        be->rope(ctx, f->k, T, c->n_kv_heads, c->head_dim, f->cos_sin);
+        be->kv_write(ctx, kv_pool, &f->layout, l, f->k, f->v, f->slots, T);
+        attn.window = kvf_model_config_window(c, l);
+        be->attention(ctx, f->q, kv_pool, &f->layout, l, &attn, f->att);
+        be->matmul(ctx, f->att, T, &L->wo, L->bo.data ? &L->bo : NULL, f->xb);
+        be->add(ctx, f->x, f->xb, T * dim);
+        /* 4. MLP: norm, silu(gate) * up, down */
+        be->rmsnorm(ctx, f->x, T, &L->ffn_norm, c->norm_eps, f->xb);
+        be->matmul(ctx, f->xb, T, &L->w_gate, L->b_gate.data ? &L->b_gate : NULL, f->hg);
+        be->matmul(ctx, f->xb, T, &L->w_up, L->b_up.data ? &L->b_up : NULL, f->hu);
+        be->swiglu(ctx, f->hg, f->hu, T * hid, f->hg);
+        be->matmul(ctx, f->hg, T, &L->w_down, L->b_down.data ? &L->b_down : NULL, f->xb);
+        be->add(ctx, f->x, f->xb, T * dim);
+    }
+
+    /* 5. each sequence's last token: final norm, LM head, argmax */
+    be->gather(ctx, f->x, dim, f->last_rows, n_seqs, f->xs);
+    be->rmsnorm(ctx, f->xs, n_seqs, &f->final_norm, c->norm_eps, f->xs);
+    be->matmul(ctx, f->xs, n_seqs, f->lm_head, NULL, f->logits);
+    if (logits_out)
+        be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
+    if (next_out)
+        be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
+    return KVF_OK;
+}

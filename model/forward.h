@@ -1,0 +1,52 @@
+/* forward.h: the transformer forward pass over a kvf_backend and a paged KV pool. One step
+ * takes a batch that mixes prefill chunks and single decode tokens; each sequence brings its
+ * block table, new K/V go into its blocks and attention reads them back from there. Block
+ * allocation, prefix caching and scheduling are the caller's (kv/, engine/). */
+#ifndef KVF_MODEL_FORWARD_H
+#define KVF_MODEL_FORWARD_H
+
+#include <stdint.h>
+
+#include "kv/layout.h"
+#include "model/backend.h"
+#include "model/model.h"
+
+/* One sequence of a step. */
+typedef struct kvf_model_seq {
+    const int32_t *tokens;      /* [n_tokens] new tokens (a prefill chunk, or 1 to decode) */
+    int32_t n_tokens;           /* >= 1 */
+    int32_t start_pos;          /* position of tokens[0]; KV of positions [0, start_pos) is
+                                 * already in the blocks */
+    const int32_t *block_table; /* [n_blocks] block ids covering start_pos + n_tokens positions */
+    int32_t n_blocks;
+} kvf_model_seq;
+
+/* Limits fixed at creation; scratch is sized for them, so a step never allocates. */
+typedef struct kvf_model_fwd_opts {
+    int32_t max_tokens; /* tokens per step, all sequences together */
+    int32_t max_seqs;   /* sequences per step */
+    int32_t max_ctx;    /* positions per sequence; 0: max_position_embeddings */
+} kvf_model_fwd_opts;
+
+typedef struct kvf_model_fwd kvf_model_fwd;
+
+/* Prepares the weights on the backend (be_ctx from be->create) and sizes the scratch. The
+ * layout must match the model (layers, kv heads, head_dim); its dtype may be f32, f16 or
+ * bf16. m and be_ctx must outlive *out. */
+kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void *be_ctx,
+                                const kvf_kv_layout *layout, const kvf_model_fwd_opts *opts,
+                                kvf_model_fwd **out, kvf_err *err);
+void kvf_model_fwd_destroy(kvf_model_fwd *f);
+
+/* Runs one step. kv_pool is the pool's base (backend memory, n_pool_blocks * block_bytes).
+ * Outputs are for each sequence's last new token: logits_out (host, [n_seqs][vocab]) and
+ * next_out (host, [n_seqs], greedy ids, ties to the lowest id); either may be NULL.
+ * Refuses, before touching the pool, a batch beyond the limits, a token outside the
+ * vocabulary, a block table too short for the positions, or a block id outside the pool. */
+kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_seqs] */,
+                             int32_t n_seqs, void *kv_pool, int64_t n_pool_blocks,
+                             float *logits_out, int32_t *next_out, kvf_err *err);
+
+const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f);
+
+#endif
