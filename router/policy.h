@@ -1,0 +1,118 @@
+/* policy.h: routing policies over one pool of workers (the decode pool or the prefill pool;
+ * a disaggregated request picks from each separately). A pool owns its KV index, the workers'
+ * reported load and busy limits, an online fit of prefill time, a consistent-hashing ring for
+ * the sticky fallback and, for workers that publish no KV events, the router's own predictions.
+ * Single-threaded: the caller serialises access. HTTP, tokenization and RPC live elsewhere. */
+#ifndef KVF_ROUTER_POLICY_H
+#define KVF_ROUTER_POLICY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "router/index.h"
+
+typedef enum kvf_router_policy {
+    KVF_ROUTER_POLICY_KV = 0,       /* least predicted work: uncached prompt + queue + decode */
+    KVF_ROUTER_POLICY_ROUND_ROBIN,  /* next non-busy worker in turn */
+    KVF_ROUTER_POLICY_LEAST_LOADED, /* least queued prefill work + decode load */
+    KVF_ROUTER_POLICY_STICKY,       /* consistent hashing with bounded load on the first blocks */
+} kvf_router_policy;
+
+/* "kv", "round-robin", "least-loaded", "sticky"; anything else is refused naming the choices. */
+kvf_status kvf_router_policy_parse(const char *s, kvf_router_policy *out, kvf_err *err);
+const char *kvf_router_policy_name(kvf_router_policy p);
+
+typedef struct kvf_router_pool_cfg {
+    kvf_router_policy policy;
+    kvf_router_index_cfg index; /* model, block size, staleness */
+    /* cost(w) = w_uncached * (a + b * uncached_tokens(w)) + w_queue * b * queued_tokens(w)
+     *         + w_decode * decode_load(w)       (seconds; a, b fitted online) */
+    double w_uncached, w_queue, w_decode;
+    double temperature;     /* 0: lowest cost wins; > 0: softmax over -cost / temperature (s) */
+    double prefill_a_s;     /* prefill time model before any report: a + b * tokens */
+    double prefill_b_s;
+    double fit_forget;      /* forgetting factor per prefill report in the fit (0 < f <= 1) */
+    int64_t busy_queued_tokens; /* default per-worker busy limits; 0 = none */
+    double busy_decode;
+    int32_t sticky_blocks;  /* the sticky key is the hash of the first this many blocks */
+    double sticky_bound;    /* bounded load: a worker takes a request while its load stays
+                               within sticky_bound x the mean (>= 1) */
+    int32_t sticky_vnodes;  /* points per worker on the ring */
+    int32_t min_overlap_blocks; /* kv: below this best overlap the index knows nothing useful
+                                   and the sticky ring decides */
+    bool approx;            /* every worker is approximate (publishes no events) */
+    double approx_ttl_s;    /* predictions older than this are dropped */
+    int64_t approx_max_blocks; /* predictions kept per worker */
+    uint64_t seed;          /* random tie-breaks and softmax draws */
+} kvf_router_pool_cfg;
+
+/* Defaults: policy kv, block 16, weights 1/1/0.005 s, a = 0.02 s, b = 5e-5 s/token,
+ * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.25 and 64 vnodes,
+ * min overlap 1 block, approx TTL 300 s and 1M blocks. The index model must be set. */
+void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg);
+
+typedef struct kvf_router_load {
+    int64_t queued_prefill_tokens; /* prompt tokens waiting for or in prefill */
+    double decode_load;            /* running decode sequences */
+} kvf_router_load;
+
+typedef struct kvf_router_request {
+    const uint64_t *hashes; /* [n_blocks] the prompt's chained block hashes */
+    size_t n_blocks;
+    int64_t n_tokens;        /* prompt tokens (>= n_blocks * block_size) */
+    const char *session_key; /* optional: the sticky key instead of the first blocks */
+} kvf_router_request;
+
+typedef enum kvf_router_reason {
+    KVF_ROUTER_BY_COST,
+    KVF_ROUTER_BY_STICKY,
+    KVF_ROUTER_BY_ROUND_ROBIN,
+    KVF_ROUTER_BY_LEAST_LOADED,
+} kvf_router_reason;
+
+typedef struct kvf_router_decision {
+    int32_t worker;
+    uint32_t overlap_blocks; /* leading prompt blocks the index says it holds */
+    double cached_tokens;    /* overlap in tokens, weighted by trust in the worker's events */
+    double cost_s;           /* predicted work there (kv policy), else its load in seconds */
+    kvf_router_reason reason;
+    bool all_busy;           /* every worker was at its busy limit; the least costly was taken */
+} kvf_router_decision;
+
+typedef struct kvf_router_pool kvf_router_pool;
+
+kvf_status kvf_router_pool_create(const kvf_router_pool_cfg *cfg, kvf_router_pool **out,
+                                  kvf_err *err);
+void kvf_router_pool_destroy(kvf_router_pool *p);
+
+/* Adds a worker (id < KVF_ROUTER_MAX_WORKERS). publishes_events = false puts it in approximate
+ * mode. A different model or block size is refused with a log line (KVF_ERR_INVALID). */
+kvf_status kvf_router_pool_worker_add(kvf_router_pool *p, int32_t worker, const char *model,
+                                      int32_t block_size, bool publishes_events, double now,
+                                      kvf_err *err);
+/* A worker that left or failed: out of the index and the ring at once. */
+void kvf_router_pool_worker_remove(kvf_router_pool *p, int32_t worker);
+/* Per-worker busy limits (0 = none); a worker at a limit is skipped while others are not. */
+void kvf_router_pool_worker_limits(kvf_router_pool *p, int32_t worker, int64_t queued_tokens,
+                                   double decode_load);
+/* A load report (also proof of life for staleness). Clears the work this router added since. */
+void kvf_router_pool_load_set(kvf_router_pool *p, int32_t worker, const kvf_router_load *load,
+                              double now);
+/* A finished prefill of `tokens` uncached tokens that took `seconds`: refits a and b. */
+void kvf_router_pool_prefill_report(kvf_router_pool *p, int64_t tokens, double seconds);
+void kvf_router_pool_prefill_model(const kvf_router_pool *p, double *a_out, double *b_out);
+/* The pool's index, for applying the workers' KV events. */
+kvf_router_index *kvf_router_pool_index(kvf_router_pool *p);
+
+/* Chooses a worker for req by the pool's policy. KVF_ERR_NOT_FOUND when the pool is empty. */
+kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *req, double now,
+                                kvf_router_decision *out, kvf_err *err);
+/* Disaggregated serving: a prefill worker and a decode worker, each by its own pool. */
+kvf_status kvf_router_pick_disagg(kvf_router_pool *prefill, kvf_router_pool *decode,
+                                  const kvf_router_request *req, double now,
+                                  kvf_router_decision *prefill_out,
+                                  kvf_router_decision *decode_out, kvf_err *err);
+
+#endif

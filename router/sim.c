@@ -1,0 +1,301 @@
+/* sim.c: the trace replay. Requests are handled in arrival order; at each arrival the requests
+ * that finished are released (their blocks unpinned, tail first), load reports go to the router,
+ * the router picks, the chosen worker's cache serves the leading hits, pins and inserts the
+ * rest (publishing removed, then stored events to the router's index), and the time model sets
+ * when the prefill ends (TTFT) and when decoding ends (release). */
+#include "router/sim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/time.h"
+#include "kv/hash.h"
+#include "router/lru.h"
+
+void kvf_router_sim_cfg_default(kvf_router_sim_cfg *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->n_workers = 8;
+    cfg->capacity_blocks = 1250;
+    kvf_router_pool_cfg_default(&cfg->pool);
+    cfg->pool.index.model = "mooncake";
+    cfg->prefill_a_s = 0.02;
+    cfg->prefill_b_s = 5e-5;
+    cfg->decode_s_per_token = 0.02;
+}
+
+typedef struct inflight {
+    double finish;
+    int32_t worker, cache;
+    int32_t n;     /* pinned entries */
+    int32_t *pins; /* [n] cache entries, in prompt order */
+} inflight;
+
+typedef struct sim {
+    const kvf_router_sim_cfg *cfg;
+    const kvf_router_trace *t;
+    kvf_router_pool *pool;
+    kvf_router_lru *cache[KVF_ROUTER_MAX_WORKERS];
+    int n_caches;
+    bool feed_index;
+    uint64_t seq[KVF_ROUTER_MAX_WORKERS];
+    double free_at[KVF_ROUTER_MAX_WORKERS]; /* when the worker's prefill queue drains */
+    int32_t running[KVF_ROUTER_MAX_WORKERS];
+    inflight *heap; /* min-heap on finish */
+    size_t n_heap, cap_heap;
+    uint64_t *stored, *parents, *removed; /* event scratch, [max blocks per request] */
+    size_t n_stored, n_removed;
+} sim;
+
+static void heap_push(sim *s, inflight f)
+{
+    size_t i = s->n_heap++;
+    while (i > 0) {
+        size_t up = (i - 1) / 2;
+        if (s->heap[up].finish <= f.finish)
+            break;
+        s->heap[i] = s->heap[up];
+        i = up;
+    }
+    s->heap[i] = f;
+}
+
+static inflight heap_pop(sim *s)
+{
+    inflight top = s->heap[0], last = s->heap[--s->n_heap];
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= s->n_heap)
+            break;
+        if (c + 1 < s->n_heap && s->heap[c + 1].finish < s->heap[c].finish)
+            c++;
+        if (last.finish <= s->heap[c].finish)
+            break;
+        s->heap[i] = s->heap[c];
+        i = c;
+    }
+    if (s->n_heap)
+        s->heap[i] = last;
+    return top;
+}
+
+/* Unpins a finished request's blocks, tail first, so its head stays most recently used. */
+static void release(sim *s, inflight *f)
+{
+    for (int32_t i = f->n; i-- > 0;)
+        kvf_router_lru_unpin(s->cache[f->cache], f->pins[i], f->finish);
+    s->running[f->worker]--;
+    free(f->pins);
+}
+
+static kvf_status publish(sim *s, int32_t w, kvf_router_event_kind kind, const uint64_t *h,
+                          const uint64_t *parents, size_t n, double now, kvf_err *err)
+{
+    if (!n)
+        return KVF_OK;
+    kvf_router_event ev = {
+        .kind = kind, .worker = w, .seq = ++s->seq[w], .model = s->cfg->pool.index.model,
+        .block_size = s->t->block_size, .hashes = h, .parents = parents, .n = n,
+    };
+    return kvf_router_index_apply(kvf_router_pool_index(s->pool), &ev, now, err);
+}
+
+static double percentile(double *v, size_t n, double q)
+{
+    if (!n)
+        return 0;
+    size_t k = (size_t)ceil(q * (double)n);
+    return v[k ? k - 1 : 0];
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+kvf_status kvf_router_sim_run(const kvf_router_trace *t, const kvf_router_sim_cfg *cfg,
+                              kvf_router_sim_result *out, kvf_err *err)
+{
+    if (cfg->n_workers < 1 || cfg->n_workers > KVF_ROUTER_MAX_WORKERS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "sim: --workers=%d is out of range (1..%d)",
+                           cfg->n_workers, KVF_ROUTER_MAX_WORKERS);
+    double per_cache = cfg->capacity_blocks * t->trace_block_tokens / t->block_size *
+                       (cfg->fleet_lru ? cfg->n_workers : 1);
+    if (!(cfg->capacity_blocks > 0) || per_cache < 1 || per_cache > (double)(1 << 30))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "sim: --capacity-blocks=%g gives %.0f cache blocks of %d tokens "
+                           "(allowed 1 .. 2^30)", cfg->capacity_blocks, per_cache, t->block_size);
+    if (cfg->prefill_a_s < 0 || !(cfg->prefill_b_s > 0) || cfg->decode_s_per_token < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "sim: time model a=%g s, b=%g s/token, decode %g s/token: need a >= 0, "
+                           "b > 0, decode >= 0", cfg->prefill_a_s, cfg->prefill_b_s,
+                           cfg->decode_s_per_token);
+    if (cfg->pool.index.block_size != t->block_size)
+        return kvf_err_set(err, KVF_ERR_INVALID, "sim: router block size %d differs from the trace's %d",
+                           cfg->pool.index.block_size, t->block_size);
+    double t0 = kvf_now_s();
+    sim s = {.cfg = cfg, .t = t};
+    kvf_router_sim_result r = {0};
+    kvf_status st = KVF_OK;
+    double *ttft = NULL;
+    int32_t max_blocks = 0;
+    for (size_t i = 0; i < t->n_reqs; i++)
+        max_blocks = t->reqs[i].n_blocks > max_blocks ? t->reqs[i].n_blocks : max_blocks;
+    s.stored = malloc(((size_t)max_blocks + 1) * sizeof(uint64_t));
+    s.parents = malloc(((size_t)max_blocks + 1) * sizeof(uint64_t));
+    s.removed = malloc(((size_t)max_blocks + 1) * sizeof(uint64_t));
+    s.cap_heap = t->n_reqs + 1;
+    s.heap = malloc(s.cap_heap * sizeof *s.heap);
+    ttft = malloc((t->n_reqs + 1) * sizeof *ttft);
+    if (!s.stored || !s.parents || !s.removed || !s.heap || !ttft) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "sim: out of memory");
+        goto done;
+    }
+
+    /* The router under test; fleet-lru only borrows its least-loaded choice for timing. */
+    kvf_router_pool_cfg pc = cfg->pool;
+    if (cfg->fleet_lru)
+        pc.policy = KVF_ROUTER_POLICY_LEAST_LOADED;
+    pc.index.expected_blocks = (int64_t)(per_cache * (cfg->fleet_lru ? 1 : cfg->n_workers));
+    if ((st = kvf_router_pool_create(&pc, &s.pool, err)) != KVF_OK)
+        goto done;
+    s.feed_index = !cfg->fleet_lru && pc.policy == KVF_ROUTER_POLICY_KV && !pc.approx;
+    for (int32_t w = 0; w < cfg->n_workers; w++) {
+        st = kvf_router_pool_worker_add(s.pool, w, pc.index.model, t->block_size, !pc.approx, 0, err);
+        if (st != KVF_OK)
+            goto done;
+    }
+    s.n_caches = cfg->fleet_lru ? 1 : cfg->n_workers;
+    for (int c = 0; c < s.n_caches; c++)
+        if ((st = kvf_router_lru_create((int64_t)llround(per_cache), &s.cache[c], err)) != KVF_OK)
+            goto done;
+    uint64_t root = kvf_kv_hash_root(pc.index.model, NULL, 0);
+
+    for (size_t i = 0; i < t->n_reqs; i++) {
+        const kvf_router_trace_req *q = &t->reqs[i];
+        const uint64_t *h = t->hashes + q->first;
+        double now = q->t_s;
+        /* 1. requests that finished by now give their blocks back */
+        while (s.n_heap && s.heap[0].finish <= now) {
+            inflight f = heap_pop(&s);
+            release(&s, &f);
+        }
+        /* 2. load reports */
+        for (int32_t w = 0; w < cfg->n_workers; w++) {
+            double backlog = s.free_at[w] > now ? s.free_at[w] - now : 0;
+            kvf_router_load l = {.queued_prefill_tokens = (int64_t)(backlog / cfg->prefill_b_s),
+                                 .decode_load = s.running[w]};
+            kvf_router_pool_load_set(s.pool, w, &l, now);
+        }
+        /* 3. the router decides */
+        kvf_router_request rq = {.hashes = h, .n_blocks = (size_t)q->n_blocks, .n_tokens = q->n_tokens};
+        kvf_router_decision d;
+        if ((st = kvf_router_pool_pick(s.pool, &rq, now, &d, err)) != KVF_OK)
+            goto done;
+        int32_t w = d.worker, c = cfg->fleet_lru ? 0 : w;
+        kvf_router_lru *cache = s.cache[c];
+        /* 4. the worker's cache: leading hits, then pin or insert every block */
+        inflight f = {.worker = w, .cache = c};
+        f.pins = malloc(((size_t)q->n_blocks + 1) * sizeof *f.pins);
+        if (!f.pins) {
+            st = kvf_err_set(err, KVF_ERR_NOMEM, "sim: out of memory");
+            goto done;
+        }
+        int32_t hit = 0;
+        while (hit < q->n_blocks && kvf_router_lru_find(cache, h[hit]) >= 0)
+            hit++;
+        s.n_stored = s.n_removed = 0;
+        for (int32_t b = 0; b < q->n_blocks; b++) {
+            int32_t e = kvf_router_lru_find(cache, h[b]);
+            if (e >= 0) {
+                kvf_router_lru_pin(cache, e);
+            } else {
+                int evicted;
+                uint64_t old;
+                e = kvf_router_lru_insert(cache, h[b], 1, now, &evicted, &old);
+                if (evicted) {
+                    r.evicted_blocks++;
+                    s.removed[s.n_removed++] = old;
+                }
+                if (e < 0) {
+                    r.uncacheable_blocks++;
+                    continue;
+                }
+                s.parents[s.n_stored] = b ? h[b - 1] : root;
+                s.stored[s.n_stored++] = h[b];
+            }
+            f.pins[f.n++] = e;
+        }
+        if (s.feed_index &&
+            ((st = publish(&s, w, KVF_ROUTER_EV_REMOVED, s.removed, NULL, s.n_removed, now, err)) != KVF_OK ||
+             (st = publish(&s, w, KVF_ROUTER_EV_STORED, s.stored, s.parents, s.n_stored, now, err)) != KVF_OK)) {
+            free(f.pins);
+            goto done;
+        }
+        /* 5. time model */
+        int64_t cached_tok = (int64_t)hit * t->block_size;
+        int64_t uncached = q->n_tokens - cached_tok;
+        double pt = cfg->prefill_a_s + cfg->prefill_b_s * (double)uncached;
+        double start = s.free_at[w] > now ? s.free_at[w] : now;
+        s.free_at[w] = start + pt;
+        ttft[i] = s.free_at[w] - now;
+        f.finish = s.free_at[w] + cfg->decode_s_per_token * q->n_out;
+        s.running[w]++;
+        heap_push(&s, f);
+        kvf_router_pool_prefill_report(s.pool, uncached, pt);
+        /* 6. counts */
+        r.blocks += q->n_blocks;
+        r.blocks_hit += hit;
+        r.tokens += q->n_tokens;
+        r.tokens_hit += cached_tok;
+        r.computed_tokens[w] += uncached;
+        int64_t full_tok = (int64_t)q->n_blocks * t->block_size;
+        for (int32_t k = 0; k < q->n_trace_blocks; k++) {
+            int64_t lo = (int64_t)k * t->trace_block_tokens;
+            int64_t hi = lo + t->trace_block_tokens < full_tok ? lo + t->trace_block_tokens : full_tok;
+            if (lo < full_tok && hi <= cached_tok)
+                r.trace_blocks_hit++;
+        }
+        r.trace_blocks += q->n_trace_blocks;
+        r.n_requests++;
+    }
+
+    /* summary */
+    r.hit_rate_blocks = r.blocks ? (double)r.blocks_hit / (double)r.blocks : 0;
+    r.hit_rate_tokens = r.tokens ? (double)r.tokens_hit / (double)r.tokens : 0;
+    r.hit_rate_trace_blocks = r.trace_blocks ? (double)r.trace_blocks_hit / (double)r.trace_blocks : 0;
+    int64_t sum = 0, mx = 0;
+    for (int32_t w = 0; w < cfg->n_workers; w++) {
+        sum += r.computed_tokens[w];
+        mx = r.computed_tokens[w] > mx ? r.computed_tokens[w] : mx;
+    }
+    r.load_max_over_mean = sum ? (double)mx * cfg->n_workers / (double)sum : 1.0;
+    double tsum = 0;
+    for (size_t i = 0; i < t->n_reqs; i++)
+        tsum += ttft[i];
+    r.ttft_mean_s = t->n_reqs ? tsum / (double)t->n_reqs : 0;
+    qsort(ttft, t->n_reqs, sizeof *ttft, cmp_double);
+    r.ttft_p50_s = percentile(ttft, t->n_reqs, 0.50);
+    r.ttft_p99_s = percentile(ttft, t->n_reqs, 0.99);
+    kvf_router_pool_prefill_model(s.pool, &r.fitted_a_s, &r.fitted_b_s);
+    kvf_router_index_stats_get(kvf_router_pool_index(s.pool), &r.index);
+    r.wall_s = kvf_now_s() - t0;
+    *out = r;
+done:
+    while (s.n_heap) {
+        inflight f = heap_pop(&s);
+        free(f.pins);
+    }
+    for (int c = 0; c < s.n_caches; c++)
+        kvf_router_lru_destroy(s.cache[c]);
+    kvf_router_pool_destroy(s.pool);
+    free(s.heap);
+    free(s.stored);
+    free(s.parents);
+    free(s.removed);
+    free(ttft);
+    return st;
+}
