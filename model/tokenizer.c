@@ -494,6 +494,13 @@ static kvf_status load_added(load_ctx *c, const json_t *arr)
         t->added_first[(uint8_t)d->content[0]] = true;
         if (d->special)
             t->is_special[d->id] = 1;
+        if (t->n_added_lens == 0 || t->added_lens[t->n_added_lens - 1] != d->len) { /* sorted: new length */
+            size_t *l = realloc(t->added_lens, (t->n_added_lens + 1) * sizeof *l);
+            if (!l)
+                return fail(c, KVF_ERR_NOMEM, "out of memory");
+            t->added_lens = l;
+            t->added_lens[t->n_added_lens++] = d->len;
+        }
     }
     return KVF_OK;
 }
@@ -983,7 +990,14 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
             decode_token(o, t->strs.data + t->str_off[id], (size_t)t->str_len[id], &t->dec);
         t->dec_len[id] = (int32_t)((int64_t)t->dec.len - t->dec_off[id]);
     }
+    t->added_idx = malloc((n ? n : 1) * sizeof *t->added_idx);
+    if (!t->added_idx)
+        return fail(c, KVF_ERR_NOMEM, "out of memory");
+    for (size_t id = 0; id < n; id++)
+        t->added_idx[id] = -1;
     for (size_t i = 0; i < t->n_added; i++) { /* added tokens decode to their own text */
+        if (t->added_idx[t->added[i].id] < 0)
+            t->added_idx[t->added[i].id] = (int32_t)i;
         const kvf_tok_added *a = &t->added[i];
         t->dec_off[a->id] = (int64_t)t->dec.len;
         kvf_sbuf_append(&t->dec, a->content, a->len);
@@ -1300,7 +1314,9 @@ void kvf_model_tokenizer_destroy(kvf_model_tokenizer *t)
         free(t->added[i].content);
     free(t->added);
     kvf_tok_strmap_fini(&t->added_map);
+    free(t->added_lens);
     free(t->is_special);
+    free(t->added_idx);
     free(t->prefix_ids);
     free(t->suffix_ids);
     free(t->dec_off);
@@ -1325,9 +1341,8 @@ const char *kvf_model_tokenizer_id_to_token(const kvf_model_tokenizer *t, int32_
 {
     if (!t || id < 0 || id >= t->n_ids)
         return NULL;
-    for (size_t i = 0; i < t->n_added; i++) /* few: a scan is fine */
-        if (t->added[i].id == id)
-            return t->added[i].content;
+    if (t->added_idx && t->added_idx[id] >= 0)
+        return t->added[t->added_idx[id]].content;
     return t->str_len[id] >= 0 ? t->strs.data + t->str_off[id] : NULL;
 }
 

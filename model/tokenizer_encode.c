@@ -529,15 +529,21 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
         bpe_piece(e, e->bufs[cb].data + fin->off[k], fin->len[k]);
 }
 
-/* The longest added token at text[pos], or NULL. */
-static const kvf_tok_added *match_added(const kvf_model_tokenizer *t, const char *s, size_t n)
+/* The id of the longest added token at s, or -1; *len_out its length. One hash lookup per
+ * distinct added-token length, so thousands of reserved tokens cost no more than a few. */
+static int32_t match_added(const kvf_model_tokenizer *t, const char *s, size_t n, size_t *len_out)
 {
-    for (size_t i = 0; i < t->n_added; i++) { /* longest first */
-        const kvf_tok_added *a = &t->added[i];
-        if (a->len <= n && a->content[0] == s[0] && memcmp(a->content, s, a->len) == 0)
-            return a;
+    for (size_t i = 0; i < t->n_added_lens; i++) {
+        size_t l = t->added_lens[i];
+        if (l > n)
+            continue;
+        int32_t id = kvf_tok_added_find(t, s, l);
+        if (id >= 0) {
+            *len_out = l;
+            return id;
+        }
     }
-    return NULL;
+    return -1;
 }
 
 kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char *text, size_t len,
@@ -567,14 +573,15 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
             push_id(&e, tok->prefix_ids[i]);
     size_t seg = 0;
     for (size_t i = 0; i < len && !e.oom;) {
-        const kvf_tok_added *a = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i) : NULL;
-        if (!a) {
+        size_t alen = 0;
+        int32_t aid = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i, &alen) : -1;
+        if (aid < 0) {
             i++;
             continue;
         }
         encode_segment(&e, text + seg, i - seg, seg == 0);
-        push_id(&e, a->id);
-        i += a->len;
+        push_id(&e, aid);
+        i += alen;
         seg = i;
     }
     if (!e.oom)

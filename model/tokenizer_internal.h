@@ -114,8 +114,11 @@ struct kvf_model_tokenizer {
     kvf_tok_added *added; /* sorted by content length, longest first */
     size_t n_added;
     bool added_first[256]; /* bytes that start some added token */
+    size_t *added_lens;    /* distinct content lengths, longest first */
+    size_t n_added_lens;
     kvf_tok_strmap added_map; /* content -> index into added */
     uint8_t *is_special;      /* [n_ids] */
+    int32_t *added_idx;       /* [n_ids] index into added, or -1 */
     int32_t *prefix_ids, *suffix_ids; /* post-processor: added around the text */
     size_t n_prefix, n_suffix;
 
