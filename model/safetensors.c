@@ -152,7 +152,7 @@ static kvf_status parse_into(kvf_model_safetensors *st, const uint8_t *buf, size
         return kvf_err_set(err, KVF_ERR_PARSE, "model: %s: header length %llu is above the %u-byte limit",
                            what, (unsigned long long)hlen, KVF_MODEL_ST_MAX_HEADER);
     json_error_t je;
-    json_t *h = json_loadb((const char *)buf + 8, (size_t)hlen, 0, &je);
+    json_t *h = json_loadb((const char *)buf + 8, (size_t)hlen, JSON_REJECT_DUPLICATES, &je);
     if (!h)
         return kvf_err_set(err, KVF_ERR_PARSE, "model: %s: header JSON: line %d column %d: %s", what,
                            je.line, je.column, je.text);
