@@ -1,0 +1,185 @@
+/* rpc.h: the RPC layer the roles use, over gRPC C core, without any grpc type in sight: an async
+ * server (one completion queue polled by one thread, handlers run on a small pool) and an async
+ * client (unary and server-streaming calls with deadlines and cancel). Messages are bytes; the
+ * Worker service's messages and their checks are in proto/worker.h.
+ *
+ * Which foreign headers leak: none from here. proto/worker.h includes the generated
+ * "kvfleet.pb-c.h" (and through it <protobuf-c/protobuf-c.h>) on purpose, so roles can fill and
+ * read the generated message structs; nothing outside proto/ includes grpc headers.
+ *
+ * Thread-safety: every function here may be called from any thread, except that one object is
+ * destroyed once, by one thread, after the calls on it have returned. Handlers and callbacks run
+ * on the layer's threads, as each says below.
+ * Limits: messages are capped at max_msg_bytes (4 MiB unless set) in both directions, on both
+ * sides; a larger message fails with KVF_ERR_LIMIT. KV bytes never travel here. */
+#ifndef KVF_PROTO_RPC_H
+#define KVF_PROTO_RPC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+#define KVF_RPC_PROTOCOL_VERSION 1u            /* InfoResponse.protocol_version */
+#define KVF_RPC_DEFAULT_MAX_MSG (4 * 1024 * 1024) /* bytes per message, each direction */
+#define KVF_RPC_NO_DEADLINE INT64_MAX
+
+typedef struct kvf_rpc_server kvf_rpc_server;
+typedef struct kvf_rpc_call kvf_rpc_call;       /* one call as the server sees it */
+typedef struct kvf_rpc_channel kvf_rpc_channel; /* a client connection to one target */
+typedef struct kvf_rpc_stream kvf_rpc_stream;   /* a client's server-streaming call */
+
+/* A message: data is malloc()ed and owned by whoever holds the struct (kvf_rpc_buf_free). */
+typedef struct kvf_rpc_buf {
+    uint8_t *data; /* may be NULL when len is 0 */
+    size_t len;
+} kvf_rpc_buf;
+
+void kvf_rpc_buf_free(kvf_rpc_buf *b); /* frees data, zeroes the struct */
+
+/* Optional TLS with gRPC's SSL credentials. The strings are file names of PEM files; NULL or ""
+ * means unset. A server with cert_file and key_file serves TLS only; a client with ca_file
+ * speaks TLS and checks the server's certificate against it. */
+typedef struct kvf_rpc_tls {
+    const char *cert_file;   /* server: certificate chain */
+    const char *key_file;    /* server: private key */
+    const char *ca_file;     /* client: roots that signed the server's certificate */
+    const char *server_name; /* client: name to check instead of the target's host (tests) */
+} kvf_rpc_tls;
+
+/* Three lines for a role's kvf_cfg_opt table, for a kvf_rpc_tls member `field` of `type`:
+ * --tls-cert, --tls-key (serving) and --tls-ca (calling peers). */
+#define KVF_RPC_TLS_CFG_OPTS(type, field)                                                        \
+    {"tls-cert", NULL, "PEM certificate chain to serve gRPC with TLS (with --tls-key)",          \
+     offsetof(type, field.cert_file), KVF_CFG_STR},                                              \
+    {"tls-key", NULL, "PEM private key of --tls-cert", offsetof(type, field.key_file),           \
+     KVF_CFG_STR},                                                                               \
+    {"tls-ca", NULL, "PEM CA roots: call peers over TLS and check their certificate",            \
+     offsetof(type, field.ca_file), KVF_CFG_STR}
+
+/* The one place kvf_status and gRPC status codes (the wire numbers, 0..16) meet. The server
+ * also sends the exact kvf_status in trailing metadata, so a client gets back the code the
+ * handler returned; from_grpc is the fallback for peers that do not. */
+int kvf_status_to_grpc(kvf_status st);
+kvf_status kvf_status_from_grpc(int grpc_code);
+const char *kvf_rpc_grpc_code_name(int grpc_code); /* "DEADLINE_EXCEEDED"; never NULL */
+
+/* ---------------------------------------------------------------------------------------- */
+/* Server                                                                                    */
+
+typedef struct kvf_rpc_server_opts {
+    const char *address;     /* "127.0.0.1:0" picks a free port (kvf_rpc_server_port) */
+    int n_threads;           /* handler threads; 0 means 2 */
+    int64_t max_msg_bytes;   /* 0 means KVF_RPC_DEFAULT_MAX_MSG */
+    const kvf_rpc_tls *tls;  /* NULL or no cert: plaintext */
+} kvf_rpc_server_opts;
+
+/* A unary handler: runs on a pool thread with the request bytes; returns KVF_OK and a malloc()ed
+ * response in *resp_out (the layer frees it), or a status and a message in err (sent to the
+ * client as the gRPC status, and logged at debug). It may look at the call
+ * (kvf_rpc_call_is_cancelled, kvf_rpc_call_remaining_ms) but must not finish it. */
+typedef kvf_status (*kvf_rpc_unary_fn)(void *ctx, kvf_rpc_call *call, const uint8_t *req,
+                                       size_t req_len, kvf_rpc_buf *resp_out, kvf_err *err);
+
+/* A server-streaming handler: runs on a pool thread with the request bytes (valid until it
+ * returns). It owns the call: it writes messages with kvf_rpc_call_write from any thread, and
+ * ends the call with kvf_rpc_call_finish exactly once, before or after returning. */
+typedef void (*kvf_rpc_stream_fn)(void *ctx, kvf_rpc_call *call, const uint8_t *req,
+                                  size_t req_len);
+
+kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server **out,
+                                 kvf_err *err);
+/* The bound port (the real one when the address asked for port 0). */
+int kvf_rpc_server_port(const kvf_rpc_server *s);
+/* Register a handler by full method name ("/kvfleet.v1.Worker/Info") before start. A call to a
+ * name with no handler ends with KVF_ERR_UNSUPPORTED (gRPC UNIMPLEMENTED). */
+kvf_status kvf_rpc_server_add_unary(kvf_rpc_server *s, const char *method, kvf_rpc_unary_fn fn,
+                                    void *ctx, kvf_err *err);
+kvf_status kvf_rpc_server_add_stream(kvf_rpc_server *s, const char *method,
+                                     kvf_rpc_stream_fn fn, void *ctx, kvf_err *err);
+kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err);
+/* Stops taking calls, lets calls in flight run for up to grace_ms, then cancels the rest (their
+ * clients see CANCELLED or UNAVAILABLE; their handlers see kvf_rpc_call_is_cancelled and writes
+ * failing) and waits for every handler to finish its call. Idempotent. Handlers that never
+ * finish their call make this wait forever: that is a bug in the handler. */
+void kvf_rpc_server_shutdown(kvf_rpc_server *s, int64_t grace_ms);
+/* Shuts down (grace 0) if needed and frees everything. NULL is fine. */
+void kvf_rpc_server_destroy(kvf_rpc_server *s);
+
+/* Call accessors: valid until the call is finished. */
+const char *kvf_rpc_call_method(const kvf_rpc_call *c);
+/* Milliseconds left before the client's deadline (negative once past); KVF_RPC_NO_DEADLINE if
+ * the client set none. */
+int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c);
+/* True once the client cancelled, the deadline passed, the connection broke or the server is
+ * shutting down the call. */
+bool kvf_rpc_call_is_cancelled(const kvf_rpc_call *c);
+/* fn(arg) runs once when the call is cancelled (at once, on this thread, if it already is), on
+ * the completion-queue thread otherwise: it must be short and must not block or write. It never
+ * runs after kvf_rpc_call_finish has returned. Replaces an earlier callback. */
+void kvf_rpc_call_on_cancel(kvf_rpc_call *c, void (*fn)(void *arg), void *arg);
+/* Sends one message on a streaming call and waits until gRPC has taken it (flow control may
+ * hold it while the client is slow). Writes from several threads are serialised. Fails with
+ * KVF_ERR_CANCELLED once the call is cancelled, KVF_ERR_LIMIT above max_msg_bytes, and
+ * KVF_ERR_STATE after finish or on a unary call. */
+kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err);
+/* Ends a streaming call with a status (and message, may be NULL) and releases it; the call
+ * pointer is invalid afterwards. Waits for a write in progress on another thread. */
+void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Client                                                                                    */
+
+typedef struct kvf_rpc_channel_opts {
+    const kvf_rpc_tls *tls; /* NULL or no ca_file: plaintext */
+    int64_t max_msg_bytes;  /* 0 means KVF_RPC_DEFAULT_MAX_MSG */
+} kvf_rpc_channel_opts;
+
+/* A channel to "host:port" (opts may be NULL). It connects lazily: a dead target shows up as
+ * KVF_ERR_PEER_LOST on the first call (gRPC UNAVAILABLE), not here. */
+kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts *opts,
+                                  kvf_rpc_channel **out, kvf_err *err);
+/* Cancels the calls still running on the channel (their callbacks and reads see
+ * KVF_ERR_CANCELLED), waits until every unary callback has run, and frees it. Streams that are
+ * still open must be destroyed before the channel. */
+void kvf_rpc_channel_destroy(kvf_rpc_channel *ch);
+
+/* A blocking unary call; timeout_ms bounds the whole call (KVF_RPC_NO_DEADLINE for none).
+ * On KVF_OK *resp_out holds the response (caller frees). A failure fills err with the method,
+ * the gRPC code and the server's message, and returns the server's kvf_status (KVF_ERR_TIMEOUT
+ * for a passed deadline, KVF_ERR_PEER_LOST for an unreachable server). */
+kvf_status kvf_rpc_unary(kvf_rpc_channel *ch, const char *method, const void *req, size_t len,
+                         int64_t timeout_ms, kvf_rpc_buf *resp_out, kvf_err *err);
+
+/* The same call, asynchronous: done runs once, on the channel's completion-queue thread (keep it
+ * short), with the status, the response (owned by the layer: copy what you keep) and the error
+ * message (NULL on success). Returns an error, and never calls done, if the call cannot start. */
+typedef void (*kvf_rpc_unary_done_fn)(void *arg, kvf_status st, const uint8_t *resp,
+                                      size_t resp_len, const char *msg);
+kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const void *req,
+                               size_t len, int64_t timeout_ms, kvf_rpc_unary_done_fn done,
+                               void *arg, kvf_err *err);
+
+/* Opens a server-streaming call: sends the request and returns at once; messages are read
+ * ahead (a few dozen at most) as they arrive. */
+kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const void *req,
+                               size_t len, int64_t timeout_ms, kvf_rpc_stream **out,
+                               kvf_err *err);
+/* Waits up to timeout_ms (0: poll; KVF_RPC_NO_DEADLINE: forever) for the next message.
+ * *done_out says whether the call is over (the status returned is then its final status):
+ *  - KVF_OK, done false: *msg_out holds a message (caller frees);
+ *  - KVF_OK, done true: the server finished with OK and every message has been read;
+ *  - KVF_ERR_TIMEOUT, done false: nothing within timeout_ms; the stream is still usable;
+ *  - any other status, done true: the call ended so (server error, deadline, cancel), after
+ *    every message received before the end has been read.
+ * One reader at a time. */
+kvf_status kvf_rpc_stream_read(kvf_rpc_stream *s, int64_t timeout_ms, kvf_rpc_buf *msg_out,
+                               bool *done_out, kvf_err *err);
+/* Cancels the call (the server handler sees it); later reads return KVF_ERR_CANCELLED once
+ * the messages already received are read. Any thread, any number of times. */
+void kvf_rpc_stream_cancel(kvf_rpc_stream *s);
+/* Cancels the call if it is still running and releases the stream. NULL is fine. */
+void kvf_rpc_stream_destroy(kvf_rpc_stream *s);
+
+#endif

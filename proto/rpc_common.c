@@ -1,0 +1,225 @@
+/* rpc_common.c: the pieces shared by the RPC server and client: the status mapping between
+ * kvf_status and gRPC codes (the one place it happens), byte buffers, deadlines, channel
+ * arguments and PEM files. */
+#include "proto/rpc_internal.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+#include <grpc/status.h>
+
+void kvf_rpc_buf_free(kvf_rpc_buf *b)
+{
+    if (!b)
+        return;
+    free(b->data);
+    b->data = NULL;
+    b->len = 0;
+}
+
+int kvf_status_to_grpc(kvf_status st)
+{
+    switch (st) {
+    case KVF_OK: return GRPC_STATUS_OK;
+    case KVF_ERR_INVALID: return GRPC_STATUS_INVALID_ARGUMENT;
+    case KVF_ERR_PARSE: return GRPC_STATUS_INVALID_ARGUMENT;
+    case KVF_ERR_NOMEM: return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    case KVF_ERR_FULL: return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    case KVF_ERR_LIMIT: return GRPC_STATUS_RESOURCE_EXHAUSTED;
+    case KVF_ERR_TIMEOUT: return GRPC_STATUS_DEADLINE_EXCEEDED;
+    case KVF_ERR_PEER_LOST: return GRPC_STATUS_UNAVAILABLE;
+    case KVF_ERR_BUSY: return GRPC_STATUS_UNAVAILABLE; /* retry elsewhere */
+    case KVF_ERR_NOT_FOUND: return GRPC_STATUS_NOT_FOUND;
+    case KVF_ERR_EXISTS: return GRPC_STATUS_ALREADY_EXISTS;
+    case KVF_ERR_UNSUPPORTED: return GRPC_STATUS_UNIMPLEMENTED;
+    case KVF_ERR_CANCELLED: return GRPC_STATUS_CANCELLED;
+    case KVF_ERR_STATE: return GRPC_STATUS_FAILED_PRECONDITION;
+    case KVF_ERR_IO: return GRPC_STATUS_INTERNAL;
+    case KVF_ERR_INTERNAL: return GRPC_STATUS_INTERNAL;
+    case KVF_HELP: return GRPC_STATUS_UNKNOWN;
+    }
+    return GRPC_STATUS_UNKNOWN;
+}
+
+kvf_status kvf_status_from_grpc(int grpc_code)
+{
+    switch (grpc_code) {
+    case GRPC_STATUS_OK: return KVF_OK;
+    case GRPC_STATUS_CANCELLED: return KVF_ERR_CANCELLED;
+    case GRPC_STATUS_INVALID_ARGUMENT: return KVF_ERR_INVALID;
+    case GRPC_STATUS_OUT_OF_RANGE: return KVF_ERR_INVALID;
+    case GRPC_STATUS_DEADLINE_EXCEEDED: return KVF_ERR_TIMEOUT;
+    case GRPC_STATUS_NOT_FOUND: return KVF_ERR_NOT_FOUND;
+    case GRPC_STATUS_ALREADY_EXISTS: return KVF_ERR_EXISTS;
+    case GRPC_STATUS_PERMISSION_DENIED: return KVF_ERR_INVALID;
+    case GRPC_STATUS_UNAUTHENTICATED: return KVF_ERR_INVALID;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED: return KVF_ERR_LIMIT;
+    case GRPC_STATUS_FAILED_PRECONDITION: return KVF_ERR_STATE;
+    case GRPC_STATUS_ABORTED: return KVF_ERR_BUSY;
+    case GRPC_STATUS_UNIMPLEMENTED: return KVF_ERR_UNSUPPORTED;
+    case GRPC_STATUS_UNAVAILABLE: return KVF_ERR_PEER_LOST;
+    case GRPC_STATUS_DATA_LOSS: return KVF_ERR_IO;
+    default: return KVF_ERR_INTERNAL; /* UNKNOWN, INTERNAL, anything newer */
+    }
+}
+
+const char *kvf_rpc_grpc_code_name(int grpc_code)
+{
+    static const char *const names[] = {
+        "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+        "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+        "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+        "UNAUTHENTICATED"};
+    if (grpc_code < 0 || grpc_code >= (int)(sizeof names / sizeof names[0]))
+        return "UNKNOWN_CODE";
+    return names[grpc_code];
+}
+
+void rpc_cq_poll(grpc_completion_queue *cq)
+{
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            return;
+        if (ev.type != GRPC_OP_COMPLETE)
+            continue;
+        rpc_tag *t = ev.tag;
+        t->fn(t, ev.success != 0);
+    }
+}
+
+kvf_status rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err)
+{
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, bb))
+        return kvf_err_set(err, KVF_ERR_PARSE, "rpc: cannot read a received message "
+                                               "(unsupported compression)");
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    size_t n = GRPC_SLICE_LENGTH(s);
+    uint8_t *data = malloc(n ? n : 1);
+    if (!data) {
+        grpc_slice_unref(s);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: no memory for a %zu-byte message", n);
+    }
+    memcpy(data, GRPC_SLICE_START_PTR(s), n);
+    grpc_slice_unref(s);
+    out->data = data;
+    out->len = n;
+    return KVF_OK;
+}
+
+grpc_byte_buffer *rpc_bb_from(const void *data, size_t len)
+{
+    grpc_slice s = grpc_slice_from_copied_buffer(data ? data : "", data ? len : 0);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    return bb;
+}
+
+gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms)
+{
+    if (timeout_ms == KVF_RPC_NO_DEADLINE)
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    if (timeout_ms < 0)
+        timeout_ms = 0;
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                        gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+}
+
+int64_t rpc_deadline_remaining_ms(gpr_timespec deadline)
+{
+    if (gpr_time_cmp(deadline, gpr_inf_future(deadline.clock_type)) == 0)
+        return KVF_RPC_NO_DEADLINE;
+    gpr_timespec d = gpr_convert_clock_type(deadline, GPR_CLOCK_MONOTONIC);
+    gpr_timespec left = gpr_time_sub(d, gpr_now(GPR_CLOCK_MONOTONIC));
+    return (int64_t)left.tv_sec * 1000 + left.tv_nsec / 1000000;
+}
+
+void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, const char *ssl_target_override)
+{
+    memset(a, 0, sizeof *a);
+    a->arg[0].type = GRPC_ARG_INTEGER;
+    a->arg[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    a->arg[0].value.integer = (int)max_bytes;
+    a->arg[1].type = GRPC_ARG_INTEGER;
+    a->arg[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    a->arg[1].value.integer = (int)max_bytes;
+    size_t n = 2;
+    if (server) {
+        a->arg[n].type = GRPC_ARG_INTEGER;
+        a->arg[n].key = GRPC_ARG_ALLOW_REUSEPORT;
+        a->arg[n++].value.integer = 0;
+    }
+    if (ssl_target_override && *ssl_target_override) {
+        a->arg[n].type = GRPC_ARG_STRING;
+        a->arg[n].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+        a->arg[n++].value.string = (char *)ssl_target_override;
+    }
+    a->args.num_args = n;
+    a->args.args = a->arg;
+}
+
+kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err)
+{
+    if (v == 0)
+        v = KVF_RPC_DEFAULT_MAX_MSG;
+    if (v < 1024 || v > INT_MAX)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "rpc: %s: max message size %lld is out of range (1 KiB .. 2 GiB)", who,
+                           (long long)v);
+    *out = v;
+    return KVF_OK;
+}
+
+kvf_status rpc_read_pem(const char *path, const char *what, char **out, kvf_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kvf_err_set(err, KVF_ERR_IO, "rpc: %s %s: cannot open: %s", what, path,
+                           strerror(errno));
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            size_t ncap = cap ? cap * 2 : 8192;
+            if (ncap > (size_t)16 << 20) {
+                free(buf);
+                fclose(f);
+                return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s %s: larger than 16 MiB, not a "
+                                                         "PEM file", what, path);
+            }
+            char *nb = realloc(buf, ncap);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s %s: out of memory", what, path);
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        size_t n = fread(buf + len, 1, cap - len - 1, f);
+        len += n;
+        if (n == 0)
+            break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return kvf_err_set(err, KVF_ERR_IO, "rpc: %s %s: read error", what, path);
+    }
+    buf[len] = '\0';
+    if (!strstr(buf, "-----BEGIN ")) {
+        free(buf);
+        return kvf_err_set(err, KVF_ERR_PARSE, "rpc: %s %s: not a PEM file (no -----BEGIN line)",
+                           what, path);
+    }
+    *out = buf;
+    return KVF_OK;
+}

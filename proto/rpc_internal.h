@@ -1,0 +1,53 @@
+/* rpc_internal.h: what the server and client halves of proto/ share: completion-queue tags,
+ * byte-buffer and deadline conversions, channel arguments, TLS credentials. Private to proto/
+ * (it includes grpc); nothing outside this folder may include it. */
+#ifndef KVF_PROTO_RPC_INTERNAL_H
+#define KVF_PROTO_RPC_INTERNAL_H
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/time.h>
+
+#include "proto/rpc.h"
+
+/* Every event on a completion queue carries one of these (embedded in the object it belongs
+ * to); the polling thread calls fn with the event's success bit. */
+typedef struct rpc_tag {
+    void (*fn)(struct rpc_tag *tag, bool ok);
+} rpc_tag;
+
+#define RPC_CONTAINER_OF(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+/* Polls cq until it is shut down, dispatching each event to its tag. */
+void rpc_cq_poll(grpc_completion_queue *cq);
+
+/* Copies a (possibly multi-slice) received message into out. */
+kvf_status rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err);
+/* A byte buffer holding a copy of data; NULL when out of memory. */
+grpc_byte_buffer *rpc_bb_from(const void *data, size_t len);
+
+/* timeout_ms from now as a gRPC deadline (KVF_RPC_NO_DEADLINE: infinite). */
+gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms);
+/* Milliseconds left before a deadline (KVF_RPC_NO_DEADLINE for an infinite one). */
+int64_t rpc_deadline_remaining_ms(gpr_timespec deadline);
+
+/* Channel arguments setting both message-size limits to max_bytes; a server also turns off
+ * SO_REUSEPORT, so a port already in use is an error rather than a shared port. Self-referring:
+ * initialise in place, do not copy. */
+typedef struct rpc_args {
+    grpc_arg arg[4];
+    grpc_channel_args args;
+} rpc_args;
+void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, const char *ssl_target_override);
+
+/* Reads a whole PEM file into a NUL-terminated malloc()ed string. what names the flag. */
+kvf_status rpc_read_pem(const char *path, const char *what, char **out, kvf_err *err);
+
+/* The key of the trailing metadata that carries the exact kvf_status. */
+#define RPC_KVF_STATUS_KEY "kvf-status"
+
+/* Normalises a max-message option: 0 -> default; checks the range. */
+kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err);
+
+#endif

@@ -1,0 +1,740 @@
+/* rpc_server.c: the async RPC server over gRPC C core. One completion queue polled by one
+ * thread that never blocks; handlers run on a small pool of threads. Calls are reference
+ * counted: the handler holds one reference until it finishes the call, and each gRPC operation
+ * in flight holds one; the last to let go frees the call (its completion path). */
+#include "proto/rpc_internal.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/slice.h>
+#include <grpc/status.h>
+
+#include "common/log.h"
+#include "common/time.h"
+
+#define RPC_MAX_METHODS 32
+#define RPC_REQUESTS_PER_METHOD 2 /* calls requested ahead of arrival, per method */
+
+typedef struct rpc_method {
+    char *name;
+    bool streaming;
+    kvf_rpc_unary_fn unary;
+    kvf_rpc_stream_fn stream;
+    void *ctx;
+    void *handle; /* grpc_server_register_method */
+} rpc_method;
+
+/* One outstanding grpc_server_request_*call. */
+typedef struct rpc_request {
+    rpc_tag tag;
+    kvf_rpc_server *srv;
+    int method; /* index into srv->methods; -1: the catch-all for unknown names */
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;
+    grpc_call_details details;
+} rpc_request;
+
+struct kvf_rpc_call {
+    kvf_rpc_server *srv;
+    const rpc_method *m; /* NULL for an unknown method */
+    char *method_name;
+    grpc_call *call;
+    gpr_timespec deadline;
+    kvf_rpc_buf req;
+    bool has_req;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    bool cancelled, finished, sent_initial_md, writing, write_done, write_ok, in_cancel_cb;
+    void (*on_cancel)(void *arg);
+    void *on_cancel_arg;
+
+    int close_cancelled; /* GRPC_OP_RECV_CLOSE_ON_SERVER */
+    rpc_tag close_tag, write_tag, finish_tag;
+    grpc_slice details;
+    bool has_details;
+    char kvf_code[16];
+    grpc_metadata trailing;
+    grpc_byte_buffer *finish_bb;
+
+    struct kvf_rpc_call *next_job; /* the pool's queue */
+};
+
+struct kvf_rpc_server {
+    grpc_server *server;
+    grpc_completion_queue *cq;
+    int port;
+    int64_t max_msg;
+    int n_threads;
+    rpc_method methods[RPC_MAX_METHODS];
+    int n_methods;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool started, shutting, shutdown_done, shut, pool_stop;
+    int live_calls;
+    kvf_rpc_call *jobs_head, *jobs_tail;
+    pthread_t poller;
+    pthread_t *workers;
+    int n_workers;
+    rpc_tag shutdown_tag;
+};
+
+/* ---- calls ---- */
+
+static void call_unref(kvf_rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int left = --c->refs;
+    pthread_mutex_unlock(&c->mu);
+    if (left > 0)
+        return;
+    kvf_rpc_server *s = c->srv;
+    grpc_call_unref(c->call);
+    if (c->has_details)
+        grpc_slice_unref(c->details);
+    if (c->finish_bb)
+        grpc_byte_buffer_destroy(c->finish_bb);
+    kvf_rpc_buf_free(&c->req);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c->method_name);
+    free(c);
+    pthread_mutex_lock(&s->mu);
+    s->live_calls--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* RECV_CLOSE_ON_SERVER completed: the call is over for the client, cancelled or not. */
+static void on_close(rpc_tag *t, bool ok)
+{
+    kvf_rpc_call *c = RPC_CONTAINER_OF(t, kvf_rpc_call, close_tag);
+    pthread_mutex_lock(&c->mu);
+    void (*fn)(void *) = NULL;
+    void *arg = NULL;
+    if (c->close_cancelled || !ok) {
+        c->cancelled = true;
+        if (!c->finished && c->on_cancel) {
+            fn = c->on_cancel;
+            arg = c->on_cancel_arg;
+            c->on_cancel = NULL;
+            c->in_cancel_cb = true;
+        }
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    if (fn) {
+        fn(arg);
+        pthread_mutex_lock(&c->mu);
+        c->in_cancel_cb = false;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+    }
+    call_unref(c);
+}
+
+static void on_write(rpc_tag *t, bool ok)
+{
+    kvf_rpc_call *c = RPC_CONTAINER_OF(t, kvf_rpc_call, write_tag);
+    pthread_mutex_lock(&c->mu);
+    c->write_done = true;
+    c->write_ok = ok;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    call_unref(c);
+}
+
+static void on_finish(rpc_tag *t, bool ok)
+{
+    kvf_rpc_call *c = RPC_CONTAINER_OF(t, kvf_rpc_call, finish_tag);
+    call_unref(c);
+}
+
+const char *kvf_rpc_call_method(const kvf_rpc_call *c) { return c->method_name; }
+
+int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c)
+{
+    return rpc_deadline_remaining_ms(c->deadline);
+}
+
+bool kvf_rpc_call_is_cancelled(const kvf_rpc_call *c)
+{
+    kvf_rpc_call *m = (kvf_rpc_call *)c;
+    pthread_mutex_lock(&m->mu);
+    bool v = m->cancelled;
+    pthread_mutex_unlock(&m->mu);
+    return v;
+}
+
+void kvf_rpc_call_on_cancel(kvf_rpc_call *c, void (*fn)(void *arg), void *arg)
+{
+    pthread_mutex_lock(&c->mu);
+    bool now = c->cancelled && !c->finished;
+    c->on_cancel = now ? NULL : fn;
+    c->on_cancel_arg = arg;
+    pthread_mutex_unlock(&c->mu);
+    if (now && fn)
+        fn(arg);
+}
+
+kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
+{
+    if (!c->m || !c->m->streaming)
+        return kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: write on a call that is not "
+                                               "server-streaming", c->method_name);
+    if ((int64_t)len > c->srv->max_msg)
+        return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: message of %zu bytes is over the "
+                           "limit of %lld bytes", c->method_name, len, (long long)c->srv->max_msg);
+    grpc_byte_buffer *bb = rpc_bb_from(msg, len);
+    if (!bb)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: no memory for a message",
+                           c->method_name);
+
+    pthread_mutex_lock(&c->mu);
+    while (c->writing)
+        pthread_cond_wait(&c->cv, &c->mu);
+    if (c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        return kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: write after finish", c->method_name);
+    }
+    if (c->cancelled) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        return kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled", c->method_name);
+    }
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (!c->sent_initial_md) {
+        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+        c->sent_initial_md = true;
+    }
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = bb;
+    c->writing = true;
+    c->write_done = false;
+    c->refs++;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->write_tag, NULL);
+    if (e != GRPC_CALL_OK) {
+        c->refs--;
+        c->writing = false;
+        pthread_cond_broadcast(&c->cv);
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: %s: gRPC refused a write (error %d)",
+                           c->method_name, (int)e);
+    }
+    while (!c->write_done)
+        pthread_cond_wait(&c->cv, &c->mu);
+    bool ok = c->write_ok;
+    if (!ok)
+        c->cancelled = true; /* a failed send means the stream is gone */
+    c->writing = false;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    grpc_byte_buffer_destroy(bb);
+    if (!ok)
+        return kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled during a write",
+                           c->method_name);
+    return KVF_OK;
+}
+
+/* Sends the status (and, for a unary call, the response) and drops the handler's reference. */
+static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const kvf_rpc_buf *resp)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->writing || c->in_cancel_cb)
+        pthread_cond_wait(&c->cv, &c->mu);
+    if (c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        kvf_log(KVF_LOG_ERROR, "rpc: %s: call finished twice (handler bug)", c->method_name);
+        return;
+    }
+    c->finished = true;
+    c->on_cancel = NULL;
+
+    grpc_op ops[3];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (!c->sent_initial_md) {
+        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+        c->sent_initial_md = true;
+    }
+    if (resp && st == KVF_OK) {
+        c->finish_bb = rpc_bb_from(resp->data, resp->len);
+        if (!c->finish_bb) {
+            st = KVF_ERR_NOMEM;
+            msg = "rpc: no memory for the response";
+        } else {
+            ops[n].op = GRPC_OP_SEND_MESSAGE;
+            ops[n++].data.send_message.send_message = c->finish_bb;
+        }
+    }
+    snprintf(c->kvf_code, sizeof c->kvf_code, "%d", (int)st);
+    c->trailing.key = grpc_slice_from_static_string(RPC_KVF_STATUS_KEY);
+    c->trailing.value = grpc_slice_from_static_string(c->kvf_code);
+    c->details = grpc_slice_from_copied_string(msg ? msg : (st == KVF_OK ? "" : kvf_status_str(st)));
+    c->has_details = true;
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)kvf_status_to_grpc(st);
+    ops[n].data.send_status_from_server.status_details = &c->details;
+    ops[n].data.send_status_from_server.trailing_metadata_count = 1;
+    ops[n++].data.send_status_from_server.trailing_metadata = &c->trailing;
+    c->refs++;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->finish_tag, NULL);
+    if (e != GRPC_CALL_OK)
+        c->refs--;
+    pthread_mutex_unlock(&c->mu);
+    if (e != GRPC_CALL_OK)
+        kvf_log(KVF_LOG_ERROR, "rpc: %s: gRPC refused the final status (error %d)",
+                c->method_name, (int)e);
+    call_unref(c); /* the handler's reference */
+}
+
+void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg)
+{
+    call_finish(c, st, msg, NULL);
+}
+
+/* ---- the handler pool ---- */
+
+static void run_call(kvf_rpc_call *c)
+{
+    const rpc_method *m = c->m;
+    if (!c->has_req) {
+        call_finish(c, KVF_ERR_INVALID, "rpc: the call carried no request message", NULL);
+        return;
+    }
+    if (m->streaming) {
+        m->stream(m->ctx, c, c->req.data, c->req.len);
+        return;
+    }
+    kvf_rpc_buf resp = {0};
+    kvf_err e;
+    kvf_err_clear(&e);
+    kvf_status st = m->unary(m->ctx, c, c->req.data, c->req.len, &resp, &e);
+    if (st == KVF_OK && (int64_t)resp.len > c->srv->max_msg) {
+        st = kvf_err_set(&e, KVF_ERR_LIMIT, "rpc: %s: response of %zu bytes is over the limit "
+                         "of %lld bytes", c->method_name, resp.len, (long long)c->srv->max_msg);
+    }
+    if (st != KVF_OK) {
+        if (!e.msg[0])
+            snprintf(e.msg, sizeof e.msg, "%s: %s", c->method_name, kvf_status_str(st));
+        kvf_log(KVF_LOG_DEBUG, "rpc: %s: %s: %s", c->method_name, kvf_status_name(st), e.msg);
+    }
+    call_finish(c, st, st == KVF_OK ? NULL : e.msg, st == KVF_OK ? &resp : NULL);
+    kvf_rpc_buf_free(&resp);
+}
+
+static void *worker_main(void *arg)
+{
+    kvf_rpc_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->jobs_head && !s->pool_stop)
+            pthread_cond_wait(&s->cv, &s->mu);
+        kvf_rpc_call *c = s->jobs_head;
+        if (!c)
+            break; /* stopping and nothing queued */
+        s->jobs_head = c->next_job;
+        if (!s->jobs_head)
+            s->jobs_tail = NULL;
+        pthread_mutex_unlock(&s->mu);
+        run_call(c);
+        pthread_mutex_lock(&s->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* ---- accepting calls ---- */
+
+static void on_request(rpc_tag *t, bool ok);
+
+static void request_post(kvf_rpc_server *s, int method)
+{
+    rpc_request *r = calloc(1, sizeof *r);
+    if (!r) {
+        kvf_log(KVF_LOG_ERROR, "rpc: out of memory requesting a call");
+        return;
+    }
+    r->tag.fn = on_request;
+    r->srv = s;
+    r->method = method;
+    grpc_metadata_array_init(&r->md);
+    grpc_call_error e;
+    if (method >= 0) {
+        e = grpc_server_request_registered_call(s->server, s->methods[method].handle, &r->call,
+                                                &r->deadline, &r->md, &r->payload, s->cq, s->cq,
+                                                &r->tag);
+    } else {
+        grpc_call_details_init(&r->details);
+        e = grpc_server_request_call(s->server, &r->call, &r->details, &r->md, s->cq, s->cq,
+                                     &r->tag);
+    }
+    if (e != GRPC_CALL_OK) {
+        if (method < 0)
+            grpc_call_details_destroy(&r->details);
+        grpc_metadata_array_destroy(&r->md);
+        free(r);
+    }
+}
+
+static void request_free(rpc_request *r)
+{
+    if (r->method < 0)
+        grpc_call_details_destroy(&r->details);
+    grpc_metadata_array_destroy(&r->md);
+    if (r->payload)
+        grpc_byte_buffer_destroy(r->payload);
+    free(r);
+}
+
+static void on_request(rpc_tag *t, bool ok)
+{
+    rpc_request *r = RPC_CONTAINER_OF(t, rpc_request, tag);
+    kvf_rpc_server *s = r->srv;
+    if (!ok) { /* the server is shutting down */
+        request_free(r);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    bool repost = !s->shutting;
+    s->live_calls++;
+    pthread_mutex_unlock(&s->mu);
+    if (repost)
+        request_post(s, r->method);
+
+    kvf_rpc_call *c = calloc(1, sizeof *c);
+    kvf_err e;
+    kvf_err_clear(&e);
+    if (c) {
+        c->method_name = r->method >= 0 ? strdup(s->methods[r->method].name)
+                                        : grpc_slice_to_c_string(r->details.method);
+    }
+    if (!c || !c->method_name) {
+        kvf_log(KVF_LOG_ERROR, "rpc: out of memory accepting a call");
+        free(c);
+        grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory",
+                                     NULL);
+        grpc_call_unref(r->call);
+        pthread_mutex_lock(&s->mu);
+        s->live_calls--;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        request_free(r);
+        return;
+    }
+    c->srv = s;
+    c->m = r->method >= 0 ? &s->methods[r->method] : NULL;
+    c->call = r->call;
+    c->deadline = r->method >= 0 ? r->deadline : r->details.deadline;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->refs = 2; /* the handler + RECV_CLOSE_ON_SERVER */
+    c->close_tag.fn = on_close;
+    c->write_tag.fn = on_write;
+    c->finish_tag.fn = on_finish;
+    if (r->payload) {
+        if (rpc_bb_read(r->payload, &c->req, &e) == KVF_OK)
+            c->has_req = true;
+    }
+    request_free(r);
+
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->close_cancelled;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->close_tag, NULL) != GRPC_CALL_OK) {
+        c->refs--;
+        c->cancelled = true;
+    }
+
+    if (!c->m) {
+        char msg[300];
+        snprintf(msg, sizeof msg, "rpc: no method %s on this server", c->method_name);
+        call_finish(c, KVF_ERR_UNSUPPORTED, msg, NULL);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    c->next_job = NULL;
+    if (s->jobs_tail)
+        s->jobs_tail->next_job = c;
+    else
+        s->jobs_head = c;
+    s->jobs_tail = c;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void on_shutdown(rpc_tag *t, bool ok)
+{
+    kvf_rpc_server *s = RPC_CONTAINER_OF(t, kvf_rpc_server, shutdown_tag);
+    pthread_mutex_lock(&s->mu);
+    s->shutdown_done = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *poller_main(void *arg)
+{
+    kvf_rpc_server *s = arg;
+    rpc_cq_poll(s->cq);
+    return NULL;
+}
+
+/* ---- the server ---- */
+
+kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server **out,
+                                 kvf_err *err)
+{
+    if (!opts || !opts->address || !*opts->address)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: no listen address (want "
+                                                 "host:port, e.g. 0.0.0.0:50051)");
+    int n_threads = opts->n_threads ? opts->n_threads : 2;
+    if (n_threads < 1 || n_threads > 256)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: %d handler threads (allowed "
+                                                 "1..256)", opts->n_threads);
+    int64_t max_msg;
+    kvf_status st = rpc_max_msg(opts->max_msg_bytes, "server", &max_msg, err);
+    if (st != KVF_OK)
+        return st;
+    const kvf_rpc_tls *tls = opts->tls;
+    bool use_tls = tls && tls->cert_file && *tls->cert_file;
+    if (tls && !use_tls && tls->key_file && *tls->key_file)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: --tls-key given without "
+                                                 "--tls-cert");
+    if (use_tls && (!tls->key_file || !*tls->key_file))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: --tls-cert given without "
+                                                 "--tls-key");
+    char *cert = NULL, *key = NULL;
+    if (use_tls) {
+        if ((st = rpc_read_pem(tls->cert_file, "--tls-cert", &cert, err)) != KVF_OK)
+            return st;
+        if ((st = rpc_read_pem(tls->key_file, "--tls-key", &key, err)) != KVF_OK) {
+            free(cert);
+            return st;
+        }
+    }
+
+    kvf_rpc_server *s = calloc(1, sizeof *s);
+    if (!s) {
+        free(cert);
+        free(key);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
+    }
+    grpc_init();
+    s->max_msg = max_msg;
+    s->n_threads = n_threads;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->shutdown_tag.fn = on_shutdown;
+    rpc_args a;
+    rpc_args_init(&a, max_msg, true, NULL);
+    s->server = grpc_server_create(&a.args, NULL);
+    s->cq = grpc_completion_queue_create_for_next(NULL);
+    grpc_server_register_completion_queue(s->server, s->cq, NULL);
+
+    grpc_server_credentials *creds;
+    if (use_tls) {
+        grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+        creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
+    } else {
+        creds = grpc_insecure_server_credentials_create();
+    }
+    s->port = creds ? grpc_server_add_http2_port(s->server, opts->address, creds) : 0;
+    if (creds)
+        grpc_server_credentials_release(creds);
+    free(cert);
+    free(key);
+    if (s->port <= 0) {
+        st = kvf_err_set(err, use_tls ? KVF_ERR_INVALID : KVF_ERR_IO,
+                         "rpc: server: cannot listen on %s%s (want host:port with a free port; "
+                         "port 0 picks one)", opts->address,
+                         use_tls ? " with TLS (check --tls-cert and --tls-key)" : "");
+        kvf_rpc_server_destroy(s);
+        return st;
+    }
+    kvf_log(KVF_LOG_DEBUG, "rpc: server bound to %s (port %d%s)", opts->address, s->port,
+            use_tls ? ", TLS" : "");
+    *out = s;
+    return KVF_OK;
+}
+
+int kvf_rpc_server_port(const kvf_rpc_server *s) { return s->port; }
+
+static kvf_status add_method(kvf_rpc_server *s, const char *method, bool streaming,
+                             kvf_rpc_unary_fn u, kvf_rpc_stream_fn f, void *ctx, kvf_err *err)
+{
+    if (!method || method[0] != '/' || !strchr(method + 1, '/'))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: method name \"%s\" is not of the form "
+                           "/package.Service/Method", method ? method : "(null)");
+    if ((streaming && !f) || (!streaming && !u))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s: no handler function", method);
+    if (s->started)
+        return kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: methods must be added before the "
+                                               "server starts", method);
+    for (int i = 0; i < s->n_methods; i++)
+        if (strcmp(s->methods[i].name, method) == 0)
+            return kvf_err_set(err, KVF_ERR_EXISTS, "rpc: method %s is already registered",
+                               method);
+    if (s->n_methods == RPC_MAX_METHODS)
+        return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: more than %d methods on one server",
+                           method, RPC_MAX_METHODS);
+    rpc_method *m = &s->methods[s->n_methods];
+    m->name = strdup(method);
+    if (!m->name)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: out of memory");
+    m->handle = grpc_server_register_method(s->server, m->name, NULL,
+                                            GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+    if (!m->handle) {
+        free(m->name);
+        m->name = NULL;
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: gRPC refused to register %s", method);
+    }
+    m->streaming = streaming;
+    m->unary = u;
+    m->stream = f;
+    m->ctx = ctx;
+    s->n_methods++;
+    return KVF_OK;
+}
+
+kvf_status kvf_rpc_server_add_unary(kvf_rpc_server *s, const char *method, kvf_rpc_unary_fn fn,
+                                    void *ctx, kvf_err *err)
+{
+    return add_method(s, method, false, fn, NULL, ctx, err);
+}
+
+kvf_status kvf_rpc_server_add_stream(kvf_rpc_server *s, const char *method,
+                                     kvf_rpc_stream_fn fn, void *ctx, kvf_err *err)
+{
+    return add_method(s, method, true, NULL, fn, ctx, err);
+}
+
+kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err)
+{
+    if (s->started || s->shut)
+        return kvf_err_set(err, KVF_ERR_STATE, "rpc: server on port %d already started",
+                           s->port);
+    s->workers = calloc((size_t)s->n_threads, sizeof *s->workers);
+    if (!s->workers)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
+    grpc_server_start(s->server);
+    s->started = true;
+    if (pthread_create(&s->poller, NULL, poller_main, s) != 0) {
+        /* Without a poller nothing completes: stop here, polling inline until shut down. */
+        s->shutting = true;
+        grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+        grpc_server_cancel_all_calls(s->server);
+        while (!s->shutdown_done) {
+            grpc_event ev =
+                grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+            if (ev.type != GRPC_OP_COMPLETE)
+                break;
+            ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
+        }
+        s->started = false; /* destroy drains the queue inline */
+        s->shut = true;
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: cannot start the polling thread");
+    }
+    for (int i = 0; i < s->n_threads; i++) {
+        if (pthread_create(&s->workers[i], NULL, worker_main, s) != 0)
+            break;
+        s->n_workers++;
+    }
+    for (int m = 0; m < s->n_methods; m++)
+        for (int k = 0; k < RPC_REQUESTS_PER_METHOD; k++)
+            request_post(s, m);
+    request_post(s, -1);
+    if (s->n_workers == 0) {
+        kvf_rpc_server_shutdown(s, 0);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: cannot start handler threads");
+    }
+    kvf_log(KVF_LOG_INFO, "rpc: serving %d methods on port %d (%d handler threads)",
+            s->n_methods, s->port, s->n_workers);
+    return KVF_OK;
+}
+
+void kvf_rpc_server_shutdown(kvf_rpc_server *s, int64_t grace_ms)
+{
+    pthread_mutex_lock(&s->mu);
+    if (!s->started || s->shutting) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->shutting = true;
+    pthread_mutex_unlock(&s->mu);
+
+    /* 1. Stop taking calls; let those in flight run for the grace period. */
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    int64_t until = kvf_now_ns() + (grace_ms > 0 ? grace_ms : 0) * 1000000;
+    pthread_mutex_lock(&s->mu);
+    while (!s->shutdown_done && s->live_calls > 0 && kvf_now_ns() < until) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 10 * 1000000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    /* 2. Cancel the rest: handlers see is_cancelled and failing writes, and finish. */
+    grpc_server_cancel_all_calls(s->server);
+    pthread_mutex_lock(&s->mu);
+    while (!s->shutdown_done || s->live_calls > 0)
+        pthread_cond_wait(&s->cv, &s->mu);
+    /* 3. Stop the pool (the queue is empty: every call has finished). */
+    s->pool_stop = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->n_workers; i++)
+        pthread_join(s->workers[i], NULL);
+    s->n_workers = 0;
+    s->shut = true;
+    kvf_log(KVF_LOG_DEBUG, "rpc: server on port %d shut down", s->port);
+}
+
+void kvf_rpc_server_destroy(kvf_rpc_server *s)
+{
+    if (!s)
+        return;
+    bool had_poller = s->started;
+    kvf_rpc_server_shutdown(s, 0);
+    if (!had_poller && !s->shutdown_done) {
+        /* Never started, but a port may be bound: gRPC wants a shutdown before destroy. */
+        grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+        for (;;) {
+            grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                       NULL);
+            if (ev.type != GRPC_OP_COMPLETE || ev.tag == &s->shutdown_tag)
+                break;
+            ((rpc_tag *)ev.tag)->fn(ev.tag, ev.success != 0);
+        }
+    }
+    grpc_server_destroy(s->server);
+    grpc_completion_queue_shutdown(s->cq);
+    if (had_poller)
+        pthread_join(s->poller, NULL);
+    else
+        rpc_cq_poll(s->cq); /* drain: nothing was ever requested */
+    grpc_completion_queue_destroy(s->cq);
+    for (int i = 0; i < s->n_methods; i++)
+        free(s->methods[i].name);
+    free(s->workers);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+    grpc_shutdown();
+}
