@@ -13,7 +13,7 @@
 #include "model/tokenizer.h"
 
 /* Largest id a tokenizer may use: bounds allocations made from untrusted files. */
-#define KVF_TOK_MAX_ID (1 << 24)
+#define KVF_TOK_MAX_ID (1 << 21)
 
 /* string -> id, open addressing over ids; the strings live in the owner's arena. */
 typedef struct kvf_tok_strmap {
