@@ -1,0 +1,46 @@
+/* jinja.h: a small interpreter for the part of Jinja that Hugging Face chat templates use:
+ * compile a template once, render it many times (from many threads) with variables given as
+ * JSON. Chat-specific policy (which template, which variables) lives in chat_template.h. */
+#ifndef KVF_MODEL_JINJA_H
+#define KVF_MODEL_JINJA_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct kvf_model_jinja kvf_model_jinja;
+
+/* Compile flags: the environment options transformers sets (both on for chat templates). */
+#define KVF_MODEL_JINJA_TRIM_BLOCKS 1u  /* drop the first newline after a block or comment tag */
+#define KVF_MODEL_JINJA_LSTRIP_BLOCKS 2u /* drop spaces/tabs before a block or comment tag */
+
+/* Bounds on one render, so a hostile template cannot hang or exhaust a worker. Zero fields take
+ * the defaults in brackets. */
+typedef struct kvf_model_jinja_limits {
+    size_t max_output;     /* bytes of output, and of any one string built [8 MiB] */
+    int64_t max_iters;     /* loop iterations over the whole render, and items in range() [1M] */
+    int64_t max_steps;     /* expression and statement evaluations [20M] */
+    int32_t max_depth;     /* nesting of evaluation, macro calls included [256] */
+} kvf_model_jinja_limits;
+
+/* Compiles src[0..len). A syntax error gives KVF_ERR_PARSE with a message
+ * "line L col C: <what was unexpected>". *out is the caller's: kvf_model_jinja_destroy. */
+kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
+                                   kvf_model_jinja **out, kvf_err *err);
+void kvf_model_jinja_destroy(kvf_model_jinja *t); /* NULL is fine */
+
+/* Renders with vars (a JSON object: each key is a template variable) and optional extra
+ * non-JSON globals set by the caller through vars (none today). Statuses:
+ *   KVF_ERR_INVALID  the template called raise_exception(msg): err->msg is msg exactly;
+ *   KVF_ERR_LIMIT    a limit was hit (the message names it);
+ *   KVF_ERR_STATE    any other evaluation error ("line L col C: ...");
+ *   KVF_ERR_NOMEM.
+ * *out is malloc'd and NUL-terminated (free it); *len_out (may be NULL) its length. */
+kvf_status kvf_model_jinja_render(const kvf_model_jinja *t, const json_t *vars,
+                                  const kvf_model_jinja_limits *limits, char **out,
+                                  size_t *len_out, kvf_err *err);
+
+#endif
