@@ -68,8 +68,10 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
     const kvf_kv_layout *l = &pool->layout;
     kvf_status st = kvf_kv_layout_init(l->n_layers, l->n_kv_heads, l->head_dim, l->block_size,
                                        l->dtype, &check, err);
-    if (st != KVF_OK)
-        return kvf_err_prefix(err, "xfer: pool");
+    if (st != KVF_OK) {
+        kvf_err_prefix(err, "xfer: pool");
+        return st;
+    }
     if (check.block_bytes != l->block_bytes)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "xfer: pool block_bytes %lld does not match its layout (%lld)",
@@ -197,8 +199,10 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
                                i, f[i], INT32_MAX);
     kvf_status st = kvf_kv_layout_init((int32_t)f[0], (int32_t)f[1], (int32_t)f[2], (int32_t)f[3],
                                        (kvf_dtype)f[4], &d.layout, err);
-    if (st != KVF_OK)
-        return kvf_err_prefix(err, "xfer: descriptor");
+    if (st != KVF_OK) {
+        kvf_err_prefix(err, "xfer: descriptor");
+        return st;
+    }
     if ((uint64_t)d.layout.block_bytes != block_bytes)
         return kvf_err_set(err, KVF_ERR_PARSE,
                            "xfer: descriptor block_bytes %llu does not match its layout (%lld)",
@@ -234,8 +238,10 @@ kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xf
                            "xfer: descriptor is for backend '%s', this side uses '%s'", d.backend,
                            x->ops->name);
     st = kvf_kv_layout_check_same(&x->pool.layout, "this side", &d.layout, "the peer", err);
-    if (st != KVF_OK)
-        return kvf_err_prefix(err, "xfer: connect refused");
+    if (st != KVF_OK) {
+        kvf_err_prefix(err, "xfer: connect refused");
+        return st;
+    }
     kvf_xfer_peer *peer = calloc(1, sizeof *peer);
     if (!peer)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory");
@@ -286,7 +292,7 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
     if (!peer || peer->owner != x)
         return kvf_err_set(err, KVF_ERR_INVALID, "xfer: write %llu: peer is not one of this xfer's",
                            (unsigned long long)id);
-    if (peer->status != KVF_OK)
+    if (peer->status == KVF_ERR_PEER_LOST)
         return kvf_err_set(err, peer->status, "xfer: write %llu: peer was lost (connect again)",
                            (unsigned long long)id);
     if (n == 0 || !pairs)
@@ -399,6 +405,14 @@ static ssize_t exp_find_locked(const kvf_xfer *x, uint64_t id)
         if (x->exp[i].id == id)
             return (ssize_t)i;
     return -1;
+}
+
+bool kvf_xfer_expecting(kvf_xfer *x, uint64_t id)
+{
+    pthread_mutex_lock(&x->mu);
+    bool yes = x->accept_unexpected || exp_find_locked(x, id) >= 0;
+    pthread_mutex_unlock(&x->mu);
+    return yes;
 }
 
 bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)

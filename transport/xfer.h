@@ -16,7 +16,8 @@
  *   receiver: kvf_xfer_expect(rx, id, deadline)        before the sender may write
  *   sender:   kvf_xfer_write(tx, peer, id, pairs, n, deadline)
  *             UCX: one put per run of adjacent blocks, flush, then an active message carrying
- *             (id, status); the receiver answers with an acknowledgement.
+ *             (id, status); the receiver answers with an acknowledgement. (Over tcp the runs
+ *             go as active messages and the notice carries the byte count: xfer_ucx.c.)
  *   receiver: event {KVF_XFER_RECEIVED, id, KVF_OK}: every byte of transfer id has landed;
  *             or {.., KVF_ERR_TIMEOUT} at its deadline when the sender died or stalled.
  *   sender:   event {KVF_XFER_SENT, id, KVF_OK} once the receiver acknowledged the notice; or
@@ -54,6 +55,9 @@ typedef struct kvf_xfer_cfg {
     const char *transport;   /* ucx: "auto" (default: UCX decides, UCX_TLS is honoured), "tcp"
                               * (needed between network namespaces), "sm" (shared memory, one host) */
     const char *net_devices; /* ucx: UCX_NET_DEVICES value, e.g. "lo" or "eth0"; NULL: all */
+    const char *data_path;   /* ucx: "auto" (default: "am" over tcp, "put" otherwise), "put"
+                              * (RMA puts + flush), "am" (eager active messages the receiver
+                              * copies; see xfer_ucx.c for why tcp uses it) */
     bool accept_unexpected;  /* receiver: deliver notices for ids nobody expected as events
                               * (benchmarks); by default they are logged and dropped */
 } kvf_xfer_cfg;
@@ -119,7 +123,10 @@ kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xf
                             kvf_err *err);
 /* Closes a peer. Writes in flight to it end with KVF_ERR_CANCELLED events. */
 void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer);
-/* KVF_OK while the peer is usable; KVF_ERR_PEER_LOST once it failed (connect again). */
+/* KVF_OK while the peer is usable; KVF_ERR_BUSY while wire-up is still in progress (UCX: it
+ * needs both sides to progress; writes are accepted meanwhile and queue behind it);
+ * KVF_ERR_PEER_LOST once it failed (connect again). Callers that want wire-up done before the
+ * first transfer progress until this is KVF_OK. */
 kvf_status kvf_xfer_peer_status(const kvf_xfer_peer *peer);
 
 /* Starts writing pairs (n of them) to peer as transfer id. Every src must be a block of our

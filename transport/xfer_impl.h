@@ -72,6 +72,9 @@ void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st);
  * (the notice was dropped, or delivered when accept_unexpected). */
 bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st);
 
+/* Receiver: whether a transfer id is expected (or accept_unexpected is set). */
+bool kvf_xfer_expecting(kvf_xfer *x, uint64_t id);
+
 /* Little-endian encoding helpers for descriptors. */
 kvf_status kvf_xfer_put_u32(kvf_sbuf *b, uint32_t v);
 kvf_status kvf_xfer_put_u64(kvf_sbuf *b, uint64_t v);

@@ -3,7 +3,15 @@
  * an endpoint flush, then a UCX active message (id, status) the receiver answers with an
  * acknowledgement. Progress is the caller's (kvf_xfer_progress); deadlines force-close an
  * endpoint whose operations are stuck, so a lost peer ends in an error event, never a hang.
- * The only file that includes UCX; kvf_status_from_ucs converts its codes. */
+ * The only file that includes UCX; kvf_status_from_ucs converts its codes.
+ *
+ * Data paths. "put" is the one above. "am" (the default over tcp) sends each run as eager
+ * active messages (id, destination offset) that the receiver copies into its pool, then the
+ * notice carries the byte count; the receiver completes a transfer when the notice and every
+ * byte have arrived. Over tcp UCX emulates puts with active messages anyway (same copies), and
+ * UCX 1.13 aborts the receiving process (ucs_fatal in ucp_put_handler) when a sender dies in
+ * the middle of emulated puts; with "am" the receiver never answers mid-transfer, and data for a
+ * transfer it no longer expects (timed out, cancelled) is dropped instead of written. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,8 +21,9 @@
 #include "common/time.h"
 #include "transport/xfer_impl.h"
 
-enum { AM_NOTICE = 11, AM_ACK = 12 };
-#define HDR_BYTES 16 /* u64 id | i32 status | u32 zero */
+enum { AM_NOTICE = 11, AM_ACK = 12, AM_DATA = 13 };
+#define HDR_BYTES 24 /* u64 id | i32 status | u32 zero | u64 value (bytes, or an offset) */
+#define AM_CHUNK ((int64_t)1 << 20) /* "am" path: bytes per data message */
 #define CLOSE_WAIT_NS 2000000000LL /* how long destroy waits for force-closed operations */
 
 typedef struct ucx_peer ucx_peer;
@@ -27,12 +36,23 @@ typedef struct ucx_send {
     int pending;       /* UCX requests (puts, flush, notice) not completed yet */
     bool flushed;      /* every put reached the receiver's memory */
     bool notice_sent, acked, cancelled;
+    bool reported;     /* its SENT event went out while UCX still held requests (a peer that
+                        * died before wire-up): kept until they complete, then freed */
     kvf_status status; /* the first failure, or KVF_OK */
     uint8_t hdr[HDR_BYTES];
+    uint8_t *data_hdrs; /* "am" path: [n_chunks][HDR_BYTES], live until the sends complete */
+    uint64_t total_bytes;
     struct ucx_send *next;
 } ucx_send;
 
+/* The flush posted at connect time: it completes once wire-up has. Outlives its peer when the
+ * peer is disconnected first (then p is NULL). */
+typedef struct ucx_conn_op {
+    ucx_peer *p;
+} ucx_conn_op;
+
 struct ucx_peer {
+    ucx_conn_op *conn; /* NULL once wire-up finished */
     ucp_ep_h ep;
     ucp_rkey_h rkey;
     uint64_t remote_base;
@@ -42,6 +62,15 @@ struct ucx_peer {
 };
 
 /* An acknowledgement to send back through the notice's reply endpoint. */
+/* Receiver: a transfer on the "am" path whose notice or bytes are still arriving. */
+typedef struct ucx_recv {
+    uint64_t id;
+    uint64_t landed, total; /* total: from the notice */
+    bool noticed;
+    ucp_ep_h reply_ep;
+    struct ucx_recv *next;
+} ucx_recv;
+
 typedef struct ucx_ack {
     ucp_ep_h ep;
     uint8_t hdr[HDR_BYTES];
@@ -59,6 +88,9 @@ typedef struct ucx_xfer {
     size_t addr_len;
     ucx_send *sends;
     ucx_ack *acks; /* queued by the notice handler, sent from progress */
+    bool no_peer_errh; /* transport "sm": UCX 1.13 has no peer-failure handling over it */
+    bool am_data;      /* data path "am" (else "put") */
+    ucx_recv *recvs;
 } ucx_xfer;
 
 /* The one place UCX status codes become kvfleet ones. */
@@ -87,13 +119,15 @@ static kvf_status kvf_status_from_ucs(ucs_status_t s)
     }
 }
 
-static void hdr_write(uint8_t *h, uint64_t id, int32_t status)
+static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value)
 {
     for (int i = 0; i < 8; i++)
         h[i] = (uint8_t)(id >> (8 * i));
     for (int i = 0; i < 4; i++)
         h[8 + i] = (uint8_t)((uint32_t)status >> (8 * i));
     memset(h + 12, 0, 4);
+    for (int i = 0; i < 8; i++)
+        h[16 + i] = (uint8_t)(value >> (8 * i));
 }
 
 /* ---- request completion ---- */
@@ -128,6 +162,21 @@ static void send_track(ucx_send *s, ucs_status_ptr_t p)
         send_fail(s, kvf_status_from_ucs(UCS_PTR_STATUS(p)));
     else if (p != NULL)
         s->pending++;
+}
+
+static void conn_done(void *req, ucs_status_t status, void *user_data)
+{
+    ucx_conn_op *op = user_data;
+    if (op->p) {
+        op->p->conn = NULL;
+        if (status == UCS_OK && op->p->pub->status == KVF_ERR_BUSY)
+            op->p->pub->status = KVF_OK;
+        else if (status != UCS_OK)
+            op->p->failed = true, op->p->pub->status = KVF_ERR_PEER_LOST;
+    }
+    free(op);
+    if (req)
+        ucp_request_free(req);
 }
 
 static void ack_done(void *req, ucs_status_t status, void *user_data)
@@ -169,6 +218,52 @@ static void peer_close(ucx_xfer *u, ucx_peer *p, bool wait)
 
 /* ---- active messages ---- */
 
+static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id)
+{
+    ucx_ack *a = calloc(1, sizeof *a);
+    if (!a) {
+        kvf_log(KVF_LOG_ERROR, "xfer: ucx: out of memory acknowledging transfer %llu",
+                (unsigned long long)id);
+        return;
+    }
+    a->ep = ep;
+    hdr_write(a->hdr, id, 0, 0);
+    a->next = u->acks;
+    u->acks = a;
+}
+
+static ucx_recv *recv_find(ucx_xfer *u, uint64_t id, bool create)
+{
+    for (ucx_recv *r = u->recvs; r; r = r->next)
+        if (r->id == id)
+            return r;
+    if (!create)
+        return NULL;
+    ucx_recv *r = calloc(1, sizeof *r);
+    if (r) {
+        r->id = id;
+        r->next = u->recvs;
+        u->recvs = r;
+    }
+    return r;
+}
+
+/* "am" path: a transfer is complete once its notice and all its bytes are in. */
+static void recv_try_complete(ucx_xfer *u, ucx_recv *r)
+{
+    if (!r->noticed || r->landed < r->total)
+        return;
+    kvf_xfer_notice(u->x, r->id, KVF_OK);
+    if (r->reply_ep)
+        queue_ack(u, r->reply_ep, r->id);
+    for (ucx_recv **pp = &u->recvs; *pp; pp = &(*pp)->next)
+        if (*pp == r) {
+            *pp = r->next;
+            break;
+        }
+    free(r);
+}
+
 static ucs_status_t notice_cb(void *arg, const void *header, size_t header_length, void *data,
                               size_t length, const ucp_am_recv_param_t *param)
 {
@@ -179,21 +274,54 @@ static ucs_status_t notice_cb(void *arg, const void *header, size_t header_lengt
         return UCS_OK;
     }
     const uint8_t *h = header;
-    uint64_t id = kvf_xfer_get_u64(h);
+    uint64_t id = kvf_xfer_get_u64(h), total = kvf_xfer_get_u64(h + 16);
     int32_t st = (int32_t)kvf_xfer_get_u32(h + 8);
-    kvf_xfer_notice(u->x, id, (kvf_status)st);
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep) {
-        ucx_ack *a = calloc(1, sizeof *a);
-        if (!a) {
-            kvf_log(KVF_LOG_ERROR, "xfer: ucx: out of memory acknowledging transfer %llu",
-                    (unsigned long long)id);
+    ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
+    if (total > 0 && st == KVF_OK) {
+        /* "am" path: the bytes may still be on their way. */
+        ucx_recv *r = kvf_xfer_expecting(u->x, id) ? recv_find(u, id, true) : NULL;
+        if (!r) {
+            kvf_xfer_notice(u->x, id, KVF_OK); /* not expected: counted and dropped there */
             return UCS_OK;
         }
-        a->ep = param->reply_ep;
-        hdr_write(a->hdr, id, 0);
-        a->next = u->acks;
-        u->acks = a;
+        r->noticed = true;
+        r->total = total;
+        r->reply_ep = reply;
+        recv_try_complete(u, r);
+        return UCS_OK;
     }
+    kvf_xfer_notice(u->x, id, (kvf_status)st);
+    if (reply)
+        queue_ack(u, reply, id);
+    return UCS_OK;
+}
+
+static ucs_status_t data_cb(void *arg, const void *header, size_t header_length, void *data,
+                            size_t length, const ucp_am_recv_param_t *param)
+{
+    ucx_xfer *u = arg;
+    if (header_length != HDR_BYTES || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        kvf_log(KVF_LOG_WARN, "xfer: ucx: data message with a %zu-byte header or not eager: "
+                              "dropped", header_length);
+        return UCS_OK;
+    }
+    uint64_t id = kvf_xfer_get_u64(header), off = kvf_xfer_get_u64((const uint8_t *)header + 16);
+    uint64_t pool_bytes = (uint64_t)(u->x->pool.n_blocks * u->x->pool.layout.block_bytes);
+    if (off > pool_bytes || length > pool_bytes - off) {
+        kvf_log(KVF_LOG_WARN, "xfer: ucx: transfer %llu: %zu bytes at offset %llu fall outside "
+                              "the %llu-byte pool: dropped", (unsigned long long)id, length,
+                (unsigned long long)off, (unsigned long long)pool_bytes);
+        return UCS_OK;
+    }
+    /* Only into blocks someone is waiting for: late data must not land in reused blocks. */
+    if (!kvf_xfer_expecting(u->x, id))
+        return UCS_OK;
+    ucx_recv *r = recv_find(u, id, true);
+    if (!r)
+        return UCS_OK;
+    memcpy((char *)u->x->pool.base + off, data, length);
+    r->landed += length;
+    recv_try_complete(u, r);
     return UCS_OK;
 }
 
@@ -205,7 +333,7 @@ static ucs_status_t ack_cb(void *arg, const void *header, size_t header_length, 
         return UCS_OK;
     uint64_t id = kvf_xfer_get_u64(header);
     for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id && s->notice_sent) {
+        if (s->id == id && s->notice_sent && !s->reported) {
             s->acked = true;
             break;
         }
@@ -243,6 +371,15 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
     if (!u)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: ucx: out of memory");
     u->x = x;
+    u->no_peer_errh = strcmp(tr, "sm") == 0;
+    const char *dp = cfg->data_path && *cfg->data_path ? cfg->data_path : "auto";
+    if (strcmp(dp, "am") == 0 || (strcmp(dp, "auto") == 0 && strcmp(tr, "tcp") == 0))
+        u->am_data = true;
+    else if (strcmp(dp, "put") != 0 && strcmp(dp, "auto") != 0) {
+        free(u);
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: ucx: data path '%s' is not supported (use auto, put or am)", dp);
+    }
     kvf_status st;
     ucp_config_t *uc;
     ucs_status_t s = ucp_config_read(NULL, NULL, &uc);
@@ -297,6 +434,7 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
         goto fail_rkey;
     }
     if ((st = set_am_handler(u, AM_NOTICE, notice_cb, err)) != KVF_OK ||
+        (st = set_am_handler(u, AM_DATA, data_cb, err)) != KVF_OK ||
         (st = set_am_handler(u, AM_ACK, ack_cb, err)) != KVF_OK)
         goto fail_addr;
     x->impl = u;
@@ -340,7 +478,12 @@ static void ucx_close(kvf_xfer *x)
             kvf_log(KVF_LOG_ERROR, "xfer: ucx: transfer %llu still has %d UCX requests at close",
                     (unsigned long long)s->id, s->pending);
         else
-            free(s);
+            free(s->data_hdrs), free(s);
+    }
+    while (u->recvs) {
+        ucx_recv *r = u->recvs;
+        u->recvs = r->next;
+        free(r);
     }
     while (u->acks) {
         ucx_ack *a = u->acks;
@@ -404,7 +547,19 @@ static kvf_status ucx_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *bl
         .address = addr,
         .err_mode = UCP_ERR_HANDLING_MODE_PEER,
         .err_handler = {.cb = peer_err_cb, .arg = p}};
+    if (u->no_peer_errh)
+        ep.field_mask &= ~(uint64_t)(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                     UCP_EP_PARAM_FIELD_ERR_HANDLER);
     ucs_status_t s = ucp_ep_create(u->worker, &ep, &p->ep);
+    if (s == UCS_ERR_UNREACHABLE && !u->no_peer_errh) {
+        /* UCX 1.13's shared-memory transports have no peer-failure handling: connect without
+         * it. A dead peer then shows as a put error (cma) or as the deadline passing. */
+        ep.field_mask &= ~(uint64_t)(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                     UCP_EP_PARAM_FIELD_ERR_HANDLER);
+        s = ucp_ep_create(u->worker, &ep, &p->ep);
+        if (s == UCS_OK)
+            kvf_log(KVF_LOG_DEBUG, "xfer: ucx: peer endpoint without peer-failure handling");
+    }
     if (s != UCS_OK) {
         st = kvf_err_set(err, kvf_status_from_ucs(s),
                          "xfer: ucx: connecting to the peer's worker address: %s",
@@ -420,6 +575,20 @@ static kvf_status ucx_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *bl
     free(rkey_buf);
     free(addr);
     pub->impl = p;
+    /* Start wire-up now: the peer reads KVF_ERR_BUSY until this flush completes. */
+    pub->status = KVF_ERR_BUSY;
+    p->conn = malloc(sizeof *p->conn);
+    if (p->conn) {
+        p->conn->p = p;
+        ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                  UCP_OP_ATTR_FIELD_USER_DATA,
+                                  .cb.send = conn_done, .user_data = p->conn};
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
+        if (r == NULL || UCS_PTR_IS_ERR(r))
+            conn_done(NULL, UCS_PTR_STATUS(r), p->conn);
+    } else {
+        pub->status = KVF_OK; /* no memory to watch wire-up: writes still queue behind it */
+    }
     return KVF_OK;
 
 fail:
@@ -433,6 +602,8 @@ static void ucx_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
 {
     ucx_xfer *u = x->impl;
     ucx_peer *p = pub->impl;
+    if (p->conn)
+        p->conn->p = NULL;
     for (ucx_send *s = u->sends; s; s = s->next)
         if (s->peer == p) {
             send_fail(s, KVF_ERR_CANCELLED);
@@ -453,7 +624,7 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
         return kvf_err_set(err, KVF_ERR_PEER_LOST, "xfer: write %llu: peer was lost (connect again)",
                            (unsigned long long)id);
     for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id)
+        if (s->id == id && !s->reported)
             return kvf_err_set(err, KVF_ERR_EXISTS, "xfer: write %llu: this id is already in flight",
                                (unsigned long long)id);
     ucx_send *s = calloc(1, sizeof *s);
@@ -465,9 +636,42 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
     s->deadline_ns = deadline_ns;
     s->status = KVF_OK;
 
-    /* One put per run; UCX completes them in any order, the flush waits for all of them. */
     int64_t bb = x->pool.layout.block_bytes;
     char *base = x->pool.base;
+    if (u->am_data) {
+        /* Data messages then the notice, all posted now: the receiver counts the bytes. */
+        size_t n_chunks = 0;
+        for (size_t i = 0; i < n_runs; i++)
+            n_chunks += (size_t)((runs[i].count * bb + AM_CHUNK - 1) / AM_CHUNK);
+        s->data_hdrs = malloc(n_chunks * HDR_BYTES);
+        if (!s->data_hdrs) {
+            free(s);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: write %llu: out of memory",
+                               (unsigned long long)id);
+        }
+        ucp_request_param_t dp = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMH,
+            .cb.send = op_done, .user_data = s, .flags = UCP_AM_SEND_FLAG_EAGER,
+            .memh = u->memh};
+        size_t c = 0;
+        for (size_t i = 0; i < n_runs && s->status == KVF_OK; i++) {
+            int64_t len = runs[i].count * bb;
+            for (int64_t off = 0; off < len && s->status == KVF_OK; off += AM_CHUNK, c++) {
+                int64_t n = len - off < AM_CHUNK ? len - off : AM_CHUNK;
+                uint8_t *h = s->data_hdrs + c * HDR_BYTES;
+                hdr_write(h, id, 0, (uint64_t)(runs[i].dst * bb + off));
+                send_track(s, ucp_am_send_nbx(p->ep, AM_DATA, h, HDR_BYTES,
+                                              base + runs[i].src * bb + off, (size_t)n, &dp));
+            }
+            s->total_bytes += (uint64_t)len;
+        }
+        s->flushed = true; /* no flush: the notice goes now and carries the byte count */
+        s->next = u->sends;
+        u->sends = s;
+        return KVF_OK;
+    }
+    /* One put per run; UCX completes them in any order, the flush waits for all of them. */
     ucp_request_param_t param = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_MEMH,
@@ -494,7 +698,7 @@ static kvf_status ucx_cancel(kvf_xfer *x, uint64_t id)
 {
     ucx_xfer *u = x->impl;
     for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id) {
+        if (s->id == id && !s->reported) {
             if (s->notice_sent && s->status == KVF_OK)
                 return KVF_ERR_STATE; /* the receiver was told already: wait for the event */
             s->cancelled = true;
@@ -507,7 +711,7 @@ static kvf_status ucx_cancel(kvf_xfer *x, uint64_t id)
 static void send_notice(ucx_send *s)
 {
     ucx_peer *p = s->peer;
-    hdr_write(s->hdr, s->id, KVF_OK);
+    hdr_write(s->hdr, s->id, KVF_OK, s->total_bytes);
     ucp_request_param_t param = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_FLAGS,
@@ -543,10 +747,29 @@ static void ucx_progress(kvf_xfer *x)
         ;
     if (u->acks)
         send_acks(u);
+    for (ucx_recv **rp = &u->recvs; *rp;) {
+        ucx_recv *r = *rp;
+        if (!kvf_xfer_expecting(x, r->id)) { /* timed out or cancelled meanwhile */
+            *rp = r->next;
+            free(r);
+            continue;
+        }
+        rp = &r->next;
+    }
     int64_t now = kvf_now_ns();
     for (ucx_send **pp = &u->sends; *pp;) {
         ucx_send *s = *pp;
         ucx_peer *p = s->peer;
+        if (s->reported) {
+            if (s->pending == 0) {
+                *pp = s->next;
+                free(s->data_hdrs);
+                free(s);
+                continue;
+            }
+            pp = &s->next;
+            continue;
+        }
         if (s->status == KVF_OK && p && (p->failed || p->closed))
             send_fail(s, KVF_ERR_PEER_LOST);
         if (s->status == KVF_OK && !s->acked && now >= s->deadline_ns) {
@@ -558,6 +781,16 @@ static void ucx_progress(kvf_xfer *x)
                 p->failed = true;
                 p->pub->status = KVF_ERR_PEER_LOST;
                 peer_close(u, p, false);
+                ucp_worker_progress(u->worker);
+            }
+            if (s->pending > 0) {
+                /* Operations queued behind a wire-up that never finished are not always
+                 * released by the close: report now (they only read the pool, which outlives
+                 * us) and free the record when UCX lets go of it. */
+                s->reported = true;
+                kvf_xfer_sent(x, s->id, s->status);
+                pp = &s->next;
+                continue;
             }
         }
         if (p && p->failed && !p->closed)
@@ -567,6 +800,7 @@ static void ucx_progress(kvf_xfer *x)
         if (s->pending == 0 && (s->status != KVF_OK || s->acked)) {
             *pp = s->next;
             kvf_xfer_sent(x, s->id, s->status);
+            free(s->data_hdrs);
             free(s);
             continue;
         }

@@ -1,0 +1,136 @@
+/* peer_proto.h: what test_procs.c and its helper process xfer_peer.c share: the little framed
+ * protocol they speak over a socketpair (standing in for the control plane, which carries
+ * descriptors and transfer ids), the pool shape, and the byte pattern every block is filled
+ * with so the receiver can verify every byte. Header-only. */
+#ifndef KVF_TEST_PEER_PROTO_H
+#define KVF_TEST_PEER_PROTO_H
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/time.h"
+#include "transport/xfer.h"
+
+enum {
+    MSG_DESC = 1,   /* payload: a descriptor */
+    MSG_EXPECT = 2, /* u64 id | i64 timeout_ms | u32 n | n * (i32 src, i32 dst) */
+    MSG_READY = 3,  /* u64 id */
+    MSG_RESULT = 4, /* u64 id | i32 status | i64 bad bytes */
+    MSG_WRITE = 5,  /* u64 id | i64 timeout_ms | u32 die | u32 n | pairs: die=1: SIGKILL self
+                       right after the write is posted */
+    MSG_SENT = 6,   /* u64 id | i32 status */
+    MSG_QUIT = 7,
+};
+
+#define PEER_MAX_MSG (1 << 20)
+
+typedef struct peer_msg {
+    uint32_t type, len;
+    uint8_t data[PEER_MAX_MSG];
+} peer_msg;
+
+/* The pool: n_layers x 8 KiB per block (2 kv heads, head_dim 64, 16 tokens, f16). */
+static inline kvf_kv_layout peer_layout(int32_t n_layers)
+{
+    kvf_kv_layout l;
+    kvf_kv_layout_init(n_layers, 2, 64, 16, KVF_DTYPE_F16, &l, NULL);
+    return l;
+}
+
+static inline uint64_t peer_mix(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Block b of a sender's pool holds word k = peer_mix(b << 32 | k). */
+static inline void peer_fill_block(uint8_t *blk, int64_t bytes, int64_t b)
+{
+    uint64_t *w = (uint64_t *)blk;
+    for (int64_t k = 0; k < bytes / 8; k++)
+        w[k] = peer_mix((uint64_t)b << 32 | (uint64_t)k);
+}
+
+/* Bytes of blk that differ from what source block src holds (src < 0: zeros). */
+static inline int64_t peer_check_block(const uint8_t *blk, int64_t bytes, int64_t src)
+{
+    const uint64_t *w = (const uint64_t *)blk;
+    int64_t bad = 0;
+    for (int64_t k = 0; k < bytes / 8; k++) {
+        uint64_t want = src < 0 ? 0 : peer_mix((uint64_t)src << 32 | (uint64_t)k);
+        if (w[k] != want)
+            for (int i = 0; i < 8; i++)
+                bad += ((w[k] >> (8 * i)) & 0xff) != ((want >> (8 * i)) & 0xff);
+    }
+    return bad;
+}
+
+static inline int peer_write_all(int fd, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t k = write(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static inline int peer_read_all(int fd, void *p, size_t n)
+{
+    uint8_t *b = p;
+    while (n) {
+        ssize_t k = read(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static inline int peer_send(int fd, uint32_t type, const void *data, uint32_t len)
+{
+    uint32_t h[2] = {type, len};
+    return peer_write_all(fd, h, sizeof h) || (len && peer_write_all(fd, data, len)) ? -1 : 0;
+}
+
+/* Waits for one message while progressing x (when not NULL); events stay queued in x.
+ * Returns 1 with a message, 0 at the deadline, -1 when the other side closed. */
+static inline int peer_recv(int fd, kvf_xfer *x, peer_msg *m, int64_t deadline_ns)
+{
+    for (;;) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, x ? 0 : 10);
+        if (r > 0) {
+            uint32_t h[2];
+            if (peer_read_all(fd, h, sizeof h) || h[1] > PEER_MAX_MSG)
+                return -1;
+            m->type = h[0];
+            m->len = h[1];
+            return peer_read_all(fd, m->data, m->len) ? -1 : 1;
+        }
+        if (x)
+            kvf_xfer_progress(x);
+        if (kvf_now_ns() >= deadline_ns)
+            return 0;
+    }
+}
+
+/* Little helpers to pack and unpack fixed-width fields in host order (same machine). */
+#define PEER_PUT(buf, off, v) (memcpy((buf) + (off), &(v), sizeof(v)), (off) += sizeof(v))
+#define PEER_GET(buf, off, v) (memcpy(&(v), (buf) + (off), sizeof(v)), (off) += sizeof(v))
+
+#endif

@@ -1,0 +1,377 @@
+/* test_procs.c: kvf_xfer over UCX between two real processes (this one and the xfer_peer
+ * helper, exec'ed fresh, talking over a socketpair in place of the control plane), over tcp and
+ * over shared memory: random block-pair lists verified byte for byte at the receiver after the
+ * completion notice; the receiver killed mid-transfer (the sender's event is an error, within
+ * the deadline, naming the transfer); the sender killed mid-transfer (the receiver's
+ * expectation times out, naming the transfer). Every wait is bounded; children are killed. */
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <cmocka.h>
+
+#include "common/log.h"
+#include "peer_proto.h"
+
+extern char **environ;
+
+#define MS 1000000LL
+#define SEC 1000000000LL
+
+static peer_msg msg;
+static pid_t child = -1;
+static int child_fd = -1;
+
+/* Starts xfer_peer with one end of a socketpair; returns our end. */
+static int spawn_peer(const char *role, const char *transport, int n_layers, int n_blocks)
+{
+    int sv[2];
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    char fd_s[16], layers_s[16], blocks_s[16];
+    snprintf(fd_s, sizeof fd_s, "%d", sv[1]);
+    snprintf(layers_s, sizeof layers_s, "%d", n_layers);
+    snprintf(blocks_s, sizeof blocks_s, "%d", n_blocks);
+    char *argv[] = {(char *)KVF_XFER_PEER_BIN, fd_s, (char *)role, (char *)transport, layers_s,
+                    blocks_s, NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addclose(&fa, sv[0]);
+    assert_int_equal(posix_spawn(&child, KVF_XFER_PEER_BIN, &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(sv[1]);
+    child_fd = sv[0];
+    return sv[0];
+}
+
+/* Kills and reaps the child (if still there); returns its wait status. */
+static int reap_peer(void)
+{
+    int ws = 0;
+    if (child > 0) {
+        kill(child, SIGKILL);
+        waitpid(child, &ws, 0);
+    }
+    if (child_fd >= 0)
+        close(child_fd);
+    child = -1;
+    child_fd = -1;
+    return ws;
+}
+
+static int teardown(void **state)
+{
+    reap_peer();
+    return 0;
+}
+
+static kvf_xfer *make_xfer(const char *transport, int n_layers, int n_blocks, bool pattern,
+                           uint8_t **mem_out)
+{
+    kvf_kv_layout l = peer_layout(n_layers);
+    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * l.block_bytes));
+    assert_non_null(mem);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (pattern)
+            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
+        else
+            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
+    }
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
+    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = transport};
+    kvf_xfer *x = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
+        fail_msg("create: %s", err.msg);
+    *mem_out = mem;
+    return x;
+}
+
+/* Waits for a message of type want, progressing x meanwhile. */
+static void expect_msg(int fd, kvf_xfer *x, uint32_t want, int64_t timeout_ns)
+{
+    int r = peer_recv(fd, x, &msg, kvf_now_ns() + timeout_ns);
+    if (r != 1 || msg.type != want)
+        fail_msg("waited for message %u: got %s (type %u)", want,
+                 r == 0 ? "nothing" : r < 0 ? "a closed socket" : "another", msg.type);
+}
+
+static void send_pairs(int fd, uint32_t type, uint64_t id, int64_t timeout_ms, int die,
+                       const kvf_xfer_pair *pairs, uint32_t n)
+{
+    static uint8_t buf[PEER_MAX_MSG];
+    size_t off = 0;
+    uint32_t d = (uint32_t)die;
+    PEER_PUT(buf, off, id);
+    PEER_PUT(buf, off, timeout_ms);
+    if (type == MSG_WRITE)
+        PEER_PUT(buf, off, d);
+    PEER_PUT(buf, off, n);
+    memcpy(buf + off, pairs, n * sizeof *pairs);
+    off += n * sizeof *pairs;
+    assert_int_equal(peer_send(fd, type, buf, (uint32_t)off), 0);
+}
+
+static kvf_xfer_peer *connect_from_msg(kvf_xfer *x)
+{
+    assert_int_equal(msg.type, MSG_DESC);
+    kvf_xfer_peer *p = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_connect(x, msg.data, msg.len, &p, &err) != KVF_OK)
+        fail_msg("connect: %s", err.msg);
+    /* Wire-up first, so "mid-transfer" below means mid-transfer, not mid-connect. */
+    int64_t until = kvf_now_ns() + 20 * SEC;
+    while (kvf_xfer_peer_status(p) == KVF_ERR_BUSY && kvf_now_ns() < until)
+        kvf_xfer_progress(x);
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
+    return p;
+}
+
+/* Random lists, three transfers in flight at once, each verified by the receiver. */
+static void random_lists(const char *transport)
+{
+    enum { SRC_BLOCKS = 96, DST_BLOCKS = 64, ROUNDS = 10, BATCH = 3 };
+    int fd = spawn_peer("recv", transport, 2, DST_BLOCKS);
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(transport, 2, SRC_BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_err err = {0};
+    srand(1234);
+    uint64_t id = 1;
+    for (int round = 0; round < ROUNDS; round++) {
+        int perm[DST_BLOCKS / BATCH];
+        for (int i = 0; i < DST_BLOCKS / BATCH; i++)
+            perm[i] = i;
+        for (int i = DST_BLOCKS / BATCH - 1; i > 0; i--) {
+            int j = rand() % (i + 1), t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+        /* Disjoint destinations within a batch: each transfer gets its own slice. */
+        kvf_xfer_pair pairs[BATCH][DST_BLOCKS];
+        uint32_t n[BATCH];
+        for (int t = 0; t < BATCH; t++) {
+            n[t] = 1 + (uint32_t)(rand() % (DST_BLOCKS / BATCH));
+            int s0 = rand() % SRC_BLOCKS;
+            bool runs = rand() % 2;
+            for (uint32_t i = 0; i < n[t]; i++) {
+                /* A run fills the slice in order; otherwise the slice is visited shuffled. */
+                int d = t * (DST_BLOCKS / BATCH) + (runs ? (int)i : perm[i]);
+                pairs[t][i].dst = d;
+                pairs[t][i].src = runs ? (s0 + (int)i) % SRC_BLOCKS : rand() % SRC_BLOCKS;
+            }
+            send_pairs(fd, MSG_EXPECT, id + t, 20000, 0, pairs[t], n[t]);
+        }
+        for (int t = 0; t < BATCH; t++)
+            expect_msg(fd, x, MSG_READY, 20 * SEC);
+        for (int t = 0; t < BATCH; t++)
+            assert_int_equal(kvf_xfer_write(x, p, id + t, pairs[t], n[t],
+                                            kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+        int sent = 0, results = 0;
+        int64_t until = kvf_now_ns() + 30 * SEC;
+        while ((sent < BATCH || results < BATCH) && kvf_now_ns() < until) {
+            kvf_xfer_event ev;
+            while (kvf_xfer_poll(x, &ev)) {
+                assert_int_equal(ev.kind, KVF_XFER_SENT);
+                assert_true(ev.id >= id && ev.id < id + BATCH);
+                if (ev.status != KVF_OK)
+                    fail_msg("transfer %llu: %s", (unsigned long long)ev.id,
+                             kvf_status_str(ev.status));
+                sent++;
+            }
+            int r = peer_recv(fd, x, &msg, kvf_now_ns() + 20 * MS);
+            assert_true(r >= 0);
+            if (r == 1) {
+                assert_int_equal(msg.type, MSG_RESULT);
+                size_t off = 0;
+                uint64_t rid;
+                int32_t st;
+                int64_t bad;
+                PEER_GET(msg.data, off, rid);
+                PEER_GET(msg.data, off, st);
+                PEER_GET(msg.data, off, bad);
+                assert_true(rid >= id && rid < id + BATCH);
+                assert_int_equal(st, KVF_OK);
+                if (bad != 0)
+                    fail_msg("transfer %llu: %lld bytes differ at the receiver",
+                             (unsigned long long)rid, (long long)bad);
+                results++;
+            }
+        }
+        assert_int_equal(sent, BATCH);
+        assert_int_equal(results, BATCH);
+        id += BATCH;
+    }
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.sent_ok, ROUNDS * BATCH);
+    assert_int_equal(s.in_flight, 0);
+    assert_true(s.puts <= s.bytes / peer_layout(2).block_bytes); /* coalescing never adds puts */
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free(mem);
+    int ws = 0;
+    waitpid(child, &ws, 0); /* it exits by itself after QUIT */
+    child = -1;
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+}
+
+static void test_random_lists_tcp(void **state)
+{
+    random_lists("tcp");
+}
+
+static void test_random_lists_sm(void **state)
+{
+    random_lists("sm");
+}
+
+/* The receiver dies right after the sender posted a 64 MiB write: the sender's event names the
+ * transfer, is an error, and arrives within the deadline; the peer is then unusable. */
+static void receiver_killed(const char *transport)
+{
+    enum { LAYERS = 32, BLOCKS = 256 }; /* 256 KiB blocks, 64 MiB */
+    int fd = spawn_peer("recv", transport, LAYERS, BLOCKS);
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i}; /* no runs: 256 puts */
+    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    kvf_err err = {0};
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
+    int ws = reap_peer(); /* before any progress: the notice cannot have been acknowledged */
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_SENT);
+    assert_int_equal(ev.id, 7);
+    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
+        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
+    assert_true(el <= 3 * SEC + 500 * MS);
+    /* Nothing of it is left in flight: the source blocks may go back to the pool. */
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.in_flight, 0);
+    assert_int_equal(s.sent_failed, 1);
+    /* A second write to the dead peer also ends in an error, within its own deadline. */
+    t0 = kvf_now_ns();
+    kvf_status st = kvf_xfer_write(x, p, 8, pairs, 4, t0 + SEC, &err);
+    if (st == KVF_OK) {
+        assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 3 * SEC, &err), KVF_OK);
+        assert_int_equal(ev.id, 8);
+        assert_int_not_equal(ev.status, KVF_OK);
+        assert_true(kvf_now_ns() - t0 <= SEC + 500 * MS);
+    } else {
+        assert_int_equal(st, KVF_ERR_PEER_LOST);
+    }
+    kvf_log_set_level(KVF_LOG_INFO);
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free(mem);
+}
+
+static void test_receiver_killed_tcp(void **state)
+{
+    receiver_killed("tcp");
+}
+
+static void test_receiver_killed_sm(void **state)
+{
+    receiver_killed("sm");
+}
+
+/* The sender dies right after posting its puts: our expectation times out at its deadline and
+ * names the transfer, so the caller can return its destination blocks; then a fresh sender
+ * writes into the same blocks and every byte is right. */
+static void sender_killed(const char *transport)
+{
+    enum { LAYERS = 32, BLOCKS = 128 };
+    int64_t bb = peer_layout(LAYERS).block_bytes;
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, false, &mem);
+    uint8_t *desc;
+    size_t len;
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = i};
+
+    int fd = spawn_peer("send", transport, LAYERS, BLOCKS);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    int64_t t0 = kvf_now_ns();
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_expect(x, 9, t0 + 2 * SEC, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, 9, 20000, 1, pairs, BLOCKS);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
+    assert_int_equal(ev.id, 9);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    int ws = reap_peer();
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.expected, 0);
+    assert_int_equal(s.received_failed, 1);
+
+    /* The blocks went back (here: are reused at once) and a healthy sender fills them. */
+    memset(mem, 0, (size_t)(BLOCKS * bb));
+    fd = spawn_peer("send", transport, LAYERS, BLOCKS);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_xfer_expect(x, 10, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 10);
+    assert_int_equal(ev.status, KVF_OK);
+    for (int b = 0; b < BLOCKS; b++)
+        assert_int_equal(peer_check_block(mem + b * bb, bb, b), 0);
+    expect_msg(fd, x, MSG_SENT, 20 * SEC);
+    kvf_log_set_level(KVF_LOG_INFO);
+    reap_peer();
+    free(desc);
+    kvf_xfer_destroy(x);
+    free(mem);
+}
+
+static void test_sender_killed_tcp(void **state)
+{
+    sender_killed("tcp");
+}
+
+static void test_sender_killed_sm(void **state)
+{
+    sender_killed("sm");
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_random_lists_tcp, teardown),
+        cmocka_unit_test_teardown(test_random_lists_sm, teardown),
+        cmocka_unit_test_teardown(test_receiver_killed_tcp, teardown),
+        cmocka_unit_test_teardown(test_receiver_killed_sm, teardown),
+        cmocka_unit_test_teardown(test_sender_killed_tcp, teardown),
+        cmocka_unit_test_teardown(test_sender_killed_sm, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

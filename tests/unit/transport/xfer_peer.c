@@ -1,0 +1,164 @@
+/* xfer_peer.c: the other process of test_procs.c. As "recv" it registers a zeroed pool, sends
+ * its descriptor, expects the transfers it is told about and, after each completion notice,
+ * verifies every byte of its pool against the pattern; as "send" it fills its pool with the
+ * pattern, connects to the descriptor it is given and writes what it is told (optionally
+ * killing itself right after posting a write). It exits when the socket closes, or after 90 s.
+ *   usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks> */
+#include <signal.h>
+#include <stdio.h>
+
+#include "peer_proto.h"
+
+#define MS 1000000LL
+
+typedef struct pending {
+    uint64_t id;
+    uint32_t n;
+    kvf_xfer_pair *pairs;
+} pending;
+
+static peer_msg msg;
+
+static int die(const char *what, const kvf_err *err)
+{
+    fprintf(stderr, "xfer_peer: %s: %s\n", what, err ? err->msg : "");
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 6) {
+        fprintf(stderr, "usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks>\n");
+        return 2;
+    }
+    alarm(90);
+    int fd = atoi(argv[1]);
+    bool recv_role = strcmp(argv[2], "recv") == 0;
+    kvf_kv_layout l = peer_layout(atoi(argv[4]));
+    int64_t n_blocks = atoll(argv[5]), bb = l.block_bytes;
+    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * bb));
+    if (!mem)
+        return die("out of memory", NULL);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (recv_role)
+            memset(mem + b * bb, 0, (size_t)bb);
+        else
+            peer_fill_block(mem + b * bb, bb, b);
+    }
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
+    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = argv[3]};
+    kvf_xfer *x;
+    kvf_err err = {0};
+    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
+        return die("create", &err);
+    kvf_xfer_peer *peer = NULL;
+    int64_t *owner = malloc((size_t)n_blocks * sizeof *owner); /* recv: source block per dst */
+    for (int64_t b = 0; b < n_blocks; b++)
+        owner[b] = -1;
+    pending pend[64];
+    int n_pend = 0;
+
+    if (recv_role) {
+        uint8_t *desc;
+        size_t len;
+        if (kvf_xfer_desc_export(x, &desc, &len, &err) != KVF_OK)
+            return die("export", &err);
+        peer_send(fd, MSG_DESC, desc, (uint32_t)len);
+        free(desc);
+    } else {
+        if (peer_recv(fd, NULL, &msg, kvf_now_ns() + 30000 * MS) != 1 || msg.type != MSG_DESC)
+            return die("no descriptor", NULL);
+        if (kvf_xfer_connect(x, msg.data, msg.len, &peer, &err) != KVF_OK)
+            return die("connect", &err);
+        int64_t until = kvf_now_ns() + 20000 * MS;
+        while (kvf_xfer_peer_status(peer) == KVF_ERR_BUSY && kvf_now_ns() < until)
+            kvf_xfer_progress(x);
+        if (kvf_xfer_peer_status(peer) != KVF_OK)
+            return die("wire-up did not finish", NULL);
+        uint64_t zero = 0;
+        peer_send(fd, MSG_READY, &zero, sizeof zero);
+    }
+
+    for (;;) {
+        int r = peer_recv(fd, x, &msg, kvf_now_ns() + 50 * MS);
+        if (r < 0)
+            break;
+        if (r == 1 && msg.type == MSG_QUIT)
+            break;
+        if (r == 1 && (msg.type == MSG_EXPECT || msg.type == MSG_WRITE)) {
+            size_t off = 0;
+            uint64_t id;
+            int64_t timeout_ms;
+            uint32_t n, die_after = 0;
+            PEER_GET(msg.data, off, id);
+            PEER_GET(msg.data, off, timeout_ms);
+            if (msg.type == MSG_WRITE)
+                PEER_GET(msg.data, off, die_after);
+            PEER_GET(msg.data, off, n);
+            kvf_xfer_pair *pairs = malloc(n * sizeof *pairs);
+            memcpy(pairs, msg.data + off, n * sizeof *pairs);
+            int64_t dl = kvf_now_ns() + timeout_ms * MS;
+            if (msg.type == MSG_EXPECT) {
+                if (n_pend == 64 || kvf_xfer_expect(x, id, dl, &err) != KVF_OK)
+                    return die("expect", &err);
+                pend[n_pend++] = (pending){.id = id, .n = n, .pairs = pairs};
+                peer_send(fd, MSG_READY, &id, sizeof id);
+            } else {
+                kvf_status st = kvf_xfer_write(x, peer, id, pairs, n, dl, &err);
+                free(pairs);
+                if (die_after)
+                    kill(getpid(), SIGKILL); /* mid-transfer: the puts are posted, no notice */
+                if (st != KVF_OK) {
+                    uint8_t out[12];
+                    size_t o = 0;
+                    int32_t s32 = st;
+                    PEER_PUT(out, o, id);
+                    PEER_PUT(out, o, s32);
+                    peer_send(fd, MSG_SENT, out, (uint32_t)o);
+                }
+            }
+        }
+        kvf_xfer_event ev;
+        while (kvf_xfer_poll(x, &ev)) {
+            uint8_t out[32];
+            size_t o = 0;
+            int32_t s32 = ev.status;
+            PEER_PUT(out, o, ev.id);
+            PEER_PUT(out, o, s32);
+            if (ev.kind == KVF_XFER_SENT) {
+                peer_send(fd, MSG_SENT, out, (uint32_t)o);
+                continue;
+            }
+            /* Receiver: after the notice, every byte of the pool must be what we expect. */
+            int64_t bad = 0;
+            for (int i = 0; i < n_pend; i++) {
+                if (pend[i].id != ev.id)
+                    continue;
+                if (ev.status == KVF_OK)
+                    for (uint32_t k = 0; k < pend[i].n; k++)
+                        owner[pend[i].pairs[k].dst] = pend[i].pairs[k].src;
+                free(pend[i].pairs);
+                pend[i] = pend[--n_pend];
+                break;
+            }
+            /* Blocks that transfers still pending may be writing right now are skipped. */
+            bool *busy = calloc((size_t)n_blocks, 1);
+            for (int i = 0; i < n_pend; i++)
+                for (uint32_t k = 0; k < pend[i].n; k++)
+                    busy[pend[i].pairs[k].dst] = true;
+            if (ev.status == KVF_OK)
+                for (int64_t b = 0; b < n_blocks; b++)
+                    if (!busy[b])
+                        bad += peer_check_block(mem + b * bb, bb, owner[b]);
+            free(busy);
+            PEER_PUT(out, o, bad);
+            peer_send(fd, MSG_RESULT, out, (uint32_t)o);
+        }
+    }
+    if (peer)
+        kvf_xfer_disconnect(x, peer);
+    kvf_xfer_destroy(x);
+    free(owner);
+    free(mem);
+    return 0;
+}
