@@ -7,6 +7,8 @@
 
 int kvf_cli_plan(int argc, char **argv);
 int kvf_cli_bench(int argc, char **argv);
+int kvf_cli_generate(int argc, char **argv);  /* cli/cmd_generate.c */
+int kvf_cli_gen_model(int argc, char **argv); /* cli/cmd_gen_model.c */
 
 /* Exit code for a status from kvf_cfg_parse or a command: 0 for OK and HELP, 2 for invalid
  * arguments, 1 otherwise; prints err's message (prefixed "kvfleet: ") when there is one. */
