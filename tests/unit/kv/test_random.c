@@ -1,0 +1,428 @@
+/* test_random.c: tens of thousands of mixed operations (new request with prefix lookup, append,
+ * step, fork, free, swap out/in, pin, expire, probe) against a deliberately simple reference
+ * model: each sequence's tokens and the KV value every position must hold (a hash of its
+ * prefix), the set of cached hashes rebuilt from the events alone (what a router sees), and a
+ * plain count of the blocks each operation needs. After every operation: the pool and swap
+ * invariant checkers, every live position's KV bytes, and used blocks == distinct held ids. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "kvtest.h"
+
+#define BS 4
+#define N_BLOCKS 48
+#define N_SLOTS_SWAP 20
+#define N_SEQS 12
+#define MAX_TOK 160
+#define N_OPS 30000
+
+typedef struct model_seq {
+    kvf_kv_seq s;
+    bool live; /* initialised and not released */
+    int32_t tok[MAX_TOK];
+    uint64_t val[MAX_TOK]; /* the KV value of each position: a hash of the prefix up to it */
+    int64_t n;
+} model_seq;
+
+typedef struct world {
+    kt_env env;
+    kvf_kv_swap *swap;
+    model_seq m[N_SEQS];
+    uint64_t cached[N_BLOCKS]; /* hashes known from STORED minus REMOVED events */
+    int n_cached;
+    int ev_seen;
+    uint64_t rng;
+    uint64_t roots[2];
+    int32_t templ[4][MAX_TOK];
+    int64_t ok, full;
+} world;
+
+static uint32_t rnd(world *w, uint32_t n)
+{
+    w->rng ^= w->rng << 13;
+    w->rng ^= w->rng >> 7;
+    w->rng ^= w->rng << 17;
+    return (uint32_t)(w->rng % n);
+}
+
+static uint64_t mix(uint64_t a, uint64_t b)
+{
+    uint64_t x = (a ^ (b + 0x9e3779b97f4a7c15ull)) * 0xbf58476d1ce4e5b9ull;
+    return x ^ (x >> 31);
+}
+
+/* Applies the events raised since the last call to the model's cached-hash set. */
+static void absorb_events(world *w)
+{
+    for (; w->ev_seen < w->env.n_ev; w->ev_seen++) {
+        const kvf_kv_event *ev = &w->env.ev[w->ev_seen];
+        int at = -1;
+        for (int i = 0; i < w->n_cached; i++)
+            if (w->cached[i] == ev->hash)
+                at = i;
+        if (ev->type == KVF_KV_EVENT_STORED) {
+            assert_int_equal(at, -1); /* never stored twice */
+            assert_true(w->n_cached < N_BLOCKS);
+            w->cached[w->n_cached++] = ev->hash;
+        } else {
+            assert_int_not_equal(at, -1); /* only what was stored is removed */
+            w->cached[at] = w->cached[--w->n_cached];
+        }
+    }
+    w->env.n_ev = w->ev_seen = 0;
+}
+
+static bool in_cache_model(const world *w, uint64_t h)
+{
+    for (int i = 0; i < w->n_cached; i++)
+        if (w->cached[i] == h)
+            return true;
+    return false;
+}
+
+/* Sets tokens [from, to) of sequence i and their expected values. */
+static void model_extend(world *w, model_seq *q, int64_t to, const int32_t *src)
+{
+    for (int64_t p = q->n; p < to; p++) {
+        q->tok[p] = src ? src[p] : (int32_t)rnd(w, 3);
+        q->val[p] = mix(p ? q->val[p - 1] : q->s.root, (uint64_t)q->tok[p]);
+    }
+}
+
+/* Writes the KV values of [from, to) into the pool and registers full blocks. */
+static void write_and_commit(model_seq *q, int64_t from, int64_t to)
+{
+    for (int64_t p = from; p < to; p++)
+        *kt_slot(&q->s, p) = q->val[p];
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_seq_commit(&q->s, q->tok, to, &err), KVF_OK);
+    q->n = to;
+}
+
+/* How many live tables hold block id (its refcount, counted the plain way). */
+static int holders(const world *w, int32_t id)
+{
+    int n = 0;
+    for (int i = 0; i < N_SEQS; i++) {
+        const kvf_kv_seq *s = &w->m[i].s;
+        if (!w->m[i].live || s->state != KVF_KV_SEQ_ACTIVE)
+            continue;
+        for (int32_t j = 0; j < s->n_blocks; j++)
+            n += s->blocks[j] == id;
+    }
+    return n;
+}
+
+/* Blocks appending k tokens to each of the chosen sequences takes, counted the plain way. */
+static int64_t model_need(const world *w, const int *idx, const int64_t *k, int n)
+{
+    int64_t need = 0;
+    for (int a = 0; a < n; a++) {
+        const kvf_kv_seq *s = &w->m[idx[a]].s;
+        need += kvf_kv_blocks_for(s->n_tokens + k[a], BS) - s->n_blocks;
+    }
+    for (int a = 0; a < n; a++) {
+        const kvf_kv_seq *s = &w->m[idx[a]].s;
+        if (k[a] == 0 || s->n_tokens % BS == 0)
+            continue;
+        int32_t last = s->blocks[s->n_blocks - 1];
+        int writers = 0, first = -1;
+        for (int b = 0; b < n; b++) {
+            const kvf_kv_seq *t = &w->m[idx[b]].s;
+            if (k[b] > 0 && t->n_tokens % BS != 0 && t->blocks[t->n_blocks - 1] == last) {
+                writers++;
+                if (first < 0)
+                    first = b;
+            }
+        }
+        if (first != a)
+            continue; /* count each shared block once */
+        int h = holders(w, last);
+        if (h > 1)
+            need += writers == h ? writers - 1 : writers;
+    }
+    return need;
+}
+
+static void verify(world *w)
+{
+    kvf_kv_pool *p = w->env.pool;
+    absorb_events(w);
+    kvf_kv_seq *all[N_SEQS];
+    int n = 0;
+    for (int i = 0; i < N_SEQS; i++)
+        if (w->m[i].live)
+            all[n++] = &w->m[i].s;
+    kt_check(p, all, (size_t)n);
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_swap_check(w->swap, (const kvf_kv_seq *const *)all, (size_t)n, &err),
+                     KVF_OK);
+    /* every live position holds its value; used == distinct held blocks */
+    uint8_t held[N_BLOCKS] = {0};
+    int distinct = 0;
+    for (int i = 0; i < N_SEQS; i++) {
+        model_seq *q = &w->m[i];
+        if (!q->live || q->s.state != KVF_KV_SEQ_ACTIVE)
+            continue;
+        assert_int_equal(q->s.n_tokens, q->n);
+        for (int64_t pos = 0; pos < q->n; pos++)
+            assert_true(*kt_slot(&q->s, pos) == q->val[pos]);
+        for (int32_t j = 0; j < q->s.n_blocks; j++)
+            if (!held[q->s.blocks[j]]++)
+                distinct++;
+    }
+    kvf_kv_pool_stats st;
+    kvf_kv_pool_get_stats(p, &st);
+    assert_int_equal(st.used, distinct);
+    assert_true(w->n_cached <= N_BLOCKS);
+}
+
+static int pick(world *w, bool want_live, kvf_kv_seq_state state)
+{
+    int start = (int)rnd(w, N_SEQS);
+    for (int d = 0; d < N_SEQS; d++) {
+        int i = (start + d) % N_SEQS;
+        model_seq *q = &w->m[i];
+        if (q->live == want_live && (!want_live || q->s.state == state))
+            return i;
+    }
+    return -1;
+}
+
+static void op_new(world *w)
+{
+    int i = pick(w, false, KVF_KV_SEQ_ACTIVE);
+    if (i < 0)
+        return;
+    model_seq *q = &w->m[i];
+    kvf_kv_seq_init(&q->s, w->env.pool, w->roots[rnd(w, 2)]);
+    q->live = true;
+    q->n = 0;
+    /* a template prefix and a random tail make prefix hits common */
+    int32_t src[MAX_TOK];
+    int64_t len = 1 + rnd(w, 60), shared = rnd(w, (uint32_t)len + 1);
+    memcpy(src, w->templ[rnd(w, 4)], sizeof src);
+    for (int64_t t = shared; t < len; t++)
+        src[t] = (int32_t)rnd(w, 3);
+    model_extend(w, q, len, src);
+    kvf_kv_pool_expire(w->env.pool, NULL); /* so the event set and probe agree on expiry */
+    absorb_events(w);
+    /* the event-built set predicts the probe exactly */
+    uint64_t h[MAX_TOK / BS];
+    size_t nb = kvf_kv_hash_blocks(q->s.root, q->tok, (size_t)(len - 1), BS, h);
+    int32_t expect = 0;
+    while ((size_t)expect < nb && in_cache_model(w, h[expect]))
+        expect++;
+    assert_int_equal(kvf_kv_prefix_probe(w->env.pool, q->s.root, q->tok, len - 1), expect);
+    int64_t hit = -1;
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_prefix_lookup(&q->s, q->tok, len - 1, &hit, &err), KVF_OK);
+    assert_int_equal(hit, (int64_t)expect * BS);
+    q->n = hit; /* the hit positions already hold the right values: verify checks them */
+    int32_t avail = kvf_kv_pool_available(w->env.pool);
+    int64_t need = kvf_kv_blocks_for(len, BS) - q->s.n_blocks;
+    kvf_status st = kvf_kv_seq_prepare_write(&q->s, len - hit, &err);
+    if (need > avail) {
+        assert_int_equal(st, KVF_ERR_FULL);
+        w->full++;
+        assert_int_equal(kvf_kv_seq_free(&q->s, &err), KVF_OK);
+        kvf_kv_seq_fini(&q->s);
+        q->live = false;
+        return;
+    }
+    assert_int_equal(st, KVF_OK);
+    w->ok++;
+    write_and_commit(q, hit, len);
+}
+
+static void op_append(world *w, bool as_step)
+{
+    int idx[N_SEQS], n = 0;
+    int64_t k[N_SEQS];
+    if (as_step) {
+        for (int i = 0; i < N_SEQS; i++)
+            if (w->m[i].live && w->m[i].s.state == KVF_KV_SEQ_ACTIVE && rnd(w, 2))
+                idx[n++] = i;
+    } else {
+        int i = pick(w, true, KVF_KV_SEQ_ACTIVE);
+        if (i >= 0)
+            idx[n++] = i;
+    }
+    for (int a = 0; a < n; a++) {
+        int64_t room = MAX_TOK - w->m[idx[a]].n;
+        k[a] = room <= 0 ? 0 : rnd(w, (uint32_t)(room < 6 ? room + 1 : 6));
+    }
+    if (n == 0)
+        return;
+    int64_t need = model_need(w, idx, k, n);
+    int32_t avail = kvf_kv_pool_available(w->env.pool);
+    kvf_kv_seq *seqs[N_SEQS];
+    for (int a = 0; a < n; a++)
+        seqs[a] = &w->m[idx[a]].s;
+    assert_int_equal(kvf_kv_pool_step_need(w->env.pool, seqs, k, (size_t)n), need);
+    kvf_err err = {0};
+    kvf_status st = as_step ? kvf_kv_pool_alloc_step(w->env.pool, seqs, k, (size_t)n, &err)
+                            : kvf_kv_seq_prepare_write(seqs[0], k[0], &err);
+    if (need > avail) {
+        assert_int_equal(st, KVF_ERR_FULL);
+        w->full++;
+        return;
+    }
+    if (st != KVF_OK)
+        fprintf(stderr, "%s\n", err.msg);
+    assert_int_equal(st, KVF_OK);
+    w->ok++;
+    for (int a = 0; a < n; a++) {
+        model_seq *q = &w->m[idx[a]];
+        int64_t from = q->n;
+        model_extend(w, q, from + k[a], NULL);
+        write_and_commit(q, from, from + k[a]);
+    }
+}
+
+static void op_fork(world *w)
+{
+    int i = pick(w, true, KVF_KV_SEQ_ACTIVE), j = pick(w, false, KVF_KV_SEQ_ACTIVE);
+    if (i < 0 || j < 0)
+        return;
+    model_seq *a = &w->m[i], *b = &w->m[j];
+    kvf_kv_seq_init(&b->s, w->env.pool, a->s.root);
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_seq_fork(&a->s, &b->s, &err), KVF_OK);
+    b->live = true;
+    b->n = a->n;
+    memcpy(b->tok, a->tok, sizeof a->tok);
+    memcpy(b->val, a->val, sizeof a->val);
+}
+
+static void op_free(world *w)
+{
+    int i = pick(w, true, rnd(w, 4) ? KVF_KV_SEQ_ACTIVE : KVF_KV_SEQ_SWAPPED);
+    if (i < 0)
+        return;
+    model_seq *q = &w->m[i];
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_seq_free(&q->s, &err), KVF_OK);
+    assert_int_equal(kvf_kv_seq_free(&q->s, &err), KVF_ERR_STATE); /* double free refused */
+    kvf_kv_seq_fini(&q->s);
+    q->live = false;
+}
+
+static void op_swap(world *w)
+{
+    kvf_err err = {0};
+    if (rnd(w, 2)) {
+        int i = pick(w, true, KVF_KV_SEQ_ACTIVE);
+        if (i < 0)
+            return;
+        kvf_kv_seq *s = &w->m[i].s;
+        bool fits = s->n_blocks <= kvf_kv_swap_slots_free(w->swap);
+        assert_int_equal(kvf_kv_swap_out(w->swap, s, &err), fits ? KVF_OK : KVF_ERR_FULL);
+    } else {
+        int i = pick(w, true, KVF_KV_SEQ_SWAPPED);
+        if (i < 0)
+            return;
+        model_seq *q = &w->m[i];
+        bool fits = q->s.n_blocks <= kvf_kv_pool_available(w->env.pool);
+        assert_int_equal(kvf_kv_swap_in(w->swap, &q->s, &err), fits ? KVF_OK : KVF_ERR_FULL);
+        if (fits) /* register its full blocks again */
+            assert_int_equal(kvf_kv_seq_commit(&q->s, q->tok, q->n, &err), KVF_OK);
+    }
+}
+
+static void op_pin(world *w)
+{
+    kvf_err err = {0};
+    int32_t n = 0;
+    uint64_t root = w->roots[0];
+    int32_t *t = w->templ[rnd(w, 4)];
+    if (rnd(w, 2))
+        assert_int_equal(kvf_kv_prefix_pin(w->env.pool, root, t, 8, &n, &err), KVF_OK);
+    else
+        assert_int_equal(kvf_kv_prefix_unpin(w->env.pool, root, t, 8, &n, &err), KVF_OK);
+    assert_true(n >= 0 && n <= 2);
+}
+
+static void run(uint64_t seed)
+{
+    world *w = calloc(1, sizeof *w);
+    assert_non_null(w);
+    w->rng = seed | 1;
+    kt_open(&w->env, N_BLOCKS, BS, 400);
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_swap_create(w->env.pool, N_SLOTS_SWAP, &w->swap, &err), KVF_OK);
+    w->roots[0] = kvf_kv_hash_root("rand", NULL, 0);
+    w->roots[1] = kvf_kv_hash_root("rand", "salt", 4);
+    for (int t = 0; t < 4; t++)
+        for (int i = 0; i < MAX_TOK; i++)
+            w->templ[t][i] = (int32_t)rnd(w, 3);
+    for (int op = 0; op < N_OPS; op++) {
+        w->env.now += rnd(w, 3);
+        uint32_t r = rnd(w, 100);
+        if (r < 20)
+            op_new(w);
+        else if (r < 45)
+            op_append(w, false);
+        else if (r < 60)
+            op_append(w, true);
+        else if (r < 68)
+            op_fork(w);
+        else if (r < 84)
+            op_free(w);
+        else if (r < 94)
+            op_swap(w);
+        else if (r < 97)
+            op_pin(w);
+        else {
+            w->env.now += 300; /* idle long enough for some blocks to pass the retention */
+            kvf_kv_pool_expire(w->env.pool, NULL);
+        }
+        verify(w);
+    }
+    kvf_kv_pool_stats st;
+    kvf_kv_pool_get_stats(w->env.pool, &st);
+    fprintf(stderr, "seed %llu: %lld ok, %lld full; hits %lld of %lld blocks, %lld stored, "
+            "%lld evicted, %lld expired, %lld copy-on-write\n", (unsigned long long)seed,
+            (long long)w->ok, (long long)w->full, (long long)st.hit_blocks,
+            (long long)st.lookup_blocks, (long long)st.stored, (long long)st.evicted,
+            (long long)st.expired, (long long)st.cow_copies);
+    /* the run must have exercised the interesting paths */
+    assert_true(st.hit_blocks > 100 && st.evicted > 100 && st.cow_copies > 10 && w->full > 10 &&
+                st.expired > 10);
+    for (int i = 0; i < N_SEQS; i++)
+        if (w->m[i].live)
+            kvf_kv_seq_fini(&w->m[i].s);
+    kvf_kv_seq *none[] = {NULL};
+    kt_check(w->env.pool, none, 0);
+    kvf_kv_pool_get_stats(w->env.pool, &st);
+    assert_int_equal(st.used, 0);
+    assert_int_equal(kvf_kv_swap_slots_free(w->swap), N_SLOTS_SWAP);
+    kvf_kv_swap_destroy(w->swap);
+    kvf_kv_pool_destroy(w->env.pool);
+    free(w);
+}
+
+static void test_random_ops(void **state)
+{
+    const char *s = getenv("KVF_SEED");
+    if (s && *s) {
+        run(strtoull(s, NULL, 10));
+        return;
+    }
+    run(1);
+    run(20261125);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_random_ops),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
