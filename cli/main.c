@@ -18,7 +18,7 @@ static const kvf_cli_cmd commands[] = {
     {"prefill", NULL, "a prefill worker"},
     {"decode", NULL, "a decode worker"},
     {"generate", kvf_cli_generate, "single-process generation (the end-to-end reference)"},
-    {"tokenize", NULL, "encode text to token ids or decode ids to text"},
+    {"tokenize", kvf_cli_tokenize, "encode text to token ids or decode ids to text"},
     {"chat-template", NULL, "render a model's chat template for a list of messages"},
     {"gen-model", kvf_cli_gen_model, "write a random-weight model with a working tokenizer"},
     {"plan", kvf_cli_plan, "KV sizing: bytes per token, blocks, concurrent sequences"},
