@@ -591,7 +591,7 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
         free(ca);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: channel to %s: out of memory", target);
     }
-    grpc_init();
+    rpc_grpc_init();
     ch->max_msg = max_msg;
     ch->live.next = ch->live.prev = &ch->live;
     pthread_mutex_init(&ch->mu, NULL);

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,9 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
 #include <grpc/status.h>
+#include <grpc/support/log.h>
+
+#include "common/log.h"
 
 void kvf_rpc_buf_free(kvf_rpc_buf *b)
 {
@@ -78,6 +82,23 @@ const char *kvf_rpc_grpc_code_name(int grpc_code)
     if (grpc_code < 0 || grpc_code >= (int)(sizeof names / sizeof names[0]))
         return "UNKNOWN_CODE";
     return names[grpc_code];
+}
+
+static void gpr_to_kvf_log(gpr_log_func_args *a)
+{
+    kvf_log_level level = a->severity == GPR_LOG_SEVERITY_ERROR ? KVF_LOG_WARN : KVF_LOG_DEBUG;
+    const char *file = a->file ? strrchr(a->file, '/') : NULL;
+    kvf_log(level, "rpc: grpc: %s (%s:%d)", a->message, file ? file + 1 : a->file, a->line);
+}
+
+static pthread_once_t log_once = PTHREAD_ONCE_INIT;
+
+static void set_log_function(void) { gpr_set_log_function(gpr_to_kvf_log); }
+
+void rpc_grpc_init(void)
+{
+    pthread_once(&log_once, set_log_function);
+    grpc_init();
 }
 
 void rpc_cq_poll(grpc_completion_queue *cq)

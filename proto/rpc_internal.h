@@ -19,6 +19,10 @@ typedef struct rpc_tag {
 
 #define RPC_CONTAINER_OF(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
+/* grpc_init, with gRPC's own log lines sent through kvf_log ("rpc: grpc: ..."), once per
+ * process. Pair with grpc_shutdown. */
+void rpc_grpc_init(void);
+
 /* Polls cq until it is shut down, dispatching each event to its tag. */
 void rpc_cq_poll(grpc_completion_queue *cq);
 

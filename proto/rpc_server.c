@@ -532,7 +532,7 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
         free(key);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
     }
-    grpc_init();
+    rpc_grpc_init();
     s->max_msg = max_msg;
     s->n_threads = n_threads;
     pthread_mutex_init(&s->mu, NULL);

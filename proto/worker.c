@@ -5,6 +5,7 @@
 #include "proto/worker.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 
 void kvf_rpc_msg_free(void *msg)
@@ -32,6 +33,39 @@ kvf_status kvf_rpc_msg_encode(const void *msg, kvf_rpc_buf *out, kvf_err *err)
     return KVF_OK;
 }
 
+/* protobuf-c keeps unknown fields, and takes field number 0 (which the wire format forbids)
+ * when its tag is written in a long varint; such a message would not survive re-encoding. */
+static bool has_field_zero(const ProtobufCMessage *m, int depth)
+{
+    if (depth > 32)
+        return true;
+    for (unsigned i = 0; i < m->n_unknown_fields; i++)
+        if (m->unknown_fields[i].tag == 0)
+            return true;
+    const ProtobufCMessageDescriptor *d = m->descriptor;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type != PROTOBUF_C_TYPE_MESSAGE)
+            continue;
+        const char *base = (const char *)m;
+        if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+            size_t n = *(const size_t *)(base + f->quantifier_offset);
+            ProtobufCMessage *const *v = *(ProtobufCMessage *const *const *)(base + f->offset);
+            for (size_t k = 0; k < n; k++)
+                if (v[k] && has_field_zero(v[k], depth + 1))
+                    return true;
+            continue;
+        }
+        if ((f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) &&
+            *(const uint32_t *)(base + f->quantifier_offset) != f->id)
+            continue;
+        const ProtobufCMessage *sub = *(ProtobufCMessage *const *)(base + f->offset);
+        if (sub && has_field_zero(sub, depth + 1))
+            return true;
+    }
+    return false;
+}
+
 static kvf_status unpack(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
                          ProtobufCMessage **out, kvf_err *err)
 {
@@ -39,6 +73,11 @@ static kvf_status unpack(const ProtobufCMessageDescriptor *d, const uint8_t *dat
     if (!m)
         return kvf_err_set(err, KVF_ERR_PARSE, "rpc: %zu bytes are not a valid %s message", len,
                            d->short_name);
+    if (has_field_zero(m, 0)) {
+        protobuf_c_message_free_unpacked(m, NULL);
+        return kvf_err_set(err, KVF_ERR_PARSE, "rpc: %zu bytes are not a valid %s message "
+                           "(field number 0)", len, d->short_name);
+    }
     *out = m;
     return KVF_OK;
 }
