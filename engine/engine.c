@@ -1,0 +1,1035 @@
+/* engine.c: the step loop: scheduling (running decodes, running prefill chunks, swapped, then
+ * waiting sequences, within a token budget and max_seqs), all-or-nothing block allocation with
+ * preemption of the newest running sequence, one forward pass per step, sampling and finish
+ * checks, n > 1 by forking the prompt's blocks. The KV bookkeeping is kv/'s, the math model/'s.
+ *
+ * A sequence keeps every token it has (prompt + generated) and n_computed, the positions whose
+ * KV is in its blocks; a step computes tokens[n_computed .. n_computed + chunk) and, when that
+ * reaches the last token, samples the next one. Prefill, decode and recompute after a
+ * preemption are therefore the same operation. */
+#include "engine/engine.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "engine/sample.h"
+#include "kv/hash.h"
+#include "kv/swap.h"
+#include "model/forward.h"
+
+typedef enum seq_state {
+    SEQ_FREE = 0,
+    SEQ_WAITING,   /* queued; holds no blocks */
+    SEQ_RUNNING,   /* holds blocks for positions [0, n_computed) */
+    SEQ_SWAPPED,   /* its blocks are in host slots */
+    SEQ_FORK_WAIT, /* sample i > 0 waiting for sample 0's prompt to fork from */
+    SEQ_REMOTE,    /* holds the prompt's blocks while another process writes them */
+    SEQ_FINISHED,  /* released; its last output is pending or just reported */
+} seq_state;
+
+typedef struct eng_seq {
+    seq_state state;
+    uint64_t id;
+    int32_t index, n;    /* sample index, samples of the request */
+    int32_t parent;      /* slot of sample 0 while FORK_WAIT, else -1 */
+    bool forked;         /* sample 0: its siblings have been forked */
+    uint64_t arrival;    /* admission order; kept across preemption */
+    kvf_engine_sampling sp;
+    kvf_engine_rng rng;
+    uint64_t root;
+    int32_t *tokens; /* [max_ctx], prompt then generated */
+    int32_t n_prompt, n_tokens, n_computed, n_generated;
+    kvf_kv_seq kv;
+    bool kv_live; /* kv initialised (needs fini) */
+    kvf_engine_finish finish;
+    bool pending; /* an output made outside a step, reported by the next step */
+    int32_t pend_token;
+} eng_seq;
+
+struct kvf_engine {
+    const kvf_model *m;
+    const kvf_backend *be;
+    void *be_ctx;
+    kvf_engine_cfg cfg;
+    kvf_kv_layout layout;
+    kvf_kv_pool *pool;
+    kvf_kv_swap *swap;
+    kvf_model_fwd *fwd;
+    int32_t vocab, max_ctx, max_blocks; /* max_blocks: per sequence */
+    int32_t n_blocks;                   /* in the pool */
+    double n_params;
+    uint64_t default_root;
+
+    eng_seq *seqs; /* [n_slots] */
+    int32_t n_slots;
+    int32_t *tok_buf;   /* [n_slots][max_ctx] */
+    int32_t *order;     /* [n_slots] live slots by arrival */
+    int32_t n_order;
+    uint64_t next_arrival;
+
+    /* step scratch, sized at creation */
+    int32_t *set;       /* [max_seqs] slots running this step */
+    int64_t *set_n;     /* [max_seqs] tokens each computes */
+    kvf_kv_seq **set_kv; /* [max_seqs] */
+    int32_t n_set;
+    kvf_model_seq *mseq; /* [max_seqs] */
+    float *logits;       /* [max_seqs][vocab] */
+    int32_t *next;       /* [max_seqs] */
+    kvf_engine_output *outs; /* [2 * n_slots] */
+    int32_t n_outs;
+    bool in_step;
+    const kvf_kv_seq **live; /* [n_slots] */
+    kvf_engine_sampler sampler;
+    kvf_engine_stats st;
+};
+
+/* ---- defaults and names ------------------------------------------------------------------ */
+
+void kvf_engine_cfg_default(kvf_engine_cfg *c)
+{
+    memset(c, 0, sizeof *c);
+    c->n_blocks = 512;
+    c->block_size = 16;
+    c->kv_dtype = KVF_DTYPE_F32;
+    c->max_batch_tokens = 512;
+    c->max_seqs = 32;
+    c->max_queued = 256;
+    c->swap_slots = 256;
+    c->prefix_cache = true;
+    c->preempt = KVF_ENGINE_PREEMPT_AUTO;
+    c->flops_per_s = 2e10;
+    c->copy_bytes_per_s = 4e9;
+}
+
+void kvf_engine_sampling_default(kvf_engine_sampling *s)
+{
+    memset(s, 0, sizeof *s);
+    s->max_tokens = 16;
+    s->top_p = 1.0f;
+    s->n = 1;
+}
+
+const char *kvf_engine_finish_name(kvf_engine_finish f)
+{
+    switch (f) {
+    case KVF_ENGINE_FINISH_NONE: return "none";
+    case KVF_ENGINE_FINISH_STOP: return "stop";
+    case KVF_ENGINE_FINISH_LENGTH: return "length";
+    case KVF_ENGINE_FINISH_CANCELLED: return "cancelled";
+    case KVF_ENGINE_FINISH_ERROR: return "error";
+    }
+    return "?";
+}
+
+/* ---- create / destroy -------------------------------------------------------------------- */
+
+static kvf_status check_cfg(const kvf_model *m, const kvf_engine_cfg *c, kvf_err *err)
+{
+    if (c->block_size <= 0 || c->block_size > KVF_KV_MAX_BLOCK_SIZE ||
+        (c->block_size & (c->block_size - 1)))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: block_size %d is not allowed (a power "
+                           "of two, 1 to %d)", c->block_size, KVF_KV_MAX_BLOCK_SIZE);
+    if (c->kv_dtype != KVF_DTYPE_F32 && c->kv_dtype != KVF_DTYPE_F16 &&
+        c->kv_dtype != KVF_DTYPE_BF16)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: kv dtype %s is not supported "
+                           "(use f32, f16 or bf16)", kvf_dtype_name(c->kv_dtype));
+    if (c->max_batch_tokens < 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: max_batch_tokens %d must be at least 1",
+                           c->max_batch_tokens);
+    if (c->max_seqs < 1 || c->max_seqs > c->max_batch_tokens)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: max_seqs %d is not allowed (1 to "
+                           "max_batch_tokens %d)", c->max_seqs, c->max_batch_tokens);
+    if (c->max_queued < 1 || c->max_queued > 1 << 20)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: max_queued %d is not allowed (1 to %d)",
+                           c->max_queued, 1 << 20);
+    if (c->max_ctx < 0 || c->max_ctx > m->cfg.max_pos)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: max_ctx %d is not allowed (0 for the "
+                           "model's, or 1 to max_position_embeddings %d)", c->max_ctx,
+                           m->cfg.max_pos);
+    if (c->swap_slots < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: swap_slots %d must not be negative",
+                           c->swap_slots);
+    if (c->preempt == KVF_ENGINE_PREEMPT_SWAP && c->swap_slots == 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: preemption by swap needs swap_slots > 0");
+    if ((int)c->preempt < 0 || c->preempt > KVF_ENGINE_PREEMPT_SWAP)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: preemption mode %d is not known (auto, "
+                           "recompute or swap)", (int)c->preempt);
+    if (c->threads < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: threads %d must not be negative",
+                           c->threads);
+    return KVF_OK;
+}
+
+void kvf_engine_destroy(kvf_engine *e)
+{
+    if (!e)
+        return;
+    if (e->seqs)
+        for (int32_t i = 0; i < e->n_slots; i++)
+            if (e->seqs[i].kv_live)
+                kvf_kv_seq_fini(&e->seqs[i].kv);
+    kvf_kv_swap_destroy(e->swap);
+    kvf_kv_pool_destroy(e->pool);
+    kvf_model_fwd_destroy(e->fwd);
+    if (e->be_ctx)
+        e->be->destroy(e->be_ctx);
+    kvf_engine_sampler_fini(&e->sampler);
+    free(e->seqs);
+    free(e->tok_buf);
+    free(e->order);
+    free(e->set);
+    free(e->set_n);
+    free(e->set_kv);
+    free(e->mseq);
+    free(e->logits);
+    free(e->next);
+    free(e->outs);
+    free(e->live);
+    free(e);
+}
+
+kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kvf_engine_cfg *cfg,
+                             kvf_engine **out, kvf_err *err)
+{
+    if (!m || !be || !cfg || !out)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: create needs a model, a backend, a cfg "
+                           "and an out pointer");
+    kvf_status st = check_cfg(m, cfg, err);
+    if (st != KVF_OK)
+        return st;
+    kvf_engine *e = calloc(1, sizeof *e);
+    if (!e)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory");
+    e->m = m;
+    e->be = be;
+    e->cfg = *cfg;
+    e->vocab = m->cfg.vocab_size;
+    e->max_ctx = cfg->max_ctx ? cfg->max_ctx : m->cfg.max_pos;
+    e->max_blocks = (int32_t)kvf_kv_blocks_for(e->max_ctx, cfg->block_size);
+    e->n_params = (double)kvf_model_config_n_params(&m->cfg);
+    const char *mid = cfg->model_id ? cfg->model_id : "";
+    e->default_root = kvf_kv_hash_root(mid, NULL, 0);
+
+    if ((st = kvf_model_kv_layout(m, cfg->block_size, cfg->kv_dtype, &e->layout, err)) != KVF_OK)
+        goto fail;
+    int64_t n_blocks = cfg->n_blocks;
+    if (n_blocks == 0)
+        n_blocks = cfg->kv_bytes / e->layout.block_bytes;
+    if (n_blocks < 1 || n_blocks > INT32_MAX / 4) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "engine: a KV pool of %lld blocks (n_blocks %d, "
+                         "kv_bytes %lld, %lld bytes a block) is not allowed (1 to %d blocks)",
+                         (long long)n_blocks, cfg->n_blocks, (long long)cfg->kv_bytes,
+                         (long long)e->layout.block_bytes, INT32_MAX / 4);
+        goto fail;
+    }
+    e->n_blocks = (int32_t)n_blocks;
+    kvf_kv_pool_cfg pc = {.layout = e->layout, .n_blocks = (int32_t)n_blocks,
+                          .on_event = cfg->on_event, .event_ctx = cfg->event_ctx};
+    if ((st = kvf_kv_pool_create(&pc, &e->pool, err)) != KVF_OK)
+        goto fail;
+    if (cfg->swap_slots > 0 && (st = kvf_kv_swap_create(e->pool, cfg->swap_slots, &e->swap, err)) != KVF_OK)
+        goto fail;
+    kvf_backend_opts bo = {.n_threads = cfg->threads};
+    if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
+        goto fail;
+    kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens, .max_seqs = cfg->max_seqs,
+                             .max_ctx = e->max_ctx};
+    if ((st = kvf_model_fwd_create(m, be, e->be_ctx, &e->layout, &fo, &e->fwd, err)) != KVF_OK)
+        goto fail;
+    if ((st = kvf_engine_sampler_init(&e->sampler, e->vocab, err)) != KVF_OK)
+        goto fail;
+
+    e->n_slots = cfg->max_queued;
+    size_t S = (size_t)cfg->max_seqs, N = (size_t)e->n_slots;
+    e->seqs = calloc(N, sizeof *e->seqs);
+    e->tok_buf = malloc(N * (size_t)e->max_ctx * sizeof *e->tok_buf);
+    e->order = malloc(N * sizeof *e->order);
+    e->set = malloc(S * sizeof *e->set);
+    e->set_n = malloc(S * sizeof *e->set_n);
+    e->set_kv = malloc(S * sizeof *e->set_kv);
+    e->mseq = malloc(S * sizeof *e->mseq);
+    e->logits = malloc(S * (size_t)e->vocab * sizeof *e->logits);
+    e->next = malloc(S * sizeof *e->next);
+    e->outs = malloc(2 * N * sizeof *e->outs);
+    e->live = malloc(N * sizeof *e->live);
+    if (!e->seqs || !e->tok_buf || !e->order || !e->set || !e->set_n || !e->set_kv || !e->mseq ||
+        !e->logits || !e->next || !e->outs || !e->live) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for %d sequences of %d "
+                         "positions", e->n_slots, e->max_ctx);
+        goto fail;
+    }
+    for (size_t i = 0; i < N; i++) {
+        e->seqs[i].tokens = e->tok_buf + i * (size_t)e->max_ctx;
+        e->seqs[i].parent = -1;
+    }
+    kvf_log(KVF_LOG_DEBUG, "engine: %d blocks of %d tokens (%s), budget %d tokens, %d running, "
+            "%d queued, %d swap slots, prefix cache %s", (int)n_blocks, cfg->block_size,
+            kvf_dtype_name(cfg->kv_dtype), cfg->max_batch_tokens, cfg->max_seqs, cfg->max_queued,
+            cfg->swap_slots, cfg->prefix_cache ? "on" : "off");
+    *out = e;
+    return KVF_OK;
+fail:
+    kvf_engine_destroy(e);
+    return st;
+}
+
+kvf_kv_pool *kvf_engine_pool(kvf_engine *e) { return e->pool; }
+
+/* ---- sequences --------------------------------------------------------------------------- */
+
+static eng_seq *slot_seq(kvf_engine *e, int32_t slot) { return &e->seqs[slot]; }
+
+/* Makes s's block table empty and ready (capacity for max_ctx, so steps never grow it). */
+static kvf_status kv_reset(kvf_engine *e, eng_seq *s, kvf_err *err)
+{
+    if (s->kv_live)
+        kvf_kv_seq_fini(&s->kv);
+    kvf_kv_seq_init(&s->kv, e->pool, s->root);
+    s->kv_live = true;
+    return kvf_kv_seq_reserve(&s->kv, e->max_blocks, err);
+}
+
+static void kv_release(eng_seq *s)
+{
+    if (s->kv_live)
+        kvf_kv_seq_fini(&s->kv);
+    s->kv_live = false;
+}
+
+/* Records an output: into this step's list, or pending for the next step. */
+static void emit(kvf_engine *e, eng_seq *s, int32_t token, kvf_engine_finish fin)
+{
+    if (e->in_step) {
+        e->outs[e->n_outs++] = (kvf_engine_output){.id = s->id, .index = s->index, .token = token,
+                                                   .n_generated = s->n_generated, .finish = fin};
+    } else {
+        s->pending = true;
+        s->pend_token = token;
+    }
+}
+
+/* Releases s and marks it finished; unforked siblings of sample 0 finish with it. */
+static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool with_output)
+{
+    kv_release(s);
+    s->state = SEQ_FINISHED;
+    s->finish = why;
+    e->st.finished++;
+    if (with_output)
+        emit(e, s, -1, why);
+    if (s->index == 0 && s->n > 1 && !s->forked) {
+        int32_t me = (int32_t)(s - e->seqs);
+        for (int32_t i = 0; i < e->n_order; i++) {
+            eng_seq *c = slot_seq(e, e->order[i]);
+            if (c->state == SEQ_FORK_WAIT && c->parent == me)
+                finish_seq(e, c, why, true);
+        }
+    }
+}
+
+/* Appends a sampled token, checks the finish conditions and reports it. */
+static void take_token(kvf_engine *e, eng_seq *s, int32_t tok)
+{
+    s->tokens[s->n_tokens++] = tok;
+    s->n_generated++;
+    kvf_engine_finish fin = KVF_ENGINE_FINISH_NONE;
+    for (int32_t i = 0; i < s->sp.n_stop && !fin; i++)
+        if (tok == s->sp.stop_ids[i])
+            fin = KVF_ENGINE_FINISH_STOP;
+    for (int32_t i = 0; i < s->sp.n_eos && !fin; i++)
+        if (tok == s->sp.eos_ids[i])
+            fin = KVF_ENGINE_FINISH_STOP;
+    if (!fin && (s->n_generated >= s->sp.max_tokens || s->n_tokens >= e->max_ctx))
+        fin = KVF_ENGINE_FINISH_LENGTH;
+    emit(e, s, tok, fin);
+    if (fin)
+        finish_seq(e, s, fin, false);
+}
+
+static int32_t sample_for(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy)
+{
+    if (!(s->sp.temperature > 0))
+        return greedy >= 0 ? greedy : kvf_engine_argmax(row, e->vocab);
+    return kvf_engine_sample(&e->sampler, row, s->sp.temperature, s->sp.top_k, s->sp.top_p,
+                             &s->rng);
+}
+
+static eng_seq *find_live(kvf_engine *e, uint64_t id)
+{
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->id == id && s->state != SEQ_FREE)
+            return s;
+    }
+    return NULL;
+}
+
+static int32_t count_state(const kvf_engine *e, seq_state want)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_order; i++)
+        n += e->seqs[e->order[i]].state == want;
+    return n;
+}
+
+/* Seats a sequence takes in the running batch once admitted: itself, plus its unforked
+ * siblings when it is sample 0 of n. */
+static int32_t seat_need(const eng_seq *s)
+{
+    return 1 + (s->index == 0 && !s->forked ? s->n - 1 : 0);
+}
+
+/* Seats taken now: running and remote sequences, and the unforked siblings of running ones. */
+static int32_t seats_used(const kvf_engine *e)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        const eng_seq *s = &e->seqs[e->order[i]];
+        if (s->state == SEQ_RUNNING || s->state == SEQ_REMOTE)
+            n += seat_need(s);
+    }
+    return n;
+}
+
+/* ---- add / cancel ------------------------------------------------------------------------ */
+
+static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_err *err)
+{
+    const kvf_engine_sampling *p = &r->sampling;
+    if (!r->prompt || r->n_prompt < 1 || r->n_prompt >= e->max_ctx)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: prompt of %d tokens is not "
+                           "allowed (1 to %d: max_ctx %d less one to generate)",
+                           (unsigned long long)r->id, r->n_prompt, e->max_ctx - 1, e->max_ctx);
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= e->vocab)
+            return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: prompt token %d is %d "
+                               "(the vocabulary is 0 to %d)", (unsigned long long)r->id, i,
+                               r->prompt[i], e->vocab - 1);
+    int64_t need = kvf_kv_blocks_for(r->n_prompt + 1, e->cfg.block_size);
+    int32_t total = e->n_blocks;
+    if (need > total)
+        return kvf_err_set(err, KVF_ERR_LIMIT, "engine: req %llu: prompt of %d tokens needs %lld "
+                           "blocks but the pool has %d", (unsigned long long)r->id, r->n_prompt,
+                           (long long)need, total);
+    if (p->max_tokens < 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: max_tokens %d must be at "
+                           "least 1", (unsigned long long)r->id, p->max_tokens);
+    if (!(p->temperature >= 0) || p->temperature > 1e4f)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: temperature %g is not "
+                           "allowed (0 to 10000)", (unsigned long long)r->id, (double)p->temperature);
+    if (!(p->top_p > 0 && p->top_p <= 1))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: top_p %g is not allowed "
+                           "(greater than 0, at most 1)", (unsigned long long)r->id, (double)p->top_p);
+    if (p->top_k < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: top_k %d must not be "
+                           "negative", (unsigned long long)r->id, p->top_k);
+    if (p->n < 1 || p->n > KVF_ENGINE_MAX_N || p->n > e->cfg.max_seqs)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n %d is not allowed (1 to "
+                           "%d)", (unsigned long long)r->id, p->n,
+                           KVF_ENGINE_MAX_N < e->cfg.max_seqs ? KVF_ENGINE_MAX_N : e->cfg.max_seqs);
+    if (p->n_stop < 0 || p->n_stop > KVF_ENGINE_MAX_STOP || p->n_eos < 0 ||
+        p->n_eos > KVF_ENGINE_MAX_STOP)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: %d stop ids and %d eos ids "
+                           "(0 to %d of each allowed)", (unsigned long long)r->id, p->n_stop,
+                           p->n_eos, KVF_ENGINE_MAX_STOP);
+    if (find_live(e, r->id))
+        return kvf_err_set(err, KVF_ERR_EXISTS, "engine: req %llu is already live",
+                           (unsigned long long)r->id);
+    if (e->n_order + p->n > e->n_slots)
+        return kvf_err_set(err, KVF_ERR_FULL, "engine: req %llu: %d sequences do not fit (%d of "
+                           "max_queued %d held)", (unsigned long long)r->id, p->n, e->n_order,
+                           e->n_slots);
+    return KVF_OK;
+}
+
+/* Takes free slots for every sample of r and queues them (sample 0 WAITING, the others
+ * FORK_WAIT). *first_out gets sample 0. */
+static kvf_status enqueue(kvf_engine *e, const kvf_engine_request *r, eng_seq **first_out,
+                          kvf_err *err)
+{
+    uint64_t root = e->default_root;
+    if (r->cache_salt && *r->cache_salt)
+        root = kvf_kv_hash_root(e->cfg.model_id ? e->cfg.model_id : "", r->cache_salt,
+                                strlen(r->cache_salt));
+    uint64_t arrival = e->next_arrival++;
+    int32_t first = -1, got = 0;
+    for (int32_t slot = 0; slot < e->n_slots && got < r->sampling.n; slot++) {
+        eng_seq *s = &e->seqs[slot];
+        if (s->state != SEQ_FREE)
+            continue;
+        int32_t *tokens = s->tokens;
+        memset(s, 0, sizeof *s);
+        s->tokens = tokens;
+        s->id = r->id;
+        s->index = got;
+        s->n = r->sampling.n;
+        s->parent = got == 0 ? -1 : first;
+        s->arrival = arrival;
+        s->sp = r->sampling;
+        s->root = root;
+        kvf_engine_rng_seed(&s->rng, r->sampling.seed, (uint64_t)got);
+        s->n_prompt = r->n_prompt;
+        if (got == 0) {
+            memcpy(s->tokens, r->prompt, (size_t)r->n_prompt * sizeof *s->tokens);
+            s->n_tokens = r->n_prompt;
+        }
+        s->state = got == 0 ? SEQ_WAITING : SEQ_FORK_WAIT;
+        kvf_status st = kv_reset(e, s, err);
+        e->order[e->n_order++] = slot;
+        if (st != KVF_OK) {
+            /* undo: the slots taken so far leave again */
+            for (int32_t i = 0; i <= got; i++) {
+                eng_seq *q = slot_seq(e, e->order[e->n_order - 1 - i]);
+                kv_release(q);
+                q->state = SEQ_FREE;
+            }
+            e->n_order -= got + 1;
+            return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)r->id);
+        }
+        if (got == 0)
+            first = slot;
+        got++;
+    }
+    *first_out = slot_seq(e, first);
+    return KVF_OK;
+}
+
+kvf_status kvf_engine_add(kvf_engine *e, const kvf_engine_request *req, kvf_err *err)
+{
+    if (!e || !req)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: add needs an engine and a request");
+    kvf_status st = check_request(e, req, err);
+    if (st != KVF_OK)
+        return st;
+    eng_seq *s;
+    return enqueue(e, req, &s, err);
+}
+
+kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err)
+{
+    bool found = false;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->id != id || s->state == SEQ_FREE)
+            continue;
+        found = true;
+        if (s->state != SEQ_FINISHED)
+            finish_seq(e, s, KVF_ENGINE_FINISH_CANCELLED, true);
+    }
+    if (!found)
+        return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: cancel: req %llu is not live",
+                           (unsigned long long)id);
+    kvf_log(KVF_LOG_DEBUG, "engine: req %llu: cancelled", (unsigned long long)id);
+    return KVF_OK;
+}
+
+/* ---- remote prefill ---------------------------------------------------------------------- */
+
+kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
+                                 int32_t *block_ids_out, int32_t cap, int32_t *n_blocks_out,
+                                 int64_t *n_cached_out, kvf_err *err)
+{
+    if (!e || !req || !block_ids_out || !n_blocks_out)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: add_remote needs an engine, a request "
+                           "and block outputs");
+    kvf_status st = check_request(e, req, err);
+    if (st != KVF_OK)
+        return st;
+    if (req->sampling.n != 1)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: req %llu: n %d with a remote "
+                           "prefill is not supported (use 1)", (unsigned long long)req->id,
+                           req->sampling.n);
+    int64_t need_ids = kvf_kv_blocks_for(req->n_prompt, e->cfg.block_size);
+    if (need_ids > cap)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: the prompt takes %lld blocks "
+                           "but block_ids_out holds %d", (unsigned long long)req->id,
+                           (long long)need_ids, cap);
+    eng_seq *s;
+    if ((st = enqueue(e, req, &s, err)) != KVF_OK)
+        return st;
+    int64_t hit = 0;
+    if (e->cfg.prefix_cache &&
+        (st = kvf_kv_prefix_lookup(&s->kv, s->tokens, s->n_prompt, &hit, err)) != KVF_OK)
+        goto undo;
+    if ((st = kvf_kv_seq_prepare_write(&s->kv, s->n_prompt - hit, err)) != KVF_OK)
+        goto undo;
+    memcpy(block_ids_out, s->kv.blocks, (size_t)s->kv.n_blocks * sizeof *block_ids_out);
+    *n_blocks_out = s->kv.n_blocks;
+    if (n_cached_out)
+        *n_cached_out = hit;
+    e->st.prefix_hit_tokens += hit;
+    s->state = SEQ_REMOTE;
+    return KVF_OK;
+undo:
+    kv_release(s);
+    s->state = SEQ_FINISHED;
+    s->pending = false;
+    e->n_order--; /* it was appended last */
+    s->state = SEQ_FREE;
+    return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)req->id);
+}
+
+kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_token, kvf_err *err)
+{
+    eng_seq *s = find_live(e, id);
+    if (!s || s->state != SEQ_REMOTE)
+        return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: remote_done: req %llu is not waiting "
+                           "for a remote prefill", (unsigned long long)id);
+    if (first_token < 0 || first_token >= e->vocab)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: first token %d is outside "
+                           "the vocabulary (0 to %d)", (unsigned long long)id, first_token,
+                           e->vocab - 1);
+    s->n_computed = s->n_prompt;
+    if (e->cfg.prefix_cache) {
+        kvf_status st = kvf_kv_seq_commit(&s->kv, s->tokens, s->n_computed, err);
+        if (st != KVF_OK)
+            return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)id);
+    }
+    s->state = SEQ_RUNNING;
+    take_token(e, s, first_token);
+    return KVF_OK;
+}
+
+/* ---- preemption -------------------------------------------------------------------------- */
+
+void kvf_engine_preempt_cost(const kvf_engine *e, int64_t n_tokens, int32_t n_blocks,
+                             double *recompute_s_out, double *swap_s_out)
+{
+    *recompute_s_out = (double)n_tokens * 2.0 * e->n_params / e->cfg.flops_per_s;
+    *swap_s_out = 2.0 * (double)n_blocks * (double)e->layout.block_bytes / e->cfg.copy_bytes_per_s;
+}
+
+/* Takes s out of the running batch: to host slots when swap is chosen and fits, otherwise
+ * dropping its blocks to be recomputed from its tokens when it is admitted again. */
+static void preempt(kvf_engine *e, eng_seq *s)
+{
+    bool swap = false;
+    if (e->swap && s->kv.n_blocks > 0 && kvf_kv_swap_slots_free(e->swap) >= s->kv.n_blocks) {
+        if (e->cfg.preempt == KVF_ENGINE_PREEMPT_SWAP) {
+            swap = true;
+        } else if (e->cfg.preempt == KVF_ENGINE_PREEMPT_AUTO) {
+            double rc, sw;
+            kvf_engine_preempt_cost(e, s->n_computed, s->kv.n_blocks, &rc, &sw);
+            swap = sw < rc;
+        }
+    }
+    kvf_err err = {0};
+    if (swap && kvf_kv_swap_out(e->swap, &s->kv, &err) == KVF_OK) {
+        s->state = SEQ_SWAPPED;
+        e->st.preempt_swap++;
+        kvf_log(KVF_LOG_DEBUG, "engine: req %llu.%d: preempted by swap (%d blocks)",
+                (unsigned long long)s->id, s->index, s->kv.n_blocks);
+        return;
+    }
+    if (swap)
+        kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: swap out failed, recomputing: %s",
+                (unsigned long long)s->id, s->index, err.msg);
+    kvf_log(KVF_LOG_DEBUG, "engine: req %llu.%d: preempted by recompute (%d tokens)",
+            (unsigned long long)s->id, s->index, s->n_computed);
+    if (kv_reset(e, s, &err) != KVF_OK) {
+        kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: %s", (unsigned long long)s->id, s->index,
+                err.msg);
+        finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+        return;
+    }
+    s->n_computed = 0;
+    s->state = SEQ_WAITING;
+    e->st.preempt_recompute++;
+}
+
+/* ---- the step ---------------------------------------------------------------------------- */
+
+static void set_add(kvf_engine *e, eng_seq *s, int64_t n)
+{
+    e->set[e->n_set] = (int32_t)(s - e->seqs);
+    e->set_n[e->n_set] = n;
+    e->set_kv[e->n_set] = &s->kv;
+    e->n_set++;
+}
+
+static void set_remove(kvf_engine *e, eng_seq *s)
+{
+    int32_t slot = (int32_t)(s - e->seqs);
+    for (int32_t i = 0; i < e->n_set; i++) {
+        if (e->set[i] != slot)
+            continue;
+        memmove(e->set + i, e->set + i + 1, (size_t)(e->n_set - i - 1) * sizeof *e->set);
+        memmove(e->set_n + i, e->set_n + i + 1, (size_t)(e->n_set - i - 1) * sizeof *e->set_n);
+        memmove(e->set_kv + i, e->set_kv + i + 1, (size_t)(e->n_set - i - 1) * sizeof *e->set_kv);
+        e->n_set--;
+        return;
+    }
+}
+
+static int64_t set_need(kvf_engine *e)
+{
+    return e->n_set ? kvf_kv_pool_step_need(e->pool, e->set_kv, e->set_n, (size_t)e->n_set) : 0;
+}
+
+static eng_seq *newest_running(kvf_engine *e)
+{
+    for (int32_t i = e->n_order - 1; i >= 0; i--) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state == SEQ_RUNNING)
+            return s;
+    }
+    return NULL;
+}
+
+/* Preempts the newest running sequences until the step's blocks fit. Returns how many were
+ * preempted. A sequence that does not fit even alone finishes with LENGTH. */
+static int32_t fit_step(kvf_engine *e)
+{
+    int32_t n = 0;
+    while (e->n_set > 0 && set_need(e) > kvf_kv_pool_available(e->pool)) {
+        eng_seq *v = newest_running(e);
+        if (!v)
+            break;
+        set_remove(e, v);
+        if (count_state(e, SEQ_RUNNING) == 1) {
+            kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: a sequence of %d tokens no longer fits "
+                    "the KV pool (%d blocks available)", (unsigned long long)v->id, v->index,
+                    v->n_tokens, kvf_kv_pool_available(e->pool));
+            finish_seq(e, v, KVF_ENGINE_FINISH_LENGTH, true);
+        } else {
+            preempt(e, v);
+        }
+        n++;
+    }
+    return n;
+}
+
+/* Reports outputs made outside a step (cancel, remote_done, errors). */
+static void flush_pending(kvf_engine *e)
+{
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (!s->pending)
+            continue;
+        s->pending = false;
+        e->outs[e->n_outs++] =
+            (kvf_engine_output){.id = s->id, .index = s->index, .token = s->pend_token,
+                                .n_generated = s->n_generated,
+                                .finish = s->state == SEQ_FINISHED ? s->finish : KVF_ENGINE_FINISH_NONE};
+    }
+}
+
+/* Frees the slots of finished sequences whose last output has been reported. */
+static void reclaim(kvf_engine *e)
+{
+    int32_t w = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state == SEQ_FINISHED && !s->pending) {
+            s->state = SEQ_FREE;
+            continue;
+        }
+        e->order[w++] = e->order[i];
+    }
+    e->n_order = w;
+}
+
+/* Chooses this step's sequences and chunks (see the file comment). */
+static void schedule(kvf_engine *e)
+{
+    int32_t budget = e->cfg.max_batch_tokens, max_set = e->cfg.max_seqs;
+    e->n_set = 0;
+    /* 1. running decodes, one token each, oldest first */
+    for (int32_t i = 0; i < e->n_order && e->n_set < max_set && budget > 0; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state == SEQ_RUNNING && s->n_tokens - s->n_computed == 1) {
+            set_add(e, s, 1);
+            budget--;
+        }
+    }
+    /* 2. running prefills (or recomputes), a chunk each from what is left */
+    for (int32_t i = 0; i < e->n_order && e->n_set < max_set && budget > 0; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        int32_t rem = s->n_tokens - s->n_computed;
+        if (s->state == SEQ_RUNNING && rem > 1) {
+            int32_t c = rem < budget ? rem : budget;
+            set_add(e, s, c);
+            budget -= c;
+        }
+    }
+    /* 3. make the running set fit, preempting the newest */
+    int32_t n_pre = fit_step(e);
+    if (n_pre > 0)
+        return; /* under pressure: admit nothing new this step */
+    /* 4. swapped sequences come back first, oldest first */
+    int32_t seats = seats_used(e);
+    bool swapped_left = false;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state != SEQ_SWAPPED)
+            continue;
+        int32_t rem = s->n_tokens - s->n_computed;
+        int32_t c = rem < budget ? rem : budget;
+        int64_t extra = c > 0 ? kvf_kv_blocks_for(s->n_computed + c, e->cfg.block_size) - s->kv.n_blocks : 0;
+        if (e->n_set >= max_set || seats + seat_need(s) > max_set || c <= 0 ||
+            set_need(e) + s->kv.n_blocks + (extra > 0 ? extra : 0) > kvf_kv_pool_available(e->pool)) {
+            swapped_left = true;
+            break;
+        }
+        kvf_err err = {0};
+        if (kvf_kv_swap_in(e->swap, &s->kv, &err) != KVF_OK) {
+            kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: swap in: %s", (unsigned long long)s->id,
+                    s->index, err.msg);
+            swapped_left = true;
+            break;
+        }
+        s->state = SEQ_RUNNING;
+        seats += seat_need(s);
+        set_add(e, s, c);
+        budget -= c;
+    }
+    if (swapped_left)
+        return;
+    /* 5. waiting sequences, oldest first, while their first chunk's blocks fit */
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state != SEQ_WAITING)
+            continue;
+        if (e->n_set >= max_set || seats + seat_need(s) > max_set || budget <= 0)
+            break;
+        int32_t bs = e->cfg.block_size;
+        bool lookup = e->cfg.prefix_cache && s->n_tokens - 1 >= bs;
+        int64_t hit_blocks = lookup ? kvf_kv_prefix_probe(e->pool, s->root, s->tokens, s->n_tokens - 1) : 0;
+        int64_t start = hit_blocks * bs;
+        int64_t c = s->n_tokens - start < budget ? s->n_tokens - start : budget;
+        /* an upper bound: hit blocks another sequence holds cost nothing */
+        if (set_need(e) + kvf_kv_blocks_for(start + c, bs) > kvf_kv_pool_available(e->pool))
+            break;
+        int64_t hit = 0;
+        kvf_err err = {0};
+        if (lookup && kvf_kv_prefix_lookup(&s->kv, s->tokens, s->n_tokens - 1, &hit, &err) != KVF_OK) {
+            kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: prefix lookup: %s",
+                    (unsigned long long)s->id, s->index, err.msg);
+            hit = 0;
+        }
+        s->n_computed = (int32_t)hit;
+        e->st.prefix_hit_tokens += hit;
+        c = s->n_tokens - hit < budget ? s->n_tokens - hit : budget;
+        s->state = SEQ_RUNNING;
+        seats += seat_need(s);
+        set_add(e, s, c);
+        budget -= (int32_t)c;
+    }
+}
+
+/* Forks the unforked siblings of sample 0 (s) from its finished prompt and samples each one's
+ * first token from the same logits row with its own generator. */
+static void fork_siblings(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy)
+{
+    int32_t me = (int32_t)(s - e->seqs);
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *c = slot_seq(e, e->order[i]);
+        if (c->state != SEQ_FORK_WAIT || c->parent != me)
+            continue;
+        kvf_err err = {0};
+        if (kvf_kv_seq_fork(&s->kv, &c->kv, &err) != KVF_OK) {
+            kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: fork: %s", (unsigned long long)c->id,
+                    c->index, err.msg);
+            finish_seq(e, c, KVF_ENGINE_FINISH_ERROR, true);
+            continue;
+        }
+        memcpy(c->tokens, s->tokens, (size_t)s->n_tokens * sizeof *c->tokens);
+        c->n_tokens = c->n_computed = s->n_computed;
+        c->parent = -1;
+        c->state = SEQ_RUNNING;
+        take_token(e, c, sample_for(e, c, row, greedy));
+    }
+    s->forked = true;
+}
+
+kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int32_t *n_out,
+                           kvf_err *err)
+{
+    e->n_outs = 0;
+    e->in_step = true;
+    flush_pending(e);
+    schedule(e);
+    kvf_status st = KVF_OK;
+    if (e->n_set == 0) {
+        /* nothing runs: a lone sequence that cannot be admitted would wait forever */
+        if (count_state(e, SEQ_RUNNING) == 0 && count_state(e, SEQ_REMOTE) == 0) {
+            for (int32_t i = 0; i < e->n_order; i++) {
+                eng_seq *s = slot_seq(e, e->order[i]);
+                if (s->state == SEQ_WAITING || s->state == SEQ_SWAPPED) {
+                    kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: %d tokens cannot be admitted "
+                            "(%d blocks available)", (unsigned long long)s->id, s->index,
+                            s->n_tokens, kvf_kv_pool_available(e->pool));
+                    finish_seq(e, s, KVF_ENGINE_FINISH_LENGTH, true);
+                    break;
+                }
+            }
+        }
+        goto out;
+    }
+    /* allocate every block of the step at once; schedule() made sure they fit */
+    while ((st = kvf_kv_pool_alloc_step(e->pool, e->set_kv, e->set_n, (size_t)e->n_set, err)) ==
+           KVF_ERR_FULL) {
+        eng_seq *v = slot_seq(e, e->set[e->n_set - 1]);
+        set_remove(e, v);
+        if (v->state == SEQ_RUNNING)
+            preempt(e, v);
+        if (e->n_set == 0)
+            goto out;
+    }
+    if (st != KVF_OK)
+        goto fail;
+    for (int32_t i = 0; i < e->n_set; i++) {
+        eng_seq *s = slot_seq(e, e->set[i]);
+        e->mseq[i] = (kvf_model_seq){.tokens = s->tokens + s->n_computed,
+                                     .n_tokens = (int32_t)e->set_n[i],
+                                     .start_pos = s->n_computed,
+                                     .block_table = s->kv.blocks,
+                                     .n_blocks = s->kv.n_blocks};
+    }
+    st = kvf_model_forward(e->fwd, e->mseq, e->n_set, kvf_kv_pool_base(e->pool), e->n_blocks,
+                           e->logits, e->next, err);
+    if (st != KVF_OK)
+        goto fail;
+    e->st.steps++;
+    for (int32_t i = 0; i < e->n_set; i++) {
+        eng_seq *s = slot_seq(e, e->set[i]);
+        if (e->set_n[i] == 1 && s->n_generated > 0)
+            e->st.decode_tokens++;
+        else
+            e->st.prefill_tokens += e->set_n[i];
+        s->n_computed += (int32_t)e->set_n[i];
+        if (e->cfg.prefix_cache) {
+            kvf_err cerr = {0};
+            if (kvf_kv_seq_commit(&s->kv, s->tokens, s->n_computed, &cerr) != KVF_OK)
+                kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: commit: %s",
+                        (unsigned long long)s->id, s->index, cerr.msg);
+        }
+        if (s->n_computed < s->n_tokens)
+            continue; /* a prefill chunk that is not the last */
+        const float *row = e->logits + (size_t)i * e->vocab;
+        if (s->index == 0 && s->n > 1 && !s->forked)
+            fork_siblings(e, s, row, e->next[i]);
+        take_token(e, s, sample_for(e, s, row, e->next[i]));
+    }
+    goto out;
+fail:
+    kvf_log(KVF_LOG_ERROR, "engine: step of %d sequences failed: %s", e->n_set, err ? err->msg : "");
+    for (int32_t i = 0; i < e->n_set; i++) {
+        eng_seq *s = slot_seq(e, e->set[i]);
+        if (s->state == SEQ_RUNNING) {
+            e->in_step = false; /* reported by the next step */
+            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+            e->in_step = true;
+        }
+    }
+out:
+    e->in_step = false;
+    reclaim(e);
+    *out_out = e->outs;
+    *n_out = e->n_outs;
+    return st;
+}
+
+bool kvf_engine_busy(const kvf_engine *e)
+{
+    for (int32_t i = 0; i < e->n_order; i++) {
+        const eng_seq *s = &e->seqs[e->order[i]];
+        if (s->state != SEQ_FREE && (s->state != SEQ_FINISHED || s->pending))
+            return true;
+    }
+    return false;
+}
+
+void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out)
+{
+    *out = e->st;
+    out->running = count_state(e, SEQ_RUNNING) + count_state(e, SEQ_FORK_WAIT);
+    out->waiting = count_state(e, SEQ_WAITING);
+    out->swapped = count_state(e, SEQ_SWAPPED);
+    out->remote = count_state(e, SEQ_REMOTE);
+    kvf_kv_pool_stats ps;
+    kvf_kv_pool_get_stats(e->pool, &ps);
+    out->free_blocks = ps.free;
+    out->cached_blocks = ps.cached;
+    out->total_blocks = ps.total;
+    out->swap_slots_free = e->swap ? kvf_kv_swap_slots_free(e->swap) : 0;
+}
+
+kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err)
+{
+    size_t n = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        const eng_seq *s = &e->seqs[e->order[i]];
+        if (s->kv_live)
+            e->live[n++] = &s->kv;
+    }
+    kvf_status st = kvf_kv_check_invariants(e->pool, e->live, n, err);
+    if (st == KVF_OK && e->swap)
+        st = kvf_kv_swap_check(e->swap, e->live, n, err);
+    /* the engine's own rule: a running sequence's table covers exactly its computed KV */
+    for (int32_t i = 0; st == KVF_OK && i < e->n_order; i++) {
+        const eng_seq *s = &e->seqs[e->order[i]];
+        if (s->state == SEQ_RUNNING && s->kv.n_tokens != s->n_computed)
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu.%d: table holds %lld "
+                             "positions but %d are computed", (unsigned long long)s->id,
+                             s->index, (long long)s->kv.n_tokens, s->n_computed);
+    }
+    return st;
+}
+
+/* ---- run to completion ------------------------------------------------------------------- */
+
+kvf_status kvf_engine_run(kvf_engine *e, kvf_engine_output_fn fn, void *ctx, kvf_err *err)
+{
+    while (kvf_engine_busy(e)) {
+        const kvf_engine_output *o;
+        int32_t n;
+        kvf_status st = kvf_engine_step(e, &o, &n, err);
+        if (fn)
+            for (int32_t i = 0; i < n; i++)
+                fn(ctx, &o[i]);
+        if (st != KVF_OK)
+            return st;
+    }
+    return KVF_OK;
+}
+
+typedef struct gen_ctx {
+    uint64_t id;
+    int32_t *out, cap, n;
+    kvf_engine_finish finish;
+} gen_ctx;
+
+static void gen_collect(void *ctx, const kvf_engine_output *o)
+{
+    gen_ctx *g = ctx;
+    if (o->id != g->id)
+        return;
+    if (o->token >= 0) {
+        if (g->n < g->cap)
+            g->out[g->n] = o->token;
+        g->n++;
+    }
+    if (o->finish)
+        g->finish = o->finish;
+}
+
+kvf_status kvf_engine_generate(kvf_engine *e, const kvf_engine_request *req, int32_t *out,
+                               int32_t cap, int32_t *n_out, kvf_engine_finish *finish_out,
+                               kvf_err *err)
+{
+    if (req && req->sampling.n != 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: generate: n %d is not allowed (use 1; "
+                           "kvf_engine_run takes n > 1)", req->sampling.n);
+    kvf_status st = kvf_engine_add(e, req, err);
+    if (st != KVF_OK)
+        return st;
+    gen_ctx g = {.id = req->id, .out = out, .cap = cap};
+    st = kvf_engine_run(e, gen_collect, &g, err);
+    if (n_out)
+        *n_out = g.n;
+    if (finish_out)
+        *finish_out = g.finish;
+    return st;
+}

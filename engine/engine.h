@@ -1,0 +1,187 @@
+/* engine.h: the continuous-batching step loop of a decode (or colocated) worker: requests join
+ * and leave the running batch every step, a token budget per step with chunked prefill,
+ * admission only when a step's blocks can all be allocated, preemption of the newest sequence
+ * (recompute or swap, chosen by cost), sampling, n > 1 through copy-on-write forks, and the
+ * prefix cache. It owns one KV pool (kv/pool.h) and one forward pass (model/forward.h); the
+ * transport, RPCs and tokenizer are the workers'. Single-threaded: one thread calls everything.
+ *
+ * The life of a request: kvf_engine_add queues it (WAITING); a step admits it (RUNNING) once
+ * its first chunk's blocks fit, reusing every full cached block of its prefix; each step runs
+ * one prefill chunk or one decode token for it and, when the prompt (or a decode token) is
+ * done, samples the next token and reports it in that step's outputs. Under pressure the newest
+ * running sequence is preempted: recomputed later from its tokens (WAITING) or swapped to host
+ * memory (SWAPPED); either way it resumes with exactly the tokens an undisturbed run gives,
+ * because it keeps its tokens and its own random generator. A finished or cancelled sequence
+ * frees its blocks at once (registered ones stay cached for later prompts). */
+#ifndef KVF_ENGINE_ENGINE_H
+#define KVF_ENGINE_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "kv/pool.h"
+#include "model/backend.h"
+#include "model/model.h"
+
+typedef struct kvf_engine kvf_engine;
+
+#define KVF_ENGINE_MAX_N 16    /* parallel samples per request */
+#define KVF_ENGINE_MAX_STOP 16 /* stop ids and eos ids per request (each) */
+
+typedef enum kvf_engine_preempt {
+    KVF_ENGINE_PREEMPT_AUTO = 0,      /* by the cost estimate (kvf_engine_preempt_cost) */
+    KVF_ENGINE_PREEMPT_RECOMPUTE = 1, /* drop the blocks, prefill again later */
+    KVF_ENGINE_PREEMPT_SWAP = 2,      /* copy the blocks to host slots; recompute if none left */
+} kvf_engine_preempt;
+
+typedef struct kvf_engine_cfg {
+    int32_t n_blocks;     /* KV pool blocks; 0: from kv_bytes */
+    int64_t kv_bytes;     /* KV pool bytes when n_blocks is 0 */
+    int32_t block_size;   /* tokens per block (power of two) */
+    kvf_dtype kv_dtype;   /* f32, f16 or bf16 */
+    int32_t max_batch_tokens; /* token budget of one step (prefill chunks + decode tokens) */
+    int32_t max_seqs;         /* running sequences at once (<= max_batch_tokens) */
+    int32_t max_queued;       /* sequences held at once: running + waiting + swapped */
+    int32_t max_ctx;          /* positions per sequence; 0: the model's max_position_embeddings */
+    int32_t swap_slots;       /* host blocks for swapped sequences; 0: no swap tier */
+    bool prefix_cache;        /* reuse cached full blocks of a prompt's prefix (default on) */
+    kvf_engine_preempt preempt;
+    int32_t threads; /* backend threads; 0: one per online CPU */
+    const char *model_id; /* for the block hash root (DESIGN.md s.3); NULL: "" */
+    /* KV events of the pool (STORED/REMOVED), for a worker that publishes them; may be NULL. */
+    kvf_kv_event_fn on_event;
+    void *event_ctx;
+    /* Cost model for PREEMPT_AUTO: compute rate (FLOP/s) and host copy rate (bytes/s). */
+    double flops_per_s, copy_bytes_per_s;
+} kvf_engine_cfg;
+
+/* Defaults: 512 blocks of 16 f32 tokens, 512 tokens a step, 32 running, 256 held, 256 swap
+ * slots, prefix cache on, auto preemption, 0 threads, cost rates 2e10 FLOP/s and 4e9 B/s. */
+void kvf_engine_cfg_default(kvf_engine_cfg *cfg);
+
+typedef struct kvf_engine_sampling {
+    int32_t max_tokens;   /* new tokens per sample, >= 1 */
+    float temperature;    /* 0: greedy (argmax, ties to the lowest id) */
+    int32_t top_k;        /* 0: all */
+    float top_p;          /* (0, 1]; 1: all */
+    uint64_t seed;        /* per request: sample i draws from its own generator seeded here */
+    int32_t n;            /* parallel samples, 1..KVF_ENGINE_MAX_N; they share the prompt's KV */
+    int32_t stop_ids[KVF_ENGINE_MAX_STOP]; /* finish (reason STOP) after emitting one of these */
+    int32_t n_stop;
+    int32_t eos_ids[KVF_ENGINE_MAX_STOP];  /* the same, for the model's end-of-sequence ids */
+    int32_t n_eos;
+} kvf_engine_sampling;
+
+/* Greedy, n 1, max_tokens 16, top_p 1, no stop or eos ids. */
+void kvf_engine_sampling_default(kvf_engine_sampling *s);
+
+typedef struct kvf_engine_request {
+    uint64_t id;           /* unique among the engine's live requests */
+    const int32_t *prompt; /* [n_prompt], copied by kvf_engine_add */
+    int32_t n_prompt;      /* >= 1 */
+    const char *cache_salt; /* NULL: none; requests with different salts never share KV */
+    kvf_engine_sampling sampling;
+} kvf_engine_request;
+
+typedef enum kvf_engine_finish {
+    KVF_ENGINE_FINISH_NONE = 0,   /* still running */
+    KVF_ENGINE_FINISH_STOP = 1,   /* emitted a stop or eos id */
+    KVF_ENGINE_FINISH_LENGTH = 2, /* max_tokens, max_ctx, or the sequence outgrew the pool */
+    KVF_ENGINE_FINISH_CANCELLED = 3,
+    KVF_ENGINE_FINISH_ERROR = 4,  /* the step failed for it (logged) */
+} kvf_engine_finish;
+
+const char *kvf_engine_finish_name(kvf_engine_finish f); /* "stop", "length", ... */
+
+/* One sequence's news in one step: a new token, a finish, or both. */
+typedef struct kvf_engine_output {
+    uint64_t id;      /* the request */
+    int32_t index;    /* its sample, 0..n-1 */
+    int32_t token;    /* the new token, -1 when there is none (cancelled, error) */
+    int32_t n_generated; /* tokens of this sample so far, this one included */
+    kvf_engine_finish finish;
+} kvf_engine_output;
+
+typedef struct kvf_engine_stats {
+    int32_t running, waiting, swapped, remote; /* sequences in each state */
+    int32_t free_blocks, cached_blocks, total_blocks;
+    int32_t swap_slots_free;
+    int64_t steps, prefill_tokens, decode_tokens; /* tokens computed by the forward pass */
+    int64_t prefix_hit_tokens;                    /* prompt tokens served from the cache */
+    int64_t preempt_recompute, preempt_swap;
+    int64_t finished;
+} kvf_engine_stats;
+
+/* Creates an engine over a loaded model (which must outlive it) and a backend (its context is
+ * created here with cfg->threads). Sizes every per-step buffer now. Errors name the field. */
+kvf_status kvf_engine_create(const kvf_model *model, const kvf_backend *be,
+                             const kvf_engine_cfg *cfg, kvf_engine **out, kvf_err *err);
+/* Frees everything, live sequences included. NULL is a no-op. */
+void kvf_engine_destroy(kvf_engine *e);
+
+/* Queues a request. Checks the prompt (ids in the vocabulary, length below max_ctx and within
+ * the pool), the sampling parameters and the id (ERR_EXISTS when live); ERR_FULL when
+ * max_queued sequences are held already. */
+kvf_status kvf_engine_add(kvf_engine *e, const kvf_engine_request *req, kvf_err *err);
+
+/* Runs one step. *out_out points at this step's outputs (engine-owned, valid until the next
+ * call); *n_out gets how many. A step with nothing to run returns OK with no outputs. A failing
+ * forward pass finishes the step's sequences with FINISH_ERROR (reported next step) and
+ * returns its status. */
+kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int32_t *n_out,
+                           kvf_err *err);
+
+/* True while any sequence is waiting, running, swapped or has output left to report. */
+bool kvf_engine_busy(const kvf_engine *e);
+
+/* Cancels every sample of request id: frees its blocks (or host slots) now; the next step
+ * reports FINISH_CANCELLED for each sample not yet finished. ERR_NOT_FOUND for an unknown id. */
+kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err);
+
+void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out);
+
+/* Checks the pool's invariants against every live sequence, and the swap tier's (tests call
+ * it after every step). ERR_INTERNAL naming the broken rule. */
+kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err);
+
+/* The pool (for a worker that registers its memory with a transport). Borrowed. */
+kvf_kv_pool *kvf_engine_pool(kvf_engine *e);
+
+/* The cost estimate behind PREEMPT_AUTO, in seconds: recomputing n_tokens tokens vs copying
+ * n_blocks blocks out and back. Swap wins when its cost is lower. */
+void kvf_engine_preempt_cost(const kvf_engine *e, int64_t n_tokens, int32_t n_blocks,
+                             double *recompute_s_out, double *swap_s_out);
+
+/* ---- remote prefill (a decode worker whose prompts a prefill worker computes) ------------ */
+
+/* Queues a request (n must be 1) whose prompt KV another process writes: looks up the prefix
+ * cache, allocates blocks for the rest of the prompt now (ERR_FULL when they do not fit) and
+ * hands out the ids of all the prompt's blocks in order (block_ids_out [cap]; *n_blocks_out
+ * of them) and how many leading prompt tokens are already cached here (*n_cached_out; the
+ * writer may skip those). The sequence holds its blocks and does not run until
+ * kvf_engine_remote_done. */
+kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
+                                 int32_t *block_ids_out /* [cap] */, int32_t cap,
+                                 int32_t *n_blocks_out, int64_t *n_cached_out, kvf_err *err);
+/* The prompt's KV has landed: registers its full blocks in the prefix cache (STORED events),
+ * takes first_token (sampled by the prefill worker) as the first output token (reported by the
+ * next step) and joins the running batch. */
+kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_token, kvf_err *err);
+
+/* ---- run to completion ------------------------------------------------------------------ */
+
+typedef void (*kvf_engine_output_fn)(void *ctx, const kvf_engine_output *o);
+
+/* Steps until nothing is left, passing every output to fn (may be NULL). For single-process
+ * generation and tests. */
+kvf_status kvf_engine_run(kvf_engine *e, kvf_engine_output_fn fn, void *ctx, kvf_err *err);
+
+/* Adds one request (n must be 1), runs to completion and copies its tokens to out (up to cap;
+ * *n_out gets how many were generated) and its finish reason. Other queued requests run too. */
+kvf_status kvf_engine_generate(kvf_engine *e, const kvf_engine_request *req,
+                               int32_t *out /* [cap] */, int32_t cap, int32_t *n_out,
+                               kvf_engine_finish *finish_out, kvf_err *err);
+
+#endif
