@@ -459,6 +459,22 @@ void kvf_kv_seq_fini(kvf_kv_seq *seq)
     seq->state = KVF_KV_SEQ_RELEASED;
 }
 
+kvf_status kvf_kv_seq_reset(kvf_kv_seq *seq, uint64_t root, kvf_err *err)
+{
+    if (!seq || !seq->pool)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: reset: sequence is not initialised");
+    if (seq->state == KVF_KV_SEQ_SWAPPED || seq->n_blocks != 0)
+        return kvf_err_set(err, KVF_ERR_STATE, "kv: reset: sequence still holds %d %s (free it "
+                           "first)", seq->n_blocks,
+                           seq->state == KVF_KV_SEQ_SWAPPED ? "host slots" : "blocks");
+    seq->root = root;
+    seq->n_tokens = 0;
+    seq->n_hashed = 0;
+    seq->state = KVF_KV_SEQ_ACTIVE;
+    seq->swap = NULL;
+    return KVF_OK;
+}
+
 kvf_status kvf_kv_seq_reserve(kvf_kv_seq *seq, int32_t n_blocks, kvf_err *err)
 {
     if (n_blocks <= seq->cap)

@@ -147,6 +147,10 @@ typedef struct kvf_kv_seq {
 void kvf_kv_seq_init(kvf_kv_seq *seq, kvf_kv_pool *pool, uint64_t root);
 /* Releases whatever seq still holds (blocks, host slots) and frees its arrays. */
 void kvf_kv_seq_fini(kvf_kv_seq *seq);
+/* Makes a RELEASED (or empty ACTIVE) seq an empty ACTIVE table again with a new root, keeping
+ * its arrays: the engine reuses sequence slots without allocating. ERR_STATE when it still
+ * holds blocks or host slots. */
+kvf_status kvf_kv_seq_reset(kvf_kv_seq *seq, uint64_t root, kvf_err *err);
 /* Grows the table to hold n_blocks without further allocation. ERR_NOMEM leaves it as it was. */
 kvf_status kvf_kv_seq_reserve(kvf_kv_seq *seq, int32_t n_blocks, kvf_err *err);
 

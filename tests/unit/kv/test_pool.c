@@ -198,6 +198,15 @@ static void test_double_free_and_foreign(void **state)
     kt_check(p, none, 0);
     /* a released sequence cannot be written */
     assert_int_equal(kvf_kv_seq_prepare_write(&t, 1, &err), KVF_ERR_STATE);
+    /* reset makes it usable again, keeping its arrays; a holding sequence is not reset */
+    int32_t cap = t.cap;
+    assert_int_equal(kvf_kv_seq_reset(&t, 7, &err), KVF_OK);
+    assert_int_equal(t.cap, cap);
+    assert_int_equal(t.state, KVF_KV_SEQ_ACTIVE);
+    assert_int_equal(kvf_kv_seq_prepare_write(&t, 20, &err), KVF_OK);
+    assert_int_equal(kvf_kv_seq_reset(&t, 7, &err), KVF_ERR_STATE);
+    assert_non_null(strstr(err.msg, "still holds 2 blocks"));
+    assert_int_equal(kvf_kv_seq_free(&t, &err), KVF_OK);
     free(forged.blocks);
     free(forged.hashes);
     kvf_kv_seq_fini(&s);
@@ -473,7 +482,7 @@ static void test_retention(void **state)
     assert_int_equal(st.expired, 2);
     /* a lookup meeting an expired block drops it and misses */
     e.now = 1200;
-    kvf_kv_seq_init(&s, p, root);
+    assert_int_equal(kvf_kv_seq_reset(&s, root, &err), KVF_OK); /* reuses the released slot */
     int64_t hit = -1;
     assert_int_equal(kvf_kv_prefix_lookup(&s, b, 32, &hit, &err), KVF_OK);
     assert_int_equal(hit, 0);
