@@ -12,7 +12,7 @@ typedef struct kvf_cli_bench_entry {
 } kvf_cli_bench_entry;
 
 static const kvf_cli_bench_entry benches[] = {
-    {"kv", NULL, "KV cache: allocate/free/lookup/insert ops/s, hashing GB/s"},
+    {"kv", kvf_bench_kv_main, "KV cache: allocate/free/lookup/insert ops/s, hashing GB/s"},
     {"engine", NULL, "prefill and decode tokens/s, decode memory bandwidth"},
     {"xfer", NULL, "KV block transfer GB/s over UCX vs ucx_perftest"},
     {"router", NULL, "index ops/s and routing-decision latency"},
