@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 int kvf_bench_kv_main(int argc, char **argv); /* bench/kv.c */
+int kvf_bench_xfer_main(int argc, char **argv); /* bench/xfer.c */
 
 /* Bytes per second of a plain sequential read of n bytes (the memory baseline several
  * benchmarks compare with); repeats until at least min_s seconds have passed. */

@@ -1,0 +1,531 @@
+/* xfer.c: `kvfleet bench xfer`: KV block transfer GB/s between two processes through kvf_xfer
+ * (UCX backend) for several block sizes and run lengths (a transfer moves --blocks blocks as
+ * runs of 1, 8 or 64 adjacent blocks), over tcp and shared memory, and in the same run
+ * `ucx_perftest -t ucp_put_bw` with the same transport and message size (one run). Prints a
+ * table, the ratio per case and `ratio_vs_ucx_perftest=<min>`. The receiving process is this
+ * binary again (`--serve-fd`, internal). Not a test: nothing here asserts a speed. */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench/bench.h"
+#include "common/cfg.h"
+#include "common/progress.h"
+#include "common/time.h"
+#include "transport/xfer.h"
+
+extern char **environ;
+
+typedef struct xfer_bench_cfg {
+    const char *transports, *block_sizes, *runs, *perftest;
+    int32_t blocks, window, serve_fd;
+    double seconds;
+    bool no_perftest;
+} xfer_bench_cfg;
+
+static const kvf_cfg_opt xfer_bench_opts[] = {
+    {"transports", "tcp,sm", "UCX transports to measure (tcp, sm)", offsetof(xfer_bench_cfg, transports), KVF_CFG_STR},
+    {"block-sizes", "64K,1M,2M", "KV block sizes in bytes", offsetof(xfer_bench_cfg, block_sizes), KVF_CFG_STR},
+    {"runs", "1,8,64", "adjacent blocks per run (one put each)", offsetof(xfer_bench_cfg, runs), KVF_CFG_STR},
+    {"blocks", "64", "blocks per transfer (a multiple of every run length)", offsetof(xfer_bench_cfg, blocks), KVF_CFG_INT},
+    {"window", "16", "transfers in flight at once (each needs a round trip to the receiver)", offsetof(xfer_bench_cfg, window), KVF_CFG_INT},
+    {"seconds", "1.0", "seconds of transfers per case", offsetof(xfer_bench_cfg, seconds), KVF_CFG_DOUBLE},
+    {"perftest", "ucx_perftest", "the ucx_perftest binary (the baseline)", offsetof(xfer_bench_cfg, perftest), KVF_CFG_STR},
+    {"no-perftest", NULL, "skip the baseline (no ratio)", offsetof(xfer_bench_cfg, no_perftest), KVF_CFG_BOOL},
+    {"serve-fd", "-1", "internal: run as the receiving process on this socket", offsetof(xfer_bench_cfg, serve_fd), KVF_CFG_INT},
+    {NULL},
+};
+
+static const kvf_cfg_spec xfer_bench_spec = {
+    .prog = "kvfleet bench xfer",
+    .summary = "KV block transfer GB/s between two processes over UCX (kvf_xfer), per transport,\n"
+               "block size and run length, against ucx_perftest -t ucp_put_bw with the same\n"
+               "transport and message size (tcp runs it with -O 1) measured in the same run.\n"
+               "Pools are allocated by the transport (shared-memory puts are one copy).",
+    .opts = xfer_bench_opts,
+};
+
+/* ---- the little protocol between the two processes ---- */
+
+enum { M_CASE = 1, M_DESC = 2, M_END = 3, M_DONE = 4, M_QUIT = 5, M_FAIL = 6 };
+
+typedef struct xb_msg {
+    uint32_t type, len;
+    uint8_t data[8192];
+} xb_msg;
+
+static int xb_io(int fd, void *p, size_t n, bool wr)
+{
+    uint8_t *b = p;
+    while (n) {
+        ssize_t k = wr ? write(fd, b, n) : read(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int xb_send(int fd, uint32_t type, const void *data, uint32_t len)
+{
+    uint32_t h[2] = {type, len};
+    return xb_io(fd, h, sizeof h, true) || (len && xb_io(fd, (void *)data, len, true)) ? -1 : 0;
+}
+
+/* One message; progresses x meanwhile when given (else blocks). 1: got one, 0: none before
+ * deadline_ns, -1: closed or malformed. */
+static int xb_recv(int fd, kvf_xfer *x, xb_msg *m, int64_t deadline_ns)
+{
+    for (;;) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, x ? 0 : 100);
+        if (r > 0) {
+            uint32_t h[2];
+            if (xb_io(fd, h, sizeof h, false) || h[1] > sizeof m->data)
+                return -1;
+            m->type = h[0];
+            m->len = h[1];
+            return xb_io(fd, m->data, m->len, false) ? -1 : 1;
+        }
+        if (x) {
+            kvf_xfer_progress(x);
+            kvf_xfer_event ev;
+            while (kvf_xfer_poll(x, &ev))
+                ;
+        }
+        if (kvf_now_ns() >= deadline_ns)
+            return 0;
+    }
+}
+
+typedef struct xb_case {
+    int32_t layers, heads, n_blocks;
+    char transport[8];
+} xb_case;
+
+/* A block of `bytes` as a real layout: 8 KiB per (layer, kv head) at head_dim 128, 16 tokens,
+ * f16: 64 KiB = 8 layers x 1 head, 1 MiB = 32 x 4, 2 MiB = 32 x 8 (Llama-3-8B). */
+static kvf_status layout_for(int64_t bytes, kvf_kv_layout *l, kvf_err *err)
+{
+    int64_t units = bytes / 8192;
+    if (bytes % 8192 || units < 1)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "bench xfer: block size %lld is not a multiple of 8 KiB",
+                           (long long)bytes);
+    int32_t layers = units % 32 == 0 ? 32 : (int32_t)units, heads = (int32_t)(units / layers);
+    return kvf_kv_layout_init(layers, heads, 128, 16, KVF_DTYPE_F16, l, err);
+}
+
+/* ---- the receiving process ---- */
+
+static int serve(int fd)
+{
+    xb_msg m;
+    for (;;) {
+        int r = xb_recv(fd, NULL, &m, INT64_MAX);
+        if (r < 0 || m.type == M_QUIT)
+            return 0;
+        if (m.type != M_CASE || m.len != sizeof(xb_case))
+            return 1;
+        xb_case c;
+        memcpy(&c, m.data, sizeof c);
+        kvf_kv_layout l;
+        kvf_err err = {0};
+        kvf_xfer *x = NULL;
+        kvf_xfer_pool pool = {.base = NULL, .n_blocks = c.n_blocks};
+        kvf_xfer_cfg cfg = {.backend = "ucx", .transport = c.transport, .accept_unexpected = true};
+        uint8_t *desc = NULL;
+        size_t len = 0;
+        kvf_status st = kvf_kv_layout_init(c.layers, c.heads, 128, 16, KVF_DTYPE_F16, &l, &err);
+        pool.layout = l;
+        if (st == KVF_OK)
+            st = kvf_xfer_create(&cfg, &pool, &x, &err);
+        if (st == KVF_OK)
+            st = kvf_xfer_desc_export(x, &desc, &len, &err);
+        if (st != KVF_OK || len > sizeof m.data) {
+            xb_send(fd, M_FAIL, err.msg, (uint32_t)strlen(err.msg));
+            kvf_xfer_destroy(x);
+            free(desc);
+            continue;
+        }
+        xb_send(fd, M_DESC, desc, (uint32_t)len);
+        free(desc);
+        /* Busy: progress until the sender says the case is over. */
+        do
+            r = xb_recv(fd, x, &m, INT64_MAX);
+        while (r == 1 && m.type != M_END);
+        kvf_xfer_destroy(x);
+        if (r != 1)
+            return 0;
+        xb_send(fd, M_DONE, NULL, 0);
+    }
+}
+
+/* ---- the sending side ---- */
+
+typedef struct xb_peer_proc {
+    pid_t pid;
+    int fd;
+} xb_peer_proc;
+
+static kvf_status spawn_receiver(xb_peer_proc *pp, kvf_err *err)
+{
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: cannot find this program (/proc/self/exe)");
+    self[n] = 0;
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: socketpair: %s", strerror(errno));
+    char fd_arg[32];
+    snprintf(fd_arg, sizeof fd_arg, "--serve-fd=%d", sv[1]);
+    char *argv[] = {"kvfleet", "bench", "xfer", fd_arg, NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, sv[1], sv[1]); /* clears CLOEXEC in the child */
+    int rc = posix_spawn(&pp->pid, self, &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(sv[1]);
+    if (rc != 0) {
+        close(sv[0]);
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: starting the receiver %s: %s", self,
+                           strerror(rc));
+    }
+    pp->fd = sv[0];
+    return KVF_OK;
+}
+
+static void stop_receiver(xb_peer_proc *pp)
+{
+    xb_send(pp->fd, M_QUIT, NULL, 0);
+    close(pp->fd);
+    int64_t until = kvf_now_ns() + 5000000000LL;
+    int ws;
+    while (waitpid(pp->pid, &ws, WNOHANG) == 0) {
+        if (kvf_now_ns() > until) {
+            kill(pp->pid, SIGKILL);
+            waitpid(pp->pid, &ws, 0);
+            break;
+        }
+        kvf_sleep_ms(10);
+    }
+}
+
+/* Our GB/s for one case: transfers of n_blocks blocks as runs of `run` (runs placed in reverse
+ * order at the receiver, so they never merge), `window` in flight, for `seconds`. */
+static kvf_status measure_xfer(const xfer_bench_cfg *c, xb_peer_proc *pp, const char *transport,
+                               const kvf_kv_layout *l, int32_t run, double *gbps_out,
+                               int64_t *bytes_out, kvf_err *err)
+{
+    xb_case cs = {.layers = l->n_layers, .heads = l->n_kv_heads, .n_blocks = c->blocks};
+    snprintf(cs.transport, sizeof cs.transport, "%s", transport);
+    xb_msg m;
+    if (xb_send(pp->fd, M_CASE, &cs, sizeof cs) ||
+        xb_recv(pp->fd, NULL, &m, kvf_now_ns() + 30000000000LL) != 1)
+        return kvf_err_set(err, KVF_ERR_PEER_LOST, "bench xfer: the receiver did not answer");
+    if (m.type != M_DESC)
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: receiver: %.*s", (int)m.len,
+                           (const char *)m.data);
+    kvf_xfer_pool pool = {.base = NULL, .layout = *l, .n_blocks = c->blocks};
+    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = transport};
+    kvf_xfer *x = NULL;
+    kvf_xfer_peer *peer = NULL;
+    kvf_xfer_pair *pairs = malloc((size_t)c->blocks * sizeof *pairs);
+    kvf_status st;
+    if (!pairs) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "bench xfer: out of memory");
+        goto end_case;
+    }
+    if ((st = kvf_xfer_create(&cfg, &pool, &x, err)) != KVF_OK ||
+        (st = kvf_xfer_connect(x, m.data, m.len, &peer, err)) != KVF_OK)
+        goto end_case;
+    memset(kvf_xfer_pool_base(x), 0x5a, (size_t)(c->blocks * l->block_bytes));
+    int64_t until = kvf_now_ns() + 10000000000LL;
+    while (kvf_xfer_peer_status(peer) == KVF_ERR_BUSY && kvf_now_ns() < until)
+        kvf_xfer_progress(x);
+    if (kvf_xfer_peer_status(peer) != KVF_OK) {
+        st = kvf_err_set(err, KVF_ERR_PEER_LOST, "bench xfer: wire-up to the receiver failed");
+        goto end_case;
+    }
+    int32_t n_runs = c->blocks / run;
+    for (int32_t k = 0; k < n_runs; k++)
+        for (int32_t i = 0; i < run; i++)
+            pairs[k * run + i] = (kvf_xfer_pair){.src = k * run + i,
+                                                 .dst = (n_runs - 1 - k) * run + i};
+    int64_t transfer_bytes = (int64_t)c->blocks * l->block_bytes;
+    uint64_t next_id = 1;
+    int in_flight = 0;
+    int64_t done_bytes = 0, t0 = 0, t_end;
+    bool warm = false;
+    /* The first `window` transfers warm up; the clock starts when the first one completes. */
+    for (;;) {
+        bool issue = !warm || kvf_now_ns() - t0 < (int64_t)(c->seconds * 1e9);
+        while (issue && in_flight < c->window) {
+            st = kvf_xfer_write(x, peer, next_id++, pairs, (size_t)c->blocks,
+                                kvf_now_ns() + 60000000000LL, err);
+            if (st != KVF_OK)
+                goto end_case;
+            in_flight++;
+        }
+        if (!issue && in_flight == 0)
+            break;
+        kvf_xfer_event ev;
+        kvf_xfer_progress(x);
+        while (kvf_xfer_poll(x, &ev)) {
+            if (ev.status != KVF_OK) {
+                st = kvf_err_set(err, ev.status, "bench xfer: transfer %llu: %s",
+                                 (unsigned long long)ev.id, kvf_status_str(ev.status));
+                goto end_case;
+            }
+            in_flight--;
+            if (!warm) {
+                warm = true;
+                t0 = kvf_now_ns();
+            } else {
+                done_bytes += transfer_bytes;
+            }
+        }
+    }
+    t_end = kvf_now_ns();
+    *gbps_out = (double)done_bytes / (double)(t_end - t0);
+    *bytes_out = done_bytes;
+    st = KVF_OK;
+
+end_case:
+    if (peer)
+        kvf_xfer_disconnect(x, peer);
+    kvf_xfer_destroy(x);
+    free(pairs);
+    xb_send(pp->fd, M_END, NULL, 0);
+    if (xb_recv(pp->fd, NULL, &m, kvf_now_ns() + 30000000000LL) != 1 || m.type != M_DONE)
+        return st != KVF_OK ? st : kvf_err_set(err, KVF_ERR_PEER_LOST,
+                                               "bench xfer: the receiver did not end the case");
+    return st;
+}
+
+/* Runs a command with UCX_TLS set; its stdout+stderr go to out (NULL: discarded). */
+static kvf_status spawn_tls(char *const argv[], const char *tls, int out_fd, pid_t *pid_out,
+                            kvf_err *err)
+{
+    size_t n_env = 0;
+    while (environ[n_env])
+        n_env++;
+    char **env = calloc(n_env + 2, sizeof *env);
+    char tls_var[64];
+    snprintf(tls_var, sizeof tls_var, "UCX_TLS=%s", tls);
+    size_t k = 0;
+    for (size_t i = 0; i < n_env; i++)
+        if (strncmp(environ[i], "UCX_TLS=", 8) != 0)
+            env[k++] = environ[i];
+    env[k++] = tls_var;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    if (out_fd >= 0) {
+        posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
+        posix_spawn_file_actions_adddup2(&fa, out_fd, 2);
+    } else {
+        posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", 1, 0);
+        posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", 1, 0);
+    }
+    int rc = posix_spawnp(pid_out, argv[0], &fa, NULL, argv, env);
+    posix_spawn_file_actions_destroy(&fa);
+    free(env);
+    if (rc != 0)
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: starting %s: %s", argv[0], strerror(rc));
+    return KVF_OK;
+}
+
+/* ucx_perftest -t ucp_put_bw with the same transport and message size: GB/s (overall). */
+static kvf_status measure_perftest(const xfer_bench_cfg *c, const char *transport,
+                                   int64_t msg_bytes, int64_t total_bytes, double *gbps_out,
+                                   kvf_err *err)
+{
+    char port[16], size[32], iters[32];
+    snprintf(port, sizeof port, "%d", 20000 + (int)((getpid() * 7919 + kvf_now_ns() / 1000) % 30000));
+    snprintf(size, sizeof size, "%lld", (long long)msg_bytes);
+    int64_t n = total_bytes / msg_bytes;
+    n = n < 50 ? 50 : n > 200000 ? 200000 : n;
+    snprintf(iters, sizeof iters, "%lld", (long long)n);
+    const char *tls = strcmp(transport, "tcp") == 0 ? "tcp" : "sm";
+    char *srv_argv[] = {(char *)c->perftest, "-p", port, NULL};
+    char *cli_argv[] = {(char *)c->perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
+                        size, "-n", iters, strcmp(tls, "tcp") == 0 ? "-O" : NULL, "1", NULL};
+    pid_t srv, cli;
+    kvf_status st = spawn_tls(srv_argv, tls, -1, &srv, err);
+    if (st != KVF_OK)
+        return st;
+    kvf_sleep_ms(500); /* the server must be listening before the client connects */
+    int pfd[2];
+    if (pipe2(pfd, O_CLOEXEC) != 0) {
+        kill(srv, SIGKILL);
+        waitpid(srv, NULL, 0);
+        return kvf_err_set(err, KVF_ERR_IO, "bench xfer: pipe: %s", strerror(errno));
+    }
+    st = spawn_tls(cli_argv, tls, pfd[1], &cli, err);
+    close(pfd[1]);
+    char out[65536];
+    size_t len = 0;
+    int64_t until = kvf_now_ns() + 120000000000LL;
+    while (st == KVF_OK) {
+        struct pollfd p = {.fd = pfd[0], .events = POLLIN};
+        if (poll(&p, 1, 200) > 0) {
+            ssize_t k = read(pfd[0], out + len, sizeof out - 1 - len);
+            if (k <= 0)
+                break;
+            len += (size_t)k;
+            if (len == sizeof out - 1)
+                len = 0; /* keep the tail: the Final line is last */
+        }
+        if (kvf_now_ns() > until) {
+            st = kvf_err_set(err, KVF_ERR_TIMEOUT, "bench xfer: ucx_perftest ran over 120 s");
+            kill(cli, SIGKILL);
+        }
+    }
+    out[len] = 0;
+    close(pfd[0]);
+    if (st == KVF_OK || st == KVF_ERR_TIMEOUT)
+        waitpid(cli, NULL, 0);
+    kill(srv, SIGKILL);
+    waitpid(srv, NULL, 0);
+    if (st != KVF_OK)
+        return st;
+    /* "Final:  iters  lat50 lat_avg lat_overall  bw_avg bw_overall  rate_avg rate_overall" */
+    const char *f = strstr(out, "Final:");
+    double v[8] = {0};
+    if (!f || sscanf(f, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4],
+                     &v[5]) != 6)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "bench xfer: no \"Final:\" line in ucx_perftest's output: %.300s", out);
+    *gbps_out = v[5] * 1048576.0 / 1e9; /* perftest's MB/s are MiB/s */
+    return KVF_OK;
+}
+
+static int parse_list(const char *s, int64_t *out, int max, bool sizes)
+{
+    int n = 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save, *t = strtok_r(buf, ",", &save); t && n < max; t = strtok_r(NULL, ",", &save))
+        if ((sizes ? kvf_cfg_parse_size(t, &out[n]) : kvf_cfg_parse_int64(t, &out[n])) != KVF_OK ||
+            out[n] <= 0)
+            return -1;
+        else
+            n++;
+    return n;
+}
+
+int kvf_bench_xfer_main(int argc, char **argv)
+{
+    xfer_bench_cfg c = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_cfg_parse(&xfer_bench_spec, &c, argc, argv, NULL, &err);
+    if (st != KVF_OK) {
+        if (st != KVF_HELP)
+            fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return st == KVF_HELP ? 0 : 2;
+    }
+    if (c.serve_fd >= 0)
+        return serve(c.serve_fd);
+    signal(SIGPIPE, SIG_IGN);
+
+    int64_t sizes[8], runs[8];
+    char tr_buf[64];
+    const char *trs[4];
+    int n_sizes = parse_list(c.block_sizes, sizes, 8, true), n_runs = parse_list(c.runs, runs, 8, false);
+    int n_trs = 0;
+    snprintf(tr_buf, sizeof tr_buf, "%s", c.transports);
+    for (char *save, *t = strtok_r(tr_buf, ",", &save); t && n_trs < 4; t = strtok_r(NULL, ",", &save)) {
+        if (strcmp(t, "tcp") != 0 && strcmp(t, "sm") != 0) {
+            fprintf(stderr, "kvfleet: --transports: '%s' is not a transport (use tcp, sm)\n", t);
+            return 2;
+        }
+        trs[n_trs++] = t;
+    }
+    if (n_sizes <= 0 || n_runs <= 0 || n_trs == 0 || c.blocks <= 0 || c.window <= 0) {
+        fprintf(stderr, "kvfleet: --block-sizes, --runs, --transports, --blocks and --window need "
+                        "positive values (got '%s', '%s', '%s', %d, %d)\n",
+                c.block_sizes, c.runs, c.transports, c.blocks, c.window);
+        return 2;
+    }
+    for (int i = 0; i < n_runs; i++)
+        if (c.blocks % runs[i] != 0) {
+            fprintf(stderr, "kvfleet: --runs=%lld does not divide --blocks=%d\n",
+                    (long long)runs[i], c.blocks);
+            return 2;
+        }
+
+    printf("# kvfleet bench xfer: %d blocks per transfer, %d in flight, %.1f s per case; "
+           "baseline: %s -t ucp_put_bw (tcp: -O 1), message = one run\n",
+           c.blocks, c.window, c.seconds, c.no_perftest ? "(skipped)" : c.perftest);
+    printf("%-9s %9s %4s %10s %11s %15s %7s\n", "transport", "block", "run", "msg_bytes",
+           "xfer_GB/s", "perftest_GB/s", "ratio");
+    fflush(stdout);
+    kvf_progress prog;
+    kvf_progress_init(&prog, "bench xfer", (int64_t)n_trs * n_sizes * n_runs);
+    double min_ratio = 1e9;
+    int done = 0;
+    for (int t = 0; t < n_trs; t++) {
+        xb_peer_proc pp;
+        if ((st = spawn_receiver(&pp, &err)) != KVF_OK)
+            goto fail;
+        for (int s = 0; s < n_sizes; s++) {
+            kvf_kv_layout l;
+            if ((st = layout_for(sizes[s], &l, &err)) != KVF_OK) {
+                stop_receiver(&pp);
+                goto fail;
+            }
+            for (int r = 0; r < n_runs; r++) {
+                double gbps = 0, base = 0;
+                int64_t bytes = 0;
+                st = measure_xfer(&c, &pp, trs[t], &l, (int32_t)runs[r], &gbps, &bytes, &err);
+                if (st != KVF_OK) {
+                    stop_receiver(&pp);
+                    goto fail;
+                }
+                int64_t msg = runs[r] * l.block_bytes;
+                if (!c.no_perftest &&
+                    (st = measure_perftest(&c, trs[t], msg, bytes, &base, &err)) != KVF_OK) {
+                    stop_receiver(&pp);
+                    goto fail;
+                }
+                char bs[32];
+                snprintf(bs, sizeof bs, "%lldKiB", (long long)(l.block_bytes >> 10));
+                if (c.no_perftest) {
+                    printf("%-9s %9s %4lld %10lld %11.3f %15s %7s\n", trs[t], bs,
+                           (long long)runs[r], (long long)msg, gbps, "-", "-");
+                } else {
+                    double ratio = base > 0 ? gbps / base : 0;
+                    min_ratio = ratio < min_ratio ? ratio : min_ratio;
+                    printf("%-9s %9s %4lld %10lld %11.3f %15.3f %7.3f\n", trs[t], bs,
+                           (long long)runs[r], (long long)msg, gbps, base, ratio);
+                }
+                fflush(stdout);
+                kvf_progress_update(&prog, ++done);
+            }
+        }
+        stop_receiver(&pp);
+    }
+    kvf_progress_finish(&prog);
+    if (!c.no_perftest)
+        printf("ratio_vs_ucx_perftest=%.3f\n", min_ratio);
+    return 0;
+
+fail:
+    kvf_progress_finish(&prog);
+    fprintf(stderr, "kvfleet: %s\n", err.msg);
+    return 1;
+}
