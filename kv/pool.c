@@ -995,6 +995,23 @@ kvf_status kvf_kv_prefix_unpin(kvf_kv_pool *p, uint64_t root, const int32_t *tok
     return KVF_OK;
 }
 
+int32_t kvf_kv_prefix_snapshot(const kvf_kv_pool *p, kvf_kv_event_fn fn, void *ctx)
+{
+    int32_t n = 0;
+    for (int32_t id = 0; id < p->n; id++) {
+        const kv_block *b = &p->blk[id];
+        if (!b->registered)
+            continue;
+        kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = b->hash, .parent_hash = b->parent,
+                           .block = id, .tokens = p->tokens + (int64_t)id * p->bs,
+                           .n_tokens = p->bs};
+        if (fn)
+            fn(ctx, &ev);
+        n++;
+    }
+    return n;
+}
+
 /* ---- invariant checker --------------------------------------------------------------------- */
 
 #define KV_FAIL(...) (st = kvf_err_set(err, KVF_ERR_INTERNAL, __VA_ARGS__))

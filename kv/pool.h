@@ -160,7 +160,8 @@ kvf_status kvf_kv_seq_reserve(kvf_kv_seq *seq, int32_t n_blocks, kvf_err *err);
  * ERR_FULL (with how many blocks were needed and available) changes nothing. */
 kvf_status kvf_kv_seq_prepare_write(kvf_kv_seq *seq, int64_t n_new, kvf_err *err);
 
-/* prepare_write for several sequences at once (one engine step), all or nothing: either every
+/* prepare_write for several sequences at once (one engine step; each sequence listed at most
+ * once), all or nothing: either every
  * seqs[i] gets n_new[i] more slots or nothing changes and ERR_FULL says how short the pool is.
  * Copy-on-write copies are counted exactly (siblings that all write share one fewer copy). */
 kvf_status kvf_kv_pool_alloc_step(kvf_kv_pool *pool, kvf_kv_seq *const *seqs /* [n] */,
@@ -224,6 +225,12 @@ kvf_status kvf_kv_prefix_pin(kvf_kv_pool *pool, uint64_t root, const int32_t *to
                              int64_t n_tokens, int32_t *n_pinned_out, kvf_err *err);
 kvf_status kvf_kv_prefix_unpin(kvf_kv_pool *pool, uint64_t root, const int32_t *tokens,
                                int64_t n_tokens, int32_t *n_unpinned_out, kvf_err *err);
+
+/* Calls fn with a STORED event for every block registered now (cached, pinned or in use), for
+ * the snapshot a KV-event stream starts with (WatchKv); the deltas then come through
+ * cfg.on_event. Order: by block id, not by chain. Returns how many. fn must not call back into
+ * the pool. */
+int32_t kvf_kv_prefix_snapshot(const kvf_kv_pool *pool, kvf_kv_event_fn fn, void *ctx);
 
 /* ---- checking ---------------------------------------------------------------------------- */
 

@@ -150,6 +150,22 @@ static int64_t model_need(const world *w, const int *idx, const int64_t *k, int 
     return need;
 }
 
+typedef struct snap_ctx {
+    world *w;
+    int n;
+} snap_ctx;
+
+static void snap_check(void *ctx, const kvf_kv_event *ev)
+{
+    snap_ctx *c = ctx;
+    bool found = false;
+    for (int i = 0; i < c->w->n_cached; i++)
+        found |= c->w->cached[i] == ev->hash;
+    assert_true(found);
+    assert_true(ev->type == KVF_KV_EVENT_STORED && ev->tokens && ev->n_tokens == BS);
+    c->n++;
+}
+
 static void verify(world *w)
 {
     kvf_kv_pool *p = w->env.pool;
@@ -181,6 +197,10 @@ static void verify(world *w)
     kvf_kv_pool_get_stats(p, &st);
     assert_int_equal(st.used, distinct);
     assert_true(w->n_cached <= N_BLOCKS);
+    /* a snapshot lists exactly the set the events built */
+    snap_ctx sc = {w, 0};
+    assert_int_equal(kvf_kv_prefix_snapshot(p, snap_check, &sc), w->n_cached);
+    assert_int_equal(sc.n, w->n_cached);
 }
 
 static int pick(world *w, bool want_live, kvf_kv_seq_state state)
