@@ -1959,11 +1959,12 @@ static bool eval_inner(rstate *R, const jnode *n, jframe *f, jv *out)
                 jv_release(*out);
                 return false;
             }
-            if (a.t == JV_LIST || a.t == JV_DICT || a.t == JV_UNDEF) {
+            if (a.t == JV_LIST || a.t == JV_DICT || a.t == JV_NS || a.t == JV_UNDEF) {
+                rfail(R, n->kids[i], "unhashable dict key of type '%s'", jv_type_name(a));
                 jv_release(a);
                 jv_release(b);
                 jv_release(*out);
-                return rfail(R, n->kids[i], "unhashable dict key of type '%s'", jv_type_name(a));
+                return false;
             }
             if (!jv_dict_set(out->u.d, a, b)) {
                 jv_release(*out);
@@ -2153,25 +2154,24 @@ static bool exec_for(rstate *R, const jnode *n, jframe *f)
         return room(R);
     }
     loop.u.d->is_loop = true;
+    static const char *const keys[] = {"index", "index0", "revindex", "revindex0", "first", "last",
+                                       "length", "depth", "depth0", "previtem", "nextitem"};
+    jdict *L = loop.u.d;
+    for (size_t k = 0; k < sizeof keys / sizeof keys[0] && ok; k++)
+        ok = jv_dict_set_cstr(L, keys[k], jv_none()) ? true : room(R);
     for (size_t i = 0; i < cnt && ok; i++) {
         if (++R->iters > R->lim.max_iters) {
             ok = rlimit(R, n, "more than %lld loop iterations", (long long)R->lim.max_iters);
             break;
         }
-        jdict *L = loop.u.d;
-        ok = jv_dict_set_cstr(L, "index", jv_int((int64_t)i + 1)) &&
-             jv_dict_set_cstr(L, "index0", jv_int((int64_t)i)) &&
-             jv_dict_set_cstr(L, "revindex", jv_int((int64_t)(cnt - i))) &&
-             jv_dict_set_cstr(L, "revindex0", jv_int((int64_t)(cnt - i - 1))) &&
-             jv_dict_set_cstr(L, "first", jv_bool(i == 0)) &&
-             jv_dict_set_cstr(L, "last", jv_bool(i + 1 == cnt)) &&
-             jv_dict_set_cstr(L, "length", jv_int((int64_t)cnt)) &&
-             jv_dict_set_cstr(L, "depth", jv_int(1)) && jv_dict_set_cstr(L, "depth0", jv_int(0)) &&
-             jv_dict_set_cstr(L, "previtem", i ? jv_retain(items.u.l->v[i - 1]) : jv_undef("previtem")) &&
-             jv_dict_set_cstr(L, "nextitem", i + 1 < cnt ? jv_retain(items.u.l->v[i + 1]) : jv_undef("nextitem"));
-        if (!ok) {
-            ok = room(R);
-            break;
+        jv vals[] = {jv_int((int64_t)i + 1), jv_int((int64_t)i), jv_int((int64_t)(cnt - i)),
+                     jv_int((int64_t)(cnt - i - 1)), jv_bool(i == 0), jv_bool(i + 1 == cnt),
+                     jv_int((int64_t)cnt), jv_int(1), jv_int(0),
+                     i ? jv_retain(items.u.l->v[i - 1]) : jv_undef("previtem"),
+                     i + 1 < cnt ? jv_retain(items.u.l->v[i + 1]) : jv_undef("nextitem")};
+        for (size_t k = 0; k < sizeof vals / sizeof vals[0]; k++) {
+            jv_release(L->v[k]);
+            L->v[k] = vals[k];
         }
         jframe *it = jframe_new(f);
         if (!it) {

@@ -434,12 +434,10 @@ static kvf_status lex_all(lexer *L)
                 char elmod, ermod;
                 if (!find_endraw(L, L->pos, &rs, &after, &elmod, &ermod))
                     return lex_fail(L, tag, "'raw' block is never closed with 'endraw'%s", "");
-                size_t a = L->pos, b = rs;
+                size_t a = L->pos, b = rs; /* (trim_blocks does not apply after raw) */
                 if (rmod == '-')
                     while (a < b && is_ws(L->src[a]))
                         a++;
-                else if (rmod != '+' && trim && a < b && L->src[a] == '\n')
-                    a++;
                 if (elmod == '-')
                     while (b > a && is_ws(L->src[b - 1]))
                         b--;
@@ -1494,9 +1492,28 @@ kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
     if (!src && len)
         return kvf_err_set(err, KVF_ERR_INVALID, "jinja: template is NULL");
     kvf_model_jinja *t = calloc(1, sizeof *t);
-    if (!t)
+    char *norm = malloc(len + 1);
+    if (!t || !norm) {
+        free(t);
+        free(norm);
         return kvf_err_set(err, KVF_ERR_NOMEM, "out of memory");
-    lexer L = {.src = src ? src : "", .len = len, .flags = flags, .arena = &t->arena,
+    }
+    /* as Jinja: every \r\n and \r becomes \n, and one trailing newline is dropped
+     * (keep_trailing_newline is off) */
+    size_t n = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (src[i] == '\r') {
+            norm[n++] = '\n';
+            if (i + 1 < len && src[i + 1] == '\n')
+                i++;
+        } else {
+            norm[n++] = src[i];
+        }
+    }
+    if (n && norm[n - 1] == '\n')
+        n--;
+    norm[n] = 0;
+    lexer L = {.src = norm, .len = n, .flags = flags, .arena = &t->arena,
                .lc_line = 1, .lc_col = 1, .err = err};
     kvf_status st = lex_all(&L);
     if (st == KVF_OK) {
@@ -1508,6 +1525,7 @@ kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
             st = KVF_ERR_PARSE;
     }
     free(L.toks);
+    free(norm);
     if (st != KVF_OK) {
         kvf_model_jinja_destroy(t);
         return st;

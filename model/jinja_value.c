@@ -219,6 +219,12 @@ bool jv_dict_set(jdict *d, jv key, jv val)
 
 bool jv_dict_set_cstr(jdict *d, const char *key, jv val)
 {
+    jv *old = jv_dict_get_cstr(d, key);
+    if (old) {
+        jv_release(*old);
+        *old = val;
+        return true;
+    }
     jv k;
     if (!jv_str_new(key, strlen(key), &k)) {
         jv_release(val);
