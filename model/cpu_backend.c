@@ -1,6 +1,7 @@
 /* cpu_backend.c: the CPU implementation of kvf_backend: OpenBLAS sgemm/sgemv for projections,
  * a small persistent pthread pool for paged attention, plain loops for the elementwise ops.
- * Weights become f32 at load (borrowed from the mapping when already aligned f32). */
+ * Weights become f32 at load (borrowed from the mapping when already aligned f32). Sets
+ * OpenBLAS to one thread for the whole process: the pool splits each GEMM itself. */
 #include <cblas.h>
 #include <math.h>
 #include <pthread.h>
@@ -136,7 +137,7 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
             c->n_workers++;
         }
     }
-    openblas_set_num_threads(n);
+    openblas_set_num_threads(1); /* the pool parallelizes; see cpu_matmul */
     *ctx_out = c;
     return KVF_OK;
 }
@@ -263,23 +264,54 @@ static void cpu_embed(void *ctx, const kvf_backend_weight *emb, const int32_t *t
         memcpy(out + i * emb->cols, e + (int64_t)tokens[i] * emb->cols, (size_t)emb->cols * sizeof(float));
 }
 
+/* One matmul job: each item computes a slice of the output columns (rows of W) with a
+ * single-threaded OpenBLAS call, so the pool, not OpenBLAS, owns the threads (OpenBLAS's own
+ * threaded GEMM allocates on every call). */
+typedef struct cpu_mm_job {
+    const float *x;
+    int64_t n;
+    const kvf_backend_weight *w, *bias;
+    float *y;
+    int64_t rows_per_item;
+} cpu_mm_job;
+
+static void cpu_mm_item(void *arg, int64_t item)
+{
+    const cpu_mm_job *j = arg;
+    int64_t r0 = item * j->rows_per_item, r1 = r0 + j->rows_per_item;
+    if (r1 > j->w->rows)
+        r1 = j->w->rows;
+    if (r0 >= r1)
+        return;
+    int64_t cols = j->w->cols, rows = j->w->rows;
+    const float *W = (const float *)j->w->data + r0 * cols;
+    if (j->n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, W,
+                    (blasint)cols, j->x, 1, 0.0f, j->y + r0, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->n, (blasint)(r1 - r0),
+                    (blasint)cols, 1.0f, j->x, (blasint)cols, W, (blasint)cols, 0.0f, j->y + r0,
+                    (blasint)rows);
+    if (j->bias) {
+        const float *b = j->bias->data;
+        for (int64_t i = 0; i < j->n; i++)
+            for (int64_t r = r0; r < r1; r++)
+                j->y[i * rows + r] += b[r];
+    }
+}
+
 static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
                        const kvf_backend_weight *bias, float *y)
 {
-    const float *W = w->data;
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)w->rows, (blasint)w->cols, 1.0f, W,
-                    (blasint)w->cols, x, 1, 0.0f, y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)w->rows,
-                    (blasint)w->cols, 1.0f, x, (blasint)w->cols, W, (blasint)w->cols, 0.0f, y,
-                    (blasint)w->rows);
-    if (bias) {
-        const float *b = bias->data;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < w->rows; j++)
-                y[i * w->rows + j] += b[j];
-    }
+    cpu_ctx *c = ctx;
+    /* slices of whole 16-row groups; small products stay on one thread */
+    int64_t items = (int64_t)c->n_threads;
+    if (n * w->rows * w->cols < (1 << 16))
+        items = 1;
+    int64_t per = (w->rows + items - 1) / items;
+    per = (per + 15) / 16 * 16;
+    cpu_mm_job job = {.x = x, .n = n, .w = w, .bias = bias, .y = y, .rows_per_item = per};
+    pool_run(c, cpu_mm_item, &job, (w->rows + per - 1) / per);
 }
 
 static void cpu_rmsnorm(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
