@@ -60,9 +60,8 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
     if (!ops)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "xfer: backend '%s' is not known (use ucx or local)", name);
-    if (!pool || !pool->base || pool->n_blocks <= 0 || pool->n_blocks > INT32_MAX)
-        return kvf_err_set(err, KVF_ERR_INVALID,
-                           "xfer: pool needs a base address and 1 to %d blocks (got %lld)",
+    if (!pool || pool->n_blocks <= 0 || pool->n_blocks > INT32_MAX)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: pool needs 1 to %d blocks (got %lld)",
                            INT32_MAX, pool ? (long long)pool->n_blocks : 0LL);
     kvf_kv_layout check;
     const kvf_kv_layout *l = &pool->layout;
@@ -113,6 +112,11 @@ void kvf_xfer_destroy(kvf_xfer *x)
 const char *kvf_xfer_backend_name(const kvf_xfer *x)
 {
     return x->ops->name;
+}
+
+void *kvf_xfer_pool_base(const kvf_xfer *x)
+{
+    return x->pool.base;
 }
 
 /* ---- descriptors ---- */

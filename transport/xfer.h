@@ -40,9 +40,11 @@ typedef struct kvf_xfer kvf_xfer;
 typedef struct kvf_xfer_peer kvf_xfer_peer;
 
 /* Raw pool memory: n_blocks blocks of layout.block_bytes each, contiguous at base. Owned by the
- * caller; it must outlive the kvf_xfer registered on it. */
+ * caller; it must outlive the kvf_xfer registered on it. With base NULL the transport allocates
+ * the pool itself (zeroed; UCX: memory a peer on the same host can map, so shared-memory puts are
+ * one memcpy with no receiver involvement) and frees it at destroy; kvf_xfer_pool_base says where. */
 typedef struct kvf_xfer_pool {
-    void *base; /* [n_blocks][layout.block_bytes] */
+    void *base; /* [n_blocks][layout.block_bytes], or NULL */
     kvf_kv_layout layout;
     int64_t n_blocks;
 } kvf_xfer_pool;
@@ -96,6 +98,8 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
 /* Closes every peer (transfers in flight are dropped without events) and deregisters the pool. */
 void kvf_xfer_destroy(kvf_xfer *x);
 const char *kvf_xfer_backend_name(const kvf_xfer *x);
+/* The pool's memory (the caller's, or the one the transport allocated). */
+void *kvf_xfer_pool_base(const kvf_xfer *x);
 
 /* The descriptor other processes connect with: a versioned byte string (layout, block count,
  * backend, addresses and remote keys) the control plane carries opaquely. *desc_out is malloc'd;

@@ -15,6 +15,7 @@
  * descriptor must be checkable without trusting the pointer inside it. */
 typedef struct local_xfer {
     kvf_xfer *x;
+    void *owned; /* the pool, when we allocated it */
     uint64_t token; /* unique per object: a recycled address never matches an old descriptor */
     struct local_xfer *next;
 } local_xfer;
@@ -42,6 +43,16 @@ static kvf_status local_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
     if (!l)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: local: out of memory");
     l->x = x;
+    if (!x->pool.base) {
+        size_t bytes = (size_t)(x->pool.n_blocks * x->pool.layout.block_bytes);
+        l->owned = calloc(1, bytes);
+        if (!l->owned) {
+            free(l);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: local: out of memory for a %zu-byte pool",
+                               bytes);
+        }
+        x->pool.base = l->owned;
+    }
     pthread_mutex_lock(&registry_mu);
     l->token = next_token++;
     l->next = registry;
@@ -61,6 +72,7 @@ static void local_close(kvf_xfer *x)
             break;
         }
     pthread_mutex_unlock(&registry_mu);
+    free(l->owned);
     free(l);
 }
 

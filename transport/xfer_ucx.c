@@ -414,14 +414,28 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
                          ucs_status_string(s));
         goto fail_ctx;
     }
+    /* No base: UCX allocates the pool, in memory its shared-memory transports can map. */
+    bool alloc = x->pool.base == NULL;
     ucp_mem_map_params_t mp = {
-        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_FLAGS,
         .address = x->pool.base,
-        .length = (size_t)(x->pool.n_blocks * x->pool.layout.block_bytes)};
+        .length = (size_t)(x->pool.n_blocks * x->pool.layout.block_bytes),
+        .flags = alloc ? UCP_MEM_MAP_ALLOCATE : 0};
     if ((s = ucp_mem_map(u->ctx, &mp, &u->memh)) != UCS_OK) {
-        st = kvf_err_set(err, kvf_status_from_ucs(s), "xfer: ucx: registering the %zu-byte pool: %s",
-                         mp.length, ucs_status_string(s));
+        st = kvf_err_set(err, kvf_status_from_ucs(s), "xfer: ucx: %s the %zu-byte pool: %s",
+                         alloc ? "allocating" : "registering", mp.length, ucs_status_string(s));
         goto fail_worker;
+    }
+    if (alloc) {
+        ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+        if ((s = ucp_mem_query(u->memh, &ma)) != UCS_OK) {
+            st = kvf_err_set(err, kvf_status_from_ucs(s), "xfer: ucx: querying the pool: %s",
+                             ucs_status_string(s));
+            goto fail_mem;
+        }
+        x->pool.base = ma.address;
+        memset(x->pool.base, 0, mp.length);
     }
     if ((s = ucp_rkey_pack(u->ctx, u->memh, &u->rkey_buf, &u->rkey_len)) != UCS_OK) {
         st = kvf_err_set(err, kvf_status_from_ucs(s), "xfer: ucx: packing the pool's rkey: %s",

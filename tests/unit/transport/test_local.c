@@ -21,8 +21,11 @@ typedef struct side {
     kvf_kv_layout layout;
     int64_t n_blocks;
     uint8_t *mem;
+    bool owned; /* mem came from the transport (pool.base NULL) */
     kvf_xfer *x;
 } side;
+
+static bool transport_allocates; /* side_open leaves the pool to the transport */
 
 static void side_open(side *s, const char *backend, const char *transport, int32_t block_size,
                       kvf_dtype dtype, int32_t kv_heads, int64_t n_blocks, uint8_t fill)
@@ -31,20 +34,27 @@ static void side_open(side *s, const char *backend, const char *transport, int32
     assert_int_equal(kvf_kv_layout_init(2, kv_heads, 8, block_size, dtype, &s->layout, &err),
                      KVF_OK);
     s->n_blocks = n_blocks;
-    s->mem = malloc((size_t)(n_blocks * s->layout.block_bytes));
-    assert_non_null(s->mem);
-    memset(s->mem, fill, (size_t)(n_blocks * s->layout.block_bytes));
+    s->owned = transport_allocates;
+    s->mem = s->owned ? NULL : malloc((size_t)(n_blocks * s->layout.block_bytes));
+    assert_true(s->owned || s->mem);
     kvf_xfer_pool pool = {.base = s->mem, .layout = s->layout, .n_blocks = n_blocks};
     kvf_xfer_cfg cfg = {.backend = backend, .transport = transport};
     kvf_status st = kvf_xfer_create(&cfg, &pool, &s->x, &err);
     if (st != KVF_OK)
         fail_msg("kvf_xfer_create: %s", err.msg);
+    if (s->owned) {
+        s->mem = kvf_xfer_pool_base(s->x);
+        for (int64_t i = 0; i < n_blocks * s->layout.block_bytes; i++)
+            assert_int_equal(s->mem[i], 0); /* handed out zeroed */
+    }
+    memset(s->mem, fill, (size_t)(n_blocks * s->layout.block_bytes));
 }
 
 static void side_close(side *s)
 {
     kvf_xfer_destroy(s->x);
-    free(s->mem);
+    if (!s->owned)
+        free(s->mem);
 }
 
 static uint8_t *block(side *s, int64_t b)
@@ -438,6 +448,15 @@ static void test_ucx_in_process_tcp(void **state)
     ucx_in_process("tcp");
 }
 
+/* The same with pools the transport allocated (UCX: mappable by a peer on the same host). */
+static void test_transport_allocated_pools(void **state)
+{
+    transport_allocates = true;
+    ucx_in_process("sm");
+    ucx_in_process("tcp");
+    transport_allocates = false;
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -450,6 +469,7 @@ int main(void)
         cmocka_unit_test(test_expect_timeout_cancel_and_late_notice),
         cmocka_unit_test(test_ucx_in_process_sm),
         cmocka_unit_test(test_ucx_in_process_tcp),
+        cmocka_unit_test(test_transport_allocated_pools),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,8 +2,10 @@
  * helper, exec'ed fresh, talking over a socketpair in place of the control plane), over tcp and
  * over shared memory: random block-pair lists verified byte for byte at the receiver after the
  * completion notice; the receiver killed mid-transfer (the sender's event is an error, within
- * the deadline, naming the transfer); the sender killed mid-transfer (the receiver's
- * expectation times out, naming the transfer). Every wait is bounded; children are killed. */
+ * the deadline, naming the transfer, and its source blocks go back to its kv/pool.h pool); the
+ * sender killed mid-transfer (the receiver's expectation times out, naming the transfer, and
+ * the adopted destination blocks go back to the pool). Every wait is bounded; children are
+ * killed. */
 #include <setjmp.h>
 #include <signal.h>
 #include <spawn.h>
@@ -17,6 +19,8 @@
 #include <cmocka.h>
 
 #include "common/log.h"
+#include "kv/hash.h"
+#include "kv/pool.h"
 #include "peer_proto.h"
 
 extern char **environ;
@@ -68,6 +72,37 @@ static int teardown(void **state)
 {
     reap_peer();
     return 0;
+}
+
+/* A real KV pool (kv/pool.h) whose one allocation the transport registers. */
+static kvf_kv_pool *make_kv_pool(int n_layers, int n_blocks)
+{
+    kvf_kv_pool_cfg cfg = {.layout = peer_layout(n_layers), .n_blocks = n_blocks};
+    kvf_kv_pool *pool = NULL;
+    kvf_err err = {0};
+    if (kvf_kv_pool_create(&cfg, &pool, &err) != KVF_OK)
+        fail_msg("kv pool: %s", err.msg);
+    return pool;
+}
+
+static kvf_xfer *xfer_on_kv_pool(const char *transport, kvf_kv_pool *kp)
+{
+    kvf_xfer_pool pool = {.base = kvf_kv_pool_base(kp), .layout = *kvf_kv_pool_layout(kp),
+                          .n_blocks = kvf_kv_pool_bytes(kp) / kvf_kv_pool_layout(kp)->block_bytes};
+    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = transport};
+    kvf_xfer *x = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
+        fail_msg("create: %s", err.msg);
+    return x;
+}
+
+static void assert_all_free(kvf_kv_pool *kp)
+{
+    kvf_kv_pool_stats ps;
+    kvf_kv_pool_get_stats(kp, &ps);
+    assert_int_equal(ps.used, 0);
+    assert_int_equal(ps.free + ps.cached, ps.total);
 }
 
 static kvf_xfer *make_xfer(const char *transport, int n_layers, int n_blocks, bool pattern,
@@ -239,16 +274,24 @@ static void receiver_killed(const char *transport)
 {
     enum { LAYERS = 32, BLOCKS = 256 }; /* 256 KiB blocks, 64 MiB */
     int fd = spawn_peer("recv", transport, LAYERS, BLOCKS);
-    uint8_t *mem;
-    kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, true, &mem);
+    /* The sender's KV: a sequence of BLOCKS blocks in a real pool, as prefill would hold it. */
+    kvf_kv_pool *kp = make_kv_pool(LAYERS, BLOCKS);
+    kvf_kv_seq seq;
+    kvf_kv_seq_init(&seq, kp, kvf_kv_hash_root("test", NULL, 0));
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_seq_prepare_write(&seq, (int64_t)BLOCKS * 16, &err), KVF_OK);
+    assert_int_equal(seq.n_blocks, BLOCKS);
+    int64_t bb = peer_layout(LAYERS).block_bytes;
+    for (int i = 0; i < BLOCKS; i++)
+        peer_fill_block((uint8_t *)kvf_kv_pool_base(kp) + seq.blocks[i] * bb, bb, seq.blocks[i]);
+    kvf_xfer *x = xfer_on_kv_pool(transport, kp);
     expect_msg(fd, x, MSG_DESC, 20 * SEC);
     kvf_xfer_peer *p = connect_from_msg(x);
     kvf_xfer_pair pairs[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++)
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i}; /* no runs: 256 puts */
+    for (int i = 0; i < BLOCKS; i++) /* reversed destinations: no runs, 256 puts */
+        pairs[i] = (kvf_xfer_pair){.src = seq.blocks[i], .dst = BLOCKS - 1 - i};
     send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
-    kvf_err err = {0};
     int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
     kvf_log_set_level(KVF_LOG_ERROR);
     assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
@@ -267,6 +310,10 @@ static void receiver_killed(const char *transport)
     kvf_xfer_stats_get(x, &s);
     assert_int_equal(s.in_flight, 0);
     assert_int_equal(s.sent_failed, 1);
+    /* The event named transfer 7, whose source blocks the sequence holds: give them back. */
+    kvf_kv_pool_stats ps;
+    kvf_kv_pool_get_stats(kp, &ps);
+    assert_int_equal(ps.used, BLOCKS);
     /* A second write to the dead peer also ends in an error, within its own deadline. */
     t0 = kvf_now_ns();
     kvf_status st = kvf_xfer_write(x, p, 8, pairs, 4, t0 + SEC, &err);
@@ -279,9 +326,12 @@ static void receiver_killed(const char *transport)
         assert_int_equal(st, KVF_ERR_PEER_LOST);
     }
     kvf_log_set_level(KVF_LOG_INFO);
+    assert_int_equal(kvf_kv_seq_free(&seq, &err), KVF_OK);
+    assert_all_free(kp);
     kvf_xfer_disconnect(x, p);
     kvf_xfer_destroy(x);
-    free(mem);
+    kvf_kv_seq_fini(&seq);
+    kvf_kv_pool_destroy(kp);
 }
 
 static void test_receiver_killed_tcp(void **state)
@@ -301,8 +351,17 @@ static void sender_killed(const char *transport)
 {
     enum { LAYERS = 32, BLOCKS = 128 };
     int64_t bb = peer_layout(LAYERS).block_bytes;
-    uint8_t *mem;
-    kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, false, &mem);
+    kvf_kv_pool *kp = make_kv_pool(LAYERS, BLOCKS);
+    uint8_t *mem = kvf_kv_pool_base(kp);
+    memset(mem, 0, (size_t)(BLOCKS * bb));
+    kvf_xfer *x = xfer_on_kv_pool(transport, kp);
+    /* The destination blocks a decode worker would hand the prefill worker: adopted by a
+     * sequence, so they are USED until the transfer ends one way or the other. */
+    kvf_kv_seq seq;
+    kvf_kv_seq_init(&seq, kp, kvf_kv_hash_root("test", NULL, 0));
+    int32_t ids[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        ids[i] = i;
     uint8_t *desc;
     size_t len;
     kvf_err err = {0};
@@ -314,6 +373,7 @@ static void sender_killed(const char *transport)
     int fd = spawn_peer("send", transport, LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_kv_seq_adopt(&seq, ids, BLOCKS, (int64_t)BLOCKS * 16, &err), KVF_OK);
     int64_t t0 = kvf_now_ns();
     kvf_log_set_level(KVF_LOG_ERROR);
     assert_int_equal(kvf_xfer_expect(x, 9, t0 + 2 * SEC, &err), KVF_OK);
@@ -331,9 +391,14 @@ static void sender_killed(const char *transport)
     kvf_xfer_stats_get(x, &s);
     assert_int_equal(s.expected, 0);
     assert_int_equal(s.received_failed, 1);
+    /* The event named transfer 9: its destination blocks return to the pool. */
+    assert_int_equal(kvf_kv_seq_free(&seq, &err), KVF_OK);
+    assert_all_free(kp);
 
-    /* The blocks went back (here: are reused at once) and a healthy sender fills them. */
+    /* A healthy sender fills the same blocks, adopted again; every byte is right. */
     memset(mem, 0, (size_t)(BLOCKS * bb));
+    assert_int_equal(kvf_kv_seq_reset(&seq, kvf_kv_hash_root("test", NULL, 0), &err), KVF_OK);
+    assert_int_equal(kvf_kv_seq_adopt(&seq, ids, BLOCKS, (int64_t)BLOCKS * 16, &err), KVF_OK);
     fd = spawn_peer("send", transport, LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
@@ -347,9 +412,12 @@ static void sender_killed(const char *transport)
     expect_msg(fd, x, MSG_SENT, 20 * SEC);
     kvf_log_set_level(KVF_LOG_INFO);
     reap_peer();
+    assert_int_equal(kvf_kv_seq_free(&seq, &err), KVF_OK);
+    assert_all_free(kp);
     free(desc);
     kvf_xfer_destroy(x);
-    free(mem);
+    kvf_kv_seq_fini(&seq);
+    kvf_kv_pool_destroy(kp);
 }
 
 static void test_sender_killed_tcp(void **state)
