@@ -580,12 +580,16 @@ static int64_t step_need(kvf_kv_pool *p, kvf_kv_seq *const *seqs, const int64_t 
     int64_t need = 0;
     for (size_t i = 0; i < n; i++) {
         int cow;
+        if (seqs[i]->pool != p || seqs[i]->state != KVF_KV_SEQ_ACTIVE)
+            continue; /* holds no blocks here (alloc_step refuses it before this) */
         need += seq_need(p, seqs[i], n_new[i], &cow);
         if (cow)
             p->scratch[seqs[i]->blocks[seqs[i]->n_blocks - 1]]++;
     }
     for (size_t i = 0; i < n; i++) {
         int cow;
+        if (seqs[i]->pool != p || seqs[i]->state != KVF_KV_SEQ_ACTIVE)
+            continue;
         seq_need(p, seqs[i], n_new[i], &cow);
         if (!cow)
             continue;

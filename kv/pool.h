@@ -167,7 +167,8 @@ kvf_status kvf_kv_seq_prepare_write(kvf_kv_seq *seq, int64_t n_new, kvf_err *err
 kvf_status kvf_kv_pool_alloc_step(kvf_kv_pool *pool, kvf_kv_seq *const *seqs /* [n] */,
                                   const int64_t *n_new /* [n] */, size_t n, kvf_err *err);
 
-/* Blocks an all-or-nothing step would take, without taking them (for admission control). */
+/* Blocks an all-or-nothing step would take, without taking them (for admission control).
+ * Sequences that are not ACTIVE in this pool count 0. */
 int64_t kvf_kv_pool_step_need(const kvf_kv_pool *pool, kvf_kv_seq *const *seqs /* [n] */,
                               const int64_t *n_new /* [n] */, size_t n);
 

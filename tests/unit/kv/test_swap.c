@@ -43,7 +43,11 @@ static void test_round_trip(void **state)
     kvf_kv_pool_get_stats(p, &st);
     assert_int_equal(st.cached, 2); /* its registered blocks stay cached */
     assert_int_equal(st.free, 4);
-    /* a swapped sequence cannot be written or swapped again */
+    /* a swapped sequence needs nothing in a step, cannot be written or swapped again */
+    kvf_kv_seq *just_a[] = {&a};
+    int64_t five[] = {5};
+    assert_int_equal(kvf_kv_pool_step_need(p, just_a, five, 1), 0);
+    assert_int_equal(kvf_kv_pool_alloc_step(p, just_a, five, 1, &err), KVF_ERR_STATE);
     assert_int_equal(kvf_kv_seq_prepare_write(&a, 1, &err), KVF_ERR_STATE);
     assert_int_equal(kvf_kv_swap_out(sw, &a, &err), KVF_ERR_STATE);
     /* the pool is reused and overwritten */
