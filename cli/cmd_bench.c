@@ -15,7 +15,7 @@ static const kvf_cli_bench_entry benches[] = {
     {"kv", kvf_bench_kv_main, "KV cache: allocate/free/lookup/insert ops/s, hashing GB/s"},
     {"engine", NULL, "prefill and decode tokens/s, decode memory bandwidth"},
     {"xfer", kvf_bench_xfer_main, "KV block transfer GB/s over UCX vs ucx_perftest"},
-    {"router", NULL, "index ops/s and routing-decision latency"},
+    {"router", kvf_bench_router_main, "index ops/s and routing-decision latency"},
     {"serve", NULL, "TTFT / ITL / throughput through a running fleet"},
     {"attn", NULL, "paged attention bandwidth on a GPU"},
 };

@@ -22,7 +22,7 @@ static const kvf_cli_cmd commands[] = {
     {"chat-template", NULL, "render a model's chat template for a list of messages"},
     {"gen-model", kvf_cli_gen_model, "write a random-weight model with a working tokenizer"},
     {"plan", kvf_cli_plan, "KV sizing: bytes per token, blocks, concurrent sequences"},
-    {"sim", NULL, "replay a request trace through the router against simulated workers"},
+    {"sim", kvf_cli_sim, "replay a request trace through the router against simulated workers"},
     {"bench", kvf_cli_bench, "benchmarks: kv, engine, xfer, router, serve, attn"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "common/log.h"
 #include "kv/hash.h"
@@ -14,6 +15,7 @@
 /* The table's empty key is 0; a block hash of 0 is stored as this value instead. */
 #define KEY_ZERO 0x8000000000000001ull
 #define PREFETCH_RUN 16
+#define OVERLAP_RUN 64 /* lookups of a prompt in flight at once */
 
 typedef struct slot {
     uint64_t key;
@@ -88,9 +90,25 @@ static inline int64_t find(const kvf_router_index *idx, uint64_t key)
     return find_from(idx, key, home_of(idx, key));
 }
 
+/* Large tables sit on 2 MiB pages where the kernel allows (madvise mode): lookups are random
+ * accesses, and without huge pages each one also walks the page table. */
+static slot *slots_alloc(uint64_t cap)
+{
+    size_t bytes = (size_t)cap * sizeof(slot);
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < huge)
+        return calloc(cap, sizeof(slot));
+    void *p = NULL;
+    if (posix_memalign(&p, huge, bytes) != 0)
+        return NULL;
+    madvise(p, bytes, MADV_HUGEPAGE);
+    memset(p, 0, bytes);
+    return p;
+}
+
 static kvf_status table_alloc(kvf_router_index *idx, uint64_t cap)
 {
-    slot *s = calloc(cap, sizeof *s);
+    slot *s = slots_alloc(cap);
     if (!s)
         return KVF_ERR_NOMEM;
     idx->slots = s;
@@ -521,10 +539,10 @@ size_t kvf_router_index_overlap(kvf_router_index *idx, const uint64_t *hashes, s
 {
     memset(overlap_out, 0, KVF_ROUTER_MAX_WORKERS * sizeof *overlap_out);
     uint64_t alive = mask & idx->registered;
-    uint64_t keys[PREFETCH_RUN], homes[PREFETCH_RUN];
+    uint64_t keys[OVERLAP_RUN], homes[OVERLAP_RUN];
     size_t i = 0, looked = 0;
     while (i < n && alive) {
-        size_t m = n - i < PREFETCH_RUN ? n - i : PREFETCH_RUN;
+        size_t m = n - i < OVERLAP_RUN ? n - i : OVERLAP_RUN;
         for (size_t k = 0; k < m; k++) {
             keys[k] = norm_key(hashes[i + k]);
             homes[k] = home_of(idx, keys[k]);

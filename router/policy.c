@@ -33,6 +33,8 @@ struct kvf_router_pool {
     double a, b;                /* prefill time model */
     double s0, sx, sy, sxx, sxy; /* discounted sums of the fit */
     int32_t rr_next;
+    int n_approx;        /* workers in approximate mode */
+    double next_expire;  /* when stale workers are next checked */
     uint64_t rng;
     ring_point *ring;
     size_t n_ring;
@@ -64,13 +66,13 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg)
     cfg->policy = KVF_ROUTER_POLICY_KV;
     kvf_router_index_cfg_default(&cfg->index);
     cfg->w_uncached = 1.0;
-    cfg->w_queue = 1.0;
+    cfg->w_queue = 0.25;
     cfg->w_decode = 0.005;
     cfg->prefill_a_s = 0.02;
     cfg->prefill_b_s = 5e-5;
     cfg->fit_forget = 0.995;
     cfg->sticky_blocks = 64;
-    cfg->sticky_bound = 1.25;
+    cfg->sticky_bound = 1.1;
     cfg->sticky_vnodes = 64;
     cfg->min_overlap_blocks = 1;
     cfg->approx_ttl_s = 300;
@@ -195,6 +197,7 @@ kvf_status kvf_router_pool_worker_add(kvf_router_pool *p, int32_t worker, const 
         kvf_router_index_worker_remove(p->idx, worker);
         return st;
     }
+    p->n_approx += approx && !pw->approx;
     pw->approx = approx;
     pw->present = true;
     p->present |= 1ull << worker;
@@ -210,6 +213,7 @@ void kvf_router_pool_worker_remove(kvf_router_pool *p, int32_t worker)
     if (worker < 0 || worker >= KVF_ROUTER_MAX_WORKERS || !p->w[worker].present)
         return;
     kvf_router_index_worker_remove(p->idx, worker);
+    p->n_approx -= p->w[worker].approx;
     kvf_router_lru_destroy(p->w[worker].pred);
     memset(&p->w[worker], 0, sizeof p->w[worker]);
     p->present &= ~(1ull << worker);
@@ -313,7 +317,7 @@ static int32_t pick_round_robin(kvf_router_pool *p, uint64_t cand)
 }
 
 /* Consistent hashing with bounded load: walk the ring from the request's key and take the first
- * candidate whose load, with this request added, stays within sticky_bound x the mean. */
+ * candidate whose load is within sticky_bound x the mean load with this request counted in. */
 static int32_t pick_sticky(kvf_router_pool *p, const kvf_router_request *req, uint64_t cand)
 {
     if (!p->n_ring)
@@ -348,7 +352,7 @@ static int32_t pick_sticky(kvf_router_pool *p, const kvf_router_request *req, ui
         if (!(cand >> w & 1) || (seen >> w & 1))
             continue;
         seen |= 1ull << w;
-        if (load_s(p, w) + work <= bound + 1e-12)
+        if (load_s(p, w) <= bound + 1e-12)
             return w;
     }
     return pick_least_loaded(p, cand);
@@ -378,6 +382,8 @@ static void approx_record(kvf_router_pool *p, int32_t w, const kvf_router_reques
 
 static void approx_expire(kvf_router_pool *p, double now)
 {
+    if (!p->n_approx)
+        return;
     for (uint64_t m = p->present; m; m &= m - 1) {
         int32_t w = __builtin_ctzll(m);
         pool_worker *pw = &p->w[w];
@@ -423,7 +429,10 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
         d.reason = KVF_ROUTER_BY_STICKY;
         break;
     case KVF_ROUTER_POLICY_KV: {
-        kvf_router_index_expire(p->idx, now);
+        if (now >= p->next_expire) { /* stale workers are checked at most every 100 ms */
+            kvf_router_index_expire(p->idx, now);
+            p->next_expire = now + 0.1;
+        }
         uint32_t ov[KVF_ROUTER_MAX_WORKERS];
         size_t best_ov = kvf_router_index_overlap(p->idx, req->hashes, req->n_blocks, cand, ov);
         if (best_ov < (size_t)p->cfg.min_overlap_blocks) {
@@ -446,7 +455,7 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             double l = load_s(p, w);
             /* lowest cost; ties by lower load, then at random */
             double eps = 1e-9 * (fabs(best) + 1e-9);
-            if (c < best - eps || (c <= best + eps && l < best_load - 1e-12)) {
+            if (d.worker < 0 || c < best - eps || (c <= best + eps && l < best_load - 1e-12)) {
                 best = c, best_load = l, d.worker = w, ties = 1;
             } else if (c <= best + eps && l <= best_load + 1e-12 &&
                        rng_next(p) % (uint64_t)++ties == 0) {

@@ -48,8 +48,8 @@ typedef struct kvf_router_pool_cfg {
     uint64_t seed;          /* random tie-breaks and softmax draws */
 } kvf_router_pool_cfg;
 
-/* Defaults: policy kv, block 16, weights 1/1/0.005 s, a = 0.02 s, b = 5e-5 s/token,
- * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.25 and 64 vnodes,
+/* Defaults: policy kv, block 16, weights 1/0.25/0.005 s, a = 0.02 s, b = 5e-5 s/token,
+ * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.1 and 64 vnodes,
  * min overlap 1 block, approx TTL 300 s and 1M blocks. The index model must be set. */
 void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg);
 
