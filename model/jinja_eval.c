@@ -1877,6 +1877,10 @@ static bool eval_call(rstate *R, const jnode *n, jframe *f, jmacro *caller, jv *
             return r > 0;
         }
         ok = getattr_v(R, callee, obj, callee->name, &fn);
+        if (ok && fn.t == JV_UNDEF) {
+            ok = rfail(R, callee, "'%s' object has no attribute '%s'", jv_type_name(obj), callee->name);
+            fn = jv_none();
+        }
         jv_release(obj);
     } else if (callee->kind == JN_NAME) {
         if (!eval_args(R, n, f, &a))
