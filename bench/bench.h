@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 int kvf_bench_kv_main(int argc, char **argv); /* bench/kv.c */
+int kvf_bench_engine_main(int argc, char **argv); /* bench/engine.c */
 int kvf_bench_router_main(int argc, char **argv); /* bench/router.c */
 int kvf_bench_xfer_main(int argc, char **argv); /* bench/xfer.c */
 

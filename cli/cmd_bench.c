@@ -13,7 +13,7 @@ typedef struct kvf_cli_bench_entry {
 
 static const kvf_cli_bench_entry benches[] = {
     {"kv", kvf_bench_kv_main, "KV cache: allocate/free/lookup/insert ops/s, hashing GB/s"},
-    {"engine", NULL, "prefill and decode tokens/s, decode memory bandwidth"},
+    {"engine", kvf_bench_engine_main, "prefill and decode tokens/s, decode memory bandwidth"},
     {"xfer", kvf_bench_xfer_main, "KV block transfer GB/s over UCX vs ucx_perftest"},
     {"router", kvf_bench_router_main, "index ops/s and routing-decision latency"},
     {"serve", NULL, "TTFT / ITL / throughput through a running fleet"},

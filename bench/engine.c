@@ -1,0 +1,330 @@
+/* engine.c: `kvfleet bench engine`: prefill and decode tokens/s of the engine at several batch
+ * sizes for the gen-model presets (random weights written to a temporary directory), with one
+ * backend thread and with all of them, and the memory bandwidth a decode step achieves (weight
+ * bytes read per second) next to a plain memory read measured in the same run. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bench/bench.h"
+#include "common/cfg.h"
+#include "common/log.h"
+#include "common/progress.h"
+#include "common/time.h"
+#include "engine/engine.h"
+#include "model/model.h"
+#include "model/weights.h"
+
+typedef struct engine_bench_cfg {
+    const char *presets, *batches, *dir, *weights;
+    int32_t prompt, decode, decode_medium, vocab, budget, threads;
+    int64_t memread_bytes;
+} engine_bench_cfg;
+
+static const kvf_cfg_opt engine_bench_opts[] = {
+    {"presets", "small,medium", "gen-model presets to run (comma-separated)", offsetof(engine_bench_cfg, presets), KVF_CFG_STR},
+    {"batches", "1,8,32", "batch sizes (sequences running together), at most 64", offsetof(engine_bench_cfg, batches), KVF_CFG_STR},
+    {"prompt", "64", "prompt tokens of each sequence", offsetof(engine_bench_cfg, prompt), KVF_CFG_INT},
+    {"decode", "32", "decode steps timed (small and other presets)", offsetof(engine_bench_cfg, decode), KVF_CFG_INT},
+    {"decode-medium", "12", "decode steps timed for the medium preset", offsetof(engine_bench_cfg, decode_medium), KVF_CFG_INT},
+    {"vocab", "32000", "vocabulary of the generated models", offsetof(engine_bench_cfg, vocab), KVF_CFG_INT},
+    {"budget", "2048", "token budget of one step (max_batch_tokens)", offsetof(engine_bench_cfg, budget), KVF_CFG_INT},
+    {"threads", "0", "threads of the multi-threaded runs (0: one per online CPU)", offsetof(engine_bench_cfg, threads), KVF_CFG_INT},
+    {"weights", "bf16", "weight dtype written to disk (f32, f16, bf16)", offsetof(engine_bench_cfg, weights), KVF_CFG_STR},
+    {"dir", NULL, "where to write the models (default: a new directory under $TMPDIR or /tmp, removed after)", offsetof(engine_bench_cfg, dir), KVF_CFG_STR},
+    {"memread-bytes", "256M", "buffer of the plain memory read baseline", offsetof(engine_bench_cfg, memread_bytes), KVF_CFG_SIZE},
+    {NULL},
+};
+
+static const kvf_cfg_spec engine_bench_spec = {
+    .prog = "kvfleet bench engine",
+    .summary = "For each preset (random weights written once) and for 1 thread and all threads: runs\n"
+               "each batch size B as B sequences of --prompt tokens and --decode new tokens through\n"
+               "the engine (prefix cache off, f32 KV), timing the prefill steps and the decode steps\n"
+               "apart. Decode bandwidth = weight bytes read per step (f32 compute form, embedding rows\n"
+               "not counted) x steps / time, next to a plain sequential read of --memread-bytes.\n"
+               "Ends with: decode_b32_over_b1=<x> (the aim is at least 8).",
+    .opts = engine_bench_opts,
+};
+
+#define MAX_BATCHES 8
+#define MAX_BATCH 64
+
+typedef struct run_result {
+    double prefill_tps, decode_tps, step_ms, weight_bps;
+} run_result;
+
+/* Parses "1,8,32" into out; returns how many, or -1. */
+static int parse_list(const char *s, int32_t *out, int cap)
+{
+    int n = 0;
+    while (*s) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > MAX_BATCH || n == cap)
+            return -1;
+        out[n++] = (int32_t)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',')
+            return -1;
+    }
+    return n;
+}
+
+/* Weight bytes a decode step reads in the CPU backend's f32 form: every layer, the final
+ * norm and the LM head; of the embedding only B rows (not counted). */
+static double decode_weight_bytes(const kvf_model_config *c)
+{
+    double p = (double)kvf_model_config_n_params(c);
+    if (!c->tie_embeddings)
+        p -= (double)c->vocab_size * c->dim; /* the separate embedding table */
+    return 4.0 * p;
+}
+
+static kvf_status write_model(const char *dir, const char *preset, const engine_bench_cfg *bc,
+                              kvf_err *err)
+{
+    kvf_model_config mc;
+    kvf_status st = kvf_model_preset(preset, bc->vocab, &mc, err);
+    if (st != KVF_OK)
+        return st;
+    int dt = kvf_dtype_parse(bc->weights);
+    if (dt != KVF_DTYPE_F32 && dt != KVF_DTYPE_F16 && dt != KVF_DTYPE_BF16)
+        return kvf_err_set(err, KVF_ERR_INVALID, "bench engine: --weights=%s is not allowed (f32, "
+                           "f16 or bf16)", bc->weights);
+    if (mkdir(dir, 0755) != 0)
+        return kvf_err_set(err, KVF_ERR_IO, "bench engine: cannot create %s", dir);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if ((st = kvf_model_config_write(path, &mc, (kvf_dtype)dt, err)) != KVF_OK)
+        return st;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    return kvf_model_weights_write_random(path, &mc, (kvf_dtype)dt, 1234, err);
+}
+
+static void remove_model(const char *dir)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* One batch: B sequences of P prompt tokens and D + 1 new tokens; the step that samples the
+ * last first token ends the prefill phase, the following D steps are the decode phase. */
+static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_t P, int32_t D,
+                            uint64_t *rng, kvf_progress *pr, int64_t *done, run_result *out,
+                            kvf_err *err)
+{
+    static int32_t prompt[MAX_BATCH][4096];
+    static uint64_t next_id;
+    for (int32_t b = 0; b < B; b++) {
+        for (int32_t i = 0; i < P; i++) {
+            *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+            prompt[b][i] = (int32_t)((*rng >> 33) % (uint64_t)m->cfg.vocab_size);
+        }
+        kvf_engine_request q = {.id = next_id++, .prompt = prompt[b], .n_prompt = P};
+        kvf_engine_sampling_default(&q.sampling);
+        q.sampling.max_tokens = D + 1;
+        kvf_status st = kvf_engine_add(e, &q, err);
+        if (st != KVF_OK)
+            return st;
+    }
+    /* Steps until every sequence has its first token are the prefill phase; after it, only
+     * steps in which all B sequences decode count (the tail where some finished does not). */
+    int32_t firsts = 0, decode_steps = 0;
+    int64_t decode_tokens = 0;
+    double t_prefill = 0, t_decode = 0;
+    while (kvf_engine_busy(e)) {
+        const kvf_engine_output *o;
+        int32_t n;
+        bool prefill = firsts < B;
+        double t0 = kvf_now_s();
+        kvf_status st = kvf_engine_step(e, &o, &n, err);
+        double dt = kvf_now_s() - t0;
+        if (st != KVF_OK)
+            return st;
+        if (prefill) {
+            t_prefill += dt;
+            for (int32_t i = 0; i < n; i++)
+                firsts += o[i].n_generated == 1;
+        } else if (n == B) {
+            t_decode += dt;
+            decode_steps++;
+            decode_tokens += n;
+        }
+        kvf_progress_update(pr, ++*done);
+    }
+    out->prefill_tps = t_prefill > 0 ? (double)B * P / t_prefill : 0;
+    out->decode_tps = t_decode > 0 ? (double)decode_tokens / t_decode : 0;
+    out->step_ms = decode_steps ? 1e3 * t_decode / decode_steps : 0;
+    out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg) * decode_steps / t_decode : 0;
+    return KVF_OK;
+}
+
+int kvf_bench_engine_main(int argc, char **argv)
+{
+    engine_bench_cfg bc = {0};
+    kvf_err err = {0};
+    int n_pos = 0;
+    kvf_status st = kvf_cfg_parse(&engine_bench_spec, &bc, argc, argv, &n_pos, &err);
+    if (st == KVF_HELP)
+        return 0;
+    if (st != KVF_OK) {
+        fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return 2;
+    }
+    int32_t batches[MAX_BATCHES];
+    int n_batches = parse_list(bc.batches, batches, MAX_BATCHES);
+    if (n_batches <= 0 || bc.prompt < 1 || bc.prompt > 4000 || bc.decode < 1 || bc.decode_medium < 1) {
+        fprintf(stderr, "kvfleet: bench engine: --batches=%s --prompt=%d --decode=%d "
+                "--decode-medium=%d: batches are 1 to %d (up to %d of them), prompt 1 to 4000, "
+                "decode at least 1\n", bc.batches, bc.prompt, bc.decode, bc.decode_medium,
+                MAX_BATCH, MAX_BATCHES);
+        return 2;
+    }
+    int32_t max_b = 1;
+    for (int i = 0; i < n_batches; i++)
+        max_b = batches[i] > max_b ? batches[i] : max_b;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    int32_t multi = bc.threads > 0 ? bc.threads : (int32_t)(online > 0 ? online : 1);
+    int32_t thread_runs[2] = {1, multi};
+    int n_thread_runs = multi > 1 ? 2 : 1;
+
+    /* the plain read baseline, before anything else competes for memory */
+    size_t mr_bytes = (size_t)bc.memread_bytes;
+    void *mr = malloc(mr_bytes);
+    if (!mr) {
+        fprintf(stderr, "kvfleet: bench engine: cannot allocate %zu bytes for the read baseline\n", mr_bytes);
+        return 1;
+    }
+    memset(mr, 1, mr_bytes);
+    double memread_bps = kvf_bench_memread_bps(mr, mr_bytes, 1.0);
+    free(mr);
+
+    char presets[256];
+    snprintf(presets, sizeof presets, "%s", bc.presets);
+    const char *tmp = bc.dir ? bc.dir : getenv("TMPDIR");
+    char base[1000];
+    if (!tmp || !*tmp)
+        tmp = "/tmp";
+    if (strlen(tmp) > 900) {
+        fprintf(stderr, "kvfleet: bench engine: --dir is %zu characters (at most 900)\n", strlen(tmp));
+        return 2;
+    }
+    snprintf(base, sizeof base, "%s/kvfleet-bench-engine-XXXXXX", tmp);
+    if (!mkdtemp(base)) {
+        fprintf(stderr, "kvfleet: bench engine: cannot create a directory like %s\n", base);
+        return 1;
+    }
+
+    printf("kvfleet bench engine: prompt %d tokens, budget %d tokens/step, f32 KV, greedy, "
+           "prefix cache off, %ld online CPUs\n", bc.prompt, bc.budget, online);
+    printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
+    printf("%-7s %7s %5s %14s %13s %10s %12s %9s\n", "preset", "threads", "batch", "prefill_tok/s",
+           "decode_tok/s", "step_ms", "weight_GB/s", "vs_read");
+    int rc = 0;
+    double ratio_32 = -1, ratio_worst = 1e30;
+    char *save = NULL;
+    for (char *preset = strtok_r(presets, ",", &save); preset; preset = strtok_r(NULL, ",", &save)) {
+        char dir[1100];
+        if (strlen(preset) > 32) {
+            fprintf(stderr, "kvfleet: bench engine: preset \"%.32s...\" is not known (use small or medium)\n", preset);
+            rc = 2;
+            break;
+        }
+        snprintf(dir, sizeof dir, "%s/%s", base, preset);
+        double tw = kvf_now_s();
+        if ((st = write_model(dir, preset, &bc, &err)) != KVF_OK) {
+            fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+            rc = 1;
+            remove_model(dir);
+            break;
+        }
+        kvf_model *m = NULL;
+        if ((st = kvf_model_load(dir, &m, &err)) != KVF_OK) {
+            fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+            rc = 1;
+            remove_model(dir);
+            break;
+        }
+        kvf_log(KVF_LOG_INFO, "bench: %s: %.1fM parameters written and loaded in %.1f s", preset,
+                kvf_model_config_n_params(&m->cfg) / 1e6, kvf_now_s() - tw);
+        int32_t D = strcmp(preset, "medium") == 0 ? bc.decode_medium : bc.decode;
+        for (int t = 0; t < n_thread_runs && rc == 0; t++) {
+            kvf_engine_cfg ec;
+            kvf_engine_cfg_default(&ec);
+            ec.max_batch_tokens = bc.budget;
+            ec.max_seqs = max_b < bc.budget ? max_b : bc.budget;
+            ec.max_queued = max_b;
+            ec.max_ctx = bc.prompt + D + 2 < m->cfg.max_pos ? bc.prompt + D + 2 : m->cfg.max_pos;
+            ec.n_blocks = (int32_t)(max_b * kvf_kv_blocks_for(ec.max_ctx, ec.block_size) + 8);
+            ec.swap_slots = 0;
+            ec.prefix_cache = false;
+            ec.threads = thread_runs[t];
+            kvf_engine *e = NULL;
+            if ((st = kvf_engine_create(m, kvf_model_backend_cpu(), &ec, &e, &err)) != KVF_OK) {
+                fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+                rc = 1;
+                break;
+            }
+            int64_t total = 0, done = 0;
+            for (int i = 0; i < n_batches; i++)
+                total += (int64_t)kvf_kv_blocks_for((int64_t)batches[i] * bc.prompt, bc.budget) + D + 1;
+            char label[64];
+            snprintf(label, sizeof label, "engine %s, %d thread%s", preset, thread_runs[t],
+                     thread_runs[t] > 1 ? "s" : "");
+            kvf_progress pr;
+            kvf_progress_init(&pr, label, total);
+            run_result res[MAX_BATCHES];
+            uint64_t rng = 99;
+            for (int i = 0; i < n_batches && rc == 0; i++) {
+                if ((st = run_batch(e, m, batches[i], bc.prompt, D, &rng, &pr, &done, &res[i], &err)) != KVF_OK) {
+                    fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+                    rc = 1;
+                }
+            }
+            kvf_progress_finish(&pr);
+            kvf_engine_destroy(e);
+            if (rc)
+                break;
+            double b1 = 0;
+            for (int i = 0; i < n_batches; i++) {
+                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx\n", preset, thread_runs[t],
+                       batches[i], res[i].prefill_tps, res[i].decode_tps, res[i].step_ms,
+                       res[i].weight_bps / 1e9, res[i].weight_bps / memread_bps);
+                if (batches[i] == 1)
+                    b1 = res[i].decode_tps;
+            }
+            for (int i = 0; i < n_batches && b1 > 0; i++) {
+                if (batches[i] != 32)
+                    continue;
+                double r = res[i].decode_tps / b1;
+                printf("%-7s %7d  decode tokens/s at batch 32 / batch 1: %.1fx (aim: at least 8x)\n",
+                       preset, thread_runs[t], r);
+                ratio_worst = r < ratio_worst ? r : ratio_worst;
+                ratio_32 = ratio_worst;
+            }
+            fflush(stdout);
+        }
+        kvf_model_destroy(m);
+        remove_model(dir);
+        if (rc)
+            break;
+    }
+    rmdir(base);
+    if (rc == 0) {
+        if (ratio_32 >= 0)
+            printf("\ndecode_b32_over_b1=%.1f (the lowest over presets and thread counts) "
+                   "memread_GBps=%.2f\n", ratio_32, memread_bps / 1e9);
+        else
+            printf("\nmemread_GBps=%.2f (batch 1 and 32 not both run: no ratio)\n", memread_bps / 1e9);
+    }
+    return rc;
+}
