@@ -87,7 +87,7 @@ struct kvf_kv_pool {
     const kvf_kv_mem_ops *mem;
     void *base;
     int64_t bytes, block_bytes;
-    int32_t n, bs;
+    int32_t n, bs, bs_shift; /* bs == 1 << bs_shift */
     kv_block *blk;      /* [n] */
     int32_t *tokens;    /* [n][bs] token ids of registered blocks */
     int32_t *free_stack; /* [n], top at n_free - 1 */
@@ -331,6 +331,8 @@ kvf_status kvf_kv_pool_create(const kvf_kv_pool_cfg *cfg, kvf_kv_pool **out, kvf
     p->mem = mem;
     p->n = cfg->n_blocks;
     p->bs = l->block_size;
+    while ((1 << p->bs_shift) < p->bs)
+        p->bs_shift++;
     p->block_bytes = l->block_bytes;
     p->bytes = l->block_bytes * p->n;
     uint64_t cap = 16;
@@ -513,8 +515,10 @@ static kvf_status seq_check_active(const kvf_kv_seq *seq, const char *what, kvf_
  * block is shared and must be copied first (*cow_out). */
 static int64_t seq_need(const kvf_kv_pool *p, const kvf_kv_seq *seq, int64_t n_new, int *cow_out)
 {
-    int64_t need = kvf_kv_blocks_for(seq->n_tokens + n_new, p->bs) - seq->n_blocks;
-    *cow_out = n_new > 0 && seq->n_tokens % p->bs != 0 && seq->n_blocks > 0 &&
+    /* block_size is a power of two: shifts and masks instead of divisions on the step path */
+    int64_t mask = p->bs - 1, end = seq->n_tokens + n_new;
+    int64_t need = ((end + mask) >> p->bs_shift) - seq->n_blocks;
+    *cow_out = n_new > 0 && (seq->n_tokens & mask) != 0 && seq->n_blocks > 0 &&
                p->blk[seq->blocks[seq->n_blocks - 1]].ref > 1;
     return need < 0 ? 0 : need;
 }
