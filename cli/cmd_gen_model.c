@@ -1,7 +1,6 @@
-/* cmd_gen_model.c: `kvfleet gen-model`: writes a random-weight Llama model directory
- * (config.json, model.safetensors, generation_config.json) with the default byte-level BPE
- * tokenizer (tokenizer.json, tokenizer_config.json), so every command runs with no download.
- * The weights are model/weights.h's, the tokenizer model/tokenizer.h's. */
+/* cmd_gen_model.c: `kvfleet gen-model`: a random-weight Llama model directory (config.json,
+ * model.safetensors, generation_config.json) plus the default byte-level BPE tokenizer, so every
+ * command runs with no download. Weights from model/weights.h, tokenizer from tokenizer.h. */
 #include <errno.h>
 #include <stdbool.h>
 #include <stddef.h>

@@ -1,7 +1,6 @@
-/* cmd_generate.c: `kvfleet generate`: greedy generation for one sequence in this process,
- * straight over the model's forward pass and a private paged KV pool (the reference the
- * end-to-end tests compare the fleet with). The continuous-batching engine will replace the
- * loop inside; the flags and the --json output stay. */
+/* cmd_generate.c: `kvfleet generate`: greedy generation for one sequence, straight over the
+ * forward pass and a private paged KV pool: the reference end-to-end tests compare the fleet
+ * with. The engine will replace the loop inside; the flags and the --json output stay. */
 #include <errno.h>
 #include <limits.h>
 #include <stdbool.h>

@@ -1,7 +1,6 @@
-/* backend.h: the compute backend behind the forward pass (DESIGN.md section 2): a const struct
- * of function pointers that the CPU backend (cpu_backend.c, OpenBLAS + threads) implements and
- * a CUDA backend can implement later. The forward pass (forward.c) decides what to compute;
- * a backend only computes. Plain C: no foreign types. */
+/* backend.h: the compute backend behind the forward pass (DESIGN.md s.2): a const struct of
+ * function pointers, implemented by the CPU backend (cpu_backend.c) and later a CUDA one. The
+ * forward pass (forward.c) decides what to compute; a backend only computes. Plain C. */
 #ifndef KVF_MODEL_BACKEND_H
 #define KVF_MODEL_BACKEND_H
 

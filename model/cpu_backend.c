@@ -1,7 +1,6 @@
-/* cpu_backend.c: the CPU implementation of kvf_backend: OpenBLAS sgemm/sgemv for projections,
- * a small persistent pthread pool for paged attention, plain loops for the elementwise ops.
- * Weights become f32 at load (borrowed from the mapping when already aligned f32). Sets
- * OpenBLAS to one thread for the whole process: the pool splits each GEMM itself. */
+/* cpu_backend.c: kvf_backend on the CPU: a persistent pthread pool that splits every GEMM
+ * (single-threaded OpenBLAS per slice, so OpenBLAS is set to one thread) and paged attention;
+ * plain loops for the elementwise ops. Weights become f32 at load (aligned f32 is borrowed). */
 #include <cblas.h>
 #include <math.h>
 #include <pthread.h>

@@ -1,7 +1,6 @@
-/* forward.h: the transformer forward pass over a kvf_backend and a paged KV pool. One step
- * takes a batch that mixes prefill chunks and single decode tokens; each sequence brings its
- * block table, new K/V go into its blocks and attention reads them back from there. Block
- * allocation, prefix caching and scheduling are the caller's (kv/, engine/). */
+/* forward.h: the transformer forward pass over a kvf_backend and a paged KV pool: one step
+ * mixes prefill chunks and decode tokens, each sequence with its block table. Block allocation,
+ * prefix caching and scheduling are the caller's (kv/, engine/). */
 #ifndef KVF_MODEL_FORWARD_H
 #define KVF_MODEL_FORWARD_H
 

@@ -1,7 +1,6 @@
-/* weights.h: writing models: the gen-model presets, config.json from a kvf_model_config, and a
- * random-weight model.safetensors (streamed to disk, deterministic for a seed). Used by
- * `kvfleet gen-model` and by tests that need shapes the shared fixtures do not have.
- * The tokenizer files are tokenizer.h's. */
+/* weights.h: writing models: gen-model presets, config.json from a kvf_model_config, and a
+ * random-weight model.safetensors (streamed, deterministic for a seed), for `kvfleet gen-model`
+ * and for tests. The tokenizer files are tokenizer.h's. */
 #ifndef KVF_MODEL_WEIGHTS_H
 #define KVF_MODEL_WEIGHTS_H
 

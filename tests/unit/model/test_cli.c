@@ -1,7 +1,6 @@
-/* test_cli.c: `kvfleet generate` and `kvfleet gen-model` as a user runs them (KVF_BIN): generate
- * reproduces every fixture case's greedy list, stops at EOS, refuses bad input with a message;
- * gen-model writes a loadable, deterministic model whose tokenizer drives --prompt. Skips when
- * the binary has not been built. */
+/* test_cli.c: `kvfleet generate` and `gen-model` run as a user runs them (KVF_BIN): generate
+ * reproduces every fixture case, stops at EOS and names bad input; gen-model writes a loadable,
+ * deterministic model whose tokenizer drives --prompt. Skips when the binary is not built. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -1,7 +1,6 @@
-/* test_fixtures.c: the CPU forward pass against ../shared/fixtures/models (expectations from an
- * independent float64 implementation): every case's greedy list exactly and the first/last
- * step logits within 1e-4 of the largest |logit|, for f32 and bf16 weights; chunked prefill,
- * scattered block tables, a batch mixing prefill and decode, and prefix-shared blocks. */
+/* test_fixtures.c: the CPU forward pass against ../shared/fixtures/models: every greedy list
+ * exactly and logits within 1e-4 of the largest |logit| (f32 and bf16 weights), chunked prefill,
+ * scattered block tables, batches mixing prefill and decode, prefix-shared blocks, half KV. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

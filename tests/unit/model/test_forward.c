@@ -1,7 +1,6 @@
-/* test_forward.c: the forward pass on shapes the shared fixtures lack (Qwen2 q/k/v bias, Llama
- * attention and MLP biases, Mistral sliding window, Llama-3 and linear RoPE scaling, f16
- * weights), each checked against a plain float64 reference written here, on models made by
- * kvf_model_weights_write_random into a temporary directory. Also the CPU backend's ops. */
+/* test_forward.c: the forward pass on shapes the fixtures lack (q/k/v, o and MLP biases, sliding
+ * windows, Llama-3 and linear RoPE scaling, f16 weights), against a float64 reference written
+ * here on models from kvf_model_weights_write_random; plus the CPU backend's ops. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

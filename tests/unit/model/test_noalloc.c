@@ -1,7 +1,6 @@
-/* test_noalloc.c: a forward step allocates nothing. This executable interposes malloc, calloc,
- * realloc, aligned_alloc and posix_memalign (forwarding to glibc) and counts calls while steps that mix prefill
- * and decode run, after one warm-up step (OpenBLAS sets up its buffers on first use).
- * Skipped under AddressSanitizer, which owns malloc itself. */
+/* test_noalloc.c: a forward step allocates nothing: malloc & co. are interposed here and counted
+ * over steps mixing prefill and decode, after one warm-up step (OpenBLAS sets up its buffers on
+ * first use). Skipped under AddressSanitizer, which owns malloc itself. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
