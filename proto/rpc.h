@@ -26,6 +26,7 @@
 #define KVF_RPC_PROTOCOL_VERSION 1u            /* InfoResponse.protocol_version */
 #define KVF_RPC_DEFAULT_MAX_MSG (4 * 1024 * 1024) /* bytes per message, each direction */
 #define KVF_RPC_NO_DEADLINE INT64_MAX
+#define KVF_RPC_DEFAULT_KEEPALIVE_MS 10000 /* ping an idle connection this often */
 
 typedef struct kvf_rpc_server kvf_rpc_server;
 typedef struct kvf_rpc_call kvf_rpc_call;       /* one call as the server sees it */
@@ -75,6 +76,8 @@ typedef struct kvf_rpc_server_opts {
     int n_threads;           /* handler threads; 0 means 2 */
     int64_t max_msg_bytes;   /* 0 means KVF_RPC_DEFAULT_MAX_MSG */
     const kvf_rpc_tls *tls;  /* NULL or no cert: plaintext */
+    int64_t keepalive_ms;    /* ping clients this often (a router gone silent ends its streams);
+                                0 means KVF_RPC_DEFAULT_KEEPALIVE_MS, negative: off */
 } kvf_rpc_server_opts;
 
 /* A unary handler: runs on a pool thread with the request bytes; returns KVF_OK and a malloc()ed
@@ -136,10 +139,14 @@ void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg);
 typedef struct kvf_rpc_channel_opts {
     const kvf_rpc_tls *tls; /* NULL or no ca_file: plaintext */
     int64_t max_msg_bytes;  /* 0 means KVF_RPC_DEFAULT_MAX_MSG */
+    int64_t keepalive_ms;   /* ping the server this often, so a vanished peer fails the calls
+                               (KVF_ERR_PEER_LOST) instead of hanging them; 0 means
+                               KVF_RPC_DEFAULT_KEEPALIVE_MS, negative: off */
 } kvf_rpc_channel_opts;
 
 /* A channel to "host:port" (opts may be NULL). It connects lazily: a dead target shows up as
- * KVF_ERR_PEER_LOST on the first call (gRPC UNAVAILABLE), not here. */
+ * KVF_ERR_PEER_LOST on the first call (gRPC UNAVAILABLE), not here; a target that comes back
+ * is reconnected to within about 2 s. */
 kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts *opts,
                                   kvf_rpc_channel **out, kvf_err *err);
 /* Cancels the calls still running on the channel (their callbacks and reads see

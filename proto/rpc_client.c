@@ -600,7 +600,8 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
                                               : grpc_insecure_credentials_create();
     free(ca);
     rpc_args a;
-    rpc_args_init(&a, max_msg, false, use_tls ? tls->server_name : NULL);
+    rpc_args_init(&a, max_msg, false, rpc_keepalive(opts ? opts->keepalive_ms : 0),
+                  use_tls ? tls->server_name : NULL);
     ch->channel = creds ? grpc_channel_create(target, creds, &a.args) : NULL;
     if (creds)
         grpc_channel_credentials_release(creds);

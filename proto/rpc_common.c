@@ -169,28 +169,49 @@ int64_t rpc_deadline_remaining_ms(gpr_timespec deadline)
     return (int64_t)left.tv_sec * 1000 + left.tv_nsec / 1000000;
 }
 
-void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, const char *ssl_target_override)
+static void arg_int(rpc_args *a, const char *key, int64_t v)
+{
+    grpc_arg *g = &a->arg[a->args.num_args++];
+    g->type = GRPC_ARG_INTEGER;
+    g->key = (char *)key;
+    g->value.integer = v > INT_MAX ? INT_MAX : (int)v;
+}
+
+void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
+                   const char *ssl_target_override)
 {
     memset(a, 0, sizeof *a);
-    a->arg[0].type = GRPC_ARG_INTEGER;
-    a->arg[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    a->arg[0].value.integer = (int)max_bytes;
-    a->arg[1].type = GRPC_ARG_INTEGER;
-    a->arg[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    a->arg[1].value.integer = (int)max_bytes;
-    size_t n = 2;
+    a->args.args = a->arg;
+    arg_int(a, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_bytes);
+    arg_int(a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_bytes);
+    if (keepalive_ms > 0) {
+        arg_int(a, GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
+        arg_int(a, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms < 5000 ? keepalive_ms : 5000);
+        arg_int(a, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+        arg_int(a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    }
     if (server) {
-        a->arg[n].type = GRPC_ARG_INTEGER;
-        a->arg[n].key = GRPC_ARG_ALLOW_REUSEPORT;
-        a->arg[n++].value.integer = 0;
+        arg_int(a, GRPC_ARG_ALLOW_REUSEPORT, 0);
+        arg_int(a, GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+        arg_int(a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 100);
+    } else {
+        arg_int(a, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+        arg_int(a, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        arg_int(a, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     }
     if (ssl_target_override && *ssl_target_override) {
-        a->arg[n].type = GRPC_ARG_STRING;
-        a->arg[n].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
-        a->arg[n++].value.string = (char *)ssl_target_override;
+        grpc_arg *g = &a->arg[a->args.num_args++];
+        g->type = GRPC_ARG_STRING;
+        g->key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+        g->value.string = (char *)ssl_target_override;
     }
-    a->args.num_args = n;
-    a->args.args = a->arg;
+}
+
+int64_t rpc_keepalive(int64_t v)
+{
+    if (v == 0)
+        return KVF_RPC_DEFAULT_KEEPALIVE_MS;
+    return v < 0 ? 0 : v;
 }
 
 kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err)

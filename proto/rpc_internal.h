@@ -36,14 +36,20 @@ gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms);
 /* Milliseconds left before a deadline (KVF_RPC_NO_DEADLINE for an infinite one). */
 int64_t rpc_deadline_remaining_ms(gpr_timespec deadline);
 
-/* Channel arguments setting both message-size limits to max_bytes; a server also turns off
- * SO_REUSEPORT, so a port already in use is an error rather than a shared port. Self-referring:
- * initialise in place, do not copy. */
+/* Channel arguments: both message-size limits; keepalive pings every keepalive_ms (0 or less:
+ * none) so that a peer that vanished without closing is noticed; a client reconnects within
+ * 2 s of a worker coming back (gRPC's default backoff grows to 2 minutes); a server accepts
+ * pings as often as they come and turns off SO_REUSEPORT, so a port in use is an error rather
+ * than a shared port. Self-referring: initialise in place, do not copy. */
 typedef struct rpc_args {
-    grpc_arg arg[4];
+    grpc_arg arg[12];
     grpc_channel_args args;
 } rpc_args;
-void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, const char *ssl_target_override);
+void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
+                   const char *ssl_target_override);
+
+/* Normalises a keepalive option: 0 -> KVF_RPC_DEFAULT_KEEPALIVE_MS, negative -> off (0). */
+int64_t rpc_keepalive(int64_t v);
 
 /* Reads a whole PEM file into a NUL-terminated malloc()ed string. what names the flag. */
 kvf_status rpc_read_pem(const char *path, const char *what, char **out, kvf_err *err);

@@ -539,7 +539,7 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
     pthread_cond_init(&s->cv, NULL);
     s->shutdown_tag.fn = on_shutdown;
     rpc_args a;
-    rpc_args_init(&a, max_msg, true, NULL);
+    rpc_args_init(&a, max_msg, true, rpc_keepalive(opts->keepalive_ms), NULL);
     s->server = grpc_server_create(&a.args, NULL);
     s->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
