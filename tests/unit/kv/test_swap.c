@@ -176,6 +176,70 @@ static void test_failing_copies(void **state)
     kvf_kv_pool_destroy(p);
 }
 
+/* A sweep: the k-th device copy fails, for every k of a scenario of forks, copy-on-write and
+ * swaps. Whatever fails, the invariants hold after each call and every block and host slot
+ * returns when the sequences end. */
+static void test_failing_copy_sweep(void **state)
+{
+    for (int k = 0; k < 40; k++) {
+        kt_env e;
+        memset(&e, 0, sizeof e);
+        kvf_kv_mem_ops flaky = kvf_kv_mem_host;
+        flaky.to_host = flaky_to_host;
+        flaky.from_host = flaky_from_host;
+        flaky.copy_block = flaky_copy;
+        kvf_kv_pool_cfg c = kt_cfg(&e, 12, BS);
+        c.mem = &flaky;
+        kvf_err err = {0};
+        assert_int_equal(kvf_kv_pool_create(&c, &e.pool, &err), KVF_OK);
+        kvf_kv_pool *p = e.pool;
+        kvf_kv_swap *sw;
+        assert_int_equal(kvf_kv_swap_create(p, 8, &sw, &err), KVF_OK);
+        kvf_kv_seq s[4];
+        kvf_kv_seq *all[] = {&s[0], &s[1], &s[2], &s[3]};
+        for (int i = 0; i < 4; i++)
+            kvf_kv_seq_init(&s[i], p, 1);
+        copies_left = k;
+        int failures = 0;
+        assert_int_equal(kvf_kv_seq_prepare_write(&s[0], 37, &err), KVF_OK);
+        for (int round = 0; round < 6; round++) {
+            kvf_status st;
+            for (int i = 1; i < 4; i++)
+                if (s[i].state == KVF_KV_SEQ_ACTIVE && s[i].n_blocks == 0 &&
+                    s[0].state == KVF_KV_SEQ_ACTIVE)
+                    assert_int_equal(kvf_kv_seq_fork(&s[0], &s[i], &err), KVF_OK);
+            kt_check(p, all, 4);
+            for (int i = 0; i < 4; i++) {
+                if (s[i].state == KVF_KV_SEQ_ACTIVE) {
+                    st = kvf_kv_seq_prepare_write(&s[i], 3, &err);
+                    failures += st == KVF_ERR_IO;
+                    assert_true(st == KVF_OK || st == KVF_ERR_IO || st == KVF_ERR_FULL);
+                }
+                kt_check(p, all, 4);
+            }
+            int v = round % 4;
+            st = s[v].state == KVF_KV_SEQ_ACTIVE ? kvf_kv_swap_out(sw, &s[v], &err)
+                                                 : kvf_kv_swap_in(sw, &s[v], &err);
+            failures += st == KVF_ERR_IO;
+            assert_true(st == KVF_OK || st == KVF_ERR_IO || st == KVF_ERR_FULL);
+            kt_check(p, all, 4);
+            assert_int_equal(kvf_kv_swap_check(sw, (const kvf_kv_seq *const *)all, 4, &err),
+                             KVF_OK);
+        }
+        if (k < 10)
+            assert_true(failures > 0); /* the early failures really happened */
+        for (int i = 0; i < 4; i++)
+            kvf_kv_seq_fini(&s[i]);
+        kvf_kv_pool_stats st;
+        kvf_kv_pool_get_stats(p, &st);
+        assert_int_equal(st.used, 0);
+        assert_int_equal(st.free + st.cached, 12);
+        assert_int_equal(kvf_kv_swap_slots_free(sw), 8);
+        kvf_kv_swap_destroy(sw);
+        kvf_kv_pool_destroy(p);
+    }
+}
+
 static void test_checker_catches_corruption(void **state)
 {
     kt_env e;
@@ -231,6 +295,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_failing_copies),
+        cmocka_unit_test(test_failing_copy_sweep),
         cmocka_unit_test(test_checker_catches_corruption),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
