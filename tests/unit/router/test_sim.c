@@ -1,0 +1,193 @@
+/* test_sim.c: the Mooncake trace reader (token expansion keeps the prefix structure, bad lines
+ * are refused naming line and field), the LRU cache the simulated workers use, and the
+ * simulator on a slice of the conversation trace from ../shared. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "kv/hash.h"
+#include "router/lru.h"
+#include "router/sim.h"
+#include "router/trace.h"
+#include "testutil.h"
+
+static const char *write_tmp(const char *text)
+{
+    static char path[64];
+    snprintf(path, sizeof path, "/tmp/kvf_router_trace_%d.jsonl", (int)getpid());
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+static void test_trace_expansion_keeps_prefixes(void **state)
+{
+    (void)state;
+    const char *p = write_tmp(
+        "{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 5, \"hash_ids\": [4, 9, 12]}\n"
+        "{\"timestamp\": 10, \"input_length\": 700, \"output_length\": 3, \"hash_ids\": [4, 9]}\n"
+        "{\"timestamp\": 20, \"input_length\": 600, \"output_length\": 3, \"hash_ids\": [4, 10]}\n");
+    kvf_router_trace t;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &t, &err), KVF_OK);
+    assert_int_equal(t.n_reqs, 3);
+    assert_int_equal(t.reqs[0].n_blocks, 1100 / 16);
+    assert_int_equal(t.reqs[1].n_blocks, 700 / 16);
+    assert_true(t.reqs[1].t_s == 0.01);
+    const uint64_t *a = t.hashes + t.reqs[0].first, *b = t.hashes + t.reqs[1].first,
+                   *c = t.hashes + t.reqs[2].first;
+    /* equal ids: equal hashes over the whole shared part (the partial block too) */
+    for (int i = 0; i < t.reqs[1].n_blocks; i++)
+        assert_true(a[i] == b[i]);
+    /* the first trace block is shared with request 3, the second is not */
+    for (int i = 0; i < 32; i++)
+        assert_true(a[i] == c[i]);
+    assert_true(a[32] != c[32]);
+    /* the hashes are the workers' chained block hashes of the derived tokens */
+    int32_t tok[16];
+    kvf_router_trace_block_tokens(4, 0, 16, tok);
+    assert_true(a[0] == kvf_kv_hash_block(kvf_kv_hash_root("m", NULL, 0), tok, 16));
+    kvf_router_trace_fini(&t);
+    /* max_requests */
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 2, &t, &err), KVF_OK);
+    assert_int_equal(t.n_reqs, 2);
+    kvf_router_trace_fini(&t);
+    unlink(p);
+}
+
+static void test_trace_bad_lines_refused(void **state)
+{
+    (void)state;
+    kvf_router_trace t;
+    kvf_err err = {0};
+    const char *p = write_tmp("{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 5, \"hash_ids\": [4, 9]}\n");
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &t, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, ":1:"));
+    assert_non_null(strstr(err.msg, "\"hash_ids\" has 2 entries"));
+    p = write_tmp("{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n"
+                  "{\"timestamp\": 5, \"input_length\": \"x\", \"output_length\": 5, \"hash_ids\": [1]}\n");
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &t, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, ":2:"));
+    assert_non_null(strstr(err.msg, "input_length"));
+    p = write_tmp("{\"timestamp\": 9, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n"
+                  "{\"timestamp\": 5, \"input_length\": 10, \"output_length\": 5, \"hash_ids\": [1]}\n");
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &t, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, "backwards"));
+    p = write_tmp("not json\n");
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &t, &err), KVF_ERR_PARSE);
+    assert_int_equal(kvf_router_trace_load("/nonexistent/t.jsonl", "m", 16, 512, 0, &t, &err), KVF_ERR_IO);
+    assert_non_null(strstr(err.msg, "/nonexistent/t.jsonl"));
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 500, 0, &t, &err), KVF_ERR_INVALID);
+    unlink(p);
+}
+
+static void test_lru_order_pins_and_ttl(void **state)
+{
+    (void)state;
+    kvf_router_lru *c;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_lru_create(3, &c, &err), KVF_OK);
+    int ev;
+    uint64_t old;
+    int32_t e1 = kvf_router_lru_insert(c, 11, 1, 0, &ev, &old);
+    int32_t e2 = kvf_router_lru_insert(c, 12, 1, 0, &ev, &old);
+    int32_t e3 = kvf_router_lru_insert(c, 13, 1, 0, &ev, &old);
+    /* all pinned: nothing can be added */
+    assert_int_equal(kvf_router_lru_insert(c, 14, 1, 0, &ev, &old), -1);
+    /* released tail first: the tail (13) becomes the oldest */
+    kvf_router_lru_unpin(c, e3, 1);
+    kvf_router_lru_unpin(c, e2, 1);
+    kvf_router_lru_unpin(c, e1, 1);
+    assert_true(kvf_router_lru_insert(c, 14, 0, 2, &ev, &old) >= 0);
+    assert_int_equal(ev, 1);
+    assert_true(old == 13);
+    assert_int_equal(kvf_router_lru_find(c, 13), -1);
+    /* a pinned entry is never evicted; touching makes an entry the newest */
+    kvf_router_lru_pin(c, kvf_router_lru_find(c, 12));
+    kvf_router_lru_touch(c, kvf_router_lru_find(c, 11), 3);
+    assert_true(kvf_router_lru_insert(c, 15, 0, 4, &ev, &old) >= 0);
+    assert_true(old == 14);
+    assert_true(kvf_router_lru_find(c, 12) >= 0);
+    /* pop by age: only entries stamped before the cut */
+    assert_int_equal(kvf_router_lru_pop(c, 3.5, &old), 1);
+    assert_true(old == 11);
+    assert_int_equal(kvf_router_lru_pop(c, 3.5, &old), 0);
+    assert_int_equal(kvf_router_lru_size(c), 2);
+    kvf_router_lru_destroy(c);
+    assert_int_equal(kvf_router_lru_create(0, &c, &err), KVF_ERR_INVALID);
+}
+
+static kvf_router_sim_result run_sim(const kvf_router_trace *t, bool fleet, kvf_router_policy pol)
+{
+    kvf_router_sim_cfg c;
+    kvf_router_sim_cfg_default(&c);
+    c.capacity_blocks = 1250;
+    c.fleet_lru = fleet;
+    c.pool.policy = pol;
+    kvf_router_sim_result r;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_sim_run(t, &c, &r, &err), KVF_OK);
+    return r;
+}
+
+static void test_sim_on_conversation_slice(void **state)
+{
+    (void)state;
+    kvf_router_trace t;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_trace_load(kvf_test_shared_path("data/mooncake/conversation_trace.jsonl"),
+                                           "mooncake", 16, 512, 1500, &t, &err), KVF_OK);
+    assert_int_equal(t.n_reqs, 1500);
+    kvf_router_sim_result fl = run_sim(&t, true, KVF_ROUTER_POLICY_KV);
+    kvf_router_sim_result kv = run_sim(&t, false, KVF_ROUTER_POLICY_KV);
+    kvf_router_sim_result rr = run_sim(&t, false, KVF_ROUTER_POLICY_ROUND_ROBIN);
+    int64_t blocks = 0, tokens = 0;
+    for (size_t i = 0; i < t.n_reqs; i++)
+        blocks += t.reqs[i].n_blocks, tokens += t.reqs[i].n_tokens;
+    kvf_router_sim_result *all[3] = {&fl, &kv, &rr};
+    for (int i = 0; i < 3; i++) {
+        kvf_router_sim_result *r = all[i];
+        assert_int_equal(r->n_requests, 1500);
+        assert_int_equal(r->blocks, blocks);
+        assert_int_equal(r->tokens, tokens);
+        assert_int_equal(r->tokens_hit, r->blocks_hit * 16);
+        assert_true(r->hit_rate_blocks > 0 && r->hit_rate_blocks < 1);
+        assert_true(r->hit_rate_trace_blocks <= r->hit_rate_blocks + 1e-9);
+        assert_true(r->ttft_p50_s >= 0.02 && r->ttft_p99_s >= r->ttft_p50_s);
+        assert_true(r->load_max_over_mean >= 1.0);
+        int64_t computed = 0;
+        for (int w = 0; w < 8; w++)
+            computed += r->computed_tokens[w];
+        assert_int_equal(computed, tokens - r->tokens_hit);
+    }
+    /* the prefix-aware router beats round-robin and stays near the shared-cache reference */
+    assert_true(kv.hit_rate_blocks > rr.hit_rate_blocks * 1.5);
+    assert_true(kv.hit_rate_blocks >= 0.85 * fl.hit_rate_blocks);
+    assert_true(kv.load_max_over_mean < 1.5);
+    /* the router's index mirrors the caches it was told about, and its fit found the model */
+    assert_true(kv.index.n_blocks > 0);
+    assert_int_equal(kv.index.gaps, 0);
+    assert_true(kv.fitted_b_s > 4.9e-5 && kv.fitted_b_s < 5.1e-5);
+    kvf_router_trace_fini(&t);
+}
+
+int main(void)
+{
+    kvf_log_set_level(KVF_LOG_ERROR);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_trace_expansion_keeps_prefixes),
+        cmocka_unit_test(test_trace_bad_lines_refused),
+        cmocka_unit_test(test_lru_order_pins_and_ttl),
+        cmocka_unit_test(test_sim_on_conversation_slice),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
