@@ -887,8 +887,12 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
                                      .block_table = s->kv.blocks,
                                      .n_blocks = s->kv.n_blocks};
     }
+    /* logits leave the backend only when some sequence samples with a temperature */
+    bool need_logits = false;
+    for (int32_t i = 0; i < e->n_set && !need_logits; i++)
+        need_logits = slot_seq(e, e->set[i])->sp.temperature > 0;
     st = kvf_model_forward(e->fwd, e->mseq, e->n_set, kvf_kv_pool_base(e->pool), e->n_blocks,
-                           e->logits, e->next, err);
+                           need_logits ? e->logits : NULL, e->next, err);
     if (st != KVF_OK)
         goto fail;
     e->st.steps++;

@@ -12,7 +12,13 @@
  * running sequence is preempted: recomputed later from its tokens (WAITING) or swapped to host
  * memory (SWAPPED); either way it resumes with exactly the tokens an undisturbed run gives,
  * because it keeps its tokens and its own random generator. A finished or cancelled sequence
- * frees its blocks at once (registered ones stay cached for later prompts). */
+ * frees its blocks at once (registered ones stay cached for later prompts).
+ *
+ * The prefix cache serves every full cached block of a prompt except that at least one token
+ * is always computed (its logits give the first new token): a prompt of exactly k full blocks
+ * reuses k - 1 of them. Memory: kvf_engine_create sizes every per-step buffer and each
+ * sequence's block table is reserved for max_ctx when it is added, so a step allocates nothing,
+ * except that preemption by recompute re-creates the preempted sequence's table. */
 #ifndef KVF_ENGINE_ENGINE_H
 #define KVF_ENGINE_ENGINE_H
 
