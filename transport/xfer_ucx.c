@@ -485,15 +485,6 @@ static void ucx_close(kvf_xfer *x)
             break;
         ucp_worker_progress(u->worker);
     }
-    while (u->sends) {
-        ucx_send *s = u->sends;
-        u->sends = s->next;
-        if (s->pending > 0)
-            kvf_log(KVF_LOG_ERROR, "xfer: ucx: transfer %llu still has %d UCX requests at close",
-                    (unsigned long long)s->id, s->pending);
-        else
-            free(s->data_hdrs), free(s);
-    }
     while (u->recvs) {
         ucx_recv *r = u->recvs;
         u->recvs = r->next;
@@ -508,6 +499,17 @@ static void ucx_close(kvf_xfer *x)
     ucp_rkey_buffer_release(u->rkey_buf);
     ucp_mem_unmap(u->ctx, u->memh);
     ucp_worker_destroy(u->worker);
+    /* No callback can come after the worker is gone: free what UCX never handed back (operations
+     * queued behind a peer that died, which a force-close does not always release). */
+    while (u->sends) {
+        ucx_send *s = u->sends;
+        u->sends = s->next;
+        if (s->pending > 0)
+            kvf_log(KVF_LOG_WARN, "xfer: ucx: transfer %llu: %d UCX operations never completed; "
+                    "dropped with the worker", (unsigned long long)s->id, s->pending);
+        free(s->data_hdrs);
+        free(s);
+    }
     ucp_cleanup(u->ctx);
     free(u);
 }

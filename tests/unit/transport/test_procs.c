@@ -74,27 +74,51 @@ static int teardown(void **state)
     return 0;
 }
 
-/* A real KV pool (kv/pool.h) whose one allocation the transport registers. */
-static kvf_kv_pool *make_kv_pool(int n_layers, int n_blocks)
+/* kv/pool.h memory ops over a pool the transport allocated (how a worker gets a KV pool that
+ * same-host peers can put into with one copy): the pool takes the xfer's memory as its one
+ * allocation; copies are the host ones. */
+static kvf_status xfer_mem_alloc(void *ctx, int64_t bytes, void **base_out, kvf_err *err)
 {
-    kvf_kv_pool_cfg cfg = {.layout = peer_layout(n_layers), .n_blocks = n_blocks};
-    kvf_kv_pool *pool = NULL;
-    kvf_err err = {0};
-    if (kvf_kv_pool_create(&cfg, &pool, &err) != KVF_OK)
-        fail_msg("kv pool: %s", err.msg);
-    return pool;
+    *base_out = kvf_xfer_pool_base(ctx);
+    return KVF_OK;
 }
 
-static kvf_xfer *xfer_on_kv_pool(const char *transport, kvf_kv_pool *kp)
+static void xfer_mem_free(void *ctx, void *base, int64_t bytes)
 {
-    kvf_xfer_pool pool = {.base = kvf_kv_pool_base(kp), .layout = *kvf_kv_pool_layout(kp),
-                          .n_blocks = kvf_kv_pool_bytes(kp) / kvf_kv_pool_layout(kp)->block_bytes};
-    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = transport};
-    kvf_xfer *x = NULL;
+}
+
+static kvf_kv_mem_ops xfer_mem;
+
+/* A real KV pool (kv/pool.h) and a kvf_xfer on its memory. Over tcp the pool allocates and
+ * the transport registers it; over sm the transport allocates and the pool uses it. */
+static kvf_kv_pool *make_kv_pool(const char *transport, int n_layers, int n_blocks,
+                                 kvf_xfer **x_out)
+{
+    kvf_kv_pool_cfg cfg = {.layout = peer_layout(n_layers), .n_blocks = n_blocks};
+    kvf_xfer_pool xp = {.base = NULL, .layout = cfg.layout, .n_blocks = n_blocks};
+    kvf_xfer_cfg xc = {.backend = "ucx", .transport = transport};
+    kvf_kv_pool *pool = NULL;
     kvf_err err = {0};
-    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
-        fail_msg("create: %s", err.msg);
-    return x;
+    bool transport_allocates = strcmp(transport, "sm") == 0;
+    if (transport_allocates) {
+        if (kvf_xfer_create(&xc, &xp, x_out, &err) != KVF_OK)
+            fail_msg("create: %s", err.msg);
+        xfer_mem = kvf_kv_mem_host;
+        xfer_mem.name = "xfer";
+        xfer_mem.alloc = xfer_mem_alloc;
+        xfer_mem.free = xfer_mem_free;
+        cfg.mem = &xfer_mem;
+        cfg.mem_ctx = *x_out;
+    }
+    if (kvf_kv_pool_create(&cfg, &pool, &err) != KVF_OK)
+        fail_msg("kv pool: %s", err.msg);
+    if (!transport_allocates) {
+        xp.base = kvf_kv_pool_base(pool);
+        if (kvf_xfer_create(&xc, &xp, x_out, &err) != KVF_OK)
+            fail_msg("create: %s", err.msg);
+    }
+    assert_ptr_equal(kvf_kv_pool_base(pool), kvf_xfer_pool_base(*x_out));
+    return pool;
 }
 
 static void assert_all_free(kvf_kv_pool *kp)
@@ -275,7 +299,8 @@ static void receiver_killed(const char *transport)
     enum { LAYERS = 32, BLOCKS = 256 }; /* 256 KiB blocks, 64 MiB */
     int fd = spawn_peer("recv", transport, LAYERS, BLOCKS);
     /* The sender's KV: a sequence of BLOCKS blocks in a real pool, as prefill would hold it. */
-    kvf_kv_pool *kp = make_kv_pool(LAYERS, BLOCKS);
+    kvf_xfer *x;
+    kvf_kv_pool *kp = make_kv_pool(transport, LAYERS, BLOCKS, &x);
     kvf_kv_seq seq;
     kvf_kv_seq_init(&seq, kp, kvf_kv_hash_root("test", NULL, 0));
     kvf_err err = {0};
@@ -284,7 +309,6 @@ static void receiver_killed(const char *transport)
     int64_t bb = peer_layout(LAYERS).block_bytes;
     for (int i = 0; i < BLOCKS; i++)
         peer_fill_block((uint8_t *)kvf_kv_pool_base(kp) + seq.blocks[i] * bb, bb, seq.blocks[i]);
-    kvf_xfer *x = xfer_on_kv_pool(transport, kp);
     expect_msg(fd, x, MSG_DESC, 20 * SEC);
     kvf_xfer_peer *p = connect_from_msg(x);
     kvf_xfer_pair pairs[BLOCKS];
@@ -329,9 +353,9 @@ static void receiver_killed(const char *transport)
     assert_int_equal(kvf_kv_seq_free(&seq, &err), KVF_OK);
     assert_all_free(kp);
     kvf_xfer_disconnect(x, p);
-    kvf_xfer_destroy(x);
     kvf_kv_seq_fini(&seq);
     kvf_kv_pool_destroy(kp);
+    kvf_xfer_destroy(x); /* after the pool: over sm the pool's memory is the transport's */
 }
 
 static void test_receiver_killed_tcp(void **state)
@@ -351,10 +375,10 @@ static void sender_killed(const char *transport)
 {
     enum { LAYERS = 32, BLOCKS = 128 };
     int64_t bb = peer_layout(LAYERS).block_bytes;
-    kvf_kv_pool *kp = make_kv_pool(LAYERS, BLOCKS);
+    kvf_xfer *x;
+    kvf_kv_pool *kp = make_kv_pool(transport, LAYERS, BLOCKS, &x);
     uint8_t *mem = kvf_kv_pool_base(kp);
     memset(mem, 0, (size_t)(BLOCKS * bb));
-    kvf_xfer *x = xfer_on_kv_pool(transport, kp);
     /* The destination blocks a decode worker would hand the prefill worker: adopted by a
      * sequence, so they are USED until the transfer ends one way or the other. */
     kvf_kv_seq seq;
@@ -415,9 +439,9 @@ static void sender_killed(const char *transport)
     assert_int_equal(kvf_kv_seq_free(&seq, &err), KVF_OK);
     assert_all_free(kp);
     free(desc);
-    kvf_xfer_destroy(x);
     kvf_kv_seq_fini(&seq);
     kvf_kv_pool_destroy(kp);
+    kvf_xfer_destroy(x);
 }
 
 static void test_sender_killed_tcp(void **state)
