@@ -9,6 +9,7 @@ int kvf_cli_plan(int argc, char **argv);
 int kvf_cli_bench(int argc, char **argv);
 int kvf_cli_sim(int argc, char **argv); /* cli/cmd_sim.c */
 int kvf_cli_tokenize(int argc, char **argv); /* cli/cmd_tokenize.c */
+int kvf_cli_chat_template(int argc, char **argv); /* cli/cmd_chat_template.c */
 int kvf_cli_generate(int argc, char **argv);  /* cli/cmd_generate.c */
 int kvf_cli_gen_model(int argc, char **argv); /* cli/cmd_gen_model.c */
 
