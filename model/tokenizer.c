@@ -3,7 +3,6 @@
  * generation_config.json into kvf_model_tokenizer. Encoding is in tokenizer_encode.c, decoding
  * in tokenizer_decode.c, the default tokenizer writer in tokenizer_write.c. */
 #define PCRE2_CODE_UNIT_WIDTH 8
-#include <jansson.h>
 #include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,7 +10,7 @@
 #include <sys/stat.h>
 
 #include "common/hash.h"
-#include "common/json.h"
+#include "model/tokenizer_json.h"
 #include "common/log.h"
 #include "model/tokenizer_internal.h"
 
@@ -29,25 +28,21 @@ uint32_t kvf_tok_byte_to_cp(uint8_t b)
 {
     if (byte_is_printable(b))
         return b;
-    uint32_t n = 0; /* count the non-printable bytes before b */
-    for (int i = 0; i < b; i++)
-        n += !byte_is_printable(i);
-    return 256 + n;
+    /* the non-printable bytes 0-32, 127-160 and 173 take 256, 257, ... in order */
+    return b <= 32 ? 256u + b : b <= 160 ? 256u + 33 + (b - 127u) : 256u + 67;
 }
 
 int kvf_tok_cp_to_byte(uint32_t cp)
 {
     if (cp < 256)
         return byte_is_printable((int)cp) ? (int)cp : -1;
-    uint32_t n = 0;
-    for (int b = 0; b < 256; b++) {
-        if (byte_is_printable(b))
-            continue;
-        if (256 + n == cp)
-            return b;
-        n++;
-    }
-    return -1;
+    /* code points 256.. stand for the non-printable bytes in order: 0-32, 127-160, 173 */
+    uint32_t k = cp - 256;
+    if (k <= 32)
+        return (int)k;
+    if (k <= 32 + 34)
+        return (int)(127 + k - 33);
+    return k == 67 ? 173 : -1;
 }
 
 size_t kvf_tok_utf8_put(uint32_t cp, char *out)
@@ -226,10 +221,12 @@ static kvf_status fail(load_ctx *c, kvf_status st, const char *fmt, ...)
     return kvf_err_set(c->err, st, "tokenizer: %s: %s", c->what, msg);
 }
 
-static const char *jstr(const json_t *o, const char *key)
+static bool jint(const kvf_tok_jv *v) { return v && v->type == KVF_TOK_JNUM && v->is_int; }
+
+static const char *jstr(const kvf_tok_jv *o, const char *key)
 {
-    const json_t *v = json_object_get(o, key);
-    return json_is_string(v) ? json_string_value(v) : NULL;
+    const kvf_tok_jv *v = kvf_tok_jget(o, key);
+    return kvf_tok_jis(v, KVF_TOK_JSTR) ? kvf_tok_jstr(v) : NULL;
 }
 
 static char *dup_bytes(const char *s, size_t n)
@@ -242,7 +239,7 @@ static char *dup_bytes(const char *s, size_t n)
     return p;
 }
 
-static kvf_status check_id(load_ctx *c, const char *where, json_int_t id)
+static kvf_status check_id(load_ctx *c, const char *where, int64_t id)
 {
     if (id < 0 || id >= KVF_TOK_MAX_ID)
         return fail(c, KVF_ERR_INVALID, "%s: id %lld is out of range (0..%d)", where,
@@ -276,46 +273,47 @@ static kvf_status grow_ids(load_ctx *c, int32_t n_ids)
     return KVF_OK;
 }
 
-static kvf_status load_vocab(load_ctx *c, const json_t *vocab)
+static kvf_status load_vocab(load_ctx *c, const kvf_tok_jv *vocab)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!json_is_object(vocab))
+    if (!kvf_tok_jis(vocab, KVF_TOK_JOBJ))
         return fail(c, KVF_ERR_INVALID, "\"model.vocab\" is %s, expected an object",
-                    kvf_json_kind(vocab));
-    size_t n = json_object_size(vocab);
-    json_int_t max_id = -1;
-    const char *key;
-    json_t *v;
-    json_object_foreach((json_t *)vocab, key, v) {
-        if (!json_is_integer(v))
+                    kvf_tok_jkind(vocab));
+    size_t n = kvf_tok_jsize(vocab);
+    int64_t max_id = -1;
+    for (const kvf_tok_jv *k = kvf_tok_jfirst(vocab); k; k = kvf_tok_jnext(kvf_tok_jnext(k))) {
+        const kvf_tok_jv *v = kvf_tok_jnext(k);
+        if (!jint(v))
             return fail(c, KVF_ERR_INVALID, "\"model.vocab\": \"%.64s\" maps to %s, expected an integer id",
-                        key, kvf_json_kind(v));
-        json_int_t id = json_integer_value(v);
-        kvf_status st = check_id(c, "model.vocab", id);
+                        k->s, kvf_tok_jkind(v));
+        kvf_status st = check_id(c, "model.vocab", v->i);
         if (st != KVF_OK)
             return st;
-        if (id > max_id)
-            max_id = id;
+        if (v->i > max_id)
+            max_id = v->i;
     }
     kvf_status st = grow_ids(c, (int32_t)(max_id + 1));
     if (st != KVF_OK)
         return st;
     if (kvf_tok_strmap_init(&t->vocab, n) != KVF_OK || kvf_sbuf_reserve(&t->strs, n * 8) != KVF_OK)
         return fail(c, KVF_ERR_NOMEM, "out of memory for %zu vocabulary entries", n);
-    void *it;
-    for (it = json_object_iter((json_t *)vocab); it; it = json_object_iter_next((json_t *)vocab, it)) {
-        key = json_object_iter_key(it);
-        size_t klen = json_object_iter_key_len(it);
-        int32_t id = (int32_t)json_integer_value(json_object_iter_value(it));
+    for (const kvf_tok_jv *k = kvf_tok_jfirst(vocab); k; k = kvf_tok_jnext(kvf_tok_jnext(k))) {
+        const char *key = k->s;
+        size_t klen = k->len;
+        int32_t id = (int32_t)kvf_tok_jnext(k)->i;
         if (t->str_len[id] >= 0)
             return fail(c, KVF_ERR_INVALID, "\"model.vocab\": id %d is given to both \"%.64s\" and \"%.64s\"",
                         id, t->strs.data + t->str_off[id], key);
+        size_t slot = strmap_slot(t, &t->vocab, vocab_key, key, klen);
+        if (t->vocab.slots[slot] >= 0)
+            return fail(c, KVF_ERR_INVALID, "\"model.vocab\": \"%.64s\" appears twice", key);
         t->str_off[id] = (int64_t)t->strs.len;
         t->str_len[id] = (int32_t)klen;
         kvf_sbuf_append(&t->strs, key, klen);
         kvf_sbuf_putc(&t->strs, 0);
-        size_t slot = strmap_slot(t, &t->vocab, vocab_key, key, klen);
-        t->vocab.slots[slot] = id; /* keys of an object are unique */
+        if (t->strs.oom)
+            break;
+        t->vocab.slots[slot] = id;
         t->vocab.n++;
     }
     if (t->strs.oom)
@@ -361,14 +359,14 @@ static kvf_status merges_insert(load_ctx *c, size_t rank, const char *a, size_t 
     }
 }
 
-static kvf_status load_merges(load_ctx *c, const json_t *merges)
+static kvf_status load_merges(load_ctx *c, const kvf_tok_jv *merges)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!merges || json_is_null(merges))
+    if (!merges || kvf_tok_jis(merges, KVF_TOK_JNULL))
         return KVF_OK;
-    if (!json_is_array(merges))
-        return fail(c, KVF_ERR_INVALID, "\"model.merges\" is %s, expected an array", kvf_json_kind(merges));
-    size_t n = json_array_size(merges);
+    if (!kvf_tok_jis(merges, KVF_TOK_JARR))
+        return fail(c, KVF_ERR_INVALID, "\"model.merges\" is %s, expected an array", kvf_tok_jkind(merges));
+    size_t n = kvf_tok_jsize(merges);
     if (n >= (size_t)INT32_MAX)
         return fail(c, KVF_ERR_LIMIT, "\"model.merges\" has %zu entries", n);
     t->merges.cap = pow2_at_least(n);
@@ -377,25 +375,25 @@ static kvf_status load_merges(load_ctx *c, const json_t *merges)
         return fail(c, KVF_ERR_NOMEM, "out of memory for %zu merges", n);
     for (size_t i = 0; i < t->merges.cap; i++)
         t->merges.slots[i].key = UINT64_MAX;
-    for (size_t i = 0; i < n; i++) {
-        const json_t *m = json_array_get(merges, i);
+    const kvf_tok_jv *m = kvf_tok_jfirst(merges);
+    for (size_t i = 0; i < n; i++, m = kvf_tok_jnext(m)) {
         kvf_status st;
-        if (json_is_string(m)) { /* "a b": the older format */
-            const char *s = json_string_value(m);
-            size_t len = json_string_length(m);
+        if (kvf_tok_jis(m, KVF_TOK_JSTR)) { /* "a b": the older format */
+            const char *s = kvf_tok_jstr(m);
+            size_t len = (size_t)(m)->len;
             const char *sp = memchr(s, ' ', len);
             if (!sp || memchr(sp + 1, ' ', len - (size_t)(sp + 1 - s)))
                 return fail(c, KVF_ERR_INVALID, "\"model.merges\"[%zu] is \"%.64s\", expected two tokens separated by one space",
                             i, s);
             st = merges_insert(c, i, s, (size_t)(sp - s), sp + 1, len - (size_t)(sp + 1 - s));
-        } else if (json_is_array(m) && json_array_size(m) == 2 && json_is_string(json_array_get(m, 0)) &&
-                   json_is_string(json_array_get(m, 1))) {
-            const json_t *a = json_array_get(m, 0), *b = json_array_get(m, 1);
-            st = merges_insert(c, i, json_string_value(a), json_string_length(a), json_string_value(b),
-                               json_string_length(b));
+        } else if (kvf_tok_jis(m, KVF_TOK_JARR) && kvf_tok_jsize(m) == 2 && kvf_tok_jis(kvf_tok_jat(m, 0), KVF_TOK_JSTR) &&
+                   kvf_tok_jis(kvf_tok_jat(m, 1), KVF_TOK_JSTR)) {
+            const kvf_tok_jv *a = kvf_tok_jat(m, 0), *b = kvf_tok_jat(m, 1);
+            st = merges_insert(c, i, kvf_tok_jstr(a), (size_t)(a)->len, kvf_tok_jstr(b),
+                               (size_t)(b)->len);
         } else {
             return fail(c, KVF_ERR_INVALID, "\"model.merges\"[%zu] is %s, expected \"a b\" or [\"a\", \"b\"]",
-                        i, kvf_json_kind(m));
+                        i, kvf_tok_jkind(m));
         }
         if (st != KVF_OK)
             return st;
@@ -403,32 +401,32 @@ static kvf_status load_merges(load_ctx *c, const json_t *merges)
     return KVF_OK;
 }
 
-static kvf_status load_model(load_ctx *c, const json_t *model)
+static kvf_status load_model(load_ctx *c, const kvf_tok_jv *model)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!json_is_object(model))
-        return fail(c, KVF_ERR_INVALID, "\"model\" is %s, expected an object", kvf_json_kind(model));
+    if (!kvf_tok_jis(model, KVF_TOK_JOBJ))
+        return fail(c, KVF_ERR_INVALID, "\"model\" is %s, expected an object", kvf_tok_jkind(model));
     const char *type = jstr(model, "type");
     if (type && strcmp(type, "BPE") != 0)
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model.type\" is \"%s\" (only \"BPE\" is supported)", type);
-    if (!type && !json_object_get(model, "merges"))
+    if (!type && !kvf_tok_jget(model, "merges"))
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model\" has no \"type\" and no \"merges\" (only BPE is supported)");
     const char *pre = jstr(model, "continuing_subword_prefix"), *suf = jstr(model, "end_of_word_suffix");
     if ((pre && *pre) || (suf && *suf))
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model.continuing_subword_prefix\"/\"end_of_word_suffix\" (\"%s\"/\"%s\") are not supported",
                     pre ? pre : "", suf ? suf : "");
-    json_t *dropout = json_object_get(model, "dropout");
-    if (json_is_number(dropout) && json_number_value(dropout) > 0)
+    const kvf_tok_jv *dropout = kvf_tok_jget(model, "dropout");
+    if (kvf_tok_jis(dropout, KVF_TOK_JNUM) && (dropout)->d > 0)
         kvf_log(KVF_LOG_WARN, "model: tokenizer: %s: BPE dropout %g ignored (encoding is deterministic)",
-                c->what, json_number_value(dropout));
-    kvf_status st = load_vocab(c, json_object_get(model, "vocab"));
+                c->what, (dropout)->d);
+    kvf_status st = load_vocab(c, kvf_tok_jget(model, "vocab"));
     if (st != KVF_OK)
         return st;
-    if ((st = load_merges(c, json_object_get(model, "merges"))) != KVF_OK)
+    if ((st = load_merges(c, kvf_tok_jget(model, "merges"))) != KVF_OK)
         return st;
-    t->byte_fallback = json_is_true(json_object_get(model, "byte_fallback"));
-    t->fuse_unk = json_is_true(json_object_get(model, "fuse_unk"));
-    t->ignore_merges = json_is_true(json_object_get(model, "ignore_merges"));
+    t->byte_fallback = kvf_tok_jtrue(kvf_tok_jget(model, "byte_fallback"));
+    t->fuse_unk = kvf_tok_jtrue(kvf_tok_jget(model, "fuse_unk"));
+    t->ignore_merges = kvf_tok_jtrue(kvf_tok_jget(model, "ignore_merges"));
     const char *unk = jstr(model, "unk_token");
     t->unk_id = -1;
     if (unk) {
@@ -447,30 +445,30 @@ static int cmp_added(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-static kvf_status load_added(load_ctx *c, const json_t *arr)
+static kvf_status load_added(load_ctx *c, const kvf_tok_jv *arr)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!arr || json_is_null(arr))
+    if (!arr || kvf_tok_jis(arr, KVF_TOK_JNULL))
         return KVF_OK;
-    if (!json_is_array(arr))
-        return fail(c, KVF_ERR_INVALID, "\"added_tokens\" is %s, expected an array", kvf_json_kind(arr));
-    size_t n = json_array_size(arr);
+    if (!kvf_tok_jis(arr, KVF_TOK_JARR))
+        return fail(c, KVF_ERR_INVALID, "\"added_tokens\" is %s, expected an array", kvf_tok_jkind(arr));
+    size_t n = kvf_tok_jsize(arr);
     t->added = calloc(n ? n : 1, sizeof *t->added);
     if (!t->added)
         return fail(c, KVF_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; i < n; i++) {
-        const json_t *a = json_array_get(arr, i);
-        const json_t *id = json_object_get(a, "id"), *content = json_object_get(a, "content");
-        if (!json_is_integer(id) || !json_is_string(content) || json_string_length(content) == 0)
+    const kvf_tok_jv *a = kvf_tok_jfirst(arr);
+    for (size_t i = 0; i < n; i++, a = kvf_tok_jnext(a)) {
+        const kvf_tok_jv *id = kvf_tok_jget(a, "id"), *content = kvf_tok_jget(a, "content");
+        if (!jint(id) || !kvf_tok_jis(content, KVF_TOK_JSTR) || (size_t)(content)->len == 0)
             return fail(c, KVF_ERR_INVALID, "\"added_tokens\"[%zu] needs an integer \"id\" and a non-empty string \"content\"", i);
-        kvf_status st = check_id(c, "added_tokens", json_integer_value(id));
+        kvf_status st = check_id(c, "added_tokens", (id)->i);
         if (st != KVF_OK)
             return st;
         kvf_tok_added *d = &t->added[t->n_added++];
-        d->id = (int32_t)json_integer_value(id);
-        d->len = json_string_length(content);
-        d->content = dup_bytes(json_string_value(content), d->len);
-        d->special = json_is_true(json_object_get(a, "special"));
+        d->id = (int32_t)(id)->i;
+        d->len = (size_t)(content)->len;
+        d->content = dup_bytes(kvf_tok_jstr(content), d->len);
+        d->special = kvf_tok_jtrue(kvf_tok_jget(a, "special"));
         if (!d->content)
             return fail(c, KVF_ERR_NOMEM, "out of memory");
         if ((st = grow_ids(c, d->id + 1)) != KVF_OK)
@@ -521,9 +519,9 @@ static kvf_status add_norm(load_ctx *c, kvf_tok_norm n)
     return KVF_OK;
 }
 
-static kvf_status load_normalizer(load_ctx *c, const json_t *n, int depth)
+static kvf_status load_normalizer(load_ctx *c, const kvf_tok_jv *n, int depth)
 {
-    if (!n || json_is_null(n))
+    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -532,11 +530,11 @@ static kvf_status load_normalizer(load_ctx *c, const json_t *n, int depth)
         return fail(c, KVF_ERR_LIMIT, "\"normalizer\" nests Sequences more than 8 deep");
     kvf_tok_norm d = {0};
     if (strcmp(type, "Sequence") == 0) {
-        const json_t *list = json_object_get(n, "normalizers");
-        if (!json_is_array(list))
+        const kvf_tok_jv *list = kvf_tok_jget(n, "normalizers");
+        if (!kvf_tok_jis(list, KVF_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Sequence needs a \"normalizers\" array");
-        for (size_t i = 0; i < json_array_size(list); i++) {
-            kvf_status st = load_normalizer(c, json_array_get(list, i), depth + 1);
+        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e)) {
+            kvf_status st = load_normalizer(c, e, depth + 1);
             if (st != KVF_OK)
                 return st;
         }
@@ -553,24 +551,24 @@ static kvf_status load_normalizer(load_ctx *c, const json_t *n, int depth)
     else if (strcmp(type, "Lowercase") == 0)
         d.kind = KVF_TOK_NORM_LOWERCASE;
     else if (strcmp(type, "Prepend") == 0) {
-        const json_t *p = json_object_get(n, "prepend");
-        if (!json_is_string(p))
+        const kvf_tok_jv *p = kvf_tok_jget(n, "prepend");
+        if (!kvf_tok_jis(p, KVF_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Prepend needs a string \"prepend\"");
         d.kind = KVF_TOK_NORM_PREPEND;
-        d.a_len = json_string_length(p);
-        d.a = dup_bytes(json_string_value(p), d.a_len);
+        d.a_len = (size_t)(p)->len;
+        d.a = dup_bytes(kvf_tok_jstr(p), d.a_len);
     } else if (strcmp(type, "Replace") == 0) {
-        const json_t *pat = json_object_get(json_object_get(n, "pattern"), "String");
-        const json_t *content = json_object_get(n, "content");
-        if (json_object_get(json_object_get(n, "pattern"), "Regex"))
+        const kvf_tok_jv *pat = kvf_tok_jget(kvf_tok_jget(n, "pattern"), "String");
+        const kvf_tok_jv *content = kvf_tok_jget(n, "content");
+        if (kvf_tok_jget(kvf_tok_jget(n, "pattern"), "Regex"))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"normalizer\" Replace with a Regex pattern is not supported (only String)");
-        if (!json_is_string(pat) || json_string_length(pat) == 0 || !json_is_string(content))
+        if (!kvf_tok_jis(pat, KVF_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_tok_jis(content, KVF_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Replace needs {\"pattern\": {\"String\": non-empty}, \"content\": string}");
         d.kind = KVF_TOK_NORM_REPLACE;
-        d.a_len = json_string_length(pat);
-        d.a = dup_bytes(json_string_value(pat), d.a_len);
-        d.b_len = json_string_length(content);
-        d.b = dup_bytes(json_string_value(content), d.b_len);
+        d.a_len = (size_t)(pat)->len;
+        d.a = dup_bytes(kvf_tok_jstr(pat), d.a_len);
+        d.b_len = (size_t)(content)->len;
+        d.b = dup_bytes(kvf_tok_jstr(content), d.b_len);
     } else {
         return fail(c, KVF_ERR_UNSUPPORTED,
                     "normalizer \"%.64s\" is not supported (NFC, NFD, NFKC, NFKD, Lowercase, Prepend, Replace, Sequence)",
@@ -618,7 +616,7 @@ static kvf_status add_pre(load_ctx *c, kvf_tok_pre p)
     return KVF_OK;
 }
 
-static kvf_status parse_prepend_scheme(load_ctx *c, const json_t *n, kvf_tok_prepend *out)
+static kvf_status parse_prepend_scheme(load_ctx *c, const kvf_tok_jv *n, kvf_tok_prepend *out)
 {
     const char *s = jstr(n, "prepend_scheme");
     if (s) {
@@ -632,14 +630,14 @@ static kvf_status parse_prepend_scheme(load_ctx *c, const json_t *n, kvf_tok_pre
             return fail(c, KVF_ERR_INVALID, "Metaspace \"prepend_scheme\" is \"%.32s\" (use always, first or never)", s);
         return KVF_OK;
     }
-    const json_t *aps = json_object_get(n, "add_prefix_space"); /* the older spelling */
-    *out = (!aps || json_is_true(aps)) ? KVF_TOK_PREPEND_ALWAYS : KVF_TOK_PREPEND_NEVER;
+    const kvf_tok_jv *aps = kvf_tok_jget(n, "add_prefix_space"); /* the older spelling */
+    *out = (!aps || kvf_tok_jtrue(aps)) ? KVF_TOK_PREPEND_ALWAYS : KVF_TOK_PREPEND_NEVER;
     return KVF_OK;
 }
 
-static kvf_status load_pre(load_ctx *c, const json_t *n, int depth)
+static kvf_status load_pre(load_ctx *c, const kvf_tok_jv *n, int depth)
 {
-    if (!n || json_is_null(n))
+    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -649,21 +647,21 @@ static kvf_status load_pre(load_ctx *c, const json_t *n, int depth)
     kvf_tok_pre p = {0};
     kvf_status st;
     if (strcmp(type, "Sequence") == 0) {
-        const json_t *list = json_object_get(n, "pretokenizers");
-        if (!json_is_array(list))
+        const kvf_tok_jv *list = kvf_tok_jget(n, "pretokenizers");
+        if (!kvf_tok_jis(list, KVF_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Sequence needs a \"pretokenizers\" array");
-        for (size_t i = 0; i < json_array_size(list); i++)
-            if ((st = load_pre(c, json_array_get(list, i), depth + 1)) != KVF_OK)
+        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e))
+            if ((st = load_pre(c, e, depth + 1)) != KVF_OK)
                 return st;
         return KVF_OK;
     }
     if (strcmp(type, "Split") == 0) {
-        const json_t *pat = json_object_get(n, "pattern");
-        const json_t *re = json_object_get(pat, "Regex"), *lit = json_object_get(pat, "String");
+        const kvf_tok_jv *pat = kvf_tok_jget(n, "pattern");
+        const kvf_tok_jv *re = kvf_tok_jget(pat, "Regex"), *lit = kvf_tok_jget(pat, "String");
         const char *beh = jstr(n, "behavior");
-        if (!json_is_string(re) && !json_is_string(lit))
+        if (!kvf_tok_jis(re, KVF_TOK_JSTR) && !kvf_tok_jis(lit, KVF_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Split needs \"pattern\": {\"Regex\": ...} or {\"String\": ...}");
-        if (json_is_true(json_object_get(n, "invert")))
+        if (kvf_tok_jtrue(kvf_tok_jget(n, "invert")))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"pre_tokenizer\" Split with \"invert\": true is not supported");
         p.kind = KVF_TOK_PRE_SPLIT;
         if (!beh || strcmp(beh, "Isolated") == 0)
@@ -678,16 +676,16 @@ static kvf_status load_pre(load_ctx *c, const json_t *n, int depth)
             return fail(c, KVF_ERR_UNSUPPORTED,
                         "\"pre_tokenizer\" Split \"behavior\" \"%.32s\" is not supported (Isolated, Removed, MergedWithPrevious, MergedWithNext)",
                         beh);
-        const json_t *s = json_is_string(re) ? re : lit;
-        if (json_string_length(s) == 0)
+        const kvf_tok_jv *s = kvf_tok_jis(re, KVF_TOK_JSTR) ? re : lit;
+        if ((size_t)(s)->len == 0)
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Split has an empty pattern");
-        if ((st = compile_re(c, json_string_value(s), json_string_length(s), s == lit, &p.re)) != KVF_OK)
+        if ((st = compile_re(c, kvf_tok_jstr(s), (size_t)(s)->len, s == lit, &p.re)) != KVF_OK)
             return st;
     } else if (strcmp(type, "ByteLevel") == 0) {
         p.kind = KVF_TOK_PRE_BYTELEVEL;
-        p.add_prefix_space = json_is_true(json_object_get(n, "add_prefix_space"));
-        const json_t *ur = json_object_get(n, "use_regex");
-        if (!ur || json_is_true(ur))
+        p.add_prefix_space = kvf_tok_jtrue(kvf_tok_jget(n, "add_prefix_space"));
+        const kvf_tok_jv *ur = kvf_tok_jget(n, "use_regex");
+        if (!ur || kvf_tok_jtrue(ur))
             if ((st = compile_re(c, kvf_tok_gpt2_regex, strlen(kvf_tok_gpt2_regex), false, &p.re)) != KVF_OK)
                 return st;
         c->tok->byte_level = true;
@@ -706,11 +704,11 @@ static kvf_status load_pre(load_ctx *c, const json_t *n, int depth)
             free(p.repl);
             return st;
         }
-        const json_t *sp = json_object_get(n, "split");
-        p.split = !sp || json_is_true(sp);
+        const kvf_tok_jv *sp = kvf_tok_jget(n, "split");
+        p.split = !sp || kvf_tok_jtrue(sp);
     } else if (strcmp(type, "Digits") == 0) {
         p.kind = KVF_TOK_PRE_DIGITS;
-        p.individual = json_is_true(json_object_get(n, "individual_digits"));
+        p.individual = kvf_tok_jtrue(kvf_tok_jget(n, "individual_digits"));
     } else {
         return fail(c, KVF_ERR_UNSUPPORTED,
                     "pre_tokenizer \"%.64s\" is not supported (Split, ByteLevel, Metaspace, Digits, Sequence)", type);
@@ -730,37 +728,36 @@ static kvf_status push_id(load_ctx *c, int32_t **arr, size_t *n, int32_t id)
     return KVF_OK;
 }
 
-static kvf_status special_ids(load_ctx *c, const json_t *specials, const char *name, int32_t **arr,
+static kvf_status special_ids(load_ctx *c, const kvf_tok_jv *specials, const char *name, int32_t **arr,
                               size_t *n)
 {
-    const json_t *ids = json_object_get(json_object_get(specials, name), "ids");
-    if (!json_is_array(ids))
+    const kvf_tok_jv *ids = kvf_tok_jget(kvf_tok_jget(specials, name), "ids");
+    if (!kvf_tok_jis(ids, KVF_TOK_JARR))
         return fail(c, KVF_ERR_INVALID, "\"post_processor\": special token \"%.64s\" has no \"ids\" list", name);
-    for (size_t i = 0; i < json_array_size(ids); i++) {
-        const json_t *v = json_array_get(ids, i);
-        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= c->tok->n_ids)
+    for (const kvf_tok_jv *v = kvf_tok_jfirst(ids); v; v = kvf_tok_jnext(v)) {
+        if (!jint(v) || (v)->i < 0 || (v)->i >= c->tok->n_ids)
             return fail(c, KVF_ERR_INVALID, "\"post_processor\": special token \"%.64s\" has an id outside the vocabulary (0..%d)",
                         name, c->tok->n_ids - 1);
-        kvf_status st = push_id(c, arr, n, (int32_t)json_integer_value(v));
+        kvf_status st = push_id(c, arr, n, (int32_t)(v)->i);
         if (st != KVF_OK)
             return st;
     }
     return KVF_OK;
 }
 
-static kvf_status pair_id(load_ctx *c, const json_t *p, const char *key, int32_t **arr, size_t *n)
+static kvf_status pair_id(load_ctx *c, const kvf_tok_jv *p, const char *key, int32_t **arr, size_t *n)
 {
-    const json_t *v = json_object_get(p, key);
-    const json_t *id = json_array_get(v, 1);
-    if (!json_is_integer(id) || json_integer_value(id) < 0 || json_integer_value(id) >= c->tok->n_ids)
+    const kvf_tok_jv *v = kvf_tok_jget(p, key);
+    const kvf_tok_jv *id = kvf_tok_jat(v, 1);
+    if (!jint(id) || (id)->i < 0 || (id)->i >= c->tok->n_ids)
         return fail(c, KVF_ERR_INVALID, "\"post_processor\" \"%s\" must be [token, id] with an id in the vocabulary", key);
-    return push_id(c, arr, n, (int32_t)json_integer_value(id));
+    return push_id(c, arr, n, (int32_t)(id)->i);
 }
 
-static kvf_status load_post(load_ctx *c, const json_t *n, int depth)
+static kvf_status load_post(load_ctx *c, const kvf_tok_jv *n, int depth)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!n || json_is_null(n))
+    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -769,25 +766,25 @@ static kvf_status load_post(load_ctx *c, const json_t *n, int depth)
         return fail(c, KVF_ERR_LIMIT, "\"post_processor\" nests Sequences more than 8 deep");
     kvf_status st;
     if (strcmp(type, "Sequence") == 0) {
-        const json_t *list = json_object_get(n, "processors");
-        if (!json_is_array(list))
+        const kvf_tok_jv *list = kvf_tok_jget(n, "processors");
+        if (!kvf_tok_jis(list, KVF_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"post_processor\" Sequence needs a \"processors\" array");
-        for (size_t i = 0; i < json_array_size(list); i++)
-            if ((st = load_post(c, json_array_get(list, i), depth + 1)) != KVF_OK)
+        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e))
+            if ((st = load_post(c, e, depth + 1)) != KVF_OK)
                 return st;
         return KVF_OK;
     }
     if (strcmp(type, "ByteLevel") == 0)
         return KVF_OK; /* offsets only */
     if (strcmp(type, "TemplateProcessing") == 0) {
-        const json_t *single = json_object_get(n, "single"), *specials = json_object_get(n, "special_tokens");
-        if (!json_is_array(single))
+        const kvf_tok_jv *single = kvf_tok_jget(n, "single"), *specials = kvf_tok_jget(n, "special_tokens");
+        if (!kvf_tok_jis(single, KVF_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"post_processor\" TemplateProcessing needs a \"single\" array");
         bool seen_seq = false;
-        for (size_t i = 0; i < json_array_size(single); i++) {
-            const json_t *item = json_array_get(single, i);
-            const json_t *sp = json_object_get(item, "SpecialToken");
-            if (json_object_get(item, "Sequence")) {
+        const kvf_tok_jv *item = kvf_tok_jfirst(single);
+        for (size_t i = 0; item; i++, item = kvf_tok_jnext(item)) {
+            const kvf_tok_jv *sp = kvf_tok_jget(item, "SpecialToken");
+            if (kvf_tok_jget(item, "Sequence")) {
                 seen_seq = true;
                 continue;
             }
@@ -820,9 +817,9 @@ typedef struct dec_opts {
     int32_t strip_start;
 } dec_opts;
 
-static kvf_status load_decoder(load_ctx *c, const json_t *n, dec_opts *o, int depth)
+static kvf_status load_decoder(load_ctx *c, const kvf_tok_jv *n, dec_opts *o, int depth)
 {
-    if (!n || json_is_null(n))
+    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -830,11 +827,11 @@ static kvf_status load_decoder(load_ctx *c, const json_t *n, dec_opts *o, int de
     if (depth > 8)
         return fail(c, KVF_ERR_LIMIT, "\"decoder\" nests Sequences more than 8 deep");
     if (strcmp(type, "Sequence") == 0) {
-        const json_t *list = json_object_get(n, "decoders");
-        if (!json_is_array(list))
+        const kvf_tok_jv *list = kvf_tok_jget(n, "decoders");
+        if (!kvf_tok_jis(list, KVF_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"decoder\" Sequence needs a \"decoders\" array");
-        for (size_t i = 0; i < json_array_size(list); i++) {
-            kvf_status st = load_decoder(c, json_array_get(list, i), o, depth + 1);
+        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e)) {
+            kvf_status st = load_decoder(c, e, o, depth + 1);
             if (st != KVF_OK)
                 return st;
         }
@@ -848,22 +845,22 @@ static kvf_status load_decoder(load_ctx *c, const json_t *n, dec_opts *o, int de
         /* decoding joins everything anyway */
     } else if (strcmp(type, "Strip") == 0) {
         const char *content = jstr(n, "content");
-        const json_t *start = json_object_get(n, "start"), *stop = json_object_get(n, "stop");
-        if (!content || strcmp(content, " ") != 0 || (json_is_integer(stop) && json_integer_value(stop) != 0))
+        const kvf_tok_jv *start = kvf_tok_jget(n, "start"), *stop = kvf_tok_jget(n, "stop");
+        if (!content || strcmp(content, " ") != 0 || (jint(stop) && (stop)->i != 0))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"decoder\" Strip is supported only for content \" \" with \"stop\": 0");
-        if (json_is_integer(start) && json_integer_value(start) > 0)
-            o->strip_start = json_integer_value(start) > 64 ? 64 : (int32_t)json_integer_value(start);
+        if (jint(start) && (start)->i > 0)
+            o->strip_start = (start)->i > 64 ? 64 : (int32_t)(start)->i;
     } else if (strcmp(type, "Replace") == 0) {
-        const json_t *pat = json_object_get(json_object_get(n, "pattern"), "String");
-        const json_t *content = json_object_get(n, "content");
-        if (!json_is_string(pat) || json_string_length(pat) == 0 || !json_is_string(content))
+        const kvf_tok_jv *pat = kvf_tok_jget(kvf_tok_jget(n, "pattern"), "String");
+        const kvf_tok_jv *content = kvf_tok_jget(n, "content");
+        if (!kvf_tok_jis(pat, KVF_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_tok_jis(content, KVF_TOK_JSTR))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"decoder\" Replace needs {\"pattern\": {\"String\": non-empty}, \"content\": string}");
         if (o->n_repl == 4)
             return fail(c, KVF_ERR_LIMIT, "\"decoder\" has more than 4 Replace steps");
-        o->from[o->n_repl] = (char *)json_string_value(pat);
-        o->from_len[o->n_repl] = json_string_length(pat);
-        o->to[o->n_repl] = (char *)json_string_value(content);
-        o->to_len[o->n_repl++] = json_string_length(content);
+        o->from[o->n_repl] = (char *)kvf_tok_jstr(pat);
+        o->from_len[o->n_repl] = (size_t)(pat)->len;
+        o->to[o->n_repl] = (char *)kvf_tok_jstr(content);
+        o->to_len[o->n_repl++] = (size_t)(content)->len;
     } else if (strcmp(type, "Metaspace") == 0) {
         const char *r = jstr(n, "replacement");
         if (!r)
@@ -1023,12 +1020,12 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
 /* ---- companions: tokenizer_config.json, generation_config.json ---- */
 
 /* A token given as "text" or {"content": "text"}; NULL for null or absent. */
-static const char *config_token(const json_t *cfg, const char *key)
+static const char *config_token(const kvf_tok_jv *cfg, const char *key)
 {
-    const json_t *v = json_object_get(cfg, key);
-    if (json_is_object(v))
-        v = json_object_get(v, "content");
-    return json_is_string(v) ? json_string_value(v) : NULL;
+    const kvf_tok_jv *v = kvf_tok_jget(cfg, key);
+    if (kvf_tok_jis(v, KVF_TOK_JOBJ))
+        v = kvf_tok_jget(v, "content");
+    return kvf_tok_jis(v, KVF_TOK_JSTR) ? kvf_tok_jstr(v) : NULL;
 }
 
 static int32_t find_token(const kvf_model_tokenizer *t, const char *s)
@@ -1060,40 +1057,39 @@ static kvf_status add_eos(load_ctx *c, int32_t id)
     return push_id(c, &t->eos_ids, &t->n_eos_ids, id);
 }
 
-static kvf_status gen_id(load_ctx *c, const json_t *v, const char *key, int32_t *out)
+static kvf_status gen_id(load_ctx *c, const kvf_tok_jv *v, const char *key, int32_t *out)
 {
-    double d = json_is_number(v) ? json_number_value(v) : -1;
+    double d = kvf_tok_jis(v, KVF_TOK_JNUM) ? (v)->d : -1;
     if (!(d >= 0 && d < c->tok->n_ids) || d != (double)(int32_t)d)
-        return fail(c, KVF_ERR_INVALID, "\"%s\" is %s, expected an id in 0..%d", key, kvf_json_kind(v),
+        return fail(c, KVF_ERR_INVALID, "\"%s\" is %s, expected an id in 0..%d", key, kvf_tok_jkind(v),
                     c->tok->n_ids - 1);
     *out = (int32_t)d;
     return KVF_OK;
 }
 
-static kvf_status load_companions(load_ctx *c, const json_t *cfg, const json_t *gen, bool has_post)
+static kvf_status load_companions(load_ctx *c, const kvf_tok_jv *cfg, const kvf_tok_jv *gen, bool has_post)
 {
     kvf_model_tokenizer *t = c->tok;
     kvf_status st;
     if (cfg) {
         c->what = "tokenizer_config.json";
-        if (!json_is_object(cfg))
-            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_json_kind(cfg));
+        if (!kvf_tok_jis(cfg, KVF_TOK_JOBJ))
+            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(cfg));
         if ((st = set_str(c, &t->bos_token, config_token(cfg, "bos_token"))) != KVF_OK ||
             (st = set_str(c, &t->eos_token, config_token(cfg, "eos_token"))) != KVF_OK ||
             (st = set_str(c, &t->pad_token, config_token(cfg, "pad_token"))) != KVF_OK)
             return st;
-        const json_t *tpl = json_object_get(cfg, "chat_template");
-        if (json_is_array(tpl)) { /* [{"name": "default", "template": ...}, ...] */
-            const json_t *pick = NULL;
-            for (size_t i = 0; i < json_array_size(tpl); i++) {
-                const json_t *e = json_array_get(tpl, i);
+        const kvf_tok_jv *tpl = kvf_tok_jget(cfg, "chat_template");
+        if (kvf_tok_jis(tpl, KVF_TOK_JARR)) { /* [{"name": "default", "template": ...}, ...] */
+            const kvf_tok_jv *pick = NULL;
+            for (const kvf_tok_jv *e = kvf_tok_jfirst(tpl); e; e = kvf_tok_jnext(e)) {
                 const char *name = jstr(e, "name");
                 if (!pick || (name && strcmp(name, "default") == 0))
                     pick = e;
             }
-            tpl = json_object_get(pick, "template");
+            tpl = kvf_tok_jget(pick, "template");
         }
-        if ((st = set_str(c, &t->chat_template, json_is_string(tpl) ? json_string_value(tpl) : NULL)) != KVF_OK)
+        if ((st = set_str(c, &t->chat_template, kvf_tok_jis(tpl, KVF_TOK_JSTR) ? kvf_tok_jstr(tpl) : NULL)) != KVF_OK)
             return st;
         t->bos_id = find_token(t, t->bos_token);
         t->eos_id = find_token(t, t->eos_token);
@@ -1103,40 +1099,40 @@ static kvf_status load_companions(load_ctx *c, const json_t *cfg, const json_t *
         if (t->eos_token && t->eos_id < 0)
             kvf_log(KVF_LOG_WARN, "model: tokenizer: tokenizer_config.json: eos_token \"%.64s\" is not in the vocabulary", t->eos_token);
         /* Without a post-processor, add_bos_token/add_eos_token say what encode adds. */
-        if (!has_post && json_is_true(json_object_get(cfg, "add_bos_token")) && t->bos_id >= 0)
+        if (!has_post && kvf_tok_jtrue(kvf_tok_jget(cfg, "add_bos_token")) && t->bos_id >= 0)
             if ((st = push_id(c, &t->prefix_ids, &t->n_prefix, t->bos_id)) != KVF_OK)
                 return st;
-        if (!has_post && json_is_true(json_object_get(cfg, "add_eos_token")) && t->eos_id >= 0)
+        if (!has_post && kvf_tok_jtrue(kvf_tok_jget(cfg, "add_eos_token")) && t->eos_id >= 0)
             if ((st = push_id(c, &t->suffix_ids, &t->n_suffix, t->eos_id)) != KVF_OK)
                 return st;
     }
     if (gen) {
         c->what = "generation_config.json";
-        if (!json_is_object(gen))
-            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_json_kind(gen));
-        const json_t *v = json_object_get(gen, "bos_token_id");
-        if (v && !json_is_null(v)) {
+        if (!kvf_tok_jis(gen, KVF_TOK_JOBJ))
+            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(gen));
+        const kvf_tok_jv *v = kvf_tok_jget(gen, "bos_token_id");
+        if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
             if ((st = gen_id(c, v, "bos_token_id", &t->bos_id)) != KVF_OK)
                 return st;
             if ((st = set_str(c, &t->bos_token, kvf_model_tokenizer_id_to_token(t, t->bos_id))) != KVF_OK)
                 return st;
         }
-        v = json_object_get(gen, "pad_token_id");
-        if (v && !json_is_null(v)) {
+        v = kvf_tok_jget(gen, "pad_token_id");
+        if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
             if ((st = gen_id(c, v, "pad_token_id", &t->pad_id)) != KVF_OK)
                 return st;
             if ((st = set_str(c, &t->pad_token, kvf_model_tokenizer_id_to_token(t, t->pad_id))) != KVF_OK)
                 return st;
         }
-        v = json_object_get(gen, "eos_token_id");
-        if (json_is_array(v)) {
-            for (size_t i = 0; i < json_array_size(v); i++) {
+        v = kvf_tok_jget(gen, "eos_token_id");
+        if (kvf_tok_jis(v, KVF_TOK_JARR)) {
+            for (const kvf_tok_jv *e = kvf_tok_jfirst(v); e; e = kvf_tok_jnext(e)) {
                 int32_t id;
-                if ((st = gen_id(c, json_array_get(v, i), "eos_token_id", &id)) != KVF_OK ||
+                if ((st = gen_id(c, e, "eos_token_id", &id)) != KVF_OK ||
                     (st = add_eos(c, id)) != KVF_OK)
                     return st;
             }
-        } else if (v && !json_is_null(v)) {
+        } else if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
             int32_t id;
             if ((st = gen_id(c, v, "eos_token_id", &id)) != KVF_OK || (st = add_eos(c, id)) != KVF_OK)
                 return st;
@@ -1152,7 +1148,7 @@ static kvf_status load_companions(load_ctx *c, const json_t *cfg, const json_t *
 
 /* ---- entry points ---- */
 
-static kvf_status load_json(const json_t *root, const json_t *cfg, const json_t *gen, const char *what,
+static kvf_status load_json(const kvf_tok_jv *root, const kvf_tok_jv *cfg, const kvf_tok_jv *gen, const char *what,
                             kvf_model_tokenizer **out, kvf_err *err)
 {
     kvf_model_tokenizer *t = calloc(1, sizeof *t);
@@ -1164,19 +1160,19 @@ static kvf_status load_json(const json_t *root, const json_t *cfg, const json_t 
     load_ctx c = {t, what, err};
     dec_opts dec = {0};
     kvf_status st;
-    if (!json_is_object(root)) {
-        st = fail(&c, KVF_ERR_INVALID, "expected an object, found %s", kvf_json_kind(root));
+    if (!kvf_tok_jis(root, KVF_TOK_JOBJ)) {
+        st = fail(&c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(root));
         goto fail_tok;
     }
-    const json_t *post = json_object_get(root, "post_processor");
-    if ((st = load_model(&c, json_object_get(root, "model"))) != KVF_OK ||
-        (st = load_added(&c, json_object_get(root, "added_tokens"))) != KVF_OK ||
-        (st = load_normalizer(&c, json_object_get(root, "normalizer"), 0)) != KVF_OK ||
-        (st = load_pre(&c, json_object_get(root, "pre_tokenizer"), 0)) != KVF_OK ||
+    const kvf_tok_jv *post = kvf_tok_jget(root, "post_processor");
+    if ((st = load_model(&c, kvf_tok_jget(root, "model"))) != KVF_OK ||
+        (st = load_added(&c, kvf_tok_jget(root, "added_tokens"))) != KVF_OK ||
+        (st = load_normalizer(&c, kvf_tok_jget(root, "normalizer"), 0)) != KVF_OK ||
+        (st = load_pre(&c, kvf_tok_jget(root, "pre_tokenizer"), 0)) != KVF_OK ||
         (st = load_post(&c, post, 0)) != KVF_OK ||
-        (st = load_decoder(&c, json_object_get(root, "decoder"), &dec, 0)) != KVF_OK ||
+        (st = load_decoder(&c, kvf_tok_jget(root, "decoder"), &dec, 0)) != KVF_OK ||
         (st = build_tables(&c, &dec)) != KVF_OK ||
-        (st = load_companions(&c, cfg, gen, post && !json_is_null(post))) != KVF_OK)
+        (st = load_companions(&c, cfg, gen, post && !kvf_tok_jis(post, KVF_TOK_JNULL))) != KVF_OK)
         goto fail_tok;
     *out = t;
     return KVF_OK;
@@ -1185,61 +1181,81 @@ fail_tok:
     return st;
 }
 
-static kvf_status parse(const char *buf, size_t len, size_t flags, const char *what, json_t **out,
-                        kvf_err *err)
+/* Parses the three texts in place (taking all three buffers, each NUL-terminated; cj and gj
+ * may be NULL) and loads them. */
+static kvf_status load_owned(char *tj, size_t tl, char *cj, size_t cl, char *gj, size_t gl,
+                             kvf_model_tokenizer **out, kvf_err *err)
 {
-    json_error_t je;
-    *out = json_loadb(buf, len, flags | JSON_ALLOW_NUL, &je);
-    if (!*out)
-        return kvf_err_set(err, KVF_ERR_PARSE, "tokenizer: %s: line %d column %d: %s", what, je.line,
-                           je.column, je.text);
-    return KVF_OK;
+    kvf_tok_jdoc root = {0}, cfg = {0}, gen = {0};
+    kvf_status st = kvf_tok_json_parse_owned(tj, tl, "tokenizer.json", &root, err);
+    tj = NULL;
+    if (st == KVF_OK && cj) {
+        st = kvf_tok_json_parse_owned(cj, cl, "tokenizer_config.json", &cfg, err);
+        cj = NULL;
+    }
+    if (st == KVF_OK && gj) {
+        st = kvf_tok_json_parse_owned(gj, gl, "generation_config.json", &gen, err);
+        gj = NULL;
+    }
+    if (st == KVF_OK)
+        st = load_json(kvf_tok_json_root(&root), kvf_tok_json_root(&cfg), kvf_tok_json_root(&gen),
+                       "tokenizer.json", out, err);
+    free(cj);
+    free(gj);
+    kvf_tok_json_free(&root);
+    kvf_tok_json_free(&cfg);
+    kvf_tok_json_free(&gen);
+    return st;
+}
+
+static char *dup_text(const char *s, size_t n)
+{
+    return s ? dup_bytes(s, n) : NULL;
 }
 
 kvf_status kvf_model_tokenizer_load_buf(const char *tok_json, size_t tok_len, const char *config_json,
                                         size_t config_len, const char *gen_json, size_t gen_len,
                                         kvf_model_tokenizer **out, kvf_err *err)
 {
-    json_t *root = NULL, *cfg = NULL, *gen = NULL;
-    kvf_status st;
-    /* the companions carry numbers such as 1e30 written as integers: read them as reals */
-    if ((st = parse(tok_json, tok_len, 0, "tokenizer.json", &root, err)) != KVF_OK ||
-        (config_json && (st = parse(config_json, config_len, JSON_DECODE_INT_AS_REAL,
-                                    "tokenizer_config.json", &cfg, err)) != KVF_OK) ||
-        (gen_json && (st = parse(gen_json, gen_len, JSON_DECODE_INT_AS_REAL, "generation_config.json",
-                                 &gen, err)) != KVF_OK))
-        goto done;
-    st = load_json(root, cfg, gen, "tokenizer.json", out, err);
-done:
-    json_decref(root);
-    json_decref(cfg);
-    json_decref(gen);
-    return st;
+    char *tj = dup_text(tok_json ? tok_json : "", tok_len), *cj = dup_text(config_json, config_len),
+         *gj = dup_text(gen_json, gen_len);
+    if (!tj || (config_json && !cj) || (gen_json && !gj)) {
+        free(tj);
+        free(cj);
+        free(gj);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory");
+    }
+    return load_owned(tj, tok_len, cj, config_len, gj, gen_len, out, err);
 }
 
-/* Reads a whole file; *out is malloc'd. A missing optional file gives NOT_FOUND. */
+/* Reads a whole file into a NUL-terminated buffer; *out is malloc'd. */
 static kvf_status read_file(const char *path, char **out, size_t *len, kvf_err *err)
 {
     FILE *f = fopen(path, "rb");
     if (!f)
         return kvf_err_set(err, KVF_ERR_NOT_FOUND, "tokenizer: cannot open %s", path);
-    kvf_sbuf b;
-    kvf_sbuf_init(&b);
-    char chunk[65536];
-    size_t n;
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        kvf_sbuf_append(&b, chunk, n);
-    int bad = ferror(f);
-    fclose(f);
-    if (bad || b.oom) {
-        kvf_sbuf_fini(&b);
-        return kvf_err_set(err, bad ? KVF_ERR_IO : KVF_ERR_NOMEM, "tokenizer: cannot read %s", path);
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size < 0 || sb.st_size >= INT32_MAX) {
+        fclose(f);
+        return kvf_err_set(err, KVF_ERR_IO, "tokenizer: %s is not a regular file under 2 GiB", path);
     }
-    *len = b.len;
-    *out = kvf_sbuf_take(&b);
-    if (!*out)
-        *out = calloc(1, 1);
-    return *out ? KVF_OK : kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory");
+    size_t n = (size_t)sb.st_size;
+    char *buf = malloc(n + 1);
+    if (!buf) {
+        fclose(f);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory reading %s", path);
+    }
+    size_t got = fread(buf, 1, n, f);
+    int bad = ferror(f) || got != n;
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return kvf_err_set(err, KVF_ERR_IO, "tokenizer: cannot read %s", path);
+    }
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return KVF_OK;
 }
 
 kvf_status kvf_model_tokenizer_load(const char *path, kvf_model_tokenizer **out, kvf_err *err)
@@ -1275,7 +1291,7 @@ kvf_status kvf_model_tokenizer_load(const char *path, kvf_model_tokenizer **out,
         cj = NULL;
     if (read_file(gpath, &gj, &gl, &ignore) != KVF_OK)
         gj = NULL;
-    st = kvf_model_tokenizer_load_buf(tj, tl, cj, cl, gj, gl, out, err);
+    st = load_owned(tj, tl, cj, cl, gj, gl, out, err);
     if (st != KVF_OK) {
         /* name the file: the messages say "tokenizer.json: ..." */
         const char *m = err ? err->msg : "";
@@ -1285,9 +1301,6 @@ kvf_status kvf_model_tokenizer_load(const char *path, kvf_model_tokenizer **out,
         if (err)
             kvf_err_prefix(err, "%s", which);
     }
-    free(tj);
-    free(cj);
-    free(gj);
     return st;
 }
 
