@@ -196,7 +196,8 @@ void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepaliv
         arg_int(a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 100);
     } else {
         arg_int(a, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-        arg_int(a, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        /* Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also uses it as the time a connection
+         * and its TLS handshake may take, and 100 ms fails handshakes on a busy machine. */
         arg_int(a, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     }
     if (ssl_target_override && *ssl_target_override) {

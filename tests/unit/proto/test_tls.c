@@ -96,7 +96,9 @@ static void test_tls_calls(void **state)
     kvf_rpc_channel *ch;
     kvf_rpc_buf r = {0};
     assert_int_equal(kvf_rpc_channel_create(target, &co, &ch, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_unary(ch, "/t.T/Echo", "secret", 6, 10000, &r, &e), KVF_OK);
+    kvf_status st0 = kvf_rpc_unary(ch, "/t.T/Echo", "secret", 6, 10000, &r, &e);
+    if (st0 != KVF_OK)
+        fail_msg("with the CA: %s", e.msg);
     assert_int_equal(r.len, 6);
     assert_memory_equal(r.data, "secret", 6);
     kvf_rpc_buf_free(&r);
