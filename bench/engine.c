@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "bench/bench.h"
@@ -47,6 +48,8 @@ static const kvf_cfg_spec engine_bench_spec = {
                "the engine (prefix cache off, f32 KV), timing the prefill steps and the decode steps\n"
                "apart. Decode bandwidth = weight bytes read per step (f32 compute form, embedding rows\n"
                "not counted) x steps / time, next to a plain sequential read of --memread-bytes.\n"
+               "cpu_util: process CPU time / wall time while decoding (100% a thread; lower means\n"
+               "the machine was busy with something else).\n"
                "Ends with: decode_b32_over_b1=<x> (the aim is at least 8).",
     .opts = engine_bench_opts,
 };
@@ -56,7 +59,16 @@ static const kvf_cfg_spec engine_bench_spec = {
 
 typedef struct run_result {
     double prefill_tps, decode_tps, step_ms, weight_bps;
+    double decode_cpu; /* process CPU seconds per wall second while decoding */
 } run_result;
+
+/* CPU time of the whole process (all threads), in seconds. */
+static double cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 /* Parses "1,8,32" into out; returns how many, or -1. */
 static int parse_list(const char *s, int32_t *out, int cap)
@@ -140,14 +152,14 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
      * steps in which all B sequences decode count (the tail where some finished does not). */
     int32_t firsts = 0, decode_steps = 0;
     int64_t decode_tokens = 0;
-    double t_prefill = 0, t_decode = 0;
+    double t_prefill = 0, t_decode = 0, c_decode = 0;
     while (kvf_engine_busy(e)) {
         const kvf_engine_output *o;
         int32_t n;
         bool prefill = firsts < B;
-        double t0 = kvf_now_s();
+        double t0 = kvf_now_s(), c0 = cpu_s();
         kvf_status st = kvf_engine_step(e, &o, &n, err);
-        double dt = kvf_now_s() - t0;
+        double dt = kvf_now_s() - t0, dc = cpu_s() - c0;
         if (st != KVF_OK)
             return st;
         if (prefill) {
@@ -156,6 +168,7 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
                 firsts += o[i].n_generated == 1;
         } else if (n == B) {
             t_decode += dt;
+            c_decode += dc;
             decode_steps++;
             decode_tokens += n;
         }
@@ -164,6 +177,7 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
     out->prefill_tps = t_prefill > 0 ? (double)B * P / t_prefill : 0;
     out->decode_tps = t_decode > 0 ? (double)decode_tokens / t_decode : 0;
     out->step_ms = decode_steps ? 1e3 * t_decode / decode_steps : 0;
+    out->decode_cpu = t_decode > 0 ? c_decode / t_decode : 0;
     out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg) * decode_steps / t_decode : 0;
     return KVF_OK;
 }
@@ -227,8 +241,8 @@ int kvf_bench_engine_main(int argc, char **argv)
     printf("kvfleet bench engine: prompt %d tokens, budget %d tokens/step, f32 KV, greedy, "
            "prefix cache off, %ld online CPUs\n", bc.prompt, bc.budget, online);
     printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
-    printf("%-7s %7s %5s %14s %13s %10s %12s %9s\n", "preset", "threads", "batch", "prefill_tok/s",
-           "decode_tok/s", "step_ms", "weight_GB/s", "vs_read");
+    printf("%-7s %7s %5s %14s %13s %10s %12s %9s %9s\n", "preset", "threads", "batch", "prefill_tok/s",
+           "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "cpu_util");
     int rc = 0;
     double ratio_32 = -1, ratio_worst = 1e30;
     char *save = NULL;
@@ -296,9 +310,10 @@ int kvf_bench_engine_main(int argc, char **argv)
                 break;
             double b1 = 0;
             for (int i = 0; i < n_batches; i++) {
-                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx\n", preset, thread_runs[t],
-                       batches[i], res[i].prefill_tps, res[i].decode_tps, res[i].step_ms,
-                       res[i].weight_bps / 1e9, res[i].weight_bps / memread_bps);
+                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.0f%%\n", preset,
+                       thread_runs[t], batches[i], res[i].prefill_tps, res[i].decode_tps,
+                       res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / memread_bps,
+                       100 * res[i].decode_cpu);
                 if (batches[i] == 1)
                     b1 = res[i].decode_tps;
             }
