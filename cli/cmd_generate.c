@@ -26,7 +26,7 @@ typedef struct gen_cfg {
     const char *model, *prompt_ids, *prompt, *kv_dtype;
     int32_t max_tokens, block_size, threads, prefill_chunk;
     int64_t kv_memory;
-    bool json, ignore_eos;
+    bool json, ignore_eos, half_weights;
 } gen_cfg;
 
 static const kvf_cfg_opt gen_opts[] = {
@@ -40,6 +40,8 @@ static const kvf_cfg_opt gen_opts[] = {
     {"kv-memory", "0", "KV pool bytes (K/M/G suffixes); 0: just enough for this request", offsetof(gen_cfg, kv_memory), KVF_CFG_SIZE},
     {"prefill-chunk", "512", "prompt tokens per forward step", offsetof(gen_cfg, prefill_chunk), KVF_CFG_INT},
     {"threads", "0", "CPU threads (0: one per CPU)", offsetof(gen_cfg, threads), KVF_CFG_INT},
+    {"half-weights", NULL, "keep F16/BF16 matrices as stored (half the memory) instead of converting to f32 at load",
+     offsetof(gen_cfg, half_weights), KVF_CFG_BOOL},
     {"json", NULL, "print {\"prompt_ids\",\"output_ids\",\"finish_reason\"} as one JSON line", offsetof(gen_cfg, json), KVF_CFG_BOOL},
     {NULL},
 };
@@ -209,7 +211,7 @@ int kvf_cli_generate(int argc, char **argv)
                          (long long)c.kv_memory, (long long)n_blocks, (long long)need, (long long)(need * lay.block_bytes));
         goto fail;
     }
-    if ((st = be->create(&(kvf_backend_opts){.n_threads = c.threads}, &ctx, &err)) != KVF_OK)
+    if ((st = be->create(&(kvf_backend_opts){.n_threads = c.threads, .half_weights = c.half_weights}, &ctx, &err)) != KVF_OK)
         goto fail;
     int32_t chunk = c.prefill_chunk < n_prompt ? c.prefill_chunk : n_prompt;
     kvf_model_fwd_opts fo = {.max_tokens = chunk, .max_seqs = 1, .max_ctx = (int32_t)context};

@@ -4,6 +4,7 @@
 #ifndef KVF_MODEL_BACKEND_H
 #define KVF_MODEL_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -19,7 +20,7 @@
 typedef struct kvf_backend_weight {
     const void *data;   /* backend memory, [rows][cols] */
     int64_t rows, cols; /* a 1-D tensor has rows 1 */
-    kvf_dtype dtype;    /* of data */
+    kvf_dtype dtype;    /* of data: f32, or f16/bf16 for matrices only (matmul, embed) */
     void *owned;        /* what weight_free releases; NULL when data is borrowed from the file */
 } kvf_backend_weight;
 
@@ -37,6 +38,9 @@ typedef struct kvf_backend_attn {
 
 typedef struct kvf_backend_opts {
     int32_t n_threads; /* 0: one per online CPU */
+    /* CPU: keep F16/BF16 matrices as they are in the file (half the memory, no conversion at
+     * load) and convert a few rows at a time inside matmul; false converts them to f32 once. */
+    bool half_weights;
 } kvf_backend_opts;
 
 typedef struct kvf_backend {

@@ -15,13 +15,26 @@
 #include "model/config.h"
 
 /* ---- a persistent thread pool: run(fn, n_items) hands items out through an atomic counter;
- * the calling thread works too. No allocation per run. */
-typedef void (*cpu_job_fn)(void *arg, int64_t item);
+ * the calling thread works too (as thread 0). No allocation per run. */
+typedef void (*cpu_job_fn)(void *arg, int64_t item, int32_t thread /* 0..n_threads-1 */);
 
-typedef struct cpu_ctx {
+typedef struct cpu_ctx cpu_ctx;
+typedef struct cpu_worker {
+    pthread_t th;
+    cpu_ctx *c;
+    int32_t idx; /* 1..n_threads-1; the calling thread is 0 */
+} cpu_worker;
+
+/* Rows of a half-precision weight converted to f32 at a time (per thread scratch). */
+#define CPU_CONV_ROWS 64
+
+struct cpu_ctx {
     int32_t n_threads;
-    pthread_t *workers; /* n_threads - 1 */
+    bool half_weights;
+    cpu_worker *workers; /* n_threads - 1 */
     int32_t n_workers;
+    float **conv;     /* [n_threads] scratch of conv_cap floats, grown at weight_load */
+    int64_t conv_cap;
     pthread_mutex_t mu;
     pthread_cond_t cv_start, cv_done;
     uint64_t generation;
@@ -31,21 +44,22 @@ typedef struct cpu_ctx {
     void *arg;
     int64_t n_items;
     atomic_llong next;
-} cpu_ctx;
+};
 
-static void pool_drain(cpu_ctx *c)
+static void pool_drain(cpu_ctx *c, int32_t thread)
 {
     for (;;) {
         long long i = atomic_fetch_add(&c->next, 1);
         if (i >= c->n_items)
             break;
-        c->fn(c->arg, i);
+        c->fn(c->arg, i, thread);
     }
 }
 
 static void *pool_worker(void *p)
 {
-    cpu_ctx *c = p;
+    cpu_worker *w = p;
+    cpu_ctx *c = w->c;
     uint64_t seen = 0;
     pthread_mutex_lock(&c->mu);
     for (;;) {
@@ -55,7 +69,7 @@ static void *pool_worker(void *p)
             break;
         seen = c->generation;
         pthread_mutex_unlock(&c->mu);
-        pool_drain(c);
+        pool_drain(c, w->idx);
         pthread_mutex_lock(&c->mu);
         if (++c->n_done == c->n_workers)
             pthread_cond_signal(&c->cv_done);
@@ -68,7 +82,7 @@ static void pool_run(cpu_ctx *c, cpu_job_fn fn, void *arg, int64_t n_items)
 {
     if (c->n_workers == 0 || n_items < 2) {
         for (int64_t i = 0; i < n_items; i++)
-            fn(arg, i);
+            fn(arg, i, 0);
         return;
     }
     pthread_mutex_lock(&c->mu);
@@ -80,7 +94,7 @@ static void pool_run(cpu_ctx *c, cpu_job_fn fn, void *arg, int64_t n_items)
     c->generation++;
     pthread_cond_broadcast(&c->cv_start);
     pthread_mutex_unlock(&c->mu);
-    pool_drain(c);
+    pool_drain(c, 0);
     pthread_mutex_lock(&c->mu);
     while (c->n_done < c->n_workers)
         pthread_cond_wait(&c->cv_done, &c->mu);
@@ -97,11 +111,15 @@ static void cpu_destroy(void *ctx)
     pthread_cond_broadcast(&c->cv_start);
     pthread_mutex_unlock(&c->mu);
     for (int32_t i = 0; i < c->n_workers; i++)
-        pthread_join(c->workers[i], NULL);
+        pthread_join(c->workers[i].th, NULL);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv_start);
     pthread_cond_destroy(&c->cv_done);
     free(c->workers);
+    if (c->conv)
+        for (int32_t i = 0; i < c->n_threads; i++)
+            free(c->conv[i]);
+    free(c->conv);
     free(c);
 }
 
@@ -118,10 +136,16 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
     if (!c)
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
     c->n_threads = n;
+    c->half_weights = opts && opts->half_weights;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv_start, NULL);
     pthread_cond_init(&c->cv_done, NULL);
     atomic_init(&c->next, 0);
+    c->conv = calloc((size_t)n, sizeof *c->conv);
+    if (!c->conv) {
+        cpu_destroy(c);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
+    }
     if (n > 1) {
         c->workers = calloc((size_t)n - 1, sizeof *c->workers);
         if (!c->workers) {
@@ -129,7 +153,9 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
             return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
         }
         for (int32_t i = 0; i < n - 1; i++) {
-            if (pthread_create(&c->workers[i], NULL, pool_worker, c) != 0) {
+            c->workers[i].c = c;
+            c->workers[i].idx = i + 1;
+            if (pthread_create(&c->workers[i].th, NULL, pool_worker, &c->workers[i]) != 0) {
                 cpu_destroy(c);
                 return kvf_err_set(err, KVF_ERR_INTERNAL, "model: cpu backend: cannot start thread %d of %d", i + 1, n);
             }
@@ -177,10 +203,19 @@ static void load_f32(const void *src, kvf_dtype dt, int64_t n, float *out)
             out[i] = kvf_f16_to_f32((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
         return;
     }
-    case KVF_DTYPE_BF16: {
+    case KVF_DTYPE_BF16: { /* exact: bf16 is the top half of an f32 */
+        if ((uintptr_t)src % 2 == 0) { /* the vectorizable form */
+            const uint16_t *h = src;
+            uint32_t *o = (uint32_t *)out;
+            for (int64_t i = 0; i < n; i++)
+                o[i] = (uint32_t)h[i] << 16;
+            return;
+        }
         const uint8_t *b = src;
-        for (int64_t i = 0; i < n; i++)
-            out[i] = kvf_bf16_to_f32((uint16_t)(b[2 * i] | (b[2 * i + 1] << 8)));
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = ((uint32_t)b[2 * i] << 16) | ((uint32_t)b[2 * i + 1] << 24);
+            memcpy(&out[i], &u, sizeof u);
+        }
         return;
     }
     case KVF_DTYPE_FP8_E4M3: {
@@ -232,8 +267,24 @@ static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_back
     kvf_backend_weight w = {.rows = t->n_dims == 2 ? t->shape[0] : 1,
                             .cols = t->n_dims == 2 ? t->shape[1] : t->shape[0],
                             .dtype = KVF_DTYPE_F32};
+    cpu_ctx *c = ctx;
     if (t->dtype == KVF_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
         w.data = t->data;
+    } else if (c->half_weights && t->n_dims == 2 && t->dtype != KVF_DTYPE_F32) {
+        /* kept as F16/BF16 in the mapping; matmul converts CPU_CONV_ROWS rows at a time */
+        int64_t need = CPU_CONV_ROWS * w.cols;
+        if (need > c->conv_cap) {
+            for (int32_t i = 0; i < c->n_threads; i++) {
+                float *p = realloc(c->conv[i], (size_t)need * sizeof(float));
+                if (!p)
+                    return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for conversion scratch",
+                                       t->name);
+                c->conv[i] = p;
+            }
+            c->conv_cap = need;
+        }
+        w.data = t->data;
+        w.dtype = (kvf_dtype)t->dtype;
     } else {
         /* not zeroed first: every element is written by the conversion */
         size_t bytes = ((size_t)t->n_elems * sizeof(float) + 63) / 64 * 64;
@@ -258,15 +309,17 @@ static void cpu_weight_free(void *ctx, kvf_backend_weight *w)
 static void cpu_embed(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens, int64_t n,
                       float *out)
 {
-    const float *e = emb->data;
+    size_t es = kvf_dtype_size(emb->dtype);
     for (int64_t i = 0; i < n; i++)
-        memcpy(out + i * emb->cols, e + (int64_t)tokens[i] * emb->cols, (size_t)emb->cols * sizeof(float));
+        load_f32((const uint8_t *)emb->data + (size_t)tokens[i] * (size_t)emb->cols * es, emb->dtype, emb->cols,
+                 out + i * emb->cols);
 }
 
 /* One matmul job: each item computes a slice of the output columns (rows of W) with a
  * single-threaded OpenBLAS call, so the pool, not OpenBLAS, owns the threads (OpenBLAS's own
  * threaded GEMM allocates on every call). */
 typedef struct cpu_mm_job {
+    cpu_ctx *c;
     const float *x;
     int64_t n;
     const kvf_backend_weight *w, *bias;
@@ -274,7 +327,20 @@ typedef struct cpu_mm_job {
     int64_t rows_per_item;
 } cpu_mm_job;
 
-static void cpu_mm_item(void *arg, int64_t item)
+/* y[:, r0:r1] = x @ W[r0:r1]^T for f32 rows W (row stride cols). */
+static void mm_rows(const float *x, int64_t n, const float *W, int64_t r0, int64_t r1, int64_t cols,
+                    float *y, int64_t rows)
+{
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, W,
+                    (blasint)cols, x, 1, 0.0f, y + r0, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)(r1 - r0),
+                    (blasint)cols, 1.0f, x, (blasint)cols, W, (blasint)cols, 0.0f, y + r0,
+                    (blasint)rows);
+}
+
+static void cpu_mm_item(void *arg, int64_t item, int32_t thread)
 {
     const cpu_mm_job *j = arg;
     int64_t r0 = item * j->rows_per_item, r1 = r0 + j->rows_per_item;
@@ -283,14 +349,17 @@ static void cpu_mm_item(void *arg, int64_t item)
     if (r0 >= r1)
         return;
     int64_t cols = j->w->cols, rows = j->w->rows;
-    const float *W = (const float *)j->w->data + r0 * cols;
-    if (j->n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, W,
-                    (blasint)cols, j->x, 1, 0.0f, j->y + r0, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)j->n, (blasint)(r1 - r0),
-                    (blasint)cols, 1.0f, j->x, (blasint)cols, W, (blasint)cols, 0.0f, j->y + r0,
-                    (blasint)rows);
+    if (j->w->dtype == KVF_DTYPE_F32) {
+        mm_rows(j->x, j->n, (const float *)j->w->data + r0 * cols, r0, r1, cols, j->y, rows);
+    } else {
+        float *conv = j->c->conv[thread];
+        size_t es = kvf_dtype_size(j->w->dtype);
+        for (int64_t r = r0; r < r1; r += CPU_CONV_ROWS) {
+            int64_t re = r + CPU_CONV_ROWS < r1 ? r + CPU_CONV_ROWS : r1;
+            load_f32((const uint8_t *)j->w->data + (size_t)(r * cols) * es, j->w->dtype, (re - r) * cols, conv);
+            mm_rows(j->x, j->n, conv, r, re, cols, j->y, rows);
+        }
+    }
     if (j->bias) {
         const float *b = j->bias->data;
         for (int64_t i = 0; i < j->n; i++)
@@ -309,7 +378,7 @@ static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_w
         items = 1;
     int64_t per = (w->rows + items - 1) / items;
     per = (per + 15) / 16 * 16;
-    cpu_mm_job job = {.x = x, .n = n, .w = w, .bias = bias, .y = y, .rows_per_item = per};
+    cpu_mm_job job = {.c = c, .x = x, .n = n, .w = w, .bias = bias, .y = y, .rows_per_item = per};
     pool_run(c, cpu_mm_item, &job, (w->rows + per - 1) / per);
 }
 
@@ -410,7 +479,7 @@ typedef struct cpu_attn_job {
 } cpu_attn_job;
 
 /* Item = (token, head): online softmax over the token's visible positions, a block at a time. */
-static void cpu_attn_item(void *arg, int64_t item)
+static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
 {
     const cpu_attn_job *j = arg;
     const kvf_backend_attn *a = j->a;

@@ -58,7 +58,7 @@ static int32_t *read_ints(const json_t *arr, size_t *n)
     return a;
 }
 
-static fx *fx_open(const char *name, kvf_dtype kv_dtype)
+static fx *fx_open_opts(const char *name, kvf_dtype kv_dtype, bool half_weights)
 {
     fx *f = calloc(1, sizeof *f);
     char rel[256];
@@ -68,7 +68,8 @@ static fx *fx_open(const char *name, kvf_dtype kv_dtype)
     if (st != KVF_OK)
         fail_msg("%s", err.msg);
     f->be = kvf_model_backend_cpu();
-    assert_int_equal(f->be->create(&(kvf_backend_opts){.n_threads = 2}, &f->ctx, &err), KVF_OK);
+    kvf_backend_opts bo = {.n_threads = 2, .half_weights = half_weights};
+    assert_int_equal(f->be->create(&bo, &f->ctx, &err), KVF_OK);
     assert_int_equal(kvf_model_kv_layout(f->m, 16, kv_dtype, &f->layout, &err), KVF_OK);
     kvf_model_fwd_opts o = {.max_tokens = 256, .max_seqs = 8, .max_ctx = 256};
     st = kvf_model_fwd_create(f->m, f->be, f->ctx, &f->layout, &o, &f->fwd, &err);
@@ -99,6 +100,11 @@ static fx *fx_open(const char *name, kvf_dtype kv_dtype)
     }
     json_decref(j);
     return f;
+}
+
+static fx *fx_open(const char *name, kvf_dtype kv_dtype)
+{
+    return fx_open_opts(name, kv_dtype, false);
 }
 
 static void fx_close(fx *f)
@@ -180,27 +186,34 @@ static double run_solo(fx *f, const fx_case *k, int32_t chunk, double tol, bool 
     return worst;
 }
 
-static void check_model_solo(const char *name, int32_t chunk)
+static void check_model_solo(const char *name, int32_t chunk, bool half_weights)
 {
-    fx *f = fx_open(name, KVF_DTYPE_F32);
+    fx *f = fx_open_opts(name, KVF_DTYPE_F32, half_weights);
     double worst = 0;
     for (size_t i = 0; i < f->n_cases; i++)
         worst = fmax(worst, run_solo(f, &f->cases[i], chunk, 1e-4, true));
-    print_message("%s (prefill chunk %d): %zu cases, worst logit error %.2e of the largest\n", name,
-                  chunk, f->n_cases, worst);
+    print_message("%s (prefill chunk %d%s): %zu cases, worst logit error %.2e of the largest\n", name,
+                  chunk, half_weights ? ", weights kept half" : "", f->n_cases, worst);
     fx_close(f);
 }
 
 static void test_solo_whole_prompt(void **state)
 {
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
-        check_model_solo(models[i], 256);
+        check_model_solo(models[i], 256, false);
 }
 
 static void test_solo_chunked_prefill(void **state)
 {
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++)
-        check_model_solo(models[i], 7);
+        check_model_solo(models[i], 7, false);
+}
+
+/* The bf16 models with their matrices left in bf16 (converted a few rows at a time). */
+static void test_solo_half_weights(void **state)
+{
+    check_model_solo("tiny-mqa-bf16", 256, true);
+    check_model_solo("small-gqa-bf16-theta5e5", 7, true);
 }
 
 /* Every case at once: sequence i joins at step i, prefills in chunks of 13, then decodes;
@@ -364,6 +377,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_solo_whole_prompt),
         cmocka_unit_test(test_solo_chunked_prefill),
+        cmocka_unit_test(test_solo_half_weights),
         cmocka_unit_test(test_batched_mixed),
         cmocka_unit_test(test_half_kv),
         cmocka_unit_test(test_bad_batches),

@@ -221,14 +221,15 @@ static kvf_model_config base_config(kvf_model_arch arch)
 /* Generates n_gen tokens greedily from a prompt through the paged forward pass (prefill in
  * chunks of 5, block size 4 so windows and blocks interact) and checks every step's logits
  * against the reference. */
-static void check_against_reference(const kvf_model_config *c, kvf_dtype wdt, const char *what)
+static void check_against_reference_opts(const kvf_model_config *c, kvf_dtype wdt, bool half_weights,
+                                        const char *what)
 {
     make_dir();
     kvf_model *m = write_and_load(c, wdt);
     kvf_err err = {0};
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2}, &ctx, &err), KVF_OK);
+    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2, .half_weights = half_weights}, &ctx, &err), KVF_OK);
     kvf_kv_layout lay;
     assert_int_equal(kvf_model_kv_layout(m, 4, KVF_DTYPE_F32, &lay, &err), KVF_OK);
     kvf_model_fwd *f;
@@ -277,10 +278,18 @@ static void check_against_reference(const kvf_model_config *c, kvf_dtype wdt, co
     remove_dir();
 }
 
+static void check_against_reference(const kvf_model_config *c, kvf_dtype wdt, const char *what)
+{
+    check_against_reference_opts(c, wdt, false, what);
+}
+
 static void test_llama_plain_f16_weights(void **state)
 {
     kvf_model_config c = base_config(KVF_MODEL_ARCH_LLAMA);
     check_against_reference(&c, KVF_DTYPE_F16, "llama, f16 weights");
+    c.qkv_bias = c.o_bias = c.mlp_bias = true;
+    check_against_reference_opts(&c, KVF_DTYPE_F16, true, "llama, biases, f16 weights kept f16");
+    check_against_reference_opts(&c, KVF_DTYPE_BF16, true, "llama, biases, bf16 weights kept bf16");
 }
 
 static void test_qwen2_qkv_bias_tied(void **state)

@@ -82,40 +82,43 @@ static void test_step_allocates_nothing(void **state)
     kvf_err err = {0};
     assert_int_equal(kvf_model_load(kvf_test_shared_path("fixtures/models/small-gqa-bf16-theta5e5"), &m, &err), KVF_OK);
     const kvf_backend *be = kvf_model_backend_cpu();
-    void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2}, &ctx, &err), KVF_OK);
-    kvf_kv_layout lay;
-    assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_BF16, &lay, &err), KVF_OK);
-    kvf_model_fwd *f;
-    kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 128};
-    assert_int_equal(kvf_model_fwd_create(m, be, ctx, &lay, &o, &f, &err), KVF_OK);
-    void *pool;
-    assert_int_equal(be->alloc(ctx, (size_t)(32 * lay.block_bytes), &pool, &err), KVF_OK);
-    int32_t t0[8] = {0, 1, 2, 3, 4, 5, 6, 7}, t1[8] = {8, 9, 10, 11, 12, 13, 14, 15};
-    int32_t prompt[40];
-    for (int i = 0; i < 40; i++)
-        prompt[i] = (i * 31 + 7) % 1024;
-    int32_t next[2], tok = 5;
-    float *logits = malloc(2 * 1024 * sizeof *logits);
-    kvf_model_seq warm = {.tokens = prompt, .n_tokens = 8, .start_pos = 0, .block_table = t0, .n_blocks = 8};
-    assert_int_equal(kvf_model_forward(f, &warm, 1, pool, 32, logits, next, &err), KVF_OK);
+    for (int half = 0; half < 2; half++) {
+        n_allocs = 0;
+        void *ctx;
+        assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2, .half_weights = half}, &ctx, &err), KVF_OK);
+        kvf_kv_layout lay;
+        assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_BF16, &lay, &err), KVF_OK);
+        kvf_model_fwd *f;
+        kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 128};
+        assert_int_equal(kvf_model_fwd_create(m, be, ctx, &lay, &o, &f, &err), KVF_OK);
+        void *pool;
+        assert_int_equal(be->alloc(ctx, (size_t)(32 * lay.block_bytes), &pool, &err), KVF_OK);
+        int32_t t0[8] = {0, 1, 2, 3, 4, 5, 6, 7}, t1[8] = {8, 9, 10, 11, 12, 13, 14, 15};
+        int32_t prompt[40];
+        for (int i = 0; i < 40; i++)
+            prompt[i] = (i * 31 + 7) % 1024;
+        int32_t next[2], tok = 5;
+        float *logits = malloc(2 * 1024 * sizeof *logits);
+        kvf_model_seq warm = {.tokens = prompt, .n_tokens = 8, .start_pos = 0, .block_table = t0, .n_blocks = 8};
+        assert_int_equal(kvf_model_forward(f, &warm, 1, pool, 32, logits, next, &err), KVF_OK);
 
-    counting = 1;
-    for (int step = 0; step < 6; step++) {
-        kvf_model_seq s[2] = {
-            {.tokens = &tok, .n_tokens = 1, .start_pos = 8 + step, .block_table = t0, .n_blocks = 8},
-            {.tokens = prompt + step * 6, .n_tokens = 6, .start_pos = step * 6, .block_table = t1, .n_blocks = 8},
-        };
-        assert_int_equal(kvf_model_forward(f, s, 2, pool, 32, logits, next, &err), KVF_OK);
-        tok = next[0];
+        counting = 1;
+        for (int step = 0; step < 6; step++) {
+            kvf_model_seq s[2] = {
+                {.tokens = &tok, .n_tokens = 1, .start_pos = 8 + step, .block_table = t0, .n_blocks = 8},
+                {.tokens = prompt + step * 6, .n_tokens = 6, .start_pos = step * 6, .block_table = t1, .n_blocks = 8},
+            };
+            assert_int_equal(kvf_model_forward(f, s, 2, pool, 32, logits, next, &err), KVF_OK);
+            tok = next[0];
+        }
+        counting = 0;
+        print_message("6 mixed steps (%s weights): %ld allocations\n", half ? "bf16" : "f32", (long)n_allocs);
+        assert_int_equal(n_allocs, 0);
+        free(logits);
+        be->free(ctx, pool);
+        kvf_model_fwd_destroy(f);
+        be->destroy(ctx);
     }
-    counting = 0;
-    print_message("6 mixed steps: %ld allocations\n", (long)n_allocs);
-    assert_int_equal(n_allocs, 0);
-    free(logits);
-    be->free(ctx, pool);
-    kvf_model_fwd_destroy(f);
-    be->destroy(ctx);
     kvf_model_destroy(m);
 }
 
