@@ -110,6 +110,13 @@ void kvf_engine_sampling_default(kvf_engine_sampling *s)
     s->n = 1;
 }
 
+void kvf_engine_sampling_model_eos(kvf_engine_sampling *s, const kvf_model *m)
+{
+    s->n_eos = 0;
+    for (int32_t i = 0; i < m->cfg.n_eos && i < KVF_ENGINE_MAX_STOP; i++)
+        s->eos_ids[s->n_eos++] = m->cfg.eos_ids[i];
+}
+
 const char *kvf_engine_finish_name(kvf_engine_finish f)
 {
     switch (f) {
@@ -316,6 +323,8 @@ static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool wi
     s->state = SEQ_FINISHED;
     s->finish = why;
     e->st.finished++;
+    kvf_log(KVF_LOG_DEBUG, "engine: req %llu.%d: finished (%s) after %d tokens",
+            (unsigned long long)s->id, s->index, kvf_engine_finish_name(why), s->n_generated);
     if (with_output)
         emit(e, s, -1, why);
     if (s->index == 0 && s->n > 1 && !s->forked) {

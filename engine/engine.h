@@ -82,6 +82,8 @@ typedef struct kvf_engine_sampling {
 
 /* Greedy, n 1, max_tokens 16, top_p 1, no stop or eos ids. */
 void kvf_engine_sampling_default(kvf_engine_sampling *s);
+/* Sets s's eos ids to the model's (config.json eos_token_id; none when it has none). */
+void kvf_engine_sampling_model_eos(kvf_engine_sampling *s, const kvf_model *m);
 
 typedef struct kvf_engine_request {
     uint64_t id;           /* unique among the engine's live requests */

@@ -1,7 +1,8 @@
 /* test_batch.c: continuous batching against solo runs on tiny-gqa-f32: 32 sequences of mixed
  * prompt and output lengths batched under a small token budget give each exactly its solo
  * tokens; a pool small enough to force preemption gives the same, by recompute, by swap and
- * by the cost-chosen mode, with the pool and swap invariants checked after every step. */
+ * by the cost-chosen mode, and with bf16 KV, with the pool and swap invariants checked after
+ * every step. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -172,6 +173,44 @@ static void test_preempt_auto_by_cost(void **state)
     kvf_engine_destroy(e);
 }
 
+/* bf16 KV: rounding changes the numbers, but a sequence's KV is the same whatever runs beside
+ * it, so batched and swapped runs still equal the solo bf16 runs. */
+static void test_bf16_kv_batch_equals_solo(void **state)
+{
+    batch *b = *state;
+    enum { N = 12 };
+    kvf_engine_cfg cfg;
+    et_cfg(&cfg);
+    cfg.kv_dtype = KVF_DTYPE_BF16;
+    cfg.prefix_cache = false;
+    et_result *solo = calloc(1, sizeof *solo), *r = calloc(1, sizeof *r);
+    kvf_engine *e = et_engine(b->f->m, &cfg);
+    for (int32_t i = 0; i < N; i++) {
+        kvf_engine_request q = et_req((uint64_t)i, b->prompt[i], b->n_prompt[i], b->max_tokens[i]);
+        et_add(e, &q);
+        et_run(e, solo, 1);
+    }
+    kvf_engine_destroy(e);
+    et_cfg(&cfg);
+    cfg.kv_dtype = KVF_DTYPE_BF16;
+    cfg.n_blocks = 16;
+    cfg.preempt = KVF_ENGINE_PREEMPT_SWAP;
+    e = et_engine(b->f->m, &cfg);
+    for (int32_t i = 0; i < N; i++) {
+        kvf_engine_request q = et_req((uint64_t)i, b->prompt[i], b->n_prompt[i], b->max_tokens[i]);
+        et_add(e, &q);
+    }
+    et_run(e, r, 1);
+    kvf_engine_stats st;
+    kvf_engine_get_stats(e, &st);
+    assert_true(st.preempt_swap > 0);
+    for (int32_t i = 0; i < N; i++)
+        et_assert_tokens("bf16 KV, batched vs solo", r->tokens[i], r->n[i], solo->tokens[i], solo->n[i]);
+    kvf_engine_destroy(e);
+    free(solo);
+    free(r);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -179,6 +218,7 @@ int main(void)
         cmocka_unit_test(test_preempt_recompute),
         cmocka_unit_test(test_preempt_swap),
         cmocka_unit_test(test_preempt_auto_by_cost),
+        cmocka_unit_test(test_bf16_kv_batch_equals_solo),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

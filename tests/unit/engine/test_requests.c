@@ -242,6 +242,12 @@ static void test_stop_eos_length(void **state)
     assert_int_equal(fin, KVF_ENGINE_FINISH_STOP);
     assert_int_equal(n, first + 1);
 
+    /* the model's own eos ids (tiny-gqa-f32: 2) */
+    q = et_req(20, k->prompt, k->n_prompt, 24);
+    kvf_engine_sampling_model_eos(&q.sampling, f->m);
+    assert_int_equal(q.sampling.n_eos, 1);
+    assert_int_equal(q.sampling.eos_ids[0], 2);
+
     q = et_req(3, k->prompt, k->n_prompt, 3);
     assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
     assert_int_equal(fin, KVF_ENGINE_FINISH_LENGTH);
