@@ -35,6 +35,7 @@ typedef struct enc {
     size_t sym_cap, heap_cap, n_heap;
     kvf_err *err;
     bool oom;
+    int re_error; /* a PCRE2 error other than "no match", 0 when none */
 } enc;
 
 static void push_id(enc *e, int32_t id)
@@ -177,6 +178,11 @@ static void pre_split(enc *e, const kvf_tok_pre *p, const char *buf, const piece
         size_t pend_off = 0;
         while (start <= n) {
             int rc = pcre2_match(p->re, (PCRE2_SPTR)(buf + base), n, start, PCRE2_NO_UTF_CHECK, e->md, NULL);
+            if (rc < 0 && rc != PCRE2_ERROR_NOMATCH) /* e.g. the JIT stack: try the interpreter */
+                rc = pcre2_match(p->re, (PCRE2_SPTR)(buf + base), n, start, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
+                                 e->md, NULL);
+            if (rc < 0 && rc != PCRE2_ERROR_NOMATCH)
+                e->re_error = rc;
             if (rc < 0)
                 break;
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(e->md);
@@ -572,7 +578,7 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
         for (size_t i = 0; i < tok->n_prefix; i++)
             push_id(&e, tok->prefix_ids[i]);
     size_t seg = 0;
-    for (size_t i = 0; i < len && !e.oom;) {
+    for (size_t i = 0; i < len && !e.oom && !e.re_error;) {
         size_t alen = 0;
         int32_t aid = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i, &alen) : -1;
         if (aid < 0) {
@@ -584,7 +590,7 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
         i += alen;
         seg = i;
     }
-    if (!e.oom)
+    if (!e.oom && !e.re_error)
         encode_segment(&e, text + seg, len - seg, seg == 0);
     if (add_special)
         for (size_t i = 0; i < tok->n_suffix; i++)
@@ -603,6 +609,13 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
     if (e.oom) {
         free(e.ids);
         return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory encoding %zu bytes", len);
+    }
+    if (e.re_error) {
+        PCRE2_UCHAR msg[160];
+        pcre2_get_error_message(e.re_error, msg, sizeof msg);
+        free(e.ids);
+        return kvf_err_set(err, KVF_ERR_LIMIT, "tokenizer: the pre-tokenizer regex failed on %zu bytes of text: %s",
+                           len, (const char *)msg);
     }
     *ids_out = e.ids;
     *n_out = e.n_ids;
