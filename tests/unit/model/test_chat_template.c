@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -315,6 +316,18 @@ static void test_tojson(void **state) { run_cases(cases_tojson); }
 static void test_string_methods(void **state) { run_cases(cases_methods); }
 static void test_whitespace_control(void **state) { run_cases(cases_whitespace); }
 
+/* transformers' {% generation %} marker renders its body; escape is HTML escaping. */
+static void test_generation_tag_and_escape(void **state)
+{
+    char *out = NULL;
+    kvf_err err = {0};
+    assert_int_equal(render("{% for m in messages %}{% generation %}[{{ m }}]{% endgeneration %}{% endfor %}"
+                            "{{ '<a href=\"x\">&\\'' | e }}",
+                            "{\"messages\": [1, 2]}", BOTH, NULL, &out, &err), KVF_OK);
+    assert_string_equal(out, "[1][2]&lt;a href=&#34;x&#34;&gt;&amp;&#39;");
+    free(out);
+}
+
 /* trim_blocks and lstrip_blocks are flags: off, the text around tags stays. */
 static void test_whitespace_flags(void **state)
 {
@@ -484,6 +497,59 @@ static void test_qwen3_chat_cases(void **state)
         free(out);
     }
     kvf_model_tokenizer_destroy(tok);
+    kvf_model_chat_template_destroy(t);
+    json_decref(cc);
+}
+
+/* One compiled template renders on many threads at once (the router's case). */
+typedef struct race_arg {
+    const kvf_model_chat_template *t;
+    const kvf_model_chat_request *req;
+    const char *want;
+    int bad;
+} race_arg;
+
+static void *race_thread(void *p)
+{
+    race_arg *a = p;
+    for (int i = 0; i < 200; i++) {
+        char *out = NULL;
+        kvf_err err = {0};
+        if (kvf_model_chat_template_render(a->t, a->req, &out, NULL, NULL, &err) != KVF_OK ||
+            strcmp(out, a->want) != 0)
+            a->bad++;
+        free(out);
+    }
+    return NULL;
+}
+
+static void test_concurrent_renders(void **state)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", kvf_test_shared_path("fixtures/tokenizers/qwen3"));
+    char path[4200];
+    snprintf(path, sizeof path, "%s/chat_cases.json", dir);
+    json_t *cc;
+    kvf_err err = {0};
+    assert_int_equal(kvf_json_load_file(path, &cc, &err), KVF_OK);
+    kvf_model_chat_template *t;
+    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_OK);
+    json_t *c = json_array_get(json_object_get(cc, "cases"), 5); /* tools and tool calls */
+    kvf_model_chat_request req = {
+        .messages = json_object_get(c, "messages"),
+        .tools = json_object_get(c, "tools"),
+        .add_generation_prompt = true,
+    };
+    race_arg args[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        args[i] = (race_arg){.t = t, .req = &req, .want = json_string_value(json_object_get(c, "rendered"))};
+        assert_int_equal(pthread_create(&th[i], NULL, race_thread, &args[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(args[i].bad, 0);
+    }
     kvf_model_chat_template_destroy(t);
     json_decref(cc);
 }
@@ -698,11 +764,13 @@ int main(void)
         cmocka_unit_test(test_string_methods),
         cmocka_unit_test(test_whitespace_control),
         cmocka_unit_test(test_whitespace_flags),
+        cmocka_unit_test(test_generation_tag_and_escape),
         cmocka_unit_test(test_syntax_errors_name_position),
         cmocka_unit_test(test_render_errors_name_position),
         cmocka_unit_test(test_raise_exception),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_qwen3_chat_cases),
+        cmocka_unit_test(test_concurrent_renders),
         cmocka_unit_test(test_builtin_families),
         cmocka_unit_test(test_load_from_model_dir),
         cmocka_unit_test(test_request_variables),
