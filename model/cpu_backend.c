@@ -255,6 +255,21 @@ static void store_f32(void *dst, kvf_dtype dt, const float *x, int64_t n)
 }
 
 /* ---- weights */
+#define CPU_CONV_CHUNK (1 << 20) /* elements per conversion item at load */
+
+typedef struct cpu_conv_job {
+    const void *src;
+    kvf_dtype dt;
+    int64_t n;
+    float *out;
+} cpu_conv_job;
+
+static void cpu_conv_item(void *arg, int64_t item, int32_t thread)
+{
+    const cpu_conv_job *j = arg;
+    int64_t i0 = item * CPU_CONV_CHUNK, n = j->n - i0 < CPU_CONV_CHUNK ? j->n - i0 : CPU_CONV_CHUNK;
+    load_f32((const uint8_t *)j->src + (size_t)i0 * kvf_dtype_size(j->dt), j->dt, n, j->out + i0);
+}
 static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
                                   kvf_err *err)
 {
@@ -292,7 +307,8 @@ static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_back
         if (!p)
             return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for %zu bytes of f32",
                                t->name, bytes);
-        load_f32(t->data, (kvf_dtype)t->dtype, t->n_elems, p);
+        cpu_conv_job job = {.src = t->data, .dt = (kvf_dtype)t->dtype, .n = t->n_elems, .out = p};
+        pool_run(c, cpu_conv_item, &job, (t->n_elems + CPU_CONV_CHUNK - 1) / CPU_CONV_CHUNK);
         w.data = w.owned = p;
     }
     *out = w;

@@ -201,6 +201,16 @@ static void test_gen_model(void **state)
     snprintf(cmd, sizeof cmd, "'%s' gen-model --out '%s/d' --dtype bf16 --seed 6 >/dev/null && ! cmp -s '%s/a/model.safetensors' '%s/d/model.safetensors'",
              bin(), tmp, tmp, tmp);
     assert_int_equal(run(cmd, NULL), 0);
+    /* the other architectures load and generate too */
+    const char *arches[] = {"mistral", "qwen2"};
+    for (int i = 0; i < 2; i++) {
+        kvf_sbuf_reset(&out);
+        snprintf(cmd, sizeof cmd, "'%s' gen-model --out '%s/%s' --arch %s --dtype f16 >/dev/null && "
+                                  "'%s' generate --model '%s/%s' --prompt-ids 3,4,5 --max-tokens 4 --ignore-eos --json 2>/dev/null",
+                 bin(), tmp, arches[i], arches[i], bin(), tmp, arches[i]);
+        assert_int_equal(run(cmd, &out), 0);
+        assert_non_null(strstr(out.data, "\"finish_reason\":\"length\""));
+    }
     /* bad flags */
     kvf_sbuf_reset(&out);
     snprintf(cmd, sizeof cmd, "'%s' gen-model --out '%s/e' --preset huge 2>&1", bin(), tmp);
