@@ -27,6 +27,8 @@ typedef struct kvf_model_fwd_opts {
     int32_t max_ctx;    /* positions per sequence; 0: max_position_embeddings */
 } kvf_model_fwd_opts;
 
+/* A forward-pass instance: the backend's copy of the weights plus step scratch. It is used by
+ * one thread at a time (a step uses the backend's own threads); the caller owns it. */
 typedef struct kvf_model_fwd kvf_model_fwd;
 
 /* Prepares the weights on the backend (be_ctx from be->create) and sizes the scratch. The
