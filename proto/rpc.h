@@ -124,13 +124,20 @@ bool kvf_rpc_call_is_cancelled(const kvf_rpc_call *c);
  * the completion-queue thread otherwise: it must be short and must not block or write. It never
  * runs after kvf_rpc_call_finish has returned. Replaces an earlier callback. */
 void kvf_rpc_call_on_cancel(kvf_rpc_call *c, void (*fn)(void *arg), void *arg);
-/* Sends one message on a streaming call and waits until gRPC has taken it (flow control may
- * hold it while the client is slow). Writes from several threads are serialised. Fails with
- * KVF_ERR_CANCELLED once the call is cancelled, KVF_ERR_LIMIT above max_msg_bytes, and
- * KVF_ERR_STATE after finish or on a unary call. */
+/* Messages a streaming call holds for a client that reads slower than the handler sends. */
+#define KVF_RPC_SEND_QUEUE_MAX 1024
+
+/* Queues one message on a streaming call and returns at once (for loops that must not wait on
+ * one slow client, like the decode step loop); messages go out in the order queued, from any
+ * number of threads. Fails with KVF_ERR_CANCELLED once the call is cancelled, KVF_ERR_FULL when
+ * KVF_RPC_SEND_QUEUE_MAX messages already wait (the client is not reading: cancel or slow
+ * down), KVF_ERR_LIMIT above max_msg_bytes, KVF_ERR_STATE after finish or on a unary call. */
+kvf_status kvf_rpc_call_send(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err);
+/* The same, then waits until gRPC has taken this message (flow control holds it while the
+ * client is slow): the simple choice for a handler thread that produces messages itself. */
 kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err);
 /* Ends a streaming call with a status (and message, may be NULL) and releases it; the call
- * pointer is invalid afterwards. Waits for a write in progress on another thread. */
+ * pointer is invalid afterwards. Does not wait: the status follows the queued messages. */
 void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg);
 
 /* ---------------------------------------------------------------------------------------- */
@@ -171,7 +178,8 @@ kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const vo
                                void *arg, kvf_err *err);
 
 /* Opens a server-streaming call: sends the request and returns at once; messages are read
- * ahead (a few dozen at most) as they arrive. */
+ * ahead (a few dozen at most) as they arrive. A unary method may be called this way too (one
+ * message, then the end) when the caller needs to cancel it. */
 kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const void *req,
                                size_t len, int64_t timeout_ms, kvf_rpc_stream **out,
                                kvf_err *err);

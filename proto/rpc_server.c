@@ -40,6 +40,11 @@ typedef struct rpc_request {
     grpc_call_details details;
 } rpc_request;
 
+typedef struct rpc_out {
+    grpc_byte_buffer *bb;
+    struct rpc_out *next;
+} rpc_out;
+
 struct kvf_rpc_call {
     kvf_rpc_server *srv;
     const rpc_method *m; /* NULL for an unknown method */
@@ -52,9 +57,17 @@ struct kvf_rpc_call {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int refs;
-    bool cancelled, finished, sent_initial_md, writing, write_done, write_ok, in_cancel_cb;
+    bool cancelled, finished, sent_initial_md, in_cancel_cb;
     void (*on_cancel)(void *arg);
     void *on_cancel_arg;
+
+    /* Messages waiting to be sent, in order; one SEND_MESSAGE in flight at a time. */
+    struct rpc_out *q_head, *q_tail;
+    size_t q_len;
+    uint64_t n_queued, n_done; /* messages ever queued / completed or dropped */
+    grpc_byte_buffer *in_flight;
+    bool finish_pending, finish_started;
+    kvf_status finish_st;
 
     int close_cancelled; /* GRPC_OP_RECV_CLOSE_ON_SERVER */
     rpc_tag close_tag, write_tag, finish_tag;
@@ -102,6 +115,12 @@ static void call_unref(kvf_rpc_call *c)
         grpc_slice_unref(c->details);
     if (c->finish_bb)
         grpc_byte_buffer_destroy(c->finish_bb);
+    while (c->q_head) {
+        rpc_out *o = c->q_head;
+        c->q_head = o->next;
+        grpc_byte_buffer_destroy(o->bb);
+        free(o);
+    }
     kvf_rpc_buf_free(&c->req);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
@@ -141,12 +160,71 @@ static void on_close(rpc_tag *t, bool ok)
     call_unref(c);
 }
 
+/* Drops every queued message (the call is cancelled): they count as done. c->mu held. */
+static void drop_queue_locked(kvf_rpc_call *c)
+{
+    while (c->q_head) {
+        rpc_out *o = c->q_head;
+        c->q_head = o->next;
+        grpc_byte_buffer_destroy(o->bb);
+        free(o);
+        c->n_done++;
+    }
+    c->q_tail = NULL;
+    c->q_len = 0;
+}
+
+static void start_finish_locked(kvf_rpc_call *c);
+
+/* Starts the next queued message, or the final status once the queue is empty and the handler
+ * has finished. Never blocks (the poller calls it too). c->mu held. */
+static void pump_locked(kvf_rpc_call *c)
+{
+    if (c->in_flight)
+        return;
+    if (c->q_head && !c->cancelled) {
+        rpc_out *o = c->q_head;
+        c->q_head = o->next;
+        if (!c->q_head)
+            c->q_tail = NULL;
+        c->q_len--;
+        grpc_op ops[2];
+        memset(ops, 0, sizeof ops);
+        size_t n = 0;
+        if (!c->sent_initial_md) {
+            ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+            c->sent_initial_md = true;
+        }
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = o->bb;
+        c->in_flight = o->bb;
+        free(o);
+        c->refs++;
+        if (grpc_call_start_batch(c->call, ops, n, &c->write_tag, NULL) == GRPC_CALL_OK)
+            return;
+        kvf_log(KVF_LOG_ERROR, "rpc: %s: gRPC refused a write", c->method_name);
+        c->refs--;
+        grpc_byte_buffer_destroy(c->in_flight);
+        c->in_flight = NULL;
+        c->n_done++;
+        c->cancelled = true;
+    }
+    if (c->cancelled)
+        drop_queue_locked(c);
+    if (c->finish_pending && !c->finish_started && !c->q_head)
+        start_finish_locked(c);
+}
+
 static void on_write(rpc_tag *t, bool ok)
 {
     kvf_rpc_call *c = RPC_CONTAINER_OF(t, kvf_rpc_call, write_tag);
     pthread_mutex_lock(&c->mu);
-    c->write_done = true;
-    c->write_ok = ok;
+    grpc_byte_buffer_destroy(c->in_flight);
+    c->in_flight = NULL;
+    c->n_done++;
+    if (!ok)
+        c->cancelled = true; /* a failed send means the stream is gone */
+    pump_locked(c);
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
     call_unref(c);
@@ -185,7 +263,9 @@ void kvf_rpc_call_on_cancel(kvf_rpc_call *c, void (*fn)(void *arg), void *arg)
         fn(arg);
 }
 
-kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
+/* Queues one message; *seq_out is its number for kvf_rpc_call_write to wait on. */
+static kvf_status call_send(kvf_rpc_call *c, const void *msg, size_t len, uint64_t *seq_out,
+                            kvf_err *err)
 {
     if (!c->m || !c->m->streaming)
         return kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: write on a call that is not "
@@ -193,66 +273,101 @@ kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_
     if ((int64_t)len > c->srv->max_msg)
         return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: message of %zu bytes is over the "
                            "limit of %lld bytes", c->method_name, len, (long long)c->srv->max_msg);
-    grpc_byte_buffer *bb = rpc_bb_from(msg, len);
-    if (!bb)
+    rpc_out *o = malloc(sizeof *o);
+    grpc_byte_buffer *bb = o ? rpc_bb_from(msg, len) : NULL;
+    if (!bb) {
+        free(o);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: no memory for a message",
                            c->method_name);
-
+    }
+    kvf_status st = KVF_OK;
     pthread_mutex_lock(&c->mu);
-    while (c->writing)
+    if (c->finished)
+        st = kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: write after finish", c->method_name);
+    else if (c->cancelled)
+        st = kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled", c->method_name);
+    else if (c->q_len >= KVF_RPC_SEND_QUEUE_MAX)
+        st = kvf_err_set(err, KVF_ERR_FULL, "rpc: %s: %d messages already wait for a client that "
+                         "is not reading", c->method_name, KVF_RPC_SEND_QUEUE_MAX);
+    if (st != KVF_OK) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        free(o);
+        return st;
+    }
+    o->bb = bb;
+    o->next = NULL;
+    if (c->q_tail)
+        c->q_tail->next = o;
+    else
+        c->q_head = o;
+    c->q_tail = o;
+    c->q_len++;
+    *seq_out = ++c->n_queued;
+    pump_locked(c);
+    pthread_mutex_unlock(&c->mu);
+    return KVF_OK;
+}
+
+kvf_status kvf_rpc_call_send(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
+{
+    uint64_t seq;
+    return call_send(c, msg, len, &seq, err);
+}
+
+kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
+{
+    uint64_t seq;
+    kvf_status st = call_send(c, msg, len, &seq, err);
+    if (st != KVF_OK)
+        return st;
+    pthread_mutex_lock(&c->mu);
+    while (c->n_done < seq)
         pthread_cond_wait(&c->cv, &c->mu);
-    if (c->finished) {
-        pthread_mutex_unlock(&c->mu);
-        grpc_byte_buffer_destroy(bb);
-        return kvf_err_set(err, KVF_ERR_STATE, "rpc: %s: write after finish", c->method_name);
-    }
-    if (c->cancelled) {
-        pthread_mutex_unlock(&c->mu);
-        grpc_byte_buffer_destroy(bb);
-        return kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled", c->method_name);
-    }
-    grpc_op ops[2];
+    bool cancelled = c->cancelled;
+    pthread_mutex_unlock(&c->mu);
+    if (cancelled)
+        return kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled during a write",
+                           c->method_name);
+    return KVF_OK;
+}
+
+/* Sends the final status, after every queued message. c->mu held, queue empty. */
+static void start_finish_locked(kvf_rpc_call *c)
+{
+    grpc_op ops[3];
     memset(ops, 0, sizeof ops);
     size_t n = 0;
     if (!c->sent_initial_md) {
         ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
         c->sent_initial_md = true;
     }
-    ops[n].op = GRPC_OP_SEND_MESSAGE;
-    ops[n++].data.send_message.send_message = bb;
-    c->writing = true;
-    c->write_done = false;
+    if (c->finish_bb) {
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = c->finish_bb;
+    }
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status =
+        (grpc_status_code)kvf_status_to_grpc(c->finish_st);
+    ops[n].data.send_status_from_server.status_details = &c->details;
+    ops[n].data.send_status_from_server.trailing_metadata_count = 1;
+    ops[n++].data.send_status_from_server.trailing_metadata = &c->trailing;
+    c->finish_started = true;
     c->refs++;
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->write_tag, NULL);
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->finish_tag, NULL);
     if (e != GRPC_CALL_OK) {
         c->refs--;
-        c->writing = false;
-        pthread_cond_broadcast(&c->cv);
-        pthread_mutex_unlock(&c->mu);
-        grpc_byte_buffer_destroy(bb);
-        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: %s: gRPC refused a write (error %d)",
-                           c->method_name, (int)e);
+        kvf_log(KVF_LOG_ERROR, "rpc: %s: gRPC refused the final status (error %d)",
+                c->method_name, (int)e);
     }
-    while (!c->write_done)
-        pthread_cond_wait(&c->cv, &c->mu);
-    bool ok = c->write_ok;
-    if (!ok)
-        c->cancelled = true; /* a failed send means the stream is gone */
-    c->writing = false;
-    pthread_cond_broadcast(&c->cv);
-    pthread_mutex_unlock(&c->mu);
-    grpc_byte_buffer_destroy(bb);
-    if (!ok)
-        return kvf_err_set(err, KVF_ERR_CANCELLED, "rpc: %s: call cancelled during a write",
-                           c->method_name);
-    return KVF_OK;
 }
 
-/* Sends the status (and, for a unary call, the response) and drops the handler's reference. */
+/* Ends the call: the status (and, for a unary call, the response) goes out after the messages
+ * already queued; drops the handler's reference. Never waits for the client. */
 static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const kvf_rpc_buf *resp)
 {
     pthread_mutex_lock(&c->mu);
-    while (c->writing || c->in_cancel_cb)
+    while (c->in_cancel_cb)
         pthread_cond_wait(&c->cv, &c->mu);
     if (c->finished) {
         pthread_mutex_unlock(&c->mu);
@@ -261,42 +376,22 @@ static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const k
     }
     c->finished = true;
     c->on_cancel = NULL;
-
-    grpc_op ops[3];
-    memset(ops, 0, sizeof ops);
-    size_t n = 0;
-    if (!c->sent_initial_md) {
-        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
-        c->sent_initial_md = true;
-    }
     if (resp && st == KVF_OK) {
         c->finish_bb = rpc_bb_from(resp->data, resp->len);
         if (!c->finish_bb) {
             st = KVF_ERR_NOMEM;
             msg = "rpc: no memory for the response";
-        } else {
-            ops[n].op = GRPC_OP_SEND_MESSAGE;
-            ops[n++].data.send_message.send_message = c->finish_bb;
         }
     }
+    c->finish_st = st;
     snprintf(c->kvf_code, sizeof c->kvf_code, "%d", (int)st);
     c->trailing.key = grpc_slice_from_static_string(RPC_KVF_STATUS_KEY);
     c->trailing.value = grpc_slice_from_static_string(c->kvf_code);
     c->details = grpc_slice_from_copied_string(msg ? msg : (st == KVF_OK ? "" : kvf_status_str(st)));
     c->has_details = true;
-    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[n].data.send_status_from_server.status = (grpc_status_code)kvf_status_to_grpc(st);
-    ops[n].data.send_status_from_server.status_details = &c->details;
-    ops[n].data.send_status_from_server.trailing_metadata_count = 1;
-    ops[n++].data.send_status_from_server.trailing_metadata = &c->trailing;
-    c->refs++;
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->finish_tag, NULL);
-    if (e != GRPC_CALL_OK)
-        c->refs--;
+    c->finish_pending = true;
+    pump_locked(c);
     pthread_mutex_unlock(&c->mu);
-    if (e != GRPC_CALL_OK)
-        kvf_log(KVF_LOG_ERROR, "rpc: %s: gRPC refused the final status (error %d)",
-                c->method_name, (int)e);
     call_unref(c); /* the handler's reference */
 }
 

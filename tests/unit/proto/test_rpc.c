@@ -1,6 +1,7 @@
 /* test_rpc.c: the RPC layer on loopback with an ephemeral port: unary calls and their errors,
- * a stream of 10,000 messages, deadline expiry, a client cancel seen by the server handler,
- * server shutdown with calls in flight, malformed protobuf bytes refused, size limits. */
+ * a stream of 10,000 messages, the non-blocking send queue and its bound, deadline expiry, a
+ * client cancel seen by the server handler, server shutdown with calls in flight, malformed
+ * protobuf bytes refused, size limits. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -24,6 +25,8 @@
 #define M_BIG "/test.T/Big"
 #define M_COUNT "/test.T/Count"
 #define M_FOREVER "/test.T/Forever"
+#define M_QUEUE "/test.T/Queue"
+#define M_FLOOD "/test.T/Flood"
 
 typedef struct fixture {
     kvf_rpc_server *srv;
@@ -33,6 +36,7 @@ typedef struct fixture {
     atomic_int forever_saw_cancel, forever_cb, forever_started, forever_ended;
     atomic_int generate_ok;
     _Atomic int64_t slow_remaining_ms;
+    atomic_int flood_full, flood_sent, flood_ended;
 } fixture;
 
 /* ---- handlers ---- */
@@ -92,6 +96,42 @@ static void h_count(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t le
         }
     }
     kvf_rpc_call_finish(call, KVF_OK, NULL);
+}
+
+/* Queues n messages without waiting, finishes, and returns: the status must follow them. */
+static void h_queue(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    uint32_t n = 0;
+    if (len == 4)
+        memcpy(&n, req, 4);
+    kvf_err e;
+    for (uint32_t i = 0; i < n; i++) {
+        if (kvf_rpc_call_send(call, &i, 4, &e) != KVF_OK) {
+            kvf_rpc_call_finish(call, e.status, e.msg);
+            return;
+        }
+    }
+    kvf_rpc_call_finish(call, KVF_OK, NULL);
+}
+
+/* Sends 1 KiB messages without waiting to a client that does not read, until refused. */
+static void h_flood(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    fixture *f = ctx;
+    static const uint8_t kib[1024];
+    kvf_err e;
+    kvf_status st = KVF_OK;
+    int sent = 0;
+    for (; sent < 200000; sent++) {
+        if ((st = kvf_rpc_call_send(call, kib, sizeof kib, &e)) != KVF_OK)
+            break;
+        if (sent % 256 == 255)
+            kvf_sleep_ms(1); /* let the transport take what the client's window allows */
+    }
+    atomic_store(&f->flood_sent, sent);
+    atomic_store(&f->flood_full, st == KVF_ERR_FULL);
+    atomic_store(&f->flood_ended, 1);
+    kvf_rpc_call_finish(call, st, st == KVF_OK ? NULL : e.msg);
 }
 
 static void forever_cancel_cb(void *arg)
@@ -163,6 +203,8 @@ static int setup(void **state)
     assert_int_equal(kvf_rpc_server_add_unary(f->srv, M_BIG, h_big, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_COUNT, h_count, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FOREVER, h_forever, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_QUEUE, h_queue, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FLOOD, h_flood, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, KVF_RPC_WORKER_GENERATE, h_generate, f, &e),
                      KVF_OK);
     /* The same name twice is refused. */
@@ -317,6 +359,78 @@ static void test_stream_10000(void **state)
     assert_int_equal(kvf_rpc_stream_read(s, 0, &m, &done, &e), KVF_OK);
     assert_true(done);
     kvf_rpc_stream_destroy(s);
+}
+
+static void test_stream_send_queue(void **state)
+{
+    fixture *f = *state;
+    kvf_err e;
+    kvf_rpc_stream *s;
+    /* 1000 messages queued without waiting, then finish: all arrive, in order, then OK. */
+    uint32_t n = 1000;
+    int64_t t0 = kvf_now_ns();
+    assert_int_equal(kvf_rpc_stream_open(f->ch, M_QUEUE, &n, 4, 30000, &s, &e), KVF_OK);
+    uint32_t got = 0;
+    kvf_rpc_buf m = {0};
+    bool done = false;
+    kvf_status st;
+    while ((st = kvf_rpc_stream_read(s, 10000, &m, &done, &e)) == KVF_OK && !done) {
+        uint32_t idx;
+        assert_int_equal(m.len, 4);
+        memcpy(&idx, m.data, 4);
+        assert_int_equal(idx, got);
+        got++;
+        kvf_rpc_buf_free(&m);
+    }
+    assert_int_equal(st, KVF_OK);
+    assert_int_equal(got, n);
+    print_message("send queue: %u messages in %.1f ms\n", n, (double)(kvf_now_ns() - t0) / 1e6);
+    kvf_rpc_stream_destroy(s);
+
+    /* A client that does not read: the queue fills and send says FULL instead of growing. */
+    assert_int_equal(kvf_rpc_stream_open(f->ch, M_FLOOD, "", 0, 30000, &s, &e), KVF_OK);
+    for (int i = 0; i < 2000 && !atomic_load(&f->flood_ended); i++)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&f->flood_ended), 1);
+    assert_int_equal(atomic_load(&f->flood_full), 1);
+    print_message("send queue: FULL after %d KiB unread\n", atomic_load(&f->flood_sent));
+    /* What was queued before the refusal still arrives, then the handler's FULL status. */
+    int msgs = 0;
+    while ((st = kvf_rpc_stream_read(s, 10000, &m, &done, &e)) == KVF_OK && !done) {
+        kvf_rpc_buf_free(&m);
+        msgs++;
+    }
+    assert_int_equal(st, KVF_ERR_FULL);
+    assert_int_equal(msgs, atomic_load(&f->flood_sent));
+    kvf_rpc_stream_destroy(s);
+}
+
+static void test_unary_through_a_stream(void **state)
+{
+    fixture *f = *state;
+    kvf_err e;
+    kvf_rpc_stream *s;
+    kvf_rpc_buf m = {0};
+    bool done = false;
+    /* A unary method read as a stream: one message, then the end. */
+    assert_int_equal(kvf_rpc_stream_open(f->ch, M_ECHO, "ab", 2, 5000, &s, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_stream_read(s, 5000, &m, &done, &e), KVF_OK);
+    assert_false(done);
+    assert_memory_equal(m.data, "ba", 2);
+    kvf_rpc_buf_free(&m);
+    assert_int_equal(kvf_rpc_stream_read(s, 5000, &m, &done, &e), KVF_OK);
+    assert_true(done);
+    kvf_rpc_stream_destroy(s);
+    /* ... which makes it cancellable: the server's handler sees the cancel. */
+    assert_int_equal(kvf_rpc_stream_open(f->ch, M_SLOW, "x", 1, 30000, &s, &e), KVF_OK);
+    kvf_sleep_ms(100);
+    kvf_rpc_stream_cancel(s);
+    assert_int_equal(kvf_rpc_stream_read(s, 5000, &m, &done, &e), KVF_ERR_CANCELLED);
+    assert_true(done);
+    kvf_rpc_stream_destroy(s);
+    for (int i = 0; i < 500 && !atomic_load(&f->slow_saw_cancel); i++)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&f->slow_saw_cancel), 1);
 }
 
 static void test_deadline(void **state)
@@ -582,6 +696,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_unary_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unary_async, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stream_10000, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_send_queue, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unary_through_a_stream, setup, teardown),
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_read_timeout_is_not_the_end, setup, teardown),
         cmocka_unit_test_setup_teardown(test_client_cancel, setup, teardown),
