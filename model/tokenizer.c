@@ -14,7 +14,7 @@
 #include "common/log.h"
 #include "model/tokenizer_internal.h"
 
-const char kvf_tok_gpt2_regex[] =
+const char kvf_model_tok_gpt2_regex[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 /* ---- UTF-8 and the byte map ---- */
@@ -24,7 +24,7 @@ static int byte_is_printable(int b)
     return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
 }
 
-uint32_t kvf_tok_byte_to_cp(uint8_t b)
+uint32_t kvf_model_tok_byte_to_cp(uint8_t b)
 {
     if (byte_is_printable(b))
         return b;
@@ -32,7 +32,7 @@ uint32_t kvf_tok_byte_to_cp(uint8_t b)
     return b <= 32 ? 256u + b : b <= 160 ? 256u + 33 + (b - 127u) : 256u + 67;
 }
 
-int kvf_tok_cp_to_byte(uint32_t cp)
+int kvf_model_tok_cp_to_byte(uint32_t cp)
 {
     if (cp < 256)
         return byte_is_printable((int)cp) ? (int)cp : -1;
@@ -45,7 +45,7 @@ int kvf_tok_cp_to_byte(uint32_t cp)
     return k == 67 ? 173 : -1;
 }
 
-size_t kvf_tok_utf8_put(uint32_t cp, char *out)
+size_t kvf_model_tok_utf8_put(uint32_t cp, char *out)
 {
     if (cp < 0x80) {
         out[0] = (char)cp;
@@ -69,7 +69,7 @@ size_t kvf_tok_utf8_put(uint32_t cp, char *out)
     return 4;
 }
 
-size_t kvf_tok_utf8_len(const uint8_t *s, size_t n)
+size_t kvf_model_tok_utf8_len(const uint8_t *s, size_t n)
 {
     if (n == 0)
         return 0;
@@ -112,7 +112,7 @@ static size_t pow2_at_least(size_t n)
     return c;
 }
 
-kvf_status kvf_tok_strmap_init(kvf_tok_strmap *m, size_t expect)
+kvf_status kvf_model_tok_strmap_init(kvf_model_tok_strmap *m, size_t expect)
 {
     m->cap = pow2_at_least(expect);
     m->n = 0;
@@ -123,7 +123,7 @@ kvf_status kvf_tok_strmap_init(kvf_tok_strmap *m, size_t expect)
     return KVF_OK;
 }
 
-void kvf_tok_strmap_fini(kvf_tok_strmap *m)
+void kvf_model_tok_strmap_fini(kvf_model_tok_strmap *m)
 {
     free(m->slots);
     m->slots = NULL;
@@ -145,7 +145,7 @@ static const char *added_key(const kvf_model_tokenizer *tok, int32_t i, size_t *
 typedef const char *(*key_fn)(const kvf_model_tokenizer *, int32_t, size_t *);
 
 /* The slot holding s, or the empty slot where it would go. */
-static size_t strmap_slot(const kvf_model_tokenizer *tok, const kvf_tok_strmap *m, key_fn key,
+static size_t strmap_slot(const kvf_model_tokenizer *tok, const kvf_model_tok_strmap *m, key_fn key,
                           const char *s, size_t len)
 {
     size_t mask = m->cap - 1;
@@ -162,14 +162,14 @@ static size_t strmap_slot(const kvf_model_tokenizer *tok, const kvf_tok_strmap *
     }
 }
 
-int32_t kvf_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
+int32_t kvf_model_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
 {
     if (!tok->vocab.slots)
         return -1;
     return tok->vocab.slots[strmap_slot(tok, &tok->vocab, vocab_key, s, len)];
 }
 
-int32_t kvf_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
+int32_t kvf_model_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
 {
     if (!tok->added_map.slots)
         return -1;
@@ -187,7 +187,7 @@ static uint64_t merge_hash(uint64_t key)
     return key;
 }
 
-const kvf_tok_merge *kvf_tok_merge_find(const kvf_tok_mergemap *m, int32_t a, int32_t b)
+const kvf_model_tok_merge *kvf_model_tok_merge_find(const kvf_model_tok_mergemap *m, int32_t a, int32_t b)
 {
     if (!m->slots)
         return NULL;
@@ -221,12 +221,12 @@ static kvf_status fail(load_ctx *c, kvf_status st, const char *fmt, ...)
     return kvf_err_set(c->err, st, "tokenizer: %s: %s", c->what, msg);
 }
 
-static bool jint(const kvf_tok_jv *v) { return v && v->type == KVF_TOK_JNUM && v->is_int; }
+static bool jint(const kvf_model_tok_jv *v) { return v && v->type == KVF_MODEL_TOK_JNUM && v->is_int; }
 
-static const char *jstr(const kvf_tok_jv *o, const char *key)
+static const char *jstr(const kvf_model_tok_jv *o, const char *key)
 {
-    const kvf_tok_jv *v = kvf_tok_jget(o, key);
-    return kvf_tok_jis(v, KVF_TOK_JSTR) ? kvf_tok_jstr(v) : NULL;
+    const kvf_model_tok_jv *v = kvf_model_tok_jget(o, key);
+    return kvf_model_tok_jis(v, KVF_MODEL_TOK_JSTR) ? kvf_model_tok_jstr(v) : NULL;
 }
 
 static char *dup_bytes(const char *s, size_t n)
@@ -241,9 +241,9 @@ static char *dup_bytes(const char *s, size_t n)
 
 static kvf_status check_id(load_ctx *c, const char *where, int64_t id)
 {
-    if (id < 0 || id >= KVF_TOK_MAX_ID)
+    if (id < 0 || id >= KVF_MODEL_TOK_MAX_ID)
         return fail(c, KVF_ERR_INVALID, "%s: id %lld is out of range (0..%d)", where,
-                    (long long)id, KVF_TOK_MAX_ID - 1);
+                    (long long)id, KVF_MODEL_TOK_MAX_ID - 1);
     return KVF_OK;
 }
 
@@ -273,19 +273,19 @@ static kvf_status grow_ids(load_ctx *c, int32_t n_ids)
     return KVF_OK;
 }
 
-static kvf_status load_vocab(load_ctx *c, const kvf_tok_jv *vocab)
+static kvf_status load_vocab(load_ctx *c, const kvf_model_tok_jv *vocab)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!kvf_tok_jis(vocab, KVF_TOK_JOBJ))
+    if (!kvf_model_tok_jis(vocab, KVF_MODEL_TOK_JOBJ))
         return fail(c, KVF_ERR_INVALID, "\"model.vocab\" is %s, expected an object",
-                    kvf_tok_jkind(vocab));
-    size_t n = kvf_tok_jsize(vocab);
+                    kvf_model_tok_jkind(vocab));
+    size_t n = kvf_model_tok_jsize(vocab);
     int64_t max_id = -1;
-    for (const kvf_tok_jv *k = kvf_tok_jfirst(vocab); k; k = kvf_tok_jnext(kvf_tok_jnext(k))) {
-        const kvf_tok_jv *v = kvf_tok_jnext(k);
+    for (const kvf_model_tok_jv *k = kvf_model_tok_jfirst(vocab); k; k = kvf_model_tok_jnext(kvf_model_tok_jnext(k))) {
+        const kvf_model_tok_jv *v = kvf_model_tok_jnext(k);
         if (!jint(v))
             return fail(c, KVF_ERR_INVALID, "\"model.vocab\": \"%.64s\" maps to %s, expected an integer id",
-                        k->s, kvf_tok_jkind(v));
+                        k->s, kvf_model_tok_jkind(v));
         kvf_status st = check_id(c, "model.vocab", v->i);
         if (st != KVF_OK)
             return st;
@@ -295,12 +295,12 @@ static kvf_status load_vocab(load_ctx *c, const kvf_tok_jv *vocab)
     kvf_status st = grow_ids(c, (int32_t)(max_id + 1));
     if (st != KVF_OK)
         return st;
-    if (kvf_tok_strmap_init(&t->vocab, n) != KVF_OK || kvf_sbuf_reserve(&t->strs, n * 8) != KVF_OK)
+    if (kvf_model_tok_strmap_init(&t->vocab, n) != KVF_OK || kvf_sbuf_reserve(&t->strs, n * 8) != KVF_OK)
         return fail(c, KVF_ERR_NOMEM, "out of memory for %zu vocabulary entries", n);
-    for (const kvf_tok_jv *k = kvf_tok_jfirst(vocab); k; k = kvf_tok_jnext(kvf_tok_jnext(k))) {
+    for (const kvf_model_tok_jv *k = kvf_model_tok_jfirst(vocab); k; k = kvf_model_tok_jnext(kvf_model_tok_jnext(k))) {
         const char *key = k->s;
         size_t klen = k->len;
-        int32_t id = (int32_t)kvf_tok_jnext(k)->i;
+        int32_t id = (int32_t)kvf_model_tok_jnext(k)->i;
         if (t->str_len[id] >= 0)
             return fail(c, KVF_ERR_INVALID, "\"model.vocab\": id %d is given to both \"%.64s\" and \"%.64s\"",
                         id, t->strs.data + t->str_off[id], key);
@@ -327,7 +327,7 @@ static kvf_status merges_insert(load_ctx *c, size_t rank, const char *a, size_t 
                                 const char *b, size_t b_len)
 {
     kvf_model_tokenizer *t = c->tok;
-    int32_t ia = kvf_tok_vocab_find(t, a, a_len), ib = kvf_tok_vocab_find(t, b, b_len);
+    int32_t ia = kvf_model_tok_vocab_find(t, a, a_len), ib = kvf_model_tok_vocab_find(t, b, b_len);
     if (ia < 0 || ib < 0)
         return fail(c, KVF_ERR_INVALID, "\"model.merges\"[%zu]: \"%.*s\" is not in the vocabulary",
                     rank, clip(ia < 0 ? a_len : b_len), ia < 0 ? a : b);
@@ -337,7 +337,7 @@ static kvf_status merges_insert(load_ctx *c, size_t rank, const char *a, size_t 
         return fail(c, KVF_ERR_NOMEM, "out of memory");
     memcpy(cat, a, a_len);
     memcpy(cat + a_len, b, b_len);
-    int32_t id = kvf_tok_vocab_find(t, cat, a_len + b_len);
+    int32_t id = kvf_model_tok_vocab_find(t, cat, a_len + b_len);
     if (cat != stack)
         free(cat);
     if (id < 0)
@@ -346,7 +346,7 @@ static kvf_status merges_insert(load_ctx *c, size_t rank, const char *a, size_t 
     uint64_t key = ((uint64_t)(uint32_t)ia << 32) | (uint32_t)ib;
     size_t mask = t->merges.cap - 1;
     for (size_t i = (size_t)merge_hash(key) & mask;; i = (i + 1) & mask) {
-        kvf_tok_merge *m = &t->merges.slots[i];
+        kvf_model_tok_merge *m = &t->merges.slots[i];
         if (m->key == key)
             return KVF_OK; /* a repeated merge keeps its first (best) rank */
         if (m->key == UINT64_MAX) {
@@ -359,14 +359,14 @@ static kvf_status merges_insert(load_ctx *c, size_t rank, const char *a, size_t 
     }
 }
 
-static kvf_status load_merges(load_ctx *c, const kvf_tok_jv *merges)
+static kvf_status load_merges(load_ctx *c, const kvf_model_tok_jv *merges)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!merges || kvf_tok_jis(merges, KVF_TOK_JNULL))
+    if (!merges || kvf_model_tok_jis(merges, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
-    if (!kvf_tok_jis(merges, KVF_TOK_JARR))
-        return fail(c, KVF_ERR_INVALID, "\"model.merges\" is %s, expected an array", kvf_tok_jkind(merges));
-    size_t n = kvf_tok_jsize(merges);
+    if (!kvf_model_tok_jis(merges, KVF_MODEL_TOK_JARR))
+        return fail(c, KVF_ERR_INVALID, "\"model.merges\" is %s, expected an array", kvf_model_tok_jkind(merges));
+    size_t n = kvf_model_tok_jsize(merges);
     if (n >= (size_t)INT32_MAX)
         return fail(c, KVF_ERR_LIMIT, "\"model.merges\" has %zu entries", n);
     t->merges.cap = pow2_at_least(n);
@@ -375,25 +375,25 @@ static kvf_status load_merges(load_ctx *c, const kvf_tok_jv *merges)
         return fail(c, KVF_ERR_NOMEM, "out of memory for %zu merges", n);
     for (size_t i = 0; i < t->merges.cap; i++)
         t->merges.slots[i].key = UINT64_MAX;
-    const kvf_tok_jv *m = kvf_tok_jfirst(merges);
-    for (size_t i = 0; i < n; i++, m = kvf_tok_jnext(m)) {
+    const kvf_model_tok_jv *m = kvf_model_tok_jfirst(merges);
+    for (size_t i = 0; i < n; i++, m = kvf_model_tok_jnext(m)) {
         kvf_status st;
-        if (kvf_tok_jis(m, KVF_TOK_JSTR)) { /* "a b": the older format */
-            const char *s = kvf_tok_jstr(m);
+        if (kvf_model_tok_jis(m, KVF_MODEL_TOK_JSTR)) { /* "a b": the older format */
+            const char *s = kvf_model_tok_jstr(m);
             size_t len = (size_t)(m)->len;
             const char *sp = memchr(s, ' ', len);
             if (!sp || memchr(sp + 1, ' ', len - (size_t)(sp + 1 - s)))
                 return fail(c, KVF_ERR_INVALID, "\"model.merges\"[%zu] is \"%.64s\", expected two tokens separated by one space",
                             i, s);
             st = merges_insert(c, i, s, (size_t)(sp - s), sp + 1, len - (size_t)(sp + 1 - s));
-        } else if (kvf_tok_jis(m, KVF_TOK_JARR) && kvf_tok_jsize(m) == 2 && kvf_tok_jis(kvf_tok_jat(m, 0), KVF_TOK_JSTR) &&
-                   kvf_tok_jis(kvf_tok_jat(m, 1), KVF_TOK_JSTR)) {
-            const kvf_tok_jv *a = kvf_tok_jat(m, 0), *b = kvf_tok_jat(m, 1);
-            st = merges_insert(c, i, kvf_tok_jstr(a), (size_t)(a)->len, kvf_tok_jstr(b),
+        } else if (kvf_model_tok_jis(m, KVF_MODEL_TOK_JARR) && kvf_model_tok_jsize(m) == 2 && kvf_model_tok_jis(kvf_model_tok_jat(m, 0), KVF_MODEL_TOK_JSTR) &&
+                   kvf_model_tok_jis(kvf_model_tok_jat(m, 1), KVF_MODEL_TOK_JSTR)) {
+            const kvf_model_tok_jv *a = kvf_model_tok_jat(m, 0), *b = kvf_model_tok_jat(m, 1);
+            st = merges_insert(c, i, kvf_model_tok_jstr(a), (size_t)(a)->len, kvf_model_tok_jstr(b),
                                (size_t)(b)->len);
         } else {
             return fail(c, KVF_ERR_INVALID, "\"model.merges\"[%zu] is %s, expected \"a b\" or [\"a\", \"b\"]",
-                        i, kvf_tok_jkind(m));
+                        i, kvf_model_tok_jkind(m));
         }
         if (st != KVF_OK)
             return st;
@@ -401,36 +401,36 @@ static kvf_status load_merges(load_ctx *c, const kvf_tok_jv *merges)
     return KVF_OK;
 }
 
-static kvf_status load_model(load_ctx *c, const kvf_tok_jv *model)
+static kvf_status load_model(load_ctx *c, const kvf_model_tok_jv *model)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!kvf_tok_jis(model, KVF_TOK_JOBJ))
-        return fail(c, KVF_ERR_INVALID, "\"model\" is %s, expected an object", kvf_tok_jkind(model));
+    if (!kvf_model_tok_jis(model, KVF_MODEL_TOK_JOBJ))
+        return fail(c, KVF_ERR_INVALID, "\"model\" is %s, expected an object", kvf_model_tok_jkind(model));
     const char *type = jstr(model, "type");
     if (type && strcmp(type, "BPE") != 0)
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model.type\" is \"%s\" (only \"BPE\" is supported)", type);
-    if (!type && !kvf_tok_jget(model, "merges"))
+    if (!type && !kvf_model_tok_jget(model, "merges"))
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model\" has no \"type\" and no \"merges\" (only BPE is supported)");
     const char *pre = jstr(model, "continuing_subword_prefix"), *suf = jstr(model, "end_of_word_suffix");
     if ((pre && *pre) || (suf && *suf))
         return fail(c, KVF_ERR_UNSUPPORTED, "\"model.continuing_subword_prefix\"/\"end_of_word_suffix\" (\"%s\"/\"%s\") are not supported",
                     pre ? pre : "", suf ? suf : "");
-    const kvf_tok_jv *dropout = kvf_tok_jget(model, "dropout");
-    if (kvf_tok_jis(dropout, KVF_TOK_JNUM) && (dropout)->d > 0)
+    const kvf_model_tok_jv *dropout = kvf_model_tok_jget(model, "dropout");
+    if (kvf_model_tok_jis(dropout, KVF_MODEL_TOK_JNUM) && (dropout)->d > 0)
         kvf_log(KVF_LOG_WARN, "model: tokenizer: %s: BPE dropout %g ignored (encoding is deterministic)",
                 c->what, (dropout)->d);
-    kvf_status st = load_vocab(c, kvf_tok_jget(model, "vocab"));
+    kvf_status st = load_vocab(c, kvf_model_tok_jget(model, "vocab"));
     if (st != KVF_OK)
         return st;
-    if ((st = load_merges(c, kvf_tok_jget(model, "merges"))) != KVF_OK)
+    if ((st = load_merges(c, kvf_model_tok_jget(model, "merges"))) != KVF_OK)
         return st;
-    t->byte_fallback = kvf_tok_jtrue(kvf_tok_jget(model, "byte_fallback"));
-    t->fuse_unk = kvf_tok_jtrue(kvf_tok_jget(model, "fuse_unk"));
-    t->ignore_merges = kvf_tok_jtrue(kvf_tok_jget(model, "ignore_merges"));
+    t->byte_fallback = kvf_model_tok_jtrue(kvf_model_tok_jget(model, "byte_fallback"));
+    t->fuse_unk = kvf_model_tok_jtrue(kvf_model_tok_jget(model, "fuse_unk"));
+    t->ignore_merges = kvf_model_tok_jtrue(kvf_model_tok_jget(model, "ignore_merges"));
     const char *unk = jstr(model, "unk_token");
     t->unk_id = -1;
     if (unk) {
-        t->unk_id = kvf_tok_vocab_find(t, unk, strlen(unk));
+        t->unk_id = kvf_model_tok_vocab_find(t, unk, strlen(unk));
         if (t->unk_id < 0)
             return fail(c, KVF_ERR_INVALID, "\"model.unk_token\" \"%.64s\" is not in the vocabulary", unk);
     }
@@ -439,49 +439,49 @@ static kvf_status load_model(load_ctx *c, const kvf_tok_jv *model)
 
 static int cmp_added(const void *a, const void *b)
 {
-    const kvf_tok_added *x = a, *y = b;
+    const kvf_model_tok_added *x = a, *y = b;
     if (x->len != y->len)
         return x->len > y->len ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-static kvf_status load_added(load_ctx *c, const kvf_tok_jv *arr)
+static kvf_status load_added(load_ctx *c, const kvf_model_tok_jv *arr)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!arr || kvf_tok_jis(arr, KVF_TOK_JNULL))
+    if (!arr || kvf_model_tok_jis(arr, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
-    if (!kvf_tok_jis(arr, KVF_TOK_JARR))
-        return fail(c, KVF_ERR_INVALID, "\"added_tokens\" is %s, expected an array", kvf_tok_jkind(arr));
-    size_t n = kvf_tok_jsize(arr);
+    if (!kvf_model_tok_jis(arr, KVF_MODEL_TOK_JARR))
+        return fail(c, KVF_ERR_INVALID, "\"added_tokens\" is %s, expected an array", kvf_model_tok_jkind(arr));
+    size_t n = kvf_model_tok_jsize(arr);
     t->added = calloc(n ? n : 1, sizeof *t->added);
     if (!t->added)
         return fail(c, KVF_ERR_NOMEM, "out of memory");
-    const kvf_tok_jv *a = kvf_tok_jfirst(arr);
-    for (size_t i = 0; i < n; i++, a = kvf_tok_jnext(a)) {
-        const kvf_tok_jv *id = kvf_tok_jget(a, "id"), *content = kvf_tok_jget(a, "content");
-        if (!jint(id) || !kvf_tok_jis(content, KVF_TOK_JSTR) || (size_t)(content)->len == 0)
+    const kvf_model_tok_jv *a = kvf_model_tok_jfirst(arr);
+    for (size_t i = 0; i < n; i++, a = kvf_model_tok_jnext(a)) {
+        const kvf_model_tok_jv *id = kvf_model_tok_jget(a, "id"), *content = kvf_model_tok_jget(a, "content");
+        if (!jint(id) || !kvf_model_tok_jis(content, KVF_MODEL_TOK_JSTR) || (size_t)(content)->len == 0)
             return fail(c, KVF_ERR_INVALID, "\"added_tokens\"[%zu] needs an integer \"id\" and a non-empty string \"content\"", i);
         kvf_status st = check_id(c, "added_tokens", (id)->i);
         if (st != KVF_OK)
             return st;
-        kvf_tok_added *d = &t->added[t->n_added++];
+        kvf_model_tok_added *d = &t->added[t->n_added++];
         d->id = (int32_t)(id)->i;
         d->len = (size_t)(content)->len;
-        d->content = dup_bytes(kvf_tok_jstr(content), d->len);
-        d->special = kvf_tok_jtrue(kvf_tok_jget(a, "special"));
+        d->content = dup_bytes(kvf_model_tok_jstr(content), d->len);
+        d->special = kvf_model_tok_jtrue(kvf_model_tok_jget(a, "special"));
         if (!d->content)
             return fail(c, KVF_ERR_NOMEM, "out of memory");
         if ((st = grow_ids(c, d->id + 1)) != KVF_OK)
             return st;
     }
     qsort(t->added, t->n_added, sizeof *t->added, cmp_added);
-    if (kvf_tok_strmap_init(&t->added_map, t->n_added) != KVF_OK)
+    if (kvf_model_tok_strmap_init(&t->added_map, t->n_added) != KVF_OK)
         return fail(c, KVF_ERR_NOMEM, "out of memory");
     for (size_t i = 0; i < t->n_added; i++) {
-        kvf_tok_added *d = &t->added[i];
+        kvf_model_tok_added *d = &t->added[i];
         size_t slot = strmap_slot(t, &t->added_map, added_key, d->content, d->len);
         if (t->added_map.slots[slot] >= 0) {
-            kvf_tok_added *o = &t->added[t->added_map.slots[slot]];
+            kvf_model_tok_added *o = &t->added[t->added_map.slots[slot]];
             if (o->id != d->id)
                 return fail(c, KVF_ERR_INVALID, "\"added_tokens\": \"%.64s\" has two ids, %d and %d",
                             d->content, o->id, d->id);
@@ -505,10 +505,10 @@ static kvf_status load_added(load_ctx *c, const kvf_tok_jv *arr)
 
 /* ---- normalizer ---- */
 
-static kvf_status add_norm(load_ctx *c, kvf_tok_norm n)
+static kvf_status add_norm(load_ctx *c, kvf_model_tok_norm n)
 {
     kvf_model_tokenizer *t = c->tok;
-    kvf_tok_norm *p = realloc(t->norms, (t->n_norms + 1) * sizeof *p);
+    kvf_model_tok_norm *p = realloc(t->norms, (t->n_norms + 1) * sizeof *p);
     if (!p) {
         free(n.a);
         free(n.b);
@@ -519,21 +519,21 @@ static kvf_status add_norm(load_ctx *c, kvf_tok_norm n)
     return KVF_OK;
 }
 
-static kvf_status load_normalizer(load_ctx *c, const kvf_tok_jv *n, int depth)
+static kvf_status load_normalizer(load_ctx *c, const kvf_model_tok_jv *n, int depth)
 {
-    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
+    if (!n || kvf_model_tok_jis(n, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
         return fail(c, KVF_ERR_INVALID, "\"normalizer\" has no string \"type\"");
     if (depth > 8)
         return fail(c, KVF_ERR_LIMIT, "\"normalizer\" nests Sequences more than 8 deep");
-    kvf_tok_norm d = {0};
+    kvf_model_tok_norm d = {0};
     if (strcmp(type, "Sequence") == 0) {
-        const kvf_tok_jv *list = kvf_tok_jget(n, "normalizers");
-        if (!kvf_tok_jis(list, KVF_TOK_JARR))
+        const kvf_model_tok_jv *list = kvf_model_tok_jget(n, "normalizers");
+        if (!kvf_model_tok_jis(list, KVF_MODEL_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Sequence needs a \"normalizers\" array");
-        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e)) {
+        for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(list); e; e = kvf_model_tok_jnext(e)) {
             kvf_status st = load_normalizer(c, e, depth + 1);
             if (st != KVF_OK)
                 return st;
@@ -541,41 +541,41 @@ static kvf_status load_normalizer(load_ctx *c, const kvf_tok_jv *n, int depth)
         return KVF_OK;
     }
     if (strcmp(type, "NFC") == 0)
-        d.kind = KVF_TOK_NORM_NFC;
+        d.kind = KVF_MODEL_TOK_NORM_NFC;
     else if (strcmp(type, "NFD") == 0)
-        d.kind = KVF_TOK_NORM_NFD;
+        d.kind = KVF_MODEL_TOK_NORM_NFD;
     else if (strcmp(type, "NFKC") == 0)
-        d.kind = KVF_TOK_NORM_NFKC;
+        d.kind = KVF_MODEL_TOK_NORM_NFKC;
     else if (strcmp(type, "NFKD") == 0)
-        d.kind = KVF_TOK_NORM_NFKD;
+        d.kind = KVF_MODEL_TOK_NORM_NFKD;
     else if (strcmp(type, "Lowercase") == 0)
-        d.kind = KVF_TOK_NORM_LOWERCASE;
+        d.kind = KVF_MODEL_TOK_NORM_LOWERCASE;
     else if (strcmp(type, "Prepend") == 0) {
-        const kvf_tok_jv *p = kvf_tok_jget(n, "prepend");
-        if (!kvf_tok_jis(p, KVF_TOK_JSTR))
+        const kvf_model_tok_jv *p = kvf_model_tok_jget(n, "prepend");
+        if (!kvf_model_tok_jis(p, KVF_MODEL_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Prepend needs a string \"prepend\"");
-        d.kind = KVF_TOK_NORM_PREPEND;
+        d.kind = KVF_MODEL_TOK_NORM_PREPEND;
         d.a_len = (size_t)(p)->len;
-        d.a = dup_bytes(kvf_tok_jstr(p), d.a_len);
+        d.a = dup_bytes(kvf_model_tok_jstr(p), d.a_len);
     } else if (strcmp(type, "Replace") == 0) {
-        const kvf_tok_jv *pat = kvf_tok_jget(kvf_tok_jget(n, "pattern"), "String");
-        const kvf_tok_jv *content = kvf_tok_jget(n, "content");
-        if (kvf_tok_jget(kvf_tok_jget(n, "pattern"), "Regex"))
+        const kvf_model_tok_jv *pat = kvf_model_tok_jget(kvf_model_tok_jget(n, "pattern"), "String");
+        const kvf_model_tok_jv *content = kvf_model_tok_jget(n, "content");
+        if (kvf_model_tok_jget(kvf_model_tok_jget(n, "pattern"), "Regex"))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"normalizer\" Replace with a Regex pattern is not supported (only String)");
-        if (!kvf_tok_jis(pat, KVF_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_tok_jis(content, KVF_TOK_JSTR))
+        if (!kvf_model_tok_jis(pat, KVF_MODEL_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_model_tok_jis(content, KVF_MODEL_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"normalizer\" Replace needs {\"pattern\": {\"String\": non-empty}, \"content\": string}");
-        d.kind = KVF_TOK_NORM_REPLACE;
+        d.kind = KVF_MODEL_TOK_NORM_REPLACE;
         d.a_len = (size_t)(pat)->len;
-        d.a = dup_bytes(kvf_tok_jstr(pat), d.a_len);
+        d.a = dup_bytes(kvf_model_tok_jstr(pat), d.a_len);
         d.b_len = (size_t)(content)->len;
-        d.b = dup_bytes(kvf_tok_jstr(content), d.b_len);
+        d.b = dup_bytes(kvf_model_tok_jstr(content), d.b_len);
     } else {
         return fail(c, KVF_ERR_UNSUPPORTED,
                     "normalizer \"%.64s\" is not supported (NFC, NFD, NFKC, NFKD, Lowercase, Prepend, Replace, Sequence)",
                     type);
     }
-    if ((d.kind == KVF_TOK_NORM_PREPEND || d.kind == KVF_TOK_NORM_REPLACE) &&
-        (!d.a || (d.kind == KVF_TOK_NORM_REPLACE && !d.b))) {
+    if ((d.kind == KVF_MODEL_TOK_NORM_PREPEND || d.kind == KVF_MODEL_TOK_NORM_REPLACE) &&
+        (!d.a || (d.kind == KVF_MODEL_TOK_NORM_REPLACE && !d.b))) {
         free(d.a);
         free(d.b);
         return fail(c, KVF_ERR_NOMEM, "out of memory");
@@ -602,10 +602,10 @@ static kvf_status compile_re(load_ctx *c, const char *pat, size_t len, bool lite
     return KVF_OK;
 }
 
-static kvf_status add_pre(load_ctx *c, kvf_tok_pre p)
+static kvf_status add_pre(load_ctx *c, kvf_model_tok_pre p)
 {
     kvf_model_tokenizer *t = c->tok;
-    kvf_tok_pre *a = realloc(t->pres, (t->n_pres + 1) * sizeof *a);
+    kvf_model_tok_pre *a = realloc(t->pres, (t->n_pres + 1) * sizeof *a);
     if (!a) {
         pcre2_code_free(p.re);
         free(p.repl);
@@ -616,81 +616,81 @@ static kvf_status add_pre(load_ctx *c, kvf_tok_pre p)
     return KVF_OK;
 }
 
-static kvf_status parse_prepend_scheme(load_ctx *c, const kvf_tok_jv *n, kvf_tok_prepend *out)
+static kvf_status parse_prepend_scheme(load_ctx *c, const kvf_model_tok_jv *n, kvf_model_tok_prepend *out)
 {
     const char *s = jstr(n, "prepend_scheme");
     if (s) {
         if (strcmp(s, "always") == 0)
-            *out = KVF_TOK_PREPEND_ALWAYS;
+            *out = KVF_MODEL_TOK_PREPEND_ALWAYS;
         else if (strcmp(s, "first") == 0)
-            *out = KVF_TOK_PREPEND_FIRST;
+            *out = KVF_MODEL_TOK_PREPEND_FIRST;
         else if (strcmp(s, "never") == 0)
-            *out = KVF_TOK_PREPEND_NEVER;
+            *out = KVF_MODEL_TOK_PREPEND_NEVER;
         else
             return fail(c, KVF_ERR_INVALID, "Metaspace \"prepend_scheme\" is \"%.32s\" (use always, first or never)", s);
         return KVF_OK;
     }
-    const kvf_tok_jv *aps = kvf_tok_jget(n, "add_prefix_space"); /* the older spelling */
-    *out = (!aps || kvf_tok_jtrue(aps)) ? KVF_TOK_PREPEND_ALWAYS : KVF_TOK_PREPEND_NEVER;
+    const kvf_model_tok_jv *aps = kvf_model_tok_jget(n, "add_prefix_space"); /* the older spelling */
+    *out = (!aps || kvf_model_tok_jtrue(aps)) ? KVF_MODEL_TOK_PREPEND_ALWAYS : KVF_MODEL_TOK_PREPEND_NEVER;
     return KVF_OK;
 }
 
-static kvf_status load_pre(load_ctx *c, const kvf_tok_jv *n, int depth)
+static kvf_status load_pre(load_ctx *c, const kvf_model_tok_jv *n, int depth)
 {
-    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
+    if (!n || kvf_model_tok_jis(n, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
         return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" has no string \"type\"");
     if (depth > 8)
         return fail(c, KVF_ERR_LIMIT, "\"pre_tokenizer\" nests Sequences more than 8 deep");
-    kvf_tok_pre p = {0};
+    kvf_model_tok_pre p = {0};
     kvf_status st;
     if (strcmp(type, "Sequence") == 0) {
-        const kvf_tok_jv *list = kvf_tok_jget(n, "pretokenizers");
-        if (!kvf_tok_jis(list, KVF_TOK_JARR))
+        const kvf_model_tok_jv *list = kvf_model_tok_jget(n, "pretokenizers");
+        if (!kvf_model_tok_jis(list, KVF_MODEL_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Sequence needs a \"pretokenizers\" array");
-        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e))
+        for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(list); e; e = kvf_model_tok_jnext(e))
             if ((st = load_pre(c, e, depth + 1)) != KVF_OK)
                 return st;
         return KVF_OK;
     }
     if (strcmp(type, "Split") == 0) {
-        const kvf_tok_jv *pat = kvf_tok_jget(n, "pattern");
-        const kvf_tok_jv *re = kvf_tok_jget(pat, "Regex"), *lit = kvf_tok_jget(pat, "String");
+        const kvf_model_tok_jv *pat = kvf_model_tok_jget(n, "pattern");
+        const kvf_model_tok_jv *re = kvf_model_tok_jget(pat, "Regex"), *lit = kvf_model_tok_jget(pat, "String");
         const char *beh = jstr(n, "behavior");
-        if (!kvf_tok_jis(re, KVF_TOK_JSTR) && !kvf_tok_jis(lit, KVF_TOK_JSTR))
+        if (!kvf_model_tok_jis(re, KVF_MODEL_TOK_JSTR) && !kvf_model_tok_jis(lit, KVF_MODEL_TOK_JSTR))
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Split needs \"pattern\": {\"Regex\": ...} or {\"String\": ...}");
-        if (kvf_tok_jtrue(kvf_tok_jget(n, "invert")))
+        if (kvf_model_tok_jtrue(kvf_model_tok_jget(n, "invert")))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"pre_tokenizer\" Split with \"invert\": true is not supported");
-        p.kind = KVF_TOK_PRE_SPLIT;
+        p.kind = KVF_MODEL_TOK_PRE_SPLIT;
         if (!beh || strcmp(beh, "Isolated") == 0)
-            p.behavior = KVF_TOK_SPLIT_ISOLATED;
+            p.behavior = KVF_MODEL_TOK_SPLIT_ISOLATED;
         else if (strcmp(beh, "Removed") == 0)
-            p.behavior = KVF_TOK_SPLIT_REMOVED;
+            p.behavior = KVF_MODEL_TOK_SPLIT_REMOVED;
         else if (strcmp(beh, "MergedWithPrevious") == 0)
-            p.behavior = KVF_TOK_SPLIT_MERGED_PREV;
+            p.behavior = KVF_MODEL_TOK_SPLIT_MERGED_PREV;
         else if (strcmp(beh, "MergedWithNext") == 0)
-            p.behavior = KVF_TOK_SPLIT_MERGED_NEXT;
+            p.behavior = KVF_MODEL_TOK_SPLIT_MERGED_NEXT;
         else
             return fail(c, KVF_ERR_UNSUPPORTED,
                         "\"pre_tokenizer\" Split \"behavior\" \"%.32s\" is not supported (Isolated, Removed, MergedWithPrevious, MergedWithNext)",
                         beh);
-        const kvf_tok_jv *s = kvf_tok_jis(re, KVF_TOK_JSTR) ? re : lit;
+        const kvf_model_tok_jv *s = kvf_model_tok_jis(re, KVF_MODEL_TOK_JSTR) ? re : lit;
         if ((size_t)(s)->len == 0)
             return fail(c, KVF_ERR_INVALID, "\"pre_tokenizer\" Split has an empty pattern");
-        if ((st = compile_re(c, kvf_tok_jstr(s), (size_t)(s)->len, s == lit, &p.re)) != KVF_OK)
+        if ((st = compile_re(c, kvf_model_tok_jstr(s), (size_t)(s)->len, s == lit, &p.re)) != KVF_OK)
             return st;
     } else if (strcmp(type, "ByteLevel") == 0) {
-        p.kind = KVF_TOK_PRE_BYTELEVEL;
-        p.add_prefix_space = kvf_tok_jtrue(kvf_tok_jget(n, "add_prefix_space"));
-        const kvf_tok_jv *ur = kvf_tok_jget(n, "use_regex");
-        if (!ur || kvf_tok_jtrue(ur))
-            if ((st = compile_re(c, kvf_tok_gpt2_regex, strlen(kvf_tok_gpt2_regex), false, &p.re)) != KVF_OK)
+        p.kind = KVF_MODEL_TOK_PRE_BYTELEVEL;
+        p.add_prefix_space = kvf_model_tok_jtrue(kvf_model_tok_jget(n, "add_prefix_space"));
+        const kvf_model_tok_jv *ur = kvf_model_tok_jget(n, "use_regex");
+        if (!ur || kvf_model_tok_jtrue(ur))
+            if ((st = compile_re(c, kvf_model_tok_gpt2_regex, strlen(kvf_model_tok_gpt2_regex), false, &p.re)) != KVF_OK)
                 return st;
         c->tok->byte_level = true;
     } else if (strcmp(type, "Metaspace") == 0) {
-        p.kind = KVF_TOK_PRE_METASPACE;
+        p.kind = KVF_MODEL_TOK_PRE_METASPACE;
         const char *r = jstr(n, "replacement");
         if (!r)
             r = "\xE2\x96\x81";
@@ -704,11 +704,11 @@ static kvf_status load_pre(load_ctx *c, const kvf_tok_jv *n, int depth)
             free(p.repl);
             return st;
         }
-        const kvf_tok_jv *sp = kvf_tok_jget(n, "split");
-        p.split = !sp || kvf_tok_jtrue(sp);
+        const kvf_model_tok_jv *sp = kvf_model_tok_jget(n, "split");
+        p.split = !sp || kvf_model_tok_jtrue(sp);
     } else if (strcmp(type, "Digits") == 0) {
-        p.kind = KVF_TOK_PRE_DIGITS;
-        p.individual = kvf_tok_jtrue(kvf_tok_jget(n, "individual_digits"));
+        p.kind = KVF_MODEL_TOK_PRE_DIGITS;
+        p.individual = kvf_model_tok_jtrue(kvf_model_tok_jget(n, "individual_digits"));
     } else {
         return fail(c, KVF_ERR_UNSUPPORTED,
                     "pre_tokenizer \"%.64s\" is not supported (Split, ByteLevel, Metaspace, Digits, Sequence)", type);
@@ -728,13 +728,13 @@ static kvf_status push_id(load_ctx *c, int32_t **arr, size_t *n, int32_t id)
     return KVF_OK;
 }
 
-static kvf_status special_ids(load_ctx *c, const kvf_tok_jv *specials, const char *name, int32_t **arr,
+static kvf_status special_ids(load_ctx *c, const kvf_model_tok_jv *specials, const char *name, int32_t **arr,
                               size_t *n)
 {
-    const kvf_tok_jv *ids = kvf_tok_jget(kvf_tok_jget(specials, name), "ids");
-    if (!kvf_tok_jis(ids, KVF_TOK_JARR))
+    const kvf_model_tok_jv *ids = kvf_model_tok_jget(kvf_model_tok_jget(specials, name), "ids");
+    if (!kvf_model_tok_jis(ids, KVF_MODEL_TOK_JARR))
         return fail(c, KVF_ERR_INVALID, "\"post_processor\": special token \"%.64s\" has no \"ids\" list", name);
-    for (const kvf_tok_jv *v = kvf_tok_jfirst(ids); v; v = kvf_tok_jnext(v)) {
+    for (const kvf_model_tok_jv *v = kvf_model_tok_jfirst(ids); v; v = kvf_model_tok_jnext(v)) {
         if (!jint(v) || (v)->i < 0 || (v)->i >= c->tok->n_ids)
             return fail(c, KVF_ERR_INVALID, "\"post_processor\": special token \"%.64s\" has an id outside the vocabulary (0..%d)",
                         name, c->tok->n_ids - 1);
@@ -745,19 +745,19 @@ static kvf_status special_ids(load_ctx *c, const kvf_tok_jv *specials, const cha
     return KVF_OK;
 }
 
-static kvf_status pair_id(load_ctx *c, const kvf_tok_jv *p, const char *key, int32_t **arr, size_t *n)
+static kvf_status pair_id(load_ctx *c, const kvf_model_tok_jv *p, const char *key, int32_t **arr, size_t *n)
 {
-    const kvf_tok_jv *v = kvf_tok_jget(p, key);
-    const kvf_tok_jv *id = kvf_tok_jat(v, 1);
+    const kvf_model_tok_jv *v = kvf_model_tok_jget(p, key);
+    const kvf_model_tok_jv *id = kvf_model_tok_jat(v, 1);
     if (!jint(id) || (id)->i < 0 || (id)->i >= c->tok->n_ids)
         return fail(c, KVF_ERR_INVALID, "\"post_processor\" \"%s\" must be [token, id] with an id in the vocabulary", key);
     return push_id(c, arr, n, (int32_t)(id)->i);
 }
 
-static kvf_status load_post(load_ctx *c, const kvf_tok_jv *n, int depth)
+static kvf_status load_post(load_ctx *c, const kvf_model_tok_jv *n, int depth)
 {
     kvf_model_tokenizer *t = c->tok;
-    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
+    if (!n || kvf_model_tok_jis(n, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -766,10 +766,10 @@ static kvf_status load_post(load_ctx *c, const kvf_tok_jv *n, int depth)
         return fail(c, KVF_ERR_LIMIT, "\"post_processor\" nests Sequences more than 8 deep");
     kvf_status st;
     if (strcmp(type, "Sequence") == 0) {
-        const kvf_tok_jv *list = kvf_tok_jget(n, "processors");
-        if (!kvf_tok_jis(list, KVF_TOK_JARR))
+        const kvf_model_tok_jv *list = kvf_model_tok_jget(n, "processors");
+        if (!kvf_model_tok_jis(list, KVF_MODEL_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"post_processor\" Sequence needs a \"processors\" array");
-        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e))
+        for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(list); e; e = kvf_model_tok_jnext(e))
             if ((st = load_post(c, e, depth + 1)) != KVF_OK)
                 return st;
         return KVF_OK;
@@ -777,14 +777,14 @@ static kvf_status load_post(load_ctx *c, const kvf_tok_jv *n, int depth)
     if (strcmp(type, "ByteLevel") == 0)
         return KVF_OK; /* offsets only */
     if (strcmp(type, "TemplateProcessing") == 0) {
-        const kvf_tok_jv *single = kvf_tok_jget(n, "single"), *specials = kvf_tok_jget(n, "special_tokens");
-        if (!kvf_tok_jis(single, KVF_TOK_JARR))
+        const kvf_model_tok_jv *single = kvf_model_tok_jget(n, "single"), *specials = kvf_model_tok_jget(n, "special_tokens");
+        if (!kvf_model_tok_jis(single, KVF_MODEL_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"post_processor\" TemplateProcessing needs a \"single\" array");
         bool seen_seq = false;
-        const kvf_tok_jv *item = kvf_tok_jfirst(single);
-        for (size_t i = 0; item; i++, item = kvf_tok_jnext(item)) {
-            const kvf_tok_jv *sp = kvf_tok_jget(item, "SpecialToken");
-            if (kvf_tok_jget(item, "Sequence")) {
+        const kvf_model_tok_jv *item = kvf_model_tok_jfirst(single);
+        for (size_t i = 0; item; i++, item = kvf_model_tok_jnext(item)) {
+            const kvf_model_tok_jv *sp = kvf_model_tok_jget(item, "SpecialToken");
+            if (kvf_model_tok_jget(item, "Sequence")) {
                 seen_seq = true;
                 continue;
             }
@@ -817,9 +817,9 @@ typedef struct dec_opts {
     int32_t strip_start;
 } dec_opts;
 
-static kvf_status load_decoder(load_ctx *c, const kvf_tok_jv *n, dec_opts *o, int depth)
+static kvf_status load_decoder(load_ctx *c, const kvf_model_tok_jv *n, dec_opts *o, int depth)
 {
-    if (!n || kvf_tok_jis(n, KVF_TOK_JNULL))
+    if (!n || kvf_model_tok_jis(n, KVF_MODEL_TOK_JNULL))
         return KVF_OK;
     const char *type = jstr(n, "type");
     if (!type)
@@ -827,10 +827,10 @@ static kvf_status load_decoder(load_ctx *c, const kvf_tok_jv *n, dec_opts *o, in
     if (depth > 8)
         return fail(c, KVF_ERR_LIMIT, "\"decoder\" nests Sequences more than 8 deep");
     if (strcmp(type, "Sequence") == 0) {
-        const kvf_tok_jv *list = kvf_tok_jget(n, "decoders");
-        if (!kvf_tok_jis(list, KVF_TOK_JARR))
+        const kvf_model_tok_jv *list = kvf_model_tok_jget(n, "decoders");
+        if (!kvf_model_tok_jis(list, KVF_MODEL_TOK_JARR))
             return fail(c, KVF_ERR_INVALID, "\"decoder\" Sequence needs a \"decoders\" array");
-        for (const kvf_tok_jv *e = kvf_tok_jfirst(list); e; e = kvf_tok_jnext(e)) {
+        for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(list); e; e = kvf_model_tok_jnext(e)) {
             kvf_status st = load_decoder(c, e, o, depth + 1);
             if (st != KVF_OK)
                 return st;
@@ -845,21 +845,21 @@ static kvf_status load_decoder(load_ctx *c, const kvf_tok_jv *n, dec_opts *o, in
         /* decoding joins everything anyway */
     } else if (strcmp(type, "Strip") == 0) {
         const char *content = jstr(n, "content");
-        const kvf_tok_jv *start = kvf_tok_jget(n, "start"), *stop = kvf_tok_jget(n, "stop");
+        const kvf_model_tok_jv *start = kvf_model_tok_jget(n, "start"), *stop = kvf_model_tok_jget(n, "stop");
         if (!content || strcmp(content, " ") != 0 || (jint(stop) && (stop)->i != 0))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"decoder\" Strip is supported only for content \" \" with \"stop\": 0");
         if (jint(start) && (start)->i > 0)
             o->strip_start = (start)->i > 64 ? 64 : (int32_t)(start)->i;
     } else if (strcmp(type, "Replace") == 0) {
-        const kvf_tok_jv *pat = kvf_tok_jget(kvf_tok_jget(n, "pattern"), "String");
-        const kvf_tok_jv *content = kvf_tok_jget(n, "content");
-        if (!kvf_tok_jis(pat, KVF_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_tok_jis(content, KVF_TOK_JSTR))
+        const kvf_model_tok_jv *pat = kvf_model_tok_jget(kvf_model_tok_jget(n, "pattern"), "String");
+        const kvf_model_tok_jv *content = kvf_model_tok_jget(n, "content");
+        if (!kvf_model_tok_jis(pat, KVF_MODEL_TOK_JSTR) || (size_t)(pat)->len == 0 || !kvf_model_tok_jis(content, KVF_MODEL_TOK_JSTR))
             return fail(c, KVF_ERR_UNSUPPORTED, "\"decoder\" Replace needs {\"pattern\": {\"String\": non-empty}, \"content\": string}");
         if (o->n_repl == 4)
             return fail(c, KVF_ERR_LIMIT, "\"decoder\" has more than 4 Replace steps");
-        o->from[o->n_repl] = (char *)kvf_tok_jstr(pat);
+        o->from[o->n_repl] = (char *)kvf_model_tok_jstr(pat);
         o->from_len[o->n_repl] = (size_t)(pat)->len;
-        o->to[o->n_repl] = (char *)kvf_tok_jstr(content);
+        o->to[o->n_repl] = (char *)kvf_model_tok_jstr(content);
         o->to_len[o->n_repl++] = (size_t)(content)->len;
     } else if (strcmp(type, "Metaspace") == 0) {
         const char *r = jstr(n, "replacement");
@@ -873,11 +873,11 @@ static kvf_status load_decoder(load_ctx *c, const kvf_tok_jv *n, dec_opts *o, in
         o->from_len[o->n_repl] = strlen(r);
         o->to[o->n_repl] = " ";
         o->to_len[o->n_repl++] = 1;
-        kvf_tok_prepend p;
+        kvf_model_tok_prepend p;
         kvf_status st = parse_prepend_scheme(c, n, &p);
         if (st != KVF_OK)
             return st;
-        if (p != KVF_TOK_PREPEND_NEVER)
+        if (p != KVF_MODEL_TOK_PREPEND_NEVER)
             o->strip_start = 1;
     } else {
         return fail(c, KVF_ERR_UNSUPPORTED,
@@ -913,7 +913,7 @@ static void decode_token(const dec_opts *o, const char *s, size_t len, kvf_sbuf 
     if (o->byte_level) {
         size_t start = out->len;
         for (size_t i = 0; i < len;) {
-            size_t cl = kvf_tok_utf8_len((const uint8_t *)s + i, len - i);
+            size_t cl = kvf_model_tok_utf8_len((const uint8_t *)s + i, len - i);
             int b = -1;
             if (cl > 0) {
                 uint32_t cp = 0;
@@ -924,7 +924,7 @@ static void decode_token(const dec_opts *o, const char *s, size_t len, kvf_sbuf 
                     cp = ((uint32_t)(u[0] & 0x1F) << 6) | (u[1] & 0x3F);
                 else if (cl == 3)
                     cp = ((uint32_t)(u[0] & 0x0F) << 12) | ((uint32_t)(u[1] & 0x3F) << 6) | (u[2] & 0x3F);
-                b = cp < 512 ? kvf_tok_cp_to_byte(cp) : -1;
+                b = cp < 512 ? kvf_model_tok_cp_to_byte(cp) : -1;
             }
             if (b < 0) { /* not a byte-level token: its own UTF-8, as Hugging Face does */
                 out->len = start;
@@ -995,7 +995,7 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
     for (size_t i = 0; i < t->n_added; i++) { /* added tokens decode to their own text */
         if (t->added_idx[t->added[i].id] < 0)
             t->added_idx[t->added[i].id] = (int32_t)i;
-        const kvf_tok_added *a = &t->added[i];
+        const kvf_model_tok_added *a = &t->added[i];
         t->dec_off[a->id] = (int64_t)t->dec.len;
         kvf_sbuf_append(&t->dec, a->content, a->len);
         t->dec_len[a->id] = (int32_t)a->len;
@@ -1008,11 +1008,11 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
         char buf[8];
         size_t len;
         if (t->byte_level) {
-            len = kvf_tok_utf8_put(kvf_tok_byte_to_cp((uint8_t)b), buf);
+            len = kvf_model_tok_utf8_put(kvf_model_tok_byte_to_cp((uint8_t)b), buf);
         } else {
             len = (size_t)snprintf(buf, sizeof buf, "<0x%02X>", b);
         }
-        t->byte_id[b] = kvf_tok_vocab_find(t, buf, len);
+        t->byte_id[b] = kvf_model_tok_vocab_find(t, buf, len);
     }
     return KVF_OK;
 }
@@ -1020,20 +1020,20 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
 /* ---- companions: tokenizer_config.json, generation_config.json ---- */
 
 /* A token given as "text" or {"content": "text"}; NULL for null or absent. */
-static const char *config_token(const kvf_tok_jv *cfg, const char *key)
+static const char *config_token(const kvf_model_tok_jv *cfg, const char *key)
 {
-    const kvf_tok_jv *v = kvf_tok_jget(cfg, key);
-    if (kvf_tok_jis(v, KVF_TOK_JOBJ))
-        v = kvf_tok_jget(v, "content");
-    return kvf_tok_jis(v, KVF_TOK_JSTR) ? kvf_tok_jstr(v) : NULL;
+    const kvf_model_tok_jv *v = kvf_model_tok_jget(cfg, key);
+    if (kvf_model_tok_jis(v, KVF_MODEL_TOK_JOBJ))
+        v = kvf_model_tok_jget(v, "content");
+    return kvf_model_tok_jis(v, KVF_MODEL_TOK_JSTR) ? kvf_model_tok_jstr(v) : NULL;
 }
 
 static int32_t find_token(const kvf_model_tokenizer *t, const char *s)
 {
     if (!s)
         return -1;
-    int32_t id = kvf_tok_added_find(t, s, strlen(s));
-    return id >= 0 ? id : kvf_tok_vocab_find(t, s, strlen(s));
+    int32_t id = kvf_model_tok_added_find(t, s, strlen(s));
+    return id >= 0 ? id : kvf_model_tok_vocab_find(t, s, strlen(s));
 }
 
 static kvf_status set_str(load_ctx *c, char **dst, const char *s)
@@ -1057,39 +1057,39 @@ static kvf_status add_eos(load_ctx *c, int32_t id)
     return push_id(c, &t->eos_ids, &t->n_eos_ids, id);
 }
 
-static kvf_status gen_id(load_ctx *c, const kvf_tok_jv *v, const char *key, int32_t *out)
+static kvf_status gen_id(load_ctx *c, const kvf_model_tok_jv *v, const char *key, int32_t *out)
 {
-    double d = kvf_tok_jis(v, KVF_TOK_JNUM) ? (v)->d : -1;
+    double d = kvf_model_tok_jis(v, KVF_MODEL_TOK_JNUM) ? (v)->d : -1;
     if (!(d >= 0 && d < c->tok->n_ids) || d != (double)(int32_t)d)
-        return fail(c, KVF_ERR_INVALID, "\"%s\" is %s, expected an id in 0..%d", key, kvf_tok_jkind(v),
+        return fail(c, KVF_ERR_INVALID, "\"%s\" is %s, expected an id in 0..%d", key, kvf_model_tok_jkind(v),
                     c->tok->n_ids - 1);
     *out = (int32_t)d;
     return KVF_OK;
 }
 
-static kvf_status load_companions(load_ctx *c, const kvf_tok_jv *cfg, const kvf_tok_jv *gen, bool has_post)
+static kvf_status load_companions(load_ctx *c, const kvf_model_tok_jv *cfg, const kvf_model_tok_jv *gen, bool has_post)
 {
     kvf_model_tokenizer *t = c->tok;
     kvf_status st;
     if (cfg) {
         c->what = "tokenizer_config.json";
-        if (!kvf_tok_jis(cfg, KVF_TOK_JOBJ))
-            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(cfg));
+        if (!kvf_model_tok_jis(cfg, KVF_MODEL_TOK_JOBJ))
+            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_model_tok_jkind(cfg));
         if ((st = set_str(c, &t->bos_token, config_token(cfg, "bos_token"))) != KVF_OK ||
             (st = set_str(c, &t->eos_token, config_token(cfg, "eos_token"))) != KVF_OK ||
             (st = set_str(c, &t->pad_token, config_token(cfg, "pad_token"))) != KVF_OK)
             return st;
-        const kvf_tok_jv *tpl = kvf_tok_jget(cfg, "chat_template");
-        if (kvf_tok_jis(tpl, KVF_TOK_JARR)) { /* [{"name": "default", "template": ...}, ...] */
-            const kvf_tok_jv *pick = NULL;
-            for (const kvf_tok_jv *e = kvf_tok_jfirst(tpl); e; e = kvf_tok_jnext(e)) {
+        const kvf_model_tok_jv *tpl = kvf_model_tok_jget(cfg, "chat_template");
+        if (kvf_model_tok_jis(tpl, KVF_MODEL_TOK_JARR)) { /* [{"name": "default", "template": ...}, ...] */
+            const kvf_model_tok_jv *pick = NULL;
+            for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(tpl); e; e = kvf_model_tok_jnext(e)) {
                 const char *name = jstr(e, "name");
                 if (!pick || (name && strcmp(name, "default") == 0))
                     pick = e;
             }
-            tpl = kvf_tok_jget(pick, "template");
+            tpl = kvf_model_tok_jget(pick, "template");
         }
-        if ((st = set_str(c, &t->chat_template, kvf_tok_jis(tpl, KVF_TOK_JSTR) ? kvf_tok_jstr(tpl) : NULL)) != KVF_OK)
+        if ((st = set_str(c, &t->chat_template, kvf_model_tok_jis(tpl, KVF_MODEL_TOK_JSTR) ? kvf_model_tok_jstr(tpl) : NULL)) != KVF_OK)
             return st;
         t->bos_id = find_token(t, t->bos_token);
         t->eos_id = find_token(t, t->eos_token);
@@ -1099,40 +1099,40 @@ static kvf_status load_companions(load_ctx *c, const kvf_tok_jv *cfg, const kvf_
         if (t->eos_token && t->eos_id < 0)
             kvf_log(KVF_LOG_WARN, "model: tokenizer: tokenizer_config.json: eos_token \"%.64s\" is not in the vocabulary", t->eos_token);
         /* Without a post-processor, add_bos_token/add_eos_token say what encode adds. */
-        if (!has_post && kvf_tok_jtrue(kvf_tok_jget(cfg, "add_bos_token")) && t->bos_id >= 0)
+        if (!has_post && kvf_model_tok_jtrue(kvf_model_tok_jget(cfg, "add_bos_token")) && t->bos_id >= 0)
             if ((st = push_id(c, &t->prefix_ids, &t->n_prefix, t->bos_id)) != KVF_OK)
                 return st;
-        if (!has_post && kvf_tok_jtrue(kvf_tok_jget(cfg, "add_eos_token")) && t->eos_id >= 0)
+        if (!has_post && kvf_model_tok_jtrue(kvf_model_tok_jget(cfg, "add_eos_token")) && t->eos_id >= 0)
             if ((st = push_id(c, &t->suffix_ids, &t->n_suffix, t->eos_id)) != KVF_OK)
                 return st;
     }
     if (gen) {
         c->what = "generation_config.json";
-        if (!kvf_tok_jis(gen, KVF_TOK_JOBJ))
-            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(gen));
-        const kvf_tok_jv *v = kvf_tok_jget(gen, "bos_token_id");
-        if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
+        if (!kvf_model_tok_jis(gen, KVF_MODEL_TOK_JOBJ))
+            return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_model_tok_jkind(gen));
+        const kvf_model_tok_jv *v = kvf_model_tok_jget(gen, "bos_token_id");
+        if (v && !kvf_model_tok_jis(v, KVF_MODEL_TOK_JNULL)) {
             if ((st = gen_id(c, v, "bos_token_id", &t->bos_id)) != KVF_OK)
                 return st;
             if ((st = set_str(c, &t->bos_token, kvf_model_tokenizer_id_to_token(t, t->bos_id))) != KVF_OK)
                 return st;
         }
-        v = kvf_tok_jget(gen, "pad_token_id");
-        if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
+        v = kvf_model_tok_jget(gen, "pad_token_id");
+        if (v && !kvf_model_tok_jis(v, KVF_MODEL_TOK_JNULL)) {
             if ((st = gen_id(c, v, "pad_token_id", &t->pad_id)) != KVF_OK)
                 return st;
             if ((st = set_str(c, &t->pad_token, kvf_model_tokenizer_id_to_token(t, t->pad_id))) != KVF_OK)
                 return st;
         }
-        v = kvf_tok_jget(gen, "eos_token_id");
-        if (kvf_tok_jis(v, KVF_TOK_JARR)) {
-            for (const kvf_tok_jv *e = kvf_tok_jfirst(v); e; e = kvf_tok_jnext(e)) {
+        v = kvf_model_tok_jget(gen, "eos_token_id");
+        if (kvf_model_tok_jis(v, KVF_MODEL_TOK_JARR)) {
+            for (const kvf_model_tok_jv *e = kvf_model_tok_jfirst(v); e; e = kvf_model_tok_jnext(e)) {
                 int32_t id;
                 if ((st = gen_id(c, e, "eos_token_id", &id)) != KVF_OK ||
                     (st = add_eos(c, id)) != KVF_OK)
                     return st;
             }
-        } else if (v && !kvf_tok_jis(v, KVF_TOK_JNULL)) {
+        } else if (v && !kvf_model_tok_jis(v, KVF_MODEL_TOK_JNULL)) {
             int32_t id;
             if ((st = gen_id(c, v, "eos_token_id", &id)) != KVF_OK || (st = add_eos(c, id)) != KVF_OK)
                 return st;
@@ -1148,7 +1148,7 @@ static kvf_status load_companions(load_ctx *c, const kvf_tok_jv *cfg, const kvf_
 
 /* ---- entry points ---- */
 
-static kvf_status load_json(const kvf_tok_jv *root, const kvf_tok_jv *cfg, const kvf_tok_jv *gen, const char *what,
+static kvf_status load_json(const kvf_model_tok_jv *root, const kvf_model_tok_jv *cfg, const kvf_model_tok_jv *gen, const char *what,
                             kvf_model_tokenizer **out, kvf_err *err)
 {
     kvf_model_tokenizer *t = calloc(1, sizeof *t);
@@ -1160,19 +1160,19 @@ static kvf_status load_json(const kvf_tok_jv *root, const kvf_tok_jv *cfg, const
     load_ctx c = {t, what, err};
     dec_opts dec = {0};
     kvf_status st;
-    if (!kvf_tok_jis(root, KVF_TOK_JOBJ)) {
-        st = fail(&c, KVF_ERR_INVALID, "expected an object, found %s", kvf_tok_jkind(root));
+    if (!kvf_model_tok_jis(root, KVF_MODEL_TOK_JOBJ)) {
+        st = fail(&c, KVF_ERR_INVALID, "expected an object, found %s", kvf_model_tok_jkind(root));
         goto fail_tok;
     }
-    const kvf_tok_jv *post = kvf_tok_jget(root, "post_processor");
-    if ((st = load_model(&c, kvf_tok_jget(root, "model"))) != KVF_OK ||
-        (st = load_added(&c, kvf_tok_jget(root, "added_tokens"))) != KVF_OK ||
-        (st = load_normalizer(&c, kvf_tok_jget(root, "normalizer"), 0)) != KVF_OK ||
-        (st = load_pre(&c, kvf_tok_jget(root, "pre_tokenizer"), 0)) != KVF_OK ||
+    const kvf_model_tok_jv *post = kvf_model_tok_jget(root, "post_processor");
+    if ((st = load_model(&c, kvf_model_tok_jget(root, "model"))) != KVF_OK ||
+        (st = load_added(&c, kvf_model_tok_jget(root, "added_tokens"))) != KVF_OK ||
+        (st = load_normalizer(&c, kvf_model_tok_jget(root, "normalizer"), 0)) != KVF_OK ||
+        (st = load_pre(&c, kvf_model_tok_jget(root, "pre_tokenizer"), 0)) != KVF_OK ||
         (st = load_post(&c, post, 0)) != KVF_OK ||
-        (st = load_decoder(&c, kvf_tok_jget(root, "decoder"), &dec, 0)) != KVF_OK ||
+        (st = load_decoder(&c, kvf_model_tok_jget(root, "decoder"), &dec, 0)) != KVF_OK ||
         (st = build_tables(&c, &dec)) != KVF_OK ||
-        (st = load_companions(&c, cfg, gen, post && !kvf_tok_jis(post, KVF_TOK_JNULL))) != KVF_OK)
+        (st = load_companions(&c, cfg, gen, post && !kvf_model_tok_jis(post, KVF_MODEL_TOK_JNULL))) != KVF_OK)
         goto fail_tok;
     *out = t;
     return KVF_OK;
@@ -1186,25 +1186,25 @@ fail_tok:
 static kvf_status load_owned(char *tj, size_t tl, char *cj, size_t cl, char *gj, size_t gl,
                              kvf_model_tokenizer **out, kvf_err *err)
 {
-    kvf_tok_jdoc root = {0}, cfg = {0}, gen = {0};
-    kvf_status st = kvf_tok_json_parse_owned(tj, tl, "tokenizer.json", &root, err);
+    kvf_model_tok_jdoc root = {0}, cfg = {0}, gen = {0};
+    kvf_status st = kvf_model_tok_json_parse_owned(tj, tl, "tokenizer.json", &root, err);
     tj = NULL;
     if (st == KVF_OK && cj) {
-        st = kvf_tok_json_parse_owned(cj, cl, "tokenizer_config.json", &cfg, err);
+        st = kvf_model_tok_json_parse_owned(cj, cl, "tokenizer_config.json", &cfg, err);
         cj = NULL;
     }
     if (st == KVF_OK && gj) {
-        st = kvf_tok_json_parse_owned(gj, gl, "generation_config.json", &gen, err);
+        st = kvf_model_tok_json_parse_owned(gj, gl, "generation_config.json", &gen, err);
         gj = NULL;
     }
     if (st == KVF_OK)
-        st = load_json(kvf_tok_json_root(&root), kvf_tok_json_root(&cfg), kvf_tok_json_root(&gen),
+        st = load_json(kvf_model_tok_json_root(&root), kvf_model_tok_json_root(&cfg), kvf_model_tok_json_root(&gen),
                        "tokenizer.json", out, err);
     free(cj);
     free(gj);
-    kvf_tok_json_free(&root);
-    kvf_tok_json_free(&cfg);
-    kvf_tok_json_free(&gen);
+    kvf_model_tok_json_free(&root);
+    kvf_model_tok_json_free(&cfg);
+    kvf_model_tok_json_free(&gen);
     return st;
 }
 
@@ -1311,7 +1311,7 @@ void kvf_model_tokenizer_destroy(kvf_model_tokenizer *t)
     free(t->str_off);
     free(t->str_len);
     kvf_sbuf_fini(&t->strs);
-    kvf_tok_strmap_fini(&t->vocab);
+    kvf_model_tok_strmap_fini(&t->vocab);
     free(t->merges.slots);
     for (size_t i = 0; i < t->n_norms; i++) {
         free(t->norms[i].a);
@@ -1326,7 +1326,7 @@ void kvf_model_tokenizer_destroy(kvf_model_tokenizer *t)
     for (size_t i = 0; i < t->n_added; i++)
         free(t->added[i].content);
     free(t->added);
-    kvf_tok_strmap_fini(&t->added_map);
+    kvf_model_tok_strmap_fini(&t->added_map);
     free(t->added_lens);
     free(t->is_special);
     free(t->added_idx);

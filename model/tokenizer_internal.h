@@ -13,81 +13,81 @@
 #include "model/tokenizer.h"
 
 /* Largest id a tokenizer may use: bounds allocations made from untrusted files. */
-#define KVF_TOK_MAX_ID (1 << 21)
+#define KVF_MODEL_TOK_MAX_ID (1 << 21)
 
 /* string -> id, open addressing over ids; the strings live in the owner's arena. */
-typedef struct kvf_tok_strmap {
+typedef struct kvf_model_tok_strmap {
     int32_t *slots; /* [cap] id, or -1 for empty */
     size_t cap;     /* power of two */
     size_t n;
-} kvf_tok_strmap;
+} kvf_model_tok_strmap;
 
 /* (left id, right id) -> (rank, merged id). */
-typedef struct kvf_tok_merge {
+typedef struct kvf_model_tok_merge {
     uint64_t key; /* left << 32 | right; UINT64_MAX for an empty slot */
     int32_t rank, id;
-} kvf_tok_merge;
+} kvf_model_tok_merge;
 
-typedef struct kvf_tok_mergemap {
-    kvf_tok_merge *slots; /* [cap] */
+typedef struct kvf_model_tok_mergemap {
+    kvf_model_tok_merge *slots; /* [cap] */
     size_t cap;           /* power of two */
     size_t n;
-} kvf_tok_mergemap;
+} kvf_model_tok_mergemap;
 
-typedef enum kvf_tok_norm_kind {
-    KVF_TOK_NORM_NFC,
-    KVF_TOK_NORM_NFD,
-    KVF_TOK_NORM_NFKC,
-    KVF_TOK_NORM_NFKD,
-    KVF_TOK_NORM_LOWERCASE,
-    KVF_TOK_NORM_PREPEND,
-    KVF_TOK_NORM_REPLACE,
-} kvf_tok_norm_kind;
+typedef enum kvf_model_tok_norm_kind {
+    KVF_MODEL_TOK_NORM_NFC,
+    KVF_MODEL_TOK_NORM_NFD,
+    KVF_MODEL_TOK_NORM_NFKC,
+    KVF_MODEL_TOK_NORM_NFKD,
+    KVF_MODEL_TOK_NORM_LOWERCASE,
+    KVF_MODEL_TOK_NORM_PREPEND,
+    KVF_MODEL_TOK_NORM_REPLACE,
+} kvf_model_tok_norm_kind;
 
-typedef struct kvf_tok_norm {
-    kvf_tok_norm_kind kind;
+typedef struct kvf_model_tok_norm {
+    kvf_model_tok_norm_kind kind;
     char *a, *b; /* PREPEND: a = text; REPLACE: a = pattern, b = content */
     size_t a_len, b_len;
-} kvf_tok_norm;
+} kvf_model_tok_norm;
 
-typedef enum kvf_tok_pre_kind {
-    KVF_TOK_PRE_SPLIT,     /* regex or literal split */
-    KVF_TOK_PRE_BYTELEVEL, /* optional prefix space + GPT-2 regex; marks the model byte-level */
-    KVF_TOK_PRE_METASPACE, /* ' ' -> replacement, optional prepend, optional split */
-    KVF_TOK_PRE_DIGITS,    /* runs of digits, or each digit alone */
-} kvf_tok_pre_kind;
+typedef enum kvf_model_tok_pre_kind {
+    KVF_MODEL_TOK_PRE_SPLIT,     /* regex or literal split */
+    KVF_MODEL_TOK_PRE_BYTELEVEL, /* optional prefix space + GPT-2 regex; marks the model byte-level */
+    KVF_MODEL_TOK_PRE_METASPACE, /* ' ' -> replacement, optional prepend, optional split */
+    KVF_MODEL_TOK_PRE_DIGITS,    /* runs of digits, or each digit alone */
+} kvf_model_tok_pre_kind;
 
-typedef enum kvf_tok_split_behavior {
-    KVF_TOK_SPLIT_ISOLATED,
-    KVF_TOK_SPLIT_REMOVED,
-    KVF_TOK_SPLIT_MERGED_PREV,
-    KVF_TOK_SPLIT_MERGED_NEXT,
-} kvf_tok_split_behavior;
+typedef enum kvf_model_tok_split_behavior {
+    KVF_MODEL_TOK_SPLIT_ISOLATED,
+    KVF_MODEL_TOK_SPLIT_REMOVED,
+    KVF_MODEL_TOK_SPLIT_MERGED_PREV,
+    KVF_MODEL_TOK_SPLIT_MERGED_NEXT,
+} kvf_model_tok_split_behavior;
 
-typedef enum kvf_tok_prepend {
-    KVF_TOK_PREPEND_ALWAYS,
-    KVF_TOK_PREPEND_FIRST,
-    KVF_TOK_PREPEND_NEVER,
-} kvf_tok_prepend;
+typedef enum kvf_model_tok_prepend {
+    KVF_MODEL_TOK_PREPEND_ALWAYS,
+    KVF_MODEL_TOK_PREPEND_FIRST,
+    KVF_MODEL_TOK_PREPEND_NEVER,
+} kvf_model_tok_prepend;
 
-typedef struct kvf_tok_pre {
-    kvf_tok_pre_kind kind;
+typedef struct kvf_model_tok_pre {
+    kvf_model_tok_pre_kind kind;
     void *re; /* pcre2_code_8 * (SPLIT, BYTELEVEL with use_regex) or NULL */
-    kvf_tok_split_behavior behavior;
+    kvf_model_tok_split_behavior behavior;
     bool add_prefix_space;   /* BYTELEVEL */
     char *repl;              /* METASPACE replacement (UTF-8) */
     size_t repl_len;
-    kvf_tok_prepend prepend; /* METASPACE */
+    kvf_model_tok_prepend prepend; /* METASPACE */
     bool split;              /* METASPACE: split before each replacement */
     bool individual;         /* DIGITS */
-} kvf_tok_pre;
+} kvf_model_tok_pre;
 
-typedef struct kvf_tok_added {
+typedef struct kvf_model_tok_added {
     char *content;
     size_t len;
     int32_t id;
     bool special;
-} kvf_tok_added;
+} kvf_model_tok_added;
 
 struct kvf_model_tokenizer {
     /* model vocabulary: id -> string (arena offsets; len -1 for an unused id) */
@@ -95,8 +95,8 @@ struct kvf_model_tokenizer {
     int64_t *str_off;  /* [n_ids] */
     int32_t *str_len;  /* [n_ids]; -1 when the id has no model token */
     kvf_sbuf strs;     /* arena of NUL-terminated token strings */
-    kvf_tok_strmap vocab;
-    kvf_tok_mergemap merges;
+    kvf_model_tok_strmap vocab;
+    kvf_model_tok_mergemap merges;
 
     /* BPE options */
     bool byte_level;      /* initial symbols are bytes through the GPT-2 byte map */
@@ -107,16 +107,16 @@ struct kvf_model_tokenizer {
     int32_t byte_id[256]; /* byte-level: id of each byte's mapped char; fallback: <0xNN>; -1 */
 
     /* pipeline */
-    kvf_tok_norm *norms;
+    kvf_model_tok_norm *norms;
     size_t n_norms;
-    kvf_tok_pre *pres;
+    kvf_model_tok_pre *pres;
     size_t n_pres;
-    kvf_tok_added *added; /* sorted by content length, longest first */
+    kvf_model_tok_added *added; /* sorted by content length, longest first */
     size_t n_added;
     bool added_first[256]; /* bytes that start some added token */
     size_t *added_lens;    /* distinct content lengths, longest first */
     size_t n_added_lens;
-    kvf_tok_strmap added_map; /* content -> index into added */
+    kvf_model_tok_strmap added_map; /* content -> index into added */
     uint8_t *is_special;      /* [n_ids] */
     int32_t *added_idx;       /* [n_ids] index into added, or -1 */
     int32_t *prefix_ids, *suffix_ids; /* post-processor: added around the text */
@@ -136,22 +136,22 @@ struct kvf_model_tokenizer {
 };
 
 /* The GPT-2 byte-to-unicode map: the code point byte b stands for in byte-level vocabularies. */
-uint32_t kvf_tok_byte_to_cp(uint8_t b);
+uint32_t kvf_model_tok_byte_to_cp(uint8_t b);
 /* Inverse: the byte a code point stands for, or -1. */
-int kvf_tok_cp_to_byte(uint32_t cp);
+int kvf_model_tok_cp_to_byte(uint32_t cp);
 /* Writes the UTF-8 of cp to out (4 bytes room) and returns its length (1-4). */
-size_t kvf_tok_utf8_put(uint32_t cp, char *out);
+size_t kvf_model_tok_utf8_put(uint32_t cp, char *out);
 /* Length of the valid UTF-8 character at s[0..n), or 0 when s does not start with one. */
-size_t kvf_tok_utf8_len(const uint8_t *s, size_t n);
+size_t kvf_model_tok_utf8_len(const uint8_t *s, size_t n);
 
 /* Maps. */
-kvf_status kvf_tok_strmap_init(kvf_tok_strmap *m, size_t expect);
-void kvf_tok_strmap_fini(kvf_tok_strmap *m);
-int32_t kvf_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
-int32_t kvf_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
-const kvf_tok_merge *kvf_tok_merge_find(const kvf_tok_mergemap *m, int32_t a, int32_t b);
+kvf_status kvf_model_tok_strmap_init(kvf_model_tok_strmap *m, size_t expect);
+void kvf_model_tok_strmap_fini(kvf_model_tok_strmap *m);
+int32_t kvf_model_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
+int32_t kvf_model_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
+const kvf_model_tok_merge *kvf_model_tok_merge_find(const kvf_model_tok_mergemap *m, int32_t a, int32_t b);
 
 /* The GPT-2 pre-tokenizer regex ByteLevel uses with use_regex. */
-extern const char kvf_tok_gpt2_regex[];
+extern const char kvf_model_tok_gpt2_regex[];
 
 #endif
