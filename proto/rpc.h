@@ -88,8 +88,11 @@ typedef kvf_status (*kvf_rpc_unary_fn)(void *ctx, kvf_rpc_call *call, const uint
                                        size_t req_len, kvf_rpc_buf *resp_out, kvf_err *err);
 
 /* A server-streaming handler: runs on a pool thread with the request bytes (valid until it
- * returns). It owns the call: it writes messages with kvf_rpc_call_write from any thread, and
- * ends the call with kvf_rpc_call_finish exactly once, before or after returning. */
+ * returns). It owns the call: it writes messages with kvf_rpc_call_send/_write from any thread,
+ * and ends the call with kvf_rpc_call_finish exactly once, before or after returning. A handler
+ * that loops for the life of a long stream (WatchKv) holds a pool thread all that time: such
+ * streams should hand the call to the role's own thread and return, or n_threads must count
+ * them, or other calls wait in the queue. */
 typedef void (*kvf_rpc_stream_fn)(void *ctx, kvf_rpc_call *call, const uint8_t *req,
                                   size_t req_len);
 
@@ -114,6 +117,8 @@ void kvf_rpc_server_destroy(kvf_rpc_server *s);
 
 /* Call accessors: valid until the call is finished. */
 const char *kvf_rpc_call_method(const kvf_rpc_call *c);
+/* The client's address as gRPC names it ("ipv4:10.0.0.3:51234"), for logs; never NULL. */
+const char *kvf_rpc_call_peer(const kvf_rpc_call *c);
 /* Milliseconds left before the client's deadline (negative once past); KVF_RPC_NO_DEADLINE if
  * the client set none. */
 int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c);
@@ -121,8 +126,9 @@ int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c);
  * shutting down the call. */
 bool kvf_rpc_call_is_cancelled(const kvf_rpc_call *c);
 /* fn(arg) runs once when the call is cancelled (at once, on this thread, if it already is), on
- * the completion-queue thread otherwise: it must be short and must not block or write. It never
- * runs after kvf_rpc_call_finish has returned. Replaces an earlier callback. */
+ * the completion-queue thread otherwise: it must be short and must not block, write or finish
+ * the call (signal the thread that owns the call instead). It never runs after
+ * kvf_rpc_call_finish has returned. Replaces an earlier callback. */
 void kvf_rpc_call_on_cancel(kvf_rpc_call *c, void (*fn)(void *arg), void *arg);
 /* Messages a streaming call holds for a client that reads slower than the handler sends. */
 #define KVF_RPC_SEND_QUEUE_MAX 1024

@@ -12,6 +12,7 @@
 
 #include <grpc/slice.h>
 #include <grpc/status.h>
+#include <grpc/support/alloc.h>
 
 #include "common/log.h"
 #include "common/time.h"
@@ -49,6 +50,7 @@ struct kvf_rpc_call {
     kvf_rpc_server *srv;
     const rpc_method *m; /* NULL for an unknown method */
     char *method_name;
+    char *peer;
     grpc_call *call;
     gpr_timespec deadline;
     kvf_rpc_buf req;
@@ -125,6 +127,7 @@ static void call_unref(kvf_rpc_call *c)
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     free(c->method_name);
+    free(c->peer);
     free(c);
     pthread_mutex_lock(&s->mu);
     s->live_calls--;
@@ -237,6 +240,8 @@ static void on_finish(rpc_tag *t, bool ok)
 }
 
 const char *kvf_rpc_call_method(const kvf_rpc_call *c) { return c->method_name; }
+
+const char *kvf_rpc_call_peer(const kvf_rpc_call *c) { return c->peer ? c->peer : "unknown"; }
 
 int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c)
 {
@@ -532,6 +537,9 @@ static void on_request(rpc_tag *t, bool ok)
     c->srv = s;
     c->m = r->method >= 0 ? &s->methods[r->method] : NULL;
     c->call = r->call;
+    char *peer = grpc_call_get_peer(c->call);
+    c->peer = peer ? strdup(peer) : NULL;
+    gpr_free(peer);
     c->deadline = r->method >= 0 ? r->deadline : r->details.deadline;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);

@@ -51,10 +51,12 @@ static kvf_status h_echo(void *ctx, kvf_rpc_call *call, const uint8_t *req, size
     return KVF_OK;
 }
 
+/* Fails, naming the method and the peer as a worker's error would. */
 static kvf_status h_fail(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
                          kvf_rpc_buf *resp_out, kvf_err *err)
 {
-    return kvf_err_set(err, KVF_ERR_FULL, "test: pool has 0 free blocks (need %zu)", len);
+    return kvf_err_set(err, KVF_ERR_FULL, "test: pool has 0 free blocks (need %zu) [%s from %s]",
+                       len, kvf_rpc_call_method(call), kvf_rpc_call_peer(call));
 }
 
 /* Waits (up to 10 s) for the client's deadline to cancel the call. Handlers run on the
@@ -265,7 +267,8 @@ static void test_unary_errors(void **state)
     kvf_err e;
     /* The handler's exact status and message reach the client. */
     assert_int_equal(kvf_rpc_unary(f->ch, M_FAIL, "xyz", 3, 5000, &r, &e), KVF_ERR_FULL);
-    assert_non_null(strstr(e.msg, "pool has 0 free blocks (need 3)"));
+    assert_non_null(strstr(e.msg, "pool has 0 free blocks (need 3) [/test.T/Fail from "
+                                  "ipv4:127.0.0.1:"));
     assert_non_null(strstr(e.msg, M_FAIL));
     assert_non_null(strstr(e.msg, "RESOURCE_EXHAUSTED"));
     /* No such method. */
