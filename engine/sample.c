@@ -124,6 +124,27 @@ static int32_t top_candidates(kvf_engine_sampler *s, const float *logits, int32_
     return k;
 }
 
+/* Candidates for top-p over the whole vocabulary without sorting all of it: a token whose
+ * probability is below (1 - top_p) / vocab cannot be in the top-p set, because all such tokens
+ * together hold less than 1 - top_p of the mass. Puts the others in s->cand, sorted, with
+ * their unnormalised probabilities, and returns how many; *total_out gets the whole mass. */
+static int32_t top_p_candidates(kvf_engine_sampler *s, const float *logits, double inv_t,
+                                float top_p, double *total_out)
+{
+    int32_t v = s->vocab, k = 0;
+    float mx = logits[kvf_engine_argmax(logits, v)];
+    double total = 0;
+    for (int32_t i = 0; i < v; i++)
+        total += exp(((double)logits[i] - mx) * inv_t);
+    double thr = (1.0 - (double)top_p) / v * total;
+    for (int32_t i = 0; i < v; i++)
+        if (exp(((double)logits[i] - mx) * inv_t) >= thr)
+            s->cand[k++] = (kvf_engine_cand){logits[i], i};
+    qsort(s->cand, (size_t)k, sizeof *s->cand, cand_cmp);
+    *total_out = total;
+    return k;
+}
+
 int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temperature,
                           int32_t top_k, float top_p, kvf_engine_rng *rng)
 {
@@ -131,7 +152,8 @@ int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temp
     if (!(temperature > 0))
         return kvf_engine_argmax(logits, v);
     double inv_t = 1.0 / temperature;
-    if (top_k <= 0 && !(top_p < 1.0f)) {
+    bool all = top_k <= 0 || top_k >= v;
+    if (all && !(top_p < 1.0f)) {
         /* The whole vocabulary: no ordering needed, draw in id order. */
         float mx = logits[kvf_engine_argmax(logits, v)];
         double sum = 0;
@@ -150,16 +172,21 @@ int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temp
         }
         return last;
     }
-    int32_t k = top_candidates(s, logits, top_k);
+    double total = 0;
+    int32_t k = all ? top_p_candidates(s, logits, inv_t, top_p, &total)
+                    : top_candidates(s, logits, top_k);
     kvf_engine_cand *c = s->cand;
+    /* the largest logit of the vocabulary is c[0] either way */
     double mx = c[0].logit, sum = 0;
     for (int32_t i = 0; i < k; i++) {
         double p = exp(((double)c[i].logit - mx) * inv_t);
         c[i].logit = (float)p; /* reuse the slot for the unnormalised probability */
         sum += p;
     }
+    if (!all)
+        total = sum; /* top-p applies to the top-k distribution */
     if (top_p < 1.0f) {
-        double want = (double)top_p * sum, acc = 0;
+        double want = (double)top_p * total, acc = 0;
         int32_t keep = 0;
         while (keep < k) {
             acc += c[keep++].logit;

@@ -86,6 +86,117 @@ static void test_sampler_distribution(void **state)
     kvf_engine_sampler_fini(&s);
 }
 
+/* A plain reference: sort the whole vocabulary, keep the top k, then the top-p prefix, draw. */
+static int cmp_ref(const void *pa, const void *pb)
+{
+    const kvf_engine_cand *a = pa, *b = pb;
+    if (a->logit != b->logit)
+        return a->logit > b->logit ? -1 : 1;
+    return a->id < b->id ? -1 : a->id > b->id;
+}
+
+static int32_t ref_sample(const float *logits, int32_t v, float temp, int32_t top_k, float top_p,
+                          kvf_engine_rng *rng)
+{
+    if (!(top_k > 0 && top_k < v) && !(top_p < 1)) {
+        /* the whole distribution is drawn in id order */
+        float mx = logits[0];
+        for (int32_t i = 1; i < v; i++)
+            mx = logits[i] > mx ? logits[i] : mx;
+        double sum = 0;
+        for (int32_t i = 0; i < v; i++)
+            sum += exp(((double)logits[i] - mx) / temp);
+        double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
+        for (int32_t i = 0; i < v; i++) {
+            acc += exp(((double)logits[i] - mx) / temp);
+            if (u < acc)
+                return i;
+        }
+        return v - 1;
+    }
+    kvf_engine_cand *c = malloc((size_t)v * sizeof *c);
+    for (int32_t i = 0; i < v; i++)
+        c[i] = (kvf_engine_cand){logits[i], i};
+    qsort(c, (size_t)v, sizeof *c, cmp_ref);
+    double mx = c[0].logit, total = 0;
+    int32_t k = top_k > 0 && top_k < v ? top_k : v;
+    if (k == v) {
+        for (int32_t i = 0; i < v; i++) /* in id order, as the sampler sums it */
+            total += exp(((double)logits[i] - mx) / temp);
+    }
+    double *p = malloc((size_t)k * sizeof *p), sum = 0;
+    for (int32_t i = 0; i < k; i++) {
+        p[i] = exp(((double)c[i].logit - mx) / temp);
+        sum += p[i];
+    }
+    if (k < v)
+        total = sum;
+    int32_t keep = k;
+    if (top_p < 1) {
+        double acc = 0;
+        keep = 0;
+        while (keep < k) {
+            acc += p[keep++];
+            if (acc >= top_p * total)
+                break;
+        }
+        sum = acc;
+    }
+    double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
+    int32_t tok = c[keep - 1].id;
+    for (int32_t i = 0; i < keep; i++) {
+        acc += p[i];
+        if (u < acc) {
+            tok = c[i].id;
+            break;
+        }
+    }
+    free(c);
+    free(p);
+    return tok;
+}
+
+static void test_sampler_matches_reference(void **state)
+{
+    enum { V = 2000 };
+    kvf_engine_sampler s;
+    kvf_err err = {0};
+    assert_int_equal(kvf_engine_sampler_init(&s, V, &err), KVF_OK);
+    float *logits = malloc(V * sizeof *logits);
+    kvf_engine_rng gen;
+    kvf_engine_rng_seed(&gen, 5, 0);
+    const float temps[] = {0.3f, 1.0f, 2.5f};
+    const int32_t ks[] = {0, 1, 7, 100, V};
+    const float ps[] = {1.0f, 0.95f, 0.5f, 0.05f};
+    int64_t draws = 0;
+    for (int round = 0; round < 6; round++) {
+        /* peaked, flat and tied rows */
+        for (int32_t i = 0; i < V; i++) {
+            double u = kvf_engine_rng_uniform(&gen);
+            logits[i] = round % 3 == 0 ? (float)(8 * u * u * u)
+                      : round % 3 == 1 ? (float)(0.01 * u)
+                                       : (float)((int)(4 * u));
+        }
+        for (size_t a = 0; a < 3; a++)
+            for (size_t b = 0; b < 5; b++)
+                for (size_t c = 0; c < 4; c++)
+                    for (int d = 0; d < 5; d++) {
+                        kvf_engine_rng r1, r2;
+                        kvf_engine_rng_seed(&r1, (uint64_t)(round * 1000 + d), 3);
+                        r2 = r1;
+                        int32_t got = kvf_engine_sample(&s, logits, temps[a], ks[b], ps[c], &r1);
+                        int32_t want = ref_sample(logits, V, temps[a], ks[b], ps[c], &r2);
+                        if (got != want)
+                            fail_msg("round %d temp %g top_k %d top_p %g draw %d: %d, reference %d",
+                                     round, (double)temps[a], ks[b], (double)ps[c], d, got, want);
+                        draws++;
+                    }
+    }
+    print_message("%lld draws equal to the full-sort reference\n", (long long)draws);
+    free(logits);
+    kvf_engine_sampler_fini(&s);
+}
+
 /* ---- seeded sampling through the engine -------------------------------------------------- */
 
 static kvf_engine_request sampled(uint64_t id, const et_case *k, uint64_t seed)
@@ -529,6 +640,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampler_distribution),
+        cmocka_unit_test(test_sampler_matches_reference),
         cmocka_unit_test(test_seeded_sampling_is_batch_independent),
         cmocka_unit_test(test_parallel_samples_fork),
         cmocka_unit_test(test_stop_eos_length),
