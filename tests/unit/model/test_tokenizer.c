@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -159,6 +160,79 @@ static int run_cases(const kvf_model_tokenizer *tok, const char *name)
 
 static void test_qwen3_cases(void **state) { assert_int_equal(run_cases(qwen, "qwen3"), 0); }
 static void test_mistral7b_cases(void **state) { assert_int_equal(run_cases(mistral, "mistral7b"), 0); }
+
+/* The rendered chat prompts of qwen3/chat_cases.json encode to their ids. */
+static void test_qwen3_chat_prompts(void **state)
+{
+    json_error_t je;
+    json_t *root = json_load_file(kvf_test_shared_path("fixtures/tokenizers/qwen3/chat_cases.json"), 0, &je);
+    assert_non_null(root);
+    json_t *cases = json_object_get(root, "cases");
+    assert_true(json_array_size(cases) >= 6);
+    int failures = 0;
+    for (size_t k = 0; k < json_array_size(cases); k++) {
+        json_t *c = json_array_get(cases, k);
+        json_t *text = json_object_get(c, "rendered");
+        int32_t *ids;
+        size_t n;
+        kvf_err err = {0};
+        assert_int_equal(kvf_model_tokenizer_encode(qwen, json_string_value(text), json_string_length(text), false,
+                                                    &ids, &n, &err), KVF_OK);
+        if (!ids_equal(ids, n, json_object_get(c, "ids"))) {
+            fprintf(stderr, "%s: chat prompt ids differ\n", json_string_value(json_object_get(c, "id")));
+            print_ids("got ", ids, n);
+            failures++;
+        }
+        free(ids);
+    }
+    json_decref(root);
+    assert_int_equal(failures, 0);
+}
+
+typedef struct thread_arg {
+    const char *text;
+    size_t len;
+    int32_t *want;
+    size_t n_want;
+    int mismatches;
+} thread_arg;
+
+static void *encode_many(void *p)
+{
+    thread_arg *a = p;
+    for (int r = 0; r < 50; r++) {
+        int32_t *ids;
+        size_t n;
+        kvf_err err = {0};
+        if (kvf_model_tokenizer_encode(qwen, a->text, a->len, false, &ids, &n, &err) != KVF_OK ||
+            n != a->n_want || memcmp(ids, a->want, n * sizeof *ids) != 0)
+            a->mismatches++;
+        else
+            free(ids);
+    }
+    return NULL;
+}
+
+/* A loaded tokenizer is shared by threads (the router's workers): same answers, no races. */
+static void test_concurrent_encode(void **state)
+{
+    static const char text[] = "Concurrent requests: caf\xC3\xA9, \xE4\xBD\xA0\xE5\xA5\xBD, 12345 <|im_start|>user\n";
+    thread_arg args[4];
+    pthread_t th[4];
+    kvf_err err = {0};
+    for (int i = 0; i < 4; i++) {
+        args[i] = (thread_arg){.text = text, .len = sizeof text - 1};
+        assert_int_equal(kvf_model_tokenizer_encode(qwen, text, sizeof text - 1, false, &args[i].want,
+                                                    &args[i].n_want, &err), KVF_OK);
+    }
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(pthread_create(&th[i], NULL, encode_many, &args[i]), 0);
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(args[i].mismatches, 0);
+        free(args[i].want);
+    }
+}
 
 static void test_special_tokens(void **state)
 {
@@ -389,6 +463,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qwen3_cases),
         cmocka_unit_test(test_mistral7b_cases),
+        cmocka_unit_test(test_qwen3_chat_prompts),
+        cmocka_unit_test(test_concurrent_encode),
         cmocka_unit_test(test_special_tokens),
         cmocka_unit_test(test_stream_holds_partial_utf8),
         cmocka_unit_test(test_invalid_bytes_become_fffd),
