@@ -16,6 +16,17 @@
  * threads at once. */
 typedef struct kvf_model_tokenizer kvf_model_tokenizer;
 
+/* Supported tokenizer.json parts (anything else is refused with KVF_ERR_UNSUPPORTED naming it):
+ *   model: BPE (vocab + merges as "a b" or ["a", "b"]; byte_fallback, unk_token, fuse_unk,
+ *     ignore_merges); normalizer: NFC, NFD, NFKC, NFKD (utf8proc), Lowercase, Prepend,
+ *     Replace (String pattern), Sequence; pre_tokenizer: Split (PCRE2 with Unicode properties;
+ *     Isolated, Removed, MergedWithPrevious, MergedWithNext), ByteLevel, Metaspace, Digits,
+ *     Sequence; post_processor: TemplateProcessing, ByteLevel, Roberta/BertProcessing, Sequence;
+ *     decoder: ByteLevel, ByteFallback, Fuse, Strip (leading spaces), Replace, Metaspace.
+ *   Added tokens are matched in the raw text; their lstrip/rstrip/single_word/normalized flags
+ *   are not applied. Characters with no token and no unk/byte fallback are dropped, as Hugging
+ *   Face does. Ids are limited to 0..2^21-1. */
+
 /* Loads a tokenizer. path is either a model directory (reads DIR/tokenizer.json and, when
  * present, DIR/tokenizer_config.json and DIR/generation_config.json) or a tokenizer.json file
  * (the two companions are then looked for beside it). A malformed or unsupported file gives
@@ -98,7 +109,9 @@ kvf_status kvf_model_detok_finish(kvf_model_detok *d, kvf_sbuf *out, kvf_err *er
  * special tokens <|begin_of_text|> (BOS), <|end_of_text|> (EOS), <|im_start|>, <|im_end|>, then
  * <|reserved_special_token_N|> fillers when the sample runs out of merges, so the vocabulary
  * has exactly vocab_size ids (at least 260). The same vocab_size always gives the same files.
- * tokenizer_config.json carries a ChatML chat_template. */
+ * tokenizer_config.json carries a ChatML chat_template, bos_token <|begin_of_text|> and eos_token
+ * <|end_of_text|>; encode with add_special puts BOS first. A generation_config.json (gen-model's)
+ * may add <|im_end|> to the EOS ids for chat. Look ids up with token_to_id after loading. */
 #define KVF_MODEL_TOKENIZER_MIN_VOCAB 260
 kvf_status kvf_model_tokenizer_write_default(const char *dir, int32_t vocab_size, kvf_err *err);
 
