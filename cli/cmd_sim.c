@@ -25,6 +25,7 @@ typedef struct sim_cli_cfg {
     double sticky_bound;
     int64_t busy_queued_tokens;
     bool approx, json;
+    double approx_ttl;
     int64_t seed;
 } sim_cli_cfg;
 
@@ -34,6 +35,7 @@ static const kvf_cfg_opt sim_opts[] = {
     {"capacity-blocks", "1250", "KV cache per worker, in trace blocks of 512 tokens (fractions allowed)", offsetof(sim_cli_cfg, capacity_blocks), KVF_CFG_DOUBLE},
     {"policy", "kv", "kv, round-robin, least-loaded, sticky, or fleet-lru (the reference: one LRU cache of workers x capacity shared by the fleet)", offsetof(sim_cli_cfg, policy), KVF_CFG_STR},
     {"approx", NULL, "workers publish no KV events: the router predicts their caches from its own decisions", offsetof(sim_cli_cfg, approx), KVF_CFG_BOOL},
+    {"approx-ttl", "3600", "approximate mode: seconds a predicted block is believed (it is also bounded by the worker's capacity)", offsetof(sim_cli_cfg, approx_ttl), KVF_CFG_DOUBLE},
     {"max-requests", "0", "replay only the first N requests (0 = all)", offsetof(sim_cli_cfg, max_requests), KVF_CFG_INT64},
     {"block-size", "16", "tokens per KV block (the router's and the workers' hash unit)", offsetof(sim_cli_cfg, block_size), KVF_CFG_INT},
     {"trace-block-tokens", "512", "tokens per trace hash_id", offsetof(sim_cli_cfg, trace_block_tokens), KVF_CFG_INT},
@@ -114,6 +116,10 @@ int kvf_cli_sim(int argc, char **argv)
     sc.pool.min_overlap_blocks = c.min_overlap_blocks;
     sc.pool.busy_queued_tokens = c.busy_queued_tokens;
     sc.pool.approx = c.approx;
+    sc.pool.approx_ttl_s = c.approx_ttl;
+    /* the router knows each worker's capacity (its Info): predictions never exceed it */
+    double cap_blocks = c.capacity_blocks * c.trace_block_tokens / (c.block_size > 0 ? c.block_size : 1);
+    sc.pool.approx_max_blocks = cap_blocks >= 1 && cap_blocks < 1e9 ? (int64_t)cap_blocks : 1;
     sc.pool.seed = (uint64_t)c.seed;
 
     kvf_router_trace tr;
