@@ -49,7 +49,8 @@ static const kvf_cfg_spec engine_bench_spec = {
                "apart. Decode bandwidth = weight bytes read per step (f32 compute form, embedding rows\n"
                "not counted) x steps / time, next to a plain sequential read of --memread-bytes.\n"
                "cpu_util: process CPU time / wall time while decoding (100% a thread; lower means\n"
-               "the machine was busy with something else).\n"
+               "the machine was busy with something else). engine%: share of the decode steps' time\n"
+               "spent in the engine itself (scheduling, block allocation, sampling), not the forward pass.\n"
                "Ends with: decode_b32_over_b1=<x> (the aim is at least 8).",
     .opts = engine_bench_opts,
 };
@@ -60,6 +61,7 @@ static const kvf_cfg_spec engine_bench_spec = {
 typedef struct run_result {
     double prefill_tps, decode_tps, step_ms, weight_bps;
     double decode_cpu; /* process CPU seconds per wall second while decoding */
+    double overhead;   /* share of decode step time spent outside the forward pass */
 } run_result;
 
 /* CPU time of the whole process (all threads), in seconds. */
@@ -153,10 +155,13 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
     int32_t firsts = 0, decode_steps = 0;
     int64_t decode_tokens = 0;
     double t_prefill = 0, t_decode = 0, c_decode = 0;
+    int64_t step_ns = 0, fwd_ns = 0;
     while (kvf_engine_busy(e)) {
         const kvf_engine_output *o;
         int32_t n;
         bool prefill = firsts < B;
+        kvf_engine_stats s0, s1;
+        kvf_engine_get_stats(e, &s0);
         double t0 = kvf_now_s(), c0 = cpu_s();
         kvf_status st = kvf_engine_step(e, &o, &n, err);
         double dt = kvf_now_s() - t0, dc = cpu_s() - c0;
@@ -167,8 +172,11 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
             for (int32_t i = 0; i < n; i++)
                 firsts += o[i].n_generated == 1;
         } else if (n == B) {
+            kvf_engine_get_stats(e, &s1);
             t_decode += dt;
             c_decode += dc;
+            step_ns += s1.step_ns - s0.step_ns;
+            fwd_ns += s1.forward_ns - s0.forward_ns;
             decode_steps++;
             decode_tokens += n;
         }
@@ -178,6 +186,7 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
     out->decode_tps = t_decode > 0 ? (double)decode_tokens / t_decode : 0;
     out->step_ms = decode_steps ? 1e3 * t_decode / decode_steps : 0;
     out->decode_cpu = t_decode > 0 ? c_decode / t_decode : 0;
+    out->overhead = step_ns > 0 ? (double)(step_ns - fwd_ns) / (double)step_ns : 0;
     out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg) * decode_steps / t_decode : 0;
     return KVF_OK;
 }
@@ -241,8 +250,9 @@ int kvf_bench_engine_main(int argc, char **argv)
     printf("kvfleet bench engine: prompt %d tokens, budget %d tokens/step, f32 KV, greedy, "
            "prefix cache off, %ld online CPUs\n", bc.prompt, bc.budget, online);
     printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
-    printf("%-7s %7s %5s %14s %13s %10s %12s %9s %9s\n", "preset", "threads", "batch", "prefill_tok/s",
-           "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "cpu_util");
+    printf("%-7s %7s %5s %14s %13s %10s %12s %9s %9s %9s\n", "preset", "threads", "batch",
+           "prefill_tok/s", "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "cpu_util",
+           "engine%");
     int rc = 0;
     double ratio_32 = -1, ratio_worst = 1e30;
     char *save = NULL;
@@ -310,10 +320,10 @@ int kvf_bench_engine_main(int argc, char **argv)
                 break;
             double b1 = 0;
             for (int i = 0; i < n_batches; i++) {
-                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.0f%%\n", preset,
-                       thread_runs[t], batches[i], res[i].prefill_tps, res[i].decode_tps,
+                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.0f%% %8.2f%%\n",
+                       preset, thread_runs[t], batches[i], res[i].prefill_tps, res[i].decode_tps,
                        res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / memread_bps,
-                       100 * res[i].decode_cpu);
+                       100 * res[i].decode_cpu, 100 * res[i].overhead);
                 if (batches[i] == 1)
                     b1 = res[i].decode_tps;
             }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/time.h"
 #include "engine/sample.h"
 #include "kv/hash.h"
 #include "kv/swap.h"
@@ -855,6 +856,7 @@ static void fork_siblings(kvf_engine *e, eng_seq *s, const float *row, int32_t g
 kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int32_t *n_out,
                            kvf_err *err)
 {
+    int64_t t_step = kvf_now_ns();
     e->n_outs = 0;
     e->in_step = true;
     flush_pending(e);
@@ -900,8 +902,10 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     bool need_logits = false;
     for (int32_t i = 0; i < e->n_set && !need_logits; i++)
         need_logits = slot_seq(e, e->set[i])->sp.temperature > 0;
+    int64_t t_fwd = kvf_now_ns();
     st = kvf_model_forward(e->fwd, e->mseq, e->n_set, kvf_kv_pool_base(e->pool), e->n_blocks,
                            need_logits ? e->logits : NULL, e->next, err);
+    e->st.forward_ns += kvf_now_ns() - t_fwd;
     if (st != KVF_OK)
         goto fail;
     e->st.steps++;
@@ -941,6 +945,7 @@ out:
     reclaim(e);
     *out_out = e->outs;
     *n_out = e->n_outs;
+    e->st.step_ns += kvf_now_ns() - t_step;
     return st;
 }
 
