@@ -146,7 +146,9 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
 bool kvf_engine_busy(const kvf_engine *e);
 
 /* Cancels every sample of request id: frees its blocks (or host slots) now; the next step
- * reports FINISH_CANCELLED for each sample not yet finished. ERR_NOT_FOUND for an unknown id. */
+ * reports FINISH_CANCELLED for each sample not yet finished. ERR_NOT_FOUND for an unknown id.
+ * For a remote prefill still in flight, abort the transfer first: the freed blocks may be
+ * handed to the next sequence at once. */
 kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err);
 
 void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out);
