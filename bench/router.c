@@ -29,6 +29,7 @@ typedef struct router_bench_cfg {
     int32_t workers, prompt_tokens, block_size;
     int64_t blocks, decisions;
     double replicas;
+    bool prefix_closed;
 } router_bench_cfg;
 
 static const kvf_cfg_opt router_bench_opts[] = {
@@ -37,6 +38,7 @@ static const kvf_cfg_opt router_bench_opts[] = {
     {"replicas", "1.5", "mean workers holding each block (1..4)", offsetof(router_bench_cfg, replicas), KVF_CFG_DOUBLE},
     {"prompt-tokens", "2048", "prompt length of each routing decision", offsetof(router_bench_cfg, prompt_tokens), KVF_CFG_INT},
     {"block-size", "16", "tokens per block", offsetof(router_bench_cfg, block_size), KVF_CFG_INT},
+    {"prefix-closed", NULL, "the index samples prompts (exact when caches are prefix-closed, as here)", offsetof(router_bench_cfg, prefix_closed), KVF_CFG_BOOL},
     {"decisions", "200000", "routing decisions timed", offsetof(router_bench_cfg, decisions), KVF_CFG_INT64},
     {NULL},
 };
@@ -127,6 +129,7 @@ int kvf_bench_router_main(int argc, char **argv)
     pc.index.block_size = c.block_size;
     pc.index.expected_blocks = c.blocks;
     pc.index.stale_after_s = 0;
+    pc.index.prefix_closed = c.prefix_closed;
     kvf_router_pool *pool;
     if ((st = kvf_router_pool_create(&pc, &pool, &err)) != KVF_OK) {
         fprintf(stderr, "kvfleet: %s\n", err.msg);
@@ -141,8 +144,9 @@ int kvf_bench_router_main(int argc, char **argv)
         return 1;
 
     /* 1. fill: each chain (one prompt's blocks) is stored by `replicas` workers on average */
-    printf("router index: %d workers, %lld blocks as %lld chains of %lld, %.2f replicas\n", c.workers,
-           (long long)c.blocks, (long long)n_chains, (long long)per_prompt, c.replicas);
+    printf("router index: %d workers, %lld blocks as %lld chains of %lld, %.2f replicas, overlap %s\n",
+           c.workers, (long long)c.blocks, (long long)n_chains, (long long)per_prompt, c.replicas,
+           c.prefix_closed ? "sampled (prefix-closed)" : "exact (every block read)");
     int64_t applied = 0;
     double t0 = kvf_now_s(), c0 = cpu_s();
     for (int64_t ch = 0; ch < n_chains; ch++) {

@@ -534,11 +534,78 @@ uint64_t kvf_router_index_lookup(kvf_router_index *idx, uint64_t hash)
     return at < 0 ? 0 : idx->slots[at].bits;
 }
 
+/* Looks up hashes[0..m) (m <= OVERLAP_RUN) with every load in flight at once. */
+static void lookup_run(const kvf_router_index *idx, const uint64_t *hashes, size_t m,
+                       uint64_t *bits_out)
+{
+    uint64_t keys[OVERLAP_RUN], homes[OVERLAP_RUN];
+    for (size_t k = 0; k < m; k++) {
+        keys[k] = norm_key(hashes[k]);
+        homes[k] = home_of(idx, keys[k]);
+        __builtin_prefetch(&idx->slots[homes[k]]);
+    }
+    for (size_t k = 0; k < m; k++) {
+        int64_t at = find_from(idx, keys[k], homes[k]);
+        bits_out[k] = at < 0 ? 0 : idx->slots[at].bits;
+    }
+}
+
+#define GRID 16
+
+/* Overlap for prefix-closed caches: sample GRID evenly spaced blocks, then read only the
+ * stretches between samples where some holder drops out. */
+static size_t overlap_sampled(kvf_router_index *idx, const uint64_t *hashes, size_t n,
+                              uint64_t alive, uint32_t *out)
+{
+    size_t step = (n + GRID - 1) / GRID, n_samples = (n + step - 1) / step;
+    uint64_t sample_h[GRID] = {0}, sample_bits[GRID] = {0}, seg_bits[OVERLAP_RUN];
+    for (size_t k = 0; k < n_samples; k++) {
+        size_t pos = (k + 1) * step - 1;
+        sample_h[k] = hashes[pos < n ? pos : n - 1];
+    }
+    lookup_run(idx, sample_h, n_samples, sample_bits);
+    size_t looked = n_samples, prev_pos = 0; /* blocks [0, prev_pos) are held by all of alive */
+    for (size_t k = 0; k < n_samples && alive; k++) {
+        size_t pos = (k + 1) * step - 1;
+        pos = pos < n ? pos : n - 1;
+        uint64_t held = sample_bits[k] & alive, dropped = alive & ~held;
+        if (dropped) {
+            /* each dropped worker's first missing block is in [prev_pos, pos] */
+            size_t m = pos - prev_pos;
+            for (size_t off = 0; off < m && dropped; off += OVERLAP_RUN) {
+                size_t r = m - off < OVERLAP_RUN ? m - off : OVERLAP_RUN;
+                lookup_run(idx, hashes + prev_pos + off, r, seg_bits);
+                looked += r;
+                for (size_t j = 0; j < r && dropped; j++) {
+                    for (uint64_t lost = dropped & ~seg_bits[j]; lost; lost &= lost - 1)
+                        out[__builtin_ctzll(lost)] = (uint32_t)(prev_pos + off + j);
+                    dropped &= seg_bits[j];
+                }
+            }
+            for (; dropped; dropped &= dropped - 1)
+                out[__builtin_ctzll(dropped)] = (uint32_t)pos;
+        }
+        alive = held;
+        prev_pos = pos + 1;
+    }
+    for (uint64_t a = alive; a; a &= a - 1)
+        out[__builtin_ctzll(a)] = (uint32_t)n;
+    return looked;
+}
+
 size_t kvf_router_index_overlap(kvf_router_index *idx, const uint64_t *hashes, size_t n,
                                 uint64_t mask, uint32_t *overlap_out)
 {
     memset(overlap_out, 0, KVF_ROUTER_MAX_WORKERS * sizeof *overlap_out);
     uint64_t alive = mask & idx->registered;
+    if (idx->cfg.prefix_closed && n >= 2 * GRID) {
+        idx->st.ops += (int64_t)overlap_sampled(idx, hashes, n, alive, overlap_out);
+        size_t best = 0;
+        for (uint64_t m2 = alive; m2; m2 &= m2 - 1)
+            if (overlap_out[__builtin_ctzll(m2)] > best)
+                best = overlap_out[__builtin_ctzll(m2)];
+        return best;
+    }
     uint64_t keys[OVERLAP_RUN], homes[OVERLAP_RUN];
     size_t i = 0, looked = 0;
     while (i < n && alive) {

@@ -5,6 +5,7 @@
 #ifndef KVF_ROUTER_INDEX_H
 #define KVF_ROUTER_INDEX_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -21,6 +22,10 @@ typedef struct kvf_router_index_cfg {
     double stale_after_s;    /* a worker silent this long is stale (<= 0: never) */
     double decay_s;          /* stale trust decays as exp(-(silence - stale_after) / decay_s) */
     double forget_below;     /* a stale worker whose trust drops below this loses its blocks */
+    bool prefix_closed;      /* workers' caches are prefix-closed (a block is cached only with its
+                                parent: tail-first eviction), so the holders of a prompt's blocks
+                                only shrink along it and overlap samples the prompt instead of
+                                reading every block; false reads every block (exact for any cache) */
 } kvf_router_index_cfg;
 
 /* Defaults: block 16, stale after 10 s, decay 30 s, forget below 0.05. model must be set. */
@@ -100,7 +105,10 @@ void kvf_router_index_block_remove(kvf_router_index *idx, int32_t worker, uint64
 /* The workers holding one block (0 when none). */
 uint64_t kvf_router_index_lookup(kvf_router_index *idx, uint64_t hash);
 /* For each worker in mask, the number of leading blocks of hashes[0..n) it holds, into
- * overlap_out[KVF_ROUTER_MAX_WORKERS] (workers outside mask get 0). Returns the largest. */
+ * overlap_out[KVF_ROUTER_MAX_WORKERS] (workers outside mask get 0). Returns the largest.
+ * With prefix_closed: 16 evenly spaced blocks are read at once, then only the stretches where
+ * the holders change (exact when caches are prefix-closed; about 16 + 8 lookups a boundary
+ * instead of n for a 128-block prompt). */
 size_t kvf_router_index_overlap(kvf_router_index *idx, const uint64_t *hashes /* [n] */, size_t n,
                                 uint64_t mask, uint32_t *overlap_out);
 

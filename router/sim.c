@@ -159,6 +159,8 @@ kvf_status kvf_router_sim_run(const kvf_router_trace *t, const kvf_router_sim_cf
     kvf_router_pool_cfg pc = cfg->pool;
     if (cfg->fleet_lru)
         pc.policy = KVF_ROUTER_POLICY_LEAST_LOADED;
+    /* the simulated caches free a request's blocks tail first, so they are prefix-closed */
+    pc.index.prefix_closed = true;
     pc.index.expected_blocks = (int64_t)(per_cache * (cfg->fleet_lru ? 1 : cfg->n_workers));
     if ((st = kvf_router_pool_create(&pc, &s.pool, err)) != KVF_OK)
         goto done;

@@ -307,6 +307,74 @@ static void test_silent_worker_decays_then_is_forgotten(void **state)
     kvf_router_index_destroy(idx);
 }
 
+
+/* Block i of chain c; chains 4k..4k+3 share their first 20 blocks (a prompt tree). */
+static uint64_t ch(int c, int i) { return uh(1 + (i < 20 ? c / 4 : c) * 211 + i) ^ (i < 20 ? 0 : 0x77); }
+
+static void test_sampled_overlap_matches_on_prefix_closed_caches(void **state)
+{
+    (void)state;
+    enum { NC = 40, LEN = 200, W = 6 };
+    kvf_router_index_cfg c;
+    kvf_router_index_cfg_default(&c);
+    c.model = "m";
+    kvf_router_index *lin, *smp;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_index_create(&c, &lin, &err), KVF_OK);
+    c.prefix_closed = true;
+    assert_int_equal(kvf_router_index_create(&c, &smp, &err), KVF_OK);
+    static int len[W][NC]; /* worker w holds chain c's first len blocks */
+    memset(len, 0, sizeof len);
+    uint64_t seq[W] = {0};
+    for (int w = 0; w < W; w++) {
+        assert_int_equal(kvf_router_index_worker_add(lin, w, "m", 16, 0, &err), KVF_OK);
+        assert_int_equal(kvf_router_index_worker_add(smp, w, "m", 16, 0, &err), KVF_OK);
+    }
+    uint64_t h[LEN];
+    for (int step = 0; step < 2000; step++) {
+        int w = (int)(rnd() % W), cc = (int)(rnd() % NC), to = (int)(rnd() % (LEN + 1));
+        int from = len[w][cc];
+        kvf_router_event ev = {.worker = w, .seq = ++seq[w], .model = "m", .block_size = 16, .hashes = h};
+        if (to > from) { /* extend: store blocks from..to */
+            for (int i = from; i < to; i++)
+                h[i - from] = ch(cc, i);
+            ev.kind = KVF_ROUTER_EV_STORED;
+            ev.n = (size_t)(to - from);
+        } else { /* shrink from the tail, unless a sibling chain still needs the shared head */
+            int keep = to;
+            for (int s2 = cc / 4 * 4; s2 < cc / 4 * 4 + 4; s2++)
+                if (s2 != cc && len[w][s2] > keep && keep < 20)
+                    keep = len[w][s2] < 20 ? len[w][s2] : 20;
+            to = keep > to ? keep : to;
+            for (int i = to; i < from; i++)
+                h[i - to] = ch(cc, i);
+            ev.kind = KVF_ROUTER_EV_REMOVED;
+            ev.n = (size_t)(from > to ? from - to : 0);
+            /* removing a shared head block also cuts the siblings' view of it */
+        }
+        assert_int_equal(kvf_router_index_apply(lin, &ev, 0, &err), KVF_OK);
+        assert_int_equal(kvf_router_index_apply(smp, &ev, 0, &err), KVF_OK);
+        len[w][cc] = to > from || ev.kind == KVF_ROUTER_EV_STORED ? (to > from ? to : from) : to;
+        for (int q = 0; q < 3; q++) {
+            int qc = (int)(rnd() % NC), n = 1 + (int)(rnd() % LEN);
+            for (int i = 0; i < n; i++)
+                h[i] = ch(qc, i);
+            uint32_t a[KVF_ROUTER_MAX_WORKERS], b[KVF_ROUTER_MAX_WORKERS];
+            size_t ba = kvf_router_index_overlap(lin, h, (size_t)n, ~0ull, a);
+            size_t bb = kvf_router_index_overlap(smp, h, (size_t)n, ~0ull, b);
+            assert_int_equal(ba, bb);
+            for (int x = 0; x < W; x++)
+                assert_int_equal(a[x], b[x]);
+        }
+    }
+    kvf_router_index_stats sa, sb;
+    kvf_router_index_stats_get(lin, &sa);
+    kvf_router_index_stats_get(smp, &sb);
+    assert_true(sb.ops < sa.ops); /* fewer blocks read for the same answers */
+    kvf_router_index_destroy(lin);
+    kvf_router_index_destroy(smp);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -315,6 +383,7 @@ int main(void)
         cmocka_unit_test(test_removed_worker_leaves_at_once),
         cmocka_unit_test(test_foreign_block_size_or_model_refused_with_log),
         cmocka_unit_test(test_silent_worker_decays_then_is_forgotten),
+        cmocka_unit_test(test_sampled_overlap_matches_on_prefix_closed_caches),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
