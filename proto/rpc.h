@@ -175,8 +175,9 @@ kvf_status kvf_rpc_unary(kvf_rpc_channel *ch, const char *method, const void *re
                          int64_t timeout_ms, kvf_rpc_buf *resp_out, kvf_err *err);
 
 /* The same call, asynchronous: done runs once, on the channel's completion-queue thread (keep it
- * short), with the status, the response (owned by the layer: copy what you keep) and the error
- * message (NULL on success). Returns an error, and never calls done, if the call cannot start. */
+ * short; it must not destroy the channel), with the status, the response (owned by the layer:
+ * copy what you keep) and the error message (NULL on success). Returns an error, and never
+ * calls done, if the call cannot start. */
 typedef void (*kvf_rpc_unary_done_fn)(void *arg, kvf_status st, const uint8_t *resp,
                                       size_t resp_len, const char *msg);
 kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const void *req,

@@ -408,6 +408,25 @@ static void test_stream_send_queue(void **state)
     kvf_rpc_stream_destroy(s);
 }
 
+static void test_channel_destroy_with_calls_in_flight(void **state)
+{
+    fixture *f = *state;
+    kvf_err e;
+    kvf_rpc_channel *ch;
+    assert_int_equal(kvf_rpc_channel_create(f->target, NULL, &ch, &e), KVF_OK);
+    async_result a = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    assert_int_equal(kvf_rpc_unary_async(ch, M_SLOW, "x", 1, 30000, on_async, &a, &e), KVF_OK);
+    kvf_sleep_ms(100);
+    int64_t t0 = kvf_now_ns();
+    kvf_rpc_channel_destroy(ch); /* cancels the call and waits for its callback */
+    assert_true(kvf_now_ns() - t0 < 5000000000LL);
+    assert_int_equal(a.done, 1);
+    assert_int_equal(a.st[0], KVF_ERR_CANCELLED);
+    for (int i = 0; i < 500 && !atomic_load(&f->slow_saw_cancel); i++)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&f->slow_saw_cancel), 1);
+}
+
 static void test_unary_through_a_stream(void **state)
 {
     fixture *f = *state;
@@ -701,6 +720,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_stream_10000, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stream_send_queue, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unary_through_a_stream, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_channel_destroy_with_calls_in_flight, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_deadline, setup, teardown),
         cmocka_unit_test_setup_teardown(test_read_timeout_is_not_the_end, setup, teardown),
         cmocka_unit_test_setup_teardown(test_client_cancel, setup, teardown),
