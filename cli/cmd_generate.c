@@ -110,21 +110,18 @@ static bool is_eos(const kvf_model_config *c, const int32_t *tok_eos, size_t n_t
     return false;
 }
 
-/* The `plan` figures for the pool this command uses, on stderr. */
+/* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
                            int32_t context)
 {
-    int64_t per_seq = kvf_kv_blocks_for(context, l->block_size);
+    char cap[512];
     fprintf(stderr,
             "kvfleet: model %s: %s, %d layers, dim %d, %d/%d heads, vocab %d, %s weights, %.1fM parameters\n"
-            "kvfleet: KV %s: %lld bytes/token, %lld bytes/block (%d tokens); pool %lld blocks = %lld tokens "
-            "(%lld bytes), %lld sequences of %d tokens\n",
+            "kvfleet: %s\n",
             dir, kvf_model_arch_name(m->cfg.arch), m->cfg.n_layers, m->cfg.dim, m->cfg.n_heads,
             m->cfg.n_kv_heads, m->cfg.vocab_size, kvf_dtype_name(m->weight_dtype),
-            (double)kvf_model_config_n_params(&m->cfg) / 1e6, kvf_dtype_name(l->dtype),
-            (long long)kvf_kv_bytes_per_token(l), (long long)l->block_bytes, l->block_size,
-            (long long)n_blocks, (long long)n_blocks * l->block_size, (long long)(n_blocks * l->block_bytes),
-            (long long)(per_seq ? n_blocks / per_seq : 0), context);
+            (double)kvf_model_config_n_params(&m->cfg) / 1e6,
+            kvf_model_capacity_str(l, n_blocks, context, cap, sizeof cap));
 }
 
 int kvf_cli_generate(int argc, char **argv)

@@ -128,3 +128,17 @@ kvf_status kvf_model_kv_layout(const kvf_model *m, int32_t block_size, kvf_dtype
     return kvf_kv_layout_init(m->cfg.n_layers, m->cfg.n_kv_heads, m->cfg.head_dim, block_size, dtype,
                               out, err);
 }
+
+const char *kvf_model_capacity_str(const kvf_kv_layout *l, int64_t n_blocks, int64_t context,
+                                   char *buf, size_t cap)
+{
+    int64_t per_seq = kvf_kv_blocks_for(context, l->block_size);
+    snprintf(buf, cap,
+             "KV %s: %lld bytes/token, %lld bytes/block (%d tokens); pool %lld blocks = %lld tokens "
+             "(%lld bytes), %lld sequences of %lld tokens",
+             kvf_dtype_name(l->dtype), (long long)kvf_kv_bytes_per_token(l), (long long)l->block_bytes,
+             l->block_size, (long long)n_blocks, (long long)n_blocks * l->block_size,
+             (long long)(n_blocks * l->block_bytes), (long long)(per_seq ? n_blocks / per_seq : 0),
+             (long long)context);
+    return buf;
+}

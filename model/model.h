@@ -42,4 +42,10 @@ void kvf_model_destroy(kvf_model *m);
 kvf_status kvf_model_kv_layout(const kvf_model *m, int32_t block_size, kvf_dtype dtype,
                                kvf_kv_layout *out, kvf_err *err);
 
+/* The `kvfleet plan` figures of a pool of n_blocks for this model, as one line into buf:
+ * "KV f32: 512 bytes/token, 8192 bytes/block (16 tokens); pool 128 blocks = 2048 tokens
+ * (1048576 bytes), 16 sequences of 128 tokens". Returns buf. */
+const char *kvf_model_capacity_str(const kvf_kv_layout *l, int64_t n_blocks, int64_t context,
+                                   char *buf, size_t cap);
+
 #endif
