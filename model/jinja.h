@@ -32,8 +32,9 @@ kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
                                    kvf_model_jinja **out, kvf_err *err);
 void kvf_model_jinja_destroy(kvf_model_jinja *t); /* NULL is fine */
 
-/* Renders with vars (a JSON object: each key is a template variable) and optional extra
- * non-JSON globals set by the caller through vars (none today). Statuses:
+/* Renders with vars (a JSON object: each key is a template variable; NULL for none). Globals
+ * raise_exception, namespace, range, dict and strftime_now are always there. Recursion is
+ * bounded by max_depth; at the default a render needs well under 1 MiB of stack. Statuses:
  *   KVF_ERR_INVALID  the template called raise_exception(msg): err->msg is msg exactly;
  *   KVF_ERR_LIMIT    a limit was hit (the message names it);
  *   KVF_ERR_STATE    any other evaluation error ("line L col C: ...");

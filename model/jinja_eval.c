@@ -23,7 +23,7 @@ typedef struct rstate {
     kvf_err *err;
 } rstate;
 
-#define MAX_ARGS 32
+#define MAX_ARGS 16 /* arguments of one call; keeps each nesting level's stack small */
 #define KW_ONLY MAX_ARGS /* arg() position for keyword-only arguments */
 
 typedef struct args {
@@ -1856,7 +1856,7 @@ static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv
     return rfail(R, n, "'%s' is undefined", name);
 }
 
-static bool eval_call(rstate *R, const jnode *n, jframe *f, jmacro *caller, jv *out)
+static __attribute__((noinline)) bool eval_call(rstate *R, const jnode *n, jframe *f, jmacro *caller, jv *out)
 {
     const jnode *callee = n->a;
     args a;
@@ -1924,6 +1924,30 @@ static bool step(rstate *R, const jnode *n)
     if (R->depth >= R->lim.max_depth)
         return rlimit(R, n, "evaluation nested deeper than %d (recursive macro?)", R->lim.max_depth);
     return true;
+}
+
+/* Out of line, so the argument block sits on the stack only while a filter or test runs. */
+static __attribute__((noinline)) bool eval_filter_or_test(rstate *R, const jnode *n, jframe *f, jv *out)
+{
+    args ar;
+    jv a;
+    bool ok, r;
+    if (!eval(R, n->a, f, &a))
+        return false;
+    if (!eval_args(R, n, f, &ar)) {
+        jv_release(a);
+        return false;
+    }
+    if (n->kind == JN_FILTER) {
+        ok = apply_filter(R, n, n->name, a, &ar, out);
+    } else {
+        ok = run_test(R, n, n->name, a, &ar, &r);
+        if (ok)
+            *out = jv_bool(n->op ? !r : r);
+    }
+    jv_release(a);
+    args_free(&ar);
+    return ok;
 }
 
 static bool eval_inner(rstate *R, const jnode *n, jframe *f, jv *out)
@@ -2013,35 +2037,8 @@ static bool eval_inner(rstate *R, const jnode *n, jframe *f, jv *out)
         return ok;
     }
     case JN_CALL: return eval_call(R, n, f, NULL, out);
-    case JN_FILTER: {
-        args ar;
-        if (!eval(R, n->a, f, &a))
-            return false;
-        if (!eval_args(R, n, f, &ar)) {
-            jv_release(a);
-            return false;
-        }
-        ok = apply_filter(R, n, n->name, a, &ar, out);
-        jv_release(a);
-        args_free(&ar);
-        return ok;
-    }
-    case JN_TEST: {
-        args ar;
-        bool r;
-        if (!eval(R, n->a, f, &a))
-            return false;
-        if (!eval_args(R, n, f, &ar)) {
-            jv_release(a);
-            return false;
-        }
-        ok = run_test(R, n, n->name, a, &ar, &r);
-        jv_release(a);
-        args_free(&ar);
-        if (ok)
-            *out = jv_bool(n->op ? !r : r);
-        return ok;
-    }
+    case JN_FILTER:
+    case JN_TEST: return eval_filter_or_test(R, n, f, out);
     case JN_NOT:
         if (!eval(R, n->a, f, &a))
             return false;

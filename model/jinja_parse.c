@@ -1389,8 +1389,7 @@ static jnode *parse_filter_block(parser *P, tok *at)
 
 static jnode *parse_stmt(parser *P)
 {
-    tok *begin = cur(P);
-    adv(P);
+    adv(P); /* '{%' */
     tok *t = cur(P);
     char buf[80];
     if (t->type != T_NAME)
@@ -1421,7 +1420,6 @@ static jnode *parse_stmt(parser *P)
             return NULL;
         return n;
     }
-    (void)begin;
     return fail_at(P, t, "unknown tag '%s'", k);
 }
 
