@@ -457,6 +457,7 @@ static kvf_status load_added(load_ctx *c, const kvf_model_tok_jv *arr)
     if (!t->added)
         return fail(c, KVF_ERR_NOMEM, "out of memory");
     const kvf_model_tok_jv *a = kvf_model_tok_jfirst(arr);
+    int32_t max_id = -1;
     for (size_t i = 0; i < n; i++, a = kvf_model_tok_jnext(a)) {
         const kvf_model_tok_jv *id = kvf_model_tok_jget(a, "id"), *content = kvf_model_tok_jget(a, "content");
         if (!jint(id) || !kvf_model_tok_jis(content, KVF_MODEL_TOK_JSTR) || (size_t)(content)->len == 0)
@@ -471,9 +472,12 @@ static kvf_status load_added(load_ctx *c, const kvf_model_tok_jv *arr)
         d->special = kvf_model_tok_jtrue(kvf_model_tok_jget(a, "special"));
         if (!d->content)
             return fail(c, KVF_ERR_NOMEM, "out of memory");
-        if ((st = grow_ids(c, d->id + 1)) != KVF_OK)
-            return st;
+        if (d->id > max_id)
+            max_id = d->id;
     }
+    kvf_status st = grow_ids(c, max_id + 1); /* once: thousands of reserved tokens are common */
+    if (st != KVF_OK)
+        return st;
     qsort(t->added, t->n_added, sizeof *t->added, cmp_added);
     if (kvf_model_tok_strmap_init(&t->added_map, t->n_added) != KVF_OK)
         return fail(c, KVF_ERR_NOMEM, "out of memory");
