@@ -14,7 +14,7 @@
 
 /* The table's empty key is 0; a block hash of 0 is stored as this value instead. */
 #define KEY_ZERO 0x8000000000000001ull
-#define PREFETCH_RUN 16
+#define PREFETCH_RUN 32
 #define OVERLAP_RUN 64 /* lookups of a prompt in flight at once */
 
 typedef struct slot {
@@ -634,6 +634,11 @@ size_t kvf_router_index_overlap(kvf_router_index *idx, const uint64_t *hashes, s
         if (overlap_out[__builtin_ctzll(m2)] > best)
             best = overlap_out[__builtin_ctzll(m2)];
     return best;
+}
+
+void kvf_router_index_set_prefix_closed(kvf_router_index *idx, bool on)
+{
+    idx->cfg.prefix_closed = on;
 }
 
 void kvf_router_index_stats_get(const kvf_router_index *idx, kvf_router_index_stats *out)

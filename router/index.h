@@ -1,7 +1,6 @@
-/* index.h: the router's KV index: block hash -> the set of workers holding it (a 64-bit bitset),
- * fed by workers' KV events (snapshot, then stored/removed deltas with a per-worker sequence
- * number), with per-worker reverse lists so a worker leaves at once. Single-threaded: the caller
- * serialises access. Transport of events (gRPC WatchKv) and policy live elsewhere. */
+/* index.h: the router's KV index: block hash -> bitset of workers holding it, fed by workers' KV
+ * events (snapshot, then stored/removed deltas with sequence numbers), with per-worker reverse
+ * lists so a worker leaves at once. Single-threaded; event transport and policy live elsewhere. */
 #ifndef KVF_ROUTER_INDEX_H
 #define KVF_ROUTER_INDEX_H
 
@@ -111,6 +110,9 @@ uint64_t kvf_router_index_lookup(kvf_router_index *idx, uint64_t hash);
  * instead of n for a 128-block prompt). */
 size_t kvf_router_index_overlap(kvf_router_index *idx, const uint64_t *hashes /* [n] */, size_t n,
                                 uint64_t mask, uint32_t *overlap_out);
+
+/* Switches the overlap method (see kvf_router_index_cfg.prefix_closed) on a live index. */
+void kvf_router_index_set_prefix_closed(kvf_router_index *idx, bool on);
 
 void kvf_router_index_stats_get(const kvf_router_index *idx, kvf_router_index_stats *out);
 /* Blocks the worker holds in the index. */

@@ -1,8 +1,6 @@
-/* policy.h: routing policies over one pool of workers (the decode pool or the prefill pool;
- * a disaggregated request picks from each separately). A pool owns its KV index, the workers'
- * reported load and busy limits, an online fit of prefill time, a consistent-hashing ring for
- * the sticky fallback and, for workers that publish no KV events, the router's own predictions.
- * Single-threaded: the caller serialises access. HTTP, tokenization and RPC live elsewhere. */
+/* policy.h: routing policies over one pool of workers (decode or prefill; a disaggregated request
+ * picks from each): KV index, reported load and busy limits, prefill-time fit, sticky ring, and
+ * predictions for workers that publish no events. Single-threaded; HTTP and RPC live elsewhere. */
 #ifndef KVF_ROUTER_POLICY_H
 #define KVF_ROUTER_POLICY_H
 

@@ -1,8 +1,6 @@
-/* sim.c: the trace replay. Requests are handled in arrival order; at each arrival the requests
- * that finished are released (their blocks unpinned, tail first), load reports go to the router,
- * the router picks, the chosen worker's cache serves the leading hits, pins and inserts the
- * rest (publishing removed, then stored events to the router's index), and the time model sets
- * when the prefill ends (TTFT) and when decoding ends (release). */
+/* sim.c: the trace replay, in arrival order: release finished requests (blocks unpinned, tail
+ * first), report loads, let the router pick, serve leading hits from the worker's cache, insert the
+ * rest (publishing removed, then stored events), and time the prefill (TTFT) and the decode. */
 #include "router/sim.h"
 
 #include <math.h>

@@ -1,8 +1,6 @@
-/* sim.h: replays a trace through the real router (router/policy.h and its index) against
- * simulated workers: each a prefix cache of fixed capacity with the workers' eviction rule (LRU
- * over unreferenced blocks, a finished request's tail blocks evicted before its head) that
- * publishes stored/removed events, and a time model for prefill and decode. The `fleet-lru`
- * reference instead shares one cache of n_workers x capacity across the whole fleet. */
+/* sim.h: replays a trace through the real router (policy + index) against simulated workers: prefix
+ * caches with the workers' eviction rule that publish KV events, and a prefill/decode time model;
+ * `fleet-lru` is the reference: one cache of n_workers x capacity shared by the whole fleet. */
 #ifndef KVF_ROUTER_SIM_H
 #define KVF_ROUTER_SIM_H
 

@@ -1,7 +1,6 @@
-/* trace.h: reading request traces in the Mooncake format (JSON Lines: timestamp in ms,
- * input_length, output_length, hash_ids with one id per 512-token block) and expanding them into
- * the router's terms: each trace block becomes deterministic token ids derived from its id, and
- * the prompt is hashed into chained block hashes (kv/hash.h) so equal ids give equal prefixes. */
+/* trace.h: Mooncake traces (JSON Lines: timestamp ms, input_length, output_length, hash_ids of
+ * 512-token blocks) in the router's terms: each trace block becomes token ids derived from its id,
+ * hashed into chained blocks (kv/hash.h), so equal ids give equal prefixes. */
 #ifndef KVF_ROUTER_TRACE_H
 #define KVF_ROUTER_TRACE_H
 
