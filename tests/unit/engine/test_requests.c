@@ -555,6 +555,67 @@ static void test_remote_prefill_tokens(void **state)
     kvf_engine_destroy(e);
 }
 
+/* ---- cache salts, eviction events, sizing by bytes ----------------------------------------- */
+
+static void test_salt_isolation_and_eviction(void **state)
+{
+    et_fixture *f = *state;
+    const et_case *b = et_find(f, "shared-prefix-b"), *h = et_find(f, "hundred");
+    ev_count ev = {0};
+    kvf_engine_cfg cfg;
+    et_cfg(&cfg);
+    cfg.on_event = count_event;
+    cfg.event_ctx = &ev;
+    kvf_engine *e = et_engine(f->m, &cfg);
+    int32_t out[64], n;
+    kvf_engine_finish fin;
+    kvf_err err = {0};
+    kvf_engine_stats st;
+    kvf_engine_request q = et_req(1, b->prompt, b->n_prompt, f->n_new);
+    q.cache_salt = "tenant-x";
+    assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
+    et_assert_tokens("salted", out, n, b->greedy, f->n_new);
+    /* 44 prompt + 23 computed output tokens: 4 full blocks registered */
+    assert_int_equal(ev.stored, (b->n_prompt + f->n_new - 1) / 16);
+    q.cache_salt = "tenant-y";
+    assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
+    kvf_engine_get_stats(e, &st);
+    assert_int_equal(st.prefix_hit_tokens, 0); /* another salt never shares */
+    q.cache_salt = "tenant-x";
+    assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
+    kvf_engine_get_stats(e, &st);
+    assert_int_equal(st.prefix_hit_tokens, 32);
+    et_assert_tokens("salted, warm", out, n, b->greedy, f->n_new);
+    kvf_engine_destroy(e);
+
+    /* a small pool: cached blocks are evicted for new prompts, with REMOVED events */
+    memset(&ev, 0, sizeof ev);
+    et_cfg(&cfg);
+    cfg.n_blocks = 9;
+    cfg.on_event = count_event;
+    cfg.event_ctx = &ev;
+    e = et_engine(f->m, &cfg);
+    q = et_req(1, b->prompt, b->n_prompt, f->n_new);
+    assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
+    q = et_req(2, h->prompt, h->n_prompt, f->n_new);
+    assert_int_equal(kvf_engine_generate(e, &q, out, 64, &n, &fin, &err), KVF_OK);
+    et_assert_tokens("after eviction", out, n, h->greedy, f->n_new);
+    assert_true(ev.removed > 0);
+    kvf_engine_get_stats(e, &st);
+    assert_int_equal(st.free_blocks + st.cached_blocks, 9);
+    assert_int_equal(kvf_engine_check(e, &err), KVF_OK);
+    kvf_engine_destroy(e);
+
+    /* sized by bytes: tiny-gqa-f32 blocks are 2 layers x 2 (K, V) x 2 heads x 16 x 16 x 4 B */
+    et_cfg(&cfg);
+    cfg.n_blocks = 0;
+    cfg.kv_bytes = 10 * 8192 + 100;
+    e = et_engine(f->m, &cfg);
+    kvf_engine_get_stats(e, &st);
+    assert_int_equal(st.total_blocks, 10);
+    kvf_engine_destroy(e);
+}
+
 /* ---- bad input ----------------------------------------------------------------------------- */
 
 static void test_bad_requests_and_configs(void **state)
@@ -647,6 +708,7 @@ int main(void)
         cmocka_unit_test(test_cancel_frees_blocks_at_once),
         cmocka_unit_test(test_remote_prefill),
         cmocka_unit_test(test_remote_prefill_tokens),
+        cmocka_unit_test(test_salt_isolation_and_eviction),
         cmocka_unit_test(test_bad_requests_and_configs),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
