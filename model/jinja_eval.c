@@ -1066,7 +1066,8 @@ static bool html_escape(rstate *R, const jnode *n, jv v, jv *out)
 
 static bool f_tojson(rstate *R, const jnode *n, jv v, args *a, jv *out)
 {
-    jv *ind = arg(a, KW_ONLY, "indent"), *sep = arg(a, KW_ONLY, "separators"), *sk = arg(a, KW_ONLY, "sort_keys");
+    jv *ind = arg(a, KW_ONLY, "indent"), *sep = arg(a, KW_ONLY, "separators"), *sk = arg(a, KW_ONLY, "sort_keys"),
+       *ea = arg(a, KW_ONLY, "ensure_ascii");
     if (!ind && a->n_pos > 0)
         ind = &a->pos[0];
     int indent = -1;
@@ -1091,7 +1092,8 @@ static bool f_tojson(rstate *R, const jnode *n, jv v, args *a, jv *out)
     kvf_sbuf b;
     kvf_sbuf_init(&b);
     char why[200] = "";
-    if (!jv_to_json(&b, v, indent, indent_str, item_sep, key_sep, sk && jv_truthy(*sk), why, sizeof why)) {
+    if (!jv_to_json(&b, v, indent, indent_str, item_sep, key_sep, sk && jv_truthy(*sk), ea && jv_truthy(*ea),
+                    why, sizeof why)) {
         kvf_sbuf_fini(&b);
         if (v.t == JV_UNDEF)
             return undef_err(R, n, v);

@@ -109,11 +109,11 @@ void jv_repr(kvf_sbuf *b, jv v);
 void jv_float_repr(kvf_sbuf *b, double f);
 const char *jv_type_name(jv v); /* Python-ish: "str", "int", "list", ... */
 
-/* json.dumps(v, ensure_ascii=False, indent=indent (<0: None, or indent_str when not NULL),
+/* json.dumps(v, ensure_ascii=ensure_ascii, indent=indent (<0: None, or indent_str when not NULL),
  * separators=(item_sep, key_sep) (NULL: Python's defaults), sort_keys). Returns false and fills
  * why when v holds something JSON cannot hold. */
 bool jv_to_json(kvf_sbuf *b, jv v, int indent, const char *indent_str, const char *item_sep,
-                const char *key_sep, bool sort_keys, char *why, size_t why_cap);
+                const char *key_sep, bool sort_keys, bool ensure_ascii, char *why, size_t why_cap);
 /* A JSON value as a jinja value; false on OOM or when nested deeper than max_depth. */
 bool jv_from_json(const json_t *j, int max_depth, jv *out);
 

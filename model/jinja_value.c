@@ -458,14 +458,28 @@ void jv_to_str(kvf_sbuf *b, jv v)
 
 /* ---- JSON ------------------------------------------------------------------------------- */
 
-static void json_str(kvf_sbuf *b, const char *s, size_t n)
+static void json_str(kvf_sbuf *b, const char *s, size_t n, bool ensure_ascii)
 {
     kvf_sbuf_putc(b, '"');
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         const char *esc = NULL;
-        char ubuf[8];
+        char ubuf[16];
+        if (c >= 0x80 && ensure_ascii) { /* \uXXXX, with surrogate pairs above U+FFFF */
+            uint32_t cp;
+            size_t next = ju_next(s, n, i, &cp);
+            if (next - i == 1)
+                continue; /* not UTF-8: left as it is */
+            kvf_sbuf_append(b, s + run, i - run);
+            if (cp >= 0x10000)
+                kvf_sbuf_printf(b, "\\u%04x\\u%04x", 0xd800 + ((cp - 0x10000) >> 10), 0xdc00 + ((cp - 0x10000) & 0x3ff));
+            else
+                kvf_sbuf_printf(b, "\\u%04x", cp);
+            run = next;
+            i = next - 1;
+            continue;
+        }
         switch (c) {
         case '"': esc = "\\\""; break;
         case '\\': esc = "\\\\"; break;
@@ -494,7 +508,7 @@ typedef struct json_opts {
     int indent;
     const char *indent_str;
     const char *item_sep, *key_sep;
-    bool sort_keys;
+    bool sort_keys, ensure_ascii;
     char *why;
     size_t why_cap;
 } json_opts;
@@ -541,7 +555,7 @@ static bool json_val(kvf_sbuf *b, jv v, const json_opts *o, int level)
         else
             jv_float_repr(b, v.u.f);
         return true;
-    case JV_STR: json_str(b, v.u.s->s, v.u.s->len); return true;
+    case JV_STR: json_str(b, v.u.s->s, v.u.s->len, o->ensure_ascii); return true;
     case JV_LIST:
         if (v.u.l->n == 0) {
             kvf_sbuf_puts(b, "[]");
@@ -588,7 +602,7 @@ static bool json_val(kvf_sbuf *b, jv v, const json_opts *o, int level)
             if (pretty)
                 json_newline(b, o, level + 1);
             if (k->t == JV_STR) {
-                json_str(b, k->u.s->s, k->u.s->len);
+                json_str(b, k->u.s->s, k->u.s->len, o->ensure_ascii);
             } else if (k->t == JV_INT || k->t == JV_FLOAT || k->t == JV_BOOL || k->t == JV_NONE) {
                 kvf_sbuf kb;
                 kvf_sbuf_init(&kb);
@@ -596,7 +610,7 @@ static bool json_val(kvf_sbuf *b, jv v, const json_opts *o, int level)
                     json_val(&kb, *k, o, level + 1);
                 else
                     jv_to_str(&kb, *k);
-                json_str(b, kb.data ? kb.data : "", kb.len);
+                json_str(b, kb.data ? kb.data : "", kb.len, o->ensure_ascii);
                 kvf_sbuf_fini(&kb);
             } else {
                 snprintf(o->why, o->why_cap, "keys must be str, int, float, bool or None, not %s",
@@ -622,7 +636,7 @@ static bool json_val(kvf_sbuf *b, jv v, const json_opts *o, int level)
 }
 
 bool jv_to_json(kvf_sbuf *b, jv v, int indent, const char *indent_str, const char *item_sep,
-                const char *key_sep, bool sort_keys, char *why, size_t why_cap)
+                const char *key_sep, bool sort_keys, bool ensure_ascii, char *why, size_t why_cap)
 {
     bool pretty = indent >= 0 || indent_str;
     json_opts o = {
@@ -631,6 +645,7 @@ bool jv_to_json(kvf_sbuf *b, jv v, int indent, const char *indent_str, const cha
         .item_sep = item_sep ? item_sep : pretty ? "," : ", ",
         .key_sep = key_sep ? key_sep : ": ",
         .sort_keys = sort_keys,
+        .ensure_ascii = ensure_ascii,
         .why = why,
         .why_cap = why_cap,
     };

@@ -245,6 +245,9 @@ static const jcase cases_tojson[] = {
     {"{{ '\303\251' | tojson }}{{ 'a\\u2028' | tojson }}{{ 3.0 | tojson }}{{ 1e100 | tojson }}{{ [1,[2,{}]] | tojson(indent=1) }}{{ x | tojson(indent='\\t') }}{{ x | tojson(indent=0) }}",
      "{\"x\": {\"a\": [1]}}",
      "\"\303\251\"\"a\342\200\250\"3.01e+100[\n 1,\n [\n  2,\n  {}\n ]\n]{\n\t\"a\": [\n\t\t1\n\t]\n}{\n\"a\": [\n1\n]\n}"},
+    {"{{ x | tojson(ensure_ascii=true) }}|{{ {'\303\251': 1} | tojson(ensure_ascii=true, indent=1) }}",
+     "{\"x\": [\"\\u00e9\\ud83d\\ude00\\u4e2d\", \"\\u0001\"]}",
+     "[\"\\u00e9\\ud83d\\ude00\\u4e2d\", \"\\u0001\"]|{\n \"\\u00e9\": 1\n}"},
     {NULL, NULL, NULL},
 };
 
