@@ -50,7 +50,9 @@ typedef struct kvf_engine_cfg {
     int32_t max_batch_tokens; /* token budget of one step (prefill chunks + decode tokens) */
     int32_t max_seqs;         /* running sequences at once (<= max_batch_tokens) */
     int32_t max_queued;       /* sequences held at once: running + waiting + swapped */
-    int32_t max_ctx;          /* positions per sequence; 0: the model's max_position_embeddings */
+    int32_t max_ctx;          /* positions per sequence; 0: the model's max_position_embeddings.
+                               * Every held sequence reserves max_ctx token ids (4 B each) and
+                               * a block table for them: set it for long-context models. */
     int32_t swap_slots;       /* host blocks for swapped sequences; 0: no swap tier */
     bool prefix_cache;        /* reuse cached full blocks of a prompt's prefix (default on) */
     kvf_engine_preempt preempt;
