@@ -147,7 +147,8 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
 kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err);
 
 /* Cancels transfer id on either side. Sender: the write ends with a KVF_ERR_CANCELLED event once
- * the backend has let go of the source blocks (no notice is sent if it was not yet); receiver:
+ * the backend has let go of the source blocks; once the notice went out it is too late
+ * (KVF_ERR_STATE: wait for the event); receiver:
  * the expectation ends with a KVF_ERR_CANCELLED event at once. KVF_ERR_NOT_FOUND when id is
  * neither in flight nor expected. A sender's notice that arrives after a receiver's cancel or
  * timeout is dropped; its bytes may still land in the destination blocks, so the control plane

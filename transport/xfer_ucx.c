@@ -772,7 +772,7 @@ static void ucx_progress(kvf_xfer *x)
         }
         rp = &r->next;
     }
-    int64_t now = kvf_now_ns();
+    int64_t now = u->sends ? kvf_now_ns() : 0;
     for (ucx_send **pp = &u->sends; *pp;) {
         ucx_send *s = *pp;
         ucx_peer *p = s->peer;
