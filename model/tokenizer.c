@@ -169,12 +169,18 @@ int32_t kvf_model_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, 
     return tok->vocab.slots[strmap_slot(tok, &tok->vocab, vocab_key, s, len)];
 }
 
-int32_t kvf_model_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
+const kvf_model_tok_added *kvf_model_tok_added_lookup(const kvf_model_tokenizer *tok, const char *s, size_t len)
 {
     if (!tok->added_map.slots)
-        return -1;
+        return NULL;
     int32_t i = tok->added_map.slots[strmap_slot(tok, &tok->added_map, added_key, s, len)];
-    return i < 0 ? -1 : tok->added[i].id;
+    return i < 0 ? NULL : &tok->added[i];
+}
+
+int32_t kvf_model_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len)
+{
+    const kvf_model_tok_added *a = kvf_model_tok_added_lookup(tok, s, len);
+    return a ? a->id : -1;
 }
 
 static uint64_t merge_hash(uint64_t key)
@@ -470,6 +476,8 @@ static kvf_status load_added(load_ctx *c, const kvf_model_tok_jv *arr)
         d->len = (size_t)(content)->len;
         d->content = dup_bytes(kvf_model_tok_jstr(content), d->len);
         d->special = kvf_model_tok_jtrue(kvf_model_tok_jget(a, "special"));
+        d->lstrip = kvf_model_tok_jtrue(kvf_model_tok_jget(a, "lstrip"));
+        d->rstrip = kvf_model_tok_jtrue(kvf_model_tok_jget(a, "rstrip"));
         if (!d->content)
             return fail(c, KVF_ERR_NOMEM, "out of memory");
         if (d->id > max_id)

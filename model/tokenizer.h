@@ -23,8 +23,8 @@ typedef struct kvf_model_tokenizer kvf_model_tokenizer;
  *     Isolated, Removed, MergedWithPrevious, MergedWithNext), ByteLevel, Metaspace, Digits,
  *     Sequence; post_processor: TemplateProcessing, ByteLevel, Roberta/BertProcessing, Sequence;
  *     decoder: ByteLevel, ByteFallback, Fuse, Strip (leading spaces), Replace, Metaspace.
- *   Added tokens are matched in the raw text; their lstrip/rstrip/single_word/normalized flags
- *   are not applied. Characters with no token and no unk/byte fallback are dropped, as Hugging
+ *   Added tokens are matched in the raw text, lstrip/rstrip swallowing whitespace beside
+ *   them; their single_word/normalized flags are not applied. Characters with no token and no unk/byte fallback are dropped, as Hugging
  *   Face does. Ids are limited to 0..2^21-1. */
 
 /* Loads a tokenizer. path is either a model directory (reads DIR/tokenizer.json and, when

@@ -535,21 +535,34 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
         bpe_piece(e, e->bufs[cb].data + fin->off[k], fin->len[k]);
 }
 
-/* The id of the longest added token at s, or -1; *len_out its length. One hash lookup per
- * distinct added-token length, so thousands of reserved tokens cost no more than a few. */
-static int32_t match_added(const kvf_model_tokenizer *t, const char *s, size_t n, size_t *len_out)
+/* The longest added token at s, or NULL. One hash lookup per distinct added-token length, so
+ * thousands of reserved tokens cost no more than a few. */
+static const kvf_model_tok_added *match_added(const kvf_model_tokenizer *t, const char *s, size_t n)
 {
     for (size_t i = 0; i < t->n_added_lens; i++) {
         size_t l = t->added_lens[i];
         if (l > n)
             continue;
-        int32_t id = kvf_model_tok_added_find(t, s, l);
-        if (id >= 0) {
-            *len_out = l;
-            return id;
-        }
+        const kvf_model_tok_added *a = kvf_model_tok_added_lookup(t, s, l);
+        if (a)
+            return a;
     }
-    return -1;
+    return NULL;
+}
+
+/* Unicode White_Space (what lstrip/rstrip swallow). */
+static bool is_space_cp(uint32_t c)
+{
+    return (c >= 9 && c <= 13) || c == ' ' || c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
+           c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+static uint32_t cp_at(const char *s, size_t n, size_t *len_out)
+{
+    utf8proc_int32_t cp = 0;
+    utf8proc_ssize_t k = utf8proc_iterate((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &cp);
+    *len_out = k > 0 ? (size_t)k : 1;
+    return k > 0 ? (uint32_t)cp : 0xFFFD;
 }
 
 kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char *text, size_t len,
@@ -579,15 +592,27 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
             push_id(&e, tok->prefix_ids[i]);
     size_t seg = 0;
     for (size_t i = 0; i < len && !e.oom && !e.re_error;) {
-        size_t alen = 0;
-        int32_t aid = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i, &alen) : -1;
-        if (aid < 0) {
+        const kvf_model_tok_added *a = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i) : NULL;
+        if (!a) {
             i++;
             continue;
         }
-        encode_segment(&e, text + seg, i - seg, seg == 0);
-        push_id(&e, aid);
-        i += alen;
+        size_t seg_end = i, k;
+        if (a->lstrip) /* step back over whitespace, one character at a time */
+            while (seg_end > seg) {
+                size_t b = seg_end - 1;
+                while (b > seg && ((uint8_t)text[b] & 0xC0) == 0x80)
+                    b--;
+                if (!is_space_cp(cp_at(text + b, seg_end - b, &k)))
+                    break;
+                seg_end = b;
+            }
+        encode_segment(&e, text + seg, seg_end - seg, seg == 0);
+        push_id(&e, a->id);
+        i += a->len;
+        if (a->rstrip)
+            while (i < len && is_space_cp(cp_at(text + i, len - i, &k)))
+                i += k;
         seg = i;
     }
     if (!e.oom && !e.re_error)

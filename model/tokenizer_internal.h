@@ -87,6 +87,7 @@ typedef struct kvf_model_tok_added {
     size_t len;
     int32_t id;
     bool special;
+    bool lstrip, rstrip; /* the match swallows the whitespace on its left / right */
 } kvf_model_tok_added;
 
 struct kvf_model_tokenizer {
@@ -149,6 +150,7 @@ kvf_status kvf_model_tok_strmap_init(kvf_model_tok_strmap *m, size_t expect);
 void kvf_model_tok_strmap_fini(kvf_model_tok_strmap *m);
 int32_t kvf_model_tok_vocab_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
 int32_t kvf_model_tok_added_find(const kvf_model_tokenizer *tok, const char *s, size_t len);
+const kvf_model_tok_added *kvf_model_tok_added_lookup(const kvf_model_tokenizer *tok, const char *s, size_t len);
 const kvf_model_tok_merge *kvf_model_tok_merge_find(const kvf_model_tok_mergemap *m, int32_t a, int32_t b);
 
 /* The GPT-2 pre-tokenizer regex ByteLevel uses with use_regex. */

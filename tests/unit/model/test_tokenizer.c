@@ -458,6 +458,37 @@ static void test_small_metaspace(void **state)
     kvf_model_tokenizer_destroy(t);
 }
 
+/* Added tokens with rstrip/lstrip swallow the whitespace beside them. */
+static void test_added_strip(void **state)
+{
+    const char *tj = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \" \": 1, \"b\": 2}, \"merges\": []},"
+                     " \"added_tokens\": [{\"id\": 3, \"content\": \"<|end|>\", \"rstrip\": true, \"special\": true},"
+                     "                    {\"id\": 4, \"content\": \"<m>\", \"lstrip\": true}]}";
+    kvf_model_tokenizer *t;
+    kvf_err err = {0};
+    assert_int_equal(kvf_model_tokenizer_load_buf(tj, strlen(tj), NULL, 0, NULL, 0, &t, &err), KVF_OK);
+    static const struct {
+        const char *text;
+        int32_t want[4];
+        size_t n;
+    } cases[] = {
+        {"a <|end|>  b", {0, 1, 3, 2}, 4},
+        {"a  <m>b", {0, 4, 2}, 3},
+        {"a\xE3\x80\x80\t<m> b", {0, 4, 1, 2}, 4}, /* U+3000 and a tab before, a space after */
+        {"<|end|>\n", {3}, 1},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int32_t *ids;
+        size_t n;
+        assert_int_equal(kvf_model_tokenizer_encode(t, cases[k].text, strlen(cases[k].text), false, &ids, &n, &err),
+                         KVF_OK);
+        assert_int_equal(n, cases[k].n);
+        assert_memory_equal(ids, cases[k].want, n * sizeof *ids);
+        free(ids);
+    }
+    kvf_model_tokenizer_destroy(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -472,6 +503,7 @@ int main(void)
         cmocka_unit_test(test_long_word_is_fast),
         cmocka_unit_test(test_malformed_files),
         cmocka_unit_test(test_small_metaspace),
+        cmocka_unit_test(test_added_strip),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
