@@ -60,7 +60,7 @@ static kvf_status wrong(const char *key, const json_t *v, const char *want, kvf_
 
 kvf_status kvf_json_get_int(const json_t *obj, const char *key, int64_t *out, kvf_err *err)
 {
-    json_t *v;
+    json_t *v = NULL;
     kvf_status st = get(obj, key, &v, err);
     if (st != KVF_OK)
         return st;
@@ -80,7 +80,7 @@ kvf_status kvf_json_get_int(const json_t *obj, const char *key, int64_t *out, kv
 
 kvf_status kvf_json_get_num(const json_t *obj, const char *key, double *out, kvf_err *err)
 {
-    json_t *v;
+    json_t *v = NULL;
     kvf_status st = get(obj, key, &v, err);
     if (st != KVF_OK)
         return st;
@@ -92,7 +92,7 @@ kvf_status kvf_json_get_num(const json_t *obj, const char *key, double *out, kvf
 
 kvf_status kvf_json_get_bool(const json_t *obj, const char *key, bool *out, kvf_err *err)
 {
-    json_t *v;
+    json_t *v = NULL;
     kvf_status st = get(obj, key, &v, err);
     if (st != KVF_OK)
         return st;
@@ -104,7 +104,7 @@ kvf_status kvf_json_get_bool(const json_t *obj, const char *key, bool *out, kvf_
 
 kvf_status kvf_json_get_str(const json_t *obj, const char *key, const char **out, kvf_err *err)
 {
-    json_t *v;
+    json_t *v = NULL;
     kvf_status st = get(obj, key, &v, err);
     if (st != KVF_OK)
         return st;
@@ -117,7 +117,7 @@ kvf_status kvf_json_get_str(const json_t *obj, const char *key, const char **out
 kvf_status kvf_json_get_i32_array(const json_t *obj, const char *key, int32_t **out,
                                   size_t *n_out, kvf_err *err)
 {
-    json_t *v;
+    json_t *v = NULL;
     kvf_status st = get(obj, key, &v, err);
     if (st != KVF_OK)
         return st;
