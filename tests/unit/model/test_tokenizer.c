@@ -489,6 +489,46 @@ static void test_added_strip(void **state)
     kvf_model_tokenizer_destroy(t);
 }
 
+/* Llama 3 style: a Split regex then ByteLevel, and ignore_merges takes whole words from the
+ * vocabulary even when the merges would not build them. */
+static void test_ignore_merges(void **state)
+{
+    for (int ignore = 0; ignore <= 1; ignore++) {
+        char tj[1024];
+        snprintf(tj, sizeof tj,
+                 "{\"model\": {\"type\": \"BPE\", \"ignore_merges\": %s,"
+                 " \"vocab\": {\"a\": 0, \"b\": 1, \"c\": 2, \"ab\": 3, \"abc\": 4, \"\u0120\": 5, \"\u0120abc\": 6},"
+                 " \"merges\": [[\"a\", \"b\"]]},"
+                 " \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
+                 "   {\"type\": \"Split\", \"pattern\": {\"Regex\": \" ?\\\\p{L}+\"}, \"behavior\": \"Isolated\"},"
+                 "   {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]},"
+                 " \"decoder\": {\"type\": \"ByteLevel\"}}",
+                 ignore ? "true" : "false");
+        kvf_model_tokenizer *t;
+        kvf_err err = {0};
+        if (kvf_model_tokenizer_load_buf(tj, strlen(tj), NULL, 0, NULL, 0, &t, &err) != KVF_OK)
+            fail_msg("%s", err.msg);
+        int32_t *ids;
+        size_t n;
+        assert_int_equal(kvf_model_tokenizer_encode(t, "abc abc", 7, false, &ids, &n, &err), KVF_OK);
+        if (ignore) {
+            int32_t want[2] = {4, 6};
+            assert_int_equal(n, 2);
+            assert_memory_equal(ids, want, sizeof want);
+        } else {
+            int32_t want[5] = {3, 2, 5, 3, 2};
+            assert_int_equal(n, 5);
+            assert_memory_equal(ids, want, sizeof want);
+        }
+        char *text;
+        assert_int_equal(kvf_model_tokenizer_decode(t, ids, n, false, &text, NULL, &err), KVF_OK);
+        assert_string_equal(text, "abc abc");
+        free(text);
+        free(ids);
+        kvf_model_tokenizer_destroy(t);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -504,6 +544,7 @@ int main(void)
         cmocka_unit_test(test_malformed_files),
         cmocka_unit_test(test_small_metaspace),
         cmocka_unit_test(test_added_strip),
+        cmocka_unit_test(test_ignore_merges),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
