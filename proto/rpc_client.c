@@ -67,7 +67,7 @@ static grpc_call *call_create(kvf_rpc_channel *ch, const char *method, int64_t t
 {
     grpc_slice m = grpc_slice_from_copied_string(method);
     grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, ch->cq,
-                                               m, NULL, rpc_deadline_from_ms(timeout_ms), NULL);
+                                               m, NULL, kvf_rpc_deadline_from_ms(timeout_ms), NULL);
     grpc_slice_unref(m);
     return call;
 }
@@ -150,7 +150,7 @@ static void on_unary_done(rpc_tag *t, bool ok)
     else if (!u->recv_bb)
         st = kvf_err_set(&e, KVF_ERR_PARSE, "rpc: %s: the server sent no response message",
                          u->method);
-    else if ((st = rpc_bb_read(u->recv_bb, &resp, &e)) != KVF_OK)
+    else if ((st = kvf_rpc_bb_read(u->recv_bb, &resp, &e)) != KVF_OK)
         kvf_err_prefix(&e, "rpc: %s", u->method);
     u->done(u->arg, st, resp.data, resp.len, st == KVF_OK ? NULL : e.msg);
     kvf_rpc_buf_free(&resp);
@@ -179,7 +179,7 @@ kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const vo
     grpc_metadata_array_init(&u->initial_md);
     grpc_metadata_array_init(&u->trailing_md);
     u->method = strdup(method);
-    u->send_bb = rpc_bb_from(req, len);
+    u->send_bb = kvf_rpc_bb_from(req, len);
     if (!u->method || !u->send_bb) {
         unary_free(u);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
@@ -383,7 +383,7 @@ static void on_stream_recv(rpc_tag *t, bool ok)
     } else {
         kvf_rpc_buf b = {0};
         kvf_err e;
-        kvf_status st = rpc_bb_read(s->recv_bb, &b, &e);
+        kvf_status st = kvf_rpc_bb_read(s->recv_bb, &b, &e);
         grpc_byte_buffer_destroy(s->recv_bb);
         s->recv_bb = NULL;
         if (st == KVF_OK) {
@@ -437,7 +437,7 @@ kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const vo
     grpc_metadata_array_init(&s->initial_md);
     grpc_metadata_array_init(&s->trailing_md);
     s->method = strdup(method);
-    s->send_bb = rpc_bb_from(req, len);
+    s->send_bb = kvf_rpc_bb_from(req, len);
     if (!s->method || !s->send_bb) {
         stream_free(s);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
@@ -567,7 +567,7 @@ void kvf_rpc_stream_destroy(kvf_rpc_stream *s)
 static void *channel_poller(void *arg)
 {
     kvf_rpc_channel *ch = arg;
-    rpc_cq_poll(ch->cq);
+    kvf_rpc_cq_poll(ch->cq);
     return NULL;
 }
 
@@ -577,13 +577,13 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
     if (!target || !*target)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: channel: empty target (want host:port)");
     int64_t max_msg;
-    kvf_status st = rpc_max_msg(opts ? opts->max_msg_bytes : 0, "channel", &max_msg, err);
+    kvf_status st = kvf_rpc_max_msg_check(opts ? opts->max_msg_bytes : 0, "channel", &max_msg, err);
     if (st != KVF_OK)
         return st;
     const kvf_rpc_tls *tls = opts ? opts->tls : NULL;
     bool use_tls = tls && tls->ca_file && *tls->ca_file;
     char *ca = NULL;
-    if (use_tls && (st = rpc_read_pem(tls->ca_file, "--tls-ca", &ca, err)) != KVF_OK)
+    if (use_tls && (st = kvf_rpc_pem_read(tls->ca_file, "--tls-ca", &ca, err)) != KVF_OK)
         return st;
     kvf_rpc_channel *ch = calloc(1, sizeof *ch);
     if (!ch || !(ch->target = strdup(target))) {
@@ -591,7 +591,7 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
         free(ca);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: channel to %s: out of memory", target);
     }
-    rpc_grpc_init();
+    kvf_rpc_grpc_init();
     ch->max_msg = max_msg;
     ch->live.next = ch->live.prev = &ch->live;
     pthread_mutex_init(&ch->mu, NULL);
@@ -600,7 +600,7 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
                                               : grpc_insecure_credentials_create();
     free(ca);
     rpc_args a;
-    rpc_args_init(&a, max_msg, false, rpc_keepalive(opts ? opts->keepalive_ms : 0),
+    kvf_rpc_args_init(&a, max_msg, false, kvf_rpc_keepalive_ms(opts ? opts->keepalive_ms : 0),
                   use_tls ? tls->server_name : NULL);
     ch->channel = creds ? grpc_channel_create(target, creds, &a.args) : NULL;
     if (creds)
@@ -610,7 +610,7 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
         if (ch->channel)
             grpc_channel_destroy(ch->channel);
         grpc_completion_queue_shutdown(ch->cq);
-        rpc_cq_poll(ch->cq);
+        kvf_rpc_cq_poll(ch->cq);
         grpc_completion_queue_destroy(ch->cq);
         pthread_mutex_destroy(&ch->mu);
         pthread_cond_destroy(&ch->cv);

@@ -102,13 +102,13 @@ static void set_log_function(void)
     setenv("GRPC_DNS_RESOLVER", "native", 0);
 }
 
-void rpc_grpc_init(void)
+void kvf_rpc_grpc_init(void)
 {
     pthread_once(&log_once, set_log_function);
     grpc_init();
 }
 
-void rpc_cq_poll(grpc_completion_queue *cq)
+void kvf_rpc_cq_poll(grpc_completion_queue *cq)
 {
     for (;;) {
         grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
@@ -121,7 +121,7 @@ void rpc_cq_poll(grpc_completion_queue *cq)
     }
 }
 
-kvf_status rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err)
+kvf_status kvf_rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err)
 {
     grpc_byte_buffer_reader r;
     if (!grpc_byte_buffer_reader_init(&r, bb))
@@ -142,7 +142,7 @@ kvf_status rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err)
     return KVF_OK;
 }
 
-grpc_byte_buffer *rpc_bb_from(const void *data, size_t len)
+grpc_byte_buffer *kvf_rpc_bb_from(const void *data, size_t len)
 {
     grpc_slice s = grpc_slice_from_copied_buffer(data ? data : "", data ? len : 0);
     grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
@@ -150,7 +150,7 @@ grpc_byte_buffer *rpc_bb_from(const void *data, size_t len)
     return bb;
 }
 
-gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms)
+gpr_timespec kvf_rpc_deadline_from_ms(int64_t timeout_ms)
 {
     if (timeout_ms == KVF_RPC_NO_DEADLINE)
         return gpr_inf_future(GPR_CLOCK_MONOTONIC);
@@ -160,7 +160,7 @@ gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms)
                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
 }
 
-int64_t rpc_deadline_remaining_ms(gpr_timespec deadline)
+int64_t kvf_rpc_deadline_remaining_ms(gpr_timespec deadline)
 {
     if (gpr_time_cmp(deadline, gpr_inf_future(deadline.clock_type)) == 0)
         return KVF_RPC_NO_DEADLINE;
@@ -177,7 +177,7 @@ static void arg_int(rpc_args *a, const char *key, int64_t v)
     g->value.integer = v > INT_MAX ? INT_MAX : (int)v;
 }
 
-void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
+void kvf_rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
                    const char *ssl_target_override)
 {
     memset(a, 0, sizeof *a);
@@ -208,14 +208,14 @@ void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepaliv
     }
 }
 
-int64_t rpc_keepalive(int64_t v)
+int64_t kvf_rpc_keepalive_ms(int64_t v)
 {
     if (v == 0)
         return KVF_RPC_DEFAULT_KEEPALIVE_MS;
     return v < 0 ? 0 : v;
 }
 
-kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err)
+kvf_status kvf_rpc_max_msg_check(int64_t v, const char *who, int64_t *out, kvf_err *err)
 {
     if (v == 0)
         v = KVF_RPC_DEFAULT_MAX_MSG;
@@ -227,7 +227,7 @@ kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err)
     return KVF_OK;
 }
 
-kvf_status rpc_read_pem(const char *path, const char *what, char **out, kvf_err *err)
+kvf_status kvf_rpc_pem_read(const char *path, const char *what, char **out, kvf_err *err)
 {
     FILE *f = fopen(path, "rb");
     if (!f)

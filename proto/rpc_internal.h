@@ -21,20 +21,20 @@ typedef struct rpc_tag {
 
 /* grpc_init, with gRPC's own log lines sent through kvf_log ("rpc: grpc: ..."), once per
  * process. Pair with grpc_shutdown. */
-void rpc_grpc_init(void);
+void kvf_rpc_grpc_init(void);
 
 /* Polls cq until it is shut down, dispatching each event to its tag. */
-void rpc_cq_poll(grpc_completion_queue *cq);
+void kvf_rpc_cq_poll(grpc_completion_queue *cq);
 
 /* Copies a (possibly multi-slice) received message into out. */
-kvf_status rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err);
+kvf_status kvf_rpc_bb_read(grpc_byte_buffer *bb, kvf_rpc_buf *out, kvf_err *err);
 /* A byte buffer holding a copy of data; NULL when out of memory. */
-grpc_byte_buffer *rpc_bb_from(const void *data, size_t len);
+grpc_byte_buffer *kvf_rpc_bb_from(const void *data, size_t len);
 
 /* timeout_ms from now as a gRPC deadline (KVF_RPC_NO_DEADLINE: infinite). */
-gpr_timespec rpc_deadline_from_ms(int64_t timeout_ms);
+gpr_timespec kvf_rpc_deadline_from_ms(int64_t timeout_ms);
 /* Milliseconds left before a deadline (KVF_RPC_NO_DEADLINE for an infinite one). */
-int64_t rpc_deadline_remaining_ms(gpr_timespec deadline);
+int64_t kvf_rpc_deadline_remaining_ms(gpr_timespec deadline);
 
 /* Channel arguments: both message-size limits; keepalive pings every keepalive_ms (0 or less:
  * none) so that a peer that vanished without closing is noticed; a client reconnects within
@@ -45,19 +45,19 @@ typedef struct rpc_args {
     grpc_arg arg[12];
     grpc_channel_args args;
 } rpc_args;
-void rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
+void kvf_rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keepalive_ms,
                    const char *ssl_target_override);
 
 /* Normalises a keepalive option: 0 -> KVF_RPC_DEFAULT_KEEPALIVE_MS, negative -> off (0). */
-int64_t rpc_keepalive(int64_t v);
+int64_t kvf_rpc_keepalive_ms(int64_t v);
 
 /* Reads a whole PEM file into a NUL-terminated malloc()ed string. what names the flag. */
-kvf_status rpc_read_pem(const char *path, const char *what, char **out, kvf_err *err);
+kvf_status kvf_rpc_pem_read(const char *path, const char *what, char **out, kvf_err *err);
 
 /* The key of the trailing metadata that carries the exact kvf_status. */
 #define RPC_KVF_STATUS_KEY "kvf-status"
 
 /* Normalises a max-message option: 0 -> default; checks the range. */
-kvf_status rpc_max_msg(int64_t v, const char *who, int64_t *out, kvf_err *err);
+kvf_status kvf_rpc_max_msg_check(int64_t v, const char *who, int64_t *out, kvf_err *err);
 
 #endif

@@ -245,7 +245,7 @@ const char *kvf_rpc_call_peer(const kvf_rpc_call *c) { return c->peer ? c->peer 
 
 int64_t kvf_rpc_call_remaining_ms(const kvf_rpc_call *c)
 {
-    return rpc_deadline_remaining_ms(c->deadline);
+    return kvf_rpc_deadline_remaining_ms(c->deadline);
 }
 
 bool kvf_rpc_call_is_cancelled(const kvf_rpc_call *c)
@@ -279,7 +279,7 @@ static kvf_status call_send(kvf_rpc_call *c, const void *msg, size_t len, uint64
         return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: message of %zu bytes is over the "
                            "limit of %lld bytes", c->method_name, len, (long long)c->srv->max_msg);
     rpc_out *o = malloc(sizeof *o);
-    grpc_byte_buffer *bb = o ? rpc_bb_from(msg, len) : NULL;
+    grpc_byte_buffer *bb = o ? kvf_rpc_bb_from(msg, len) : NULL;
     if (!bb) {
         free(o);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: no memory for a message",
@@ -382,7 +382,7 @@ static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const k
     c->finished = true;
     c->on_cancel = NULL;
     if (resp && st == KVF_OK) {
-        c->finish_bb = rpc_bb_from(resp->data, resp->len);
+        c->finish_bb = kvf_rpc_bb_from(resp->data, resp->len);
         if (!c->finish_bb) {
             st = KVF_ERR_NOMEM;
             msg = "rpc: no memory for the response";
@@ -392,7 +392,9 @@ static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const k
     snprintf(c->kvf_code, sizeof c->kvf_code, "%d", (int)st);
     c->trailing.key = grpc_slice_from_static_string(RPC_KVF_STATUS_KEY);
     c->trailing.value = grpc_slice_from_static_string(c->kvf_code);
-    c->details = grpc_slice_from_copied_string(msg ? msg : (st == KVF_OK ? "" : kvf_status_str(st)));
+    if (!msg)
+        msg = st == KVF_OK ? "" : kvf_status_str(st);
+    c->details = grpc_slice_from_copied_string(msg);
     c->has_details = true;
     c->finish_pending = true;
     pump_locked(c);
@@ -548,7 +550,7 @@ static void on_request(rpc_tag *t, bool ok)
     c->write_tag.fn = on_write;
     c->finish_tag.fn = on_finish;
     if (r->payload) {
-        if (rpc_bb_read(r->payload, &c->req, &e) == KVF_OK)
+        if (kvf_rpc_bb_read(r->payload, &c->req, &e) == KVF_OK)
             c->has_req = true;
     }
     request_free(r);
@@ -591,7 +593,7 @@ static void on_shutdown(rpc_tag *t, bool ok)
 static void *poller_main(void *arg)
 {
     kvf_rpc_server *s = arg;
-    rpc_cq_poll(s->cq);
+    kvf_rpc_cq_poll(s->cq);
     return NULL;
 }
 
@@ -608,7 +610,7 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: %d handler threads (allowed "
                                                  "1..256)", opts->n_threads);
     int64_t max_msg;
-    kvf_status st = rpc_max_msg(opts->max_msg_bytes, "server", &max_msg, err);
+    kvf_status st = kvf_rpc_max_msg_check(opts->max_msg_bytes, "server", &max_msg, err);
     if (st != KVF_OK)
         return st;
     const kvf_rpc_tls *tls = opts->tls;
@@ -621,9 +623,9 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
                                                  "--tls-key");
     char *cert = NULL, *key = NULL;
     if (use_tls) {
-        if ((st = rpc_read_pem(tls->cert_file, "--tls-cert", &cert, err)) != KVF_OK)
+        if ((st = kvf_rpc_pem_read(tls->cert_file, "--tls-cert", &cert, err)) != KVF_OK)
             return st;
-        if ((st = rpc_read_pem(tls->key_file, "--tls-key", &key, err)) != KVF_OK) {
+        if ((st = kvf_rpc_pem_read(tls->key_file, "--tls-key", &key, err)) != KVF_OK) {
             free(cert);
             return st;
         }
@@ -635,14 +637,14 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
         free(key);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
     }
-    rpc_grpc_init();
+    kvf_rpc_grpc_init();
     s->max_msg = max_msg;
     s->n_threads = n_threads;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     s->shutdown_tag.fn = on_shutdown;
     rpc_args a;
-    rpc_args_init(&a, max_msg, true, rpc_keepalive(opts->keepalive_ms), NULL);
+    kvf_rpc_args_init(&a, max_msg, true, kvf_rpc_keepalive_ms(opts->keepalive_ms), NULL);
     s->server = grpc_server_create(&a.args, NULL);
     s->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
@@ -831,7 +833,7 @@ void kvf_rpc_server_destroy(kvf_rpc_server *s)
     if (had_poller)
         pthread_join(s->poller, NULL);
     else
-        rpc_cq_poll(s->cq); /* drain: nothing was ever requested */
+        kvf_rpc_cq_poll(s->cq); /* drain: nothing was ever requested */
     grpc_completion_queue_destroy(s->cq);
     for (int i = 0; i < s->n_methods; i++)
         free(s->methods[i].name);

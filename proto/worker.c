@@ -298,75 +298,138 @@ static kvf_status check_generate_response(const void *msg, kvf_err *err)
 kvf_status kvf_rpc_info_request_decode(const uint8_t *data, size_t len,
                                        Kvfleet__V1__InfoRequest **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__info_request__descriptor, check_none, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__info_request__descriptor, check_none, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_generate_request_decode(const uint8_t *data, size_t len,
                                            Kvfleet__V1__GenerateRequest **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__generate_request__descriptor, check_generate, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__generate_request__descriptor, check_generate, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_remote_prefill_request_decode(const uint8_t *data, size_t len,
                                                  Kvfleet__V1__RemotePrefillRequest **out,
                                                  kvf_err *err)
 {
-    return decode(&kvfleet__v1__remote_prefill_request__descriptor, check_remote_prefill, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__remote_prefill_request__descriptor, check_remote_prefill, data, len, &m,
+               err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_watch_kv_request_decode(const uint8_t *data, size_t len,
                                            Kvfleet__V1__WatchKvRequest **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__watch_kv_request__descriptor, check_watch, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__watch_kv_request__descriptor, check_watch, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_cancel_request_decode(const uint8_t *data, size_t len,
                                          Kvfleet__V1__CancelRequest **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__cancel_request__descriptor, check_cancel, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__cancel_request__descriptor, check_cancel, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_health_request_decode(const uint8_t *data, size_t len,
                                          Kvfleet__V1__HealthRequest **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__health_request__descriptor, check_none, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__health_request__descriptor, check_none, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_info_response_decode(const uint8_t *data, size_t len,
                                         Kvfleet__V1__InfoResponse **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__info_response__descriptor, check_info_response, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__info_response__descriptor, check_info_response, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_generate_response_decode(const uint8_t *data, size_t len,
                                             Kvfleet__V1__GenerateResponse **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__generate_response__descriptor, check_generate_response, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__generate_response__descriptor, check_generate_response, data, len, &m,
+               err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_remote_prefill_response_decode(const uint8_t *data, size_t len,
                                                   Kvfleet__V1__RemotePrefillResponse **out,
                                                   kvf_err *err)
 {
-    return decode(&kvfleet__v1__remote_prefill_response__descriptor, check_none, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__remote_prefill_response__descriptor, check_none, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_watch_kv_response_decode(const uint8_t *data, size_t len,
                                             Kvfleet__V1__WatchKvResponse **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__watch_kv_response__descriptor, check_watch_response, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__watch_kv_response__descriptor, check_watch_response, data, len, &m,
+               err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_cancel_response_decode(const uint8_t *data, size_t len,
                                           Kvfleet__V1__CancelResponse **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__cancel_response__descriptor, check_none, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__cancel_response__descriptor, check_none, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 kvf_status kvf_rpc_health_response_decode(const uint8_t *data, size_t len,
                                           Kvfleet__V1__HealthResponse **out, kvf_err *err)
 {
-    return decode(&kvfleet__v1__health_response__descriptor, check_none, data, len, (void **)out, err);
+    void *m = NULL;
+    kvf_status st =
+        decode(&kvfleet__v1__health_response__descriptor, check_none, data, len, &m, err);
+    if (st == KVF_OK)
+        *out = m;
+    return st;
 }
 
 Kvfleet__V1__DType kvf_rpc_dtype_to_msg(kvf_dtype t)

@@ -1,6 +1,7 @@
 /* test_tls.c: the RPC layer over TLS with a certificate this test makes with openssl in a temp
  * folder: a client with the CA gets through; a plaintext client, a client trusting another CA,
- * a client expecting another name, and a server given bad files are refused with messages that say so. Skips without openssl. */
+ * a client expecting another name, and a server given bad files are refused with messages that
+ * say so. Skips without openssl. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>

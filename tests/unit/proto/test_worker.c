@@ -64,7 +64,8 @@ static void test_info_roundtrip(void **state)
     in.protocol_version = KVF_RPC_PROTOCOL_VERSION + 1;
     assert_int_equal(kvf_rpc_msg_encode(&in, &b, &e), KVF_OK);
     assert_int_equal(kvf_rpc_info_response_decode(b.data, b.len, &out, &e), KVF_ERR_UNSUPPORTED);
-    assert_non_null(strstr(e.msg, "worker decode-0 speaks protocol version 2; this build speaks 1"));
+    assert_non_null(
+        strstr(e.msg, "worker decode-0 speaks protocol version 2; this build speaks 1"));
     kvf_rpc_buf_free(&b);
     /* A layout whose block size disagrees with the worker's. */
     in.protocol_version = KVF_RPC_PROTOCOL_VERSION;
