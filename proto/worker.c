@@ -322,9 +322,8 @@ kvf_status kvf_rpc_remote_prefill_request_decode(const uint8_t *data, size_t len
                                                  kvf_err *err)
 {
     void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__remote_prefill_request__descriptor, check_remote_prefill, data, len, &m,
-               err);
+    kvf_status st = decode(&kvfleet__v1__remote_prefill_request__descriptor, check_remote_prefill,
+                           data, len, &m, err);
     if (st == KVF_OK)
         *out = m;
     return st;
