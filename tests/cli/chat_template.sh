@@ -27,16 +27,21 @@ for ((i = 0; i < n; i++)); do
     "$KVF_BIN" chat-template --model "$Q" --messages "$tmp/case$i.json" > "$tmp/case$i.got"
     cmp -s "$tmp/case$i.got" "$tmp/case$i.want" || fail "case $i: prompt differs: $(cat "$tmp/case$i.got")"
     pass "qwen3 case $i prompt"
+done
+# --json adds the ids (loading the 11 MB tokenizer.json is the slow part: two cases here, all
+# of them in tests/unit/model/test_chat_template.c)
+for i in 0 $((n - 1)); do
     out=$("$KVF_BIN" chat-template --model "$Q" --messages "$tmp/case$i.json" --json)
     expect_eq "qwen3 case $i ids" "$(json_get "$out" "','.join(map(str, j['ids']))")" "$(cat "$tmp/case$i.ids")"
     expect_eq "qwen3 case $i json prompt" "$(json_get "$out" "j['prompt'] == open('$tmp/case$i.want', encoding='utf-8').read()")" True
 done
 
 # standard input, and extra keys as template variables (enable_thinking)
-out=$(echo '{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true, "enable_thinking": false}' |
-      "$KVF_BIN" chat-template --model "$Q" --messages - --json)
-expect_eq "stdin + enable_thinking" "$(json_get "$out" "repr(j['prompt'])")" \
-    "'<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n'"
+echo '{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true, "enable_thinking": false}' |
+    "$KVF_BIN" chat-template --model "$Q" --messages - > "$tmp/stdin.got"
+printf '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n' > "$tmp/stdin.want"
+cmp -s "$tmp/stdin.got" "$tmp/stdin.want" || fail "stdin + enable_thinking: got $(cat "$tmp/stdin.got")"
+pass "stdin + enable_thinking"
 
 # a model with no template of its own: the family of config.json, or a forced one
 mkdir "$tmp/m"
