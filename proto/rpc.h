@@ -110,7 +110,8 @@ kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err);
 /* Stops taking calls, lets calls in flight run for up to grace_ms, then cancels the rest (their
  * clients see CANCELLED or UNAVAILABLE; their handlers see kvf_rpc_call_is_cancelled and writes
  * failing) and waits for every handler to finish its call. Idempotent. Handlers that never
- * finish their call make this wait forever: that is a bug in the handler. */
+ * finish their call make this wait forever: that is a bug in the handler. Not from a handler
+ * (it would wait for its own call). */
 void kvf_rpc_server_shutdown(kvf_rpc_server *s, int64_t grace_ms);
 /* Shuts down (grace 0) if needed and frees everything. NULL is fine. */
 void kvf_rpc_server_destroy(kvf_rpc_server *s);

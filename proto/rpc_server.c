@@ -519,9 +519,12 @@ static void on_request(rpc_tag *t, bool ok)
     kvf_rpc_call *c = calloc(1, sizeof *c);
     kvf_err e;
     kvf_err_clear(&e);
-    if (c) {
-        c->method_name = r->method >= 0 ? strdup(s->methods[r->method].name)
-                                        : grpc_slice_to_c_string(r->details.method);
+    if (c && r->method >= 0) {
+        c->method_name = strdup(s->methods[r->method].name);
+    } else if (c) {
+        char *name = grpc_slice_to_c_string(r->details.method); /* gpr_malloc()ed */
+        c->method_name = name ? strdup(name) : NULL;
+        gpr_free(name);
     }
     if (!c || !c->method_name) {
         kvf_log(KVF_LOG_ERROR, "rpc: out of memory accepting a call");
