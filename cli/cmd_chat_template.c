@@ -15,7 +15,7 @@
 
 typedef struct chat_cfg {
     const char *model, *messages, *family, *name;
-    bool force_family, json;
+    bool force_family, json, join_text_parts;
 } chat_cfg;
 
 static const kvf_cfg_opt chat_opts[] = {
@@ -24,6 +24,7 @@ static const kvf_cfg_opt chat_opts[] = {
     {"family", NULL, "built-in template when the model has none: llama2, llama3, chatml, mistral", offsetof(chat_cfg, family), KVF_CFG_STR},
     {"force-family", NULL, "use the --family template even when the model has its own", offsetof(chat_cfg, force_family), KVF_CFG_BOOL},
     {"template-name", NULL, "which of a list of named templates (default: \"default\")", offsetof(chat_cfg, name), KVF_CFG_STR},
+    {"join-text-parts", NULL, "pass a content made only of text parts as one string (texts joined by newlines)", offsetof(chat_cfg, join_text_parts), KVF_CFG_BOOL},
     {"json", NULL, "print {\"prompt\":\"...\",\"ids\":[...]} (ids from the model's tokenizer)", offsetof(chat_cfg, json), KVF_CFG_BOOL},
     {NULL},
 };
@@ -93,6 +94,7 @@ int kvf_cli_chat_template(int argc, char **argv)
         .tools = json_object_get(conv, "tools"),
         .add_generation_prompt = json_is_true(gen),
         .extra = conv, /* the reserved keys are skipped by the renderer */
+        .text_parts_as_string = c.join_text_parts,
     };
     if (!req.messages) {
         kvf_err_set(&err, KVF_ERR_INVALID, "chat-template: %s: \"messages\" is missing", c.messages);

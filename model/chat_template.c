@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "common/json.h"
+#include "common/sbuf.h"
 #include "model/chat_template.h"
 #include "model/jinja.h"
 
@@ -366,6 +367,48 @@ done:
 
 /* ---- render --------------------------------------------------------------------------------- */
 
+/* A copy of messages whose text-only part lists are strings; NULL on OOM. */
+static json_t *flatten_text_parts(const json_t *messages)
+{
+    json_t *out = json_array();
+    size_t i;
+    json_t *m;
+    json_array_foreach((json_t *)messages, i, m) {
+        json_t *content = json_object_get(m, "content");
+        bool text_only = json_is_array(content) && json_array_size(content) > 0;
+        size_t k;
+        json_t *part;
+        json_array_foreach(content, k, part) {
+            if (!json_is_string(json_object_get(part, "text")) ||
+                !json_is_string(json_object_get(part, "type")) ||
+                strcmp(json_string_value(json_object_get(part, "type")), "text") != 0)
+                text_only = false;
+        }
+        if (!text_only) {
+            json_array_append(out, m);
+            continue;
+        }
+        kvf_sbuf b;
+        kvf_sbuf_init(&b);
+        json_array_foreach(content, k, part) {
+            if (k)
+                kvf_sbuf_putc(&b, '\n');
+            kvf_sbuf_append(&b, json_string_value(json_object_get(part, "text")),
+                            json_string_length(json_object_get(part, "text")));
+        }
+        json_t *copy = json_copy(m);
+        if (!copy || b.oom || json_object_set_new(copy, "content", json_stringn(b.data ? b.data : "", b.len)) != 0) {
+            json_decref(copy);
+            kvf_sbuf_fini(&b);
+            json_decref(out);
+            return NULL;
+        }
+        kvf_sbuf_fini(&b);
+        json_array_append_new(out, copy);
+    }
+    return out;
+}
+
 kvf_status kvf_model_chat_template_render(const kvf_model_chat_template *t,
                                           const kvf_model_chat_request *req, char **out,
                                           size_t *len_out, bool *raised_out, kvf_err *err)
@@ -397,7 +440,16 @@ kvf_status kvf_model_chat_template_render(const kvf_model_chat_template *t,
         json_object_set_new(vars, "bos_token", json_string(req->bos_token));
     if (req->eos_token)
         json_object_set_new(vars, "eos_token", json_string(req->eos_token));
-    json_object_set(vars, "messages", (json_t *)req->messages);
+    if (req->text_parts_as_string) {
+        json_t *flat = flatten_text_parts(req->messages);
+        if (!flat) {
+            json_decref(vars);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "out of memory");
+        }
+        json_object_set_new(vars, "messages", flat);
+    } else {
+        json_object_set(vars, "messages", (json_t *)req->messages);
+    }
     json_object_set_new(vars, "tools", req->tools ? json_incref((json_t *)req->tools) : json_null());
     json_object_set_new(vars, "documents", json_null());
     json_object_set_new(vars, "add_generation_prompt", json_boolean(req->add_generation_prompt));

@@ -51,6 +51,10 @@ typedef struct kvf_model_chat_request {
                                    NULL; keys messages, tools, add_generation_prompt are ignored */
     const char *bos_token;      /* overrides the model's when not NULL */
     const char *eos_token;
+    bool text_parts_as_string;  /* a content that is a list of only {"type": "text"} parts
+                                   reaches the template as one string, the texts joined by
+                                   "\n" (for templates that expect strings, as vLLM does);
+                                   off: contents pass exactly as given, as transformers does */
     const kvf_model_jinja_limits *limits; /* NULL: the defaults in jinja.h */
 } kvf_model_chat_request;
 

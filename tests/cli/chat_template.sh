@@ -43,6 +43,13 @@ printf '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</thin
 cmp -s "$tmp/stdin.got" "$tmp/stdin.want" || fail "stdin + enable_thinking: got $(cat "$tmp/stdin.got")"
 pass "stdin + enable_thinking"
 
+# OpenAI text parts: as given, the Qwen3 template cannot use them; joined, it can
+echo '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}' > "$tmp/parts.json"
+"$KVF_BIN" chat-template --model "$Q" --messages "$tmp/parts.json" --join-text-parts > "$tmp/parts.got"
+printf '<|im_start|>user\na\nb<|im_end|>\n' > "$tmp/parts.want"
+cmp -s "$tmp/parts.got" "$tmp/parts.want" || fail "joined text parts: got $(cat "$tmp/parts.got")"
+pass "joined text parts"
+
 # a model with no template of its own: the family of config.json, or a forced one
 mkdir "$tmp/m"
 echo '{"model_type": "mistral"}' > "$tmp/m/config.json"

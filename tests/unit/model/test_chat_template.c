@@ -750,6 +750,25 @@ static void test_request_variables(void **state)
     json_decref(m);
     json_decref(extra);
     kvf_model_chat_template_destroy(t);
+
+    /* OpenAI text parts as one string, for templates that call string methods on content */
+    src = "{% for m in messages %}[{{ m.content.strip() if m.content is string else m.content | length }}]{% endfor %}";
+    assert_int_equal(kvf_model_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
+    m = json_loads("[{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \" a\"}, {\"type\": \"text\", \"text\": \"b \"}]},"
+                   " {\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"c\"}, {\"type\": \"image_url\"}]},"
+                   " {\"role\": \"user\", \"content\": \" d \"}]", 0, NULL);
+    kvf_model_chat_request req2 = {.messages = m};
+    assert_int_equal(kvf_model_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
+    assert_string_equal(out, "[2][2][d]");
+    free(out);
+    req2.text_parts_as_string = true;
+    assert_int_equal(kvf_model_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
+    assert_string_equal(out, "[a\nb][2][d]");
+    free(out);
+    /* the caller's messages are left as they were */
+    assert_true(json_is_array(json_object_get(json_array_get(m, 0), "content")));
+    json_decref(m);
+    kvf_model_chat_template_destroy(t);
 }
 
 int main(void)
