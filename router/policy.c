@@ -197,7 +197,7 @@ kvf_status kvf_router_pool_worker_add(kvf_router_pool *p, int32_t worker, const 
         kvf_router_index_worker_remove(p->idx, worker);
         return st;
     }
-    p->n_approx += approx && !pw->approx;
+    p->n_approx += (int)approx - (int)pw->approx;
     pw->approx = approx;
     pw->present = true;
     p->present |= 1ull << worker;

@@ -26,7 +26,9 @@ typedef struct kvf_router_pool_cfg {
     kvf_router_policy policy;
     kvf_router_index_cfg index; /* model, block size, staleness */
     /* cost(w) = w_uncached * (a + b * uncached_tokens(w)) + w_queue * b * queued_tokens(w)
-     *         + w_decode * decode_load(w)       (seconds; a, b fitted online) */
+     *         + w_decode * decode_load(w)       (seconds; a, b fitted online)
+     * w_queue below 1 favours cache affinity over the queue seen now: a miss costs the fleet
+     * the prefill again on later turns (0.25 meets the Mooncake targets, bench/sim_mooncake.sh) */
     double w_uncached, w_queue, w_decode;
     double temperature;     /* 0: lowest cost wins; > 0: softmax over -cost / temperature (s) */
     double prefill_a_s;     /* prefill time model before any report: a + b * tokens */
