@@ -1016,6 +1016,19 @@ static kvf_status build_tables(load_ctx *c, const dec_opts *o)
         return fail(c, KVF_ERR_NOMEM, "out of memory for the decoding table");
     t->strip_start = o->strip_start;
 
+    /* SentencePiece-style files have no pre-tokenizer, so a whole prompt is one BPE word. When
+     * no token holds "▁" after another character, no merge can cross a word start, and BPE
+     * word by word gives the same ids far faster (the heap stays in cache). */
+    t->word_split = t->n_pres == 0 && !t->byte_level;
+    for (size_t id = 0; t->word_split && id < n; id++) {
+        const char *s = t->strs.data + t->str_off[id];
+        for (int32_t i = 1; t->str_len[id] >= 0 && i + 3 <= t->str_len[id]; i++)
+            if (memcmp(s + i, "\xE2\x96\x81", 3) == 0 && !(i >= 3 && memcmp(s + i - 3, "\xE2\x96\x81", 3) == 0)) {
+                t->word_split = false;
+                break;
+            }
+    }
+
     for (int b = 0; b < 256; b++) {
         char buf[8];
         size_t len;

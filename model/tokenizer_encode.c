@@ -530,6 +530,26 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
         if (e->bufs[0].oom || e->bufs[1].oom)
             e->oom = true;
     }
+    if (t->word_split) { /* before each "▁" that follows another character */
+        const char *buf = e->bufs[cb].data;
+        const pieces *in = &e->pl[cp];
+        pieces *out = &e->pl[!cp];
+        out->n = 0;
+        for (size_t k = 0; k < in->n; k++) {
+            size_t start = in->off[k], end = start + in->len[k], cut = start;
+            for (size_t i = start + 1; i + 3 <= end; i++) {
+                if (memcmp(buf + i, "\xE2\x96\x81", 3) != 0)
+                    continue;
+                if (!(i >= start + 3 && memcmp(buf + i - 3, "\xE2\x96\x81", 3) == 0)) {
+                    pieces_add(e, out, cut, i - cut);
+                    cut = i;
+                }
+                i += 2;
+            }
+            pieces_add(e, out, cut, end - cut);
+        }
+        cp = !cp;
+    }
     const pieces *fin = &e->pl[cp];
     for (size_t k = 0; k < fin->n && !e->oom; k++)
         bpe_piece(e, e->bufs[cb].data + fin->off[k], fin->len[k]);

@@ -101,6 +101,8 @@ struct kvf_model_tokenizer {
 
     /* BPE options */
     bool byte_level;      /* initial symbols are bytes through the GPT-2 byte map */
+    bool word_split;      /* no pre-tokenizer, and no token has "▁" after another character:
+                           * BPE may run word by word (before each "▁") with the same result */
     bool byte_fallback;   /* unknown chars become <0xNN> tokens */
     bool fuse_unk;
     bool ignore_merges;

@@ -15,6 +15,7 @@
 
 #include "common/time.h"
 #include "model/tokenizer.h"
+#include "model/tokenizer_internal.h" /* white-box: the word-split switch */
 #include "testutil.h"
 
 static kvf_model_tokenizer *qwen, *mistral;
@@ -529,6 +530,61 @@ static void test_ignore_merges(void **state)
     }
 }
 
+/* Mistral's BPE runs word by word (before each "▁") as a speed-up; a copy of the file with one
+ * unreachable token holding "q▁q" turns that off, and both must give the same ids. */
+static void test_word_split_is_exact(void **state)
+{
+    FILE *f = fopen(kvf_test_shared_path("fixtures/tokenizers/mistral7b/tokenizer.json"), "rb");
+    assert_non_null(f);
+    kvf_sbuf b;
+    kvf_sbuf_init(&b);
+    char chunk[65536];
+    size_t n;
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
+        kvf_sbuf_append(&b, chunk, n);
+    fclose(f);
+    char *vocab = strstr(b.data, "\"vocab\": {");
+    assert_non_null(vocab);
+    size_t at = (size_t)(vocab - b.data) + strlen("\"vocab\": {");
+    kvf_sbuf m;
+    kvf_sbuf_init(&m);
+    kvf_sbuf_append(&m, b.data, at);
+    kvf_sbuf_puts(&m, "\"q\u2581q\": 32000, ");
+    kvf_sbuf_append(&m, b.data + at, b.len - at);
+    kvf_model_tokenizer *slow;
+    kvf_err err = {0};
+    assert_int_equal(kvf_model_tokenizer_load_buf(m.data, m.len, NULL, 0, NULL, 0, &slow, &err), KVF_OK);
+    assert_int_equal(kvf_model_tokenizer_vocab_size(slow), 32001);
+    assert_true(mistral->word_split);
+    assert_false(slow->word_split);
+    assert_false(qwen->word_split); /* has a pre-tokenizer */
+
+    /* words, space runs, newlines, punctuation, byte fallback, added tokens */
+    kvf_sbuf text;
+    kvf_sbuf_init(&text);
+    static const char *const parts[] = {"Hello", " ", "  ", "   ", "world", "\n", "\t", "don't", ",", "!!", "</s>",
+                                        "caf\xC3\xA9", "\xF0\x9F\x98\x80", "\xE2\x96\x81", "12", "<s>", "\xEF\xBC\xA1"};
+    uint32_t x = 12345;
+    for (int i = 0; i < 3000; i++) {
+        x = x * 1103515245u + 12345u;
+        kvf_sbuf_puts(&text, parts[(x >> 16) % (sizeof parts / sizeof parts[0])]);
+    }
+    for (int special = 0; special <= 1; special++) {
+        int32_t *a, *c;
+        size_t na, nc;
+        assert_int_equal(kvf_model_tokenizer_encode(mistral, text.data, text.len, special, &a, &na, &err), KVF_OK);
+        assert_int_equal(kvf_model_tokenizer_encode(slow, text.data, text.len, special, &c, &nc, &err), KVF_OK);
+        assert_int_equal(na, nc);
+        assert_memory_equal(a, c, na * sizeof *a);
+        free(a);
+        free(c);
+    }
+    kvf_sbuf_fini(&text);
+    kvf_sbuf_fini(&m);
+    kvf_sbuf_fini(&b);
+    kvf_model_tokenizer_destroy(slow);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -545,6 +601,7 @@ int main(void)
         cmocka_unit_test(test_small_metaspace),
         cmocka_unit_test(test_added_strip),
         cmocka_unit_test(test_ignore_merges),
+        cmocka_unit_test(test_word_split_is_exact),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
