@@ -7,6 +7,7 @@
  *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
  *   u32 blob length | backend blob */
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/types.h>
 
@@ -530,16 +531,37 @@ bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out)
     return got;
 }
 
+int kvf_xfer_event_fd(kvf_xfer *x)
+{
+    return x->ops->event_fd(x);
+}
+
+bool kvf_xfer_arm(kvf_xfer *x)
+{
+    return x->ops->arm(x);
+}
+
+#define WAIT_SPINS 256     /* progress passes before sleeping on the event fd */
+#define WAIT_SLEEP_MS 2    /* longest sleep: deadlines fire only inside progress */
+
 kvf_status kvf_xfer_wait(kvf_xfer *x, kvf_xfer_event *ev_out, int64_t deadline_ns, kvf_err *err)
 {
+    int fd = kvf_xfer_event_fd(x);
     for (;;) {
-        if (kvf_xfer_poll(x, ev_out))
-            return KVF_OK;
-        kvf_xfer_progress(x);
-        if (kvf_xfer_poll(x, ev_out))
-            return KVF_OK;
-        if (kvf_now_ns() >= deadline_ns)
+        for (int i = 0; i < WAIT_SPINS; i++) {
+            if (kvf_xfer_poll(x, ev_out))
+                return KVF_OK;
+            kvf_xfer_progress(x);
+            if (kvf_xfer_poll(x, ev_out))
+                return KVF_OK;
+        }
+        int64_t left_ms = (deadline_ns - kvf_now_ns()) / 1000000;
+        if (deadline_ns <= kvf_now_ns())
             return kvf_err_set(err, KVF_ERR_TIMEOUT, "xfer: no transfer event before the deadline");
+        if (fd >= 0 && kvf_xfer_arm(x)) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            poll(&p, 1, (int)(left_ms < WAIT_SLEEP_MS ? left_ms : WAIT_SLEEP_MS));
+        }
     }
 }
 

@@ -8,9 +8,10 @@
  *
  * Progress model: integrated with the caller's loop. Nothing happens unless the owner calls
  * kvf_xfer_progress (or kvf_xfer_wait, which calls it); a receiver must keep calling it, since
- * UCX tcp wire-up and the completion notice need the receiver's progress. A kvf_xfer and its
- * peers are used from one thread (the local backend may deliver notices into another thread's
- * kvf_xfer: its event queue is locked). No thread is started.
+ * UCX tcp wire-up and the completion notice need the receiver's progress. An event loop can
+ * sleep on kvf_xfer_event_fd between passes. A kvf_xfer and its peers are used from one thread
+ * (the local backend may deliver notices into another thread's kvf_xfer: its event queue is
+ * locked). No thread is started.
  *
  * Life of a transfer:
  *   receiver: kvf_xfer_expect(rx, id, deadline)        before the sender may write
@@ -159,7 +160,16 @@ kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err);
 void kvf_xfer_progress(kvf_xfer *x);
 /* Pops one event: returns true and fills *ev_out, or false when none is queued. */
 bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out);
-/* Progresses until an event is queued (returns it) or deadline_ns passes (KVF_ERR_TIMEOUT). */
+/* For event loops (epoll, libevent): a file descriptor that becomes readable when the transport
+ * has work, or -1 (local backend: nothing to wait for). Protocol: progress and poll until idle,
+ * then kvf_xfer_arm; if it returns true, sleep on the fd (and no longer than the nearest
+ * deadline the caller cares about: deadlines fire only inside kvf_xfer_progress); if false,
+ * progress again. The fd belongs to x. */
+int kvf_xfer_event_fd(kvf_xfer *x);
+bool kvf_xfer_arm(kvf_xfer *x);
+/* Progresses until an event is queued (returns it) or deadline_ns passes (KVF_ERR_TIMEOUT).
+ * Sleeps on the event fd between bursts of progress (waking at least every few ms for
+ * deadlines), so a waiting process leaves the CPU to others. */
 kvf_status kvf_xfer_wait(kvf_xfer *x, kvf_xfer_event *ev_out, int64_t deadline_ns, kvf_err *err);
 
 void kvf_xfer_stats_get(const kvf_xfer *x, kvf_xfer_stats *out);

@@ -32,6 +32,10 @@ typedef struct kvf_xfer_ops {
     /* Sender-side cancel: KVF_ERR_NOT_FOUND when id is not in flight here. */
     kvf_status (*cancel)(kvf_xfer *x, uint64_t id);
     void (*progress)(kvf_xfer *x);
+    /* Event fd, or -1 when the backend has none (the caller then spins). */
+    int (*event_fd)(kvf_xfer *x);
+    /* Arms event_fd; false when work is already pending (progress again instead of sleeping). */
+    bool (*arm)(kvf_xfer *x);
 } kvf_xfer_ops;
 
 extern const kvf_xfer_ops kvf_xfer_local_ops;

@@ -153,6 +153,16 @@ static void local_progress(kvf_xfer *x)
 {
 }
 
+static int local_event_fd(kvf_xfer *x)
+{
+    return -1;
+}
+
+static bool local_arm(kvf_xfer *x)
+{
+    return false;
+}
+
 const kvf_xfer_ops kvf_xfer_local_ops = {
     .name = "local",
     .open = local_open,
@@ -163,4 +173,6 @@ const kvf_xfer_ops kvf_xfer_local_ops = {
     .write = local_write,
     .cancel = local_cancel,
     .progress = local_progress,
+    .event_fd = local_event_fd,
+    .arm = local_arm,
 };

@@ -90,6 +90,7 @@ typedef struct ucx_xfer {
     ucx_ack *acks; /* queued by the notice handler, sent from progress */
     bool no_peer_errh; /* transport "sm": UCX 1.13 has no peer-failure handling over it */
     bool am_data;      /* data path "am" (else "put") */
+    int efd;           /* the worker's event fd, or -1 (no wakeup support) */
     ucx_recv *recvs;
 } ucx_xfer;
 
@@ -398,9 +399,14 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
                          tr, cfg->net_devices ? cfg->net_devices : "(all)", ucs_status_string(s));
         goto fail_u;
     }
+    /* Wakeup lets waiters sleep on an fd; without it they spin (still correct). */
     ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
-                           .features = UCP_FEATURE_RMA | UCP_FEATURE_AM};
+                           .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
     s = ucp_init(&params, uc, &u->ctx);
+    if (s != UCS_OK) {
+        params.features &= ~(uint64_t)UCP_FEATURE_WAKEUP;
+        s = ucp_init(&params, uc, &u->ctx);
+    }
     ucp_config_release(uc);
     if (s != UCS_OK) {
         st = kvf_err_set(err, kvf_status_from_ucs(s), "xfer: ucx: ucp_init (transport %s): %s", tr,
@@ -414,6 +420,8 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
                          ucs_status_string(s));
         goto fail_ctx;
     }
+    if (!(params.features & UCP_FEATURE_WAKEUP) || ucp_worker_get_efd(u->worker, &u->efd) != UCS_OK)
+        u->efd = -1;
     /* No base: UCX allocates the pool, in memory its shared-memory transports can map. */
     bool alloc = x->pool.base == NULL;
     ucp_mem_map_params_t mp = {
@@ -824,6 +832,18 @@ static void ucx_progress(kvf_xfer *x)
     }
 }
 
+static int ucx_event_fd(kvf_xfer *x)
+{
+    return ((ucx_xfer *)x->impl)->efd;
+}
+
+static bool ucx_arm(kvf_xfer *x)
+{
+    ucx_xfer *u = x->impl;
+    /* Acks queued by a notice go out from progress: never sleep on them. */
+    return u->efd >= 0 && !u->acks && ucp_worker_arm(u->worker) == UCS_OK;
+}
+
 const kvf_xfer_ops kvf_xfer_ucx_ops = {
     .name = "ucx",
     .open = ucx_open,
@@ -834,4 +854,6 @@ const kvf_xfer_ops kvf_xfer_ucx_ops = {
     .write = ucx_write,
     .cancel = ucx_cancel,
     .progress = ucx_progress,
+    .event_fd = ucx_event_fd,
+    .arm = ucx_arm,
 };

@@ -112,9 +112,16 @@ static inline int peer_send(int fd, uint32_t type, const void *data, uint32_t le
 static inline int peer_recv(int fd, kvf_xfer *x, peer_msg *m, int64_t deadline_ns)
 {
     for (;;) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        int r = poll(&pfd, 1, x ? 0 : 10);
-        if (r > 0) {
+        /* Sleep on the socket and the transport's event fd together (a spinning receiver would
+         * take the CPU its sender needs on a small machine). */
+        struct pollfd pfd[2] = {{.fd = fd, .events = POLLIN}, {.fd = -1, .events = POLLIN}};
+        int timeout_ms = 10;
+        if (x) {
+            pfd[1].fd = kvf_xfer_event_fd(x);
+            timeout_ms = pfd[1].fd >= 0 && kvf_xfer_arm(x) ? 1 : 0;
+        }
+        int r = poll(pfd, 2, timeout_ms);
+        if (r > 0 && (pfd[0].revents & (POLLIN | POLLHUP | POLLERR))) {
             uint32_t h[2];
             if (peer_read_all(fd, h, sizeof h) || h[1] > PEER_MAX_MSG)
                 return -1;
@@ -123,7 +130,8 @@ static inline int peer_recv(int fd, kvf_xfer *x, peer_msg *m, int64_t deadline_n
             return peer_read_all(fd, m->data, m->len) ? -1 : 1;
         }
         if (x)
-            kvf_xfer_progress(x);
+            for (int i = 0; i < 16; i++)
+                kvf_xfer_progress(x);
         if (kvf_now_ns() >= deadline_ns)
             return 0;
     }
