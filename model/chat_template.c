@@ -283,8 +283,12 @@ kvf_status kvf_model_chat_template_load(const char *dir, const char *family, boo
 
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     if (file_exists(path)) {
-        if ((st = kvf_json_load_file(path, &cfg, err)) != KVF_OK)
+        /* integers as reals: many configs hold a model_max_length beyond 64 bits (1e30) */
+        json_error_t je;
+        if (!(cfg = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je))) {
+            st = kvf_err_set(err, KVF_ERR_PARSE, "%s: line %d column %d: %s", path, je.line, je.column, je.text);
             goto done;
+        }
         collect_special(cfg, vars);
     }
     if (force_family && family) {

@@ -1833,6 +1833,8 @@ static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv
                               : ceil(((double)start - (double)stop) / (double)-step);
         if (cnt < 0)
             cnt = 0;
+        if (cnt > 100000) /* as Jinja's sandbox, which transformers uses */
+            return rlimit(R, n, "range() of %.0f items is more than the 100000 the sandbox allows", cnt);
         if (cnt > (double)R->lim.max_iters)
             return rlimit(R, n, "range() of %.0f items is more than the %lld allowed", cnt,
                           (long long)R->lim.max_iters);

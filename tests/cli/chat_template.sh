@@ -63,8 +63,19 @@ S<|im_end|>
 <|im_start|>user
 U<|im_end|>"
 
+# Mistral 7B ships no template: its family's built-in, its own BOS, its own tokenizer
+M="$KVF_SHARED/fixtures/tokenizers/mistral7b"
+echo '{"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": true}' > "$tmp/hi.json"
+out=$("$KVF_BIN" chat-template --model "$M" --messages "$tmp/hi.json" --family mistral --json)
+expect_eq "mistral7b prompt" "$(json_get "$out" "j['prompt']")" "<s>[INST] hi [/INST]"
+expect_eq "mistral7b ids start with BOS" "$(json_get "$out" "j['ids'][0]")" 1
+expect_eq "mistral7b ids as tokenize gives" "$(json_get "$out" "','.join(map(str, j['ids']))")" \
+    "$("$KVF_BIN" tokenize --model "$M" --text "<s>[INST] hi [/INST]")"
+
 # bad input: a message naming what was wrong, nothing on stdout
 set +e
+err=$("$KVF_BIN" chat-template --model "$M" --messages "$tmp/hi.json" 2>&1 >/dev/null); rc=$?
+expect_contains "no template, no family" "$err" "name a family"
 err=$("$KVF_BIN" chat-template --model "$Q" 2>&1 >/dev/null); rc=$?
 expect_eq "missing --messages exit code" "$rc" 2
 expect_contains "missing --messages" "$err" "missing --messages"

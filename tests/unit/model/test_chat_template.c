@@ -680,10 +680,11 @@ static void test_load_from_model_dir(void **state)
     assert_string_equal(out, "<s>[INST] hi [/INST]");
     free(out);
 
-    /* tokenizer_config.json: its template and special tokens (string or AddedToken form) */
+    /* tokenizer_config.json: its template and special tokens (string or AddedToken form), with
+     * the beyond-64-bit model_max_length many real configs carry */
     write_file(dir, "tokenizer_config.json",
                "{\"bos_token\": {\"content\": \"<B>\", \"__type\": \"AddedToken\"}, \"eos_token\": \"<E>\","
-               " \"pad_token\": null, \"chat_template\": \"{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+               " \"pad_token\": null, \"model_max_length\": 1000000000000000019884624838656, \"chat_template\": \"{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
                "{{ eos_token }}{{ pad_token is defined }}\"}");
     out = render_dir(dir, NULL, false, NULL, "tokenizer_config.json");
     assert_string_equal(out, "<B>hi<E>False");
