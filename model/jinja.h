@@ -1,6 +1,28 @@
 /* jinja.h: a small interpreter for the part of Jinja that Hugging Face chat templates use:
  * compile a template once, render it many times (from many threads) with variables given as
- * JSON. Chat-specific policy (which template, which variables) lives in chat_template.h. */
+ * JSON. Chat-specific policy (which template, which variables) lives in chat_template.h.
+ *
+ * What it runs, with Jinja 3's meaning (Python's for values, str() and repr()):
+ *   {{ }} {% %} {# #} with -, + and the trim_blocks / lstrip_blocks options; \r\n becomes \n and
+ *   one trailing newline is dropped, as Jinja does; raw.
+ *   for (tuple targets, `if` filter, else, loop.index/index0/revindex/revindex0/first/last/
+ *   length/previtem/nextitem/cycle, break, continue), if/elif/else, set (names, tuples,
+ *   namespace attributes, blocks), macro (defaults, keywords), call (with caller(args)),
+ *   filter blocks, and transformers' {% generation %}.
+ *   Expressions: literals, lists, tuples, dicts, .attr, [item], slices, calls, and/or/not,
+ *   comparisons (chained), in / not in, + - * / // % **, ~, x if c else y.
+ *   Tests: defined undefined none string mapping iterable sequence number integer float
+ *   boolean true false callable odd even divisibleby eq ne lt le gt ge in sameas lower upper.
+ *   Filters: trim length count tojson (indent, separators, sort_keys, ensure_ascii, as
+ *   json.dumps) string lower upper capitalize title join first last default items list
+ *   replace indent safe escape abs int float round reverse unique sort dictsort map select
+ *   reject selectattr rejectattr sum min max wordcount.
+ *   Methods: str startswith endswith strip lstrip rstrip split rsplit splitlines title upper
+ *   lower capitalize replace join find count isspace isdigit isalpha isupper islower; dict
+ *   items keys values get.
+ *   Globals: raise_exception, namespace, range, dict, strftime_now.
+ * Not there: recursive loops, extends/include/import, string % formatting, the format filter.
+ * Lists and dicts are immutable, as in transformers' sandbox. */
 #ifndef KVF_MODEL_JINJA_H
 #define KVF_MODEL_JINJA_H
 
