@@ -283,6 +283,18 @@ static void test_unary_errors(void **state)
     free(big);
     assert_int_equal(kvf_rpc_unary(f->ch, M_BIG, "x", 1, 5000, &r, &e), KVF_ERR_LIMIT);
     assert_null(r.data);
+    /* A client allowed bigger messages is still held to the server's limit, by the server. */
+    kvf_rpc_channel_opts big_opts = {.max_msg_bytes = 2 * (int64_t)KVF_RPC_DEFAULT_MAX_MSG};
+    kvf_rpc_channel *big_ch;
+    assert_int_equal(kvf_rpc_channel_create(f->target, &big_opts, &big_ch, &e), KVF_OK);
+    big = calloc(1, n);
+    assert_int_equal(kvf_rpc_unary(big_ch, M_ECHO, big, n, 10000, &r, &e), KVF_ERR_LIMIT);
+    assert_non_null(strstr(e.msg, "RESOURCE_EXHAUSTED"));
+    free(big);
+    kvf_rpc_channel_destroy(big_ch);
+    big_opts.max_msg_bytes = 100;
+    assert_int_equal(kvf_rpc_channel_create(f->target, &big_opts, &big_ch, &e), KVF_ERR_INVALID);
+    assert_non_null(strstr(e.msg, "max message size 100 is out of range"));
     /* Nobody listening: peer lost, quickly. */
     kvf_rpc_channel *dead;
     assert_int_equal(kvf_rpc_channel_create("127.0.0.1:1", NULL, &dead, &e), KVF_OK);
