@@ -27,6 +27,7 @@ typedef struct side {
 } side;
 
 static bool transport_allocates; /* side_open leaves the pool to the transport */
+static const char *data_path;     /* side_open's kvf_xfer_cfg.data_path */
 
 static void side_open(side *s, const char *backend, const char *transport, int32_t block_size,
                       kvf_dtype dtype, int32_t kv_heads, int64_t n_blocks, uint8_t fill)
@@ -39,7 +40,7 @@ static void side_open(side *s, const char *backend, const char *transport, int32
     s->mem = s->owned ? NULL : malloc((size_t)(n_blocks * s->layout.block_bytes));
     assert_true(s->owned || s->mem);
     kvf_xfer_pool pool = {.base = s->mem, .layout = s->layout, .n_blocks = n_blocks};
-    kvf_xfer_cfg cfg = {.backend = backend, .transport = transport};
+    kvf_xfer_cfg cfg = {.backend = backend, .transport = transport, .data_path = data_path};
     kvf_status st = kvf_xfer_create(&cfg, &pool, &s->x, &err);
     if (st != KVF_OK)
         fail_msg("kvf_xfer_create: %s", err.msg);
@@ -506,6 +507,25 @@ static void ucx_event_fd_wakes(const char *transport)
     side_close(&b);
 }
 
+/* Both data paths over both transports ("auto" picks am for tcp, put for sm). */
+static void test_data_paths_forced(void **state)
+{
+    data_path = "am";
+    ucx_in_process("sm");
+    data_path = "put";
+    ucx_in_process("tcp");
+    data_path = NULL;
+    kvf_kv_layout l;
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_layout_init(1, 1, 8, 16, KVF_DTYPE_F32, &l, &err), KVF_OK);
+    kvf_xfer_pool pool = {.base = NULL, .layout = l, .n_blocks = 1};
+    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = "tcp", .data_path = "rdma"};
+    kvf_xfer *x = NULL;
+    assert_int_equal(kvf_xfer_create(&cfg, &pool, &x, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "data path 'rdma'"));
+    assert_null(x);
+}
+
 static void test_event_fd(void **state)
 {
     side l;
@@ -542,6 +562,7 @@ int main(void)
         cmocka_unit_test(test_ucx_in_process_tcp),
         cmocka_unit_test(test_transport_allocated_pools),
         cmocka_unit_test(test_event_fd),
+        cmocka_unit_test(test_data_paths_forced),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
