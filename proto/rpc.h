@@ -10,8 +10,9 @@
  * Thread-safety: every function here may be called from any thread, except that one object is
  * destroyed once, by one thread, after the calls on it have returned. Handlers and callbacks run
  * on the layer's threads, as each says below.
- * Process-wide: the first server or channel routes gRPC's log lines through kvf_log and, unless
- * GRPC_DNS_RESOLVER is set, makes gRPC resolve names with getaddrinfo.
+ * Process-wide: the first server or channel starts gRPC's threads (so fork() before, never
+ * after), routes gRPC's log lines through kvf_log and, unless GRPC_DNS_RESOLVER is set, makes
+ * gRPC resolve names with getaddrinfo.
  * Limits: messages are capped at max_msg_bytes (4 MiB unless set) in both directions, on both
  * sides; a larger message fails with KVF_ERR_LIMIT. KV bytes never travel here. */
 #ifndef KVF_PROTO_RPC_H
