@@ -1,0 +1,77 @@
+/* cmd_router.c: `kvfleet router`: the OpenAI HTTP front end over a fleet of decode (and
+ * prefill) workers given as address lists or DNS names. Prints one "ready" line on stdout when
+ * it listens; the serving itself is router/http.c's. */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "cli/cli.h"
+#include "common/cfg.h"
+#include "common/log.h"
+#include "router/http.h"
+
+typedef struct router_cfg {
+    kvf_router_http_cfg h;
+    kvf_rpc_tls tls;
+    const char *log_level;
+} router_cfg;
+
+static const kvf_cfg_opt router_opts[] = {
+    {"model", NULL, "model directory (config.json; tokenizer.json when it has one)", offsetof(router_cfg, h.model), KVF_CFG_STR},
+    {"served-model-name", NULL, "model name clients send (default: the directory's name)", offsetof(router_cfg, h.served_name), KVF_CFG_STR},
+    {"host", "127.0.0.1", "address to listen on", offsetof(router_cfg, h.host), KVF_CFG_STR},
+    {"port", "8000", "HTTP port (0 picks a free one)", offsetof(router_cfg, h.port), KVF_CFG_INT},
+    {"decode", NULL, "decode (or colocated) workers: host:port,host:port", offsetof(router_cfg, h.fleet.decode), KVF_CFG_STR},
+    {"prefill", NULL, "prefill workers: host:port,host:port", offsetof(router_cfg, h.fleet.prefill), KVF_CFG_STR},
+    {"decode-dns", NULL, "name:port re-resolved periodically; every address is a decode worker", offsetof(router_cfg, h.fleet.decode_dns), KVF_CFG_STR},
+    {"prefill-dns", NULL, "name:port re-resolved periodically; every address is a prefill worker", offsetof(router_cfg, h.fleet.prefill_dns), KVF_CFG_STR},
+    {"policy", "round-robin", "routing policy: round-robin, least-loaded, kv, sticky", offsetof(router_cfg, h.policy), KVF_CFG_STR},
+    {"max-model-len", "0", "context length (0: the model's max_position_embeddings)", offsetof(router_cfg, h.max_model_len), KVF_CFG_INT},
+    {"chat-template", NULL, "built-in chat template when the model has none (llama2, llama3, chatml, mistral)", offsetof(router_cfg, h.chat_family), KVF_CFG_STR},
+    {"max-inflight", "256", "requests per decode worker before it counts as saturated (then 429)", offsetof(router_cfg, h.max_inflight), KVF_CFG_INT},
+    {"max-attempts", "3", "decode workers tried before the first token", offsetof(router_cfg, h.max_attempts), KVF_CFG_INT},
+    {"request-timeout-ms", "600000", "deadline of one generation (0: none)", offsetof(router_cfg, h.request_timeout_ms), KVF_CFG_INT64},
+    {"health-interval-ms", "1000", "Health check period per worker", offsetof(router_cfg, h.fleet.health_interval_ms), KVF_CFG_INT64},
+    {"resolve-interval-ms", "5000", "DNS re-resolution period", offsetof(router_cfg, h.fleet.resolve_interval_ms), KVF_CFG_INT64},
+    KVF_RPC_TLS_CFG_OPTS(router_cfg, tls),
+    {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
+    {NULL},
+};
+
+static const kvf_cfg_spec router_spec = {
+    .prog = "kvfleet router",
+    .summary = "The OpenAI-compatible HTTP front end: POST /v1/completions, /v1/chat/completions,\n"
+               "GET /v1/models, /health, /ready, /metrics. Tokenizes, picks a decode worker (and a\n"
+               "prefill worker) per request and streams tokens back. Prints\n"
+               "`kvfleet router: ready http=HOST:PORT` on stdout once listening.",
+    .opts = router_opts,
+};
+
+int kvf_cli_router(int argc, char **argv)
+{
+    router_cfg c = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_cfg_parse(&router_spec, &c, argc, argv, NULL, &err);
+    if (st != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    int lvl = kvf_log_level_parse(c.log_level);
+    if (lvl < 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "router: --log-level=%s (use debug, info, warn, error, off)", c.log_level);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    kvf_log_set_level((kvf_log_level)lvl);
+    if (!c.h.fleet.decode && !c.h.fleet.decode_dns) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "router: give the decode workers with --decode=host:port,... or --decode-dns=name:port");
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    c.h.fleet.tls = c.tls.ca_file ? &c.tls : NULL;
+    c.h.handle_signals = true;
+    kvf_router_http *h = NULL;
+    if ((st = kvf_router_http_create(&c.h, &h, &err)) != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    printf("kvfleet router: ready http=%s:%d\n", c.h.host, kvf_router_http_port(h));
+    fflush(stdout);
+    st = kvf_router_http_run(h, &err);
+    kvf_router_http_destroy(h);
+    return kvf_cli_exit(st, &err);
+}

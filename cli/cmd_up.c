@@ -1,0 +1,418 @@
+/* cmd_up.c: `kvfleet up`: a local fleet on loopback: N prefill and M decode workers and a router,
+ * each a child process of this one (the same binary), started in order, waited for until ready,
+ * and stopped together on Ctrl-C or as soon as one of them dies (saying which). */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+#include "common/cfg.h"
+#include "common/time.h"
+
+#define UP_MAX_CHILDREN 66
+#define UP_MAX_ARGS 96
+
+typedef struct up_cfg {
+    const char *model, *host, *policy, *cache_dir;
+    int32_t prefill, decode, port;
+    int64_t ready_timeout_s;
+} up_cfg;
+
+static const kvf_cfg_opt up_opts[] = {
+    {"model", NULL, "model directory (default: `gen-model --preset small`, written once to --cache-dir)", offsetof(up_cfg, model), KVF_CFG_STR},
+    {"prefill", "1", "prefill workers (0: decode workers prefill locally)", offsetof(up_cfg, prefill), KVF_CFG_INT},
+    {"decode", "1", "decode workers", offsetof(up_cfg, decode), KVF_CFG_INT},
+    {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
+    {"host", "127.0.0.1", "the router's address", offsetof(up_cfg, host), KVF_CFG_STR},
+    {"policy", "round-robin", "the router's policy: round-robin, least-loaded, kv, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
+    {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
+    {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
+    {NULL},
+};
+
+static const kvf_cfg_spec up_spec = {
+    .prog = "kvfleet up",
+    .summary = "A local fleet on 127.0.0.1: a router, --prefill prefill workers and --decode decode\n"
+               "workers as child processes. Prints the URL and an example request once ready; Ctrl-C\n"
+               "stops them all, and so does any of them dying. Flags this command does not know\n"
+               "(e.g. --local-prefill-max-tokens=64) go to every role whose --help lists them.",
+    .opts = up_opts,
+};
+
+typedef struct child {
+    char name[32];
+    pid_t pid;
+    int out_fd;   /* its stdout */
+    char line[1024];
+    size_t line_len;
+    char ready[256]; /* the address from its ready line */
+} child;
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    g_stop = 1;
+}
+
+/* Starts `self args...` with stdout on a pipe; the child dies with us. */
+static int spawn(const char *self, char **args, child *c)
+{
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(p[0]);
+        close(p[1]);
+        return -1;
+    }
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        dup2(p[1], STDOUT_FILENO);
+        execv(self, args);
+        _exit(127);
+    }
+    close(p[1]);
+    c->pid = pid;
+    c->out_fd = p[0];
+    c->line_len = 0;
+    c->ready[0] = 0;
+    return 0;
+}
+
+/* Reads what a child printed; a line "... ready grpc=ADDR ..." or "... ready http=ADDR" sets
+ * c->ready. Other lines are echoed with the child's name. Returns false at EOF. */
+static bool drain(child *c)
+{
+    char buf[512];
+    ssize_t n = read(c->out_fd, buf, sizeof buf);
+    if (n <= 0)
+        return n < 0 && errno == EAGAIN;
+    for (ssize_t i = 0; i < n; i++) {
+        if (buf[i] != '\n' && c->line_len + 1 < sizeof c->line) {
+            c->line[c->line_len++] = buf[i];
+            continue;
+        }
+        c->line[c->line_len] = 0;
+        c->line_len = 0;
+        const char *r = strstr(c->line, "ready ");
+        const char *a = r ? strstr(r, "grpc=") : NULL;
+        if (!a && r)
+            a = strstr(r, "http=");
+        if (a && !c->ready[0]) {
+            a += 5;
+            size_t k = strcspn(a, " \t");
+            snprintf(c->ready, sizeof c->ready, "%.*s", (int)k, a);
+        } else {
+            printf("[%s] %s\n", c->name, c->line);
+            fflush(stdout);
+        }
+    }
+    return true;
+}
+
+/* Waits until every child has printed its ready line, one dies, or the deadline passes. */
+static int wait_ready(child *cs, int n, int64_t timeout_s)
+{
+    int64_t end = kvf_now_ns() + timeout_s * 1000000000LL;
+    for (;;) {
+        int pending = 0;
+        struct pollfd pf[UP_MAX_CHILDREN];
+        for (int i = 0; i < n; i++) {
+            pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
+            pending += !cs[i].ready[0];
+        }
+        if (!pending)
+            return -1;
+        if (g_stop || kvf_now_ns() > end)
+            return -2;
+        poll(pf, (nfds_t)n, 100);
+        for (int i = 0; i < n; i++) {
+            if (pf[i].revents && !drain(&cs[i]) && !cs[i].ready[0])
+                return i; /* closed its stdout before being ready: it died */
+            int status;
+            if (waitpid(cs[i].pid, &status, WNOHANG) == cs[i].pid) {
+                cs[i].pid = 0;
+                return i;
+            }
+        }
+    }
+}
+
+/* True when `self role --help` mentions --flag. */
+static bool role_has_flag(const char *self, const char *role, const char *flag)
+{
+    char cmd[PATH_MAX + 128];
+    snprintf(cmd, sizeof cmd, "'%s' %s --help 2>/dev/null", self, role);
+    FILE *p = popen(cmd, "r");
+    if (!p)
+        return false;
+    char line[1024], want[160];
+    snprintf(want, sizeof want, "--%s", flag);
+    size_t wl = strlen(want);
+    bool found = false;
+    while (fgets(line, sizeof line, p))
+        for (char *s = strstr(line, want); s && !found; s = strstr(s + 1, want))
+            found = s[wl] == ' ' || s[wl] == '=' || s[wl] == '\t' || s[wl] == '\n' || s[wl] == ',';
+    pclose(p);
+    return found;
+}
+
+static void stop_all(child *cs, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (cs[i].pid > 0)
+            kill(cs[i].pid, SIGTERM);
+    int64_t end = kvf_now_ns() + 10 * 1000000000LL;
+    for (;;) {
+        int alive = 0;
+        for (int i = 0; i < n; i++) {
+            if (cs[i].pid <= 0)
+                continue;
+            int status;
+            if (waitpid(cs[i].pid, &status, WNOHANG) == cs[i].pid)
+                cs[i].pid = 0;
+            else
+                alive++;
+        }
+        if (!alive)
+            return;
+        if (kvf_now_ns() > end) {
+            for (int i = 0; i < n; i++)
+                if (cs[i].pid > 0) {
+                    fprintf(stderr, "kvfleet up: %s (pid %d) ignored SIGTERM for 10 s; killing it\n", cs[i].name, (int)cs[i].pid);
+                    kill(cs[i].pid, SIGKILL);
+                    waitpid(cs[i].pid, NULL, 0);
+                    cs[i].pid = 0;
+                }
+            return;
+        }
+        kvf_sleep_ms(20);
+    }
+}
+
+/* The default model: gen-model --preset small, written once under the cache directory. */
+static int default_model(const char *self, const up_cfg *c, char *dir, size_t cap)
+{
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char base[PATH_MAX];
+    if (c->cache_dir)
+        snprintf(base, sizeof base, "%s", c->cache_dir);
+    else if (xdg && *xdg)
+        snprintf(base, sizeof base, "%s/kvfleet", xdg);
+    else
+        snprintf(base, sizeof base, "%s/.cache/kvfleet", home && *home ? home : "/tmp");
+    if ((size_t)snprintf(dir, cap, "%.3900s/models/small", base) >= cap)
+        return -1;
+    char probe[PATH_MAX + 32];
+    snprintf(probe, sizeof probe, "%s/model.safetensors", dir);
+    struct stat st;
+    if (stat(probe, &st) == 0)
+        return 0;
+    printf("kvfleet up: writing the default model to %s (once)\n", dir);
+    fflush(stdout);
+    char cmd[PATH_MAX * 8];
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && '%s' gen-model --preset small --out '%s.tmp' >/dev/null && rm -rf '%s' && mv '%s.tmp' '%s'",
+             base, self, dir, dir, dir, dir);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+int kvf_cli_up(int argc, char **argv)
+{
+    /* Split argv: our flags to kvf_cfg_parse, the rest forwarded to the roles that know them. */
+    char *ours[UP_MAX_ARGS], *fwd[UP_MAX_ARGS];
+    int n_ours = 0, n_fwd = 0;
+    ours[n_ours++] = argv[0];
+    for (int i = 1; i < argc && n_ours < UP_MAX_ARGS - 1 && n_fwd < UP_MAX_ARGS - 1; i++) {
+        const char *a = argv[i];
+        bool known = strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0 || strncmp(a, "--", 2) != 0;
+        for (const kvf_cfg_opt *o = up_opts; !known && o->name; o++) {
+            size_t l = strlen(o->name);
+            known = strncmp(a + 2, o->name, l) == 0 && (a[2 + l] == 0 || a[2 + l] == '=');
+        }
+        if (known) {
+            ours[n_ours++] = argv[i];
+            continue;
+        }
+        fwd[n_fwd++] = argv[i];
+        if (!strchr(a, '=') && i + 1 < argc && strncmp(argv[i + 1], "-", 1) != 0)
+            fwd[n_fwd++] = argv[++i];
+    }
+    up_cfg c = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_cfg_parse(&up_spec, &c, n_ours, ours, NULL, &err);
+    if (st != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    if (c.decode < 1 || c.prefill < 0 || c.decode + c.prefill > UP_MAX_CHILDREN - 2) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "up: --decode=%d --prefill=%d: need at least 1 decode worker and at most %d workers",
+                    c.decode, c.prefill, UP_MAX_CHILDREN - 2);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    char self[PATH_MAX];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "kvfleet up: cannot find this program (/proc/self/exe)\n");
+        return 1;
+    }
+    self[sl] = 0;
+    char model[PATH_MAX];
+    if (c.model)
+        snprintf(model, sizeof model, "%s", c.model);
+    else if (default_model(self, &c, model, sizeof model) != 0) {
+        fprintf(stderr, "kvfleet up: writing the default model failed\n");
+        return 1;
+    }
+
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+
+    static child cs[UP_MAX_CHILDREN];
+    int n = 0, rc = 0;
+    char model_arg[PATH_MAX + 16];
+    snprintf(model_arg, sizeof model_arg, "--model=%s", model);
+    /* Workers: prefill first, then decode; each on a free loopback port. */
+    for (int role = 0; role < 2; role++) {
+        const char *rname = role == 0 ? "prefill" : "decode";
+        int count = role == 0 ? c.prefill : c.decode;
+        if (!count)
+            continue;
+        char *wargs[UP_MAX_ARGS];
+        int k = 0;
+        wargs[k++] = self;
+        wargs[k++] = (char *)rname;
+        wargs[k++] = model_arg;
+        static const char *const listen_flags[] = {"grpc", "listen", "address", "grpc-address"};
+        static char listen_arg[2][64];
+        for (size_t f = 0; f < sizeof listen_flags / sizeof listen_flags[0]; f++)
+            if (role_has_flag(self, rname, listen_flags[f])) {
+                snprintf(listen_arg[role], sizeof listen_arg[role], "--%s=127.0.0.1:0", listen_flags[f]);
+                wargs[k++] = listen_arg[role];
+                break;
+            }
+        if (k == 3 && role_has_flag(self, rname, "port"))
+            wargs[k++] = "--port=0";
+        for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
+            if (strncmp(fwd[i], "--", 2) != 0)
+                continue;
+            char name[128];
+            snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
+            if (!role_has_flag(self, rname, name))
+                continue;
+            wargs[k++] = fwd[i];
+            if (!strchr(fwd[i], '=') && i + 1 < n_fwd && strncmp(fwd[i + 1], "-", 1) != 0)
+                wargs[k++] = fwd[i + 1];
+        }
+        wargs[k] = NULL;
+        for (int j = 0; j < count; j++) {
+            snprintf(cs[n].name, sizeof cs[n].name, "%s-%d", rname, j);
+            if (spawn(self, wargs, &cs[n]) != 0) {
+                fprintf(stderr, "kvfleet up: cannot start %s: %s\n", cs[n].name, strerror(errno));
+                rc = 1;
+                goto out;
+            }
+            n++;
+        }
+    }
+    int w = wait_ready(cs, n, c.ready_timeout_s);
+    if (w != -1) {
+        if (w >= 0)
+            fprintf(stderr, "kvfleet up: %s died before it was ready; stopping the fleet\n", cs[w].name);
+        else if (!g_stop)
+            fprintf(stderr, "kvfleet up: the workers were not ready within %lld s\n", (long long)c.ready_timeout_s);
+        rc = g_stop ? 0 : 1;
+        goto out;
+    }
+    /* The router, given every worker's address. */
+    {
+        char dec[4096] = "", pre[4096] = "", port_arg[32], host_arg[300], pol_arg[128];
+        for (int i = 0; i < n; i++) {
+            char *dst = strncmp(cs[i].name, "decode", 6) == 0 ? dec : pre;
+            size_t l = strlen(dst);
+            snprintf(dst + l, sizeof dec - l, "%s%s", l ? "," : "", cs[i].ready);
+        }
+        char dec_arg[4200], pre_arg[4200];
+        snprintf(dec_arg, sizeof dec_arg, "--decode=%s", dec);
+        snprintf(pre_arg, sizeof pre_arg, "--prefill=%s", pre);
+        snprintf(port_arg, sizeof port_arg, "--port=%d", c.port);
+        snprintf(host_arg, sizeof host_arg, "--host=%s", c.host);
+        snprintf(pol_arg, sizeof pol_arg, "--policy=%s", c.policy);
+        char *rargs[UP_MAX_ARGS] = {self, "router", model_arg, dec_arg, port_arg, host_arg, pol_arg};
+        int k = 7;
+        if (pre[0])
+            rargs[k++] = pre_arg;
+        for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
+            if (strncmp(fwd[i], "--", 2) != 0)
+                continue;
+            char name[128];
+            snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
+            if (role_has_flag(self, "router", name))
+                rargs[k++] = fwd[i];
+        }
+        rargs[k] = NULL;
+        snprintf(cs[n].name, sizeof cs[n].name, "router");
+        if (spawn(self, rargs, &cs[n]) != 0) {
+            fprintf(stderr, "kvfleet up: cannot start the router: %s\n", strerror(errno));
+            rc = 1;
+            goto out;
+        }
+        n++;
+        if ((w = wait_ready(cs, n, c.ready_timeout_s)) != -1) {
+            if (w >= 0)
+                fprintf(stderr, "kvfleet up: %s died before it was ready; stopping the fleet\n", cs[w].name);
+            rc = g_stop ? 0 : 1;
+            goto out;
+        }
+    }
+    printf("kvfleet up: serving %s with %d prefill + %d decode workers at http://%s\n"
+           "  curl http://%s/v1/completions -H 'Content-Type: application/json' \\\n"
+           "    -d '{\"model\": \"%s\", \"prompt\": \"Hello\", \"max_tokens\": 16}'\n"
+           "Ctrl-C stops the fleet.\n",
+           model, c.prefill, c.decode, cs[n - 1].ready, cs[n - 1].ready,
+           strrchr(model, '/') ? strrchr(model, '/') + 1 : model);
+    fflush(stdout);
+    /* Serve until Ctrl-C or until a child dies. */
+    while (!g_stop) {
+        struct pollfd pf[UP_MAX_CHILDREN];
+        for (int i = 0; i < n; i++)
+            pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
+        poll(pf, (nfds_t)n, 200);
+        for (int i = 0; i < n; i++)
+            if (pf[i].revents)
+                drain(&cs[i]);
+        for (int i = 0; i < n; i++) {
+            int status;
+            if (cs[i].pid > 0 && waitpid(cs[i].pid, &status, WNOHANG) == cs[i].pid) {
+                cs[i].pid = 0;
+                if (WIFSIGNALED(status))
+                    fprintf(stderr, "kvfleet up: %s was killed by signal %d; stopping the fleet\n", cs[i].name, WTERMSIG(status));
+                else
+                    fprintf(stderr, "kvfleet up: %s exited with status %d; stopping the fleet\n", cs[i].name, WEXITSTATUS(status));
+                rc = 1;
+                g_stop = 1;
+                break;
+            }
+        }
+    }
+    if (rc == 0)
+        printf("kvfleet up: stopping\n");
+out:
+    stop_all(cs, n);
+    for (int i = 0; i < n; i++)
+        close(cs[i].out_fd);
+    return rc;
+}

@@ -1,0 +1,42 @@
+/* http.h: the router's OpenAI HTTP front end on libevent: /v1/completions and
+ * /v1/chat/completions (SSE and plain), /v1/models, /health, /ready and /metrics; tokenizes,
+ * picks decode and prefill workers by policy, streams Generate from the decode worker, retries
+ * on another before the first token, and cancels it when the client goes away. */
+#ifndef KVF_ROUTER_HTTP_H
+#define KVF_ROUTER_HTTP_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+#include "router/fleet.h"
+
+typedef struct kvf_router_http_cfg {
+    const char *host;            /* "127.0.0.1" */
+    int32_t port;                /* 0: pick a free one (kvf_router_http_port) */
+    const char *model;           /* model directory: config.json, optional tokenizer.json */
+    const char *served_name;     /* the model name clients send; NULL: the directory's name */
+    int32_t max_model_len;       /* 0: config.json's max_position_embeddings */
+    const char *chat_family;     /* built-in chat template when the model has none, or NULL */
+    const char *policy;          /* "round-robin", "least-loaded", "kv", "sticky" */
+    int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
+    int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
+    int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */
+    bool handle_signals;         /* SIGINT/SIGTERM stop run (for the command) */
+    kvf_router_fleet_cfg fleet;
+} kvf_router_http_cfg;
+
+typedef struct kvf_router_http kvf_router_http;
+
+/* Loads the model's config (and tokenizer and chat template when it has them), starts the fleet
+ * and binds the port. Nothing is served until kvf_router_http_run. */
+kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_http **out,
+                                  kvf_err *err);
+int kvf_router_http_port(const kvf_router_http *h);
+/* Serves on the calling thread until kvf_router_http_stop. */
+kvf_status kvf_router_http_run(kvf_router_http *h, kvf_err *err);
+/* Makes run return (requests in flight are cancelled). Any thread (not a signal handler: set
+ * handle_signals instead); idempotent. */
+void kvf_router_http_stop(kvf_router_http *h);
+void kvf_router_http_destroy(kvf_router_http *h); /* NULL is fine */
+
+#endif

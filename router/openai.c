@@ -1,0 +1,473 @@
+/* openai.c: OpenAI request parsing/validation and answer/chunk JSON for the router. Checks every
+ * known field's type and range and answers as OpenAI does (400 with param naming the field);
+ * what the model allows (context length, tokenizer) is checked by the caller. */
+#include "router/openai.h"
+
+#include "common/json.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+kvf_status kvf_router_oai_error_set(kvf_router_oai_error *e, int http_status, const char *type,
+                                    const char *param, const char *code, const char *fmt, ...)
+{
+    if (!e)
+        return KVF_ERR_INVALID;
+    e->http_status = http_status;
+    e->type = type;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    snprintf(e->code, sizeof e->code, "%s", code ? code : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return KVF_ERR_INVALID;
+}
+
+kvf_status kvf_router_oai_error_json(const kvf_router_oai_error *e, kvf_sbuf *out)
+{
+    json_t *err = json_object();
+    json_object_set_new(err, "message", json_string(e->message));
+    json_object_set_new(err, "type", json_string(e->type ? e->type : "invalid_request_error"));
+    json_object_set_new(err, "param", e->param[0] ? json_string(e->param) : json_null());
+    json_object_set_new(err, "code", e->code[0] ? json_string(e->code) : json_null());
+    json_t *root = json_object();
+    json_object_set_new(root, "error", err);
+    char *s = json_dumps(root, JSON_COMPACT);
+    json_decref(root);
+    if (!s)
+        return KVF_ERR_NOMEM;
+    kvf_status st = kvf_sbuf_puts(out, s);
+    free(s);
+    return st;
+}
+
+void kvf_router_oai_req_fini(kvf_router_oai_req *req)
+{
+    if (!req)
+        return;
+    free(req->model);
+    free(req->prompt_text);
+    free(req->prompt_ids);
+    json_decref(req->messages);
+    json_decref(req->chat_extra);
+    for (size_t i = 0; i < req->n_stop; i++)
+        free(req->stop[i]);
+    free(req->cache_salt);
+    memset(req, 0, sizeof *req);
+}
+
+static kvf_status bad_type(kvf_router_oai_error *e, const char *field, const char *want,
+                           const json_t *v)
+{
+    return kvf_router_oai_error_set(e, 400, "invalid_request_error", field, "invalid_type",
+                                    "'%s' must be %s, got %s", field, want, kvf_json_kind(v));
+}
+
+/* Reads an optional number field within [lo, hi]. */
+static kvf_status opt_num(const json_t *o, const char *key, double lo, double hi, double *out,
+                          kvf_router_oai_error *e)
+{
+    const json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v))
+        return KVF_OK;
+    if (!json_is_number(v))
+        return bad_type(e, key, "a number", v);
+    double d = json_number_value(v);
+    if (!isfinite(d) || d < lo || d > hi)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", key, "invalid_value",
+                                        "'%s' is %g; allowed: %g to %g", key, d, lo, hi);
+    *out = d;
+    return KVF_OK;
+}
+
+static kvf_status opt_int(const json_t *o, const char *key, int64_t lo, int64_t hi,
+                          int64_t *out, bool *set, kvf_router_oai_error *e)
+{
+    const json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v))
+        return KVF_OK;
+    if (!json_is_integer(v))
+        return bad_type(e, key, "an integer", v);
+    int64_t x = (int64_t)json_integer_value(v);
+    if (x < lo || x > hi)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", key, "invalid_value",
+                                        "'%s' is %lld; allowed: %lld to %lld", key,
+                                        (long long)x, (long long)lo, (long long)hi);
+    *out = x;
+    if (set)
+        *set = true;
+    return KVF_OK;
+}
+
+static kvf_status opt_bool(const json_t *o, const char *key, bool *out, kvf_router_oai_error *e)
+{
+    const json_t *v = json_object_get(o, key);
+    if (!v || json_is_null(v))
+        return KVF_OK;
+    if (!json_is_boolean(v))
+        return bad_type(e, key, "a boolean", v);
+    *out = json_is_true(v);
+    return KVF_OK;
+}
+
+static kvf_status parse_prompt(const json_t *p, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!p || json_is_null(p))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "missing_required_parameter",
+                                        "'prompt' is required (text, or an array of token ids)");
+    if (json_is_string(p)) {
+        r->prompt_text = strdup(json_string_value(p));
+        return r->prompt_text ? KVF_OK : KVF_ERR_NOMEM;
+    }
+    if (!json_is_array(p))
+        return bad_type(e, "prompt", "a string or an array of token ids", p);
+    size_t n = json_array_size(p);
+    if (n == 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                        "'prompt' is empty; give text or at least one token id");
+    const json_t *first = json_array_get(p, 0);
+    if (json_is_string(first) || json_is_array(first)) {
+        if (n != 1)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                            "'prompt' holds %zu prompts; this server takes one per request (use 'n' for several choices)", n);
+        return parse_prompt(first, r, e);
+    }
+    r->prompt_ids = malloc(n * sizeof *r->prompt_ids);
+    if (!r->prompt_ids)
+        return KVF_ERR_NOMEM;
+    for (size_t i = 0; i < n; i++) {
+        const json_t *v = json_array_get(p, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX) {
+            free(r->prompt_ids);
+            r->prompt_ids = NULL;
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                            "'prompt'[%zu] is %s; token ids are integers from 0 to %d",
+                                            i, json_is_integer(v) ? "out of range" : kvf_json_kind(v), INT32_MAX);
+        }
+        r->prompt_ids[i] = (int32_t)json_integer_value(v);
+    }
+    r->n_prompt_ids = n;
+    return KVF_OK;
+}
+
+static kvf_status parse_messages(const json_t *m, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!m || json_is_null(m))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "missing_required_parameter",
+                                        "'messages' is required");
+    if (!json_is_array(m))
+        return bad_type(e, "messages", "an array", m);
+    if (json_array_size(m) == 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "invalid_value",
+                                        "'messages' is empty; give at least one message");
+    size_t i;
+    json_t *msg;
+    json_array_foreach(m, i, msg) {
+        char param[48];
+        snprintf(param, sizeof param, "messages.[%zu]", i);
+        if (!json_is_object(msg))
+            return bad_type(e, param, "an object", msg);
+        const json_t *role = json_object_get(msg, "role");
+        if (!json_is_string(role)) {
+            snprintf(param, sizeof param, "messages.[%zu].role", i);
+            return role ? bad_type(e, param, "a string", role)
+                        : kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "missing_required_parameter",
+                                                   "'%s' is required", param);
+        }
+        const json_t *content = json_object_get(msg, "content");
+        if (content && !json_is_null(content) && !json_is_string(content) && !json_is_array(content)) {
+            snprintf(param, sizeof param, "messages.[%zu].content", i);
+            return bad_type(e, param, "a string or an array of content parts", content);
+        }
+    }
+    r->messages = json_incref((json_t *)m);
+    return KVF_OK;
+}
+
+static kvf_status parse_stop(const json_t *s, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!s || json_is_null(s))
+        return KVF_OK;
+    if (json_is_string(s)) {
+        if (!json_string_length(s))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "invalid_value",
+                                            "'stop' strings must not be empty");
+        r->stop[0] = strdup(json_string_value(s));
+        if (!r->stop[0])
+            return KVF_ERR_NOMEM;
+        r->n_stop = 1;
+        return KVF_OK;
+    }
+    if (!json_is_array(s))
+        return bad_type(e, "stop", "a string or an array of strings", s);
+    if (json_array_size(s) > KVF_ROUTER_OAI_MAX_STOP)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "invalid_value",
+                                        "'stop' has %zu strings; at most %d are allowed",
+                                        json_array_size(s), KVF_ROUTER_OAI_MAX_STOP);
+    size_t i;
+    json_t *v;
+    json_array_foreach(s, i, v) {
+        if (!json_is_string(v) || !json_string_length(v))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "invalid_value",
+                                            "'stop'[%zu] is %s; stop entries are non-empty strings", i,
+                                            json_is_string(v) ? "empty" : kvf_json_kind(v));
+        if (!(r->stop[r->n_stop] = strdup(json_string_value(v))))
+            return KVF_ERR_NOMEM;
+        r->n_stop++;
+    }
+    return KVF_OK;
+}
+
+kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
+                                kvf_router_oai_req *req, kvf_router_oai_error *e)
+{
+    memset(req, 0, sizeof *req);
+    req->kind = kind;
+    req->temperature = 1.0;
+    req->top_p = 1.0;
+    req->n = 1;
+    req->skip_special_tokens = true;
+    json_error_t jerr;
+    json_t *o = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!o)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", NULL, "invalid_json",
+                                        "the body is not valid JSON: %s (line %d, column %d)",
+                                        jerr.text, jerr.line, jerr.column);
+    kvf_status st = KVF_OK;
+    if (!json_is_object(o)) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", NULL, "invalid_json",
+                                      "the body must be a JSON object, got %s", kvf_json_kind(o));
+        goto fail;
+    }
+    const json_t *model = json_object_get(o, "model");
+    if (!model || json_is_null(model)) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "model", "missing_required_parameter",
+                                      "'model' is required (see GET /v1/models)");
+        goto fail;
+    }
+    if (!json_is_string(model)) {
+        st = bad_type(e, "model", "a string", model);
+        goto fail;
+    }
+    if (!(req->model = strdup(json_string_value(model)))) {
+        st = KVF_ERR_NOMEM;
+        goto fail;
+    }
+    if (kind == KVF_ROUTER_OAI_COMPLETIONS)
+        st = parse_prompt(json_object_get(o, "prompt"), req, e);
+    else
+        st = parse_messages(json_object_get(o, "messages"), req, e);
+    if (st != KVF_OK)
+        goto fail;
+
+    int64_t mt = 0, n = 1, topk = 0, seed = 0;
+    bool set = false;
+    const char *mt_key = kind == KVF_ROUTER_OAI_CHAT && json_object_get(o, "max_completion_tokens")
+                             ? "max_completion_tokens" : "max_tokens";
+    if ((st = opt_int(o, mt_key, 1, INT32_MAX, &mt, NULL, e)) != KVF_OK ||
+        (st = opt_num(o, "temperature", 0, 2, &req->temperature, e)) != KVF_OK ||
+        (st = opt_num(o, "top_p", 0, 1, &req->top_p, e)) != KVF_OK ||
+        (st = opt_int(o, "top_k", -1, INT32_MAX, &topk, NULL, e)) != KVF_OK ||
+        (st = opt_int(o, "seed", INT64_MIN, INT64_MAX, &seed, &req->has_seed, e)) != KVF_OK ||
+        (st = opt_int(o, "n", 1, KVF_ROUTER_OAI_MAX_N, &n, &set, e)) != KVF_OK ||
+        (st = opt_bool(o, "stream", &req->stream, e)) != KVF_OK ||
+        (st = opt_bool(o, "ignore_eos", &req->ignore_eos, e)) != KVF_OK ||
+        (st = opt_bool(o, "skip_special_tokens", &req->skip_special_tokens, e)) != KVF_OK ||
+        (st = parse_stop(json_object_get(o, "stop"), req, e)) != KVF_OK)
+        goto fail;
+    if (req->top_p <= 0) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "top_p", "invalid_value",
+                                      "'top_p' is 0; allowed: above 0, up to 1");
+        goto fail;
+    }
+    req->max_tokens = (int32_t)mt;
+    req->top_k = topk < 0 ? 0 : (int32_t)topk;
+    req->seed = (uint64_t)seed;
+    req->n = (int32_t)n;
+    const json_t *so = json_object_get(o, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so)) {
+            st = bad_type(e, "stream_options", "an object", so);
+            goto fail;
+        }
+        const json_t *iu = json_object_get(so, "include_usage");
+        if (iu && !json_is_null(iu) && !json_is_boolean(iu)) {
+            st = bad_type(e, "stream_options.include_usage", "a boolean", iu);
+            goto fail;
+        }
+        req->include_usage = json_is_true(iu);
+    }
+    const json_t *salt = json_object_get(o, "cache_salt");
+    if (salt && !json_is_null(salt)) {
+        if (!json_is_string(salt)) {
+            st = bad_type(e, "cache_salt", "a string", salt);
+            goto fail;
+        }
+        if (!(req->cache_salt = strdup(json_string_value(salt)))) {
+            st = KVF_ERR_NOMEM;
+            goto fail;
+        }
+    }
+    const json_t *kw = json_object_get(o, "chat_template_kwargs");
+    if (kind == KVF_ROUTER_OAI_CHAT && kw && !json_is_null(kw)) {
+        if (!json_is_object(kw)) {
+            st = bad_type(e, "chat_template_kwargs", "an object", kw);
+            goto fail;
+        }
+        req->chat_extra = json_incref((json_t *)kw);
+    }
+    json_decref(o);
+    return KVF_OK;
+fail:
+    json_decref(o);
+    kvf_router_oai_req_fini(req);
+    if (st == KVF_ERR_NOMEM)
+        kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    return st;
+}
+
+const char *kvf_router_oai_finish_str(kvf_router_oai_finish f)
+{
+    switch (f) {
+    case KVF_ROUTER_OAI_FINISH_STOP: return "stop";
+    case KVF_ROUTER_OAI_FINISH_LENGTH: return "length";
+    case KVF_ROUTER_OAI_FINISH_ABORT: return "abort";
+    default: return NULL;
+    }
+}
+
+static json_t *ids_json(const int32_t *ids, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(a, json_integer(ids[i]));
+    return a;
+}
+
+static json_t *usage_json(const kvf_router_oai_usage *u)
+{
+    json_t *o = json_pack("{s:I,s:I,s:I}", "prompt_tokens", (json_int_t)u->prompt_tokens,
+                          "completion_tokens", (json_int_t)u->completion_tokens, "total_tokens",
+                          (json_int_t)(u->prompt_tokens + u->completion_tokens));
+    json_object_set_new(o, "prompt_tokens_details",
+                        json_pack("{s:I}", "cached_tokens", (json_int_t)u->cached_tokens));
+    return o;
+}
+
+static json_t *finish_json(kvf_router_oai_finish f)
+{
+    const char *s = kvf_router_oai_finish_str(f);
+    return s ? json_string(s) : json_null();
+}
+
+static json_t *text_json(const char *t, size_t n)
+{
+    return json_stringn_nocheck(t ? t : "", t ? n : 0);
+}
+
+static kvf_status dump(json_t *o, const char *pre, const char *post, kvf_sbuf *out)
+{
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    if (!s)
+        return KVF_ERR_NOMEM;
+    kvf_sbuf_puts(out, pre);
+    kvf_sbuf_puts(out, s);
+    kvf_status st = kvf_sbuf_puts(out, post);
+    free(s);
+    return out->oom ? KVF_ERR_NOMEM : st;
+}
+
+static json_t *head(kvf_router_oai_kind kind, bool chunk, const char *id, const char *model,
+                    int64_t created)
+{
+    const char *obj = kind == KVF_ROUTER_OAI_CHAT ? (chunk ? "chat.completion.chunk" : "chat.completion")
+                                                  : "text_completion";
+    return json_pack("{s:s,s:s,s:I,s:s}", "id", id, "object", obj, "created", (json_int_t)created,
+                     "model", model);
+}
+
+kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
+                                      const char *model, int64_t created,
+                                      const kvf_router_oai_choice *choices, size_t n_choices,
+                                      const kvf_router_oai_usage *usage, kvf_sbuf *out)
+{
+    json_t *o = head(kind, false, id, model, created);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n_choices; i++) {
+        const kvf_router_oai_choice *c = &choices[i];
+        json_t *ch = json_pack("{s:i}", "index", c->index);
+        if (kind == KVF_ROUTER_OAI_CHAT) {
+            json_t *msg = json_pack("{s:s}", "role", "assistant");
+            json_object_set_new(msg, "content", text_json(c->text, c->text_len));
+            json_object_set_new(ch, "message", msg);
+        } else {
+            json_object_set_new(ch, "text", text_json(c->text, c->text_len));
+        }
+        json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
+        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "finish_reason", finish_json(c->finish));
+        json_array_append_new(arr, ch);
+    }
+    json_object_set_new(o, "choices", arr);
+    kvf_router_oai_usage zero = {0};
+    json_object_set_new(o, "usage", usage_json(usage ? usage : &zero));
+    return dump(o, "", "", out);
+}
+
+kvf_status kvf_router_oai_chunk_sse(kvf_router_oai_kind kind, const char *id, const char *model,
+                                    int64_t created, const kvf_router_oai_choice *choices,
+                                    size_t n_choices, const kvf_router_oai_usage *usage,
+                                    bool null_usage, kvf_sbuf *out)
+{
+    json_t *o = head(kind, true, id, model, created);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n_choices; i++) {
+        const kvf_router_oai_choice *c = &choices[i];
+        json_t *ch = json_pack("{s:i}", "index", c->index);
+        if (kind == KVF_ROUTER_OAI_CHAT) {
+            json_t *delta = json_object();
+            if (c->first_chunk)
+                json_object_set_new(delta, "role", json_string("assistant"));
+            if (c->text_len || c->first_chunk)
+                json_object_set_new(delta, "content", text_json(c->text, c->text_len));
+            json_object_set_new(ch, "delta", delta);
+        } else {
+            json_object_set_new(ch, "text", text_json(c->text, c->text_len));
+        }
+        json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
+        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "finish_reason", finish_json(c->finish));
+        json_array_append_new(arr, ch);
+    }
+    json_object_set_new(o, "choices", arr);
+    if (usage)
+        json_object_set_new(o, "usage", usage_json(usage));
+    else if (null_usage)
+        json_object_set_new(o, "usage", json_null());
+    return dump(o, "data: ", "\n\n", out);
+}
+
+int64_t kvf_router_oai_find_stop(const char *text, size_t len, size_t from,
+                                 char *const *stop, size_t n_stop)
+{
+    int64_t best = -1;
+    for (size_t k = 0; k < n_stop; k++) {
+        size_t sl = strlen(stop[k]);
+        if (!sl || sl > len)
+            continue;
+        for (size_t i = from; i + sl <= len; i++) {
+            if (best >= 0 && (int64_t)i >= best)
+                break;
+            if (memcmp(text + i, stop[k], sl) == 0) {
+                best = (int64_t)i;
+                break;
+            }
+        }
+    }
+    return best;
+}

@@ -1,0 +1,113 @@
+/* openai.h: the OpenAI wire format of the router: parsing and validating /v1/completions and
+ * /v1/chat/completions bodies, error bodies as OpenAI writes them, and the JSON of answers and
+ * SSE chunks. Pure functions over jansson; HTTP, tokenization and workers live elsewhere. */
+#ifndef KVF_ROUTER_OPENAI_H
+#define KVF_ROUTER_OPENAI_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/sbuf.h"
+#include "common/status.h"
+
+#define KVF_ROUTER_OAI_MAX_STOP 4 /* stop strings per request, as OpenAI allows */
+#define KVF_ROUTER_OAI_MAX_N 64   /* choices per request (KVF_RPC_MAX_N) */
+
+typedef enum kvf_router_oai_kind {
+    KVF_ROUTER_OAI_COMPLETIONS, /* POST /v1/completions */
+    KVF_ROUTER_OAI_CHAT,        /* POST /v1/chat/completions */
+} kvf_router_oai_kind;
+
+/* An error answer: HTTP status and the four fields of {"error":{message,type,param,code}}.
+ * param and code are "" for JSON null. */
+typedef struct kvf_router_oai_error {
+    int http_status;
+    const char *type; /* "invalid_request_error", "not_found_error", "server_error", ... */
+    char param[64];
+    char code[64];
+    char message[KVF_ERR_MSG_MAX];
+} kvf_router_oai_error;
+
+/* Fills e and returns KVF_ERR_INVALID (for `return kvf_router_oai_error_set(...)`). */
+kvf_status kvf_router_oai_error_set(kvf_router_oai_error *e, int http_status, const char *type,
+                                    const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+/* Appends {"error":{...}} to out. */
+kvf_status kvf_router_oai_error_json(const kvf_router_oai_error *e, kvf_sbuf *out);
+
+/* A parsed request. Owned by the caller: kvf_router_oai_req_fini frees what parse allocated. */
+typedef struct kvf_router_oai_req {
+    kvf_router_oai_kind kind;
+    char *model;
+    char *prompt_text;    /* completions with a text prompt, else NULL */
+    int32_t *prompt_ids;  /* completions with token ids, else NULL */
+    size_t n_prompt_ids;
+    json_t *messages;     /* chat: the messages array (a reference the request holds) */
+    json_t *chat_extra;   /* chat: chat_template_kwargs object, or NULL */
+    int32_t max_tokens;   /* 0 when the client gave none */
+    double temperature;   /* default 1 */
+    double top_p;         /* default 1 */
+    int32_t top_k;        /* extension; 0 = off */
+    uint64_t seed;
+    bool has_seed;
+    char *stop[KVF_ROUTER_OAI_MAX_STOP];
+    size_t n_stop;
+    int32_t n;            /* default 1 */
+    bool stream;
+    bool include_usage;   /* stream_options.include_usage */
+    bool ignore_eos;      /* extension */
+    bool skip_special_tokens; /* extension; default true */
+    char *cache_salt;     /* extension; NULL = none */
+} kvf_router_oai_req;
+
+/* Parses and validates a request body. Unknown fields are ignored; a known field of the wrong
+ * type or out of range fails with an OpenAI-style 400 in e (param naming the field), as do
+ * malformed JSON and a missing prompt/messages/model. On failure req holds nothing to free. */
+kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
+                                kvf_router_oai_req *req, kvf_router_oai_error *e);
+void kvf_router_oai_req_fini(kvf_router_oai_req *req);
+
+/* OpenAI's finish_reason strings: "stop", "length", or NULL (JSON null) while running. */
+typedef enum kvf_router_oai_finish {
+    KVF_ROUTER_OAI_FINISH_NONE = 0,
+    KVF_ROUTER_OAI_FINISH_STOP,
+    KVF_ROUTER_OAI_FINISH_LENGTH,
+    KVF_ROUTER_OAI_FINISH_ABORT, /* cancelled or failed mid-way ("abort", as vLLM says) */
+} kvf_router_oai_finish;
+const char *kvf_router_oai_finish_str(kvf_router_oai_finish f);
+
+/* One choice of an answer or a chunk. token_ids may be NULL when n_ids is 0. */
+typedef struct kvf_router_oai_choice {
+    int32_t index;
+    const char *text;       /* the text (answer) or the new text (chunk); may be NULL */
+    size_t text_len;
+    const int32_t *token_ids; /* the ids (answer) or the new ids (chunk) */
+    size_t n_ids;
+    kvf_router_oai_finish finish;
+    bool first_chunk;       /* chat streaming: the delta also carries role "assistant" */
+} kvf_router_oai_choice;
+
+typedef struct kvf_router_oai_usage {
+    int64_t prompt_tokens, completion_tokens, cached_tokens;
+} kvf_router_oai_usage;
+
+/* The whole non-streaming answer (usage always present). */
+kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
+                                      const char *model, int64_t created,
+                                      const kvf_router_oai_choice *choices, size_t n_choices,
+                                      const kvf_router_oai_usage *usage, kvf_sbuf *out);
+/* One SSE event "data: {...}\n\n" with the given choices (n_choices may be 0 for the usage
+ * chunk); usage NULL writes no usage field unless null_usage says "usage": null. */
+kvf_status kvf_router_oai_chunk_sse(kvf_router_oai_kind kind, const char *id, const char *model,
+                                    int64_t created, const kvf_router_oai_choice *choices,
+                                    size_t n_choices, const kvf_router_oai_usage *usage,
+                                    bool null_usage, kvf_sbuf *out);
+
+/* Stop strings: the offset in text[0..len) where the earliest stop string starts, searching
+ * from `from` (the caller passes where new text began minus the longest stop length), or -1. */
+int64_t kvf_router_oai_find_stop(const char *text, size_t len, size_t from,
+                                 char *const *stop, size_t n_stop);
+
+#endif
