@@ -66,7 +66,7 @@ static void check_decode(const kvf_model_tokenizer *t, const int32_t *ids, size_
         size_t before = out.len;
         if (kvf_model_detok_feed(d, &ids[i], 1, &out, &err) != KVF_OK)
             abort();
-        if (!valid_utf8(out.data + before, out.len - before))
+        if (!valid_utf8(out.data ? out.data + before : "", out.len - before))
             abort(); /* a chunk ended in half a character */
     }
     kvf_model_detok_finish(d, &out, &err);

@@ -89,7 +89,7 @@ static bool decoded_equal(const kvf_model_tokenizer *tok, const json_t *ids_j, b
         assert_int_equal(kvf_model_detok_feed(d, &ids[i], 1, &all, &err), KVF_OK);
         kvf_sbuf chunk;
         kvf_sbuf_init(&chunk);
-        kvf_sbuf_append(&chunk, all.data + before, all.len - before);
+        kvf_sbuf_append(&chunk, all.data ? all.data + before : "", all.len - before);
         json_t *s = json_stringn(chunk.data ? chunk.data : "", chunk.len); /* NULL if not UTF-8 */
         if (!s) {
             fprintf(stderr, "%s: %s: streamed chunk %zu is not valid UTF-8\n", id, what, i);
