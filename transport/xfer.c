@@ -441,7 +441,7 @@ bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)
         kvf_log(KVF_LOG_WARN,
                 "xfer: notice for transfer %llu that is not expected here (timed out, cancelled "
                 "or never announced): dropped", (unsigned long long)id);
-    return expected;
+    return expected || x->accept_unexpected;
 }
 
 kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err)

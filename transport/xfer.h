@@ -147,7 +147,9 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
  * sender's notice arrives, KVF_ERR_TIMEOUT at deadline_ns (kvf_now_ns() time) otherwise. */
 kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err);
 
-/* Cancels transfer id on either side. Sender: the write ends with a KVF_ERR_CANCELLED event once
+/* Cancels transfer id on either side (a sender whose notice reaches a receiver that already
+ * timed out or cancelled gets KVF_ERR_CANCELLED too). Sender: the write ends with a
+ * KVF_ERR_CANCELLED event once
  * the backend has let go of the source blocks; once the notice went out it is too late
  * (KVF_ERR_STATE: wait for the event); receiver:
  * the expectation ends with a KVF_ERR_CANCELLED event at once. KVF_ERR_NOT_FOUND when id is

@@ -72,8 +72,8 @@ struct kvf_xfer_peer {
 /* Backend -> generic layer. Both take x->mu themselves. */
 /* Sender: write id ended with st (counts stats, queues the SENT event). */
 void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st);
-/* Receiver: the sender's notice for id arrived with st. Returns false when id was not expected
- * (the notice was dropped, or delivered when accept_unexpected). */
+/* Receiver: the sender's notice for id arrived with st. Returns whether it became an event:
+ * false when id was not expected (and accept_unexpected is off), so the notice was dropped. */
 bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st);
 
 /* Receiver: whether a transfer id is expected (or accept_unexpected is set). */

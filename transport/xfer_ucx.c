@@ -219,7 +219,9 @@ static void peer_close(ucx_xfer *u, ucx_peer *p, bool wait)
 
 /* ---- active messages ---- */
 
-static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id)
+/* Queues the answer to a notice: KVF_OK when the transfer was delivered here, else
+ * KVF_ERR_CANCELLED (this side no longer expects it: timed out or cancelled). */
+static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id, kvf_status st)
 {
     ucx_ack *a = calloc(1, sizeof *a);
     if (!a) {
@@ -228,7 +230,7 @@ static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id)
         return;
     }
     a->ep = ep;
-    hdr_write(a->hdr, id, 0, 0);
+    hdr_write(a->hdr, id, st, 0);
     a->next = u->acks;
     u->acks = a;
 }
@@ -254,9 +256,9 @@ static void recv_try_complete(ucx_xfer *u, ucx_recv *r)
 {
     if (!r->noticed || r->landed < r->total)
         return;
-    kvf_xfer_notice(u->x, r->id, KVF_OK);
+    bool delivered = kvf_xfer_notice(u->x, r->id, KVF_OK);
     if (r->reply_ep)
-        queue_ack(u, r->reply_ep, r->id);
+        queue_ack(u, r->reply_ep, r->id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
     for (ucx_recv **pp = &u->recvs; *pp; pp = &(*pp)->next)
         if (*pp == r) {
             *pp = r->next;
@@ -283,6 +285,8 @@ static ucs_status_t notice_cb(void *arg, const void *header, size_t header_lengt
         ucx_recv *r = kvf_xfer_expecting(u->x, id) ? recv_find(u, id, true) : NULL;
         if (!r) {
             kvf_xfer_notice(u->x, id, KVF_OK); /* not expected: counted and dropped there */
+            if (reply)
+                queue_ack(u, reply, id, KVF_ERR_CANCELLED);
             return UCS_OK;
         }
         r->noticed = true;
@@ -291,9 +295,9 @@ static ucs_status_t notice_cb(void *arg, const void *header, size_t header_lengt
         recv_try_complete(u, r);
         return UCS_OK;
     }
-    kvf_xfer_notice(u->x, id, (kvf_status)st);
+    bool delivered = kvf_xfer_notice(u->x, id, (kvf_status)st);
     if (reply)
-        queue_ack(u, reply, id);
+        queue_ack(u, reply, id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
     return UCS_OK;
 }
 
@@ -333,9 +337,12 @@ static ucs_status_t ack_cb(void *arg, const void *header, size_t header_length, 
     if (header_length != HDR_BYTES)
         return UCS_OK;
     uint64_t id = kvf_xfer_get_u64(header);
+    int32_t st = (int32_t)kvf_xfer_get_u32((const uint8_t *)header + 8);
     for (ucx_send *s = u->sends; s; s = s->next)
         if (s->id == id && s->notice_sent && !s->reported) {
             s->acked = true;
+            if (st != KVF_OK) /* the receiver had stopped waiting: its blocks may be reused */
+                send_fail(s, (kvf_status)st);
             break;
         }
     return UCS_OK;

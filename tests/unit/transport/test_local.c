@@ -507,6 +507,53 @@ static void ucx_event_fd_wakes(const char *transport)
     side_close(&b);
 }
 
+/* A write that reaches a receiver which already timed out: the receiver drops the notice (and,
+ * on the am path, the bytes: the blocks stay as they were), the sender hears KVF_ERR_CANCELLED. */
+static void late_write(const char *transport)
+{
+    side a, b;
+    side_open(&a, "ucx", transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    side_open(&b, "ucx", transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    fill_pattern(&a, 2);
+    kvf_xfer_peer *p = connect_to(&a, &b);
+    kvf_err err = {0};
+    kvf_xfer_event ev;
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_expect(b.x, 77, kvf_now_ns() + SEC / 20, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(b.x, &ev, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    kvf_xfer_pair pr[] = {{1, 2}, {2, 3}};
+    assert_int_equal(kvf_xfer_write(a.x, p, 77, pr, 2, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    bool sent = false;
+    int64_t until = kvf_now_ns() + 10 * SEC;
+    while (!sent && kvf_now_ns() < until) {
+        kvf_xfer_progress(a.x);
+        kvf_xfer_progress(b.x);
+        assert_false(kvf_xfer_poll(b.x, &ev));
+        if (kvf_xfer_poll(a.x, &ev)) {
+            assert_int_equal(ev.id, 77);
+            assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+            sent = true;
+        }
+    }
+    kvf_log_set_level(KVF_LOG_INFO);
+    assert_true(sent);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(b.x, &s);
+    assert_int_equal(s.late_notices, 1);
+    if (strcmp(transport, "tcp") == 0) /* am path */
+        for (int64_t i = 0; i < 8 * b.layout.block_bytes; i++)
+            assert_int_equal(b.mem[i], 0);
+    side_close(&a);
+    side_close(&b);
+}
+
+static void test_late_write_refused(void **state)
+{
+    late_write("tcp");
+    late_write("sm");
+}
+
 /* Both data paths over both transports ("auto" picks am for tcp, put for sm). */
 static void test_data_paths_forced(void **state)
 {
@@ -563,6 +610,7 @@ int main(void)
         cmocka_unit_test(test_transport_allocated_pools),
         cmocka_unit_test(test_event_fd),
         cmocka_unit_test(test_data_paths_forced),
+        cmocka_unit_test(test_late_write_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
