@@ -12,6 +12,8 @@ int kvf_cli_gen_model(int argc, char **argv); /* cli/cmd_gen_model.c */
 int kvf_cli_tokenize(int argc, char **argv); /* cli/cmd_tokenize.c */
 int kvf_cli_chat_template(int argc, char **argv); /* cli/cmd_chat_template.c */
 int kvf_cli_sim(int argc, char **argv); /* cli/cmd_sim.c */
+int kvf_cli_decode(int argc, char **argv);  /* cli/cmd_decode.c */
+int kvf_cli_prefill(int argc, char **argv); /* cli/cmd_prefill.c */
 int kvf_cli_router(int argc, char **argv); /* cli/cmd_router.c */
 int kvf_cli_up(int argc, char **argv); /* cli/cmd_up.c */
 

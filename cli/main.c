@@ -15,8 +15,8 @@ typedef struct kvf_cli_cmd {
 static const kvf_cli_cmd commands[] = {
     {"up", kvf_cli_up, "a local fleet: router + prefill + decode processes on loopback"},
     {"router", kvf_cli_router, "the KV-aware router with the OpenAI HTTP front end"},
-    {"prefill", NULL, "a prefill worker"},
-    {"decode", NULL, "a decode worker"},
+    {"prefill", kvf_cli_prefill, "a prefill worker"},
+    {"decode", kvf_cli_decode, "a decode worker"},
     {"generate", kvf_cli_generate, "single-process generation (the end-to-end reference)"},
     {"tokenize", kvf_cli_tokenize, "encode text to token ids or decode ids to text"},
     {"chat-template", kvf_cli_chat_template, "render a model's chat template for a list of messages"},

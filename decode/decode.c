@@ -1,0 +1,681 @@
+/* decode.c: the decode role's Generate stream. Decode-first (DESIGN.md s.1): look up the prefix
+ * cache, then prefill locally (few uncached tokens, no hint, or the prefill worker is down) or
+ * reserve the prompt's blocks and ask the hinted prefill worker to fill them, falling back to a
+ * local prefill on any failure. Every path frees its blocks. All state lives on the worker's
+ * loop thread; gRPC threads only post jobs. */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/time.h"
+#include "decode/decode.h"
+#include "kv/hash.h"
+#include "proto/worker.h"
+
+#define PEER_DOWN_NS (2000LL * 1000000LL) /* a prefill worker that failed is skipped this long */
+
+typedef struct dreq {
+    uint64_t key;    /* unique per Generate call (cancel jobs find the request by it) */
+    uint64_t eng_id; /* current engine id (a fallback takes a new one) */
+    char id[KVF_RPC_MAX_ID_LEN + 1];
+    kvf_rpc_call *call;
+    int32_t *prompt, n_prompt;
+    char *salt;
+    char hint[256];
+    kvf_engine_sampling samp;
+    float top_p;
+    int n_done;
+    int32_t completion_tokens, cached_tokens, remote_tokens;
+    /* remote prefill in flight */
+    bool remote, got_reply, got_xfer;
+    int32_t first_token, n_blocks, n_cached_blocks;
+    uint64_t tid;
+    int64_t deadline_ns, t0_ns;
+    struct cancel_arg *cancel; /* the call's cancel callback argument */
+    struct dreq *next;
+} dreq;
+
+typedef struct pconn {
+    char addr[256];
+    kvf_rpc_channel *ch;
+    int64_t down_until_ns;
+    struct pconn *next;
+} pconn;
+
+struct kvf_decode {
+    kvf_worker *w;
+    dreq *reqs;
+    pconn *peers;
+    uint64_t next_eng_id;
+    atomic_uint_fast64_t next_key;
+    kvf_metric *m_remote, *m_local, *m_fallback, *m_bytes, *m_requests, *m_cancelled,
+        *m_tokens;
+};
+
+typedef struct reply {
+    kvf_decode *d;
+    uint64_t key, tid;
+    kvf_status st;
+    int32_t first_token;
+    int64_t bytes_sent;
+    char msg[256];
+} reply;
+
+static void dreq_free(dreq *q)
+{
+    free(q->cancel);
+    free(q->prompt);
+    free(q->salt);
+    free(q);
+}
+
+static void unlink_req(kvf_decode *d, dreq *q)
+{
+    for (dreq **pp = &d->reqs; *pp; pp = &(*pp)->next)
+        if (*pp == q) {
+            *pp = q->next;
+            return;
+        }
+}
+
+static Kvfleet__V1__FinishReason finish_msg(kvf_engine_finish f)
+{
+    switch (f) {
+    case KVF_ENGINE_FINISH_STOP: return KVFLEET__V1__FINISH_REASON__FINISH_STOP;
+    case KVF_ENGINE_FINISH_LENGTH: return KVFLEET__V1__FINISH_REASON__FINISH_LENGTH;
+    case KVF_ENGINE_FINISH_CANCELLED: return KVFLEET__V1__FINISH_REASON__FINISH_CANCELLED;
+    case KVF_ENGINE_FINISH_ERROR: return KVFLEET__V1__FINISH_REASON__FINISH_ERROR;
+    default: return KVFLEET__V1__FINISH_REASON__FINISH_NONE;
+    }
+}
+
+/* Stops whatever the engine and transport hold for q (its blocks go back to the pool now). */
+static void release(kvf_decode *d, dreq *q)
+{
+    kvf_err err = {0};
+    if (q->remote && q->tid && !q->got_xfer) {
+        uint64_t tid = q->tid;
+        q->tid = 0; /* the CANCELLED event that follows matches nobody */
+        kvf_xfer_cancel(kvf_worker_xfer(d->w), tid, &err);
+    }
+    if (q->eng_id) {
+        kvf_status st = kvf_engine_cancel(kvf_worker_engine(d->w), q->eng_id, &err);
+        if (st != KVF_OK && st != KVF_ERR_NOT_FOUND)
+            kvf_log(KVF_LOG_WARN, "decode: req %s: cancel: %s", q->id, err.msg);
+        q->eng_id = 0;
+    }
+    q->remote = false;
+}
+
+/* Ends q's call with st (after releasing it) and forgets q. */
+static void end_req(kvf_decode *d, dreq *q, kvf_status st, const char *msg)
+{
+    release(d, q);
+    unlink_req(d, q);
+    kvf_rpc_call_finish(q->call, st, msg);
+    kvf_log(st == KVF_OK ? KVF_LOG_DEBUG : KVF_LOG_INFO, "decode: req %s: ended (%s%s%s) after %d tokens in %.1f ms",
+            q->id, kvf_status_name(st), msg ? ": " : "", msg ? msg : "", q->completion_tokens,
+            (double)(kvf_now_ns() - q->t0_ns) / 1e6);
+    dreq_free(q);
+}
+
+static dreq *find_key(kvf_decode *d, uint64_t key)
+{
+    for (dreq *q = d->reqs; q; q = q->next)
+        if (q->key == key)
+            return q;
+    return NULL;
+}
+
+static void start_local(kvf_decode *d, dreq *q)
+{
+    kvf_err err = {0};
+    kvf_engine_request er = {.id = ++d->next_eng_id, .prompt = q->prompt, .n_prompt = q->n_prompt,
+                             .cache_salt = q->salt, .sampling = q->samp};
+    kvf_status st = kvf_engine_add(kvf_worker_engine(d->w), &er, &err);
+    if (st != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "decode: req %s: %s", q->id, err.msg);
+        end_req(d, q, st, err.msg);
+        return;
+    }
+    q->eng_id = er.id;
+    kvf_metric_add(d->m_local, 1);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: local prefill of %d tokens", q->id, q->n_prompt);
+}
+
+static void fallback(kvf_decode *d, dreq *q, const char *why)
+{
+    kvf_log(KVF_LOG_WARN, "decode: req %s: remote prefill on %s failed (%s); prefilling locally",
+            q->id, q->hint, why);
+    release(d, q);
+    q->remote_tokens = 0;
+    kvf_metric_add(d->m_fallback, 1);
+    start_local(d, q);
+}
+
+static pconn *peer_get(kvf_decode *d, const char *addr)
+{
+    for (pconn *p = d->peers; p; p = p->next)
+        if (strcmp(p->addr, addr) == 0)
+            return p;
+    pconn *p = calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    snprintf(p->addr, sizeof p->addr, "%s", addr);
+    kvf_err err = {0};
+    kvf_rpc_channel_opts o = {.keepalive_ms = 1000};
+    if (kvf_rpc_channel_create(addr, &o, &p->ch, &err) != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "decode: prefill worker %s: %s", addr, err.msg);
+        free(p);
+        return NULL;
+    }
+    p->next = d->peers;
+    d->peers = p;
+    return p;
+}
+
+static void peer_mark_down(kvf_decode *d, const char *addr)
+{
+    for (pconn *p = d->peers; p; p = p->next)
+        if (strcmp(p->addr, addr) == 0)
+            p->down_until_ns = kvf_now_ns() + PEER_DOWN_NS;
+}
+
+static void maybe_done(kvf_decode *d, dreq *q)
+{
+    if (!q->remote || !q->got_reply || !q->got_xfer)
+        return;
+    kvf_err err = {0};
+    kvf_status st = kvf_engine_remote_done(kvf_worker_engine(d->w), q->eng_id, q->first_token, &err);
+    if (st != KVF_OK) {
+        fallback(d, q, err.msg);
+        return;
+    }
+    const kvf_kv_layout *l = kvf_worker_layout(d->w);
+    kvf_metric_add(d->m_remote, 1);
+    kvf_metric_add(d->m_bytes, (double)(q->n_blocks - q->n_cached_blocks) * (double)l->block_bytes);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: remote prefill done: %d of %d blocks received in %.1f ms",
+            q->id, q->n_blocks - q->n_cached_blocks, q->n_blocks,
+            (double)(kvf_now_ns() - q->t0_ns) / 1e6);
+    q->remote = false;
+    q->tid = 0;
+}
+
+static void reply_job(kvf_worker *w, void *arg)
+{
+    reply *r = arg;
+    kvf_decode *d = r->d;
+    dreq *q = find_key(d, r->key);
+    if (q && q->remote && q->tid == r->tid) {
+        if (r->st != KVF_OK) {
+            if (r->st == KVF_ERR_PEER_LOST || r->st == KVF_ERR_UNSUPPORTED)
+                peer_mark_down(d, q->hint);
+            fallback(d, q, r->msg);
+        } else {
+            q->got_reply = true;
+            q->first_token = r->first_token;
+            maybe_done(d, q);
+        }
+    }
+    free(r);
+    (void)w;
+}
+
+/* On the channel's completion-queue thread: copy and hand to the loop. */
+static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, const char *msg)
+{
+    reply *r = arg;
+    r->st = st;
+    if (st == KVF_OK) {
+        Kvfleet__V1__RemotePrefillResponse *m = NULL;
+        kvf_err err = {0};
+        if (kvf_rpc_remote_prefill_response_decode(resp, len, &m, &err) == KVF_OK) {
+            r->first_token = m->first_token;
+            r->bytes_sent = m->stats ? m->stats->bytes_sent : 0;
+            kvf_rpc_msg_free(m);
+        } else {
+            r->st = err.status ? err.status : KVF_ERR_PARSE;
+            snprintf(r->msg, sizeof r->msg, "%.200s", err.msg);
+        }
+    } else {
+        snprintf(r->msg, sizeof r->msg, "%.200s", msg ? msg : kvf_status_str(st));
+    }
+    if (kvf_worker_post(r->d->w, reply_job, r) != KVF_OK)
+        free(r);
+}
+
+/* Reserves q's blocks and sends RemotePrefill; false when it could not start (q untouched
+ * apart from the engine entry it released). */
+static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
+{
+    kvf_worker *w = d->w;
+    kvf_engine *e = kvf_worker_engine(w);
+    const kvf_kv_layout *l = kvf_worker_layout(w);
+    const kvf_worker_cfg *cfg = kvf_worker_config(w);
+    kvf_err err = {0};
+    int32_t cap = (int32_t)kvf_kv_blocks_for(q->n_prompt, l->block_size);
+    int32_t *blocks = malloc((size_t)cap * sizeof *blocks);
+    if (!blocks)
+        return false;
+    int64_t n_cached = 0;
+    int32_t nb = 0;
+    kvf_engine_request er = {.id = ++d->next_eng_id, .prompt = q->prompt, .n_prompt = q->n_prompt,
+                             .cache_salt = q->salt, .sampling = q->samp};
+    kvf_status st = kvf_engine_add_remote(e, &er, blocks, cap, &nb, &n_cached, &err);
+    if (st != KVF_OK) {
+        kvf_log(KVF_LOG_INFO, "decode: req %s: no remote prefill: %s", q->id, err.msg);
+        free(blocks);
+        return false;
+    }
+    q->eng_id = er.id;
+    q->remote = true;
+    q->got_reply = q->got_xfer = false;
+    q->n_blocks = nb;
+    q->n_cached_blocks = (int32_t)(n_cached / l->block_size);
+    q->cached_tokens = (int32_t)n_cached;
+    q->remote_tokens = q->n_prompt - (int32_t)n_cached;
+    q->tid = er.id;
+    q->deadline_ns = kvf_now_ns() + (int64_t)cfg->prefill_timeout_ms * 1000000LL;
+    if (q->n_cached_blocks >= nb) {
+        q->got_xfer = true; /* nothing to receive: the prefill worker writes nothing */
+    } else if ((st = kvf_xfer_expect(kvf_worker_xfer(w), q->tid, q->deadline_ns, &err)) != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "decode: req %s: transfer %llu: %s", q->id,
+                (unsigned long long)q->tid, err.msg);
+        q->tid = 0;
+        release(d, q);
+        free(blocks);
+        return false;
+    }
+
+    /* the RemotePrefill request */
+    size_t desc_len;
+    const uint8_t *desc = kvf_worker_xfer_desc(w, &desc_len);
+    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
+    td.backend = (char *)kvf_xfer_backend_name(kvf_worker_xfer(w));
+    td.blob.data = (uint8_t *)desc;
+    td.blob.len = desc_len;
+    Kvfleet__V1__KvLayout kl = KVFLEET__V1__KV_LAYOUT__INIT;
+    kl.n_layers = l->n_layers;
+    kl.n_kv_heads = l->n_kv_heads;
+    kl.head_dim = l->head_dim;
+    kl.block_size = l->block_size;
+    kl.dtype = kvf_rpc_dtype_to_msg(l->dtype);
+    kl.block_bytes = l->block_bytes;
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = q->samp.max_tokens;
+    sp.temperature = q->samp.temperature;
+    sp.top_p = q->samp.top_p;
+    sp.top_k = q->samp.top_k;
+    sp.seed = q->samp.seed;
+    Kvfleet__V1__RemotePrefillRequest rq = KVFLEET__V1__REMOTE_PREFILL_REQUEST__INIT;
+    rq.request_id = q->id;
+    rq.n_token_ids = (size_t)q->n_prompt;
+    rq.token_ids = q->prompt;
+    rq.n_dst_block_ids = (size_t)nb;
+    rq.dst_block_ids = blocks;
+    rq.dst_cached_blocks = q->n_cached_blocks;
+    rq.dst = &td;
+    rq.transfer_id = q->tid;
+    rq.cache_salt = q->salt ? q->salt : "";
+    rq.sampling = &sp;
+    rq.deadline_unix_ms = kvf_wall_ms() + cfg->prefill_timeout_ms;
+    rq.dst_layout = &kl;
+    kvf_rpc_buf buf = {0};
+    st = kvf_rpc_msg_encode(&rq, &buf, &err);
+    free(blocks);
+    reply *r = calloc(1, sizeof *r);
+    if (st == KVF_OK && r) {
+        r->d = d;
+        r->key = q->key;
+        r->tid = q->tid;
+        st = kvf_rpc_unary_async(p->ch, KVF_RPC_WORKER_REMOTE_PREFILL, buf.data, buf.len,
+                                 cfg->prefill_timeout_ms, reply_cb, r, &err);
+        if (st != KVF_OK)
+            free(r);
+    } else {
+        free(r);
+        if (st == KVF_OK)
+            st = KVF_ERR_NOMEM;
+    }
+    kvf_rpc_buf_free(&buf);
+    if (st != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "decode: req %s: RemotePrefill to %s: %s", q->id, q->hint, err.msg);
+        release(d, q);
+        return false;
+    }
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: remote prefill on %s: %d tokens, %d of %d blocks cached here",
+            q->id, q->hint, q->n_prompt, q->n_cached_blocks, nb);
+    return true;
+}
+
+static void start_job(kvf_worker *w, void *arg)
+{
+    dreq *q = arg;
+    kvf_decode *d = NULL;
+    /* the decode object rides in q->next until the request is linked */
+    d = (kvf_decode *)q->next;
+    q->next = d->reqs;
+    d->reqs = q;
+    q->t0_ns = kvf_now_ns();
+    if (kvf_rpc_call_is_cancelled(q->call)) {
+        end_req(d, q, KVF_ERR_CANCELLED, "cancelled before it started");
+        return;
+    }
+    const kvf_worker_cfg *cfg = kvf_worker_config(w);
+    const kvf_kv_layout *l = kvf_worker_layout(w);
+    if (q->hint[0] && q->samp.n == 1) {
+        const char *mid = kvf_worker_model_id(w);
+        uint64_t root = kvf_kv_hash_root(mid, q->salt, q->salt ? strlen(q->salt) : 0);
+        int32_t hit = kvf_kv_prefix_probe(kvf_worker_pool(w), root, q->prompt, q->n_prompt);
+        int64_t uncached = q->n_prompt - (int64_t)hit * l->block_size;
+        int32_t thr = cfg->local_prefill_max_tokens;
+        pconn *p = (thr == 0 || uncached > thr) ? peer_get(d, q->hint) : NULL;
+        if (p && p->down_until_ns > kvf_now_ns()) {
+            kvf_log(KVF_LOG_INFO, "decode: req %s: prefill worker %s is down; prefilling locally",
+                    q->id, q->hint);
+            kvf_metric_add(d->m_fallback, 1);
+        } else if (p && start_remote(d, q, p)) {
+            return;
+        }
+    }
+    start_local(d, q);
+}
+
+typedef struct cancel_arg {
+    kvf_decode *d;
+    uint64_t key;
+} cancel_arg;
+
+static void cancel_job(kvf_worker *w, void *arg)
+{
+    cancel_arg c = *(cancel_arg *)arg;
+    free(arg);
+    dreq *q = find_key(c.d, c.key);
+    if (q) {
+        kvf_metric_add(c.d->m_cancelled, 1);
+        end_req(c.d, q, KVF_ERR_CANCELLED, "cancelled by the client");
+    }
+    (void)w;
+}
+
+/* Completion-queue thread: hand a copy of (decode, key) to the loop; the request may be gone
+ * by the time the job runs, and is then simply not found. */
+static void on_call_cancel(void *arg)
+{
+    cancel_arg *c = malloc(sizeof *c);
+    if (!c)
+        return;
+    *c = *(cancel_arg *)arg;
+    if (kvf_worker_post(c->d->w, cancel_job, c) != KVF_OK)
+        free(c);
+}
+
+/* ---- hooks ------------------------------------------------------------------------------ */
+
+static void on_output(void *ctx, const kvf_engine_output *o)
+{
+    kvf_decode *d = ctx;
+    dreq *q = NULL;
+    for (dreq *x = d->reqs; x; x = x->next)
+        if (x->eng_id == o->id && !x->remote) {
+            q = x;
+            break;
+        }
+    if (!q)
+        return; /* a cancelled or abandoned engine id */
+    Kvfleet__V1__GenerateResponse r = KVFLEET__V1__GENERATE_RESPONSE__INIT;
+    Kvfleet__V1__Usage u = KVFLEET__V1__USAGE__INIT;
+    int32_t tok = o->token;
+    if (tok >= 0) {
+        r.n_token_ids = 1;
+        r.token_ids = &tok;
+        q->completion_tokens++;
+        kvf_metric_add(d->m_tokens, 1);
+    }
+    r.index = o->index;
+    r.finish_reason = finish_msg(o->finish);
+    bool last = false;
+    if (o->finish != KVF_ENGINE_FINISH_NONE) {
+        q->n_done++;
+        last = q->n_done >= q->samp.n;
+        u.prompt_tokens = q->n_prompt;
+        u.completion_tokens = q->completion_tokens;
+        u.cached_prompt_tokens = q->cached_tokens;
+        u.remote_prefill_tokens = q->remote_tokens;
+        r.usage = &u;
+    }
+    kvf_rpc_buf buf = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_rpc_msg_encode(&r, &buf, &err);
+    if (st == KVF_OK)
+        st = kvf_rpc_call_send(q->call, buf.data, buf.len, &err);
+    kvf_rpc_buf_free(&buf);
+    if (st != KVF_OK) {
+        kvf_metric_add(d->m_cancelled, 1);
+        end_req(d, q, st == KVF_ERR_CANCELLED ? KVF_ERR_CANCELLED : st, err.msg);
+        return;
+    }
+    if (last) {
+        q->eng_id = 0; /* finished: nothing to cancel */
+        end_req(d, q, o->finish == KVF_ENGINE_FINISH_ERROR ? KVF_ERR_INTERNAL : KVF_OK,
+                o->finish == KVF_ENGINE_FINISH_ERROR ? "engine error (see the decode log)" : NULL);
+    }
+}
+
+static void on_xfer_event(void *ctx, const kvf_xfer_event *ev)
+{
+    kvf_decode *d = ctx;
+    if (ev->kind != KVF_XFER_RECEIVED)
+        return;
+    for (dreq *q = d->reqs; q; q = q->next) {
+        if (!q->remote || q->tid != ev->id)
+            continue;
+        if (ev->status == KVF_OK) {
+            q->got_xfer = true;
+            maybe_done(d, q);
+        } else {
+            q->tid = 0;
+            q->got_xfer = true; /* the expectation is over */
+            fallback(d, q, kvf_status_str(ev->status));
+        }
+        return;
+    }
+}
+
+static void on_tick(void *ctx)
+{
+    kvf_decode *d = ctx;
+    int64_t now = kvf_now_ns();
+    for (dreq *q = d->reqs, *next; q; q = next) {
+        next = q->next;
+        if (q->remote && now > q->deadline_ns)
+            fallback(d, q, "timed out");
+    }
+}
+
+static void on_shutdown(void *ctx)
+{
+    kvf_decode *d = ctx;
+    while (d->reqs)
+        end_req(d, d->reqs, KVF_ERR_CANCELLED, "decode worker shutting down");
+    for (pconn *p = d->peers, *n; p; p = n) {
+        n = p->next;
+        kvf_rpc_channel_destroy(p->ch);
+        free(p);
+    }
+    d->peers = NULL;
+}
+
+/* ---- handlers ------------------------------------------------------------------------------ */
+
+static void h_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    kvf_decode *d = ctx;
+    Kvfleet__V1__GenerateRequest *m = NULL;
+    kvf_err err = {0};
+    kvf_status st = kvf_rpc_generate_request_decode(req, len, &m, &err);
+    if (st != KVF_OK) {
+        kvf_rpc_call_finish(call, st, err.msg);
+        return;
+    }
+    const kvf_model *model = kvf_worker_model(d->w);
+    dreq *q = calloc(1, sizeof *q);
+    if (!q || m->n_token_ids == 0 || m->n_token_ids > INT32_MAX) {
+        kvf_rpc_call_finish(call, q ? KVF_ERR_INVALID : KVF_ERR_NOMEM,
+                            q ? "decode: GenerateRequest.token_ids is empty (give the prompt's ids)"
+                              : "decode: out of memory");
+        free(q);
+        kvf_rpc_msg_free(m);
+        return;
+    }
+    q->key = atomic_fetch_add(&d->next_key, 1) + 1;
+    q->call = call;
+    snprintf(q->id, sizeof q->id, "%s", m->request_id && *m->request_id ? m->request_id : "-");
+    q->n_prompt = (int32_t)m->n_token_ids;
+    q->prompt = malloc(m->n_token_ids * sizeof *q->prompt);
+    if (m->cache_salt && *m->cache_salt)
+        q->salt = strdup(m->cache_salt);
+    if (m->prefill && m->prefill->address)
+        snprintf(q->hint, sizeof q->hint, "%s", m->prefill->address);
+    kvf_engine_sampling_default(&q->samp);
+    const Kvfleet__V1__SamplingParams *s = m->sampling;
+    if (s) {
+        if (s->max_tokens > 0)
+            q->samp.max_tokens = s->max_tokens;
+        q->samp.temperature = s->temperature;
+        q->samp.top_k = s->top_k;
+        q->samp.top_p = s->top_p > 0 && s->top_p < 1 ? s->top_p : 1.0f;
+        q->samp.seed = s->seed;
+        q->samp.n = s->n > 0 ? s->n : 1;
+        for (size_t i = 0; i < s->n_stop_token_ids && q->samp.n_stop < KVF_ENGINE_MAX_STOP; i++)
+            q->samp.stop_ids[q->samp.n_stop++] = s->stop_token_ids[i];
+    }
+    if (!s || !s->ignore_eos)
+        kvf_engine_sampling_model_eos(&q->samp, model);
+    if (!q->prompt) {
+        kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "decode: out of memory");
+        kvf_rpc_msg_free(m);
+        dreq_free(q);
+        return;
+    }
+    memcpy(q->prompt, m->token_ids, m->n_token_ids * sizeof *q->prompt);
+    kvf_rpc_msg_free(m);
+    if (q->samp.n > KVF_ENGINE_MAX_N) {
+        char msg[400];
+        snprintf(msg, sizeof msg, "decode: req %s: sampling.n %d is above %d", q->id, q->samp.n,
+                 KVF_ENGINE_MAX_N);
+        kvf_rpc_call_finish(call, KVF_ERR_INVALID, msg);
+        dreq_free(q);
+        return;
+    }
+    kvf_metric_add(d->m_requests, 1);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: %d prompt tokens, max_tokens %d, prefill hint %s", q->id,
+            q->n_prompt, q->samp.max_tokens, q->hint[0] ? q->hint : "(none)");
+    /* the cancel callback's argument lives until the call is finished (end_req) */
+    q->cancel = malloc(sizeof *q->cancel);
+    if (!q->cancel) {
+        kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "decode: out of memory");
+        dreq_free(q);
+        return;
+    }
+    q->cancel->d = d;
+    q->cancel->key = q->key;
+    q->next = (dreq *)d; /* start_job links it */
+    kvf_rpc_call_on_cancel(call, on_call_cancel, q->cancel);
+    if (kvf_worker_post(d->w, start_job, q) != KVF_OK) {
+        kvf_rpc_call_finish(call, KVF_ERR_CANCELLED, "decode: shutting down");
+        dreq_free(q);
+    }
+}
+
+static kvf_status h_cancel(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                           kvf_rpc_buf *resp, kvf_err *err);
+
+typedef struct cancel_rpc {
+    kvf_decode *d;
+    const char *id;
+    bool found;
+} cancel_rpc;
+
+static void cancel_rpc_job(kvf_worker *w, void *arg)
+{
+    cancel_rpc *c = arg;
+    for (dreq *q = c->d->reqs; q; q = q->next)
+        if (strcmp(q->id, c->id) == 0) {
+            c->found = true;
+            kvf_metric_add(c->d->m_cancelled, 1);
+            end_req(c->d, q, KVF_ERR_CANCELLED, "cancelled by a Cancel call");
+            break;
+        }
+    (void)w;
+}
+
+static kvf_status h_cancel(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                           kvf_rpc_buf *resp, kvf_err *err)
+{
+    kvf_decode *d = ctx;
+    Kvfleet__V1__CancelRequest *m = NULL;
+    kvf_status st = kvf_rpc_cancel_request_decode(req, len, &m, err);
+    if (st != KVF_OK)
+        return st;
+    cancel_rpc c = {.d = d, .id = m->request_id ? m->request_id : ""};
+    st = kvf_worker_call(d->w, cancel_rpc_job, &c);
+    kvf_rpc_msg_free(m);
+    if (st != KVF_OK)
+        return kvf_err_set(err, KVF_ERR_CANCELLED, "decode: shutting down");
+    Kvfleet__V1__CancelResponse r = KVFLEET__V1__CANCEL_RESPONSE__INIT;
+    r.found = c.found;
+    (void)call;
+    return kvf_rpc_msg_encode(&r, resp, err);
+}
+
+kvf_status kvf_decode_create(kvf_worker *w, kvf_decode **out, kvf_err *err)
+{
+    if (kvf_worker_role_of(w) != KVF_WORKER_DECODE)
+        return kvf_err_set(err, KVF_ERR_INVALID, "decode: the worker was not created as a decode worker");
+    kvf_decode *d = calloc(1, sizeof *d);
+    if (!d)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "decode: out of memory");
+    d->w = w;
+    kvf_metrics *m = kvf_worker_metrics(w);
+    const char *lb = "role=\"decode\"";
+    kvf_status st;
+    if ((st = kvf_metrics_counter(m, "kvfleet_decode_remote_prefills_total", lb,
+                                  "prompts prefilled by a prefill worker", &d->m_remote, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_local_prefills_total", lb,
+                                  "prompts prefilled here (fallbacks included)", &d->m_local, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_prefill_fallbacks_total", lb,
+                                  "remote prefills abandoned for a local one", &d->m_fallback, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_kv_bytes_received_total", lb,
+                                  "KV bytes written into this pool by prefill workers", &d->m_bytes, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_requests_total", lb, "Generate calls",
+                                  &d->m_requests, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_cancelled_total", lb,
+                                  "Generate calls cancelled or abandoned by the client", &d->m_cancelled, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_generated_tokens_total", lb, "tokens streamed",
+                                  &d->m_tokens, err))) {
+        free(d);
+        return st;
+    }
+    kvf_rpc_server *s = kvf_worker_rpc_server(w);
+    if ((st = kvf_rpc_server_add_stream(s, KVF_RPC_WORKER_GENERATE, h_generate, d, err)) != KVF_OK ||
+        (st = kvf_rpc_server_add_unary(s, KVF_RPC_WORKER_CANCEL, h_cancel, d, err)) != KVF_OK) {
+        free(d);
+        return st;
+    }
+    kvf_worker_hooks h = {.ctx = d, .on_output = on_output, .on_xfer_event = on_xfer_event,
+                          .on_tick = on_tick, .on_shutdown = on_shutdown};
+    kvf_worker_set_hooks(w, &h);
+    *out = d;
+    return KVF_OK;
+}
+
+void kvf_decode_destroy(kvf_decode *d)
+{
+    if (!d)
+        return;
+    /* the worker's last loop pass (on_shutdown) ended every request and channel */
+    free(d);
+}

@@ -1,0 +1,397 @@
+/* test_workers.c: the worker roles end to end: real `kvfleet decode` / `kvfleet prefill`
+ * processes (KVF_BIN) on ephemeral loopback ports, driven through the Generate stream. Greedy
+ * tokens must equal every model fixture in colocated and disaggregated mode; a prefill worker
+ * killed mid-request must not fail the request; a cancelled stream must return its blocks. */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "common/time.h"
+#include "proto/rpc.h"
+#include "proto/worker.h"
+#include "testutil.h"
+
+extern char **environ;
+
+static const char *models[] = {"tiny-gqa-f32", "tiny-mha-tied-f32", "tiny-mqa-bf16",
+                               "small-gqa-bf16-theta5e5"};
+#define N_MODELS (sizeof models / sizeof models[0])
+
+typedef struct proc {
+    pid_t pid;
+    int out_fd;
+    int grpc_port, admin_port;
+    char grpc[64];
+} proc;
+
+/* Starts `kvfleet <role> --model DIR extra...` and waits for its ready line (30 s). */
+static void proc_start(proc *p, const char *role, const char *model, ...)
+{
+    const char *bin = getenv("KVF_BIN");
+    assert_non_null(bin);
+    char mdir[4096];
+    snprintf(mdir, sizeof mdir, "%s", kvf_test_shared_path("fixtures/models"));
+    strncat(mdir, "/", sizeof mdir - strlen(mdir) - 1);
+    strncat(mdir, model, sizeof mdir - strlen(mdir) - 1);
+    const char *argv[32] = {bin, role, "--model", mdir, "--threads", "1", "--log-level", "warn"};
+    int n = 8;
+    va_list ap;
+    va_start(ap, model);
+    const char *a;
+    while ((a = va_arg(ap, const char *)) != NULL && n < 30)
+        argv[n++] = a;
+    va_end(ap);
+    argv[n] = NULL;
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, pfd[1], 1);
+    posix_spawn_file_actions_addclose(&fa, pfd[0]);
+    assert_int_equal(posix_spawn(&p->pid, bin, &fa, NULL, (char *const *)argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(pfd[1]);
+    p->out_fd = pfd[0];
+    char line[512];
+    size_t len = 0;
+    int64_t end = kvf_now_ns() + 30000000000LL;
+    while (len < sizeof line - 1 && kvf_now_ns() < end) {
+        struct pollfd q = {.fd = p->out_fd, .events = POLLIN};
+        if (poll(&q, 1, 200) <= 0)
+            continue;
+        ssize_t k = read(p->out_fd, line + len, 1);
+        if (k <= 0)
+            break;
+        if (line[len] == '\n')
+            break;
+        len++;
+    }
+    line[len] = '\0';
+    const char *g = strstr(line, "grpc=127.0.0.1:"), *ad = strstr(line, "admin=127.0.0.1:");
+    if (!strstr(line, "ready") || !g || !ad)
+        fail_msg("%s %s did not print its ready line: \"%s\"", role, model, line);
+    p->grpc_port = atoi(g + strlen("grpc=127.0.0.1:"));
+    p->admin_port = atoi(ad + strlen("admin=127.0.0.1:"));
+    snprintf(p->grpc, sizeof p->grpc, "127.0.0.1:%d", p->grpc_port);
+}
+
+/* SIGTERM, then waits (10 s, then SIGKILL); returns the exit status (-1: killed). */
+static int proc_stop(proc *p)
+{
+    if (p->pid <= 0)
+        return 0;
+    kill(p->pid, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < 1000; i++) {
+        if (waitpid(p->pid, &status, WNOHANG) == p->pid)
+            break;
+        if (i == 999) {
+            kill(p->pid, SIGKILL);
+            waitpid(p->pid, &status, 0);
+            p->pid = 0;
+            close(p->out_fd);
+            return -1;
+        }
+        kvf_sleep_ms(10);
+    }
+    p->pid = 0;
+    close(p->out_fd);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* GET http://127.0.0.1:port/path into buf; returns the body (inside buf) or NULL. */
+static char *http_get(int port, const char *path, char *buf, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return NULL;
+    }
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path);
+    if (write(fd, req, (size_t)n) != n) {
+        close(fd);
+        return NULL;
+    }
+    size_t len = 0;
+    ssize_t k;
+    while (len < cap - 1 && (k = read(fd, buf + len, cap - 1 - len)) > 0)
+        len += (size_t)k;
+    close(fd);
+    buf[len] = '\0';
+    char *body = strstr(buf, "\r\n\r\n");
+    return body ? body + 4 : NULL;
+}
+
+/* The value of the first series of a metric in /metrics (-1 when absent). */
+static double metric(int port, const char *name)
+{
+    static char buf[65536];
+    char *body = http_get(port, "/metrics", buf, sizeof buf);
+    if (!body)
+        return -1;
+    size_t nl = strlen(name);
+    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL) {
+        /* "name{labels} value" or "name value"; labels here hold no spaces */
+        if (strncmp(l, name, nl) == 0 && (l[nl] == '{' || l[nl] == ' ')) {
+            char *sp = strchr(l, ' ');
+            return sp ? atof(sp + 1) : -1;
+        }
+    }
+    return -1;
+}
+
+/* Generate over the stream: prompt -> out (cap), *n_out; returns the final status. */
+static kvf_status generate(const char *target, const char *req_id, const int32_t *prompt, size_t n,
+                           int32_t max_tokens, const char *hint, int32_t *out, int32_t cap,
+                           int32_t *n_out)
+{
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(target, NULL, &ch, &e), KVF_OK);
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = max_tokens;
+    sp.ignore_eos = true;
+    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
+    ph.address = (char *)(hint ? hint : "");
+    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    rq.request_id = (char *)req_id;
+    rq.n_token_ids = n;
+    rq.token_ids = (int32_t *)prompt;
+    rq.sampling = &sp;
+    rq.prefill = hint ? &ph : NULL;
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    kvf_rpc_stream *s = NULL;
+    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+                     KVF_OK);
+    kvf_rpc_buf_free(&b);
+    *n_out = 0;
+    kvf_status st;
+    for (;;) {
+        bool done = false;
+        kvf_rpc_buf m = {0};
+        st = kvf_rpc_stream_read(s, 60000, &m, &done, &e);
+        if (done)
+            break;
+        assert_int_equal(st, KVF_OK);
+        Kvfleet__V1__GenerateResponse *r = NULL;
+        assert_int_equal(kvf_rpc_generate_response_decode(m.data, m.len, &r, &e), KVF_OK);
+        for (size_t i = 0; i < r->n_token_ids && *n_out < cap; i++)
+            out[(*n_out)++] = r->token_ids[i];
+        kvf_rpc_msg_free(r);
+        kvf_rpc_buf_free(&m);
+    }
+    if (st != KVF_OK)
+        print_message("generate %s: %s\n", req_id, e.msg);
+    kvf_rpc_stream_destroy(s);
+    kvf_rpc_channel_destroy(ch);
+    return st;
+}
+
+static json_t *load_expected(const char *model)
+{
+    char rel[512];
+    snprintf(rel, sizeof rel, "fixtures/models/%s/expected.json", model);
+    json_error_t je;
+    json_t *j = json_load_file(kvf_test_shared_path(rel), 0, &je);
+    if (!j)
+        fail_msg("%s: %s", rel, je.text);
+    return j;
+}
+
+static void ids_of(json_t *a, int32_t *out, size_t *n)
+{
+    *n = json_array_size(a);
+    for (size_t i = 0; i < *n; i++)
+        out[i] = (int32_t)json_integer_value(json_array_get(a, i));
+}
+
+/* Every case of model's fixture through target (with hint, or colocated); all must match. */
+static void check_fixture(const char *model, const char *target, const char *hint)
+{
+    json_t *exp = load_expected(model);
+    json_t *cases = json_object_get(exp, "cases");
+    for (size_t c = 0; c < json_array_size(cases); c++) {
+        json_t *cs = json_array_get(cases, c);
+        int32_t prompt[1024], want[64], got[64];
+        size_t np, nw;
+        ids_of(json_object_get(cs, "prompt"), prompt, &np);
+        ids_of(json_object_get(cs, "greedy"), want, &nw);
+        char rid[128];
+        snprintf(rid, sizeof rid, "%s-%s-%s", model, json_string_value(json_object_get(cs, "name")),
+                 hint ? "disagg" : "coloc");
+        int32_t ng = 0;
+        assert_int_equal(generate(target, rid, prompt, np, 24, hint, got, 64, &ng), KVF_OK);
+        assert_int_equal(ng, 24);
+        assert_int_equal(nw, 24);
+        for (int32_t i = 0; i < ng; i++)
+            if (got[i] != want[i])
+                fail_msg("%s: token %d is %d, the fixture says %d", rid, i, got[i], want[i]);
+    }
+    json_decref(exp);
+}
+
+static void test_colocated_and_disaggregated(void **state)
+{
+    (void)state;
+    for (size_t m = 0; m < N_MODELS; m++) {
+        proc coloc = {0}, dec = {0}, pre = {0};
+        proc_start(&coloc, "decode", models[m], NULL);
+        proc_start(&pre, "prefill", models[m], NULL);
+        proc_start(&dec, "decode", models[m], "--local-prefill-max-tokens", "0", NULL);
+        check_fixture(models[m], coloc.grpc, NULL);
+        check_fixture(models[m], dec.grpc, pre.grpc);
+        /* every prompt of the disaggregated run was prefilled remotely, none fell back */
+        assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") >= 7);
+        assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") == 0);
+        assert_true(metric(dec.admin_port, "kvfleet_decode_kv_bytes_received_total") > 0);
+        assert_true(metric(coloc.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
+        assert_true(metric(pre.admin_port, "kvfleet_prefill_requests_total") >= 7);
+        /* idle again: nothing held by sequences */
+        assert_true(metric(dec.admin_port, "kvfleet_kv_used_blocks") == 0);
+        assert_int_equal(proc_stop(&dec), 0);
+        assert_int_equal(proc_stop(&pre), 0);
+        assert_int_equal(proc_stop(&coloc), 0);
+    }
+}
+
+static void *kill_later(void *arg)
+{
+    kvf_sleep_ms(1000);
+    kill(*(pid_t *)arg, SIGKILL);
+    return NULL;
+}
+
+static void test_prefill_killed_falls_back(void **state)
+{
+    (void)state;
+    const char *model = "tiny-gqa-f32";
+    proc dec = {0}, pre = {0};
+    proc_start(&pre, "prefill", model, "--fault-delay-ms", "5000", NULL);
+    proc_start(&dec, "decode", model, "--local-prefill-max-tokens", "0", "--prefill-timeout-ms",
+               "30000", NULL);
+    json_t *exp = load_expected(model);
+    json_t *cs = json_array_get(json_object_get(exp, "cases"), 3); /* "forty" */
+    int32_t prompt[256], want[64], got[64];
+    size_t np, nw;
+    ids_of(json_object_get(cs, "prompt"), prompt, &np);
+    ids_of(json_object_get(cs, "greedy"), want, &nw);
+    /* the prefill worker sleeps 5 s in the request; a thread kills it after 1 s */
+    pthread_t killer;
+    assert_int_equal(pthread_create(&killer, NULL, kill_later, &pre.pid), 0);
+    int64_t t0 = kvf_now_ns();
+    int32_t ng = 0;
+    assert_int_equal(generate(dec.grpc, "killed-prefill", prompt, np, 24, pre.grpc, got, 64, &ng),
+                     KVF_OK);
+    double s = (double)(kvf_now_ns() - t0) / 1e9;
+    pthread_join(killer, NULL);
+    waitpid(pre.pid, NULL, 0);
+    pre.pid = 0;
+    close(pre.out_fd);
+    assert_int_equal(ng, 24);
+    for (int32_t i = 0; i < ng; i++)
+        assert_int_equal(got[i], want[i]);
+    assert_true(s < 20.0); /* well before the 30 s prefill timeout: the loss was noticed */
+    assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") >= 1);
+    assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
+    assert_true(metric(dec.admin_port, "kvfleet_kv_used_blocks") == 0);
+    /* the next request skips the dead worker and still completes */
+    assert_int_equal(generate(dec.grpc, "after-kill", prompt, np, 24, pre.grpc, got, 64, &ng), KVF_OK);
+    assert_int_equal(ng, 24);
+    json_decref(exp);
+    assert_int_equal(proc_stop(&dec), 0);
+}
+
+static void test_cancel_mid_stream_frees_blocks(void **state)
+{
+    (void)state;
+    const char *model = "small-gqa-bf16-theta5e5";
+    proc dec = {0};
+    proc_start(&dec, "decode", model, NULL);
+    char hb[4096];
+    char *body = http_get(dec.admin_port, "/health", hb, sizeof hb);
+    assert_non_null(body);
+    assert_non_null(strstr(body, "\"used_blocks\":0"));
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(dec.grpc, NULL, &ch, &e), KVF_OK);
+    int32_t prompt[100];
+    for (int i = 0; i < 100; i++)
+        prompt[i] = (i * 7 + 3) % 1000;
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = 400;
+    sp.ignore_eos = true;
+    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    rq.request_id = "to-cancel";
+    rq.n_token_ids = 100;
+    rq.token_ids = prompt;
+    rq.sampling = &sp;
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    kvf_rpc_stream *s = NULL;
+    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+                     KVF_OK);
+    kvf_rpc_buf_free(&b);
+    for (int i = 0; i < 2; i++) {
+        bool done = false;
+        kvf_rpc_buf m = {0};
+        assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
+        assert_false(done);
+        Kvfleet__V1__GenerateResponse *r = NULL;
+        assert_int_equal(kvf_rpc_generate_response_decode(m.data, m.len, &r, &e), KVF_OK);
+        assert_int_equal(r->finish_reason, KVFLEET__V1__FINISH_REASON__FINISH_NONE);
+        kvf_rpc_msg_free(r);
+        kvf_rpc_buf_free(&m);
+    }
+    kvf_rpc_stream_cancel(s);
+    kvf_rpc_stream_destroy(s);
+    kvf_rpc_channel_destroy(ch);
+    /* the pool returns to idle: no block held by a sequence */
+    double used = -1;
+    for (int i = 0; i < 500; i++) {
+        used = metric(dec.admin_port, "kvfleet_kv_used_blocks");
+        if (used == 0)
+            break;
+        kvf_sleep_ms(10);
+    }
+    assert_true(used == 0);
+    assert_true(metric(dec.admin_port, "kvfleet_decode_cancelled_total") >= 1);
+    /* fewer tokens than asked were generated: the cancel stopped it */
+    assert_true(metric(dec.admin_port, "kvfleet_decode_generated_tokens_total") < 400);
+    body = http_get(dec.admin_port, "/health", hb, sizeof hb);
+    assert_non_null(body);
+    assert_non_null(strstr(body, "\"used_blocks\":0"));
+    assert_int_equal(proc_stop(&dec), 0);
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_colocated_and_disaggregated),
+        cmocka_unit_test(test_prefill_killed_falls_back),
+        cmocka_unit_test(test_cancel_mid_stream_frees_blocks),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,918 @@
+/* worker.c: the machinery both worker roles share: model + pool (+ engine or forward pass) from
+ * the flags, the loop thread that owns them and its job queue, the transport registration, the
+ * Info/Health/Cancel-free/WatchKv handlers with KV events fanned out to every watcher, metrics
+ * and the admin HTTP port. The roles' own RPCs live in decode/ and prefill/. */
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/cfg.h"
+#include "common/log.h"
+#include "common/time.h"
+#include "kv/hash.h"
+#include "proto/worker.h"
+#include "worker/worker.h"
+
+#define WATCH_BATCH 256 /* block hashes per KvEvent message */
+
+typedef struct job {
+    kvf_worker_job_fn fn;
+    void *arg;
+    struct job *next;
+    bool wait, done;
+} job;
+
+typedef struct watcher {
+    kvf_rpc_call *call;
+    uint64_t key;
+    int64_t interval_ns, next_load_ns, last_load_ns;
+    kvf_worker_load last;
+    bool dead;
+    struct watcher *next;
+} watcher;
+
+/* KV events waiting to go out, in order, as runs of one kind. */
+typedef struct ev_buf {
+    int kind; /* KVF_KV_EVENT_STORED or _REMOVED, 0: empty */
+    uint64_t *hashes, *parents;
+    size_t n, cap;
+} ev_buf;
+
+struct kvf_worker {
+    kvf_worker_cfg cfg;
+    kvf_worker_role role;
+    char model_id[256], worker_id[128];
+    kvf_model *model;
+    kvf_kv_layout layout;
+    int32_t n_blocks;
+    /* decode */
+    kvf_engine *engine;
+    /* prefill */
+    const kvf_backend *be;
+    void *be_ctx;
+    kvf_model_fwd *fwd;
+    kvf_kv_pool *own_pool;
+    /* both */
+    kvf_kv_pool *pool;
+    kvf_xfer *xfer;
+    uint8_t *desc;
+    size_t desc_len;
+    kvf_rpc_server *server;
+    kvf_worker_http *http;
+    kvf_metrics *metrics;
+    kvf_metric *m_free, *m_used, *m_cached, *m_total, *m_running, *m_waiting, *m_steps,
+        *m_watchers, *m_events;
+    kvf_worker_hooks hooks;
+    /* loop */
+    pthread_t thread;
+    bool thread_started, started, shut;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job *head, *tail;
+    bool stopping, stopped;
+    int wake_rd, wake_wr;
+    atomic_bool woken;
+    /* load snapshot (mu) */
+    kvf_worker_load load;
+    /* loop-thread only */
+    watcher *watchers;
+    uint64_t next_watch_key;
+    uint64_t ev_seq;
+    ev_buf evs;
+    int64_t steps;
+};
+
+void kvf_worker_cfg_default(kvf_worker_cfg *cfg)
+{
+    static const kvf_cfg_opt opts[] = {KVF_WORKER_CFG_OPTS, {NULL}};
+    static const kvf_cfg_spec spec = {.prog = "worker", .opts = opts};
+    memset(cfg, 0, sizeof *cfg);
+    char *argv[] = {"worker", NULL};
+    kvf_err err;
+    /* the environment may override defaults here too, as it does for the commands */
+    (void)kvf_cfg_parse(&spec, cfg, 1, argv, NULL, &err);
+    cfg->prefill_timeout_ms = cfg->prefill_timeout_ms > 0 ? cfg->prefill_timeout_ms : 10000;
+}
+
+kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,
+                                     int *port_out, kvf_err *err)
+{
+    const char *colon = s ? strrchr(s, ':') : NULL;
+    if (!colon || colon == s)
+        return kvf_err_set(err, KVF_ERR_INVALID, "worker: --%s=%s is not HOST:PORT "
+                           "(e.g. 127.0.0.1:0)", flag, s ? s : "(unset)");
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (*end || end == colon + 1 || port < 0 || port > 65535)
+        return kvf_err_set(err, KVF_ERR_INVALID, "worker: --%s=%s: port \"%s\" is not 0..65535",
+                           flag, s, colon + 1);
+    size_t hl = (size_t)(colon - s);
+    if (s[0] == '[' && hl >= 2 && s[hl - 1] == ']') { /* [::1]:port */
+        s++;
+        hl -= 2;
+    }
+    if (hl >= cap)
+        return kvf_err_set(err, KVF_ERR_INVALID, "worker: --%s=%s: host too long", flag, s);
+    memcpy(host, s, hl);
+    host[hl] = '\0';
+    *port_out = (int)port;
+    return KVF_OK;
+}
+
+/* ---- KV events and watchers --------------------------------------------------------------- */
+
+static kvf_status ev_push(ev_buf *b, uint64_t h, uint64_t parent)
+{
+    if (b->n == b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        uint64_t *a = realloc(b->hashes, cap * sizeof *a), *p;
+        if (!a)
+            return KVF_ERR_NOMEM;
+        b->hashes = a;
+        if (!(p = realloc(b->parents, cap * sizeof *p)))
+            return KVF_ERR_NOMEM;
+        b->parents = p;
+        b->cap = cap;
+    }
+    b->hashes[b->n] = h;
+    b->parents[b->n] = parent;
+    b->n++;
+    return KVF_OK;
+}
+
+static void watcher_send(kvf_worker *w, watcher *wt, const Kvfleet__V1__WatchKvResponse *r)
+{
+    if (wt->dead)
+        return;
+    kvf_rpc_buf buf = {0};
+    kvf_err err = {0};
+    if (kvf_rpc_msg_encode(r, &buf, &err) != KVF_OK ||
+        kvf_rpc_call_send(wt->call, buf.data, buf.len, &err) != KVF_OK) {
+        kvf_log(KVF_LOG_INFO, "worker: watcher %llu (%s) dropped: %s", (unsigned long long)wt->key,
+                kvf_rpc_call_peer(wt->call), err.msg);
+        wt->dead = true;
+    }
+    kvf_rpc_buf_free(&buf);
+    (void)w;
+}
+
+static void send_event(kvf_worker *w, watcher *only, Kvfleet__V1__KvEvent__Kind kind,
+                       uint64_t seq, const uint64_t *h, const uint64_t *p, size_t n, bool done)
+{
+    Kvfleet__V1__KvEvent ev = KVFLEET__V1__KV_EVENT__INIT;
+    ev.seq = seq;
+    ev.kind = kind;
+    ev.n_block_hashes = n;
+    ev.block_hashes = (uint64_t *)h;
+    ev.n_parent_hashes = p ? n : 0;
+    ev.parent_hashes = (uint64_t *)p;
+    ev.block_size = w->layout.block_size;
+    ev.model_id = w->model_id;
+    ev.snapshot_done = done;
+    Kvfleet__V1__WatchKvResponse r = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
+    r.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT;
+    r.event = &ev;
+    for (watcher *wt = w->watchers; wt; wt = wt->next)
+        if (!only || wt == only)
+            watcher_send(w, wt, &r);
+}
+
+void kvf_worker_flush_events(kvf_worker *w)
+{
+    ev_buf *b = &w->evs;
+    if (b->n == 0)
+        return;
+    bool stored = b->kind == KVF_KV_EVENT_STORED;
+    for (size_t off = 0; off < b->n; off += WATCH_BATCH) {
+        size_t n = b->n - off < WATCH_BATCH ? b->n - off : WATCH_BATCH;
+        w->ev_seq++;
+        if (w->watchers)
+            send_event(w, NULL, stored ? KVFLEET__V1__KV_EVENT__KIND__KIND_STORED
+                                       : KVFLEET__V1__KV_EVENT__KIND__KIND_REMOVED,
+                       w->ev_seq, b->hashes + off, stored ? b->parents + off : NULL, n, false);
+        if (w->m_events)
+            kvf_metric_add(w->m_events, 1);
+    }
+    b->n = 0;
+    b->kind = 0;
+}
+
+/* Pool callback (loop thread, inside engine/pool calls): buffer, flushing on a change of kind
+ * so the order of STORED and REMOVED is kept. */
+static void on_kv_event(void *ctx, const kvf_kv_event *ev)
+{
+    kvf_worker *w = ctx;
+    if (w->evs.kind && w->evs.kind != (int)ev->type)
+        kvf_worker_flush_events(w);
+    w->evs.kind = (int)ev->type;
+    if (ev_push(&w->evs, ev->hash, ev->parent_hash) != KVF_OK)
+        kvf_log(KVF_LOG_ERROR, "worker: out of memory buffering KV events; watchers will miss one");
+}
+
+typedef struct snap_ctx {
+    kvf_worker *w;
+    watcher *wt;
+    uint64_t h[WATCH_BATCH], p[WATCH_BATCH];
+    size_t n;
+} snap_ctx;
+
+static void snap_cb(void *ctx, const kvf_kv_event *ev)
+{
+    snap_ctx *s = ctx;
+    s->h[s->n] = ev->hash;
+    s->p[s->n] = ev->parent_hash;
+    if (++s->n == WATCH_BATCH) {
+        send_event(s->w, s->wt, KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT, s->w->ev_seq, s->h,
+                   s->p, s->n, false);
+        s->n = 0;
+    }
+}
+
+static void send_load(kvf_worker *w, watcher *wt, const kvf_worker_load *l)
+{
+    Kvfleet__V1__LoadReport lr = KVFLEET__V1__LOAD_REPORT__INIT;
+    lr.running = l->running;
+    lr.waiting = l->waiting;
+    lr.active_blocks = l->used_blocks;
+    lr.free_blocks = l->free_blocks + l->cached_blocks;
+    lr.total_blocks = l->total_blocks;
+    lr.queued_prefill_tokens = w->hooks.queued_prefill_tokens ? w->hooks.queued_prefill_tokens(w->hooks.ctx) : 0;
+    lr.unix_ms = kvf_wall_ms();
+    Kvfleet__V1__WatchKvResponse r = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
+    r.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD;
+    r.load = &lr;
+    watcher_send(w, wt, &r);
+    wt->last = *l;
+    wt->last_load_ns = kvf_now_ns();
+    wt->next_load_ns = wt->last_load_ns + wt->interval_ns;
+}
+
+typedef struct watch_job {
+    kvf_rpc_call *call;
+    int64_t interval_ms;
+} watch_job;
+
+static void watch_start_job(kvf_worker *w, void *arg)
+{
+    watch_job *j = arg;
+    watcher *wt = calloc(1, sizeof *wt);
+    if (!wt) {
+        kvf_rpc_call_finish(j->call, KVF_ERR_NOMEM, "worker: out of memory");
+        free(j);
+        return;
+    }
+    wt->call = j->call;
+    wt->key = ++w->next_watch_key;
+    wt->interval_ns = (j->interval_ms > 0 ? j->interval_ms : w->cfg.load_interval_ms) * 1000000LL;
+    free(j);
+    kvf_worker_flush_events(w); /* deltas so far go to the others first */
+    wt->next = w->watchers;
+    w->watchers = wt;
+    snap_ctx *s = calloc(1, sizeof *s);
+    if (s) {
+        s->w = w;
+        s->wt = wt;
+        kvf_kv_prefix_snapshot(w->pool, snap_cb, s);
+        send_event(w, wt, KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT, w->ev_seq, s->h, s->p, s->n,
+                   true);
+        free(s);
+    }
+    kvf_worker_load l;
+    kvf_worker_load_get(w, &l);
+    send_load(w, wt, &l);
+    kvf_log(KVF_LOG_INFO, "worker: watcher %llu from %s (load every %lld ms)",
+            (unsigned long long)wt->key, kvf_rpc_call_peer(wt->call),
+            (long long)(wt->interval_ns / 1000000));
+}
+
+/* Drops dead watchers (finishing their calls), sends load reports that are due. */
+static void watchers_pass(kvf_worker *w)
+{
+    int64_t now = kvf_now_ns();
+    kvf_worker_load l;
+    kvf_worker_load_get(w, &l);
+    int n = 0;
+    for (watcher **pp = &w->watchers; *pp;) {
+        watcher *wt = *pp;
+        if (!wt->dead && kvf_rpc_call_is_cancelled(wt->call))
+            wt->dead = true;
+        if (!wt->dead) {
+            bool changed = memcmp(&l, &wt->last, sizeof l) != 0;
+            if (now >= wt->next_load_ns || (changed && now - wt->last_load_ns >= 50000000LL))
+                send_load(w, wt, &l);
+        }
+        if (wt->dead) {
+            *pp = wt->next;
+            kvf_rpc_call_finish(wt->call, KVF_ERR_CANCELLED, "watch ended");
+            free(wt);
+            continue;
+        }
+        n++;
+        pp = &wt->next;
+    }
+    kvf_metric_set(w->m_watchers, n);
+}
+
+static void h_watch_kv(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    kvf_worker *w = ctx;
+    Kvfleet__V1__WatchKvRequest *r = NULL;
+    kvf_err err = {0};
+    kvf_status st = kvf_rpc_watch_kv_request_decode(req, len, &r, &err);
+    if (st != KVF_OK) {
+        kvf_rpc_call_finish(call, st, err.msg);
+        return;
+    }
+    watch_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        kvf_rpc_msg_free(r);
+        kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "worker: out of memory");
+        return;
+    }
+    j->call = call;
+    j->interval_ms = r->load_interval_ms;
+    kvf_rpc_msg_free(r);
+    /* a cancelled watch is noticed by the loop's next pass (kvf_rpc_call_is_cancelled) */
+    if (kvf_worker_post(w, watch_start_job, j) != KVF_OK) {
+        free(j);
+        kvf_rpc_call_finish(call, KVF_ERR_CANCELLED, "worker: shutting down");
+    }
+}
+
+/* ---- Info, Health ------------------------------------------------------------------------ */
+
+static kvf_status h_info(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                         kvf_rpc_buf *resp, kvf_err *err)
+{
+    kvf_worker *w = ctx;
+    Kvfleet__V1__InfoRequest *r = NULL;
+    kvf_status st = kvf_rpc_info_request_decode(req, len, &r, err);
+    if (st != KVF_OK)
+        return st;
+    kvf_rpc_msg_free(r);
+    Kvfleet__V1__KvLayout kl = KVFLEET__V1__KV_LAYOUT__INIT;
+    kl.n_layers = w->layout.n_layers;
+    kl.n_kv_heads = w->layout.n_kv_heads;
+    kl.head_dim = w->layout.head_dim;
+    kl.block_size = w->layout.block_size;
+    kl.dtype = kvf_rpc_dtype_to_msg(w->layout.dtype);
+    kl.block_bytes = w->layout.block_bytes;
+    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
+    td.backend = (char *)kvf_xfer_backend_name(w->xfer);
+    td.blob.data = w->desc;
+    td.blob.len = w->desc_len;
+    Kvfleet__V1__InfoResponse ir = KVFLEET__V1__INFO_RESPONSE__INIT;
+    ir.protocol_version = KVF_RPC_PROTOCOL_VERSION;
+    ir.role = w->role == KVF_WORKER_PREFILL ? KVFLEET__V1__ROLE__ROLE_PREFILL : KVFLEET__V1__ROLE__ROLE_DECODE;
+    ir.model_id = w->model_id;
+    ir.block_size = w->layout.block_size;
+    ir.kv_layout = &kl;
+    ir.capacity_blocks = w->n_blocks;
+    ir.transport = &td;
+    ir.worker_id = w->worker_id;
+    ir.software_version = "0.1.0";
+    (void)call;
+    return kvf_rpc_msg_encode(&ir, resp, err);
+}
+
+static kvf_status h_health(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                           kvf_rpc_buf *resp, kvf_err *err)
+{
+    kvf_worker *w = ctx;
+    Kvfleet__V1__HealthRequest *r = NULL;
+    kvf_status st = kvf_rpc_health_request_decode(req, len, &r, err);
+    if (st != KVF_OK)
+        return st;
+    kvf_rpc_msg_free(r);
+    kvf_worker_load l;
+    kvf_worker_load_get(w, &l);
+    char detail[256];
+    snprintf(detail, sizeof detail,
+             "running=%d waiting=%d total_blocks=%d free_blocks=%d cached_blocks=%d used_blocks=%d",
+             l.running, l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
+    pthread_mutex_lock(&w->mu);
+    bool stopping = w->stopping;
+    pthread_mutex_unlock(&w->mu);
+    Kvfleet__V1__HealthResponse hr = KVFLEET__V1__HEALTH_RESPONSE__INIT;
+    hr.status = stopping ? KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__DRAINING
+                         : KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING;
+    hr.detail = detail;
+    (void)call;
+    return kvf_rpc_msg_encode(&hr, resp, err);
+}
+
+/* ---- admin HTTP ---------------------------------------------------------------------------- */
+
+static int admin_get(void *ctx, const char *path, kvf_sbuf *body, const char **ctype)
+{
+    kvf_worker *w = ctx;
+    if (strcmp(path, "/metrics") == 0) {
+        *ctype = "text/plain; version=0.0.4";
+        kvf_metrics_render(w->metrics, body);
+        return 200;
+    }
+    if (strcmp(path, "/health") == 0) {
+        kvf_worker_load l;
+        kvf_worker_load_get(w, &l);
+        pthread_mutex_lock(&w->mu);
+        bool stopping = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+        *ctype = "application/json";
+        kvf_sbuf_printf(body,
+                        "{\"status\":\"%s\",\"role\":\"%s\",\"running\":%d,\"waiting\":%d,"
+                        "\"total_blocks\":%d,\"free_blocks\":%d,\"cached_blocks\":%d,"
+                        "\"used_blocks\":%d}\n",
+                        stopping ? "draining" : "serving",
+                        w->role == KVF_WORKER_PREFILL ? "prefill" : "decode", l.running,
+                        l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
+        return stopping ? 503 : 200;
+    }
+    kvf_sbuf_printf(body, "no such path %s (use /metrics or /health)\n", path);
+    return 404;
+}
+
+/* ---- the loop ------------------------------------------------------------------------------ */
+
+static void publish_load(kvf_worker *w)
+{
+    kvf_worker_load l = {0};
+    kvf_kv_pool_stats ps;
+    kvf_kv_pool_get_stats(w->pool, &ps);
+    if (w->engine) {
+        kvf_engine_stats es;
+        kvf_engine_get_stats(w->engine, &es);
+        l.running = es.running + es.remote;
+        l.waiting = es.waiting + es.swapped;
+    }
+    l.total_blocks = ps.total;
+    l.free_blocks = ps.free;
+    l.cached_blocks = ps.cached + ps.pinned;
+    l.used_blocks = ps.used;
+    pthread_mutex_lock(&w->mu);
+    w->load = l;
+    pthread_mutex_unlock(&w->mu);
+    kvf_metric_set(w->m_free, l.free_blocks);
+    kvf_metric_set(w->m_used, l.used_blocks);
+    kvf_metric_set(w->m_cached, l.cached_blocks);
+    kvf_metric_set(w->m_total, l.total_blocks);
+    kvf_metric_set(w->m_running, l.running);
+    kvf_metric_set(w->m_waiting, l.waiting);
+}
+
+void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out)
+{
+    pthread_mutex_lock(&w->mu);
+    *out = w->load;
+    pthread_mutex_unlock(&w->mu);
+}
+
+void kvf_worker_wake(kvf_worker *w)
+{
+    if (!atomic_exchange(&w->woken, true)) {
+        char c = 1;
+        ssize_t k = write(w->wake_wr, &c, 1);
+        (void)k;
+    }
+}
+
+kvf_status kvf_worker_post(kvf_worker *w, kvf_worker_job_fn fn, void *arg)
+{
+    job *j = calloc(1, sizeof *j);
+    if (!j)
+        return KVF_ERR_NOMEM;
+    j->fn = fn;
+    j->arg = arg;
+    pthread_mutex_lock(&w->mu);
+    if (w->stopped) {
+        pthread_mutex_unlock(&w->mu);
+        free(j);
+        return KVF_ERR_STATE;
+    }
+    if (w->tail)
+        w->tail->next = j;
+    else
+        w->head = j;
+    w->tail = j;
+    pthread_mutex_unlock(&w->mu);
+    kvf_worker_wake(w);
+    return KVF_OK;
+}
+
+kvf_status kvf_worker_call(kvf_worker *w, kvf_worker_job_fn fn, void *arg)
+{
+    job j = {.fn = fn, .arg = arg, .wait = true};
+    pthread_mutex_lock(&w->mu);
+    if (w->stopped) {
+        pthread_mutex_unlock(&w->mu);
+        return KVF_ERR_STATE;
+    }
+    if (w->tail)
+        w->tail->next = &j;
+    else
+        w->head = &j;
+    w->tail = &j;
+    pthread_mutex_unlock(&w->mu);
+    kvf_worker_wake(w);
+    pthread_mutex_lock(&w->mu);
+    while (!j.done)
+        pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    return KVF_OK;
+}
+
+/* Runs every queued job; returns how many ran. */
+static int run_jobs(kvf_worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    job *j = w->head;
+    w->head = w->tail = NULL;
+    pthread_mutex_unlock(&w->mu);
+    int n = 0;
+    while (j) {
+        job *next = j->next;
+        j->fn(w, j->arg);
+        if (j->wait) {
+            pthread_mutex_lock(&w->mu);
+            j->done = true;
+            pthread_cond_broadcast(&w->cv);
+            pthread_mutex_unlock(&w->mu);
+        } else {
+            free(j);
+        }
+        j = next;
+        n++;
+    }
+    return n;
+}
+
+static int xfer_pass(kvf_worker *w)
+{
+    kvf_xfer_progress(w->xfer);
+    kvf_xfer_event ev;
+    int n = 0;
+    while (kvf_xfer_poll(w->xfer, &ev)) {
+        n++;
+        if (w->hooks.on_xfer_event)
+            w->hooks.on_xfer_event(w->hooks.ctx, &ev);
+        else
+            kvf_log(KVF_LOG_DEBUG, "worker: transfer %llu event ignored", (unsigned long long)ev.id);
+    }
+    return n;
+}
+
+static void *loop_main(void *arg)
+{
+    kvf_worker *w = arg;
+    kvf_err err = {0};
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        bool stopping = w->stopping;
+        pthread_mutex_unlock(&w->mu);
+        if (stopping)
+            break;
+        int work = run_jobs(w);
+        if (w->engine && kvf_engine_busy(w->engine)) {
+            const kvf_engine_output *outs = NULL;
+            int32_t n_out = 0;
+            kvf_status st = kvf_engine_step(w->engine, &outs, &n_out, &err);
+            if (st != KVF_OK)
+                kvf_log(KVF_LOG_ERROR, "worker: engine step: %s", err.msg);
+            w->steps++;
+            kvf_metric_add(w->m_steps, 1);
+            for (int32_t i = 0; i < n_out; i++)
+                if (w->hooks.on_output)
+                    w->hooks.on_output(w->hooks.ctx, &outs[i]);
+            work++;
+        }
+        work += xfer_pass(w);
+        if (w->hooks.on_tick)
+            w->hooks.on_tick(w->hooks.ctx);
+        kvf_worker_flush_events(w);
+        publish_load(w);
+        watchers_pass(w);
+        if (work > 0 || (w->engine && kvf_engine_busy(w->engine)))
+            continue;
+        /* idle: sleep on the wake pipe and the transport's fd, at most 10 ms (deadlines) */
+        struct pollfd p[2] = {{.fd = w->wake_rd, .events = POLLIN}, {.fd = -1, .events = POLLIN}};
+        int nfd = 1, timeout = 10;
+        int xfd = kvf_xfer_event_fd(w->xfer);
+        if (xfd >= 0) {
+            if (kvf_xfer_arm(w->xfer)) {
+                p[1].fd = xfd;
+                nfd = 2;
+            } else {
+                timeout = 0;
+            }
+        }
+        if (timeout > 0 && poll(p, (nfds_t)nfd, timeout) > 0 && (p[0].revents & POLLIN)) {
+            char buf[64];
+            while (read(w->wake_rd, buf, sizeof buf) > 0) {
+            }
+            atomic_store(&w->woken, false);
+        }
+    }
+    /* last pass: the role cancels what is live; then watchers end */
+    run_jobs(w);
+    if (w->hooks.on_shutdown)
+        w->hooks.on_shutdown(w->hooks.ctx);
+    pthread_mutex_lock(&w->mu);
+    w->stopped = true;
+    pthread_mutex_unlock(&w->mu);
+    run_jobs(w); /* jobs posted before stopped was set */
+    if (w->engine) {
+        /* report the cancellations so every sequence is gone from the pool */
+        for (int i = 0; i < 4 && kvf_engine_busy(w->engine); i++) {
+            const kvf_engine_output *outs = NULL;
+            int32_t n_out = 0;
+            kvf_engine_step(w->engine, &outs, &n_out, &err);
+        }
+    }
+    for (watcher *wt = w->watchers; wt; wt = wt->next)
+        wt->dead = true;
+    watchers_pass(w);
+    publish_load(w);
+    return NULL;
+}
+
+/* ---- create / start / shutdown ------------------------------------------------------------- */
+
+static kvf_status add_metric(kvf_worker *w, int gauge, const char *name, const char *help,
+                             kvf_metric **out, kvf_err *err)
+{
+    char labels[64];
+    snprintf(labels, sizeof labels, "role=\"%s\"", w->role == KVF_WORKER_PREFILL ? "prefill" : "decode");
+    return gauge ? kvf_metrics_gauge(w->metrics, name, labels, help, out, err)
+                 : kvf_metrics_counter(w->metrics, name, labels, help, out, err);
+}
+
+kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kvf_worker **out,
+                             kvf_err *err)
+{
+    const char *rn = role == KVF_WORKER_PREFILL ? "prefill" : "decode";
+    if (!cfg->model)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --model DIR is required", rn);
+    if (cfg->threads < 0 || cfg->max_batch_tokens < 1 || cfg->max_seqs < 1 || cfg->kv_blocks < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --threads (%d) must be >= 0, --max-batch-tokens "
+                           "(%d) and --max-seqs (%d) >= 1, --kv-blocks (%d) >= 0", rn, cfg->threads,
+                           cfg->max_batch_tokens, cfg->max_seqs, cfg->kv_blocks);
+    int dt = kvf_dtype_parse(cfg->kv_dtype ? cfg->kv_dtype : "");
+    if (dt != KVF_DTYPE_F32 && dt != KVF_DTYPE_F16 && dt != KVF_DTYPE_BF16)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-dtype=%s is not supported (use f32, f16 "
+                           "or bf16)", rn, cfg->kv_dtype ? cfg->kv_dtype : "");
+    if (cfg->transport && strcmp(cfg->transport, "ucx") != 0 && strcmp(cfg->transport, "local") != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --transport=%s is not supported (use ucx or "
+                           "local)", rn, cfg->transport);
+    char host[256];
+    int port;
+    kvf_status st;
+    if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
+        (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
+        return st;
+
+    kvf_worker *w = calloc(1, sizeof *w);
+    if (!w)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "%s: out of memory", rn);
+    w->cfg = *cfg;
+    w->role = role;
+    w->wake_rd = w->wake_wr = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    if (cfg->model_id && *cfg->model_id) {
+        snprintf(w->model_id, sizeof w->model_id, "%s", cfg->model_id);
+    } else {
+        char tmp[1024];
+        snprintf(tmp, sizeof tmp, "%s", cfg->model);
+        size_t l = strlen(tmp);
+        while (l > 1 && tmp[l - 1] == '/')
+            tmp[--l] = '\0';
+        snprintf(w->model_id, sizeof w->model_id, "%s", basename(tmp));
+    }
+    if (cfg->worker_id && *cfg->worker_id)
+        snprintf(w->worker_id, sizeof w->worker_id, "%s", cfg->worker_id);
+    else
+        snprintf(w->worker_id, sizeof w->worker_id, "%s-%d", rn, (int)getpid());
+
+    /* model and layout */
+    if ((st = kvf_model_load(cfg->model, &w->model, err)) != KVF_OK)
+        goto fail;
+    if ((st = kvf_model_kv_layout(w->model, cfg->block_size, (kvf_dtype)dt, &w->layout, err)) != KVF_OK) {
+        kvf_err_prefix(err, "%s: --block-size=%d", rn, cfg->block_size);
+        goto fail;
+    }
+    int64_t nb = cfg->kv_blocks > 0 ? cfg->kv_blocks : cfg->kv_memory / w->layout.block_bytes;
+    int64_t need = kvf_kv_blocks_for(w->model->cfg.max_pos, w->layout.block_size);
+    if (nb < need || nb > INT32_MAX) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "%s: the KV pool (--kv-memory=%lld, --kv-blocks=%d) "
+                         "holds %lld blocks of %lld bytes; one sequence of the model's full context "
+                         "(%d tokens) needs %lld (use more memory)", rn, (long long)cfg->kv_memory,
+                         cfg->kv_blocks, (long long)nb, (long long)w->layout.block_bytes,
+                         w->model->cfg.max_pos, (long long)need);
+        goto fail;
+    }
+    w->n_blocks = (int32_t)nb;
+    char capb[512];
+    kvf_log(KVF_LOG_INFO, "%s: model %s (id %s): %s", rn, cfg->model, w->model_id,
+            kvf_model_capacity_str(&w->layout, nb, w->model->cfg.max_pos, capb, sizeof capb));
+
+    /* engine (decode) or pool + forward pass (prefill) */
+    if (role == KVF_WORKER_DECODE) {
+        kvf_engine_cfg ec;
+        kvf_engine_cfg_default(&ec);
+        ec.n_blocks = w->n_blocks;
+        ec.block_size = cfg->block_size;
+        ec.kv_dtype = (kvf_dtype)dt;
+        ec.max_batch_tokens = cfg->max_batch_tokens;
+        ec.max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens;
+        ec.threads = cfg->threads;
+        ec.model_id = w->model_id;
+        ec.on_event = on_kv_event;
+        ec.event_ctx = w;
+        if ((st = kvf_engine_create(w->model, kvf_model_backend_cpu(), &ec, &w->engine, err)) != KVF_OK)
+            goto fail;
+        w->pool = kvf_engine_pool(w->engine);
+    } else {
+        w->be = kvf_model_backend_cpu();
+        if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads}, &w->be_ctx, err)) != KVF_OK)
+            goto fail;
+        kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens, .max_seqs = 1, .max_ctx = 0};
+        if ((st = kvf_model_fwd_create(w->model, w->be, w->be_ctx, &w->layout, &fo, &w->fwd, err)) != KVF_OK)
+            goto fail;
+        kvf_kv_pool_cfg pc = {.layout = w->layout, .n_blocks = w->n_blocks, .on_event = on_kv_event,
+                              .event_ctx = w};
+        if ((st = kvf_kv_pool_create(&pc, &w->own_pool, err)) != KVF_OK)
+            goto fail;
+        w->pool = w->own_pool;
+    }
+
+    /* transport: the pool's memory, registered once */
+    kvf_xfer_cfg xc = {.backend = cfg->transport ? cfg->transport : "ucx",
+                       .transport = cfg->xfer_tls ? cfg->xfer_tls : "auto"};
+    kvf_xfer_pool xp = {.base = kvf_kv_pool_base(w->pool), .layout = w->layout, .n_blocks = w->n_blocks};
+    if ((st = kvf_xfer_create(&xc, &xp, &w->xfer, err)) != KVF_OK) {
+        kvf_err_prefix(err, "%s: --transport=%s", rn, xc.backend);
+        goto fail;
+    }
+    if ((st = kvf_xfer_desc_export(w->xfer, &w->desc, &w->desc_len, err)) != KVF_OK)
+        goto fail;
+
+    /* metrics */
+    if ((st = kvf_metrics_create(&w->metrics)) != KVF_OK) {
+        kvf_err_set(err, st, "%s: cannot create the metrics registry", rn);
+        goto fail;
+    }
+    if ((st = add_metric(w, 1, "kvfleet_kv_free_blocks", "KV blocks on the free list", &w->m_free, err)) ||
+        (st = add_metric(w, 1, "kvfleet_kv_used_blocks", "KV blocks held by sequences", &w->m_used, err)) ||
+        (st = add_metric(w, 1, "kvfleet_kv_cached_blocks", "idle KV blocks kept by the prefix cache", &w->m_cached, err)) ||
+        (st = add_metric(w, 1, "kvfleet_kv_total_blocks", "KV blocks in the pool", &w->m_total, err)) ||
+        (st = add_metric(w, 1, "kvfleet_running_sequences", "sequences running (or prefilled remotely)", &w->m_running, err)) ||
+        (st = add_metric(w, 1, "kvfleet_waiting_sequences", "sequences waiting or swapped", &w->m_waiting, err)) ||
+        (st = add_metric(w, 0, "kvfleet_engine_steps_total", "engine steps", &w->m_steps, err)) ||
+        (st = add_metric(w, 1, "kvfleet_kv_watchers", "open WatchKv streams", &w->m_watchers, err)) ||
+        (st = add_metric(w, 0, "kvfleet_kv_events_total", "KV event messages published", &w->m_events, err)))
+        goto fail;
+
+    /* gRPC server with the shared handlers; the role adds its own */
+    kvf_rpc_server_opts so = {.address = cfg->listen, .n_threads = cfg->rpc_threads > 0 ? cfg->rpc_threads : 4};
+    if ((st = kvf_rpc_server_create(&so, &w->server, err)) != KVF_OK)
+        goto fail;
+    if ((st = kvf_rpc_server_add_unary(w->server, KVF_RPC_WORKER_INFO, h_info, w, err)) != KVF_OK ||
+        (st = kvf_rpc_server_add_unary(w->server, KVF_RPC_WORKER_HEALTH, h_health, w, err)) != KVF_OK ||
+        (st = kvf_rpc_server_add_stream(w->server, KVF_RPC_WORKER_WATCH_KV, h_watch_kv, w, err)) != KVF_OK)
+        goto fail;
+
+    int pfd[2];
+    if (pipe2(pfd, O_NONBLOCK | O_CLOEXEC) != 0) {
+        st = kvf_err_set(err, KVF_ERR_IO, "%s: pipe: %s", rn, strerror(errno));
+        goto fail;
+    }
+    w->wake_rd = pfd[0];
+    w->wake_wr = pfd[1];
+    publish_load(w);
+    *out = w;
+    return KVF_OK;
+fail:
+    kvf_worker_destroy(w);
+    return st;
+}
+
+void kvf_worker_set_hooks(kvf_worker *w, const kvf_worker_hooks *hooks)
+{
+    w->hooks = *hooks;
+}
+
+kvf_rpc_server *kvf_worker_rpc_server(kvf_worker *w)
+{
+    return w->server;
+}
+
+kvf_status kvf_worker_start(kvf_worker *w, kvf_err *err)
+{
+    const char *rn = w->role == KVF_WORKER_PREFILL ? "prefill" : "decode";
+    if (pthread_create(&w->thread, NULL, loop_main, w) != 0)
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "%s: cannot start the loop thread", rn);
+    w->thread_started = true;
+    kvf_status st = kvf_rpc_server_start(w->server, err);
+    if (st != KVF_OK)
+        return st;
+    char host[256];
+    int port;
+    kvf_worker_parse_hostport("admin-listen", w->cfg.admin_listen, host, sizeof host, &port, err);
+    if ((st = kvf_worker_http_start(host, port, admin_get, w, &w->http, err)) != KVF_OK)
+        return st;
+    w->started = true;
+    kvf_log(KVF_LOG_INFO, "%s: %s serving gRPC on port %d, admin HTTP on port %d", rn,
+            w->worker_id, kvf_rpc_server_port(w->server), kvf_worker_http_port(w->http));
+    return KVF_OK;
+}
+
+int kvf_worker_grpc_port(const kvf_worker *w)
+{
+    return w->server ? kvf_rpc_server_port(w->server) : -1;
+}
+
+int kvf_worker_admin_port(const kvf_worker *w)
+{
+    return kvf_worker_http_port(w->http);
+}
+
+void kvf_worker_shutdown(kvf_worker *w)
+{
+    if (!w || w->shut)
+        return;
+    w->shut = true;
+    pthread_mutex_lock(&w->mu);
+    w->stopping = true; /* Health says DRAINING from now on */
+    pthread_mutex_unlock(&w->mu);
+    if (w->thread_started) {
+        kvf_worker_wake(w);
+        /* the loop's last pass cancels every live request and finishes its call; calls that
+         * arrive later find the loop stopped and finish themselves */
+        pthread_join(w->thread, NULL);
+        w->thread_started = false;
+    } else {
+        pthread_mutex_lock(&w->mu);
+        w->stopped = true;
+        pthread_mutex_unlock(&w->mu);
+    }
+    if (w->server)
+        kvf_rpc_server_shutdown(w->server, 0);
+    kvf_worker_http_stop(w->http);
+    w->http = NULL;
+}
+
+void kvf_worker_destroy(kvf_worker *w)
+{
+    if (!w)
+        return;
+    kvf_worker_shutdown(w);
+    kvf_rpc_server_destroy(w->server);
+    /* jobs nobody ran (posted as the loop stopped) */
+    for (job *j = w->head; j;) {
+        job *n = j->next;
+        if (!j->wait)
+            free(j);
+        j = n;
+    }
+    kvf_xfer_destroy(w->xfer);
+    free(w->desc);
+    kvf_engine_destroy(w->engine);
+    kvf_kv_pool_destroy(w->own_pool);
+    kvf_model_fwd_destroy(w->fwd);
+    if (w->be && w->be_ctx)
+        w->be->destroy(w->be_ctx);
+    kvf_model_destroy(w->model);
+    kvf_metrics_destroy(w->metrics);
+    free(w->evs.hashes);
+    free(w->evs.parents);
+    if (w->wake_rd >= 0)
+        close(w->wake_rd);
+    if (w->wake_wr >= 0)
+        close(w->wake_wr);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+    free(w);
+}
+
+const kvf_worker_cfg *kvf_worker_config(const kvf_worker *w) { return &w->cfg; }
+kvf_worker_role kvf_worker_role_of(const kvf_worker *w) { return w->role; }
+const kvf_model *kvf_worker_model(const kvf_worker *w) { return w->model; }
+const char *kvf_worker_model_id(const kvf_worker *w) { return w->model_id; }
+const kvf_kv_layout *kvf_worker_layout(const kvf_worker *w) { return &w->layout; }
+kvf_engine *kvf_worker_engine(kvf_worker *w) { return w->engine; }
+kvf_kv_pool *kvf_worker_pool(kvf_worker *w) { return w->pool; }
+kvf_model_fwd *kvf_worker_fwd(kvf_worker *w) { return w->fwd; }
+kvf_xfer *kvf_worker_xfer(kvf_worker *w) { return w->xfer; }
+kvf_metrics *kvf_worker_metrics(kvf_worker *w) { return w->metrics; }
+
+const uint8_t *kvf_worker_xfer_desc(const kvf_worker *w, size_t *len_out)
+{
+    *len_out = w->desc_len;
+    return w->desc;
+}
