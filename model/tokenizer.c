@@ -209,10 +209,16 @@ const kvf_model_tok_merge *kvf_model_tok_merge_find(const kvf_model_tok_mergemap
 
 /* ---- loading ---- */
 
+/* The names messages give the three files: paths when loading from disk. */
+typedef struct file_names {
+    const char *tok, *cfg, *gen;
+} file_names;
+
 typedef struct load_ctx {
     kvf_model_tokenizer *tok;
     const char *what; /* file name for messages */
     kvf_err *err;
+    const file_names *names;
 } load_ctx;
 
 static kvf_status fail(load_ctx *c, kvf_status st, const char *fmt, ...)
@@ -1097,7 +1103,7 @@ static kvf_status load_companions(load_ctx *c, const kvf_model_tok_jv *cfg, cons
     kvf_model_tokenizer *t = c->tok;
     kvf_status st;
     if (cfg) {
-        c->what = "tokenizer_config.json";
+        c->what = c->names->cfg;
         if (!kvf_model_tok_jis(cfg, KVF_MODEL_TOK_JOBJ))
             return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_model_tok_jkind(cfg));
         if ((st = set_str(c, &t->bos_token, config_token(cfg, "bos_token"))) != KVF_OK ||
@@ -1120,9 +1126,11 @@ static kvf_status load_companions(load_ctx *c, const kvf_model_tok_jv *cfg, cons
         t->eos_id = find_token(t, t->eos_token);
         t->pad_id = find_token(t, t->pad_token);
         if (t->bos_token && t->bos_id < 0)
-            kvf_log(KVF_LOG_WARN, "model: tokenizer: tokenizer_config.json: bos_token \"%.64s\" is not in the vocabulary", t->bos_token);
+            kvf_log(KVF_LOG_WARN, "model: tokenizer: %s: bos_token \"%.64s\" is not in the vocabulary", c->what,
+                    t->bos_token);
         if (t->eos_token && t->eos_id < 0)
-            kvf_log(KVF_LOG_WARN, "model: tokenizer: tokenizer_config.json: eos_token \"%.64s\" is not in the vocabulary", t->eos_token);
+            kvf_log(KVF_LOG_WARN, "model: tokenizer: %s: eos_token \"%.64s\" is not in the vocabulary", c->what,
+                    t->eos_token);
         /* Without a post-processor, add_bos_token/add_eos_token say what encode adds. */
         if (!has_post && kvf_model_tok_jtrue(kvf_model_tok_jget(cfg, "add_bos_token")) && t->bos_id >= 0)
             if ((st = push_id(c, &t->prefix_ids, &t->n_prefix, t->bos_id)) != KVF_OK)
@@ -1132,7 +1140,7 @@ static kvf_status load_companions(load_ctx *c, const kvf_model_tok_jv *cfg, cons
                 return st;
     }
     if (gen) {
-        c->what = "generation_config.json";
+        c->what = c->names->gen;
         if (!kvf_model_tok_jis(gen, KVF_MODEL_TOK_JOBJ))
             return fail(c, KVF_ERR_INVALID, "expected an object, found %s", kvf_model_tok_jkind(gen));
         const kvf_model_tok_jv *v = kvf_model_tok_jget(gen, "bos_token_id");
@@ -1173,7 +1181,8 @@ static kvf_status load_companions(load_ctx *c, const kvf_model_tok_jv *cfg, cons
 
 /* ---- entry points ---- */
 
-static kvf_status load_json(const kvf_model_tok_jv *root, const kvf_model_tok_jv *cfg, const kvf_model_tok_jv *gen, const char *what,
+static kvf_status load_json(const kvf_model_tok_jv *root, const kvf_model_tok_jv *cfg, const kvf_model_tok_jv *gen,
+                            const file_names *names,
                             kvf_model_tokenizer **out, kvf_err *err)
 {
     kvf_model_tokenizer *t = calloc(1, sizeof *t);
@@ -1182,7 +1191,7 @@ static kvf_status load_json(const kvf_model_tok_jv *root, const kvf_model_tok_jv
     kvf_sbuf_init(&t->strs);
     kvf_sbuf_init(&t->dec);
     t->unk_id = t->bos_id = t->eos_id = t->pad_id = -1;
-    load_ctx c = {t, what, err};
+    load_ctx c = {t, names->tok, err, names};
     dec_opts dec = {0};
     kvf_status st;
     if (!kvf_model_tok_jis(root, KVF_MODEL_TOK_JOBJ)) {
@@ -1208,23 +1217,23 @@ fail_tok:
 
 /* Parses the three texts in place (taking all three buffers, each NUL-terminated; cj and gj
  * may be NULL) and loads them. */
-static kvf_status load_owned(char *tj, size_t tl, char *cj, size_t cl, char *gj, size_t gl,
+static kvf_status load_owned(char *tj, size_t tl, char *cj, size_t cl, char *gj, size_t gl, const file_names *names,
                              kvf_model_tokenizer **out, kvf_err *err)
 {
     kvf_model_tok_jdoc root = {0}, cfg = {0}, gen = {0};
-    kvf_status st = kvf_model_tok_json_parse_owned(tj, tl, "tokenizer.json", &root, err);
+    kvf_status st = kvf_model_tok_json_parse_owned(tj, tl, names->tok, &root, err);
     tj = NULL;
     if (st == KVF_OK && cj) {
-        st = kvf_model_tok_json_parse_owned(cj, cl, "tokenizer_config.json", &cfg, err);
+        st = kvf_model_tok_json_parse_owned(cj, cl, names->cfg, &cfg, err);
         cj = NULL;
     }
     if (st == KVF_OK && gj) {
-        st = kvf_model_tok_json_parse_owned(gj, gl, "generation_config.json", &gen, err);
+        st = kvf_model_tok_json_parse_owned(gj, gl, names->gen, &gen, err);
         gj = NULL;
     }
     if (st == KVF_OK)
         st = load_json(kvf_model_tok_json_root(&root), kvf_model_tok_json_root(&cfg), kvf_model_tok_json_root(&gen),
-                       "tokenizer.json", out, err);
+                       names, out, err);
     free(cj);
     free(gj);
     kvf_model_tok_json_free(&root);
@@ -1250,7 +1259,8 @@ kvf_status kvf_model_tokenizer_load_buf(const char *tok_json, size_t tok_len, co
         free(gj);
         return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory");
     }
-    return load_owned(tj, tok_len, cj, config_len, gj, gen_len, out, err);
+    static const file_names names = {"tokenizer.json", "tokenizer_config.json", "generation_config.json"};
+    return load_owned(tj, tok_len, cj, config_len, gj, gen_len, &names, out, err);
 }
 
 /* Reads a whole file into a NUL-terminated buffer; *out is malloc'd. */
@@ -1316,16 +1326,8 @@ kvf_status kvf_model_tokenizer_load(const char *path, kvf_model_tokenizer **out,
         cj = NULL;
     if (read_file(gpath, &gj, &gl, &ignore) != KVF_OK)
         gj = NULL;
-    st = load_owned(tj, tl, cj, cl, gj, gl, out, err);
-    if (st != KVF_OK) {
-        /* name the file: the messages say "tokenizer.json: ..." */
-        const char *m = err ? err->msg : "";
-        const char *which = strstr(m, "tokenizer_config.json") ? cpath
-                            : strstr(m, "generation_config.json") ? gpath
-                                                                  : file;
-        if (err)
-            kvf_err_prefix(err, "%s", which);
-    }
+    file_names names = {file, cpath, gpath};
+    st = load_owned(tj, tl, cj, cl, gj, gl, &names, out, err);
     return st;
 }
 
