@@ -1,0 +1,667 @@
+/* test_http_server.c: the router's HTTP server over real sockets against fake decode workers
+ * served in this process (the Worker service's Info, Health and Generate on kvf_rpc): errors,
+ * plain and SSE answers, n > 1, 64 concurrent streams, retry before the first token, cancel on
+ * client disconnect, 429 when saturated. Real workers are tests/e2e's. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "common/time.h"
+#include "proto/worker.h"
+#include "router/http.h"
+#include "testutil.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* A fake decode worker                                                                      */
+
+enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW };
+
+typedef struct fake {
+    kvf_rpc_server *srv;
+    int port;
+    atomic_int mode;
+    atomic_int n_generate, n_cancelled;
+    char last_id[128];
+    pthread_mutex_t mu;
+} fake;
+
+/* The fake's tokens: seq i of a prompt ending in t yields t+1+k+7i (mod 320). */
+static int32_t fake_token(int32_t last, int32_t k, int32_t i)
+{
+    return (last + 1 + k + 7 * i) % 320;
+}
+
+static kvf_status fake_info(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                            kvf_rpc_buf *out, kvf_err *err)
+{
+    (void)ctx, (void)call, (void)req, (void)len;
+    Kvfleet__V1__InfoResponse r = KVFLEET__V1__INFO_RESPONSE__INIT;
+    Kvfleet__V1__KvLayout l = KVFLEET__V1__KV_LAYOUT__INIT;
+    l.n_layers = 2, l.n_kv_heads = 2, l.head_dim = 16, l.block_size = 16;
+    l.dtype = KVFLEET__V1__DTYPE__DTYPE_F32, l.block_bytes = 2 * 2 * 2 * 16 * 16 * 4;
+    r.protocol_version = KVF_RPC_PROTOCOL_VERSION;
+    r.role = KVFLEET__V1__ROLE__ROLE_DECODE;
+    r.model_id = "tiny-gqa-f32";
+    r.block_size = 16;
+    r.kv_layout = &l;
+    r.capacity_blocks = 100;
+    r.worker_id = "fake";
+    return kvf_rpc_msg_encode(&r, out, err);
+}
+
+static kvf_status fake_health(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
+                              kvf_rpc_buf *out, kvf_err *err)
+{
+    (void)ctx, (void)call, (void)req, (void)len;
+    Kvfleet__V1__HealthResponse r = KVFLEET__V1__HEALTH_RESPONSE__INIT;
+    r.status = KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING;
+    return kvf_rpc_msg_encode(&r, out, err);
+}
+
+static void send_tokens(kvf_rpc_call *call, int32_t idx, const int32_t *ids, size_t n,
+                        Kvfleet__V1__FinishReason fin, int32_t prompt, int32_t done)
+{
+    Kvfleet__V1__GenerateResponse g = KVFLEET__V1__GENERATE_RESPONSE__INIT;
+    Kvfleet__V1__Usage u = KVFLEET__V1__USAGE__INIT;
+    g.index = idx;
+    g.n_token_ids = n;
+    g.token_ids = (int32_t *)ids;
+    g.finish_reason = fin;
+    if (fin != KVFLEET__V1__FINISH_REASON__FINISH_NONE) {
+        u.prompt_tokens = prompt;
+        u.completion_tokens = done;
+        g.usage = &u;
+    }
+    kvf_rpc_buf b = {0};
+    kvf_err e = {0};
+    if (kvf_rpc_msg_encode(&g, &b, &e) == KVF_OK)
+        kvf_rpc_call_write(call, b.data, b.len, &e);
+    kvf_rpc_buf_free(&b);
+}
+
+static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    fake *f = ctx;
+    Kvfleet__V1__GenerateRequest *g = NULL;
+    kvf_err e = {0};
+    atomic_fetch_add(&f->n_generate, 1);
+    if (kvf_rpc_generate_request_decode(req, len, &g, &e) != KVF_OK) {
+        kvf_rpc_call_finish(call, KVF_ERR_INVALID, e.msg);
+        return;
+    }
+    pthread_mutex_lock(&f->mu);
+    snprintf(f->last_id, sizeof f->last_id, "%s", g->request_id);
+    pthread_mutex_unlock(&f->mu);
+    int mode = atomic_load(&f->mode);
+    if (mode == FAKE_FAIL) {
+        kvf_rpc_msg_free(g);
+        kvf_rpc_call_finish(call, KVF_ERR_PEER_LOST, "fake: lost before the first token");
+        return;
+    }
+    int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling->max_tokens;
+    int32_t n = g->sampling->n ? g->sampling->n : 1;
+    int32_t np = (int32_t)g->n_token_ids;
+    kvf_rpc_msg_free(g);
+    for (int32_t k = 0; k < max; k++) {
+        for (int32_t i = 0; i < n; i++) {
+            int32_t t = fake_token(last, k, i);
+            send_tokens(call, i, &t, 1,
+                        k + 1 == max ? KVFLEET__V1__FINISH_REASON__FINISH_LENGTH : KVFLEET__V1__FINISH_REASON__FINISH_NONE,
+                        np, k + 1);
+        }
+        if (mode == FAKE_SLOW) {
+            kvf_sleep_ms(5);
+            if (kvf_rpc_call_is_cancelled(call)) {
+                atomic_fetch_add(&f->n_cancelled, 1);
+                kvf_rpc_call_finish(call, KVF_ERR_CANCELLED, "cancelled");
+                return;
+            }
+        }
+    }
+    kvf_rpc_call_finish(call, KVF_OK, NULL);
+}
+
+static void fake_start(fake *f, int mode)
+{
+    memset(f, 0, sizeof *f);
+    pthread_mutex_init(&f->mu, NULL);
+    atomic_store(&f->mode, mode);
+    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 4};
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_server_create(&o, &f->srv, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_unary(f->srv, KVF_RPC_WORKER_INFO, fake_info, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_unary(f->srv, KVF_RPC_WORKER_HEALTH, fake_health, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_stream(f->srv, KVF_RPC_WORKER_GENERATE, fake_generate, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_start(f->srv, &e), KVF_OK);
+    f->port = kvf_rpc_server_port(f->srv);
+}
+
+static void fake_stop(fake *f)
+{
+    kvf_rpc_server_destroy(f->srv);
+    pthread_mutex_destroy(&f->mu);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The router in a thread                                                                    */
+
+typedef struct router {
+    kvf_router_http *h;
+    pthread_t th;
+    int port;
+} router;
+
+static void *router_main(void *arg)
+{
+    router *r = arg;
+    kvf_err e = {0};
+    kvf_router_http_run(r->h, &e);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* A tiny HTTP/1.1 client: one request per connection, the whole answer read to EOF.         */
+
+typedef struct resp {
+    int status;
+    char headers[4096];
+    char *body; /* de-chunked, NUL-terminated; free() it */
+    size_t body_len;
+} resp;
+
+static int connect_to(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {20, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int send_req(int port, const char *method, const char *path, const char *body,
+                    const char *extra)
+{
+    int fd = connect_to(port);
+    if (fd < 0)
+        return -1;
+    char head[1024];
+    size_t bl = body ? strlen(body) : 0;
+    int n = snprintf(head, sizeof head,
+                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Type: application/json\r\n"
+                     "Content-Length: %zu\r\n\r\n",
+                     method, path, extra ? extra : "", bl);
+    if (write(fd, head, (size_t)n) != n || (bl && write(fd, body, bl) != (ssize_t)bl)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static void dechunk(resp *r)
+{
+    char *out = malloc(r->body_len + 1), *p = r->body, *end = r->body + r->body_len;
+    size_t n = 0;
+    while (p < end) {
+        size_t sz = strtoul(p, NULL, 16);
+        char *nl = strstr(p, "\r\n");
+        if (!nl || sz == 0)
+            break;
+        p = nl + 2;
+        if (p + sz > end)
+            sz = (size_t)(end - p);
+        memcpy(out + n, p, sz);
+        n += sz;
+        p += sz + 2;
+    }
+    out[n] = 0;
+    free(r->body);
+    r->body = out;
+    r->body_len = n;
+}
+
+static void read_resp(int fd, resp *r)
+{
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (len + 4096 > cap)
+            buf = realloc(buf, cap *= 2);
+        ssize_t k = read(fd, buf + len, cap - len - 1);
+        if (k <= 0)
+            break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = 0;
+    memset(r, 0, sizeof *r);
+    sscanf(buf, "HTTP/1.1 %d", &r->status);
+    char *sep = strstr(buf, "\r\n\r\n");
+    size_t hl = sep ? (size_t)(sep - buf) : len;
+    snprintf(r->headers, sizeof r->headers, "%.*s", (int)hl, buf);
+    size_t bl = sep ? len - hl - 4 : 0;
+    r->body = malloc(bl + 1);
+    memcpy(r->body, sep ? sep + 4 : "", bl);
+    r->body[bl] = 0;
+    r->body_len = bl;
+    free(buf);
+    if (strcasestr(r->headers, "Transfer-Encoding: chunked"))
+        dechunk(r);
+}
+
+static void http(int port, const char *method, const char *path, const char *body, const char *extra,
+                 resp *r)
+{
+    int fd = send_req(port, method, path, body, extra);
+    assert_true(fd >= 0);
+    read_resp(fd, r);
+}
+
+/* The "message" of an error body. */
+static const char *err_msg(const resp *r, char *buf, size_t cap)
+{
+    json_t *j = json_loads(r->body, 0, NULL);
+    const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    snprintf(buf, cap, "%s", m ? m : "");
+    json_decref(j);
+    return buf;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct fixture {
+    fake f[2];
+    int n_fakes;
+    router r;
+} fixture;
+
+static void router_start(fixture *x, const char *decode, int max_inflight)
+{
+    kvf_router_http_cfg c = {0};
+    c.host = "127.0.0.1";
+    c.model = kvf_test_shared_path("fixtures/models/tiny-gqa-f32");
+    c.policy = "round-robin";
+    c.max_inflight = max_inflight;
+    c.fleet.decode = decode;
+    c.fleet.health_interval_ms = 100;
+    c.fleet.rpc_timeout_ms = 500;
+    kvf_err e = {0};
+    kvf_status st = kvf_router_http_create(&c, &x->r.h, &e);
+    if (st != KVF_OK)
+        fail_msg("%s", e.msg);
+    x->r.port = kvf_router_http_port(x->r.h);
+    assert_int_equal(pthread_create(&x->r.th, NULL, router_main, &x->r), 0);
+}
+
+static void router_stop(fixture *x)
+{
+    kvf_router_http_stop(x->r.h);
+    pthread_join(x->r.th, NULL);
+    kvf_router_http_destroy(x->r.h);
+}
+
+/* Waits until /ready says 200 (or 5 s). */
+static void wait_ready(fixture *x, int want)
+{
+    resp r;
+    for (int i = 0; i < 100; i++) {
+        http(x->r.port, "GET", "/ready", NULL, NULL, &r);
+        free(r.body);
+        if (r.status == want)
+            return;
+        kvf_sleep_ms(50);
+    }
+    fail_msg("/ready never answered %d", want);
+}
+
+static int setup_one(void **state)
+{
+    fixture *x = calloc(1, sizeof *x);
+    fake_start(&x->f[0], FAKE_OK);
+    x->n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x->f[0].port);
+    router_start(x, d, 256);
+    wait_ready(x, 200);
+    *state = x;
+    return 0;
+}
+
+static int setup_two(void **state)
+{
+    fixture *x = calloc(1, sizeof *x);
+    fake_start(&x->f[0], FAKE_OK);
+    fake_start(&x->f[1], FAKE_OK);
+    x->n_fakes = 2;
+    char d[128];
+    snprintf(d, sizeof d, "127.0.0.1:%d,127.0.0.1:%d", x->f[0].port, x->f[1].port);
+    router_start(x, d, 256);
+    wait_ready(x, 200);
+    *state = x;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *x = *state;
+    router_stop(x);
+    for (int i = 0; i < x->n_fakes; i++)
+        fake_stop(&x->f[i]);
+    free(x);
+    return 0;
+}
+
+/* No worker at all: the router still answers validation errors, and 503 for a valid request. */
+static void test_errors_without_workers(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    router_start(&x, "127.0.0.1:1", 256);
+    resp r;
+    char m[512];
+    http(x.r.port, "GET", "/health", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    http(x.r.port, "GET", "/ready", NULL, NULL, &r);
+    assert_int_equal(r.status, 503);
+    free(r.body);
+    http(x.r.port, "GET", "/v1/models", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(json_object_get(j, "data"), 0), "id")),
+                        "tiny-gqa-f32");
+    json_decref(j);
+    free(r.body);
+
+    struct { const char *path, *body; int status; const char *msg; } cases[] = {
+        {"/v1/completions", "{nope", 400, "not valid JSON"},
+        {"/v1/completions", "{\"model\":\"other\",\"prompt\":[1]}", 404, "does not exist"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":\"hello\"}", 400, "has no tokenizer"},
+        {"/v1/chat/completions", "{\"model\":\"tiny-gqa-f32\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", 400, "has no tokenizer"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":0}", 400, "'max_tokens' is 0"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":256}", 400, "maximum context length is 256"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"top_p\":\"x\"}", 400, "'top_p' must be a number"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1, 320]}", 400, "ids are 0 to 319"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"stop\":\"x\"}", 400, "need a tokenizer"},
+        {"/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1]}", 503, "no decode worker"},
+        {"/v1/nothing", "{}", 404, "no route"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        http(x.r.port, "POST", cases[i].path, cases[i].body, NULL, &r);
+        if (r.status != cases[i].status || !strstr(err_msg(&r, m, sizeof m), cases[i].msg))
+            fail_msg("%s %s: got %d '%s', want %d '%s'", cases[i].path, cases[i].body, r.status, m,
+                     cases[i].status, cases[i].msg);
+        if (r.status == 503)
+            assert_non_null(strcasestr(r.headers, "Retry-After:"));
+        free(r.body);
+    }
+    http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "kvfleet_router_responses_total{code=\"4xx\"} 10"));
+    free(r.body);
+    router_stop(&x);
+}
+
+static void test_plain_completion(void **state)
+{
+    fixture *x = *state;
+    resp r;
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[5,6,7],\"max_tokens\":24,\"temperature\":0,\"n\":2}",
+         "x-request-id: my-req-1\r\n", &r);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strcasestr(r.headers, "x-request-id: my-req-1"));
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_non_null(j);
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "text_completion");
+    json_t *cs = json_object_get(j, "choices");
+    assert_int_equal(json_array_size(cs), 2);
+    for (size_t i = 0; i < 2; i++) {
+        json_t *c = json_array_get(cs, i);
+        assert_int_equal(json_integer_value(json_object_get(c, "index")), (json_int_t)i);
+        json_t *ids = json_object_get(c, "token_ids");
+        assert_int_equal(json_array_size(ids), 24);
+        for (size_t k = 0; k < 24; k++)
+            assert_int_equal(json_integer_value(json_array_get(ids, k)), fake_token(7, (int32_t)k, (int32_t)i));
+        assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "length");
+    }
+    json_t *u = json_object_get(j, "usage");
+    assert_int_equal(json_integer_value(json_object_get(u, "prompt_tokens")), 3);
+    assert_int_equal(json_integer_value(json_object_get(u, "completion_tokens")), 48);
+    assert_int_equal(json_integer_value(json_object_get(u, "total_tokens")), 51);
+    json_decref(j);
+    free(r.body);
+    pthread_mutex_lock(&x->f[0].mu);
+    assert_string_equal(x->f[0].last_id, "my-req-1"); /* the request id reached the worker */
+    pthread_mutex_unlock(&x->f[0].mu);
+}
+
+/* Checks an SSE body: the ids of each choice in order, one finish per choice, usage, [DONE]. */
+static void check_sse(const char *body, int32_t last, int32_t max, int32_t n, bool usage)
+{
+    int32_t got[4] = {0};
+    int finishes = 0, usages = 0;
+    const char *p = body;
+    bool done = false;
+    while ((p = strstr(p, "data: "))) {
+        p += 6;
+        if (strncmp(p, "[DONE]", 6) == 0) {
+            done = true;
+            break;
+        }
+        json_error_t je;
+        json_t *j = json_loads(p, JSON_DISABLE_EOF_CHECK, &je);
+        if (!j)
+            fail_msg("bad SSE event: %.80s", p);
+        json_t *u = json_object_get(j, "usage");
+        if (u && json_is_object(u)) {
+            usages++;
+            assert_int_equal(json_integer_value(json_object_get(u, "completion_tokens")), max * n);
+        }
+        size_t i;
+        json_t *c;
+        json_array_foreach(json_object_get(j, "choices"), i, c) {
+            int32_t idx = (int32_t)json_integer_value(json_object_get(c, "index"));
+            assert_true(idx >= 0 && idx < n);
+            size_t k;
+            json_t *id;
+            json_array_foreach(json_object_get(c, "token_ids"), k, id) {
+                assert_int_equal(json_integer_value(id), fake_token(last, got[idx], idx));
+                got[idx]++;
+            }
+            if (json_is_string(json_object_get(c, "finish_reason")))
+                finishes++;
+        }
+        json_decref(j);
+    }
+    assert_true(done);
+    for (int32_t i = 0; i < n; i++)
+        assert_int_equal(got[i], max);
+    assert_int_equal(finishes, n);
+    assert_int_equal(usages, usage ? 1 : 0);
+}
+
+static void test_streaming(void **state)
+{
+    fixture *x = *state;
+    resp r;
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[9],\"max_tokens\":10,\"stream\":true,"
+         "\"stream_options\":{\"include_usage\":true}}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strcasestr(r.headers, "Content-Type: text/event-stream"));
+    check_sse(r.body, 9, 10, 1, true);
+    free(r.body);
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[3,4],\"max_tokens\":7,\"stream\":true,\"n\":3}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    check_sse(r.body, 4, 7, 3, false);
+    free(r.body);
+}
+
+typedef struct conc_arg {
+    int port, i;
+    bool ok;
+} conc_arg;
+
+static void *conc_main(void *p)
+{
+    conc_arg *a = p;
+    int32_t max = 1 + (a->i * 37) % 60, last = (a->i * 11) % 300;
+    char body[256];
+    snprintf(body, sizeof body,
+             "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2,%d],\"max_tokens\":%d,\"stream\":true}", last, max);
+    int fd = send_req(a->port, "POST", "/v1/completions", body, NULL);
+    if (fd < 0)
+        return NULL;
+    resp r;
+    read_resp(fd, &r);
+    /* count ids and check them without cmocka (not thread-safe) */
+    int32_t got = 0;
+    bool ok = r.status == 200, done = false;
+    for (const char *q = r.body; ok && (q = strstr(q, "data: ")); ) {
+        q += 6;
+        if (strncmp(q, "[DONE]", 6) == 0) {
+            done = true;
+            break;
+        }
+        json_t *j = json_loads(q, JSON_DISABLE_EOF_CHECK, NULL);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+        size_t k;
+        json_t *id;
+        json_array_foreach(json_object_get(c, "token_ids"), k, id)
+            ok = ok && json_integer_value(id) == fake_token(last, got++, 0);
+        json_decref(j);
+    }
+    a->ok = ok && done && got == max;
+    free(r.body);
+    return NULL;
+}
+
+static void test_concurrent_64(void **state)
+{
+    fixture *x = *state;
+    pthread_t th[64];
+    conc_arg a[64];
+    for (int i = 0; i < 64; i++) {
+        a[i] = (conc_arg){.port = x->r.port, .i = i};
+        assert_int_equal(pthread_create(&th[i], NULL, conc_main, &a[i]), 0);
+    }
+    int ok = 0;
+    for (int i = 0; i < 64; i++) {
+        pthread_join(th[i], NULL);
+        ok += a[i].ok;
+    }
+    assert_int_equal(ok, 64);
+}
+
+/* The first worker fails every Generate before a token: the router must retry on the other. */
+static void test_retry_before_first_token(void **state)
+{
+    fixture *x = *state;
+    atomic_store(&x->f[0].mode, FAKE_FAIL);
+    for (int i = 0; i < 4; i++) {
+        resp r;
+        http(x->r.port, "POST", "/v1/completions",
+             "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":5}", NULL, &r);
+        assert_int_equal(r.status, 200);
+        json_t *j = json_loads(r.body, 0, NULL);
+        assert_int_equal(json_array_size(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids")), 5);
+        json_decref(j);
+        free(r.body);
+    }
+    assert_true(atomic_load(&x->f[0].n_generate) >= 1);
+    assert_int_equal(atomic_load(&x->f[1].n_generate), 4);
+    resp m;
+    http(x->r.port, "GET", "/metrics", NULL, NULL, &m);
+    assert_null(strstr(m.body, "kvfleet_router_retries_total 0\n"));
+    free(m.body);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+}
+
+/* A client that goes away mid-stream: the Generate call is cancelled on the worker. */
+static void test_disconnect_cancels(void **state)
+{
+    fixture *x = *state;
+    atomic_store(&x->f[0].mode, FAKE_SLOW);
+    int fd = send_req(x->r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":200,\"stream\":true}", NULL);
+    assert_true(fd >= 0);
+    char buf[4096];
+    size_t got = 0;
+    while (got < 1500) { /* a few chunks */
+        ssize_t k = read(fd, buf, sizeof buf);
+        assert_true(k > 0);
+        got += (size_t)k;
+    }
+    close(fd);
+    int64_t end = kvf_now_ns() + 5000000000LL;
+    while (atomic_load(&x->f[0].n_cancelled) == 0 && kvf_now_ns() < end)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&x->f[0].n_cancelled), 1);
+    resp m;
+    http(x->r.port, "GET", "/metrics", NULL, NULL, &m);
+    assert_non_null(strstr(m.body, "kvfleet_router_client_disconnects_total 1"));
+    assert_non_null(strstr(m.body, "kvfleet_router_requests_in_flight 0"));
+    free(m.body);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+}
+
+/* max_inflight 1 and one slow request in flight: the next gets 429 with Retry-After. */
+static void test_saturated_429(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_SLOW);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    router_start(&x, d, 1);
+    wait_ready(&x, 200);
+    int fd = send_req(x.r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":100,\"stream\":true}", NULL);
+    char buf[256];
+    assert_true(read(fd, buf, sizeof buf) > 0); /* the first one is running */
+    resp r;
+    char m[512];
+    http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":3}", NULL, &r);
+    assert_int_equal(r.status, 429);
+    assert_non_null(strcasestr(r.headers, "Retry-After: 1"));
+    assert_non_null(strstr(err_msg(&r, m, sizeof m), "in flight"));
+    free(r.body);
+    close(fd);
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_errors_without_workers),
+        cmocka_unit_test_setup_teardown(test_plain_completion, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_streaming, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_concurrent_64, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_retry_before_first_token, setup_two, teardown),
+        cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
+        cmocka_unit_test(test_saturated_429),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
