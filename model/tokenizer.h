@@ -53,7 +53,9 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
                                       size_t *n_out, kvf_err *err);
 
 /* Decodes ids to UTF-8 text, as Hugging Face's decode with clean_up_tokenization_spaces=false.
- * skip_special drops special tokens. Bytes that do not form valid UTF-8 become U+FFFD. An id
+ * skip_special drops special tokens. Bytes that do not form valid UTF-8 become U+FFFD, one per
+ * maximal invalid sequence (as Hugging Face's byte-level decoder; its byte-fallback decoder
+ * writes one per byte, so runs of broken <0xNN> tokens may differ in the count). An id
  * outside [0, vocab size) gives KVF_ERR_INVALID. *text_out is malloc'd and NUL-terminated
  * (free it); *len_out (may be NULL) is its length without the NUL. */
 kvf_status kvf_model_tokenizer_decode(const kvf_model_tokenizer *tok, const int32_t *ids,
