@@ -5,18 +5,20 @@
  * Descriptor, version 1 (all integers little-endian):
  *   "KVFX" | u32 version | u8 backend name length | name | u32 n_layers | u32 n_kv_heads |
  *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
- *   u32 blob length | backend blob */
+ *   u32 blob length | backend blob | u64 XXH3-64 of every byte before it
+ * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers. */
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
 #include <sys/types.h>
 
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "transport/xfer_impl.h"
 
 #define DESC_MAGIC "KVFX"
-#define DESC_FIXED (4 + 4 + 1 + 5 * 4 + 2 * 8 + 4) /* every field but the name and the blob */
+#define DESC_FIXED (4 + 4 + 1 + 5 * 4 + 2 * 8 + 4 + 8) /* every field but the name and blob */
 
 static const kvf_xfer_ops *const backends[] = {&kvf_xfer_ucx_ops, &kvf_xfer_local_ops};
 #define N_BACKENDS (sizeof backends / sizeof backends[0])
@@ -147,11 +149,14 @@ kvf_status kvf_xfer_desc_export(kvf_xfer *x, uint8_t **desc_out, size_t *len_out
     kvf_xfer_put_u32(&b, (uint32_t)blob.len);
     if (blob.len)
         kvf_sbuf_append(&b, blob.data, blob.len);
+    if (!b.oom)
+        memcpy(b.data, DESC_MAGIC, 4);
+    if (!b.oom)
+        kvf_xfer_put_u64(&b, kvf_hash64(b.data, b.len));
     if (b.oom || blob.oom) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a descriptor");
         goto fail_blob;
     }
-    memcpy(b.data, DESC_MAGIC, 4);
     *len_out = b.len;
     *desc_out = (uint8_t *)kvf_sbuf_take(&b);
     kvf_sbuf_fini(&blob);
@@ -179,6 +184,10 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
                            "xfer: descriptor version %u is not supported (this build reads %d)",
                            version, KVF_XFER_DESC_VERSION);
+    if (kvf_xfer_get_u64(desc + len - 8) != kvf_hash64(desc, len - 8))
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: descriptor of %zu bytes fails its checksum (damaged or cut short "
+                           "in transit)", len);
     size_t nl = desc[8];
     if (nl == 0 || nl >= sizeof d.backend || len < DESC_FIXED + nl)
         return kvf_err_set(err, KVF_ERR_PARSE,
@@ -217,10 +226,10 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
                            "xfer: descriptor n_blocks %llu is out of range (1 to %d)",
                            (unsigned long long)n_blocks, INT32_MAX);
     size_t off = (size_t)(p - desc);
-    if (blob_len != len - off)
+    if (blob_len != len - off - 8)
         return kvf_err_set(err, KVF_ERR_PARSE,
                            "xfer: descriptor says %u backend bytes but %zu follow", blob_len,
-                           len - off);
+                           len - off - 8);
     d.version = (int)version;
     d.n_blocks = (int64_t)n_blocks;
     d.blob_off = off;

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 #include <poll.h>
 
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/time.h"
 #include "transport/xfer.h"
@@ -109,6 +110,14 @@ static void test_desc_round_trip(void **state)
     side_close(&a);
 }
 
+/* Rewrites a descriptor's trailing checksum after a deliberate edit. */
+static void reseal(uint8_t *d, size_t len)
+{
+    uint64_t h = kvf_hash64(d, len - 8);
+    for (int i = 0; i < 8; i++)
+        d[len - 8 + i] = (uint8_t)(h >> (8 * i));
+}
+
 static void test_desc_corruptions_refused(void **state)
 {
     side a;
@@ -120,7 +129,7 @@ static void test_desc_corruptions_refused(void **state)
     assert_int_equal(kvf_xfer_desc_export(a.x, &desc, &len, &err), KVF_OK);
     uint8_t *bad = malloc(len);
 
-    /* Every truncation is refused. */
+    /* Every truncation is refused (the checksum, if nothing else, catches it). */
     for (size_t n = 0; n < len; n++) {
         err.msg[0] = 0;
         assert_int_not_equal(kvf_xfer_desc_parse(desc, n, &d, &err), KVF_OK);
@@ -131,9 +140,15 @@ static void test_desc_corruptions_refused(void **state)
     bad[0] = 'X';
     assert_int_equal(kvf_xfer_desc_parse(bad, len, &d, &err), KVF_ERR_PARSE);
     assert_non_null(strstr(err.msg, "KVFX"));
+    /* A damaged byte fails the checksum. */
+    memcpy(bad, desc, len);
+    bad[len / 2] ^= 1;
+    assert_int_equal(kvf_xfer_desc_parse(bad, len, &d, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, "checksum"));
     /* Another version names both. */
     memcpy(bad, desc, len);
     bad[4] = 2;
+    reseal(bad, len);
     assert_int_equal(kvf_xfer_desc_parse(bad, len, &d, &err), KVF_ERR_UNSUPPORTED);
     assert_non_null(strstr(err.msg, "version 2"));
     assert_non_null(strstr(err.msg, "reads 1"));
@@ -141,12 +156,14 @@ static void test_desc_corruptions_refused(void **state)
     memcpy(bad, desc, len);
     size_t bs_off = 4 + 4 + 1 + 5 + 12;
     bad[bs_off] = 24;
+    reseal(bad, len);
     assert_int_equal(kvf_xfer_desc_parse(bad, len, &d, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "block_size 24"));
     /* One byte more than the blob length says. */
     uint8_t *longer = malloc(len + 1);
-    memcpy(longer, desc, len);
-    longer[len] = 0;
+    memcpy(longer, desc, len - 8);
+    longer[len - 8] = 0;
+    reseal(longer, len + 1);
     assert_int_equal(kvf_xfer_desc_parse(longer, len + 1, &d, &err), KVF_ERR_PARSE);
     assert_non_null(strstr(err.msg, "backend bytes"));
     free(longer);
