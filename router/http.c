@@ -414,7 +414,9 @@ static void send_chunk(kvf_router_http *h, rq *r, const kvf_router_oai_choice *c
 {
     kvf_sbuf b;
     kvf_sbuf_init(&b);
-    kvf_router_oai_chunk_sse(r->oai.kind, r->id, h->served, r->created, c, n, u,
+    char id[96];
+    snprintf(id, sizeof id, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r->id);
+    kvf_router_oai_chunk_sse(r->oai.kind, id, h->served, r->created, c, n, u,
                              r->oai.include_usage, &b);
     struct evbuffer *eb = evbuffer_new();
     evbuffer_add(eb, b.data, b.len);

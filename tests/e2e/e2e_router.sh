@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# e2e_router.sh: the router end to end with real processes on 127.0.0.1 (ephemeral ports):
+# fixture greedy ids through the router in colocated and disaggregated mode and from
+# `kvfleet generate`; 64 concurrent streams; a client that disconnects mid-stream (the decode
+# pool returns to idle); a decode worker dead before the first token (retried elsewhere);
+# `kvfleet up` serving and stopping cleanly. Every process is killed on exit.
+source "$(dirname "$0")/../cli/lib.sh"
+: "${KVF_SHARED:=../shared}"
+PY=/usr/bin/python3
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+# start NAME ARGS...: runs `kvfleet ARGS` in the background, waits (30 s) for its ready line and
+# sets ADDR to the address after grpc= or http= in it, PID to its pid.
+start() {
+    local name=$1; shift
+    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    PID=$!
+    PIDS+=("$PID")
+    for _ in $(seq 300); do
+        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
+            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
+            return 0
+        fi
+        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
+        sleep 0.1
+    done
+    fail "$name not ready in 30 s"
+}
+
+# wait_ready URL: /ready answers 200 within 10 s.
+wait_ready() {
+    for _ in $(seq 100); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
+        sleep 0.1
+    done
+    fail "$1/ready never said 200"
+}
+
+metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
+
+# check_fixture URL MODEL STREAM: every case of the model's expected.json through the router.
+check_fixture() {
+    $PY - "$1" "$2" "$3" "$KVF_SHARED/fixtures/models/$2/expected.json" <<'EOF'
+import json, sys, urllib.request
+url, model, stream, path = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+exp = json.load(open(path))
+bad = 0
+for c in exp["cases"]:
+    body = {"model": model, "prompt": c["prompt"], "max_tokens": exp["n_new"], "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        if stream:
+            ids = []
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch["token_ids"]
+        else:
+            j = json.load(r)
+            ids = j["choices"][0]["token_ids"]
+            assert j["usage"]["completion_tokens"] == exp["n_new"], j["usage"]
+    if ids != c["greedy"]:
+        print(f"{model} {c['name']}: got {ids}, want {c['greedy']}")
+        bad += 1
+sys.exit(1 if bad else 0)
+EOF
+}
+
+# --- fixtures: colocated, disaggregated, and single-process generate -----------------------
+for m in tiny-gqa-f32 tiny-mha-tied-f32 tiny-mqa-bf16 small-gqa-bf16-theta5e5; do
+    M="$KVF_SHARED/fixtures/models/$m"
+    start "colo-$m" decode --model "$M"; COLO=$ADDR; P1=$PID
+    start "pre-$m" prefill --model "$M"; PRE=$ADDR; P2=$PID
+    start "dec-$m" decode --model "$M" --local-prefill-max-tokens 0; DEC=$ADDR; P3=$PID
+    start "rc-$m" router --model "$M" --port 0 --decode "$COLO"; RC=$ADDR; P4=$PID
+    start "rd-$m" router --model "$M" --port 0 --decode "$DEC" --prefill "$PRE"; RD=$ADDR; P5=$PID
+    wait_ready "http://$RC"; wait_ready "http://$RD"
+    check_fixture "http://$RC" "$m" 0 || fail "$m colocated"
+    pass "$m: greedy ids through the router, colocated"
+    check_fixture "http://$RD" "$m" 1 || fail "$m disaggregated (streaming)"
+    pass "$m: greedy ids through the router, disaggregated, streamed"
+    # the first case with kvfleet generate
+    read -r ids greedy < <($PY -c "import json,sys; c=json.load(open(sys.argv[1]))['cases'][0]; print(','.join(map(str,c['prompt'])), ','.join(map(str,c['greedy'])))" "$M/expected.json")
+    out=$("$KVF_BIN" generate --model "$M" --prompt-ids "$ids" --max-tokens 24 --ignore-eos --json 2>/dev/null)
+    got=$(json_get "$out" "','.join(map(str, j['output_ids']))")
+    expect_eq "$m: kvfleet generate" "$got" "$greedy"
+    if [ "$m" = tiny-gqa-f32 ]; then
+        # 64 concurrent streams with mixed lengths through the disaggregated router
+        $PY - "http://$RD" "$m" "$M/expected.json" <<'EOF' || fail "64 concurrent streams"
+import json, sys, threading, urllib.request
+url, model, path = sys.argv[1], sys.argv[2], sys.argv[3]
+cases = json.load(open(path))["cases"]
+ok = [False] * 64
+def one(i):
+    c = cases[i % len(cases)]
+    n = 1 + (i * 7) % 24
+    body = {"model": model, "prompt": c["prompt"], "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    ids, done = [], False
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch["token_ids"]
+    ok[i] = done and ids == c["greedy"][:n]
+ts = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(sum(ok), "of 64 correct")
+sys.exit(0 if all(ok) else 1)
+EOF
+        pass "64 concurrent streaming requests, mixed lengths, all correct"
+        # a client that disconnects after the first event: the decode pool returns to idle
+        dadmin=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/dec-$m.out")
+        $PY - "$RD" "$m" <<'EOF'
+import json, socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+body = json.dumps({"model": sys.argv[2], "prompt": [1], "max_tokens": 250, "ignore_eos": True,
+                   "stream": True}).encode()
+s = socket.create_connection((host, int(port)))
+s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+buf = b""
+while b"data: " not in buf:
+    buf += s.recv(4096)
+s.close()
+EOF
+        for _ in $(seq 100); do
+            [ "$(metric "$dadmin" 'kvfleet_kv_used_blocks{role="decode"}')" = 0 ] && [ "$(metric "$RD" kvfleet_router_requests_in_flight)" = 0 ] && break
+            sleep 0.1
+        done
+        expect_eq "disconnect: decode pool back to idle" "$(metric "$dadmin" 'kvfleet_kv_used_blocks{role="decode"}')" 0
+        expect_eq "disconnect: router saw the client go" "$(metric "$RD" kvfleet_router_client_disconnects_total)" 1
+        c=$(metric "$dadmin" 'kvfleet_decode_cancelled_total{role="decode"}')
+        [ "${c%.*}" -ge 1 ] || fail "disconnect: the decode worker saw no cancel ($c)"
+        pass "disconnect: the Generate call was cancelled on the decode worker"
+    fi
+    kill "$P1" "$P2" "$P3" "$P4" "$P5"
+    wait "$P1" "$P2" "$P3" "$P4" "$P5" 2>/dev/null || true
+done
+
+# --- a decode worker dead before the first token: the router retries on the other ------------
+M="$KVF_SHARED/fixtures/models/tiny-gqa-f32"
+start d-a decode --model "$M"; DA=$ADDR; PA=$PID
+start d-b decode --model "$M"; DB=$ADDR
+start r-retry router --model "$M" --port 0 --decode "$DA,$DB" --health-interval-ms 60000
+RR=$ADDR
+wait_ready "http://$RR"
+for _ in $(seq 50); do [ "$(metric "$RR" 'kvfleet_router_healthy_workers{role="decode"}')" = 2 ] && break; sleep 0.1; done
+kill -9 "$PA"; wait "$PA" 2>/dev/null || true
+check_fixture "http://$RR" tiny-gqa-f32 0 || fail "requests after a decode worker died"
+r=$(metric "$RR" kvfleet_router_retries_total)
+[ "${r%.*}" -ge 1 ] || fail "no retry counted ($r)"
+pass "decode worker killed: requests retried on the other ($r retries), all correct"
+
+# --- kvfleet up ----------------------------------------------------------------------------
+"$KVF_BIN" up --model "$M" --prefill 1 --decode 1 --port 0 >"$TMP/up.out" 2>"$TMP/up.err" &
+UP=$!
+PIDS+=("$UP")
+for _ in $(seq 300); do grep -q "serving" "$TMP/up.out" && break; sleep 0.1; done
+URL=$(sed -n 's/.*at \(http:[^ ]*\).*/\1/p' "$TMP/up.out" | head -1)
+[ -n "$URL" ] || { cat "$TMP/up.out" "$TMP/up.err" >&2; fail "kvfleet up never served"; }
+wait_ready "$URL"
+check_fixture "$URL" tiny-gqa-f32 0 || fail "kvfleet up: fixture"
+pass "kvfleet up: serves the fixture's greedy ids"
+kill -INT "$UP"
+for _ in $(seq 100); do kill -0 "$UP" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$UP" 2>/dev/null && fail "kvfleet up still running 10 s after Ctrl-C"
+wait "$UP" && rc=0 || rc=$?
+expect_eq "kvfleet up: exit status after Ctrl-C" "$rc" 0
+expect_eq "kvfleet up: no child left" "$(pgrep -P "$UP" | wc -l)" 0
+finish
