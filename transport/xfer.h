@@ -50,9 +50,10 @@ typedef struct kvf_xfer_pool {
     int64_t n_blocks;
 } kvf_xfer_pool;
 
-/* Transport choice. Programs expose these as flags/env through their cfg tables, by
- * convention --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport / KVFLEET_XFER_TRANSPORT and
- * --xfer-net-devices / KVFLEET_XFER_NET_DEVICES. Zeroed fields take the defaults. */
+/* Transport choice. Programs expose it as flags and environment through their cfg tables with
+ * KVF_XFER_CFG_OPTS below: --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport /
+ * KVFLEET_XFER_TRANSPORT, --xfer-net-devices / KVFLEET_XFER_NET_DEVICES, --xfer-data-path /
+ * KVFLEET_XFER_DATA_PATH. Zeroed fields take the defaults. */
 typedef struct kvf_xfer_cfg {
     const char *backend;     /* "ucx" (default) or "local" */
     const char *transport;   /* ucx: "auto" (default: UCX decides, UCX_TLS is honoured), "tcp"
@@ -64,6 +65,19 @@ typedef struct kvf_xfer_cfg {
     bool accept_unexpected;  /* receiver: deliver notices for ids nobody expected as events
                               * (benchmarks); by default they are logged and dropped */
 } kvf_xfer_cfg;
+
+/* The cfg-table lines (include common/cfg.h) for a kvf_xfer_cfg named `member` inside a
+ * program's cfg struct `type`:
+ *   static const kvf_cfg_opt decode_opts[] = { ..., KVF_XFER_CFG_OPTS(decode_cfg, xfer), {NULL} }; */
+#define KVF_XFER_CFG_OPTS(type, member)                                                          \
+    {"xfer-backend", "ucx", "KV transfer backend: ucx, or local (one process, tests)",            \
+     offsetof(type, member.backend), KVF_CFG_STR},                                                \
+    {"xfer-transport", "auto", "UCX transport: auto, tcp (between hosts/namespaces), sm "        \
+     "(shared memory)", offsetof(type, member.transport), KVF_CFG_STR},                          \
+    {"xfer-net-devices", NULL, "UCX network devices for tcp (UCX_NET_DEVICES), e.g. eth0",       \
+     offsetof(type, member.net_devices), KVF_CFG_STR},                                            \
+    {"xfer-data-path", "auto", "UCX data path: auto (am over tcp, put otherwise), put, am",      \
+     offsetof(type, member.data_path), KVF_CFG_STR}
 
 typedef struct kvf_xfer_pair {
     int32_t src; /* block in the sender's pool */

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 #include <poll.h>
 
+#include "common/cfg.h"
 #include "common/hash.h"
 #include "common/log.h"
 #include "common/time.h"
@@ -218,6 +219,37 @@ static void test_layout_mismatch_refused_at_connect(void **state)
     side_close(&c);
     side_close(&d);
     side_close(&u);
+}
+
+/* The cfg-table lines a role embeds: flags and KVFLEET_XFER_* variables reach kvf_xfer_cfg. */
+typedef struct role_cfg {
+    int32_t other;
+    kvf_xfer_cfg xfer;
+} role_cfg;
+
+static const kvf_cfg_opt role_opts[] = {
+    {"other", "1", "something else", offsetof(role_cfg, other), KVF_CFG_INT},
+    KVF_XFER_CFG_OPTS(role_cfg, xfer),
+    {NULL},
+};
+
+static void test_cfg_table_lines(void **state)
+{
+    kvf_cfg_spec spec = {.prog = "role", .opts = role_opts};
+    role_cfg c = {0};
+    kvf_err err = {0};
+    setenv("KVFLEET_XFER_TRANSPORT", "sm", 1);
+    char *argv[] = {"role", "--xfer-net-devices=lo", NULL};
+    assert_int_equal(kvf_cfg_parse(&spec, &c, 2, argv, NULL, &err), KVF_OK);
+    unsetenv("KVFLEET_XFER_TRANSPORT");
+    assert_string_equal(c.xfer.backend, "ucx");
+    assert_string_equal(c.xfer.transport, "sm");
+    assert_string_equal(c.xfer.net_devices, "lo");
+    assert_string_equal(c.xfer.data_path, "auto");
+    char *argv2[] = {"role", "--xfer-transport", "tcp", "--xfer-backend=local", NULL};
+    assert_int_equal(kvf_cfg_parse(&spec, &c, 4, argv2, NULL, &err), KVF_OK);
+    assert_string_equal(c.xfer.transport, "tcp");
+    assert_string_equal(c.xfer.backend, "local");
 }
 
 static void test_bad_cfg_refused(void **state)
@@ -619,6 +651,7 @@ int main(void)
         cmocka_unit_test(test_desc_corruptions_refused),
         cmocka_unit_test(test_layout_mismatch_refused_at_connect),
         cmocka_unit_test(test_bad_cfg_refused),
+        cmocka_unit_test(test_cfg_table_lines),
         cmocka_unit_test(test_pairs_checked),
         cmocka_unit_test(test_random_lists_local),
         cmocka_unit_test(test_expect_timeout_cancel_and_late_notice),
