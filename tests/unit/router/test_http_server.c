@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "common/time.h"
+#include "model/tokenizer.h"
 #include "proto/worker.h"
 #include "router/http.h"
 #include "testutil.h"
@@ -293,11 +294,12 @@ typedef struct fixture {
     router r;
 } fixture;
 
-static void router_start(fixture *x, const char *decode, int max_inflight)
+static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
     kvf_router_http_cfg c = {0};
     c.host = "127.0.0.1";
-    c.model = kvf_test_shared_path("fixtures/models/tiny-gqa-f32");
+    c.model = model;
+    c.served_name = "tiny-gqa-f32";
     c.policy = "round-robin";
     c.max_inflight = max_inflight;
     c.fleet.decode = decode;
@@ -309,6 +311,11 @@ static void router_start(fixture *x, const char *decode, int max_inflight)
         fail_msg("%s", e.msg);
     x->r.port = kvf_router_http_port(x->r.h);
     assert_int_equal(pthread_create(&x->r.th, NULL, router_main, &x->r), 0);
+}
+
+static void router_start(fixture *x, const char *decode, int max_inflight)
+{
+    router_start_model(x, kvf_test_shared_path("fixtures/models/tiny-gqa-f32"), decode, max_inflight);
 }
 
 static void router_stop(fixture *x)
@@ -652,6 +659,157 @@ static void test_saturated_429(void **state)
     fake_stop(&x.f[0]);
 }
 
+/* Concatenates the "text" (or delta content) of every SSE event; the last finish_reason. */
+static void sse_text(const char *body, kvf_sbuf *out, char *finish, size_t cap, bool *role_first)
+{
+    finish[0] = 0;
+    bool first = true;
+    for (const char *p = body; (p = strstr(p, "data: ")); ) {
+        p += 6;
+        if (strncmp(p, "[DONE]", 6) == 0)
+            break;
+        json_t *j = json_loads(p, JSON_DISABLE_EOF_CHECK | JSON_ALLOW_NUL, NULL);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+        json_t *d = json_object_get(c, "delta");
+        if (first && role_first)
+            *role_first = d && json_is_string(json_object_get(d, "role"));
+        first = false;
+        json_t *tv = json_object_get(d ? d : c, d ? "content" : "text");
+        if (json_is_string(tv))
+            kvf_sbuf_append(out, json_string_value(tv), json_string_length(tv));
+        if (json_is_string(json_object_get(c, "finish_reason")))
+            snprintf(finish, cap, "%s", json_string_value(json_object_get(c, "finish_reason")));
+        json_decref(j);
+    }
+}
+
+/* A model with a tokenizer (gen-model): text prompts, detokenized answers, stop strings in
+ * plain and streamed answers, chat. */
+static void test_text_stop_and_chat(void **state)
+{
+    (void)state;
+    const char *bin = getenv("KVF_BIN");
+    if (!bin || !*bin) {
+        fprintf(stderr, "skip: KVF_BIN is not set (run under ctest)\n");
+        return;
+    }
+    char dir[] = "/tmp/kvf_http_test_XXXXXX", cmd[4096];
+    assert_non_null(mkdtemp(dir));
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny --out '%s/m' >/dev/null 2>&1", bin, dir);
+    assert_int_equal(system(cmd), 0);
+    char mdir[64];
+    snprintf(mdir, sizeof mdir, "%s/m", dir);
+    kvf_model_tokenizer *tok = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_model_tokenizer_load(mdir, &tok, &e), KVF_OK);
+    int32_t *pids = NULL;
+    size_t np = 0;
+    assert_int_equal(kvf_model_tokenizer_encode(tok, "hello world", 11, true, &pids, &np, &e), KVF_OK);
+    int32_t want_ids[20];
+    for (int k = 0; k < 20; k++)
+        want_ids[k] = fake_token(pids[np - 1], k, 0);
+    char *want = NULL;
+    size_t want_len = 0;
+    assert_int_equal(kvf_model_tokenizer_decode(tok, want_ids, 20, true, &want, &want_len, &e), KVF_OK);
+    assert_true(want_len >= 8);
+
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_OK);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    router_start_model(&x, mdir, d, 256);
+    wait_ready(&x, 200);
+
+    /* plain: the text is the detokenized ids */
+    resp r;
+    http(x.r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":\"hello world\",\"max_tokens\":20}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *tx = json_object_get(c, "text");
+    assert_int_equal(json_string_length(tx), want_len);
+    assert_memory_equal(json_string_value(tx), want, want_len);
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "usage"), "prompt_tokens")), (json_int_t)np);
+    json_decref(j);
+    free(r.body);
+
+    /* a stop string from the middle of the text: cut before its first occurrence */
+    /* printable ASCII from the middle on, so the stop string is plain text */
+    char stop[8];
+    size_t k0 = want_len / 2, sl = 0;
+    while (k0 < want_len && !(want[k0] > 0x20 && want[k0] < 0x7f))
+        k0++;
+    while (k0 + sl < want_len && sl < 3 && want[k0 + sl] > 0x20 && want[k0 + sl] < 0x7f)
+        sl++;
+    assert_true(sl > 0);
+    snprintf(stop, sizeof stop, "%.*s", (int)sl, want + k0);
+    size_t cut = 0;
+    while (memcmp(want + cut, stop, sl) != 0)
+        cut++;
+    json_t *req = json_pack("{s:s,s:s,s:i,s:s}", "model", "tiny-gqa-f32", "prompt", "hello world",
+                            "max_tokens", 20, "stop", stop);
+    char *body = json_dumps(req, 0);
+    http(x.r.port, "POST", "/v1/completions", body, NULL, &r);
+    assert_int_equal(r.status, 200);
+    j = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    c = json_array_get(json_object_get(j, "choices"), 0);
+    const char *got = json_string_value(json_object_get(c, "text"));
+    if (json_string_length(json_object_get(c, "text")) != cut || memcmp(got, want, cut) != 0)
+        fail_msg("stop '%s': got '%s', want the first %zu bytes of '%s'", stop, got, cut, want);
+    assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "stop");
+    json_decref(j);
+    free(r.body);
+    free(body);
+    json_object_set_new(req, "stream", json_true());
+    body = json_dumps(req, 0);
+    http(x.r.port, "POST", "/v1/completions", body, NULL, &r);
+    assert_int_equal(r.status, 200);
+    kvf_sbuf t;
+    kvf_sbuf_init(&t);
+    char fin[32];
+    sse_text(r.body, &t, fin, sizeof fin, NULL);
+    if (t.len != cut || (cut && memcmp(t.data, want, cut) != 0))
+        fail_msg("streamed stop '%s': got '%s', want the first %zu bytes of '%s'", stop, t.data ? t.data : "", cut, want);
+    assert_string_equal(fin, "stop");
+    kvf_sbuf_fini(&t);
+    free(r.body);
+    free(body);
+    json_decref(req);
+
+    /* chat, plain and streamed */
+    const char *chat = "{\"model\":\"tiny-gqa-f32\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":5%s}";
+    snprintf(cmd, sizeof cmd, chat, "");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    j = json_loads(r.body, JSON_ALLOW_NUL, NULL);
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "chat.completion");
+    c = json_array_get(json_object_get(j, "choices"), 0);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(c, "message"), "role")), "assistant");
+    assert_int_equal(json_array_size(json_object_get(c, "token_ids")), 5);
+    json_decref(j);
+    free(r.body);
+    snprintf(cmd, sizeof cmd, chat, ",\"stream\":true");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    kvf_sbuf_init(&t);
+    bool role = false;
+    sse_text(r.body, &t, fin, sizeof fin, &role);
+    assert_true(role);
+    assert_string_equal(fin, "length");
+    kvf_sbuf_fini(&t);
+    free(r.body);
+
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+    free(want);
+    free(pids);
+    kvf_model_tokenizer_destroy(tok);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -662,6 +820,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_retry_before_first_token, setup_two, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
         cmocka_unit_test(test_saturated_429),
+        cmocka_unit_test(test_text_stop_and_chat),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
