@@ -593,14 +593,12 @@ static bool attr_path(rstate *R, const jnode *n, jv obj, jv path, jv *out)
             jv_release(cur);
             return false;
         }
+        /* an undefined step stays undefined; getitem returns a new reference */
         bool ok = cur.t == JV_UNDEF ? (next = cur, true) : getitem(R, n, cur, key, NULL, &next);
         jv_release(key);
-        if (!ok) {
-            jv_release(cur);
+        jv_release(cur);
+        if (!ok)
             return false;
-        }
-        if (next.u.s != cur.u.s || next.t != cur.t)
-            jv_release(cur);
         cur = next;
         s = dot + 1;
     }

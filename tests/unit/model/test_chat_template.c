@@ -235,6 +235,10 @@ static const jcase cases_filters[] = {
     {"{{ [1,2,3] | select('odd') | list }}{{ [0,1,''] | select | list }}{{ [1,2,3] | reject('even') | list }}{{ ['a','b'] | map('upper') | list }}{{ d | dictsort }}{{ ['b', 'A', 'c'] | sort }}{{ [1, 5, 3] | max }}{{ [4, 2] | min }}{% filter upper %}abc {{ 'd' }}{% endfilter %}",
      "{\"d\": {\"b\": 1, \"a\": 2}}",
      "[1, 3][1][1, 3]['A', 'B'][('a', 2), ('b', 1)]['A', 'b', 'c']52ABC D"},
+    {"{{ calls | map(attribute='function.name') | join(',') }}|{{ calls | selectattr('function.args.0') | list | length }}|"
+     "{{ calls | map(attribute='nope', default='D') | list }}|{{ calls | sort(attribute='function.name') | map(attribute='function.name') | join }}",
+     "{\"calls\": [{\"function\": {\"name\": \"b\", \"args\": [1]}}, {\"function\": {\"name\": \"a\", \"args\": []}}]}",
+     "b,a|1|['D', 'D']|ab"},
     {NULL, NULL, NULL},
 };
 
