@@ -4,7 +4,8 @@
  * completion notice; the receiver killed mid-transfer (the sender's event is an error, within
  * the deadline, naming the transfer, and its source blocks go back to its kv/pool.h pool); the
  * sender killed mid-transfer (the receiver's expectation times out, naming the transfer, and
- * the adopted destination blocks go back to the pool). Every wait is bounded; children are
+ * the adopted destination blocks go back to the pool); the receiver stopped (SIGSTOP) mid-
+ * transfer (the sender's write still ends by its deadline). Every wait is bounded; children are
  * killed. */
 #include <setjmp.h>
 #include <signal.h>
@@ -368,6 +369,54 @@ static void test_receiver_killed_sm(void **state)
     receiver_killed("sm");
 }
 
+/* The receiver stops (SIGSTOP: alive but silent, like a cut link) mid-transfer: the sender's
+ * write still ends by its deadline, with an error naming it, and never hangs. */
+static void receiver_stalled(const char *transport)
+{
+    enum { LAYERS = 32, BLOCKS = 256 };
+    int fd = spawn_peer("recv", transport, LAYERS, BLOCKS);
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = i};
+    send_pairs(fd, MSG_EXPECT, 21, 60000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kill(child, SIGSTOP), 0);
+    kvf_err err = {0};
+    kvf_log_set_level(KVF_LOG_ERROR);
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 2 * SEC;
+    assert_int_equal(kvf_xfer_write(x, p, 21, pairs, BLOCKS, deadline, &err), KVF_OK);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 3 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_SENT);
+    assert_int_equal(ev.id, 21);
+    if (ev.status != KVF_ERR_TIMEOUT && ev.status != KVF_ERR_PEER_LOST)
+        fail_msg("transfer 21 ended with %s", kvf_status_str(ev.status));
+    assert_true(el <= 2 * SEC + 500 * MS);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.in_flight, 0);
+    kvf_log_set_level(KVF_LOG_INFO);
+    reap_peer(); /* SIGKILL works on a stopped process */
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free(mem);
+}
+
+static void test_receiver_stalled_tcp(void **state)
+{
+    receiver_stalled("tcp");
+}
+
+static void test_receiver_stalled_sm(void **state)
+{
+    receiver_stalled("sm");
+}
+
 /* The sender dies right after posting its puts: our expectation times out at its deadline and
  * names the transfer, so the caller can return its destination blocks; then a fresh sender
  * writes into the same blocks and every byte is right. */
@@ -462,6 +511,8 @@ int main(void)
         cmocka_unit_test_teardown(test_random_lists_sm, teardown),
         cmocka_unit_test_teardown(test_receiver_killed_tcp, teardown),
         cmocka_unit_test_teardown(test_receiver_killed_sm, teardown),
+        cmocka_unit_test_teardown(test_receiver_stalled_tcp, teardown),
+        cmocka_unit_test_teardown(test_receiver_stalled_sm, teardown),
         cmocka_unit_test_teardown(test_sender_killed_tcp, teardown),
         cmocka_unit_test_teardown(test_sender_killed_sm, teardown),
     };
