@@ -632,6 +632,29 @@ static void test_disconnect_cancels(void **state)
     atomic_store(&x->f[0].mode, FAKE_OK);
 }
 
+/* The same for a non-streaming request: the client leaves before any byte of the answer. */
+static void test_disconnect_plain_cancels(void **state)
+{
+    fixture *x = *state;
+    atomic_store(&x->f[0].mode, FAKE_SLOW);
+    int fd = send_req(x->r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":200}", NULL);
+    assert_true(fd >= 0);
+    int64_t end = kvf_now_ns() + 5000000000LL;
+    while (atomic_load(&x->f[0].n_generate) == 0 && kvf_now_ns() < end)
+        kvf_sleep_ms(5);
+    kvf_sleep_ms(50);
+    close(fd);
+    while (atomic_load(&x->f[0].n_cancelled) == 0 && kvf_now_ns() < end)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&x->f[0].n_cancelled), 1);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+    resp r; /* the router still serves */
+    http(x->r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":2}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+}
+
 /* max_inflight 1 and one slow request in flight: the next gets 429 with Retry-After. */
 static void test_saturated_429(void **state)
 {
@@ -819,6 +842,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_concurrent_64, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_retry_before_first_token, setup_two, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_disconnect_plain_cancels, setup_one, teardown),
         cmocka_unit_test(test_saturated_429),
         cmocka_unit_test(test_text_stop_and_chat),
     };
