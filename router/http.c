@@ -653,7 +653,6 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
         finish_err(h, r, &e, 1);
         return false;
     }
-    int32_t prefill_keep = r->prefill;
     if (r->prefill >= 0 && r->prefill_tokens) {
         h->prefill_queued[r->prefill] -= r->prefill_tokens;
         r->prefill_tokens = 0;
@@ -668,7 +667,6 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
         if (r->worker != failed || n_in_pool(h, 0) <= 1)
             break;
     }
-    (void)prefill_keep;
     kvf_metric_add(h->m_retries, 1);
     kvf_err err = {0};
     if (open_stream(h, r, &err) != KVF_OK) {

@@ -294,9 +294,13 @@ typedef struct fixture {
     router r;
 } fixture;
 
+static const char *g_decode_dns; /* set by the DNS test */
+
 static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
     kvf_router_http_cfg c = {0};
+    c.fleet.decode_dns = g_decode_dns;
+    c.fleet.resolve_interval_ms = 200;
     c.host = "127.0.0.1";
     c.model = model;
     c.served_name = "tiny-gqa-f32";
@@ -655,6 +659,28 @@ static void test_disconnect_plain_cancels(void **state)
     free(r.body);
 }
 
+/* Workers found by a DNS name (as a Kubernetes headless service gives them). */
+static void test_dns_membership(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_OK);
+    x.n_fakes = 1;
+    char name[64];
+    snprintf(name, sizeof name, "localhost:%d", x.f[0].port);
+    g_decode_dns = name;
+    router_start(&x, NULL, 256);
+    g_decode_dns = NULL;
+    wait_ready(&x, 200);
+    resp r;
+    http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[4],\"max_tokens\":3}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    assert_int_equal(atomic_load(&x.f[0].n_generate), 1);
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+}
+
 /* max_inflight 1 and one slow request in flight: the next gets 429 with Retry-After. */
 static void test_saturated_429(void **state)
 {
@@ -844,6 +870,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_plain_cancels, setup_one, teardown),
         cmocka_unit_test(test_saturated_429),
+        cmocka_unit_test(test_dns_membership),
         cmocka_unit_test(test_text_stop_and_chat),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
