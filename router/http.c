@@ -347,6 +347,21 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
     g.n_token_ids = r->n_prompt;
     g.token_ids = r->prompt;
     sp.max_tokens = r->max_tokens;
+    /* A resubmission after tokens were streamed (one sequence): prompt + those tokens, and the
+     * rest of the budget, so the client's stream goes on where it stopped. */
+    int32_t *joined = NULL;
+    size_t prior = r->seqs && r->oai.n == 1 ? r->seqs[0].n_ids : 0;
+    if (prior) {
+        joined = malloc((r->n_prompt + prior) * sizeof *joined);
+        if (!joined)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
+        memcpy(joined, r->prompt, r->n_prompt * sizeof *joined);
+        memcpy(joined + r->n_prompt, r->seqs[0].ids, prior * sizeof *joined);
+        g.token_ids = joined;
+        g.n_token_ids = r->n_prompt + prior;
+        g.n_prior_output_tokens = (int32_t)prior;
+        sp.max_tokens = r->max_tokens - (int32_t)prior;
+    }
     sp.temperature = (float)r->oai.temperature;
     sp.top_p = (float)r->oai.top_p;
     sp.top_k = r->oai.top_k;
@@ -367,6 +382,7 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
         g.deadline_unix_ms = kvf_wall_ms() + h->cfg.request_timeout_ms;
     kvf_rpc_buf b = {0};
     kvf_status st = kvf_rpc_msg_encode(&g, &b, err);
+    free(joined);
     if (st != KVF_OK)
         return st;
     int64_t to = h->cfg.request_timeout_ms > 0 ? h->cfg.request_timeout_ms : KVF_RPC_NO_DEADLINE;
@@ -627,12 +643,12 @@ static bool retryable(kvf_status st)
            st == KVF_ERR_CANCELLED || st == KVF_ERR_INTERNAL;
 }
 
-/* The decode worker failed before the first token: try another one. Returns false when the
- * request was answered (and freed) instead. */
+/* The decode worker failed before the first token, or mid-stream with one sequence: go on with
+ * another one. Returns false when the request was answered (and freed) instead. */
 static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
 {
-    kvf_log(KVF_LOG_WARN, "router: req %s: decode %s failed before the first token (%s: %s)", r->id,
-            h->workers[0][r->worker].address, kvf_status_name(why), msg);
+    kvf_log(KVF_LOG_WARN, "router: req %s: decode %s failed after %zu tokens (%s: %s)", r->id,
+            h->workers[0][r->worker].address, r->seqs[0].n_ids, kvf_status_name(why), msg);
     kvf_rpc_stream_destroy(r->stream);
     r->stream = NULL;
     h->inflight[r->worker]--;
@@ -648,7 +664,7 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
     int ra = 0;
     if (r->attempts >= h->cfg.max_attempts) {
         kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
-                                 "decode workers failed %d times before the first token; last: %s",
+                                 "decode workers failed %d times; last: %s",
                                  r->attempts, msg);
         finish_err(h, r, &e, 1);
         return false;
@@ -714,7 +730,8 @@ static void pump(kvf_router_http *h, rq *r)
             finish_ok(h, r);
             return;
         }
-        if (!r->got_token && retryable(st)) {
+        bool resumable = !r->got_token || (r->oai.n == 1 && !r->seqs[0].done);
+        if (resumable && retryable(st)) {
             if (!retry(h, r, st, err.msg))
                 return;
             continue;
@@ -1003,7 +1020,7 @@ static kvf_status add_metrics(kvf_router_http *h, kvf_err *err)
     C(m_2xx, "kvfleet_router_responses_total", "code=\"2xx\"", "answers by status class")
     C(m_4xx, "kvfleet_router_responses_total", "code=\"4xx\"", "answers by status class")
     C(m_5xx, "kvfleet_router_responses_total", "code=\"5xx\"", "answers by status class")
-    C(m_retries, "kvfleet_router_retries_total", NULL, "requests moved to another decode worker before the first token")
+    C(m_retries, "kvfleet_router_retries_total", NULL, "requests moved to another decode worker (before the first token, or mid-stream with n = 1)")
     C(m_disconnects, "kvfleet_router_client_disconnects_total", NULL, "requests cancelled because the client went away")
     C(m_gen_tokens, "kvfleet_router_generated_tokens_total", NULL, "tokens streamed from decode workers")
     C(m_prompt_tokens, "kvfleet_router_prompt_tokens_total", NULL, "prompt tokens routed")

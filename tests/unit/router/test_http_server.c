@@ -29,13 +29,14 @@
 /* ---------------------------------------------------------------------------------------- */
 /* A fake decode worker                                                                      */
 
-enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW };
+enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW, FAKE_MID /* 3 tokens, then lost */ };
 
 typedef struct fake {
     kvf_rpc_server *srv;
     int port;
     atomic_int mode;
     atomic_int n_generate, n_cancelled;
+    atomic_int last_prior, last_n_tokens; /* of the last GenerateRequest */
     char last_id[128];
     pthread_mutex_t mu;
 } fake;
@@ -113,6 +114,8 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, siz
         kvf_rpc_call_finish(call, KVF_ERR_PEER_LOST, "fake: lost before the first token");
         return;
     }
+    atomic_store(&f->last_prior, g->n_prior_output_tokens);
+    atomic_store(&f->last_n_tokens, (int)g->n_token_ids);
     int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling->max_tokens;
     int32_t n = g->sampling->n ? g->sampling->n : 1;
     int32_t np = (int32_t)g->n_token_ids;
@@ -123,6 +126,10 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, siz
             send_tokens(call, i, &t, 1,
                         k + 1 == max ? KVFLEET__V1__FINISH_REASON__FINISH_LENGTH : KVFLEET__V1__FINISH_REASON__FINISH_NONE,
                         np, k + 1);
+        }
+        if (mode == FAKE_MID && k == 2) {
+            kvf_rpc_call_finish(call, KVF_ERR_PEER_LOST, "fake: lost mid-stream");
+            return;
         }
         if (mode == FAKE_SLOW) {
             kvf_sleep_ms(5);
@@ -608,6 +615,56 @@ static void test_retry_before_first_token(void **state)
     atomic_store(&x->f[0].mode, FAKE_OK);
 }
 
+/* The first worker dies after 3 tokens: the request goes on on the other, resubmitted as prompt
+ * + the 3 tokens with the rest of the budget, and the client sees one whole answer. */
+static void test_resume_mid_stream(void **state)
+{
+    fixture *x = *state;
+    atomic_store(&x->f[0].mode, FAKE_MID);
+    bool resumed = false;
+    for (int i = 0; i < 4 && !resumed; i++) {
+        int before = atomic_load(&x->f[0].n_generate);
+        resp r;
+        http(x->r.port, "POST", "/v1/completions",
+             "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2,40],\"max_tokens\":10,\"stream\":true}", NULL, &r);
+        assert_int_equal(r.status, 200);
+        if (atomic_load(&x->f[0].n_generate) == before) {
+            free(r.body);
+            continue; /* round-robin sent it to the healthy one */
+        }
+        resumed = true;
+        assert_int_equal(atomic_load(&x->f[1].last_prior), 3);
+        assert_int_equal(atomic_load(&x->f[1].last_n_tokens), 6);
+        int32_t want[10], got = 0;
+        for (int k = 0; k < 3; k++)
+            want[k] = fake_token(40, k, 0);
+        for (int k = 3; k < 10; k++)
+            want[k] = fake_token(want[2], k - 3, 0);
+        bool done = false;
+        for (const char *p = r.body; (p = strstr(p, "data: ")); ) {
+            p += 6;
+            if (strncmp(p, "[DONE]", 6) == 0) {
+                done = true;
+                break;
+            }
+            json_t *j = json_loads(p, JSON_DISABLE_EOF_CHECK, NULL);
+            size_t k;
+            json_t *id;
+            json_array_foreach(json_object_get(json_array_get(json_object_get(j, "choices"), 0), "token_ids"), k, id) {
+                assert_true(got < 10);
+                assert_int_equal(json_integer_value(id), want[got]);
+                got++;
+            }
+            json_decref(j);
+        }
+        assert_true(done);
+        assert_int_equal(got, 10);
+        free(r.body);
+    }
+    assert_true(resumed);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+}
+
 /* A client that goes away mid-stream: the Generate call is cancelled on the worker. */
 static void test_disconnect_cancels(void **state)
 {
@@ -867,6 +924,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_streaming, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_concurrent_64, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_retry_before_first_token, setup_two, teardown),
+        cmocka_unit_test_setup_teardown(test_resume_mid_stream, setup_two, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_plain_cancels, setup_one, teardown),
         cmocka_unit_test(test_saturated_429),
