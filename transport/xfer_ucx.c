@@ -803,7 +803,9 @@ static void ucx_progress(kvf_xfer *x)
         }
         if (s->status == KVF_OK && p && (p->failed || p->closed))
             send_fail(s, KVF_ERR_PEER_LOST);
-        if (s->status == KVF_OK && !s->acked && now >= s->deadline_ns) {
+        /* Past the deadline: a write still waiting, or one that failed (cancelled, peer lost)
+         * but whose operations UCX still holds, ends now. */
+        if (!s->acked && now >= s->deadline_ns && (s->status == KVF_OK || s->pending > 0)) {
             send_fail(s, KVF_ERR_TIMEOUT);
             kvf_log(KVF_LOG_WARN, "xfer: write %llu: deadline passed (%d UCX operations pending)",
                     (unsigned long long)s->id, s->pending);

@@ -597,6 +597,54 @@ static void late_write(const char *transport)
     side_close(&b);
 }
 
+/* A sender that cancels before its notice went out: its event says CANCELLED, the receiver never
+ * hears of the transfer (its expectation times out), and a cancel of nothing is NOT_FOUND. */
+static void sender_cancel(const char *transport)
+{
+    side a, b;
+    side_open(&a, "ucx", transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    side_open(&b, "ucx", transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    kvf_xfer_peer *p = connect_to(&a, &b);
+    kvf_err err = {0};
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_expect(b.x, 9, kvf_now_ns() + SEC / 2, &err), KVF_OK);
+    kvf_xfer_pair pr[] = {{0, 0}, {1, 1}, {2, 2}};
+    assert_int_equal(kvf_xfer_write(a.x, p, 9, pr, 3, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_cancel(a.x, 9, &err), KVF_OK);
+    bool sent = false, recv = false;
+    kvf_xfer_event ev;
+    int64_t until = kvf_now_ns() + 10 * SEC;
+    while (!(sent && recv) && kvf_now_ns() < until) {
+        kvf_xfer_progress(a.x);
+        kvf_xfer_progress(b.x);
+        if (kvf_xfer_poll(a.x, &ev)) {
+            assert_int_equal(ev.id, 9);
+            assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+            sent = true;
+        }
+        if (kvf_xfer_poll(b.x, &ev)) {
+            assert_int_equal(ev.id, 9);
+            assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+            recv = true;
+        }
+    }
+    kvf_log_set_level(KVF_LOG_INFO);
+    assert_true(sent && recv);
+    assert_int_equal(kvf_xfer_cancel(a.x, 9, &err), KVF_ERR_NOT_FOUND);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(a.x, &s);
+    assert_int_equal(s.in_flight, 0);
+    assert_int_equal(s.sent_failed, 1);
+    side_close(&a);
+    side_close(&b);
+}
+
+static void test_sender_cancel(void **state)
+{
+    sender_cancel("tcp");
+    sender_cancel("sm");
+}
+
 static void test_late_write_refused(void **state)
 {
     late_write("tcp");
@@ -661,6 +709,7 @@ int main(void)
         cmocka_unit_test(test_event_fd),
         cmocka_unit_test(test_data_paths_forced),
         cmocka_unit_test(test_late_write_refused),
+        cmocka_unit_test(test_sender_cancel),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
