@@ -168,6 +168,12 @@ static kvf_status run_prefill(kvf_prefill *p, pjob *j)
     int64_t t1 = kvf_now_ns();
     j->stats.prefill_ms = (double)(t1 - t0) / 1e6;
 
+    /* past the deadline decode has given up and may have handed its blocks to another
+     * sequence: writing now would corrupt them */
+    if (st == KVF_OK && kvf_now_ns() > deadline)
+        st = kvf_err_set(err, KVF_ERR_TIMEOUT, "prefill: req %s: the deadline passed during the "
+                         "prefill (%.1f ms); nothing was written", id, j->stats.prefill_ms);
+
     /* write the blocks decode lacks, then wait for its acknowledgement */
     int32_t n_pairs = 0;
     if (st == KVF_OK && peer) {

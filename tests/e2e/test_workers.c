@@ -25,6 +25,7 @@
 #include <jansson.h>
 
 #include "common/time.h"
+#include "kv/hash.h"
 #include "proto/rpc.h"
 #include "proto/worker.h"
 #include "testutil.h"
@@ -41,6 +42,37 @@ typedef struct proc {
     int grpc_port, admin_port;
     char grpc[64];
 } proc;
+
+/* Children still running; every test's teardown kills what a failed test left behind. */
+static pid_t live[16];
+
+static void live_add(pid_t pid)
+{
+    for (int i = 0; i < 16; i++)
+        if (live[i] == 0) {
+            live[i] = pid;
+            return;
+        }
+}
+
+static void live_del(pid_t pid)
+{
+    for (int i = 0; i < 16; i++)
+        if (live[i] == pid)
+            live[i] = 0;
+}
+
+static int kill_leftovers(void **state)
+{
+    (void)state;
+    for (int i = 0; i < 16; i++)
+        if (live[i] > 0) {
+            kill(live[i], SIGKILL);
+            waitpid(live[i], NULL, 0);
+            live[i] = 0;
+        }
+    return 0;
+}
 
 /* Starts `kvfleet <role> --model DIR extra...` and waits for its ready line (30 s). */
 static void proc_start(proc *p, const char *role, const char *model, ...)
@@ -68,6 +100,7 @@ static void proc_start(proc *p, const char *role, const char *model, ...)
     posix_spawn_file_actions_addclose(&fa, pfd[0]);
     assert_int_equal(posix_spawn(&p->pid, bin, &fa, NULL, (char *const *)argv, environ), 0);
     posix_spawn_file_actions_destroy(&fa);
+    live_add(p->pid);
     close(pfd[1]);
     p->out_fd = pfd[0];
     char line[512];
@@ -98,6 +131,7 @@ static int proc_stop(proc *p)
 {
     if (p->pid <= 0)
         return 0;
+    live_del(p->pid);
     kill(p->pid, SIGTERM);
     int status = 0;
     for (int i = 0; i < 1000; i++) {
@@ -159,6 +193,17 @@ static double metric(int port, const char *name)
         }
     }
     return -1;
+}
+
+/* Polls a metric until it equals want (the gauges follow the loop's passes) or ms pass. */
+static double wait_metric(int port, const char *name, double want, int ms)
+{
+    double v = metric(port, name);
+    for (int i = 0; i < ms / 10 && v != want; i++) {
+        kvf_sleep_ms(10);
+        v = metric(port, name);
+    }
+    return v;
 }
 
 /* Generate over the stream: prompt -> out (cap), *n_out; returns the final status. */
@@ -269,7 +314,7 @@ static void test_colocated_and_disaggregated(void **state)
         assert_true(metric(coloc.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
         assert_true(metric(pre.admin_port, "kvfleet_prefill_requests_total") >= 7);
         /* idle again: nothing held by sequences */
-        assert_true(metric(dec.admin_port, "kvfleet_kv_used_blocks") == 0);
+        assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
         assert_int_equal(proc_stop(&dec), 0);
         assert_int_equal(proc_stop(&pre), 0);
         assert_int_equal(proc_stop(&coloc), 0);
@@ -306,6 +351,7 @@ static void test_prefill_killed_falls_back(void **state)
                      KVF_OK);
     double s = (double)(kvf_now_ns() - t0) / 1e9;
     pthread_join(killer, NULL);
+    live_del(pre.pid);
     waitpid(pre.pid, NULL, 0);
     pre.pid = 0;
     close(pre.out_fd);
@@ -315,7 +361,7 @@ static void test_prefill_killed_falls_back(void **state)
     assert_true(s < 20.0); /* well before the 30 s prefill timeout: the loss was noticed */
     assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") >= 1);
     assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
-    assert_true(metric(dec.admin_port, "kvfleet_kv_used_blocks") == 0);
+    assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
     /* the next request skips the dead worker and still completes */
     assert_int_equal(generate(dec.grpc, "after-kill", prompt, np, 24, pre.grpc, got, 64, &ng), KVF_OK);
     assert_int_equal(ng, 24);
@@ -385,13 +431,240 @@ static void test_cancel_mid_stream_frees_blocks(void **state)
     assert_int_equal(proc_stop(&dec), 0);
 }
 
+static void test_prefill_timeout_falls_back(void **state)
+{
+    (void)state;
+    const char *model = "tiny-mqa-bf16";
+    proc dec = {0}, pre = {0};
+    proc_start(&pre, "prefill", model, "--fault-delay-ms", "1500", NULL);
+    proc_start(&dec, "decode", model, "--local-prefill-max-tokens", "0", "--prefill-timeout-ms",
+               "300", NULL);
+    json_t *exp = load_expected(model);
+    json_t *cs = json_array_get(json_object_get(exp, "cases"), 4); /* "hundred" */
+    int32_t prompt[256], want[64], got[64];
+    size_t np, nw;
+    ids_of(json_object_get(cs, "prompt"), prompt, &np);
+    ids_of(json_object_get(cs, "greedy"), want, &nw);
+    int32_t ng = 0;
+    assert_int_equal(generate(dec.grpc, "slow-prefill", prompt, np, 24, pre.grpc, got, 64, &ng), KVF_OK);
+    assert_int_equal(ng, 24);
+    for (int32_t i = 0; i < ng; i++)
+        assert_int_equal(got[i], want[i]);
+    assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") >= 1);
+    /* the prefill worker, done sleeping, must refuse to write into blocks decode gave up */
+    double failed = -1;
+    for (int i = 0; i < 300 && failed < 1; i++) {
+        failed = metric(pre.admin_port, "kvfleet_prefill_failed_total");
+        kvf_sleep_ms(10);
+    }
+    assert_true(failed >= 1);
+    assert_true(metric(pre.admin_port, "kvfleet_prefill_kv_bytes_sent_total") == 0);
+    /* still correct afterwards: the same prompt again, now served from decode's cache + local */
+    assert_int_equal(generate(dec.grpc, "slow-prefill-2", prompt, np, 24, NULL, got, 64, &ng), KVF_OK);
+    for (int32_t i = 0; i < ng; i++)
+        assert_int_equal(got[i], want[i]);
+    assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
+    json_decref(exp);
+    assert_int_equal(proc_stop(&dec), 0);
+    assert_int_equal(proc_stop(&pre), 0);
+}
+
+/* Reads WatchKv messages until a STORED event set covers want (or 10 s); checks seq order. */
+typedef struct watch {
+    kvf_rpc_channel *ch;
+    kvf_rpc_stream *s;
+    uint64_t last_seq;
+    bool snapshot_done;
+    int n_loads;
+    int64_t total_blocks;
+    uint64_t stored[4096], parents[4096];
+    size_t n_stored, n_snapshot;
+} watch;
+
+static void watch_open(watch *w, const char *target)
+{
+    memset(w, 0, sizeof *w);
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(target, NULL, &w->ch, &e), KVF_OK);
+    Kvfleet__V1__WatchKvRequest rq = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
+    rq.router_id = "test";
+    rq.load_interval_ms = 100;
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_stream_open(w->ch, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
+                                         KVF_RPC_NO_DEADLINE, &w->s, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+}
+
+/* Reads for up to ms; returns when the snapshot is done and `want` stored hashes were seen. */
+static void watch_read(watch *w, size_t want_stored, int64_t ms)
+{
+    int64_t end = kvf_now_ns() + ms * 1000000LL;
+    while (kvf_now_ns() < end) {
+        if (w->snapshot_done && w->n_stored >= want_stored && w->n_loads > 0)
+            return;
+        bool done = false;
+        kvf_rpc_buf m = {0};
+        kvf_err e = {0};
+        kvf_status st = kvf_rpc_stream_read(w->s, 200, &m, &done, &e);
+        if (st == KVF_ERR_TIMEOUT)
+            continue;
+        assert_int_equal(st, KVF_OK);
+        assert_false(done);
+        Kvfleet__V1__WatchKvResponse *r = NULL;
+        assert_int_equal(kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &e), KVF_OK);
+        if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD) {
+            w->n_loads++;
+            w->total_blocks = r->load->total_blocks;
+        } else {
+            Kvfleet__V1__KvEvent *ev = r->event;
+            if (ev->kind == KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT) {
+                assert_false(w->snapshot_done);
+                w->last_seq = ev->seq; /* a snapshot carries the seq of the last delta in it */
+                w->n_snapshot += ev->n_block_hashes;
+                w->snapshot_done = ev->snapshot_done;
+            } else {
+                assert_true(w->snapshot_done);
+                assert_int_equal(ev->seq, w->last_seq + 1); /* no gap, no repeat */
+                w->last_seq = ev->seq;
+                if (ev->kind == KVFLEET__V1__KV_EVENT__KIND__KIND_STORED) {
+                    assert_int_equal(ev->n_parent_hashes, ev->n_block_hashes);
+                    for (size_t i = 0; i < ev->n_block_hashes && w->n_stored < 4096; i++) {
+                        w->parents[w->n_stored] = ev->parent_hashes[i];
+                        w->stored[w->n_stored++] = ev->block_hashes[i];
+                    }
+                }
+            }
+        }
+        kvf_rpc_msg_free(r);
+        kvf_rpc_buf_free(&m);
+    }
+}
+
+static void watch_close(watch *w)
+{
+    kvf_rpc_stream_destroy(w->s);
+    kvf_rpc_channel_destroy(w->ch);
+}
+
+static bool has_hash(const watch *w, uint64_t h, uint64_t parent)
+{
+    for (size_t i = 0; i < w->n_stored; i++)
+        if (w->stored[i] == h && w->parents[i] == parent)
+            return true;
+    return false;
+}
+
+static void test_watch_kv_snapshot_and_deltas(void **state)
+{
+    (void)state;
+    const char *model = "tiny-gqa-f32";
+    proc dec = {0};
+    proc_start(&dec, "decode", model, NULL);
+    json_t *exp = load_expected(model);
+    json_t *cases = json_object_get(exp, "cases");
+    int32_t prompt[256], got[64];
+    size_t np;
+    int32_t ng;
+    /* something cached before anyone watches: the snapshot must carry it */
+    ids_of(json_object_get(json_array_get(cases, 3), "prompt"), prompt, &np); /* 40 tokens */
+    assert_int_equal(generate(dec.grpc, "watch-1", prompt, np, 24, NULL, got, 64, &ng), KVF_OK);
+    watch a, b;
+    watch_open(&a, dec.grpc);
+    watch_open(&b, dec.grpc);
+    watch_read(&a, 0, 10000);
+    watch_read(&b, 0, 10000);
+    assert_true(a.snapshot_done && b.snapshot_done);
+    assert_true(a.n_snapshot >= 2); /* the 40-token prompt's two full blocks at least */
+    assert_int_equal(a.n_snapshot, b.n_snapshot);
+    assert_true(a.total_blocks > 0);
+    /* a new prompt: both watchers see its blocks as STORED, chained as the router hashes them */
+    ids_of(json_object_get(json_array_get(cases, 4), "prompt"), prompt, &np); /* 100 tokens */
+    assert_int_equal(generate(dec.grpc, "watch-2", prompt, np, 24, NULL, got, 64, &ng), KVF_OK);
+    uint64_t h[8];
+    size_t nh = kvf_kv_hash_blocks(kvf_kv_hash_root(model, NULL, 0), prompt, np, 16, h);
+    assert_int_equal(nh, 6);
+    watch_read(&a, nh, 10000);
+    watch_read(&b, nh, 10000);
+    uint64_t parent = kvf_kv_hash_root(model, NULL, 0);
+    for (size_t i = 0; i < nh; i++) {
+        assert_true(has_hash(&a, h[i], parent));
+        assert_true(has_hash(&b, h[i], parent));
+        parent = h[i];
+    }
+    assert_int_equal(a.last_seq, b.last_seq); /* one sequence per worker, shared by watchers */
+    assert_true(a.n_loads >= 1 && b.n_loads >= 1);
+    watch_close(&a);
+    watch_close(&b);
+    /* the worker notices the closed watches */
+    double n_watch = -1;
+    for (int i = 0; i < 300 && n_watch != 0; i++) {
+        n_watch = metric(dec.admin_port, "kvfleet_kv_watchers");
+        kvf_sleep_ms(10);
+    }
+    assert_true(n_watch == 0);
+    json_decref(exp);
+    assert_int_equal(proc_stop(&dec), 0);
+}
+
+static void test_shutdown_mid_stream(void **state)
+{
+    (void)state;
+    proc dec = {0};
+    proc_start(&dec, "decode", "small-gqa-bf16-theta5e5", NULL);
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(dec.grpc, NULL, &ch, &e), KVF_OK);
+    int32_t prompt[64];
+    for (int i = 0; i < 64; i++)
+        prompt[i] = (i * 13 + 5) % 1000;
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = 440;
+    sp.ignore_eos = true;
+    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    rq.request_id = "shutdown";
+    rq.n_token_ids = 64;
+    rq.token_ids = prompt;
+    rq.sampling = &sp;
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    kvf_rpc_stream *s = NULL;
+    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+                     KVF_OK);
+    kvf_rpc_buf_free(&b);
+    bool done = false;
+    kvf_rpc_buf m = {0};
+    assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
+    assert_false(done);
+    kvf_rpc_buf_free(&m);
+    /* SIGTERM with the stream open: the process exits 0 and the stream ends, not with OK */
+    assert_int_equal(proc_stop(&dec), 0);
+    kvf_status st = KVF_OK;
+    int n = 0;
+    for (;;) {
+        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
+        if (done)
+            break;
+        assert_int_equal(st, KVF_OK);
+        kvf_rpc_buf_free(&m);
+        n++;
+    }
+    assert_int_not_equal(st, KVF_OK);
+    assert_true(n < 439);
+    kvf_rpc_stream_destroy(s);
+    kvf_rpc_channel_destroy(ch);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_colocated_and_disaggregated),
-        cmocka_unit_test(test_prefill_killed_falls_back),
-        cmocka_unit_test(test_cancel_mid_stream_frees_blocks),
+        cmocka_unit_test_teardown(test_colocated_and_disaggregated, kill_leftovers),
+        cmocka_unit_test_teardown(test_prefill_killed_falls_back, kill_leftovers),
+        cmocka_unit_test_teardown(test_cancel_mid_stream_frees_blocks, kill_leftovers),
+        cmocka_unit_test_teardown(test_prefill_timeout_falls_back, kill_leftovers),
+        cmocka_unit_test_teardown(test_watch_kv_snapshot_and_deltas, kill_leftovers),
+        cmocka_unit_test_teardown(test_shutdown_mid_stream, kill_leftovers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
