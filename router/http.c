@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/metrics.h"
@@ -58,9 +59,20 @@ typedef struct rq {
     int64_t created;
     double t0;
     int64_t cached_tokens;
+    uint32_t overlap; /* prompt blocks the index says the decode worker holds */
     size_t max_stop;
     struct rq *prev, *next;
 } rq;
+
+/* The kv policy's view of one worker: its WatchKv stream, a snapshot being gathered (it may
+ * span several events) and its last load report. */
+typedef struct kv_watch {
+    kvf_rpc_stream *stream;
+    uint64_t *snap_h, *snap_p;
+    size_t snap_n, snap_cap;
+    bool have_load;
+    kvf_router_load load;
+} kv_watch;
 
 struct kvf_router_http {
     kvf_router_http_cfg cfg;
@@ -85,6 +97,8 @@ struct kvf_router_http {
     bool in_pool[2][KVF_ROUTER_MAX_WORKERS];
     kvf_router_worker workers[2][KVF_ROUTER_MAX_WORKERS]; /* by id, from the last sync */
     int32_t inflight[KVF_ROUTER_MAX_WORKERS];             /* decode requests we hold open */
+    kv_watch watch[2][KVF_ROUTER_MAX_WORKERS];            /* kv policy: WatchKv per worker */
+    struct event *watch_ev;
     int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];
     uint64_t next_id;
     rq *reqs;
@@ -177,6 +191,125 @@ static void request_id(kvf_router_http *h, struct evhttp_request *ev, char *out,
 /* ---------------------------------------------------------------------------------------- */
 /* Worker pools                                                                              */
 
+static void watch_close(kv_watch *w)
+{
+    kvf_rpc_stream_destroy(w->stream);
+    w->stream = NULL;
+    w->snap_n = 0;
+    w->have_load = false;
+}
+
+/* Opens WatchKv on a worker (the worker answers with a snapshot, then deltas and load). */
+static void watch_open(kvf_router_http *h, int role, int32_t id)
+{
+    kv_watch *w = &h->watch[role][id];
+    watch_close(w);
+    Kvfleet__V1__WatchKvRequest q = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
+    char rid[64];
+    snprintf(rid, sizeof rid, "router-%d", (int)getpid());
+    q.router_id = rid;
+    q.load_interval_ms = 500;
+    kvf_rpc_buf b = {0};
+    kvf_err err = {0};
+    if (kvf_rpc_msg_encode(&q, &b, &err) != KVF_OK ||
+        kvf_rpc_stream_open(h->workers[role][id].channel, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
+                            KVF_RPC_NO_DEADLINE, &w->stream, &err) != KVF_OK)
+        kvf_log(KVF_LOG_WARN, "router: WatchKv on %s: %s", h->workers[role][id].address, err.msg);
+    kvf_rpc_buf_free(&b);
+}
+
+/* Applies one KV event of a worker to its pool's index. Returns false when the stream must be
+ * reopened (a sequence gap: the index waits for a new snapshot). */
+static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet__V1__KvEvent *e)
+{
+    kv_watch *w = &h->watch[role][id];
+    kvf_router_event ev = {.worker = id, .seq = e->seq, .model = e->model_id, .block_size = e->block_size,
+                           .hashes = e->block_hashes, .parents = e->n_parent_hashes ? e->parent_hashes : NULL,
+                           .n = e->n_block_hashes};
+    switch (e->kind) {
+    case KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT:
+        /* gather the parts, apply once at snapshot_done */
+        if (w->snap_n + e->n_block_hashes > w->snap_cap) {
+            size_t cap = (w->snap_n + e->n_block_hashes) * 2 + 64;
+            uint64_t *hh = realloc(w->snap_h, cap * sizeof *hh), *pp = hh ? realloc(w->snap_p, cap * sizeof *pp) : NULL;
+            if (hh)
+                w->snap_h = hh;
+            if (!pp)
+                return false;
+            w->snap_p = pp;
+            w->snap_cap = cap;
+        }
+        memcpy(w->snap_h + w->snap_n, e->block_hashes, e->n_block_hashes * sizeof *w->snap_h);
+        for (size_t i = 0; i < e->n_block_hashes; i++)
+            w->snap_p[w->snap_n + i] = i < e->n_parent_hashes ? e->parent_hashes[i] : 0;
+        w->snap_n += e->n_block_hashes;
+        if (!e->snapshot_done)
+            return true;
+        ev.kind = KVF_ROUTER_EV_SNAPSHOT;
+        ev.hashes = w->snap_h;
+        ev.parents = w->snap_p;
+        ev.n = w->snap_n;
+        w->snap_n = 0;
+        break;
+    case KVFLEET__V1__KV_EVENT__KIND__KIND_STORED: ev.kind = KVF_ROUTER_EV_STORED; break;
+    case KVFLEET__V1__KV_EVENT__KIND__KIND_REMOVED: ev.kind = KVF_ROUTER_EV_REMOVED; break;
+    case KVFLEET__V1__KV_EVENT__KIND__KIND_CLEARED:
+        ev.kind = KVF_ROUTER_EV_SNAPSHOT; /* an empty snapshot */
+        ev.n = 0;
+        break;
+    default: return true;
+    }
+    kvf_err err = {0};
+    kvf_status st = kvf_router_index_apply(kvf_router_pool_index(h->pool[role]), &ev, kvf_now_s(), &err);
+    if (st != KVF_OK)
+        kvf_log(KVF_LOG_DEBUG, "router: %s", err.msg);
+    return st != KVF_ERR_STATE;
+}
+
+/* Reads every WatchKv stream (kv policy): events into the index, load reports into the pool. */
+static void on_watch(evutil_socket_t fd, short what, void *arg)
+{
+    kvf_router_http *h = arg;
+    (void)fd, (void)what;
+    double now = kvf_now_s();
+    for (int role = 0; role < 2; role++)
+        for (int32_t id = 0; id < KVF_ROUTER_MAX_WORKERS; id++) {
+            kv_watch *w = &h->watch[role][id];
+            for (int n = 0; w->stream && n < 256; n++) {
+                kvf_rpc_buf m = {0};
+                bool done = false;
+                kvf_err err = {0};
+                kvf_status st = kvf_rpc_stream_read(w->stream, 0, &m, &done, &err);
+                if (done) {
+                    kvf_log(KVF_LOG_INFO, "router: WatchKv on %s ended: %s", h->workers[role][id].address,
+                            st == KVF_OK ? "ok" : err.msg);
+                    watch_close(w); /* reopened at the next sync while the worker is healthy */
+                    break;
+                }
+                if (st != KVF_OK)
+                    break;
+                Kvfleet__V1__WatchKvResponse *r = NULL;
+                bool keep = true;
+                if (kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &err) == KVF_OK) {
+                    if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT && h->pool[role])
+                        keep = watch_event(h, role, id, r->event);
+                    else if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD && h->pool[role]) {
+                        w->load.queued_prefill_tokens = r->load->queued_prefill_tokens;
+                        w->load.decode_load = (double)r->load->running + (double)r->load->waiting;
+                        w->have_load = true;
+                        kvf_router_pool_load_set(h->pool[role], id, &w->load, now);
+                    }
+                }
+                kvf_rpc_msg_free(r);
+                kvf_rpc_buf_free(&m);
+                if (!keep) {
+                    watch_open(h, role, id); /* a gap: a new watch starts with a snapshot */
+                    break;
+                }
+            }
+        }
+}
+
 /* Brings the policy pools in line with the fleet's health. Loop thread. */
 static void sync_pools(kvf_router_http *h)
 {
@@ -198,21 +331,26 @@ static void sync_pools(kvf_router_http *h)
                 pc.policy = h->policy;
                 pc.index.model = w->model_id;
                 pc.index.block_size = w->block_size;
-                pc.approx = true; /* no WatchKv yet: the kv policy learns from its own picks */
+                pc.approx = false; /* the kv policy follows the workers' WatchKv events */
                 kvf_err err = {0};
                 if (kvf_router_pool_create(&pc, &h->pool[role], &err) != KVF_OK) {
                     kvf_log(KVF_LOG_ERROR, "router: %s", err.msg);
                     continue;
                 }
             }
+            if (h->in_pool[role][w->id] && h->policy == KVF_ROUTER_POLICY_KV && !h->watch[role][w->id].stream)
+                watch_open(h, role, w->id);
             if (!h->in_pool[role][w->id]) {
                 kvf_err err = {0};
+                bool kv = h->policy == KVF_ROUTER_POLICY_KV;
                 if (kvf_router_pool_worker_add(h->pool[role], w->id, w->model_id, w->block_size,
-                                               false, now, &err) != KVF_OK) {
+                                               kv, now, &err) != KVF_OK) {
                     want[w->id] = false;
                     continue;
                 }
                 h->in_pool[role][w->id] = true;
+                if (kv)
+                    watch_open(h, role, w->id);
             }
             up++;
         }
@@ -220,6 +358,7 @@ static void sync_pools(kvf_router_http *h)
             if (h->in_pool[role][i] && !want[i]) {
                 kvf_router_pool_worker_remove(h->pool[role], i);
                 h->in_pool[role][i] = false;
+                watch_close(&h->watch[role][i]);
             }
         kvf_metric_set(role ? h->m_prefill_up : h->m_decode_up, up);
     }
@@ -249,6 +388,12 @@ static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *
         if (!h->in_pool[0][i])
             continue;
         kvf_router_load l = {0, (double)h->inflight[i]};
+        const kv_watch *w = &h->watch[0][i];
+        if (w->have_load) {
+            l.queued_prefill_tokens = w->load.queued_prefill_tokens;
+            if (w->load.decode_load > l.decode_load)
+                l.decode_load = w->load.decode_load;
+        }
         kvf_router_pool_load_set(h->pool[0], i, &l, now);
         kvf_router_pool_worker_limits(h->pool[0], i, 0, (double)h->cfg.max_inflight);
         free_one |= h->inflight[i] < h->cfg.max_inflight;
@@ -270,11 +415,14 @@ static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *
                                         "no decode worker can take the request: %s", err.msg[0] ? err.msg : "all saturated");
     }
     r->worker = d.worker;
+    r->overlap = d.overlap_blocks;
     r->prefill = -1;
     if (h->pool[1] && n_in_pool(h, 1) > 0) {
         for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
             if (h->in_pool[1][i]) {
                 kvf_router_load l = {h->prefill_queued[i], 0};
+                if (h->watch[1][i].have_load && h->watch[1][i].load.queued_prefill_tokens > l.queued_prefill_tokens)
+                    l.queued_prefill_tokens = h->watch[1][i].load.queued_prefill_tokens;
                 kvf_router_pool_load_set(h->pool[1], i, &l, now);
             }
         kvf_router_decision p;
@@ -398,9 +546,10 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
         r->prefill_tokens = (int64_t)r->n_prompt;
         h->prefill_queued[r->prefill] += r->prefill_tokens;
     }
-    kvf_log(KVF_LOG_INFO, "router: req %s: %zu prompt tokens -> decode %s%s%s (attempt %d)", r->id,
-            r->n_prompt, h->workers[0][r->worker].address, r->prefill >= 0 ? ", prefill " : "",
-            r->prefill >= 0 ? h->workers[1][r->prefill].address : "", r->attempts);
+    kvf_log(KVF_LOG_INFO, "router: req %s: %zu prompt tokens -> decode %s (%u blocks cached there)%s%s (attempt %d)",
+            r->id, r->n_prompt, h->workers[0][r->worker].address, r->overlap,
+            r->prefill >= 0 ? ", prefill " : "", r->prefill >= 0 ? h->workers[1][r->prefill].address : "",
+            r->attempts);
     return KVF_OK;
 }
 
@@ -1119,6 +1268,11 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
                                              : ((struct sockaddr_in *)&ss)->sin_port);
     h->tick_ev = evtimer_new(h->base, on_tick, h);
     h->stop_ev = event_new(h->base, -1, 0, on_stop, h);
+    if (h->policy == KVF_ROUTER_POLICY_KV) {
+        struct timeval wtv = {0, 10000};
+        h->watch_ev = event_new(h->base, -1, EV_PERSIST, on_watch, h);
+        event_add(h->watch_ev, &wtv);
+    }
     if (cfg->handle_signals) {
         h->sig_int = evsignal_new(h->base, SIGINT, on_stop, h);
         h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
@@ -1167,6 +1321,14 @@ void kvf_router_http_destroy(kvf_router_http *h)
         r->ev = NULL; /* evhttp_free answers nothing more and frees the requests */
         rq_free(r);
     }
+    for (int r = 0; r < 2; r++)
+        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
+            watch_close(&h->watch[r][i]);
+            free(h->watch[r][i].snap_h);
+            free(h->watch[r][i].snap_p);
+        }
+    if (h->watch_ev)
+        event_free(h->watch_ev);
     if (h->http)
         evhttp_free(h->http);
     if (h->tick_ev)

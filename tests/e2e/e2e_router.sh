@@ -169,6 +169,36 @@ r=$(metric "$RR" kvfleet_router_retries_total)
 [ "${r%.*}" -ge 1 ] || fail "no retry counted ($r)"
 pass "decode worker killed: requests retried on the other ($r retries), all correct"
 
+# --- kv policy: WatchKv events steer a shared prefix to the worker that holds it ---------------
+start d-k1 decode --model "$M"; DK1=$ADDR
+start d-k2 decode --model "$M"; DK2=$ADDR
+start r-kv router --model "$M" --port 0 --decode "$DK1,$DK2" --policy kv
+RK=$ADDR
+wait_ready "http://$RK"
+for _ in $(seq 50); do [ "$(metric "$RK" 'kvfleet_router_healthy_workers{role="decode"}')" = 2 ] && break; sleep 0.1; done
+$PY - "http://$RK" "$M/expected.json" <<'EOF' || fail "kv policy requests"
+import json, sys, time, urllib.request
+url, path = sys.argv[1], sys.argv[2]
+cases = {c["name"]: c for c in json.load(open(path))["cases"]}
+for rid, name in [("kv-h1", "hundred"), ("kv-a", "shared-prefix-a"), ("kv-b", "shared-prefix-b"),
+                  ("kv-h2", "hundred")]:
+    c = cases[name]
+    body = {"model": "tiny-gqa-f32", "prompt": c["prompt"], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-request-id": rid})
+    j = json.load(urllib.request.urlopen(req, timeout=60))
+    assert j["choices"][0]["token_ids"] == c["greedy"], name
+    time.sleep(0.5)  # the STORED events reach the router
+EOF
+dest() { sed -n "s/.*req $1: .* -> decode \([^ ]*\) (\([0-9]*\) blocks.*/\1 \2/p" "$TMP/r-kv.err"; }
+read -r a_w _ < <(dest kv-a); read -r b_w b_ov < <(dest kv-b)
+read -r h1_w _ < <(dest kv-h1); read -r h2_w h2_ov < <(dest kv-h2)
+expect_eq "kv policy: shared-prefix-b follows shared-prefix-a" "$b_w" "$a_w"
+expect_eq "kv policy: 2 cached blocks seen for shared-prefix-b" "$b_ov" 2
+expect_eq "kv policy: a repeated prompt returns to its worker" "$h2_w" "$h1_w"
+expect_eq "kv policy: 6 cached blocks seen for the repeat" "$h2_ov" 6
+
 # --- kvfleet up ----------------------------------------------------------------------------
 "$KVF_BIN" up --model "$M" --prefill 1 --decode 1 --port 0 >"$TMP/up.out" 2>"$TMP/up.err" &
 UP=$!
