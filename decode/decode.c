@@ -33,6 +33,7 @@ typedef struct dreq {
     int32_t first_token, n_blocks, n_cached_blocks;
     uint64_t tid;
     int64_t deadline_ns, t0_ns;
+    int64_t deadline_wall_ms; /* GenerateRequest.deadline_unix_ms; 0: none */
     struct cancel_arg *cancel; /* the call's cancel callback argument */
     struct dreq *next;
 } dreq;
@@ -490,8 +491,12 @@ static void on_tick(void *ctx)
     int64_t now = kvf_now_ns();
     for (dreq *q = d->reqs, *next; q; q = next) {
         next = q->next;
-        if (q->remote && now > q->deadline_ns)
+        if (q->deadline_wall_ms > 0 && kvf_wall_ms() > q->deadline_wall_ms) {
+            kvf_metric_add(d->m_cancelled, 1);
+            end_req(d, q, KVF_ERR_TIMEOUT, "the request's deadline_unix_ms passed");
+        } else if (q->remote && now > q->deadline_ns) {
             fallback(d, q, "timed out");
+        }
     }
 }
 
@@ -534,6 +539,7 @@ static void h_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t
     q->call = call;
     snprintf(q->id, sizeof q->id, "%s", m->request_id && *m->request_id ? m->request_id : "-");
     q->n_prompt = (int32_t)m->n_token_ids;
+    q->deadline_wall_ms = m->deadline_unix_ms;
     q->prompt = malloc(m->n_token_ids * sizeof *q->prompt);
     if (m->cache_salt && *m->cache_salt)
         q->salt = strdup(m->cache_salt);

@@ -655,6 +655,130 @@ static void test_shutdown_mid_stream(void **state)
     kvf_rpc_channel_destroy(ch);
 }
 
+/* A unary Worker call; returns the status, response bytes in *out. */
+static kvf_status unary(const char *target, const char *method, const void *msg, kvf_rpc_buf *out)
+{
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(target, NULL, &ch, &e), KVF_OK);
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(msg, &b, &e), KVF_OK);
+    kvf_status st = kvf_rpc_unary(ch, method, b.data, b.len, 10000, out, &e);
+    kvf_rpc_buf_free(&b);
+    kvf_rpc_channel_destroy(ch);
+    return st;
+}
+
+static void test_cancel_rpc_health_and_deadline(void **state)
+{
+    (void)state;
+    proc dec = {0};
+    proc_start(&dec, "decode", "small-gqa-bf16-theta5e5", NULL);
+    /* Info and Health */
+    Kvfleet__V1__InfoRequest ir = KVFLEET__V1__INFO_REQUEST__INIT;
+    kvf_rpc_buf r = {0};
+    kvf_err e = {0};
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_INFO, &ir, &r), KVF_OK);
+    Kvfleet__V1__InfoResponse *info = NULL;
+    assert_int_equal(kvf_rpc_info_response_decode(r.data, r.len, &info, &e), KVF_OK);
+    assert_int_equal(info->role, KVFLEET__V1__ROLE__ROLE_DECODE);
+    assert_string_equal(info->model_id, "small-gqa-bf16-theta5e5");
+    assert_int_equal(info->block_size, 16);
+    assert_true(info->capacity_blocks > 0);
+    assert_string_equal(info->transport->backend, "ucx");
+    assert_true(info->transport->blob.len > 0);
+    kvf_rpc_msg_free(info);
+    kvf_rpc_buf_free(&r);
+
+    /* a long stream, cancelled by request id from another connection */
+    kvf_rpc_channel *ch = NULL;
+    assert_int_equal(kvf_rpc_channel_create(dec.grpc, NULL, &ch, &e), KVF_OK);
+    int32_t prompt[48];
+    for (int i = 0; i < 48; i++)
+        prompt[i] = (i * 11 + 1) % 1000;
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = 450;
+    sp.ignore_eos = true;
+    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    rq.request_id = "cancel-by-id";
+    rq.n_token_ids = 48;
+    rq.token_ids = prompt;
+    rq.sampling = &sp;
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    kvf_rpc_stream *s = NULL;
+    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+                     KVF_OK);
+    kvf_rpc_buf_free(&b);
+    bool done = false;
+    kvf_rpc_buf m = {0};
+    assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
+    kvf_rpc_buf_free(&m);
+    Kvfleet__V1__CancelRequest cr = KVFLEET__V1__CANCEL_REQUEST__INIT;
+    cr.request_id = "cancel-by-id";
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &cr, &r), KVF_OK);
+    Kvfleet__V1__CancelResponse *cresp = NULL;
+    assert_int_equal(kvf_rpc_cancel_response_decode(r.data, r.len, &cresp, &e), KVF_OK);
+    assert_true(cresp->found);
+    kvf_rpc_msg_free(cresp);
+    kvf_rpc_buf_free(&r);
+    kvf_status st;
+    int n = 0;
+    for (;;) {
+        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
+        if (done)
+            break;
+        kvf_rpc_buf_free(&m);
+        n++;
+    }
+    assert_int_equal(st, KVF_ERR_CANCELLED);
+    assert_true(n < 449);
+    kvf_rpc_stream_destroy(s);
+    /* again: nothing by that id any more */
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &cr, &r), KVF_OK);
+    assert_int_equal(kvf_rpc_cancel_response_decode(r.data, r.len, &cresp, &e), KVF_OK);
+    assert_false(cresp->found);
+    kvf_rpc_msg_free(cresp);
+    kvf_rpc_buf_free(&r);
+
+    /* a request whose deadline_unix_ms passes mid-stream ends with TIMEOUT */
+    rq.request_id = "deadline";
+    rq.deadline_unix_ms = kvf_wall_ms() + 60;
+    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+                     KVF_OK);
+    kvf_rpc_buf_free(&b);
+    n = 0;
+    for (;;) {
+        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
+        if (done)
+            break;
+        kvf_rpc_buf_free(&m);
+        n++;
+    }
+    kvf_rpc_stream_destroy(s);
+    kvf_rpc_channel_destroy(ch);
+    if (n < 450) /* on a fast machine all 450 tokens may beat 60 ms; then OK is right */
+        assert_int_equal(st, KVF_ERR_TIMEOUT);
+
+    /* Health says serving, and the pool is idle again */
+    Kvfleet__V1__HealthRequest hq = KVFLEET__V1__HEALTH_REQUEST__INIT;
+    Kvfleet__V1__HealthResponse *hr = NULL;
+    bool idle = false;
+    for (int i = 0; i < 300 && !idle; i++) {
+        assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_HEALTH, &hq, &r), KVF_OK);
+        assert_int_equal(kvf_rpc_health_response_decode(r.data, r.len, &hr, &e), KVF_OK);
+        assert_int_equal(hr->status, KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING);
+        idle = strstr(hr->detail, " used_blocks=0") != NULL;
+        kvf_rpc_msg_free(hr);
+        kvf_rpc_buf_free(&r);
+        if (!idle)
+            kvf_sleep_ms(10);
+    }
+    assert_true(idle);
+    assert_int_equal(proc_stop(&dec), 0);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -665,6 +789,7 @@ int main(void)
         cmocka_unit_test_teardown(test_prefill_timeout_falls_back, kill_leftovers),
         cmocka_unit_test_teardown(test_watch_kv_snapshot_and_deltas, kill_leftovers),
         cmocka_unit_test_teardown(test_shutdown_mid_stream, kill_leftovers),
+        cmocka_unit_test_teardown(test_cancel_rpc_health_and_deadline, kill_leftovers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
