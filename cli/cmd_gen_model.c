@@ -110,6 +110,11 @@ int kvf_cli_gen_model(int argc, char **argv)
     mc.n_eos = 0;
     if (eos >= 0)
         mc.eos_ids[mc.n_eos++] = eos;
+    /* The default template is ChatML: a chat turn ends with <|im_end|>, so it stops generation
+     * too (as Qwen's generation_config.json lists both). */
+    int32_t im_end = kvf_model_tokenizer_token_to_id(tok, "<|im_end|>");
+    if (im_end >= 0 && im_end != eos)
+        mc.eos_ids[mc.n_eos++] = im_end;
     kvf_model_tokenizer_destroy(tok);
 
     /* 2. config.json, generation_config.json, the weights */
@@ -121,8 +126,12 @@ int kvf_cli_gen_model(int argc, char **argv)
     json_t *g = json_object();
     if (mc.bos_id >= 0)
         json_object_set_new(g, "bos_token_id", json_integer(mc.bos_id));
-    if (eos >= 0)
-        json_object_set_new(g, "eos_token_id", json_integer(eos));
+    if (mc.n_eos > 0) {
+        json_t *ids = json_array();
+        for (int32_t i = 0; i < mc.n_eos; i++)
+            json_array_append_new(ids, json_integer(mc.eos_ids[i]));
+        json_object_set_new(g, "eos_token_id", ids);
+    }
     json_object_set_new(g, "do_sample", json_false());
     int rc = json_dump_file(g, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(g);
