@@ -26,6 +26,7 @@ struct kvf_prefill {
     kvf_worker *w;
     int32_t fault_delay_ms;
     atomic_int_fast64_t queued_tokens;
+    atomic_int queued_reqs; /* RemotePrefill calls waiting or running */
     ppeer *peers;            /* loop thread */
     float *logits;           /* [vocab], loop thread */
     kvf_engine_sampler sampler;
@@ -44,17 +45,19 @@ typedef struct pjob {
 static kvf_xfer_peer *peer_get(kvf_prefill *p, const uint8_t *desc, size_t len, kvf_err *err)
 {
     kvf_xfer *x = kvf_worker_xfer(p->w);
-    for (ppeer **pp = &p->peers; *pp; pp = &(*pp)->next) {
+    for (ppeer **pp = &p->peers; *pp;) {
         ppeer *e = *pp;
-        if (e->len != len || memcmp(e->desc, desc, len) != 0)
+        if (kvf_xfer_peer_status(e->peer) == KVF_ERR_PEER_LOST) {
+            /* a decode worker gone (or restarted): forget it; connect again if it is this one */
+            kvf_xfer_disconnect(x, e->peer);
+            *pp = e->next;
+            free(e->desc);
+            free(e);
             continue;
-        if (kvf_xfer_peer_status(e->peer) != KVF_ERR_PEER_LOST)
+        }
+        if (e->len == len && memcmp(e->desc, desc, len) == 0)
             return e->peer;
-        kvf_xfer_disconnect(x, e->peer); /* lost: connect again below */
-        *pp = e->next;
-        free(e->desc);
-        free(e);
-        break;
+        pp = &e->next;
     }
     ppeer *e = calloc(1, sizeof *e);
     if (!e || !(e->desc = malloc(len ? len : 1))) {
@@ -240,7 +243,10 @@ static kvf_status h_remote_prefill(void *ctx, kvf_rpc_call *call, const uint8_t 
     pjob_ctx c = {.p = p, .j = &j};
     int64_t n = (int64_t)rq->n_token_ids;
     atomic_fetch_add(&p->queued_tokens, n);
+    atomic_fetch_add(&p->queued_reqs, 1);
+    kvf_worker_wake(p->w); /* the load report shows it waiting */
     st = kvf_worker_call(p->w, run_job, &c);
+    atomic_fetch_sub(&p->queued_reqs, 1);
     atomic_fetch_sub(&p->queued_tokens, n);
     if (st != KVF_OK) {
         kvf_rpc_msg_free(rq);
@@ -266,6 +272,15 @@ static int64_t queued_tokens(void *ctx)
 {
     kvf_prefill *p = ctx;
     return atomic_load(&p->queued_tokens);
+}
+
+/* Load: one request runs at a time (on the loop thread); the others wait for it. */
+static void fill_load(void *ctx, kvf_worker_load *l)
+{
+    kvf_prefill *p = ctx;
+    int q = atomic_load(&p->queued_reqs);
+    l->running = q > 0 ? 1 : 0;
+    l->waiting = q > 1 ? q - 1 : 0;
 }
 
 static void on_shutdown(void *ctx)
@@ -314,7 +329,8 @@ kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill
         kvf_prefill_destroy(p);
         return st;
     }
-    kvf_worker_hooks h = {.ctx = p, .on_shutdown = on_shutdown, .queued_prefill_tokens = queued_tokens};
+    kvf_worker_hooks h = {.ctx = p, .on_shutdown = on_shutdown, .queued_prefill_tokens = queued_tokens,
+                          .fill_load = fill_load};
     kvf_worker_set_hooks(w, &h);
     *out = p;
     return KVF_OK;

@@ -455,6 +455,8 @@ static void publish_load(kvf_worker *w)
     l.free_blocks = ps.free;
     l.cached_blocks = ps.cached + ps.pinned;
     l.used_blocks = ps.used;
+    if (w->hooks.fill_load)
+        w->hooks.fill_load(w->hooks.ctx, &l);
     pthread_mutex_lock(&w->mu);
     w->load = l;
     pthread_mutex_unlock(&w->mu);

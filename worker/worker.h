@@ -98,6 +98,8 @@ typedef struct kvf_worker_cfg {
 /* The table defaults, for code that builds a cfg without parsing flags. */
 void kvf_worker_cfg_default(kvf_worker_cfg *cfg);
 
+struct kvf_worker_load;
+
 /* Hooks a role installs before kvf_worker_start; each runs on the loop thread. */
 typedef struct kvf_worker_hooks {
     void *ctx;
@@ -105,8 +107,10 @@ typedef struct kvf_worker_hooks {
     void (*on_xfer_event)(void *ctx, const kvf_xfer_event *ev);  /* transfer completions */
     void (*on_tick)(void *ctx);     /* every loop pass (at least every 10 ms): deadlines */
     void (*on_shutdown)(void *ctx); /* last pass: cancel what is live, finish its calls */
-    /* Health detail and /health body additions may come later; load report extras: */
-    int64_t (*queued_prefill_tokens)(void *ctx); /* any thread; may be NULL */
+    int64_t (*queued_prefill_tokens)(void *ctx); /* load reports; any thread; may be NULL */
+    /* Adjusts the load the loop publishes (a prefill worker's running/waiting requests);
+     * loop thread; may be NULL. */
+    void (*fill_load)(void *ctx, struct kvf_worker_load *l);
 } kvf_worker_hooks;
 
 /* Loads the model, sizes the pool (errors name the flag), creates the engine (decode) or the

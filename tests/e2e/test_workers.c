@@ -593,6 +593,25 @@ static void test_watch_kv_snapshot_and_deltas(void **state)
         parent = h[i];
     }
     assert_int_equal(a.last_seq, b.last_seq); /* one sequence per worker, shared by watchers */
+    /* a prefill worker publishes the blocks it computed, chained the same way */
+    proc pre = {0}, dd = {0};
+    proc_start(&pre, "prefill", model, NULL);
+    proc_start(&dd, "decode", model, "--local-prefill-max-tokens", "0", NULL);
+    watch pw;
+    watch_open(&pw, pre.grpc);
+    watch_read(&pw, 0, 10000);
+    assert_true(pw.snapshot_done);
+    assert_int_equal(pw.n_snapshot, 0);
+    assert_int_equal(generate(dd.grpc, "watch-3", prompt, np, 24, pre.grpc, got, 64, &ng), KVF_OK);
+    watch_read(&pw, nh, 10000);
+    parent = kvf_kv_hash_root(model, NULL, 0);
+    for (size_t i = 0; i < nh; i++) {
+        assert_true(has_hash(&pw, h[i], parent));
+        parent = h[i];
+    }
+    watch_close(&pw);
+    assert_int_equal(proc_stop(&dd), 0);
+    assert_int_equal(proc_stop(&pre), 0);
     assert_true(a.n_loads >= 1 && b.n_loads >= 1);
     watch_close(&a);
     watch_close(&b);
