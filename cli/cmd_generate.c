@@ -1,6 +1,6 @@
-/* cmd_generate.c: `kvfleet generate`: greedy generation for one sequence, straight over the
- * forward pass and a private paged KV pool: the reference end-to-end tests compare the fleet
- * with. The engine will replace the loop inside; the flags and the --json output stay. */
+/* cmd_generate.c: `kvfleet generate`: generation for one prompt in this process, through the
+ * same engine the workers run (paged KV pool, chunked prefill, sampling): the reference the
+ * end-to-end tests compare the fleet with. Streams text to a terminal; --json prints one object. */
 #include <errno.h>
 #include <limits.h>
 #include <stdbool.h>
@@ -18,14 +18,15 @@
 #include "common/time.h"
 #include "kv/layout.h"
 #include "model/backend.h"
-#include "model/forward.h"
+#include "engine/engine.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
 
 typedef struct gen_cfg {
     const char *model, *prompt_ids, *prompt, *kv_dtype;
-    int32_t max_tokens, block_size, threads, prefill_chunk;
-    int64_t kv_memory;
+    int32_t max_tokens, block_size, threads, prefill_chunk, top_k;
+    int64_t kv_memory, seed;
+    double temperature, top_p;
     bool json, ignore_eos, half_weights;
 } gen_cfg;
 
@@ -34,6 +35,10 @@ static const kvf_cfg_opt gen_opts[] = {
     {"prompt-ids", NULL, "prompt as comma-separated token ids: 1,2,3", offsetof(gen_cfg, prompt_ids), KVF_CFG_STR},
     {"prompt", NULL, "prompt as text (needs the model's tokenizer.json)", offsetof(gen_cfg, prompt), KVF_CFG_STR},
     {"max-tokens", "16", "tokens to generate at most", offsetof(gen_cfg, max_tokens), KVF_CFG_INT},
+    {"temperature", "0", "sampling temperature; 0 is greedy (argmax, ties to the lowest id)", offsetof(gen_cfg, temperature), KVF_CFG_DOUBLE},
+    {"top-p", "1", "nucleus sampling: keep the smallest set of tokens whose probability reaches P", offsetof(gen_cfg, top_p), KVF_CFG_DOUBLE},
+    {"top-k", "0", "sample among the K most likely tokens; 0: all", offsetof(gen_cfg, top_k), KVF_CFG_INT},
+    {"seed", "0", "sampling seed: the same seed gives the same tokens", offsetof(gen_cfg, seed), KVF_CFG_INT64},
     {"ignore-eos", NULL, "keep generating past an end-of-sequence token", offsetof(gen_cfg, ignore_eos), KVF_CFG_BOOL},
     {"block-size", "16", "tokens per KV block (a power of two)", offsetof(gen_cfg, block_size), KVF_CFG_INT},
     {"kv-dtype", "f32", "KV cache dtype: f32, f16 or bf16", offsetof(gen_cfg, kv_dtype), KVF_CFG_STR},
@@ -48,8 +53,9 @@ static const kvf_cfg_opt gen_opts[] = {
 
 static const kvf_cfg_spec gen_spec = {
     .prog = "kvfleet generate",
-    .summary = "Greedy generation for one prompt in this process, on the CPU backend.\n"
-               "Give the prompt as --prompt-ids 1,2,3 or as --prompt TEXT.",
+    .summary = "Generation for one prompt in this process, through the engine the workers run\n"
+               "(CPU backend). Give the prompt as --prompt-ids 1,2,3 or as --prompt TEXT.\n"
+               "Text streams to the terminal as it is generated; --json prints one object at the end.",
     .opts = gen_opts,
 };
 
@@ -99,17 +105,6 @@ static kvf_status parse_ids(const char *s, int32_t **out, int32_t *n_out, kvf_er
     return KVF_OK;
 }
 
-static bool is_eos(const kvf_model_config *c, const int32_t *tok_eos, size_t n_tok_eos, int32_t id)
-{
-    for (int32_t i = 0; i < c->n_eos; i++)
-        if (c->eos_ids[i] == id)
-            return true;
-    for (size_t i = 0; i < n_tok_eos; i++)
-        if (tok_eos[i] == id)
-            return true;
-    return false;
-}
-
 /* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
                            int32_t context)
@@ -144,12 +139,15 @@ int kvf_cli_generate(int argc, char **argv)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-dtype=%s is not supported (use f32, f16 or bf16)",
                                         c.kv_dtype), &err);
 
+    if (c.temperature < 0 || c.top_p <= 0 || c.top_p > 1 || c.top_k < 0)
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID,
+                                        "generate: --temperature (%g) must be >= 0, --top-p (%g) in (0, 1], --top-k (%d) >= 0",
+                                        c.temperature, c.top_p, c.top_k), &err);
+
     kvf_model *m = NULL;
     kvf_model_tokenizer *tok = NULL;
-    const kvf_backend *be = kvf_model_backend_cpu();
-    void *ctx = NULL;
-    kvf_model_fwd *fwd = NULL;
-    void *pool = NULL;
+    kvf_model_detok *detok = NULL;
+    kvf_engine *eng = NULL;
     int32_t *prompt = NULL, *out = NULL, n_prompt = 0;
     int rc = 1;
 
@@ -195,7 +193,7 @@ int kvf_cli_generate(int argc, char **argv)
         goto fail;
     }
 
-    /* the KV pool: a private block pool; the block table is simply 0, 1, 2, ... */
+    /* the KV pool: just enough for this request unless --kv-memory says more */
     kvf_kv_layout lay;
     if ((st = kvf_model_kv_layout(m, c.block_size, (kvf_dtype)kv_dt, &lay, &err)) != KVF_OK)
         goto fail;
@@ -208,66 +206,103 @@ int kvf_cli_generate(int argc, char **argv)
                          (long long)c.kv_memory, (long long)n_blocks, (long long)need, (long long)(need * lay.block_bytes));
         goto fail;
     }
-    if ((st = be->create(&(kvf_backend_opts){.n_threads = c.threads, .half_weights = c.half_weights}, &ctx, &err)) != KVF_OK)
+    kvf_engine_cfg ec;
+    kvf_engine_cfg_default(&ec);
+    ec.n_blocks = (int32_t)(n_blocks < INT32_MAX ? n_blocks : INT32_MAX);
+    ec.block_size = c.block_size;
+    ec.kv_dtype = (kvf_dtype)kv_dt;
+    ec.max_batch_tokens = c.prefill_chunk;
+    ec.max_seqs = 1;
+    ec.max_queued = 1;
+    ec.max_ctx = (int32_t)context;
+    ec.swap_slots = 0;
+    ec.threads = c.threads;
+    ec.half_weights = c.half_weights;
+    ec.model_id = c.model;
+    if ((st = kvf_engine_create(m, kvf_model_backend_cpu(), &ec, &eng, &err)) != KVF_OK)
         goto fail;
-    int32_t chunk = c.prefill_chunk < n_prompt ? c.prefill_chunk : n_prompt;
-    kvf_model_fwd_opts fo = {.max_tokens = chunk, .max_seqs = 1, .max_ctx = (int32_t)context};
-    if ((st = kvf_model_fwd_create(m, be, ctx, &lay, &fo, &fwd, &err)) != KVF_OK)
+    kvf_engine_request req = {.id = 1, .prompt = prompt, .n_prompt = n_prompt};
+    kvf_engine_sampling_default(&req.sampling);
+    req.sampling.max_tokens = c.max_tokens;
+    req.sampling.temperature = (float)c.temperature;
+    req.sampling.top_p = (float)c.top_p;
+    req.sampling.top_k = c.top_k;
+    req.sampling.seed = (uint64_t)c.seed;
+    if (!c.ignore_eos) {
+        kvf_engine_sampling_model_eos(&req.sampling, m);
+        size_t n_tok_eos = 0;
+        const int32_t *tok_eos = tok ? kvf_model_tokenizer_eos_ids(tok, &n_tok_eos) : NULL;
+        for (size_t i = 0; i < n_tok_eos && req.sampling.n_eos < KVF_ENGINE_MAX_STOP; i++) {
+            bool known = false;
+            for (int32_t k = 0; k < req.sampling.n_eos; k++)
+                known |= req.sampling.eos_ids[k] == tok_eos[i];
+            if (!known)
+                req.sampling.eos_ids[req.sampling.n_eos++] = tok_eos[i];
+        }
+    }
+    if ((st = kvf_engine_add(eng, &req, &err)) != KVF_OK)
         goto fail;
-    if ((st = be->alloc(ctx, (size_t)(n_blocks * lay.block_bytes), &pool, &err)) != KVF_OK)
-        goto fail;
-    int32_t *table = calloc((size_t)need, sizeof *table);
     out = calloc((size_t)c.max_tokens, sizeof *out);
-    if (!table || !out) {
-        free(table);
+    if (!out) {
         st = kvf_err_set(&err, KVF_ERR_NOMEM, "generate: out of memory");
         goto fail;
     }
-    for (int64_t i = 0; i < need; i++)
-        table[i] = (int32_t)i;
-
-    size_t n_tok_eos = 0;
-    const int32_t *tok_eos = tok ? kvf_model_tokenizer_eos_ids(tok, &n_tok_eos) : NULL;
+    /* Text streams to the terminal as tokens arrive (never half a character). */
+    bool stream_text = !c.json && tok;
+    if (stream_text && (st = kvf_model_detok_create(tok, true, &detok, &err)) != KVF_OK)
+        goto fail;
+    kvf_sbuf piece;
+    kvf_sbuf_init(&piece);
     double t0 = kvf_now_s(), t_first = 0;
-    int32_t pos = 0, next = -1, n_out = 0;
+    int32_t n_out = 0;
     const char *finish = "length";
-    /* prefill in chunks; the last chunk's argmax is the first new token */
-    while (pos < n_prompt) {
-        int32_t take = n_prompt - pos < chunk ? n_prompt - pos : chunk;
-        kvf_model_seq s = {.tokens = prompt + pos, .n_tokens = take, .start_pos = pos,
-                           .block_table = table, .n_blocks = (int32_t)need};
-        if ((st = kvf_model_forward(fwd, &s, 1, pool, n_blocks, NULL, &next, &err)) != KVF_OK)
+    bool done = false;
+    while (!done && st == KVF_OK) {
+        const kvf_engine_output *o;
+        int32_t n_o;
+        if ((st = kvf_engine_step(eng, &o, &n_o, &err)) != KVF_OK)
             break;
-        pos += take;
-    }
-    t_first = kvf_now_s();
-    /* decode one token at a time */
-    while (st == KVF_OK) {
-        out[n_out++] = next;
-        if (!c.ignore_eos && is_eos(&m->cfg, tok_eos, n_tok_eos, next)) {
-            finish = "stop";
-            break;
+        for (int32_t i = 0; i < n_o; i++) {
+            if (o[i].token >= 0 && n_out < c.max_tokens) {
+                if (n_out == 0)
+                    t_first = kvf_now_s();
+                out[n_out++] = o[i].token;
+                if (detok) {
+                    kvf_sbuf_reset(&piece);
+                    if (kvf_model_detok_feed(detok, &o[i].token, 1, &piece, &err) == KVF_OK && piece.len) {
+                        fwrite(piece.data, 1, piece.len, stdout);
+                        fflush(stdout);
+                    }
+                }
+            }
+            if (o[i].finish != KVF_ENGINE_FINISH_NONE) {
+                finish = kvf_engine_finish_name(o[i].finish);
+                done = true;
+                if (o[i].finish == KVF_ENGINE_FINISH_ERROR)
+                    st = kvf_err_set(&err, KVF_ERR_INTERNAL, "generate: the engine failed this request (see the log)");
+            }
         }
-        if (n_out == c.max_tokens)
-            break;
-        kvf_model_seq s = {.tokens = &next, .n_tokens = 1, .start_pos = pos, .block_table = table,
-                           .n_blocks = (int32_t)need};
-        int32_t cur = next;
-        s.tokens = &cur;
-        if ((st = kvf_model_forward(fwd, &s, 1, pool, n_blocks, NULL, &next, &err)) != KVF_OK)
-            break;
-        pos++;
+        if (!done && !kvf_engine_busy(eng))
+            done = true;
     }
+    if (detok && st == KVF_OK) {
+        kvf_sbuf_reset(&piece);
+        if (kvf_model_detok_finish(detok, &piece, &err) == KVF_OK && piece.len)
+            fwrite(piece.data, 1, piece.len, stdout);
+        printf("\n");
+    }
+    kvf_sbuf_fini(&piece);
     double t_end = kvf_now_s();
-    free(table);
     if (st != KVF_OK)
         goto fail;
-    fprintf(stderr, "kvfleet: prefill %d tokens in %.1f ms (%.1f tokens/s); decode %d tokens in %.1f ms (%.1f tokens/s)\n",
-            n_prompt, (t_first - t0) * 1e3, n_prompt / (t_first - t0 > 0 ? t_first - t0 : 1e-9), n_out - 1,
-            (t_end - t_first) * 1e3, (n_out - 1) / (t_end - t_first > 0 ? t_end - t_first : 1e-9));
+    if (t_first == 0)
+        t_first = t_end;
+    fprintf(stderr, "kvfleet: prefill %d tokens in %.1f ms (%.1f tokens/s); decode %d tokens in %.1f ms (%.1f tokens/s); finish %s\n",
+            n_prompt, (t_first - t0) * 1e3, n_prompt / (t_first - t0 > 0 ? t_first - t0 : 1e-9), n_out > 0 ? n_out - 1 : 0,
+            (t_end - t_first) * 1e3, (n_out > 1 ? n_out - 1 : 0) / (t_end - t_first > 0 ? t_end - t_first : 1e-9), finish);
 
     char *text = NULL;
-    if (tok && kvf_model_tokenizer_decode(tok, out, (size_t)n_out, true, &text, NULL, &err) != KVF_OK) {
+    if (c.json && tok && kvf_model_tokenizer_decode(tok, out, (size_t)n_out, true, &text, NULL, &err) != KVF_OK) {
         kvf_log(KVF_LOG_WARN, "generate: cannot show the output as text: %s", err.msg);
         text = NULL;
     }
@@ -286,8 +321,8 @@ int kvf_cli_generate(int argc, char **argv)
         printf("%s\n", s ? s : "{}");
         free(s);
         json_decref(j);
-    } else if (text) {
-        printf("%s\n", text);
+    } else if (detok) {
+        /* already streamed */
     } else {
         for (int32_t i = 0; i < n_out; i++)
             printf("%s%d", i ? "," : "", out[i]);
@@ -299,11 +334,8 @@ int kvf_cli_generate(int argc, char **argv)
 fail:
     rc = kvf_cli_exit(st, &err);
 done:
-    if (pool)
-        be->free(ctx, pool);
-    kvf_model_fwd_destroy(fwd);
-    if (ctx)
-        be->destroy(ctx);
+    kvf_model_detok_destroy(detok);
+    kvf_engine_destroy(eng);
     kvf_model_tokenizer_destroy(tok);
     kvf_model_destroy(m);
     free(prompt);

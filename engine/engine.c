@@ -238,7 +238,7 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
         goto fail;
     if (cfg->swap_slots > 0 && (st = kvf_kv_swap_create(e->pool, cfg->swap_slots, &e->swap, err)) != KVF_OK)
         goto fail;
-    kvf_backend_opts bo = {.n_threads = cfg->threads};
+    kvf_backend_opts bo = {.n_threads = cfg->threads, .half_weights = cfg->half_weights};
     if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
         goto fail;
     kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens, .max_seqs = cfg->max_seqs,

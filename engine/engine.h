@@ -57,6 +57,7 @@ typedef struct kvf_engine_cfg {
     bool prefix_cache;        /* reuse cached full blocks of a prompt's prefix (default on) */
     kvf_engine_preempt preempt;
     int32_t threads; /* backend threads; 0: one per online CPU */
+    bool half_weights; /* keep F16/BF16 matrices as stored (half the memory, slower decode) */
     const char *model_id; /* for the block hash root (DESIGN.md s.3); NULL: "" */
     /* KV events of the pool (STORED/REMOVED), for a worker that publishes them; may be NULL. */
     kvf_kv_event_fn on_event;
