@@ -798,6 +798,102 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     assert_int_equal(proc_stop(&dec), 0);
 }
 
+/* Generate without cmocka asserts (for threads): the final status; tokens into out. */
+typedef struct gen_job {
+    const char *target, *hint;
+    char id[64];
+    int32_t prompt[256], want[64], got[64];
+    size_t n_prompt;
+    int32_t n_got;
+    kvf_status st;
+} gen_job;
+
+static void *gen_thread(void *arg)
+{
+    gen_job *g = arg;
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    g->st = kvf_rpc_channel_create(g->target, NULL, &ch, &e);
+    if (g->st != KVF_OK)
+        return NULL;
+    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = 24;
+    sp.ignore_eos = true;
+    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
+    ph.address = (char *)g->hint;
+    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    rq.request_id = g->id;
+    rq.n_token_ids = g->n_prompt;
+    rq.token_ids = g->prompt;
+    rq.sampling = &sp;
+    rq.prefill = &ph;
+    kvf_rpc_buf b = {0};
+    kvf_rpc_stream *s = NULL;
+    if ((g->st = kvf_rpc_msg_encode(&rq, &b, &e)) == KVF_OK)
+        g->st = kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e);
+    kvf_rpc_buf_free(&b);
+    while (g->st == KVF_OK) {
+        bool done = false;
+        kvf_rpc_buf m = {0};
+        g->st = kvf_rpc_stream_read(s, 60000, &m, &done, &e);
+        if (done || g->st != KVF_OK)
+            break;
+        Kvfleet__V1__GenerateResponse *r = NULL;
+        if ((g->st = kvf_rpc_generate_response_decode(m.data, m.len, &r, &e)) == KVF_OK) {
+            for (size_t i = 0; i < r->n_token_ids && g->n_got < 64; i++)
+                g->got[g->n_got++] = r->token_ids[i];
+            kvf_rpc_msg_free(r);
+        }
+        kvf_rpc_buf_free(&m);
+    }
+    kvf_rpc_stream_destroy(s);
+    kvf_rpc_channel_destroy(ch);
+    return NULL;
+}
+
+static void test_concurrent_disaggregated(void **state)
+{
+    (void)state;
+    const char *model = "tiny-mha-tied-f32";
+    proc dec = {0}, pre = {0};
+    proc_start(&pre, "prefill", model, NULL);
+    proc_start(&dec, "decode", model, "--local-prefill-max-tokens", "0", NULL);
+    json_t *exp = load_expected(model);
+    json_t *cases = json_object_get(exp, "cases");
+    enum { N_JOBS = 14 }; /* every case twice, all at once */
+    static gen_job jobs[N_JOBS];
+    pthread_t th[N_JOBS];
+    size_t nc = json_array_size(cases);
+    for (int i = 0; i < N_JOBS; i++) {
+        gen_job *g = &jobs[i];
+        memset(g, 0, sizeof *g);
+        json_t *cs = json_array_get(cases, (size_t)i % nc);
+        size_t nw;
+        ids_of(json_object_get(cs, "prompt"), g->prompt, &g->n_prompt);
+        ids_of(json_object_get(cs, "greedy"), g->want, &nw);
+        g->target = dec.grpc;
+        g->hint = pre.grpc;
+        snprintf(g->id, sizeof g->id, "conc-%d", i);
+        assert_int_equal(pthread_create(&th[i], NULL, gen_thread, g), 0);
+    }
+    for (int i = 0; i < N_JOBS; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < N_JOBS; i++) {
+        assert_int_equal(jobs[i].st, KVF_OK);
+        assert_int_equal(jobs[i].n_got, 24);
+        for (int t = 0; t < 24; t++)
+            if (jobs[i].got[t] != jobs[i].want[t])
+                fail_msg("%s: token %d is %d, the fixture says %d", jobs[i].id, t, jobs[i].got[t],
+                         jobs[i].want[t]);
+    }
+    assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") == 0);
+    assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") >= N_JOBS);
+    assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
+    json_decref(exp);
+    assert_int_equal(proc_stop(&dec), 0);
+    assert_int_equal(proc_stop(&pre), 0);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -809,6 +905,7 @@ int main(void)
         cmocka_unit_test_teardown(test_watch_kv_snapshot_and_deltas, kill_leftovers),
         cmocka_unit_test_teardown(test_shutdown_mid_stream, kill_leftovers),
         cmocka_unit_test_teardown(test_cancel_rpc_health_and_deadline, kill_leftovers),
+        cmocka_unit_test_teardown(test_concurrent_disaggregated, kill_leftovers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
