@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -150,6 +152,31 @@ static int wait_ready(child *cs, int n, int64_t timeout_s)
             }
         }
     }
+}
+
+/* GET /ready on host:port answers 200 (one short connection). */
+static bool router_ready(const char *addr)
+{
+    char host[256];
+    const char *colon = strrchr(addr, ':');
+    if (!colon)
+        return false;
+    snprintf(host, sizeof host, "%.*s", (int)(colon - addr), addr);
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (getaddrinfo(host, colon + 1, &hints, &res) != 0)
+        return false;
+    int fd = socket(res->ai_family, SOCK_STREAM, 0);
+    bool ok = false;
+    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+        const char req[] = "GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+        char buf[64] = {0};
+        if (write(fd, req, sizeof req - 1) == (ssize_t)(sizeof req - 1) && read(fd, buf, sizeof buf - 1) > 12)
+            ok = strncmp(buf + 9, "200", 3) == 0;
+    }
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(res);
+    return ok;
 }
 
 /* True when `self role --help` mentions --flag. */
@@ -377,6 +404,16 @@ int kvf_cli_up(int argc, char **argv)
             rc = g_stop ? 0 : 1;
             goto out;
         }
+    }
+    /* The router listens; wait until it reaches a decode worker (its /ready). */
+    for (int64_t end = kvf_now_ns() + c.ready_timeout_s * 1000000000LL; !router_ready(cs[n - 1].ready);) {
+        int status;
+        if (g_stop || kvf_now_ns() > end || waitpid(cs[n - 1].pid, &status, WNOHANG) == cs[n - 1].pid) {
+            fprintf(stderr, "kvfleet up: the router never became ready (no decode worker answered)\n");
+            rc = g_stop ? 0 : 1;
+            goto out;
+        }
+        kvf_sleep_ms(100);
     }
     printf("kvfleet up: serving %s with %d prefill + %d decode workers at http://%s\n"
            "  curl http://%s/v1/completions -H 'Content-Type: application/json' \\\n"

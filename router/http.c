@@ -5,6 +5,7 @@
 
 #include <ctype.h>
 #include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
 #include <event2/http.h>
 #include <event2/keyvalq_struct.h>
@@ -14,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
@@ -60,6 +62,7 @@ typedef struct rq {
     double t0;
     int64_t cached_tokens;
     uint32_t overlap; /* prompt blocks the index says the decode worker holds */
+    int64_t next_peek_ns;
     size_t max_stop;
     struct rq *prev, *next;
 } rq;
@@ -239,7 +242,8 @@ static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet_
             w->snap_p = pp;
             w->snap_cap = cap;
         }
-        memcpy(w->snap_h + w->snap_n, e->block_hashes, e->n_block_hashes * sizeof *w->snap_h);
+        if (e->n_block_hashes)
+            memcpy(w->snap_h + w->snap_n, e->block_hashes, e->n_block_hashes * sizeof *w->snap_h);
         for (size_t i = 0; i < e->n_block_hashes; i++)
             w->snap_p[w->snap_n + i] = i < e->n_parent_hashes ? e->parent_hashes[i] : 0;
         w->snap_n += e->n_block_hashes;
@@ -600,7 +604,7 @@ static void emit_seq(kvf_router_http *h, rq *r, int32_t idx)
         .index = idx,
         .text = s->text.data ? s->text.data + s->emitted : "",
         .text_len = end - s->emitted,
-        .token_ids = s->ids + s->ids_emitted,
+        .token_ids = s->ids ? s->ids + s->ids_emitted : NULL,
         .n_ids = s->n_ids - s->ids_emitted,
         .finish = s->done ? s->finish : KVF_ROUTER_OAI_FINISH_NONE,
         .first_chunk = !s->first_sent,
@@ -672,7 +676,8 @@ static void handle_msg(kvf_router_http *h, rq *r, const Kvfleet__V1__GenerateRes
         s->ids = ids;
         s->cap = cap;
     }
-    memcpy(s->ids + s->n_ids, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    if (m->n_token_ids)
+        memcpy(s->ids + s->n_ids, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
     s->n_ids += m->n_token_ids;
     kvf_metric_add(h->m_gen_tokens, (double)m->n_token_ids);
     size_t prev = s->text.len;
@@ -842,9 +847,26 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
     return true;
 }
 
+/* libevent does not always watch a connection for EOF while its request waits for an answer:
+ * every 20 ms a waiting plain request peeks at its socket (0 bytes readable = the client left). */
+static void peek_gone(rq *r)
+{
+    int64_t now = kvf_now_ns();
+    if (r->client_gone || r->oai.stream || now < r->next_peek_ns)
+        return;
+    r->next_peek_ns = now + 20000000;
+    struct evhttp_connection *c = evhttp_request_get_connection(r->ev);
+    struct bufferevent *bev = c ? evhttp_connection_get_bufferevent(c) : NULL;
+    evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
+    char b;
+    if (fd >= 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+        on_close(c, r);
+}
+
 /* Reads what the request's stream has; returns after the request is answered or idle. */
 static void pump(kvf_router_http *h, rq *r)
 {
+    peek_gone(r);
     for (;;) {
         if (r->client_gone) {
             finish_gone(h, r);
@@ -1103,6 +1125,17 @@ static void on_request(struct evhttp_request *ev, void *arg)
 {
     kvf_router_http *h = arg;
     const char *uri = evhttp_request_get_uri(ev);
+    if (!uri) {
+        /* libevent calls back again, without a URI, when a connection fails with a buffer
+         * error: a request of ours is answered when its turn comes; others get a 400 */
+        for (rq *r = h->reqs; r; r = r->next)
+            if (r->ev == ev) {
+                on_close(NULL, r);
+                return;
+            }
+        evhttp_send_error(ev, 400, NULL);
+        return;
+    }
     char path[256];
     size_t n = strcspn(uri, "?");
     snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
