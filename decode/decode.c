@@ -143,7 +143,8 @@ static void start_local(kvf_decode *d, dreq *q)
     }
     q->eng_id = er.id;
     kvf_metric_add(d->m_local, 1);
-    kvf_log(KVF_LOG_DEBUG, "decode: req %s: local prefill of %d tokens", q->id, q->n_prompt);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: local prefill of %d tokens (engine req %llu)", q->id,
+            q->n_prompt, (unsigned long long)er.id);
 }
 
 static void fallback(kvf_decode *d, dreq *q, const char *why)
@@ -346,8 +347,9 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
         release(d, q);
         return false;
     }
-    kvf_log(KVF_LOG_DEBUG, "decode: req %s: remote prefill on %s: %d tokens, %d of %d blocks cached here",
-            q->id, q->hint, q->n_prompt, q->n_cached_blocks, nb);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: remote prefill on %s: %d tokens, %d of %d blocks cached "
+            "here (engine req and transfer %llu)", q->id, q->hint, q->n_prompt, q->n_cached_blocks, nb,
+            (unsigned long long)q->tid);
     return true;
 }
 
