@@ -580,6 +580,7 @@ static void *loop_main(void *arg)
         if (stopping)
             break;
         int work = run_jobs(w);
+        bool engine_work = false;
         if (w->engine && kvf_engine_busy(w->engine)) {
             const kvf_engine_output *outs = NULL;
             int32_t n_out = 0;
@@ -591,7 +592,11 @@ static void *loop_main(void *arg)
             for (int32_t i = 0; i < n_out; i++)
                 if (w->hooks.on_output)
                     w->hooks.on_output(w->hooks.ctx, &outs[i]);
-            work++;
+            /* sequences waiting only for a remote prefill keep the engine "busy" without giving
+             * a step anything to run: the loop may sleep then (the transfer or reply wakes it) */
+            kvf_engine_stats es;
+            kvf_engine_get_stats(w->engine, &es);
+            engine_work = n_out > 0 || es.running + es.waiting + es.swapped > 0;
         }
         work += xfer_pass(w);
         if (w->hooks.on_tick)
@@ -599,7 +604,7 @@ static void *loop_main(void *arg)
         kvf_worker_flush_events(w);
         publish_load(w);
         watchers_pass(w);
-        if (work > 0 || (w->engine && kvf_engine_busy(w->engine)))
+        if (work > 0 || engine_work)
             continue;
         /* idle: sleep on the wake pipe and the transport's fd, at most 10 ms (deadlines) */
         struct pollfd p[2] = {{.fd = w->wake_rd, .events = POLLIN}, {.fd = -1, .events = POLLIN}};
