@@ -277,7 +277,7 @@ static bool contains(rstate *R, const jnode *n, jv hay, jv needle, bool *out)
         return true;
     case JV_DICT:
     case JV_NS: *out = jv_dict_get(hay.u.d, needle) != NULL; return true;
-    case JV_UNDEF: return undef_err(R, n, hay);
+    case JV_UNDEF: *out = false; return true; /* iterates as empty */
     default: return rfail(R, n, "argument of type '%s' is not iterable", jv_type_name(hay));
     }
 }
@@ -807,7 +807,7 @@ static void put_cp(kvf_sbuf *b, uint32_t cp)
     kvf_sbuf_append(b, tmp, (size_t)(k > 0 ? k : 0));
 }
 
-/* mode: 'u' upper, 'l' lower, 't' Python title(), 'c' capitalize() */
+/* mode: 'u' upper, 'l' lower, 't' Python's str.title(), 'T' Jinja's title filter, 'c' capitalize() */
 static bool str_case(rstate *R, const jnode *n, const jstr *s, char mode, jv *out)
 {
     kvf_sbuf b;
@@ -833,10 +833,16 @@ static bool str_case(rstate *R, const jnode *n, const jstr *s, char mode, jv *ou
             r = prev_cased ? utf8proc_tolower(c) : utf8proc_totitle(c);
             prev_cased = is_cased_cat(utf8proc_category(c));
             break;
+        case 'T': { /* Jinja's title filter: chunks split at runs of [-\s({[<], first char upper */
+            bool delim = c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || ju_is_space(cp);
+            r = delim ? c : prev_cased ? utf8proc_tolower(c) : utf8proc_toupper(c);
+            prev_cased = !delim; /* inside a chunk after its first character */
+            break;
+        }
         }
         if (mode == 'c' && first)
             r = utf8proc_toupper(c) == c ? utf8proc_totitle(c) : utf8proc_toupper(c);
-        if (c == 0xdf && (mode == 'u' || ((mode == 't' || mode == 'c') && r != utf8proc_tolower(c))))
+        if (c == 0xdf && (mode == 'u' || ((mode == 't' || mode == 'c' || mode == 'T') && r != utf8proc_tolower(c))))
             kvf_sbuf_puts(&b, mode == 'u' ? "SS" : "Ss"); /* Python's special casing of sharp s */
         else
             put_cp(&b, (uint32_t)r);
@@ -1001,12 +1007,19 @@ static bool run_test(rstate *R, const jnode *n, const char *name, jv v, args *a,
     else if (!strcmp(name, "true")) *out = v.t == JV_BOOL && v.u.b;
     else if (!strcmp(name, "false")) *out = v.t == JV_BOOL && !v.u.b;
     else if (!strcmp(name, "callable")) *out = v.t == JV_MACRO;
-    else if (!strcmp(name, "lower")) *out = v.t == JV_STR && str_all_case(v.u.s, false);
-    else if (!strcmp(name, "upper")) *out = v.t == JV_STR && str_all_case(v.u.s, true);
-    else if (!strcmp(name, "odd") || !strcmp(name, "even")) {
-        if (v.t != JV_INT && v.t != JV_BOOL)
-            return rfail(R, n, "test '%s' needs an integer, not %s", name, jv_type_name(v));
-        *out = (num_i(v) & 1) == (name[0] == 'o');
+    else if (!strcmp(name, "lower") || !strcmp(name, "upper")) { /* str(value).islower() */
+        jv sv;
+        if (!to_str(R, n, v, &sv))
+            return false;
+        *out = str_all_case(sv.u.s, name[0] == 'u');
+        jv_release(sv);
+    }
+    else if (!strcmp(name, "odd") || !strcmp(name, "even")) { /* value % 2 == 1 (or 0) */
+        jv r;
+        if (!binop(R, n, JOP_MOD, v, jv_int(2), &r))
+            return false;
+        *out = jv_equal(r, jv_int(name[0] == 'o' ? 1 : 0));
+        jv_release(r);
     } else if (!strcmp(name, "divisibleby")) {
         if ((v.t != JV_INT && v.t != JV_BOOL) || !x || (x->t != JV_INT && x->t != JV_BOOL) || num_i(*x) == 0)
             return rfail(R, n, "test 'divisibleby' needs integers and a non-zero divisor");
@@ -1103,8 +1116,11 @@ static bool f_tojson(rstate *R, const jnode *n, jv v, args *a, jv *out)
 static bool f_indent(rstate *R, const jnode *n, jv v, args *a, jv *out)
 {
     jv s;
-    if (!to_str(R, n, v, &s))
-        return false;
+    if (v.t == JV_UNDEF)
+        return undef_err(R, n, v);
+    if (v.t != JV_STR)
+        return rfail(R, n, "indent: expected a string, not %s", jv_type_name(v));
+    s = jv_retain(v);
     jv *w = arg(a, 0, "width");
     kvf_sbuf ind;
     kvf_sbuf_init(&ind);
@@ -1197,6 +1213,8 @@ static bool f_select(rstate *R, const jnode *n, jv v, args *a, bool by_attr, boo
     args targs = {0};
     for (size_t i = base + 1; i < a->n_pos; i++)
         targs.pos[targs.n_pos++] = a->pos[i];
+    if (!jv_truthy(v)) /* as Jinja: a falsy value is an empty sequence here */
+        return jv_list_new(0, out) ? true : room(R);
     jv items;
     if (!iter_list(R, n, v, &items))
         return false;
@@ -1233,6 +1251,8 @@ static bool f_map(rstate *R, const jnode *n, jv v, args *a, jv *out)
     args fargs = {0};
     for (size_t i = 1; !attr && i < a->n_pos; i++)
         fargs.pos[fargs.n_pos++] = a->pos[i];
+    if (!jv_truthy(v))
+        return jv_list_new(0, out) ? true : room(R);
     jv items;
     if (!iter_list(R, n, v, &items))
         return false;
@@ -1375,7 +1395,8 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv s;
         if (!to_str(R, n, v, &s))
             return false;
-        bool ok = str_case(R, n, s.u.s, name[0] == 'l' ? 'l' : name[0] == 'u' ? 'u' : name[0] == 'c' ? 'c' : 't', out);
+        /* the title filter is Jinja's own, not str.title() */
+        bool ok = str_case(R, n, s.u.s, name[0] == 'l' ? 'l' : name[0] == 'u' ? 'u' : name[0] == 'c' ? 'c' : 'T', out);
         jv_release(s);
         return ok;
     }
@@ -1443,6 +1464,8 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
     }
     if (!strcmp(name, "int") || !strcmp(name, "float")) {
         jv *def = arg(a, 0, "default");
+        if (v.t == JV_UNDEF)
+            return undef_err(R, n, v);
         bool is_int = name[0] == 'i';
         if (v.t == JV_INT || v.t == JV_BOOL) {
             *out = is_int ? jv_int(num_i(v)) : jv_float((double)num_i(v));
@@ -1555,17 +1578,25 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(pairs);
         return ok;
     }
-    if (!strcmp(name, "wordcount")) {
-        jv s, words;
+    if (!strcmp(name, "wordcount")) { /* runs of \w: letters, digits, underscore */
+        jv s;
         if (!to_str(R, n, v, &s))
             return false;
-        bool ok = str_split(R, n, s.u.s, NULL, -1, &words);
-        jv_release(s);
-        if (ok) {
-            *out = jv_int((int64_t)words.u.l->n);
-            jv_release(words);
+        int64_t words = 0;
+        bool in_word = false;
+        for (size_t i = 0; i < s.u.s->len;) {
+            uint32_t cp;
+            i = ju_next(s.u.s->s, s.u.s->len, i, &cp);
+            int cat = cp <= 0x10ffff ? utf8proc_category((utf8proc_int32_t)cp) : 0;
+            bool w = cp == '_' || (cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO) ||
+                     (cat >= UTF8PROC_CATEGORY_ND && cat <= UTF8PROC_CATEGORY_NO);
+            if (w && !in_word)
+                words++;
+            in_word = w;
         }
-        return ok;
+        jv_release(s);
+        *out = jv_int(words);
+        return true;
     }
     return rfail(R, n, "unknown filter '%s'", name);
 }

@@ -239,6 +239,10 @@ static const jcase cases_filters[] = {
      "{{ calls | map(attribute='nope', default='D') | list }}|{{ calls | sort(attribute='function.name') | map(attribute='function.name') | join }}",
      "{\"calls\": [{\"function\": {\"name\": \"b\", \"args\": [1]}}, {\"function\": {\"name\": \"a\", \"args\": []}}]}",
      "b,a|1|['D', 'D']|ab"},
+    {"{{ '[hello] it''s (a-b) wORLD' | title }}|{{ 'one, two_three 4' | wordcount }}|{{ {'a': 1} is lower }}|"
+     "{{ 1.0 is odd }}|{{ false | map('string') | list }}|{{ 0 | select | list }}|{{ 1 in ([] | first) }}",
+     "{}",
+     "[Hello] Its (A-B) World|3|True|True|[]|[]|False"},
     {NULL, NULL, NULL},
 };
 
@@ -397,6 +401,8 @@ static void test_render_errors_name_position(void **state)
     expect_fail("{{ undefined_fn(1) }}", "{}", KVF_ERR_STATE, "'undefined_fn' is undefined", NULL);
     expect_fail("{{ x | tojson }}", "{}", KVF_ERR_STATE, "'x' is undefined", NULL);
     expect_fail("{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}", "{}", KVF_ERR_STATE, "at most 1", NULL);
+    expect_fail("{{ 5 | indent }}", "{}", KVF_ERR_STATE, "indent: expected a string, not int", NULL);
+    expect_fail("{{ u | int }}", "{}", KVF_ERR_STATE, "'u' is undefined", NULL);
 }
 
 static void test_raise_exception(void **state)
