@@ -209,10 +209,31 @@ URL=$(sed -n 's/.*at \(http:[^ ]*\).*/\1/p' "$TMP/up.out" | head -1)
 wait_ready "$URL"
 check_fixture "$URL" tiny-gqa-f32 0 || fail "kvfleet up: fixture"
 pass "kvfleet up: serves the fixture's greedy ids"
+kids=$(pgrep -P "$UP" | tr '\n' ' ')
+[ -n "$kids" ] || fail "kvfleet up has no children"
 kill -INT "$UP"
 for _ in $(seq 100); do kill -0 "$UP" 2>/dev/null || break; sleep 0.1; done
 kill -0 "$UP" 2>/dev/null && fail "kvfleet up still running 10 s after Ctrl-C"
 wait "$UP" && rc=0 || rc=$?
 expect_eq "kvfleet up: exit status after Ctrl-C" "$rc" 0
-expect_eq "kvfleet up: no child left" "$(pgrep -P "$UP" | wc -l)" 0
+alive=0; for k in $kids; do kill -0 "$k" 2>/dev/null && alive=$((alive + 1)); done
+expect_eq "kvfleet up: no child left ($kids)" "$alive" 0
+# --- kvfleet up: a child that dies stops the fleet, saying which ------------------------------
+"$KVF_BIN" up --model "$M" --prefill 0 --decode 2 --port 0 >"$TMP/up2.out" 2>"$TMP/up2.err" &
+UP2=$!
+PIDS+=("$UP2")
+for _ in $(seq 300); do grep -q "serving" "$TMP/up2.out" && break; sleep 0.1; done
+grep -q "serving" "$TMP/up2.out" || fail "kvfleet up (2 decode) never served"
+victim=$(pgrep -P "$UP2" -f "kvfleet decode" | head -1)
+[ -n "$victim" ] || victim=$(for p in $(pgrep -P "$UP2"); do grep -q decode "/proc/$p/cmdline" && echo "$p"; done | head -1)
+[ -n "$victim" ] || fail "no decode child of kvfleet up found"
+kids=$(pgrep -P "$UP2" | tr '\n' ' ')
+kill -9 "$victim"
+for _ in $(seq 150); do kill -0 "$UP2" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$UP2" 2>/dev/null && fail "kvfleet up still running 15 s after a worker died"
+wait "$UP2" && rc=0 || rc=$?
+expect_eq "kvfleet up: exit status after a worker died" "$rc" 1
+expect_contains "kvfleet up: says which child died" "$(cat "$TMP/up2.err")" "was killed by signal 9; stopping the fleet"
+alive=0; for k in $kids; do kill -0 "$k" 2>/dev/null && alive=$((alive + 1)); done
+expect_eq "kvfleet up: no child left after a worker died ($kids)" "$alive" 0
 finish
