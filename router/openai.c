@@ -301,6 +301,25 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
         }
         req->include_usage = json_is_true(iu);
     }
+    if (so && !json_is_null(so) && !req->stream) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "stream_options", "invalid_value",
+                                      "'stream_options' is only allowed when 'stream' is true");
+        goto fail;
+    }
+    /* Features this server does not have are refused rather than silently ignored. */
+    const json_t *lp = json_object_get(o, "logprobs"), *echo = json_object_get(o, "echo");
+    if ((lp && !json_is_null(lp) && !json_is_false(lp) && !(json_is_integer(lp) && json_integer_value(lp) == 0)) ||
+        (kind == KVF_ROUTER_OAI_CHAT && json_is_integer(json_object_get(o, "top_logprobs")) &&
+         json_integer_value(json_object_get(o, "top_logprobs")) > 0)) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "logprobs", "unsupported_parameter",
+                                      "'logprobs' are not supported by this server (leave it null, false or 0)");
+        goto fail;
+    }
+    if (echo && !json_is_null(echo) && !json_is_false(echo)) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "echo", "unsupported_parameter",
+                                      "'echo' is not supported by this server (leave it false)");
+        goto fail;
+    }
     const json_t *salt = json_object_get(o, "cache_salt");
     if (salt && !json_is_null(salt)) {
         if (!json_is_string(salt)) {

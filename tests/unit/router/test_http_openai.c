@@ -103,6 +103,12 @@ static void test_parse_errors(void **state)
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"stream_options\":{\"include_usage\":\"y\"}}", 400,
                "stream_options.include_usage", "a boolean");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"model\":\"n\"}", 400, "", "duplicate");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"stream_options\":{\"include_usage\":true}}", 400,
+               "stream_options", "only allowed when 'stream' is true");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logprobs\":5}", 400, "logprobs", "not supported");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"echo\":true}", 400, "echo", "not supported");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true}", 400,
+               "logprobs", "not supported");
     expect_bad(H, "{\"model\":\"m\"}", 400, "messages", "'messages' is required");
     expect_bad(H, "{\"model\":\"m\",\"messages\":\"hi\"}", 400, "messages", "an array");
     expect_bad(H, "{\"model\":\"m\",\"messages\":[]}", 400, "messages", "empty");
