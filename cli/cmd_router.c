@@ -29,11 +29,11 @@ static const kvf_cfg_opt router_opts[] = {
     {"max-model-len", "0", "context length (0: the model's max_position_embeddings)", offsetof(router_cfg, h.max_model_len), KVF_CFG_INT},
     {"chat-template", NULL, "built-in chat template when the model has none (llama2, llama3, chatml, mistral)", offsetof(router_cfg, h.chat_family), KVF_CFG_STR},
     {"max-inflight", "256", "requests per decode worker before it counts as saturated (then 429)", offsetof(router_cfg, h.max_inflight), KVF_CFG_INT},
-    {"max-attempts", "3", "decode workers tried before the first token", offsetof(router_cfg, h.max_attempts), KVF_CFG_INT},
+    {"max-attempts", "3", "decode workers tried per request (a failure before the first token, or mid-stream with n = 1, moves it)", offsetof(router_cfg, h.max_attempts), KVF_CFG_INT},
     {"request-timeout-ms", "600000", "deadline of one generation (0: none)", offsetof(router_cfg, h.request_timeout_ms), KVF_CFG_INT64},
     {"health-interval-ms", "1000", "Health check period per worker", offsetof(router_cfg, h.fleet.health_interval_ms), KVF_CFG_INT64},
     {"resolve-interval-ms", "5000", "DNS re-resolution period", offsetof(router_cfg, h.fleet.resolve_interval_ms), KVF_CFG_INT64},
-    KVF_RPC_TLS_CFG_OPTS(router_cfg, tls),
+    {"tls-ca", NULL, "PEM CA roots: call the workers over TLS and check their certificate", offsetof(router_cfg, tls.ca_file), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
     {NULL},
 };
