@@ -321,9 +321,27 @@ static void test_colocated_and_disaggregated(void **state)
     }
 }
 
+/* CPU seconds a process has used (user + system). */
+static double cpu_s(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* fields after the command name */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return -1;
+    return (double)(ut + st) / (double)sysconf(_SC_CLK_TCK);
+}
+
 static void *kill_later(void *arg)
 {
-    kvf_sleep_ms(1000);
+    kvf_sleep_ms(2000);
     kill(*(pid_t *)arg, SIGKILL);
     return NULL;
 }
@@ -342,7 +360,8 @@ static void test_prefill_killed_falls_back(void **state)
     size_t np, nw;
     ids_of(json_object_get(cs, "prompt"), prompt, &np);
     ids_of(json_object_get(cs, "greedy"), want, &nw);
-    /* the prefill worker sleeps 5 s in the request; a thread kills it after 1 s */
+    /* the prefill worker sleeps 5 s in the request; a thread kills it after 2 s */
+    double cpu0 = cpu_s(dec.pid);
     pthread_t killer;
     assert_int_equal(pthread_create(&killer, NULL, kill_later, &pre.pid), 0);
     int64_t t0 = kvf_now_ns();
@@ -359,6 +378,10 @@ static void test_prefill_killed_falls_back(void **state)
     for (int32_t i = 0; i < ng; i++)
         assert_int_equal(got[i], want[i]);
     assert_true(s < 20.0); /* well before the 30 s prefill timeout: the loss was noticed */
+    /* decode slept while it waited (a spinning loop burns the 2 s of the wait) */
+    double cpu = cpu_s(dec.pid) - cpu0;
+    if (cpu >= 1.0)
+        fail_msg("decode used %.2f s of CPU during a %.2f s request mostly spent waiting", cpu, s);
     assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") >= 1);
     assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
     assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
