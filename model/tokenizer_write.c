@@ -290,6 +290,21 @@ kvf_status kvf_model_tokenizer_write_default(const char *dir, int32_t vocab_size
     int32_t id = (int32_t)t.n_tok;
     for (int i = 0; i < 4; i++, id++)
         json_array_append_new(added, added_token(id, specials[i]));
+    /* The rest of the vocabulary: words glued from two learned tokens. No merge makes them, so
+     * encoding never produces them, but they decode to text, so a random-weight model prints
+     * word salad rather than nothing. When the pairs run out, reserved special tokens fill. */
+    size_t n_learned = t.n_tok > 256 ? t.n_tok - 256 : 0;
+    uint64_t rng = 0x9E3779B97F4A7C15ull;
+    for (int64_t tries = 0; id < vocab_size && n_learned > 0 && tries < 8 * (int64_t)vocab_size; tries++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        const char *a = t.str[256 + (rng >> 33) % n_learned];
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        const char *b = t.str[256 + (rng >> 33) % n_learned];
+        char glued[256];
+        if ((size_t)snprintf(glued, sizeof glued, "%s%s", a, b) >= sizeof glued || json_object_get(vocab, glued))
+            continue;
+        json_object_set_new(vocab, glued, json_integer(id++));
+    }
     for (int32_t r = 0; id < vocab_size; r++, id++) {
         char name[64];
         snprintf(name, sizeof name, "<|reserved_special_token_%d|>", r);
