@@ -9,8 +9,9 @@
 
 int kvf_bench_kv_main(int argc, char **argv); /* bench/kv.c */
 int kvf_bench_engine_main(int argc, char **argv); /* bench/engine.c */
-int kvf_bench_router_main(int argc, char **argv); /* bench/router.c */
 int kvf_bench_xfer_main(int argc, char **argv); /* bench/xfer.c */
+int kvf_bench_router_main(int argc, char **argv); /* bench/router.c */
+int kvf_bench_serve_main(int argc, char **argv); /* bench/serve.c */
 
 /* Bytes per second of a plain sequential read of n bytes (the memory baseline several
  * benchmarks compare with); repeats until at least min_s seconds have passed. */

@@ -16,7 +16,7 @@ static const kvf_cli_bench_entry benches[] = {
     {"engine", kvf_bench_engine_main, "prefill and decode tokens/s, decode memory bandwidth"},
     {"xfer", kvf_bench_xfer_main, "KV block transfer GB/s over UCX vs ucx_perftest"},
     {"router", kvf_bench_router_main, "index ops/s and routing-decision latency"},
-    {"serve", NULL, "TTFT / ITL / throughput through a running fleet"},
+    {"serve", kvf_bench_serve_main, "TTFT / ITL / throughput of fleets it starts (colocated vs disaggregated, kv vs round-robin)"},
     {"attn", NULL, "paged attention bandwidth on a GPU"},
 };
 

@@ -68,7 +68,7 @@ struct kvf_worker {
     kvf_worker_http *http;
     kvf_metrics *metrics;
     kvf_metric *m_free, *m_used, *m_cached, *m_total, *m_running, *m_waiting, *m_steps,
-        *m_watchers, *m_events;
+        *m_watchers, *m_events, *m_prefix_hit;
     kvf_worker_hooks hooks;
     /* loop */
     pthread_t thread;
@@ -450,6 +450,7 @@ static void publish_load(kvf_worker *w)
         kvf_engine_get_stats(w->engine, &es);
         l.running = es.running + es.remote;
         l.waiting = es.waiting + es.swapped;
+        kvf_metric_set(w->m_prefix_hit, es.prefix_hit_tokens);
     }
     l.total_blocks = ps.total;
     l.free_blocks = ps.free;
@@ -782,7 +783,8 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         (st = add_metric(w, 1, "kvfleet_waiting_sequences", "sequences waiting or swapped", &w->m_waiting, err)) ||
         (st = add_metric(w, 0, "kvfleet_engine_steps_total", "engine steps", &w->m_steps, err)) ||
         (st = add_metric(w, 1, "kvfleet_kv_watchers", "open WatchKv streams", &w->m_watchers, err)) ||
-        (st = add_metric(w, 0, "kvfleet_kv_events_total", "KV event messages published", &w->m_events, err)))
+        (st = add_metric(w, 0, "kvfleet_kv_events_total", "KV event messages published", &w->m_events, err)) ||
+        (st = add_metric(w, 0, "kvfleet_engine_prefix_hit_tokens_total", "prompt tokens served from the prefix cache", &w->m_prefix_hit, err)))
         goto fail;
 
     /* gRPC server with the shared handlers; the role adds its own */
