@@ -1,0 +1,61 @@
+/* worker_main.c: what `kvfleet decode` and `kvfleet prefill` share as programs: flags, log
+ * level, signals, the "ready" line with the bound ports, and the orderly shutdown. Each role
+ * passes the two calls that add its service to the worker. */
+#include <signal.h>
+#include <stdio.h>
+
+#include "cli/worker_main.h"
+#include "common/log.h"
+
+int kvf_cli_worker_main(const kvf_cfg_spec *spec, const char *role_name, kvf_worker_role role,
+                        const kvf_cli_worker_role_ops *ops, int argc, char **argv)
+{
+    kvf_worker_cfg c = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_cfg_parse(spec, &c, argc, argv, NULL, &err);
+    if (st != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    int lv = kvf_log_level_parse(c.log_level ? c.log_level : "info");
+    if (lv < 0)
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "%s: --log-level=%s is not one of "
+                                        "debug, info, warn, error, off", role_name, c.log_level), &err);
+    kvf_log_set_level((kvf_log_level)lv);
+    if (ops->check && (st = ops->check(&c, &err)) != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    /* signals are taken by sigwait below: block them before any thread starts */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    kvf_worker *w = NULL;
+    void *svc = NULL;
+    if ((st = kvf_worker_create(&c, role, &w, &err)) != KVF_OK ||
+        (st = ops->create(w, &c, &svc, &err)) != KVF_OK || (st = kvf_worker_start(w, &err)) != KVF_OK) {
+        kvf_worker_shutdown(w);
+        if (svc)
+            ops->destroy(svc);
+        kvf_worker_destroy(w);
+        return kvf_cli_exit(st, &err);
+    }
+    char host[256], ahost[256];
+    int port;
+    kvf_worker_parse_hostport("listen", c.listen, host, sizeof host, &port, &err);
+    kvf_worker_parse_hostport("admin-listen", c.admin_listen, ahost, sizeof ahost, &port, &err);
+    printf("kvfleet %s: ready grpc=%s:%d admin=%s:%d\n", role_name, host, kvf_worker_grpc_port(w), ahost,
+           kvf_worker_admin_port(w));
+    fflush(stdout);
+    int sig = 0;
+    sigwait(&set, &sig);
+    kvf_log(KVF_LOG_INFO, "%s: signal %d: shutting down", role_name, sig);
+    kvf_worker_shutdown(w);
+    kvf_worker_load l;
+    kvf_worker_load_get(w, &l);
+    kvf_log(KVF_LOG_INFO, "%s: stopped; %d of %d blocks held by sequences", role_name, l.used_blocks,
+            l.total_blocks);
+    ops->destroy(svc);
+    kvf_worker_destroy(w);
+    return 0;
+}
