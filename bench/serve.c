@@ -84,7 +84,8 @@ typedef struct serve_result {
     bool ok;
     double ttft_s, end_s;
     int32_t n_out, cap; /* tokens received, room in itl/out_ids */
-    int64_t prompt_tokens, cached_tokens;
+    int64_t prompt_tokens, cached_tokens, usage_out; /* from the last chunk's usage */
+    char finish[16];
     double *itl; /* [n_out - 1] seconds between tokens */
     int32_t *out_ids;
     char err[160];
@@ -132,9 +133,12 @@ static int send_all(int fd, const char *p, size_t n)
 static void on_event(serve_result *r, const char *data, size_t len, double t0, double *t_last)
 {
     json_error_t je;
-    json_t *j = json_loadb(data, len, 0, &je);
-    if (!j)
+    json_t *j = json_loadb(data, len, JSON_ALLOW_NUL, &je); /* a token may decode to a NUL */
+    if (!j) {
+        snprintf(r->err, sizeof r->err, "an SSE event is not JSON (%.60s): %.40s", je.text, data);
+        r->ok = false;
         return;
+    }
     json_t *err = json_object_get(j, "error");
     if (err) {
         json_t *m = json_object_get(err, "message");
@@ -161,9 +165,13 @@ static void on_event(serve_result *r, const char *data, size_t len, double t0, d
             r->out_ids[r->n_out++] = (int32_t)json_integer_value(json_array_get(ids, i));
         *t_last = now;
     }
+    json_t *fr = c0 ? json_object_get(c0, "finish_reason") : NULL;
+    if (json_is_string(fr))
+        snprintf(r->finish, sizeof r->finish, "%s", json_string_value(fr));
     json_t *u = json_object_get(j, "usage");
     if (json_is_object(u)) {
         r->prompt_tokens = json_integer_value(json_object_get(u, "prompt_tokens"));
+        r->usage_out = json_integer_value(json_object_get(u, "completion_tokens"));
         json_t *d = json_object_get(u, "prompt_tokens_details");
         r->cached_tokens = json_integer_value(json_object_get(d, "cached_tokens"));
     }
@@ -259,7 +267,8 @@ static void run_request(const serve_ctx *sc, const int32_t *prompt, int32_t n_pr
         snprintf(r->err, sizeof r->err, "stream ended without [DONE] after %d tokens", r->n_out);
         r->ok = false;
     } else if (r->ok && r->n_out != max_tokens) {
-        snprintf(r->err, sizeof r->err, "%d tokens, asked for %d", r->n_out, max_tokens);
+        snprintf(r->err, sizeof r->err, "%d token ids streamed, asked for %d (prompt %d tokens; usage says %lld, "
+                 "finish_reason %s)", r->n_out, max_tokens, n_prompt, (long long)r->usage_out, r->finish);
         r->ok = false;
     }
 done:
@@ -295,7 +304,7 @@ static void *job_main(void *arg)
 {
     serve_job *jb = arg;
     uint64_t s = jb->seed;
-    int32_t cap = jb->max_pos;
+    int32_t cap = jb->max_pos - 1; /* a sequence may not fill the last position */
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)cap);
     int32_t n = rng_range(&s, jb->p_min, jb->p_max);
     if (!prompt)
@@ -534,20 +543,18 @@ typedef struct serve_conf {
 } serve_conf;
 
 /* The prompt lengths of a configuration's first requests: short 32-128, long 512-1024, a
- * conversation's first turn 192-256; halved (and so on) where the model has fewer positions. */
+ * conversation's first turn 192-256; where the model has fewer positions, the longest that fit
+ * (max_pos - out_max, or half the positions for a conversation's start) and half that. */
 static void prompt_range(const serve_conf *cf, int32_t max_pos, int32_t out_max, int32_t *lo, int32_t *hi)
 {
     *lo = cf->multiturn ? 192 : cf->long_mix ? 512 : 32;
     *hi = cf->multiturn ? 256 : cf->long_mix ? 1024 : 128;
-    int32_t room = cf->multiturn ? max_pos / 2 : max_pos - out_max;
-    while (*hi > room && *lo > 8) {
-        *lo /= 2;
-        *hi /= 2;
-    }
-    if (*hi > room)
+    int32_t room = cf->multiturn ? max_pos / 2 : max_pos - 1 - out_max;
+    if (*hi > room) {
         *hi = room;
-    if (*lo > *hi)
-        *lo = *hi;
+        if (*lo > room / 2)
+            *lo = room / 2 > 1 ? room / 2 : 1;
+    }
 }
 
 static int run_conf(const char *self, const serve_cfg *c, const char *model, const char *model_id,
