@@ -25,7 +25,7 @@ static const kvf_cfg_opt router_opts[] = {
     {"prefill", NULL, "prefill workers: host:port,host:port", offsetof(router_cfg, h.fleet.prefill), KVF_CFG_STR},
     {"decode-dns", NULL, "name:port re-resolved periodically; every address is a decode worker", offsetof(router_cfg, h.fleet.decode_dns), KVF_CFG_STR},
     {"prefill-dns", NULL, "name:port re-resolved periodically; every address is a prefill worker", offsetof(router_cfg, h.fleet.prefill_dns), KVF_CFG_STR},
-    {"policy", "round-robin", "routing policy: round-robin, least-loaded, kv, sticky", offsetof(router_cfg, h.policy), KVF_CFG_STR},
+    {"policy", "kv", "routing policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(router_cfg, h.policy), KVF_CFG_STR},
     {"max-model-len", "0", "context length (0: the model's max_position_embeddings)", offsetof(router_cfg, h.max_model_len), KVF_CFG_INT},
     {"chat-template", NULL, "built-in chat template when the model has none (llama2, llama3, chatml, mistral)", offsetof(router_cfg, h.chat_family), KVF_CFG_STR},
     {"max-inflight", "256", "requests per decode worker before it counts as saturated (then 429)", offsetof(router_cfg, h.max_inflight), KVF_CFG_INT},

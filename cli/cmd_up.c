@@ -37,7 +37,7 @@ static const kvf_cfg_opt up_opts[] = {
     {"decode", "1", "decode workers", offsetof(up_cfg, decode), KVF_CFG_INT},
     {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
     {"host", "127.0.0.1", "the router's address", offsetof(up_cfg, host), KVF_CFG_STR},
-    {"policy", "round-robin", "the router's policy: round-robin, least-loaded, kv, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
+    {"policy", "kv", "the router's policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
     {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
     {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
     {NULL},

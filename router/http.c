@@ -74,6 +74,8 @@ typedef struct kv_watch {
     uint64_t *snap_h, *snap_p;
     size_t snap_n, snap_cap;
     bool have_load;
+    bool synced; /* a snapshot was applied since the stream opened: the index knows this worker */
+    kvf_router_worker_state last_state; /* for logging state changes (stale, resync, live) */
     kvf_router_load load;
 } kv_watch;
 
@@ -110,6 +112,9 @@ struct kvf_router_http {
     kvf_metrics *metrics;
     kvf_metric *m_requests, *m_2xx, *m_4xx, *m_5xx, *m_inflight, *m_retries, *m_disconnects,
         *m_gen_tokens, *m_prompt_tokens, *m_ttft, *m_e2e, *m_decode_up, *m_prefill_up;
+    kvf_metric *m_idx_state[2][3]; /* kv policy: workers live / stale / resync, per role */
+    kvf_metric *m_idx_blocks[2];   /* kv policy: blocks in each role's index */
+    double last_index_health;      /* when index_health last ran from the watch timer */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -200,6 +205,7 @@ static void watch_close(kv_watch *w)
     w->stream = NULL;
     w->snap_n = 0;
     w->have_load = false;
+    w->synced = false;
 }
 
 /* Opens WatchKv on a worker (the worker answers with a snapshot, then deltas and load). */
@@ -267,8 +273,12 @@ static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet_
     kvf_status st = kvf_router_index_apply(kvf_router_pool_index(h->pool[role]), &ev, kvf_now_s(), &err);
     if (st != KVF_OK)
         kvf_log(KVF_LOG_DEBUG, "router: %s", err.msg);
+    else if (ev.kind == KVF_ROUTER_EV_SNAPSHOT)
+        w->synced = true;
     return st != KVF_ERR_STATE;
 }
+
+static int32_t index_health(kvf_router_http *h);
 
 /* Reads every WatchKv stream (kv policy): events into the index, load reports into the pool. */
 static void on_watch(evutil_socket_t fd, short what, void *arg)
@@ -312,6 +322,10 @@ static void on_watch(evutil_socket_t fd, short what, void *arg)
                 }
             }
         }
+    if (now - h->last_index_health >= 1.0) { /* log stale / resync / live changes once a second */
+        h->last_index_health = now;
+        index_health(h);
+    }
 }
 
 /* Brings the policy pools in line with the fleet's health. Loop thread. */
@@ -366,6 +380,43 @@ static void sync_pools(kvf_router_http *h)
             }
         kvf_metric_set(role ? h->m_prefill_up : h->m_decode_up, up);
     }
+}
+
+/* kv policy: counts the index state of every worker in the pools into /metrics, logs each change
+ * of state (a worker whose events and load reports stop goes stale: its entries decay), and
+ * returns how many workers have no snapshot applied yet. Loop thread. */
+static int32_t index_health(kvf_router_http *h)
+{
+    int32_t unsynced = 0;
+    double now = kvf_now_s();
+    for (int role = 0; role < 2; role++) {
+        int32_t count[3] = {0};
+        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS && h->pool[role]; i++) {
+            if (!h->in_pool[role][i])
+                continue;
+            kv_watch *w = &h->watch[role][i];
+            kvf_router_worker_state stt = kvf_router_index_worker_state(kvf_router_pool_index(h->pool[role]), i, now);
+            if (stt != w->last_state && stt != KVF_ROUTER_WORKER_ABSENT)
+                kvf_log(stt == KVF_ROUTER_WORKER_LIVE ? KVF_LOG_INFO : KVF_LOG_WARN,
+                        "router: %s worker %s: KV index %s%s", role ? "prefill" : "decode", h->workers[role][i].address,
+                        kvf_router_worker_state_name(stt),
+                        stt == KVF_ROUTER_WORKER_STALE ? " (no KV event or load report lately; its entries decay)"
+                        : stt == KVF_ROUTER_WORKER_RESYNC ? " (sequence gap; waiting for a fresh snapshot)" : "");
+            w->last_state = stt;
+            count[stt == KVF_ROUTER_WORKER_STALE ? 1 : stt == KVF_ROUTER_WORKER_RESYNC ? 2 : 0] +=
+                stt != KVF_ROUTER_WORKER_ABSENT;
+            unsynced += !w->synced;
+        }
+        for (int k = 0; k < 3; k++)
+            if (h->m_idx_state[role][k])
+                kvf_metric_set(h->m_idx_state[role][k], count[k]);
+        if (h->pool[role] && h->m_idx_blocks[role]) {
+            kvf_router_index_stats is;
+            kvf_router_index_stats_get(kvf_router_pool_index(h->pool[role]), &is);
+            kvf_metric_set(h->m_idx_blocks[role], (double)is.n_blocks);
+        }
+    }
+    return unsynced;
 }
 
 static int32_t n_in_pool(kvf_router_http *h, int role)
@@ -1146,12 +1197,23 @@ static void on_request(struct evhttp_request *ev, void *arg)
     } else if (strcmp(path, "/health") == 0) {
         send_text(h, ev, 200, "text/plain", "ok\n", 3);
     } else if (strcmp(path, "/ready") == 0) {
+        /* Ready when a decode worker answers and, under the kv policy, every worker's snapshot
+         * is in the index: a restarted router does not route blind. */
         int32_t n_up = kvf_router_fleet_n_healthy(h->fleet, KVF_ROUTER_ROLE_DECODE);
-        char b[96];
-        int len = snprintf(b, sizeof b, n_up ? "ready: %d decode workers\n" : "not ready: no decode worker answers\n", n_up);
-        send_text(h, ev, n_up ? 200 : 503, "text/plain", b, (size_t)len);
+        int32_t unsynced = 0;
+        if (h->policy == KVF_ROUTER_POLICY_KV) {
+            sync_pools(h);
+            unsynced = index_health(h);
+        }
+        char b[128];
+        int len = !n_up ? snprintf(b, sizeof b, "not ready: no decode worker answers\n")
+                  : unsynced ? snprintf(b, sizeof b, "not ready: waiting for KV snapshots from %d workers\n", unsynced)
+                             : snprintf(b, sizeof b, "ready: %d decode workers\n", n_up);
+        send_text(h, ev, n_up && !unsynced ? 200 : 503, "text/plain", b, (size_t)len);
     } else if (strcmp(path, "/metrics") == 0) {
         sync_pools(h);
+        if (h->policy == KVF_ROUTER_POLICY_KV)
+            index_health(h);
         kvf_sbuf b;
         kvf_sbuf_init(&b);
         kvf_metrics_render(h->metrics, &b);
@@ -1211,6 +1273,22 @@ static kvf_status add_metrics(kvf_router_http *h, kvf_err *err)
     G(m_prefill_up, "kvfleet_router_healthy_workers", "role=\"prefill\"", "workers passing health checks")
 #undef C
 #undef G
+    static const char *const roles[2] = {"decode", "prefill"}, *const states[3] = {"live", "stale", "resync"};
+    for (int r = 0; r < 2; r++) {
+        char labels[64];
+        for (int k = 0; k < 3; k++) {
+            snprintf(labels, sizeof labels, "role=\"%s\",state=\"%s\"", roles[r], states[k]);
+            if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_workers", labels,
+                                        "kv policy: workers by the state of their KV events (stale: events and load "
+                                        "reports stopped, entries decaying; resync: waiting for a snapshot)",
+                                        &h->m_idx_state[r][k], err)) != KVF_OK)
+                return st;
+        }
+        snprintf(labels, sizeof labels, "role=\"%s\"", roles[r]);
+        if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_blocks", labels, "kv policy: blocks in the index",
+                                    &h->m_idx_blocks[r], err)) != KVF_OK)
+            return st;
+    }
     if ((st = kvf_metrics_histogram(h->metrics, "kvfleet_router_ttft_seconds", NULL, "time to first token",
                                     lat, sizeof lat / sizeof lat[0], &h->m_ttft, err)) != KVF_OK ||
         (st = kvf_metrics_histogram(h->metrics, "kvfleet_router_request_seconds", NULL, "whole request time",

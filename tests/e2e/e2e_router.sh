@@ -199,6 +199,29 @@ expect_eq "kv policy: 2 cached blocks seen for shared-prefix-b" "$b_ov" 2
 expect_eq "kv policy: a repeated prompt returns to its worker" "$h2_w" "$h1_w"
 expect_eq "kv policy: 6 cached blocks seen for the repeat" "$h2_ov" 6
 
+# --- a restarted kv router rebuilds its index from the workers' snapshots before it is ready --
+kill -9 "$PID"
+start r-kv2 router --model "$M" --port 0 --decode "$DK1,$DK2" --policy kv
+RK2=$ADDR
+wait_ready "http://$RK2"
+blocks=$(metric "$RK2" 'kvfleet_router_index_blocks{role="decode"}')
+[ "${blocks%.*}" -ge 6 ] || fail "restarted router: index holds ${blocks:-nothing} blocks at ready"
+pass "restarted router: ready with ${blocks%.*} blocks from the snapshots"
+live=$(metric "$RK2" 'kvfleet_router_index_workers{role="decode",state="live"}')
+expect_eq "restarted router: both decode workers live in the index" "$live" 2
+$PY - "http://$RK2" "$M/expected.json" <<'EOF2' || fail "restarted router request"
+import json, sys, urllib.request
+url, path = sys.argv[1], sys.argv[2]
+c = {c["name"]: c for c in json.load(open(path))["cases"]}["hundred"]
+body = {"model": "tiny-gqa-f32", "prompt": c["prompt"], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json", "x-request-id": "kv-h3"})
+assert json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["token_ids"] == c["greedy"]
+EOF2
+read -r h3_w h3_ov < <(sed -n "s/.*req kv-h3: .* -> decode \([^ ]*\) (\([0-9]*\) blocks.*/\1 \2/p" "$TMP/r-kv2.err")
+expect_eq "restarted router: the repeat still goes to the worker holding it" "$h3_w" "$h1_w"
+expect_eq "restarted router: 6 cached blocks seen for it" "$h3_ov" 6
+
 # --- kvfleet up ----------------------------------------------------------------------------
 "$KVF_BIN" up --model "$M" --prefill 1 --decode 1 --port 0 >"$TMP/up.out" 2>"$TMP/up.err" &
 UP=$!
