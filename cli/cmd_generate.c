@@ -59,52 +59,6 @@ static const kvf_cfg_spec gen_spec = {
     .opts = gen_opts,
 };
 
-/* Parses "1, 2,3" into a malloc'd array. */
-static kvf_status parse_ids(const char *s, int32_t **out, int32_t *n_out, kvf_err *err)
-{
-    size_t cap = 16, n = 0;
-    int32_t *a = malloc(cap * sizeof *a);
-    if (!a)
-        return kvf_err_set(err, KVF_ERR_NOMEM, "generate: out of memory");
-    const char *p = s;
-    for (;;) {
-        while (*p == ' ')
-            p++;
-        char *end;
-        errno = 0;
-        long v = strtol(p, &end, 10);
-        if (end == p || errno || v < 0 || v > INT32_MAX) {
-            free(a);
-            return kvf_err_set(err, KVF_ERR_INVALID,
-                               "generate: --prompt-ids=%s: \"%.20s\" is not a token id (use comma-separated non-negative integers)",
-                               s, p);
-        }
-        if (n == cap) {
-            cap *= 2;
-            int32_t *b = realloc(a, cap * sizeof *a);
-            if (!b) {
-                free(a);
-                return kvf_err_set(err, KVF_ERR_NOMEM, "generate: out of memory");
-            }
-            a = b;
-        }
-        a[n++] = (int32_t)v;
-        p = end;
-        while (*p == ' ')
-            p++;
-        if (*p == '\0')
-            break;
-        if (*p != ',') {
-            free(a);
-            return kvf_err_set(err, KVF_ERR_INVALID, "generate: --prompt-ids=%s: unexpected \"%c\" (use 1,2,3)", s, *p);
-        }
-        p++;
-    }
-    *out = a;
-    *n_out = (int32_t)n;
-    return KVF_OK;
-}
-
 /* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
                            int32_t context)
@@ -176,8 +130,15 @@ int kvf_cli_generate(int argc, char **argv)
             st = kvf_err_set(&err, KVF_ERR_INVALID, "generate: --prompt encodes to no tokens");
             goto fail;
         }
-    } else if ((st = parse_ids(c.prompt_ids, &prompt, &n_prompt, &err)) != KVF_OK) {
-        goto fail;
+    } else {
+        size_t n;
+        if ((st = kvf_cli_parse_ids("generate: --prompt-ids", c.prompt_ids, &prompt, &n, &err)) != KVF_OK)
+            goto fail;
+        n_prompt = (int32_t)n;
+        if (n_prompt == 0) {
+            st = kvf_err_set(&err, KVF_ERR_INVALID, "generate: --prompt-ids gives no token ids (use e.g. 1,2,3)");
+            goto fail;
+        }
     }
     for (int32_t i = 0; i < n_prompt; i++)
         if (prompt[i] >= m->cfg.vocab_size) {

@@ -38,46 +38,6 @@ static const kvf_cfg_spec tokenize_spec = {
     .opts = tokenize_opts,
 };
 
-/* Parses "1,2,3", "1 2 3" or "[1, 2, 3]". *out is malloc'd. */
-static kvf_status parse_ids(const char *s, int32_t **out, size_t *n_out, kvf_err *err)
-{
-    size_t cap = 16, n = 0;
-    int32_t *ids = malloc(cap * sizeof *ids);
-    if (!ids)
-        return kvf_err_set(err, KVF_ERR_NOMEM, "tokenize: out of memory");
-    const char *p = s;
-    for (;;) {
-        while (*p == ',' || *p == ' ' || *p == '\t' || *p == '\n' || *p == '[' || *p == ']')
-            p++;
-        if (!*p)
-            break;
-        char *end;
-        errno = 0;
-        long long v = strtoll(p, &end, 10);
-        if (end == p || errno || v < 0 || v > INT32_MAX ||
-            (*end && *end != ',' && *end != ' ' && *end != '\t' && *end != '\n' && *end != ']')) {
-            free(ids);
-            size_t len = strcspn(p, ", \t\n]");
-            return kvf_err_set(err, KVF_ERR_INVALID,
-                               "tokenize: --ids: '%.*s' is not a token id (use non-negative integers, e.g. 1,2,3)",
-                               (int)(len > 40 ? 40 : len), p);
-        }
-        if (n == cap) {
-            int32_t *g = realloc(ids, (cap *= 2) * sizeof *g);
-            if (!g) {
-                free(ids);
-                return kvf_err_set(err, KVF_ERR_NOMEM, "tokenize: out of memory");
-            }
-            ids = g;
-        }
-        ids[n++] = (int32_t)v;
-        p = end;
-    }
-    *out = ids;
-    *n_out = n;
-    return KVF_OK;
-}
-
 static kvf_status read_stdin(kvf_sbuf *b, kvf_err *err)
 {
     char chunk[65536];
@@ -133,7 +93,7 @@ int kvf_cli_tokenize(int argc, char **argv)
     }
     int32_t *ids = NULL;
     size_t n = 0;
-    if (c.ids && (st = parse_ids(c.ids, &ids, &n, &err)) != KVF_OK)
+    if (c.ids && (st = kvf_cli_parse_ids("tokenize: --ids", c.ids, &ids, &n, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
 
     kvf_model_tokenizer *tok = NULL;
