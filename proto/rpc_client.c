@@ -74,6 +74,56 @@ static grpc_call *call_create(kvf_rpc_channel *ch, const char *method, int64_t t
 
 /* The final status of a call as a kvf_status and a message: the exact kvf_status from the
  * server's trailing metadata when present, else the mapping of the gRPC code. */
+/* What every client call does first: checks the method name and the request size, copies both
+ * and creates the call. The caller frees *method_out and *bb_out (and the call) on failure. */
+static kvf_status call_prepare(kvf_rpc_channel *ch, const char *method, const void *req, size_t len,
+                               int64_t timeout_ms, char **method_out, grpc_byte_buffer **bb_out,
+                               grpc_call **call_out, kvf_err *err)
+{
+    *method_out = strdup(method);
+    *bb_out = kvf_rpc_bb_from(req, len);
+    if (!*method_out || !*bb_out)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
+    *call_out = call_create(ch, method, timeout_ms);
+    if (!*call_out)
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: %s: gRPC could not create the call", method);
+    return KVF_OK;
+}
+
+static kvf_status request_check(const kvf_rpc_channel *ch, const char *method, size_t len, kvf_err *err)
+{
+    if (!method || method[0] != '/')
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: method name \"%s\" does not start with "
+                           "'/'", method ? method : "(null)");
+    if ((int64_t)len > ch->max_msg)
+        return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: request of %zu bytes is over the "
+                           "limit of %lld bytes", method, len, (long long)ch->max_msg);
+    return KVF_OK;
+}
+
+/* The four ops that open a client call: send metadata, the one request, close; receive the
+ * server's metadata. */
+static void send_ops(grpc_op ops[4], grpc_byte_buffer *bb, grpc_metadata_array *initial_md)
+{
+    memset(ops, 0, 4 * sizeof *ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = initial_md;
+}
+
+static void status_op(grpc_op *op, grpc_metadata_array *trailing_md, grpc_status_code *code,
+                      grpc_slice *details)
+{
+    memset(op, 0, sizeof *op);
+    op->op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op->data.recv_status_on_client.trailing_metadata = trailing_md;
+    op->data.recv_status_on_client.status = code;
+    op->data.recv_status_on_client.status_details = details;
+}
+
 static kvf_status status_of(const char *method, grpc_status_code code, grpc_slice details,
                             const grpc_metadata_array *trailing, kvf_err *err)
 {
@@ -162,12 +212,9 @@ kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const vo
                                size_t len, int64_t timeout_ms, kvf_rpc_unary_done_fn done,
                                void *arg, kvf_err *err)
 {
-    if (!method || method[0] != '/')
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: method name \"%s\" does not start with "
-                           "'/'", method ? method : "(null)");
-    if ((int64_t)len > ch->max_msg)
-        return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: request of %zu bytes is over the "
-                           "limit of %lld bytes", method, len, (long long)ch->max_msg);
+    kvf_status cst = request_check(ch, method, len, err);
+    if (cst != KVF_OK)
+        return cst;
     rpc_unary *u = calloc(1, sizeof *u);
     if (!u)
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
@@ -178,32 +225,16 @@ kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const vo
     u->details = grpc_empty_slice();
     grpc_metadata_array_init(&u->initial_md);
     grpc_metadata_array_init(&u->trailing_md);
-    u->method = strdup(method);
-    u->send_bb = kvf_rpc_bb_from(req, len);
-    if (!u->method || !u->send_bb) {
+    if ((cst = call_prepare(ch, method, req, len, timeout_ms, &u->method, &u->send_bb, &u->call, err)) != KVF_OK) {
         unary_free(u);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
-    }
-    u->call = call_create(ch, method, timeout_ms);
-    if (!u->call) {
-        unary_free(u);
-        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: %s: gRPC could not create the call",
-                           method);
+        return cst;
     }
     grpc_op ops[6];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = u->send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &u->initial_md;
+    send_ops(ops, u->send_bb, &u->initial_md);
+    memset(&ops[4], 0, sizeof ops[4]);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &u->recv_bb;
-    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[5].data.recv_status_on_client.trailing_metadata = &u->trailing_md;
-    ops[5].data.recv_status_on_client.status = &u->code;
-    ops[5].data.recv_status_on_client.status_details = &u->details;
+    status_op(&ops[5], &u->trailing_md, &u->code, &u->details);
     live_add(ch, &u->live, u->call);
     grpc_call_error e = grpc_call_start_batch(u->call, ops, 6, &u->tag, NULL);
     if (e != GRPC_CALL_OK) {
@@ -418,12 +449,9 @@ kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const vo
                                size_t len, int64_t timeout_ms, kvf_rpc_stream **out,
                                kvf_err *err)
 {
-    if (!method || method[0] != '/')
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: method name \"%s\" does not start with "
-                           "'/'", method ? method : "(null)");
-    if ((int64_t)len > ch->max_msg)
-        return kvf_err_set(err, KVF_ERR_LIMIT, "rpc: %s: request of %zu bytes is over the "
-                           "limit of %lld bytes", method, len, (long long)ch->max_msg);
+    kvf_status cst = request_check(ch, method, len, err);
+    if (cst != KVF_OK)
+        return cst;
     kvf_rpc_stream *s = calloc(1, sizeof *s);
     if (!s)
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
@@ -436,32 +464,14 @@ kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const vo
     s->details = grpc_empty_slice();
     grpc_metadata_array_init(&s->initial_md);
     grpc_metadata_array_init(&s->trailing_md);
-    s->method = strdup(method);
-    s->send_bb = kvf_rpc_bb_from(req, len);
-    if (!s->method || !s->send_bb) {
+    if ((cst = call_prepare(ch, method, req, len, timeout_ms, &s->method, &s->send_bb, &s->call, err)) != KVF_OK) {
         stream_free(s);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: %s: out of memory", method);
-    }
-    s->call = call_create(ch, method, timeout_ms);
-    if (!s->call) {
-        stream_free(s);
-        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: %s: gRPC could not create the call",
-                           method);
+        return cst;
     }
     grpc_op ops[4];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = s->send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &s->initial_md;
+    send_ops(ops, s->send_bb, &s->initial_md);
     grpc_op st_op;
-    memset(&st_op, 0, sizeof st_op);
-    st_op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    st_op.data.recv_status_on_client.trailing_metadata = &s->trailing_md;
-    st_op.data.recv_status_on_client.status = &s->code;
-    st_op.data.recv_status_on_client.status_details = &s->details;
+    status_op(&st_op, &s->trailing_md, &s->code, &s->details);
 
     s->refs = 1 + 2; /* the user, send, status (recv adds its own) */
     s->ops = 2;
