@@ -1,7 +1,10 @@
 /* prefill.h: the prefill role on top of a kvf_worker: RemotePrefill computes a prompt's KV in
  * this worker's own pool (reusing its own prefix cache), writes the blocks the decode worker
  * lacks into the decode worker's blocks through the transport, and answers with the first
- * token. Requests run one at a time on the worker's loop thread, in arrival order. */
+ * token. Concurrent calls are batched on the worker's loop thread: admitted in arrival order
+ * (up to --max-seqs at once, waiting while the pool is short of blocks), computed together in
+ * shared forward steps of up to --max-batch-tokens, each answered when its own write is
+ * acknowledged. */
 #ifndef KVF_PREFILL_PREFILL_H
 #define KVF_PREFILL_PREFILL_H
 
@@ -10,9 +13,10 @@
 
 typedef struct kvf_prefill kvf_prefill;
 
-/* Installs hooks and registers RemotePrefill and Cancel; call before kvf_worker_start on a
- * KVF_WORKER_PREFILL worker. fault_delay_ms > 0 sleeps that long before each prefill (for
- * fault tests that must kill a prefill worker mid-request). Destroy after the worker shut down. */
+/* Installs hooks and registers RemotePrefill; call before kvf_worker_start on a
+ * KVF_WORKER_PREFILL worker. fault_delay_ms > 0 sleeps that long (on the loop thread) as each
+ * call is admitted (for fault tests that must kill a prefill worker mid-request, or hold calls
+ * in its queue). Destroy after the worker shut down. */
 kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill **out,
                               kvf_err *err);
 void kvf_prefill_destroy(kvf_prefill *p);

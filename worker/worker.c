@@ -749,7 +749,10 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         w->be = kvf_model_backend_cpu();
         if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads}, &w->be_ctx, err)) != KVF_OK)
             goto fail;
-        kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens, .max_seqs = 1, .max_ctx = 0};
+        /* prefill batches concurrent RemotePrefill calls: up to --max-seqs prompts per step */
+        kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens,
+                                 .max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens,
+                                 .max_ctx = 0};
         if ((st = kvf_model_fwd_create(w->model, w->be, w->be_ctx, &w->layout, &fo, &w->fwd, err)) != KVF_OK)
             goto fail;
         kvf_kv_pool_cfg pc = {.layout = w->layout, .n_blocks = w->n_blocks, .on_event = on_kv_event,

@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# batch_e2e.sh: a prefill worker batching concurrent RemotePrefill calls, with real processes on
+# 127.0.0.1: N concurrent distinct prompts through a disaggregated fleet give exactly the tokens of
+# `kvfleet generate`; the prefill worker ran more than one prompt in one forward step; its pool
+# is back to free/cached afterwards; a call whose deadline passes while it is queued is answered
+# with an error (decode falls back to a local prefill) and leaks no block; shutdown is clean.
+source "$(dirname "$0")/../../cli/lib.sh"
+: "${KVF_SHARED:=../shared}"
+PY=/usr/bin/python3
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+# start NAME ARGS...: `kvfleet ARGS` in the background; waits (30 s) for its ready line; sets
+# ADDR (grpc= or http=), ADMIN (admin=, workers) and PID.
+start() {
+    local name=$1; shift
+    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    PID=$!
+    PIDS+=("$PID")
+    for _ in $(seq 300); do
+        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
+            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
+            ADMIN=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/$name.out" | head -1)
+            return 0
+        fi
+        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
+        sleep 0.1
+    done
+    fail "$name not ready in 30 s"
+}
+wait_ready() {
+    for _ in $(seq 100); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
+        sleep 0.1
+    done
+    fail "$1/ready never said 200"
+}
+metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
+# wait_metric ADMIN NAME WANT: polls (5 s) until the metric equals WANT; prints the last value
+wait_metric() {
+    local v
+    for _ in $(seq 50); do
+        v=$(metric "$1" "$2")
+        [ "$v" = "$3" ] && break
+        sleep 0.1
+    done
+    echo "$v"
+}
+# int VALUE: the integer part of a metric value ("" -> -1)
+int() { local v=${1%.*}; echo "${v:--1}"; }
+
+M="$KVF_SHARED/fixtures/models/small-gqa-bf16-theta5e5"
+W=(--model "$M" --threads 1 --log-level warn)
+P='role="prefill"'
+
+# --- N concurrent distinct prompts, disaggregated, against kvfleet generate --------------------
+start pre prefill "${W[@]}"; PRE=$ADDR; PADM=$ADMIN; PPRE=$PID
+start dec decode "${W[@]}" --local-prefill-max-tokens 0; DEC=$ADDR; DADM=$ADMIN; PDEC=$PID
+start rt router --model "$M" --port 0 --decode "$DEC" --prefill "$PRE"; RT=$ADDR; PRT=$PID
+wait_ready "http://$RT"
+N=12
+$PY - "http://$RT" "$N" "$TMP/prompts.json" <<'PYEOF' || fail "$N concurrent requests through the router"
+import json, random, sys, threading, urllib.request
+url, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rng = random.Random(7)
+# distinct prompts (no shared first block), 20..300 tokens: several chunks' worth in one step
+prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 300))] for _ in range(n)]
+got = [None] * n
+barrier = threading.Barrier(n)
+def one(i):
+    body = {"model": "small-gqa-bf16-theta5e5", "prompt": prompts[i], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-request-id": f"batch-{i}"})
+    barrier.wait()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        got[i] = json.load(r)["choices"][0]["token_ids"]
+ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+json.dump({"prompts": prompts, "got": got}, open(out, "w"))
+sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
+PYEOF
+pass "$N concurrent distinct prompts answered through the disaggregated fleet"
+bad=0
+for i in $(seq 0 $((N - 1))); do
+    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/prompts.json")
+    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
+    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/prompts.json")
+    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
+done
+expect_eq "every concurrent answer equals kvfleet generate" "$bad" 0
+expect_eq "no prefill fell back to decode" "$(int "$(metric "$DADM" "kvfleet_decode_prefill_fallbacks_total{role=\"decode\"}")")" 0
+r=$(int "$(metric "$PADM" "kvfleet_prefill_requests_total{$P}")")
+[ "$r" -ge "$N" ] || fail "prefill saw $r RemotePrefill calls, want >= $N"
+expect_eq "no RemotePrefill failed" "$(int "$(metric "$PADM" "kvfleet_prefill_failed_total{$P}")")" 0
+mx=$(int "$(metric "$PADM" "kvfleet_prefill_step_seqs_max{$P}")")
+steps=$(int "$(metric "$PADM" "kvfleet_prefill_steps_total{$P}")")
+[ "$mx" -ge 2 ] || fail "the prefill worker never ran two prompts in one step (max $mx, $steps steps)"
+pass "the prefill worker batched up to $mx prompts in one step ($steps steps for $r calls)"
+# no leaked block: nothing held by a sequence, free + cached == total
+expect_eq "prefill pool: no block held after the burst" "$(wait_metric "$PADM" "kvfleet_kv_used_blocks{$P}" 0)" 0
+fr=$(int "$(metric "$PADM" "kvfleet_kv_free_blocks{$P}")"); ca=$(int "$(metric "$PADM" "kvfleet_kv_cached_blocks{$P}")")
+to=$(int "$(metric "$PADM" "kvfleet_kv_total_blocks{$P}")")
+expect_eq "prefill pool: free ($fr) + cached ($ca) == total" "$((fr + ca))" "$to"
+[ "$ca" -gt 0 ] || fail "prefill kept no prompt block cached ($ca)"
+expect_eq "decode pool: no block held after the burst" "$(wait_metric "$DADM" 'kvfleet_kv_used_blocks{role="decode"}' 0)" 0
+h=$(curl -s "http://$PADM/health")
+expect_contains "prefill load: nothing running or waiting" "$h" '"running":0,"waiting":0'
+kill "$PRT"; wait "$PRT" 2>/dev/null || true
+kill "$PDEC"; wait "$PDEC" 2>/dev/null || true
+kill "$PPRE"; rc=0; wait "$PPRE" || rc=$?
+expect_eq "prefill worker exits cleanly on SIGTERM" "$rc" 0
+
+# --- a call whose deadline passes while it is queued ------------------------------------------
+# The prefill worker sleeps 1 s on admitting each call (fault flag), blocking its loop. Call A
+# (deadline 20 s) is admitted first; call B (deadline 300 ms, from a second decode worker) arrives
+# 100 ms later and waits behind it: its deadline passes in the queue. B is refused, decode falls
+# back to a local prefill, and both answers are still right.
+start pre2 prefill "${W[@]}" --fault-delay-ms 1000; PRE2=$ADDR; PADM2=$ADMIN
+start d1 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 20000; D1=$ADDR; D1ADM=$ADMIN
+start d2 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 300; D2=$ADDR; D2ADM=$ADMIN
+start r1 router --model "$M" --port 0 --decode "$D1" --prefill "$PRE2"; R1=$ADDR
+start r2 router --model "$M" --port 0 --decode "$D2" --prefill "$PRE2"; R2=$ADDR
+wait_ready "http://$R1"; wait_ready "http://$R2"
+$PY - "http://$R1" "http://$R2" "$TMP/dl.json" <<'PYEOF' || fail "requests A and B"
+import json, random, sys, threading, time, urllib.request
+r1, r2, out = sys.argv[1], sys.argv[2], sys.argv[3]
+rng = random.Random(11)
+prompts = [[rng.randrange(3, 1000) for _ in range(60)] for _ in range(2)]
+got = [None, None]
+def one(i, url):
+    body = {"model": "small-gqa-bf16-theta5e5", "prompt": prompts[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-request-id": "dl-" + "AB"[i]})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        got[i] = json.load(r)["choices"][0]["token_ids"]
+a = threading.Thread(target=one, args=(0, r1)); a.start()
+time.sleep(0.1)
+b = threading.Thread(target=one, args=(1, r2)); b.start()
+a.join(); b.join()
+json.dump({"prompts": prompts, "got": got}, open(out, "w"))
+sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
+PYEOF
+for i in 0 1; do
+    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/dl.json")
+    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
+    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/dl.json")
+    expect_eq "deadline test: request $i equals kvfleet generate" "$got" "$want"
+done
+ex=0
+for _ in $(seq 50); do
+    ex=$(int "$(metric "$PADM2" "kvfleet_prefill_expired_queued_total{$P}")")
+    [ "$ex" -ge 1 ] && break
+    sleep 0.1
+done
+[ "$ex" -ge 1 ] || fail "no call expired while queued ($ex)"
+pass "the short-deadline call expired while queued and was refused"
+[ "$(int "$(metric "$D2ADM" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')")" -ge 1 ] || fail "decode 2 did not fall back"
+expect_eq "the long-deadline call was prefilled remotely" "$(int "$(metric "$D1ADM" 'kvfleet_decode_remote_prefills_total{role="decode"}')")" 1
+expect_eq "prefill pool: no block held after the expiry" "$(wait_metric "$PADM2" "kvfleet_kv_used_blocks{$P}" 0)" 0
+fr=$(int "$(metric "$PADM2" "kvfleet_kv_free_blocks{$P}")"); ca=$(int "$(metric "$PADM2" "kvfleet_kv_cached_blocks{$P}")")
+to=$(int "$(metric "$PADM2" "kvfleet_kv_total_blocks{$P}")")
+expect_eq "prefill pool: free + cached == total after the expiry" "$((fr + ca))" "$to"
+finish
