@@ -1,0 +1,42 @@
+/* attn_ref.h: the split-context paged-attention algorithm of attn.cu, written once more in plain
+ * C on host memory, so a machine without a GPU can check it against the CPU backend. Also the
+ * constants both sides share (partition length, heads per CTA, workspace layout). */
+#ifndef KVF_CUDA_ATTN_REF_H
+#define KVF_CUDA_ATTN_REF_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "cuda/attn.h"
+
+/* Context positions per partition: partition p of a token covers positions
+ * [p * KVF_CUDA_ATTN_PART, (p + 1) * KVF_CUDA_ATTN_PART) intersected with its visible range.
+ * A call splits when max_ctx > KVF_CUDA_ATTN_PART (kvf_cuda_attention_parts > 1). */
+#define KVF_CUDA_ATTN_PART 256
+/* Query heads one CTA serves from one KV head's loads; a larger GQA group is cut into chunks. */
+#define KVF_CUDA_ATTN_HEADS_PER_CTA 8
+
+/* Partitions of a call: ceil(max_ctx / KVF_CUDA_ATTN_PART) (1 when max_ctx <= 0). */
+int32_t kvf_cuda_attention_parts(int32_t max_ctx);
+
+/* Workspace layout when parts > 1, N = n_tokens * n_heads * parts, index
+ * i = (token * n_heads + head) * parts + part:
+ *   float o[N][head_dim]  (partition output, already divided by its own sum)
+ *   float m[N]            (partition max of the scores, base-2 logits)
+ *   float l[N]            (partition sum of 2^(score - m))
+ * The reduce combines, for one (token, head), partitions lo/PART .. pos/PART in order:
+ *   M = max m_p;  w_p = l_p * 2^(m_p - M);  out = sum(w_p * o_p) / sum(w_p). */
+
+/* The same computation as kvf_cuda_attention with every pointer of p in host memory
+ * (including the workspace, with the same size rule): same partitions, same base-2 online
+ * softmax per partition, same reduce order. Checks p as the launcher does, except that
+ * per-token positions are also checked here (a token with tok_pos outside [0, max_ctx) gets
+ * zeros on the GPU and KVF_ERR_INVALID here). */
+kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err);
+
+/* The parameter check shared by the launcher and the reference (everything that can be
+ * checked without reading device memory). */
+kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err);
+
+#endif

@@ -1,0 +1,206 @@
+/* host_attn_split.c: the kernel's split-context algorithm (cuda/attn_ref.c: same partitions,
+ * per-partition max and sum, same reduce) against the CPU backend's attention on random
+ * paged cases, on the host (no GPU needed); plus the shape and parameter checks. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda/attn.h"
+#include "cuda/attn_ref.h"
+#include "test_attn_cases.h"
+
+/* f32 math on both sides from the same decoded KV values: only summation order and exp
+ * rounding differ, whatever the KV dtype. */
+#define SPLIT_ATOL 2e-5
+#define SPLIT_RTOL 1e-4
+
+static void run_case(const attn_case_spec *s)
+{
+    attn_case c;
+    assert_int_equal(attn_case_build(s, &c), 0);
+    size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim;
+    float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
+    assert_int_equal(attn_case_cpu(&c, s, want), 0);
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s->head_dim,
+                                                         c.max_ctx);
+    float *ws = ws_bytes ? malloc(ws_bytes) : NULL;
+    for (size_t i = 0; i < n; i++)
+        got[i] = NAN;
+    kvf_cuda_attn_params p = attn_case_params(&c, s, c.q, got, c.pool, c.tok_seq, c.tok_pos,
+                                              c.block_tables, ws, ws_bytes);
+    kvf_err err = {0};
+    kvf_status st = kvf_cuda_attn_ref(&p, &err);
+    if (st != KVF_OK)
+        fail_msg("ref: %s", err.msg);
+    size_t wi;
+    double r = attn_close(got, want, n, SPLIT_ATOL, SPLIT_RTOL, &wi);
+    if (!(r <= 1.0))
+        fail_msg("%s hd %d bs %d kv %d group %d window %d max_ctx %d (%d parts): element %zu "
+                 "is %g, CPU backend %g (%.2fx the tolerance)",
+                 kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads, s->group,
+                 s->window, c.max_ctx, kvf_cuda_attention_parts(c.max_ctx), wi, (double)got[wi],
+                 (double)want[wi], r);
+    free(ws);
+    free(want);
+    free(got);
+    attn_case_free(&c);
+}
+
+/* Every dtype x GQA group 1/2/8 x window off/short/long, cycling head_dim and block size, with
+ * contexts up to 700 (three partitions) and max_ctx beyond the longest sequence. */
+static void test_split_matches_cpu(void **state)
+{
+    (void)state;
+    static const kvf_dtype dts[] = {KVF_DTYPE_F32, KVF_DTYPE_F16, KVF_DTYPE_BF16,
+                                    KVF_DTYPE_FP8_E4M3};
+    static const int32_t groups[] = {1, 2, 8}, windows[] = {0, 37, 300};
+    static const int32_t hds[] = {16, 32, 64, 128, 256}, bss[] = {8, 16, 32, 1, 64};
+    uint32_t seed = 1;
+    int n_split = 0;
+    for (size_t d = 0; d < 4; d++)
+        for (size_t g = 0; g < 3; g++)
+            for (size_t w = 0; w < 3; w++, seed++) {
+                attn_case_spec s = {.head_dim = hds[seed % 5], .block_size = bss[(seed / 5) % 5],
+                                    .n_kv_heads = groups[g] == 8 ? 1 : 2, .group = groups[g],
+                                    .window = windows[w], .dtype = dts[d], .k_scale = 1.0f,
+                                    .v_scale = 1.0f, .scale_mul = (seed % 3) ? 1.0f : 6.0f,
+                                    .n_seqs = 5, .max_len = 300 + (int32_t)(seed * 37 % 400),
+                                    .extra_ctx = (int32_t)(seed * 13 % 300), .seed = seed};
+                if (dts[d] == KVF_DTYPE_FP8_E4M3)
+                    s.k_scale = 0.37f, s.v_scale = 2.5f;
+                n_split += kvf_cuda_attention_parts(s.max_len + s.extra_ctx) > 1;
+                run_case(&s);
+            }
+    assert_true(n_split >= 30); /* the reduce was exercised, not just single partitions */
+}
+
+/* Short contexts: one partition, no workspace, output written directly. */
+static void test_single_partition(void **state)
+{
+    (void)state;
+    for (uint32_t seed = 100; seed < 108; seed++) {
+        attn_case_spec s = {.head_dim = 32, .block_size = 16, .n_kv_heads = 2, .group = 4,
+                            .window = seed % 2 ? 0 : 20, .dtype = (kvf_dtype)(seed % 4),
+                            .k_scale = 1.0f, .v_scale = 1.0f, .scale_mul = 1.0f, .n_seqs = 4,
+                            .max_len = 200, .extra_ctx = 56, .seed = seed};
+        assert_int_equal(kvf_cuda_attention_parts(s.max_len + s.extra_ctx), 1);
+        assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 8, 32, 256), 0);
+        run_case(&s);
+    }
+}
+
+/* A GQA group larger than one CTA's heads (16 = two chunks of 8) on the reference's side. */
+static void test_large_group(void **state)
+{
+    (void)state;
+    attn_case_spec s = {.head_dim = 64, .block_size = 16, .n_kv_heads = 1, .group = 16,
+                        .window = 0, .dtype = KVF_DTYPE_BF16, .k_scale = 1.0f, .v_scale = 1.0f,
+                        .scale_mul = 1.0f, .n_seqs = 3, .max_len = 600, .extra_ctx = 0,
+                        .seed = 77};
+    run_case(&s);
+}
+
+static void test_workspace_size(void **state)
+{
+    (void)state;
+    assert_int_equal(kvf_cuda_attention_parts(1), 1);
+    assert_int_equal(kvf_cuda_attention_parts(KVF_CUDA_ATTN_PART), 1);
+    assert_int_equal(kvf_cuda_attention_parts(KVF_CUDA_ATTN_PART + 1), 2);
+    assert_int_equal(kvf_cuda_attention_parts(32768), 32768 / KVF_CUDA_ATTN_PART);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(3, 4, 64, 600),
+                     (size_t)3 * 4 * 3 * (64 + 2) * sizeof(float));
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(0, 4, 64, 600), 0);
+}
+
+static void expect_err(kvf_status got, kvf_status want, const kvf_err *err, const char *a,
+                       const char *b)
+{
+    assert_int_equal(got, want);
+    if (!strstr(err->msg, a) || (b && !strstr(err->msg, b)))
+        fail_msg("message \"%s\" lacks \"%s\"%s%s", err->msg, a, b ? " or " : "", b ? b : "");
+}
+
+/* Unsupported shapes name the value and the list; bad parameters name the field. */
+static void test_checks(void **state)
+{
+    (void)state;
+    kvf_kv_layout l;
+    kvf_err err;
+    assert_int_equal(kvf_kv_layout_init(2, 2, 64, 16, KVF_DTYPE_BF16, &l, &err), KVF_OK);
+    assert_int_equal(kvf_cuda_attention_supports(&l, 8, &err), KVF_OK);
+
+    kvf_kv_layout bad = l;
+    bad.head_dim = 80;
+    bad.block_bytes = kvf_kv_bytes_per_token(&bad) * bad.block_size;
+    expect_err(kvf_cuda_attention_supports(&bad, 8, &err), KVF_ERR_UNSUPPORTED, &err,
+               "head_dim 80", "16, 32, 64, 128 or 256");
+    bad = l;
+    bad.block_size = 24;
+    expect_err(kvf_cuda_attention_supports(&bad, 8, &err), KVF_ERR_UNSUPPORTED, &err,
+               "block_size 24", "power of two");
+    bad = l;
+    bad.dtype = (kvf_dtype)9;
+    expect_err(kvf_cuda_attention_supports(&bad, 8, &err), KVF_ERR_UNSUPPORTED, &err,
+               "dtype 9", "fp8-e4m3");
+    expect_err(kvf_cuda_attention_supports(&l, 7, &err), KVF_ERR_UNSUPPORTED, &err,
+               "7 query heads", "2 KV heads");
+
+    /* a valid call, then one field wrong at a time */
+    static float q[8 * 64], out[8 * 64];
+    static _Alignas(16) uint8_t pool[4096];
+    static int32_t seq[1] = {0}, pos[1] = {0}, bt[1] = {0};
+    kvf_cuda_attn_params p = {.q = q, .out = out, .pool = pool, .layout = l, .layer = 1,
+                              .n_tokens = 1, .n_heads = 8, .tok_seq = seq, .tok_pos = pos,
+                              .block_tables = bt, .max_blocks = 1, .max_ctx = 16, .scale = 0.125f,
+                              .k_scale = 1, .v_scale = 1};
+    assert_int_equal(kvf_cuda_attn_check(&p, &err), KVF_OK);
+    kvf_cuda_attn_params b = p;
+    b.layer = 2;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "layer 2", "0..1");
+    b = p;
+    b.max_ctx = 17;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "max_ctx 17", "max_blocks 1");
+    b = p;
+    b.window = -1;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "window -1", NULL);
+    b = p;
+    b.pool = pool + 4;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "16-byte", NULL);
+    b = p;
+    b.q = NULL;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "q NULL", NULL);
+    b = p;
+    b.max_blocks = 64;
+    b.max_ctx = 1000; /* 4 partitions: needs a workspace */
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "workspace", "need");
+    b.layout.dtype = KVF_DTYPE_FP8_E4M3;
+    b.layout.block_bytes = kvf_kv_bytes_per_token(&b.layout) * b.layout.block_size;
+    b.k_scale = 0;
+    expect_err(kvf_cuda_attn_check(&b, &err), KVF_ERR_INVALID, &err, "k_scale", NULL);
+    b = p;
+    b.tok_pos = (int32_t[]){16};
+    expect_err(kvf_cuda_attn_ref(&b, &err), KVF_ERR_INVALID, &err, "position 16", NULL);
+    b = p;
+    b.n_tokens = 0;
+    b.q = NULL;
+    assert_int_equal(kvf_cuda_attn_check(&b, &err), KVF_OK); /* nothing to do */
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_workspace_size),
+        cmocka_unit_test(test_checks),
+        cmocka_unit_test(test_single_partition),
+        cmocka_unit_test(test_large_group),
+        cmocka_unit_test(test_split_matches_cpu),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
