@@ -139,9 +139,9 @@ static kvf_status check_cfg(const kvf_model *m, const kvf_engine_cfg *c, kvf_err
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: block_size %d is not allowed (a power "
                            "of two, 1 to %d)", c->block_size, KVF_KV_MAX_BLOCK_SIZE);
     if (c->kv_dtype != KVF_DTYPE_F32 && c->kv_dtype != KVF_DTYPE_F16 &&
-        c->kv_dtype != KVF_DTYPE_BF16)
+        c->kv_dtype != KVF_DTYPE_BF16 && c->kv_dtype != KVF_DTYPE_FP8_E4M3)
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: kv dtype %s is not supported "
-                           "(use f32, f16 or bf16)", kvf_dtype_name(c->kv_dtype));
+                           "(use f32, f16, bf16 or fp8-e4m3)", kvf_dtype_name(c->kv_dtype));
     if (c->max_batch_tokens < 1)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: max_batch_tokens %d must be at least 1",
                            c->max_batch_tokens);
@@ -232,14 +232,20 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
         goto fail;
     }
     e->n_blocks = (int32_t)n_blocks;
+    /* the backend first: the pool is one allocation in the backend's memory (device memory on
+     * a GPU), made through its kv_mem ops */
+    kvf_backend_opts bo = {.n_threads = cfg->threads, .half_weights = cfg->half_weights,
+                           .kv_k_scale = cfg->kv_k_scale, .kv_v_scale = cfg->kv_v_scale,
+                           .matrix_dtype = cfg->matrix_dtype, .no_graphs = cfg->no_graphs};
+    if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
+        goto fail;
     kvf_kv_pool_cfg pc = {.layout = e->layout, .n_blocks = (int32_t)n_blocks,
+                          .mem = be->kv_mem ? be->kv_mem(e->be_ctx) : NULL,
+                          .mem_ctx = e->be_ctx,
                           .on_event = cfg->on_event, .event_ctx = cfg->event_ctx};
     if ((st = kvf_kv_pool_create(&pc, &e->pool, err)) != KVF_OK)
         goto fail;
     if (cfg->swap_slots > 0 && (st = kvf_kv_swap_create(e->pool, cfg->swap_slots, &e->swap, err)) != KVF_OK)
-        goto fail;
-    kvf_backend_opts bo = {.n_threads = cfg->threads, .half_weights = cfg->half_weights};
-    if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
         goto fail;
     kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens, .max_seqs = cfg->max_seqs,
                              .max_ctx = e->max_ctx};

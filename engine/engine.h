@@ -46,7 +46,8 @@ typedef struct kvf_engine_cfg {
     int32_t n_blocks;     /* KV pool blocks; 0: from kv_bytes */
     int64_t kv_bytes;     /* KV pool bytes when n_blocks is 0 */
     int32_t block_size;   /* tokens per block (power of two) */
-    kvf_dtype kv_dtype;   /* f32, f16 or bf16 */
+    kvf_dtype kv_dtype;   /* f32, f16, bf16 or fp8-e4m3 */
+    float kv_k_scale, kv_v_scale; /* fp8-e4m3 KV per-tensor scales (model/backend.h); 0: 1 */
     int32_t max_batch_tokens; /* token budget of one step (prefill chunks + decode tokens) */
     int32_t max_seqs;         /* running sequences at once (<= max_batch_tokens) */
     int32_t max_queued;       /* sequences held at once: running + waiting + swapped */
@@ -58,6 +59,8 @@ typedef struct kvf_engine_cfg {
     kvf_engine_preempt preempt;
     int32_t threads; /* backend threads; 0: one per online CPU */
     bool half_weights; /* keep F16/BF16 matrices as stored (half the memory, slower decode) */
+    int32_t matrix_dtype; /* GPU: KVF_BACKEND_MATRIX_* (model/backend.h); 0: auto */
+    bool no_graphs;       /* GPU: no CUDA graphs for decode steps */
     const char *model_id; /* for the block hash root (DESIGN.md s.3); NULL: "" */
     /* KV events of the pool (STORED/REMOVED), for a worker that publishes them; may be NULL. */
     kvf_kv_event_fn on_event;
@@ -127,7 +130,9 @@ typedef struct kvf_engine_stats {
 } kvf_engine_stats;
 
 /* Creates an engine over a loaded model (which must outlive it) and a backend (its context is
- * created here with cfg->threads). Sizes every per-step buffer now. Errors name the field. */
+ * created here with cfg->threads and the other backend fields, before the KV pool, which is
+ * allocated through the backend's kv_mem ops: device memory on a GPU). Sizes every per-step
+ * buffer now. Errors name the field. */
 kvf_status kvf_engine_create(const kvf_model *model, const kvf_backend *be,
                              const kvf_engine_cfg *cfg, kvf_engine **out, kvf_err *err);
 /* Frees everything, live sequences included. NULL is a no-op. */

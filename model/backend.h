@@ -11,6 +11,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "kv/layout.h"
+#include "kv/pool.h"
 #include "model/safetensors.h"
 
 /* Pointers named "backend memory" below come from the backend's alloc (host memory on CPU,
@@ -34,6 +35,9 @@ typedef struct kvf_backend_attn {
     int32_t max_blocks;          /* row stride of block_tables */
     int32_t window;              /* attend to the last `window` positions only; 0 = all */
     float scale;                 /* 1/sqrt(head_dim) */
+    int32_t max_ctx;             /* >= tok_pos[t] + 1 for every token: a bucket (power of two,
+                                  * capped by the forward pass's max_ctx) so a GPU launches the
+                                  * same grid for steps of one shape; CPU ignores it */
 } kvf_backend_attn;
 
 typedef struct kvf_backend_opts {
@@ -41,7 +45,28 @@ typedef struct kvf_backend_opts {
     /* CPU: keep F16/BF16 matrices as they are in the file (half the memory, no conversion at
      * load) and convert a few rows at a time inside matmul; false converts them to f32 once. */
     bool half_weights;
+    /* fp8-e4m3 KV per-tensor scales: stored = fp8(value / scale), read = fp8_to_f32(byte) *
+     * scale. 0 means 1. Other KV dtypes ignore them. */
+    float kv_k_scale, kv_v_scale;
+    /* GPU: the dtype 2-D weights are kept in on the device. AUTO: F16/BF16 files as stored,
+     * F32 files converted to bf16. CPU ignores it (see half_weights). */
+    int32_t matrix_dtype; /* KVF_BACKEND_MATRIX_* */
+    bool no_graphs;       /* GPU: never capture decode steps as CUDA graphs */
 } kvf_backend_opts;
+
+#define KVF_BACKEND_MATRIX_AUTO 0
+#define KVF_BACKEND_MATRIX_BF16 1
+#define KVF_BACKEND_MATRIX_F16 2
+#define KVF_BACKEND_MATRIX_F32 3
+
+/* The shape of one forward step, for step_begin: steps with equal keys launch identical kernel
+ * sequences (same grid sizes, same buffers), so a backend may record one and replay it. */
+typedef struct kvf_backend_step_key {
+    int32_t n_tokens, n_seqs; /* this step */
+    int32_t ctx_bucket;       /* kvf_backend_attn.max_ctx of the step */
+    bool decode_only;         /* every sequence brings one token */
+    const void *kv_pool;      /* the pool base the step reads and writes */
+} kvf_backend_step_key;
 
 typedef struct kvf_backend {
     const char *name;
@@ -89,6 +114,30 @@ typedef struct kvf_backend {
                       int32_t layer, const kvf_backend_attn *a, float *out);
     /* out_host[i] = argmax of row i of logits[n][vocab] (ties to the lowest id). */
     void (*argmax)(void *ctx, const float *logits, int64_t n, int64_t vocab, int32_t *out_host);
+
+    /* ---- optional (NULL: host memory, everything supported, nothing to wait for, no graphs) */
+
+    /* Where the KV pool lives: the engine creates the backend first, then its pool through
+     * these ops with mem_ctx = the backend ctx (one allocation: cudaMalloc of the whole pool on
+     * a GPU). NULL, or returning NULL: host memory (kvf_kv_mem_host). */
+    const kvf_kv_mem_ops *(*kv_mem)(void *ctx);
+    /* Called by kvf_model_fwd_create: refuses (ERR_UNSUPPORTED, naming the value and what is
+     * supported) a KV layout or head count the backend has no kernel for. */
+    kvf_status (*supports)(void *ctx, const kvf_kv_layout *layout, int32_t n_heads, kvf_err *err);
+    /* Waits for queued work and returns the first error recorded since the last sync (a failed
+     * launch, a cuBLAS error), clearing it. kvf_model_forward calls it at the end of a step. */
+    kvf_status (*sync)(void *ctx, kvf_err *err);
+    /* Step recording (CUDA graphs). The forward pass uploads the step's metadata, then calls
+     * step_begin; when *replay_out is true it issues no ops (the backend replays a recorded
+     * step in step_end), otherwise it issues every op up to the LM head (which the backend
+     * may be recording) and then calls step_end. When step_end sets *rerun_out, recording
+     * failed and nothing ran: the forward pass issues the ops again, unrecorded. Downloads
+     * (logits, argmax) come after step_end. Between the two calls there is no upload,
+     * download or host wait. step_end is called whenever step_begin returned OK. Both NULL:
+     * nothing is recorded. */
+    kvf_status (*step_begin)(void *ctx, const kvf_backend_step_key *key, bool *replay_out,
+                             kvf_err *err);
+    kvf_status (*step_end)(void *ctx, bool *rerun_out, kvf_err *err);
 } kvf_backend;
 
 /* The CPU backend (model/cpu_backend.c). */

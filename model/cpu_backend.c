@@ -31,6 +31,7 @@ typedef struct cpu_worker {
 struct cpu_ctx {
     int32_t n_threads;
     bool half_weights;
+    float k_scale, v_scale; /* fp8 KV: stored = fp8(value / scale) */
     cpu_worker *workers; /* n_threads - 1 */
     int32_t n_workers;
     float **conv;     /* [n_threads] scratch of conv_cap floats, grown at weight_load */
@@ -132,11 +133,17 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
         n = cpus > 0 ? (int32_t)(cpus > 64 ? 64 : cpus) : 1;
     }
+    float ks = opts ? opts->kv_k_scale : 0.0f, vs = opts ? opts->kv_v_scale : 0.0f;
+    if (!(ks >= 0.0f) || !(vs >= 0.0f) || isinf(ks) || isinf(vs))
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: cpu backend: KV scales k %g, v %g are not allowed (finite, > 0; 0 means 1)",
+                           (double)ks, (double)vs);
     cpu_ctx *c = calloc(1, sizeof *c);
     if (!c)
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
     c->n_threads = n;
     c->half_weights = opts && opts->half_weights;
+    c->k_scale = ks > 0.0f ? ks : 1.0f;
+    c->v_scale = vs > 0.0f ? vs : 1.0f;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv_start, NULL);
     pthread_cond_init(&c->cv_done, NULL);
@@ -453,19 +460,33 @@ static void cpu_gather(void *ctx, const float *x, int64_t row_len, const int32_t
         memmove(out + i * row_len, x + (int64_t)rows[i] * row_len, (size_t)row_len * sizeof(float));
 }
 
+/* fp8 KV with a scale: stored = fp8(x / scale). */
+static void store_fp8_scaled(uint8_t *d, const float *x, int64_t n, float scale)
+{
+    for (int64_t i = 0; i < n; i++)
+        d[i] = kvf_f32_to_fp8e4m3(x[i] / scale);
+}
+
 static void cpu_kv_write(void *ctx, void *pool, const kvf_kv_layout *l, int32_t layer,
                          const float *k, const float *v, const int64_t *slots, int64_t n)
 {
+    const cpu_ctx *c = ctx;
     uint8_t *base = pool;
     int64_t hd = l->head_dim, stride = (int64_t)l->n_kv_heads * hd;
+    bool fp8 = l->dtype == KVF_DTYPE_FP8_E4M3;
     for (int64_t i = 0; i < n; i++) {
         int64_t block = slots[i] / l->block_size;
         int32_t off = (int32_t)(slots[i] % l->block_size);
         for (int32_t h = 0; h < l->n_kv_heads; h++) {
-            store_f32(base + kvf_kv_offset(l, block, layer, KVF_KV_K, h, off), l->dtype,
-                      k + i * stride + h * hd, hd);
-            store_f32(base + kvf_kv_offset(l, block, layer, KVF_KV_V, h, off), l->dtype,
-                      v + i * stride + h * hd, hd);
+            uint8_t *kd = base + kvf_kv_offset(l, block, layer, KVF_KV_K, h, off);
+            uint8_t *vd = base + kvf_kv_offset(l, block, layer, KVF_KV_V, h, off);
+            if (fp8) {
+                store_fp8_scaled(kd, k + i * stride + h * hd, hd, c->k_scale);
+                store_fp8_scaled(vd, v + i * stride + h * hd, hd, c->v_scale);
+            } else {
+                store_f32(kd, l->dtype, k + i * stride + h * hd, hd);
+                store_f32(vd, l->dtype, v + i * stride + h * hd, hd);
+            }
         }
     }
 }
@@ -492,6 +513,7 @@ typedef struct cpu_attn_job {
     int32_t layer;
     const kvf_backend_attn *a;
     float *out;
+    float k_scale, v_scale; /* 1 unless the KV is fp8 */
 } cpu_attn_job;
 
 /* Item = (token, head): online softmax over the token's visible positions, a block at a time. */
@@ -531,7 +553,7 @@ static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
                 load_f32(kb + (size_t)i * hd * es, l->dtype, hd, row);
                 kr = row;
             }
-            s[i] = dot_f32(q, kr, hd) * a->scale;
+            s[i] = dot_f32(q, kr, hd) * j->k_scale * a->scale;
             if (s[i] > bm)
                 bm = s[i];
         }
@@ -554,7 +576,7 @@ static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
         m = bm;
         p0 += cnt;
     }
-    float inv = sum > 0 ? 1.0f / sum : 0.0f;
+    float inv = sum > 0 ? j->v_scale / sum : 0.0f;
     for (int32_t d = 0; d < hd; d++)
         o[d] = acc[d] * inv;
 }
@@ -562,7 +584,10 @@ static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
 static void cpu_attention(void *ctx, const float *q, const void *pool, const kvf_kv_layout *l,
                           int32_t layer, const kvf_backend_attn *a, float *out)
 {
-    cpu_attn_job job = {.q = q, .pool = pool, .l = l, .layer = layer, .a = a, .out = out};
+    const cpu_ctx *c = ctx;
+    bool fp8 = l->dtype == KVF_DTYPE_FP8_E4M3;
+    cpu_attn_job job = {.q = q, .pool = pool, .l = l, .layer = layer, .a = a, .out = out,
+                        .k_scale = fp8 ? c->k_scale : 1.0f, .v_scale = fp8 ? c->v_scale : 1.0f};
     pool_run(ctx, cpu_attn_item, &job, (int64_t)a->n_tokens * a->n_heads);
 }
 

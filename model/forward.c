@@ -76,6 +76,9 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f)
     free(f);
 }
 
+static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
+                    kvf_backend_attn *attn);
+
 /* Loads t (which may be NULL: an absent bias) into w. */
 static kvf_status load_w(kvf_model_fwd *f, const kvf_model_tensor *t, kvf_backend_weight *w,
                          kvf_err *err)
@@ -150,9 +153,15 @@ kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void 
                            "model: KV layout (%d layers, %d kv heads, head_dim %d) does not match the model (%d, %d, %d)",
                            layout->n_layers, layout->n_kv_heads, layout->head_dim, c->n_layers,
                            c->n_kv_heads, c->head_dim);
-    if (layout->dtype != KVF_DTYPE_F32 && layout->dtype != KVF_DTYPE_F16 && layout->dtype != KVF_DTYPE_BF16)
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: KV dtype %s is not supported by the forward pass (use f32, f16 or bf16)",
+    if (layout->dtype != KVF_DTYPE_F32 && layout->dtype != KVF_DTYPE_F16 &&
+        layout->dtype != KVF_DTYPE_BF16 && layout->dtype != KVF_DTYPE_FP8_E4M3)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: KV dtype %s is not supported by the forward pass (use f32, f16, bf16 or fp8-e4m3)",
                            kvf_dtype_name(layout->dtype));
+    if (be->supports) {
+        kvf_status sst = be->supports(be_ctx, layout, c->n_heads, err);
+        if (sst != KVF_OK)
+            return sst;
+    }
     kvf_model_fwd *f = calloc(1, sizeof *f);
     if (!f)
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: out of memory");
@@ -208,6 +217,17 @@ fail:
 const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f)
 {
     return &f->opts;
+}
+
+/* The attention context bound of a step whose furthest position is max_pos: the next power of
+ * two (at least 64), capped by the forward pass's max_ctx, so steps of a growing decode keep
+ * one shape (one recorded graph) for many tokens. */
+static int32_t ctx_bucket(const kvf_model_fwd *f, int32_t max_pos)
+{
+    int64_t b = 64;
+    while (b < (int64_t)max_pos + 1)
+        b *= 2;
+    return b > f->opts.max_ctx ? f->opts.max_ctx : (int32_t)b;
 }
 
 /* Checks the batch and fills the host metadata; returns the number of tokens. */
@@ -290,11 +310,58 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     be->upload(ctx, f->tables, f->h_tables, (size_t)n_seqs * f->max_blocks * sizeof(int32_t));
     be->upload(ctx, f->last_rows, f->h_last_rows, (size_t)n_seqs * sizeof(int32_t));
 
-    int64_t dim = c->dim, hid = c->hidden_dim;
+    int32_t max_pos = 0;
+    bool decode_only = true;
+    for (int32_t i = 0; i < T; i++)
+        if (f->h_tok_pos[i] > max_pos)
+            max_pos = f->h_tok_pos[i];
+    for (int32_t s = 0; s < n_seqs; s++)
+        decode_only = decode_only && seqs[s].n_tokens == 1;
     kvf_backend_attn attn = {.n_tokens = T, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads,
                              .head_dim = c->head_dim, .tok_seq = f->tok_seq, .tok_pos = f->tok_pos,
                              .block_tables = f->tables, .max_blocks = f->max_blocks,
-                             .scale = (float)(1.0 / sqrt((double)c->head_dim))};
+                             .scale = (float)(1.0 / sqrt((double)c->head_dim)),
+                             .max_ctx = ctx_bucket(f, max_pos)};
+
+    /* the ops from here to the LM head may be recorded and replayed by the backend (graphs) */
+    bool replay = false;
+    if (be->step_begin) {
+        kvf_backend_step_key key = {.n_tokens = T, .n_seqs = n_seqs, .ctx_bucket = attn.max_ctx,
+                                    .decode_only = decode_only, .kv_pool = kv_pool};
+        if ((st = be->step_begin(ctx, &key, &replay, err)) != KVF_OK)
+            return st;
+    }
+    if (!replay)
+        run_ops(f, kv_pool, T, n_seqs, &attn);
+    if (be->step_end) {
+        bool rerun = false;
+        if ((st = be->step_end(ctx, &rerun, err)) != KVF_OK) {
+            if (be->sync)
+                (void)be->sync(ctx, NULL); /* drain; the step_end error is the one reported */
+            return st;
+        }
+        if (rerun) /* recording failed and nothing ran */
+            run_ops(f, kv_pool, T, n_seqs, &attn);
+    }
+
+    /* 6. outputs leave the backend */
+    if (logits_out)
+        be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
+    if (next_out)
+        be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
+    return be->sync ? be->sync(ctx, err) : KVF_OK;
+}
+
+/* Issues a step's ops: embeddings, every layer, the final norm and LM head of each sequence's
+ * last token into f->logits. No upload, download or host wait (a backend may record them). */
+static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
+                    kvf_backend_attn *attn_in)
+{
+    const kvf_model_config *c = &f->m->cfg;
+    const kvf_backend *be = f->be;
+    void *ctx = f->ctx;
+    kvf_backend_attn attn = *attn_in;
+    int64_t dim = c->dim, hid = c->hidden_dim;
 
     /* 2. token embeddings */
     be->embed(ctx, &f->embed, f->tokens, T, f->x);
@@ -326,9 +393,4 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     be->gather(ctx, f->x, dim, f->last_rows, n_seqs, f->xs);
     be->rmsnorm(ctx, f->xs, n_seqs, &f->final_norm, c->norm_eps, f->xs);
     be->matmul(ctx, f->xs, n_seqs, f->lm_head, NULL, f->logits);
-    if (logits_out)
-        be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
-    if (next_out)
-        be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
-    return KVF_OK;
 }

@@ -32,8 +32,9 @@ typedef struct kvf_model_fwd_opts {
 typedef struct kvf_model_fwd kvf_model_fwd;
 
 /* Prepares the weights on the backend (be_ctx from be->create) and sizes the scratch. The
- * layout must match the model (layers, kv heads, head_dim); its dtype may be f32, f16 or
- * bf16. m and be_ctx must outlive *out. */
+ * layout must match the model (layers, kv heads, head_dim); its dtype may be f32, f16, bf16
+ * or fp8-e4m3 (scales from the backend's opts). A backend with a `supports` hook may refuse
+ * the layout (ERR_UNSUPPORTED naming the value). m and be_ctx must outlive *out. */
 kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void *be_ctx,
                                 const kvf_kv_layout *layout, const kvf_model_fwd_opts *opts,
                                 kvf_model_fwd **out, kvf_err *err);
@@ -43,7 +44,9 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f);
  * Outputs are for each sequence's last new token: logits_out (host, [n_seqs][vocab]) and
  * next_out (host, [n_seqs], greedy ids, ties to the lowest id); either may be NULL.
  * Refuses, before touching the pool, a batch beyond the limits, a token outside the
- * vocabulary, a block table too short for the positions, or a block id outside the pool. */
+ * vocabulary, a block table too short for the positions, or a block id outside the pool.
+ * Returns after the backend's queued work is done (its `sync`), with the first error the
+ * backend recorded during the step. */
 kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_seqs] */,
                              int32_t n_seqs, void *kv_pool, int64_t n_pool_blocks,
                              float *logits_out, int32_t *next_out, kvf_err *err);
