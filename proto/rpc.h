@@ -202,6 +202,15 @@ kvf_status kvf_rpc_stream_open(kvf_rpc_channel *ch, const char *method, const vo
  * One reader at a time. */
 kvf_status kvf_rpc_stream_read(kvf_rpc_stream *s, int64_t timeout_ms, kvf_rpc_buf *msg_out,
                                bool *done_out, kvf_err *err);
+/* Wakes a reader instead of making it poll. fn(arg) runs each time the stream may have
+ * something new for kvf_rpc_stream_read (a message arrived, or the call ended), on the
+ * channel's completion-queue thread with the stream's lock held: it must be short and must not
+ * call any kvf_rpc_stream_* function (wake the reader's own thread instead, e.g. with libevent's
+ * event_active). It may run when nothing new is readable (a read with timeout 0 then answers
+ * KVF_ERR_TIMEOUT), and several arrivals may share one call. When something is readable
+ * already, fn runs once at once, on the calling thread. Once this returns with fn NULL, or
+ * kvf_rpc_stream_destroy returns, the old fn never runs again. */
+void kvf_rpc_stream_notify(kvf_rpc_stream *s, void (*fn)(void *arg), void *arg);
 /* Cancels the call (the server handler sees it); later reads return KVF_ERR_CANCELLED once
  * the messages already received are read. Any thread, any number of times. */
 void kvf_rpc_stream_cancel(kvf_rpc_stream *s);

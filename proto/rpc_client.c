@@ -1,6 +1,7 @@
 /* rpc_client.c: the async RPC client over gRPC C core. A channel owns one completion queue and
  * the thread that polls it; unary calls complete through a callback on that thread (the blocking
- * call waits for it), streams read ahead into a small queue that kvf_rpc_stream_read drains.
+ * call waits for it), streams read ahead into a small queue that kvf_rpc_stream_read drains
+ * and, when asked (kvf_rpc_stream_notify), wake their reader as messages arrive.
  * Every call with gRPC operations in flight is on the channel's list, so destroying the channel
  * can cancel them and wait. */
 #include "proto/rpc_internal.h"
@@ -325,6 +326,8 @@ struct kvf_rpc_stream {
     kvf_err final_err;
     kvf_rpc_buf q[RPC_STREAM_READ_AHEAD];
     size_t q_head, q_len;
+    void (*notify)(void *arg); /* kvf_rpc_stream_notify: called under mu */
+    void *notify_arg;
 };
 
 static void stream_free(kvf_rpc_stream *s)
@@ -370,6 +373,13 @@ static void stream_op_finish(kvf_rpc_stream *s)
     pthread_mutex_unlock(&s->mu);
     if (free_it)
         stream_free(s);
+}
+
+/* Tells the reader that something may be readable; s->mu held. */
+static void stream_notify_locked(kvf_rpc_stream *s)
+{
+    if (s->notify)
+        s->notify(s->notify_arg);
 }
 
 /* Asks for the next message; s->mu held. */
@@ -427,6 +437,7 @@ static void on_stream_recv(rpc_tag *t, bool ok)
             s->eom = true;
         }
     }
+    stream_notify_locked(s);
     stream_op_finish(s);
 }
 
@@ -442,6 +453,7 @@ static void on_stream_status(rpc_tag *t, bool ok)
                                   "rpc: %s: the status operation failed", s->method);
     s->status_done = true;
     stream_post_recv_locked(s); /* collect what is left, up to the end marker */
+    stream_notify_locked(s);
     stream_op_finish(s);
 }
 
@@ -553,6 +565,16 @@ kvf_status kvf_rpc_stream_read(kvf_rpc_stream *s, int64_t timeout_ms, kvf_rpc_bu
     }
 }
 
+void kvf_rpc_stream_notify(kvf_rpc_stream *s, void (*fn)(void *arg), void *arg)
+{
+    pthread_mutex_lock(&s->mu);
+    s->notify = fn;
+    s->notify_arg = arg;
+    if (fn && (s->q_len || (s->eom && s->status_done && !s->recv_pending)))
+        fn(arg);
+    pthread_mutex_unlock(&s->mu);
+}
+
 void kvf_rpc_stream_cancel(kvf_rpc_stream *s)
 {
     /* The grpc_call lives as long as the stream, so this is safe at any time. */
@@ -566,6 +588,7 @@ void kvf_rpc_stream_destroy(kvf_rpc_stream *s)
     pthread_mutex_lock(&s->mu);
     if (!s->status_done)
         grpc_call_cancel(s->call, NULL);
+    s->notify = NULL; /* the reader is gone: completions still in flight wake nobody */
     bool free_it = --s->refs == 0;
     pthread_mutex_unlock(&s->mu);
     if (free_it)

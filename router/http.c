@@ -1,6 +1,8 @@
 /* http.c: the router's HTTP server on one libevent loop. Every evhttp call and every routing
- * decision happens on the loop thread; Generate streams are polled from a 1 ms timer while any
- * request is in flight, so no lock guards the requests. Membership and health are fleet.c's. */
+ * decision happens on the loop thread, so no lock guards the requests. Generate and WatchKv
+ * streams wake the loop when a message or their end arrives (an atomic flag per stream and one
+ * libevent user event); a 100 ms safety timer notices clients that left plain requests and
+ * logs index health. Membership and health checks are fleet.c's. */
 #include "router/http.h"
 
 #include <ctype.h>
@@ -32,6 +34,13 @@
 #include "router/openai.h"
 #include "router/policy.h"
 
+/* One stream's wake-up: set on a completion-queue thread when the stream has something to read
+ * (on_stream_ready), taken on the loop thread. */
+typedef struct wake_src {
+    struct kvf_router_http *h;
+    atomic_bool ready;
+} wake_src;
+
 typedef struct seq_state {
     kvf_model_detok *detok;
     kvf_sbuf text;
@@ -54,6 +63,7 @@ typedef struct rq {
     int32_t max_tokens;
     seq_state *seqs;
     kvf_rpc_stream *stream;
+    wake_src wake;
     int32_t worker, prefill;
     int64_t prefill_tokens; /* queued on the prefill worker until the first token */
     int attempts;
@@ -71,6 +81,7 @@ typedef struct rq {
  * span several events) and its last load report. */
 typedef struct kv_watch {
     kvf_rpc_stream *stream;
+    wake_src wake;
     uint64_t *snap_h, *snap_p;
     size_t snap_n, snap_cap;
     bool have_load;
@@ -93,7 +104,9 @@ struct kvf_router_http {
     struct event_base *base;
     struct evhttp *http;
     int port;
-    struct event *tick_ev, *stop_ev, *sig_int, *sig_term;
+    struct event *wake_ev;   /* a stream has something: read the ready ones (on_wake) */
+    struct event *safety_ev; /* every SAFETY_MS: plain clients gone, index health (on_safety) */
+    struct event *stop_ev, *sig_int, *sig_term;
     atomic_bool stopping;
 
     kvf_router_fleet *fleet;
@@ -103,7 +116,6 @@ struct kvf_router_http {
     kvf_router_worker workers[2][KVF_ROUTER_MAX_WORKERS]; /* by id, from the last sync */
     int32_t inflight[KVF_ROUTER_MAX_WORKERS];             /* decode requests we hold open */
     kv_watch watch[2][KVF_ROUTER_MAX_WORKERS];            /* kv policy: WatchKv per worker */
-    struct event *watch_ev;
     int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];
     uint64_t next_id;
     rq *reqs;
@@ -112,9 +124,10 @@ struct kvf_router_http {
     kvf_metrics *metrics;
     kvf_metric *m_requests, *m_2xx, *m_4xx, *m_5xx, *m_inflight, *m_retries, *m_disconnects,
         *m_gen_tokens, *m_prompt_tokens, *m_ttft, *m_e2e, *m_decode_up, *m_prefill_up;
+    kvf_metric *m_wake_stream, *m_wake_timer; /* loop passes by cause */
     kvf_metric *m_idx_state[2][3]; /* kv policy: workers live / stale / resync, per role */
     kvf_metric *m_idx_blocks[2];   /* kv policy: blocks in each role's index */
-    double last_index_health;      /* when index_health last ran from the watch timer */
+    double last_index_health;      /* when index_health last ran from the safety timer */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -196,6 +209,27 @@ static void request_id(kvf_router_http *h, struct evhttp_request *ev, char *out,
     snprintf(out, cap, "%016llx", (unsigned long long)x);
 }
 
+/* The safety timer's period: the longest a plain request's vanished client goes unnoticed
+ * while its worker sends nothing. Streams never wait for it. */
+#define SAFETY_MS 100
+
+/* kvf_rpc_stream_notify's callback, on a completion-queue thread with the stream's lock held:
+ * marks the stream ready and wakes the loop (event_active is thread-safe once
+ * evthread_use_pthreads ran). It touches nothing else of the router. */
+static void on_stream_ready(void *arg)
+{
+    wake_src *w = arg;
+    atomic_store_explicit(&w->ready, true, memory_order_release);
+    event_active(w->h->wake_ev, EV_READ, 0);
+}
+
+/* Marks a stream ready from the loop thread (a client left, or a drain stopped early). */
+static void wake_again(wake_src *w)
+{
+    atomic_store_explicit(&w->ready, true, memory_order_release);
+    event_active(w->h->wake_ev, EV_READ, 0);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Worker pools                                                                              */
 
@@ -224,6 +258,8 @@ static void watch_open(kvf_router_http *h, int role, int32_t id)
         kvf_rpc_stream_open(h->workers[role][id].channel, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
                             KVF_RPC_NO_DEADLINE, &w->stream, &err) != KVF_OK)
         kvf_log(KVF_LOG_WARN, "router: WatchKv on %s: %s", h->workers[role][id].address, err.msg);
+    else
+        kvf_rpc_stream_notify(w->stream, on_stream_ready, &w->wake);
     kvf_rpc_buf_free(&b);
 }
 
@@ -280,52 +316,60 @@ static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet_
 
 static int32_t index_health(kvf_router_http *h);
 
-/* Reads every WatchKv stream (kv policy): events into the index, load reports into the pool. */
-static void on_watch(evutil_socket_t fd, short what, void *arg)
+/* Reads what one WatchKv stream has (kv policy): events into the index, load reports into the
+ * pool. At most 256 messages a pass, then the stream is marked ready again so HTTP gets a turn. */
+static void watch_drain(kvf_router_http *h, int role, int32_t id, double now)
 {
-    kvf_router_http *h = arg;
-    (void)fd, (void)what;
+    kv_watch *w = &h->watch[role][id];
+    for (int n = 0; w->stream; n++) {
+        if (n == 256) {
+            wake_again(&w->wake);
+            return;
+        }
+        kvf_rpc_buf m = {0};
+        bool done = false;
+        kvf_err err = {0};
+        kvf_status st = kvf_rpc_stream_read(w->stream, 0, &m, &done, &err);
+        if (done) {
+            kvf_log(KVF_LOG_INFO, "router: WatchKv on %s ended: %s", h->workers[role][id].address,
+                    st == KVF_OK ? "ok" : err.msg);
+            watch_close(w); /* reopened at the next sync while the worker is healthy */
+            return;
+        }
+        if (st != KVF_OK)
+            return;
+        Kvfleet__V1__WatchKvResponse *r = NULL;
+        bool keep = true;
+        if (kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &err) == KVF_OK) {
+            if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT && h->pool[role])
+                keep = watch_event(h, role, id, r->event);
+            else if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD && h->pool[role]) {
+                w->load.queued_prefill_tokens = r->load->queued_prefill_tokens;
+                w->load.decode_load = (double)r->load->running + (double)r->load->waiting;
+                w->have_load = true;
+                kvf_router_pool_load_set(h->pool[role], id, &w->load, now);
+            }
+        }
+        kvf_rpc_msg_free(r);
+        kvf_rpc_buf_free(&m);
+        if (!keep) {
+            watch_open(h, role, id); /* a gap: a new watch starts with a snapshot */
+            return;
+        }
+    }
+}
+
+/* Drains the WatchKv streams that said they have something (all of them when `all`). */
+static void watches_drain(kvf_router_http *h, bool all)
+{
     double now = kvf_now_s();
     for (int role = 0; role < 2; role++)
         for (int32_t id = 0; id < KVF_ROUTER_MAX_WORKERS; id++) {
             kv_watch *w = &h->watch[role][id];
-            for (int n = 0; w->stream && n < 256; n++) {
-                kvf_rpc_buf m = {0};
-                bool done = false;
-                kvf_err err = {0};
-                kvf_status st = kvf_rpc_stream_read(w->stream, 0, &m, &done, &err);
-                if (done) {
-                    kvf_log(KVF_LOG_INFO, "router: WatchKv on %s ended: %s", h->workers[role][id].address,
-                            st == KVF_OK ? "ok" : err.msg);
-                    watch_close(w); /* reopened at the next sync while the worker is healthy */
-                    break;
-                }
-                if (st != KVF_OK)
-                    break;
-                Kvfleet__V1__WatchKvResponse *r = NULL;
-                bool keep = true;
-                if (kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &err) == KVF_OK) {
-                    if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT && h->pool[role])
-                        keep = watch_event(h, role, id, r->event);
-                    else if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD && h->pool[role]) {
-                        w->load.queued_prefill_tokens = r->load->queued_prefill_tokens;
-                        w->load.decode_load = (double)r->load->running + (double)r->load->waiting;
-                        w->have_load = true;
-                        kvf_router_pool_load_set(h->pool[role], id, &w->load, now);
-                    }
-                }
-                kvf_rpc_msg_free(r);
-                kvf_rpc_buf_free(&m);
-                if (!keep) {
-                    watch_open(h, role, id); /* a gap: a new watch starts with a snapshot */
-                    break;
-                }
-            }
+            bool ready = atomic_exchange_explicit(&w->wake.ready, false, memory_order_acquire);
+            if (w->stream && (ready || all))
+                watch_drain(h, role, id, now);
         }
-    if (now - h->last_index_health >= 1.0) { /* log stale / resync / live changes once a second */
-        h->last_index_health = now;
-        index_health(h);
-    }
 }
 
 /* Brings the policy pools in line with the fleet's health. Loop thread. */
@@ -537,7 +581,7 @@ static void on_close(struct evhttp_connection *c, void *arg)
     r->client_gone = true;
     if (r->stream)
         kvf_rpc_stream_cancel(r->stream);
-    event_active(r->h->tick_ev, EV_TIMEOUT, 0);
+    wake_again(&r->wake); /* pump answers it on the loop's next pass */
 }
 
 /* Opens Generate on r->worker. */
@@ -594,6 +638,7 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
     kvf_rpc_buf_free(&b);
     if (st != KVF_OK)
         return st;
+    kvf_rpc_stream_notify(r->stream, on_stream_ready, &r->wake);
     r->attempts++;
     r->started = true;
     h->inflight[r->worker]++;
@@ -606,13 +651,6 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
             r->prefill >= 0 ? ", prefill " : "", r->prefill >= 0 ? h->workers[1][r->prefill].address : "",
             r->attempts);
     return KVF_OK;
-}
-
-static void arm_tick(kvf_router_http *h)
-{
-    struct timeval tv = {0, 1000};
-    if (!evtimer_pending(h->tick_ev, NULL))
-        evtimer_add(h->tick_ev, &tv);
 }
 
 /* The end of the text that is safe to send: not inside a possible stop string's start and not
@@ -968,17 +1006,42 @@ static void pump(kvf_router_http *h, rq *r)
     }
 }
 
-static void on_tick(evutil_socket_t fd, short what, void *arg)
+/* Pumps the requests and drains the watches whose stream said it has something (all of them
+ * when `all`). Loop thread. */
+static void drain(kvf_router_http *h, bool all)
+{
+    for (rq *r = h->reqs, *next; r; r = next) {
+        next = r->next; /* pump frees r at most, never another request */
+        bool ready = atomic_exchange_explicit(&r->wake.ready, false, memory_order_acquire);
+        if (ready || all)
+            pump(h, r);
+    }
+    watches_drain(h, all);
+}
+
+/* A stream has a message or its end, or a client left (on_stream_ready, wake_again). */
+static void on_wake(evutil_socket_t fd, short what, void *arg)
 {
     kvf_router_http *h = arg;
-    (void)fd;
-    (void)what;
-    for (rq *r = h->reqs, *next; r; r = next) {
-        next = r->next;
-        pump(h, r);
+    (void)fd, (void)what;
+    kvf_metric_add(h->m_wake_stream, 1);
+    drain(h, false);
+}
+
+/* Every SAFETY_MS: plain requests peek at their client's socket (libevent does not always
+ * report a vanished client while its request waits), every stream is read once more in case a
+ * wake-up was lost, and under the kv policy index state changes are logged once a second. */
+static void on_safety(evutil_socket_t fd, short what, void *arg)
+{
+    kvf_router_http *h = arg;
+    (void)fd, (void)what;
+    kvf_metric_add(h->m_wake_timer, 1);
+    drain(h, true);
+    double now = kvf_now_s();
+    if (h->policy == KVF_ROUTER_POLICY_KV && now - h->last_index_health >= 1.0) {
+        h->last_index_health = now;
+        index_health(h);
     }
-    if (h->reqs)
-        arm_tick(h);
 }
 
 /* Tokenizes the prompt of a parsed request into r->prompt. */
@@ -1048,6 +1111,7 @@ static void handle_generate(kvf_router_http *h, struct evhttp_request *ev, kvf_r
         return;
     }
     r->h = h;
+    r->wake.h = h;
     r->worker = r->prefill = -1;
     r->t0 = kvf_now_s();
     r->created = (int64_t)wall_s();
@@ -1148,7 +1212,6 @@ static void handle_generate(kvf_router_http *h, struct evhttp_request *ev, kvf_r
         evhttp_add_header(oh, "x-request-id", r->id);
         evhttp_send_reply_start(ev, 200, "OK");
     }
-    arm_tick(h);
     return;
 fail:
     send_error(h, ev, r->id, &e, retry_after);
@@ -1269,6 +1332,10 @@ static kvf_status add_metrics(kvf_router_http *h, kvf_err *err)
     C(m_gen_tokens, "kvfleet_router_generated_tokens_total", NULL, "tokens streamed from decode workers")
     C(m_prompt_tokens, "kvfleet_router_prompt_tokens_total", NULL, "prompt tokens routed")
     G(m_inflight, "kvfleet_router_requests_in_flight", NULL, "generation requests in flight")
+    C(m_wake_stream, "kvfleet_router_loop_wakeups_total", "cause=\"stream\"",
+      "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
+    C(m_wake_timer, "kvfleet_router_loop_wakeups_total", "cause=\"timer\"",
+      "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
     G(m_decode_up, "kvfleet_router_healthy_workers", "role=\"decode\"", "workers passing health checks")
     G(m_prefill_up, "kvfleet_router_healthy_workers", "role=\"prefill\"", "workers passing health checks")
 #undef C
@@ -1377,13 +1444,17 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
     getsockname(evhttp_bound_socket_get_fd(sock), (struct sockaddr *)&ss, &sl);
     h->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                              : ((struct sockaddr_in *)&ss)->sin_port);
-    h->tick_ev = evtimer_new(h->base, on_tick, h);
+    h->wake_ev = event_new(h->base, -1, 0, on_wake, h);
+    h->safety_ev = event_new(h->base, -1, EV_PERSIST, on_safety, h);
     h->stop_ev = event_new(h->base, -1, 0, on_stop, h);
-    if (h->policy == KVF_ROUTER_POLICY_KV) {
-        struct timeval wtv = {0, 10000};
-        h->watch_ev = event_new(h->base, -1, EV_PERSIST, on_watch, h);
-        event_add(h->watch_ev, &wtv);
+    struct timeval stv = {0, SAFETY_MS * 1000};
+    if (!h->wake_ev || !h->safety_ev || !h->stop_ev || event_add(h->safety_ev, &stv) != 0) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "router: cannot create the loop's events");
+        goto fail;
     }
+    for (int r = 0; r < 2; r++)
+        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
+            h->watch[r][i].wake.h = h;
     if (cfg->handle_signals) {
         h->sig_int = evsignal_new(h->base, SIGINT, on_stop, h);
         h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
@@ -1438,12 +1509,12 @@ void kvf_router_http_destroy(kvf_router_http *h)
             free(h->watch[r][i].snap_h);
             free(h->watch[r][i].snap_p);
         }
-    if (h->watch_ev)
-        event_free(h->watch_ev);
     if (h->http)
         evhttp_free(h->http);
-    if (h->tick_ev)
-        event_free(h->tick_ev);
+    if (h->wake_ev)
+        event_free(h->wake_ev);
+    if (h->safety_ev)
+        event_free(h->safety_ev);
     if (h->stop_ev)
         event_free(h->stop_ev);
     if (h->sig_int)

@@ -1,7 +1,8 @@
 /* test_http_server.c: the router's HTTP server over real sockets against fake decode workers
  * served in this process (the Worker service's Info, Health and Generate on kvf_rpc): errors,
  * plain and SSE answers, n > 1, 64 concurrent streams, retry before the first token, cancel on
- * client disconnect, 429 when saturated. Real workers are tests/e2e's. */
+ * client disconnect, 429 when saturated, a loop that wakes on stream messages rather than a clock.
+ * Real workers are tests/e2e's. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,7 +30,8 @@
 /* ---------------------------------------------------------------------------------------- */
 /* A fake decode worker                                                                      */
 
-enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW, FAKE_MID /* 3 tokens, then lost */ };
+enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW, FAKE_MID /* 3 tokens, then lost */,
+       FAKE_HOLD /* sends nothing until cancelled (10 s at most) */ };
 
 typedef struct fake {
     kvf_rpc_server *srv;
@@ -116,6 +118,16 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, siz
     }
     atomic_store(&f->last_prior, g->n_prior_output_tokens);
     atomic_store(&f->last_n_tokens, (int)g->n_token_ids);
+    if (mode == FAKE_HOLD) {
+        kvf_rpc_msg_free(g);
+        for (int i = 0; i < 2000 && !kvf_rpc_call_is_cancelled(call); i++)
+            kvf_sleep_ms(5);
+        bool cancelled = kvf_rpc_call_is_cancelled(call);
+        if (cancelled)
+            atomic_fetch_add(&f->n_cancelled, 1);
+        kvf_rpc_call_finish(call, cancelled ? KVF_ERR_CANCELLED : KVF_OK, NULL);
+        return;
+    }
     int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling->max_tokens;
     int32_t n = g->sampling->n ? g->sampling->n : 1;
     int32_t np = (int32_t)g->n_token_ids;
@@ -716,6 +728,56 @@ static void test_disconnect_plain_cancels(void **state)
     free(r.body);
 }
 
+/* kvfleet_router_loop_wakeups_total{cause="<cause>"} from /metrics. */
+static double wakeups(fixture *x, const char *cause)
+{
+    resp m;
+    http(x->r.port, "GET", "/metrics", NULL, NULL, &m);
+    char key[128];
+    snprintf(key, sizeof key, "kvfleet_router_loop_wakeups_total{cause=\"%s\"} ", cause);
+    const char *p = strstr(m.body, key);
+    double v = p ? strtod(p + strlen(key), NULL) : -1;
+    free(m.body);
+    assert_true(v >= 0);
+    return v;
+}
+
+/* The loop wakes when a stream has something, not on a clock: an answer arrives through a
+ * stream wake-up, and a Generate stream that stays silent costs no pass beyond the 100 ms
+ * safety timer (a 1 ms poll would make hundreds). */
+static void test_wakes_on_messages_not_timers(void **state)
+{
+    fixture *x = *state;
+    double s0 = wakeups(x, "stream");
+    resp r;
+    http(x->r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[5],\"max_tokens\":8}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    assert_true(wakeups(x, "stream") >= s0 + 1);
+
+    atomic_store(&x->f[0].mode, FAKE_HOLD);
+    int fd = send_req(x->r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":50,\"stream\":true}", NULL);
+    assert_true(fd >= 0);
+    int64_t end = kvf_now_ns() + 5000000000LL;
+    while (atomic_load(&x->f[0].n_generate) < 2 && kvf_now_ns() < end)
+        kvf_sleep_ms(5);
+    assert_int_equal(atomic_load(&x->f[0].n_generate), 2);
+    kvf_sleep_ms(50);
+    int64_t t0 = kvf_now_ns();
+    double a_stream = wakeups(x, "stream"), a_timer = wakeups(x, "timer");
+    kvf_sleep_ms(600);
+    double b_stream = wakeups(x, "stream"), b_timer = wakeups(x, "timer");
+    double ms = (double)(kvf_now_ns() - t0) / 1e6;
+    assert_true(b_stream - a_stream <= 1);
+    assert_true(b_timer - a_timer <= ms / 100.0 + 2);
+    close(fd); /* the router sees the client go and cancels the held call */
+    while (atomic_load(&x->f[0].n_cancelled) == 0 && kvf_now_ns() < end + 5000000000LL)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&x->f[0].n_cancelled), 1);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+}
+
 /* Workers found by a DNS name (as a Kubernetes headless service gives them). */
 static void test_dns_membership(void **state)
 {
@@ -927,6 +989,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_resume_mid_stream, setup_two, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_cancels, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_disconnect_plain_cancels, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_wakes_on_messages_not_timers, setup_one, teardown),
         cmocka_unit_test(test_saturated_429),
         cmocka_unit_test(test_dns_membership),
         cmocka_unit_test(test_text_stop_and_chat),
