@@ -48,18 +48,21 @@ static int grow(void **arr, size_t *cap, size_t need, size_t elem)
     return 0;
 }
 
-kvf_status kvf_router_trace_load(const char *path, const char *model, int32_t block_size,
-                                 int32_t trace_block_tokens, size_t max_requests,
-                                 kvf_router_trace *out, kvf_err *err)
+static kvf_status sizes_check(int32_t block_size, int32_t trace_block_tokens, kvf_err *err)
 {
     if (block_size <= 0 || trace_block_tokens <= 0 || trace_block_tokens % block_size != 0 ||
         trace_block_tokens > (1 << 20))
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "trace: trace block of %d tokens is not a multiple of block size %d "
                            "(or is out of range 1 .. 2^20)", trace_block_tokens, block_size);
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return kvf_err_set(err, KVF_ERR_IO, "trace: %s: %s", path, strerror(errno));
+    return KVF_OK;
+}
+
+/* Reads every line of f (named path in messages); closes f. */
+static kvf_status trace_read(FILE *f, const char *path, const char *model, int32_t block_size,
+                             int32_t trace_block_tokens, size_t max_requests,
+                             kvf_router_trace *out, kvf_err *err)
+{
     kvf_router_trace t = {.block_size = block_size, .trace_block_tokens = trace_block_tokens};
     size_t req_cap = 0, hash_cap = 0, tok_cap = 0;
     int32_t *tokens = NULL;
@@ -164,4 +167,33 @@ fail:
     fclose(f);
     kvf_router_trace_fini(&t);
     return st;
+}
+
+kvf_status kvf_router_trace_load(const char *path, const char *model, int32_t block_size,
+                                 int32_t trace_block_tokens, size_t max_requests,
+                                 kvf_router_trace *out, kvf_err *err)
+{
+    kvf_status st = sizes_check(block_size, trace_block_tokens, err);
+    if (st != KVF_OK)
+        return st;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return kvf_err_set(err, KVF_ERR_IO, "trace: %s: %s", path, strerror(errno));
+    return trace_read(f, path, model, block_size, trace_block_tokens, max_requests, out, err);
+}
+
+kvf_status kvf_router_trace_parse(const char *name, const void *data, size_t len,
+                                  const char *model, int32_t block_size,
+                                  int32_t trace_block_tokens, size_t max_requests,
+                                  kvf_router_trace *out, kvf_err *err)
+{
+    kvf_status st = sizes_check(block_size, trace_block_tokens, err);
+    if (st != KVF_OK)
+        return st;
+    if (len == 0)
+        return kvf_err_set(err, KVF_ERR_PARSE, "trace: %s: no requests", name);
+    FILE *f = fmemopen((void *)data, len, "r");
+    if (!f)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "trace: %s: %s", name, strerror(errno));
+    return trace_read(f, name, model, block_size, trace_block_tokens, max_requests, out, err);
 }

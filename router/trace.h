@@ -33,6 +33,12 @@ typedef struct kvf_router_trace {
 kvf_status kvf_router_trace_load(const char *path, const char *model, int32_t block_size,
                                  int32_t trace_block_tokens, size_t max_requests,
                                  kvf_router_trace *out, kvf_err *err);
+/* The same from len bytes in memory (not NUL-terminated; a NUL byte is a parse error in its
+ * line); name stands for the path in messages. For tests and the fuzz target. */
+kvf_status kvf_router_trace_parse(const char *name, const void *data, size_t len,
+                                  const char *model, int32_t block_size,
+                                  int32_t trace_block_tokens, size_t max_requests,
+                                  kvf_router_trace *out, kvf_err *err);
 void kvf_router_trace_fini(kvf_router_trace *t);
 
 /* The token ids of trace block `id`, positions offset .. offset+n-1 (ids in 1 .. 32000). */

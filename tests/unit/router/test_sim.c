@@ -90,6 +90,32 @@ static void test_trace_bad_lines_refused(void **state)
     unlink(p);
 }
 
+/* The in-memory reader (the fuzz target's entry) gives what the file reader gives, and names
+ * the buffer in its errors. */
+static void test_trace_parse_from_memory(void **state)
+{
+    (void)state;
+    const char *text = "{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 5, \"hash_ids\": [4, 9, 12]}\n"
+                       "{\"timestamp\": 10, \"input_length\": 700, \"output_length\": 3, \"hash_ids\": [4, 9]}";
+    const char *p = write_tmp(text);
+    kvf_router_trace a, b;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_trace_load(p, "m", 16, 512, 0, &a, &err), KVF_OK);
+    assert_int_equal(kvf_router_trace_parse("mem", text, strlen(text), "m", 16, 512, 0, &b, &err), KVF_OK);
+    assert_int_equal(a.n_reqs, b.n_reqs);
+    assert_int_equal(a.n_hashes, b.n_hashes);
+    assert_memory_equal(a.hashes, b.hashes, a.n_hashes * sizeof *a.hashes);
+    kvf_router_trace_fini(&a);
+    kvf_router_trace_fini(&b);
+    unlink(p);
+    /* a buffer is not a C string: the bytes after len are not read */
+    assert_int_equal(kvf_router_trace_parse("mem", text, 40, "m", 16, 512, 0, &b, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, "mem:1"));
+    assert_int_equal(kvf_router_trace_parse("mem", "", 0, "m", 16, 512, 0, &b, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, "no requests"));
+    assert_int_equal(kvf_router_trace_parse("mem", text, strlen(text), "m", 16, 500, 0, &b, &err), KVF_ERR_INVALID);
+}
+
 static void test_lru_order_pins_and_ttl(void **state)
 {
     (void)state;
@@ -186,6 +212,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_trace_expansion_keeps_prefixes),
         cmocka_unit_test(test_trace_bad_lines_refused),
+        cmocka_unit_test(test_trace_parse_from_memory),
         cmocka_unit_test(test_lru_order_pins_and_ttl),
         cmocka_unit_test(test_sim_on_conversation_slice),
     };
