@@ -17,17 +17,29 @@ static const int32_t attn_head_dims[] = {16, 32, 64, 128, 256};
 #define ATTN_HEAD_DIMS_TEXT "16, 32, 64, 128 or 256"
 #define ATTN_GRID_YZ_MAX 65535
 
-int32_t kvf_cuda_attention_parts(int32_t max_ctx)
+int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx)
+{
+    int64_t th = (int64_t)(n_tokens > 0 ? n_tokens : 1) * (n_heads > 0 ? n_heads : 1);
+    int64_t ctx = max_ctx > 0 ? max_ctx : 1, len = KVF_CUDA_ATTN_PART_MAX;
+    if (ctx <= KVF_CUDA_ATTN_PART_MAX)
+        return (int32_t)len; /* one partition: no workspace, no reduce */
+    while (len > KVF_CUDA_ATTN_PART_MIN && th * ((ctx + len - 1) / len) < KVF_CUDA_ATTN_SPLIT_TARGET)
+        len /= 2;
+    return (int32_t)len;
+}
+
+int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_ctx)
 {
     if (max_ctx <= 0)
         return 1;
-    return (int32_t)(((int64_t)max_ctx + KVF_CUDA_ATTN_PART - 1) / KVF_CUDA_ATTN_PART);
+    int64_t len = kvf_cuda_attention_part_len(n_tokens, n_heads, max_ctx);
+    return (int32_t)(((int64_t)max_ctx + len - 1) / len);
 }
 
 size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_heads, int32_t head_dim,
                                           int32_t max_ctx)
 {
-    int32_t parts = kvf_cuda_attention_parts(max_ctx);
+    int32_t parts = kvf_cuda_attention_parts(n_tokens, n_heads, max_ctx);
     if (parts <= 1 || n_tokens <= 0 || n_heads <= 0 || head_dim <= 0)
         return 0;
     return (size_t)n_tokens * (size_t)n_heads * (size_t)parts * ((size_t)head_dim + 2) *
@@ -116,7 +128,7 @@ kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "attn: max_ctx %d is out of range (1..max_blocks %d * block_size %d)",
                            p->max_ctx, p->max_blocks, l->block_size);
-    if (kvf_cuda_attention_parts(p->max_ctx) > ATTN_GRID_YZ_MAX)
+    if (kvf_cuda_attention_parts(p->n_tokens, p->n_heads, p->max_ctx) > ATTN_GRID_YZ_MAX)
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "attn: max_ctx %d needs more than %d partitions",
                            p->max_ctx, ATTN_GRID_YZ_MAX);
     if (p->window < 0)
@@ -178,7 +190,7 @@ static float attn_v_mul(const kvf_cuda_attn_params *p)
 }
 
 /* One partition [p0, p1) of (token t, head h): writes o[head_dim], *m, *l. qs is the scaled
- * query; s and row are scratch of at least KVF_CUDA_ATTN_PART and head_dim floats. */
+ * query; s and row are scratch of at least the partition length and head_dim floats. */
 static void attn_ref_part(const kvf_cuda_attn_params *p, const int32_t *bt, int32_t kvh,
                           const float *qs, int32_t p0, int32_t p1, float *s, float *row,
                           float *o, float *m_out, float *l_out)
@@ -222,17 +234,18 @@ kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err)
         return st;
     const kvf_kv_layout *l = &p->layout;
     int32_t hd = l->head_dim, group = p->n_heads / l->n_kv_heads;
-    int32_t parts = kvf_cuda_attention_parts(p->max_ctx);
+    int32_t parts = kvf_cuda_attention_parts(p->n_tokens, p->n_heads, p->max_ctx);
+    int32_t plen = kvf_cuda_attention_part_len(p->n_tokens, p->n_heads, p->max_ctx);
     for (int32_t t = 0; t < p->n_tokens; t++)
         if (p->tok_pos[t] < 0 || p->tok_pos[t] >= p->max_ctx || p->tok_seq[t] < 0)
             return kvf_err_set(err, KVF_ERR_INVALID,
                                "attn: token %d has position %d (0..max_ctx %d - 1) and sequence %d",
                                t, p->tok_pos[t], p->max_ctx, p->tok_seq[t]);
 
-    float *scratch = malloc(((size_t)KVF_CUDA_ATTN_PART + 3 * (size_t)hd) * sizeof(float));
+    float *scratch = malloc(((size_t)plen + 3 * (size_t)hd) * sizeof(float));
     if (!scratch)
         return kvf_err_set(err, KVF_ERR_NOMEM, "attn: no memory for the reference's scratch");
-    float *s = scratch, *row = s + KVF_CUDA_ATTN_PART, *qs = row + hd, *o1 = qs + hd;
+    float *s = scratch, *row = s + plen, *qs = row + hd, *o1 = qs + hd;
     size_t n_all = (size_t)p->n_tokens * p->n_heads * parts;
     float *ws_o = p->workspace, *ws_m = ws_o + n_all * hd, *ws_l = ws_m + n_all;
     float qmul = attn_q_mul(p);
@@ -246,10 +259,10 @@ kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err)
             float *out = p->out + ((int64_t)t * p->n_heads + h) * hd;
             for (int32_t e = 0; e < hd; e++)
                 qs[e] = q[e] * qmul;
-            int32_t pa = lo / KVF_CUDA_ATTN_PART, pb = pos / KVF_CUDA_ATTN_PART;
+            int32_t pa = lo / plen, pb = pos / plen;
             /* the partition kernel: every non-empty partition of this token */
             for (int32_t pp = pa; pp <= pb; pp++) {
-                int32_t p0 = pp * KVF_CUDA_ATTN_PART, p1 = p0 + KVF_CUDA_ATTN_PART;
+                int32_t p0 = pp * plen, p1 = p0 + plen;
                 if (p0 < lo)
                     p0 = lo;
                 if (p1 > pos + 1)

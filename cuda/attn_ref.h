@@ -11,21 +11,28 @@
 #include "cuda/attn.h"
 
 /* Context positions per partition: partition p of a token covers positions
- * [p * KVF_CUDA_ATTN_PART, (p + 1) * KVF_CUDA_ATTN_PART) intersected with its visible range.
- * A call splits when max_ctx > KVF_CUDA_ATTN_PART (kvf_cuda_attention_parts > 1). */
-#define KVF_CUDA_ATTN_PART 256
+ * [p * len, (p + 1) * len) intersected with its visible range. len = part_len(n_tokens,
+ * n_heads, max_ctx) is 256 (max_ctx <= 256: one partition), halved down to 64 while
+ * n_tokens * n_heads * partitions stays under KVF_CUDA_ATTN_SPLIT_TARGET, so a small batch
+ * still gives the GPU enough CTAs while a large one keeps the workspace traffic small. A call
+ * splits (workspace + reduce kernel) when it has more than one partition. */
+#define KVF_CUDA_ATTN_PART_MAX 256
+#define KVF_CUDA_ATTN_PART_MIN 64
+#define KVF_CUDA_ATTN_SPLIT_TARGET 2048
 /* Query heads one CTA serves from one KV head's loads; a larger GQA group is cut into chunks. */
 #define KVF_CUDA_ATTN_HEADS_PER_CTA 8
 
-/* Partitions of a call: ceil(max_ctx / KVF_CUDA_ATTN_PART) (1 when max_ctx <= 0). */
-int32_t kvf_cuda_attention_parts(int32_t max_ctx);
+/* The partition length for a call (64, 128 or 256). */
+int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
+/* Partitions of a call: ceil(max_ctx / part_len(...)) (1 when max_ctx <= 0). */
+int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
 
 /* Workspace layout when parts > 1, N = n_tokens * n_heads * parts, index
  * i = (token * n_heads + head) * parts + part:
  *   float o[N][head_dim]  (partition output, already divided by its own sum)
  *   float m[N]            (partition max of the scores, base-2 logits)
  *   float l[N]            (partition sum of 2^(score - m))
- * The reduce combines, for one (token, head), partitions lo/PART .. pos/PART in order:
+ * The reduce combines, for one (token, head), partitions lo/len .. pos/len in order:
  *   M = max m_p;  w_p = l_p * 2^(m_p - M);  out = sum(w_p * o_p) / sum(w_p). */
 
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory

@@ -21,7 +21,8 @@
 #define SPLIT_ATOL 2e-5
 #define SPLIT_RTOL 1e-4
 
-static void run_case(const attn_case_spec *s)
+/* Returns the partitions the call used. */
+static int32_t run_case(const attn_case_spec *s)
 {
     attn_case c;
     assert_int_equal(attn_case_build(s, &c), 0);
@@ -45,12 +46,14 @@ static void run_case(const attn_case_spec *s)
         fail_msg("%s hd %d bs %d kv %d group %d window %d max_ctx %d (%d parts): element %zu "
                  "is %g, CPU backend %g (%.2fx the tolerance)",
                  kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads, s->group,
-                 s->window, c.max_ctx, kvf_cuda_attention_parts(c.max_ctx), wi, (double)got[wi],
-                 (double)want[wi], r);
+                 s->window, c.max_ctx, kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx),
+                 wi, (double)got[wi], (double)want[wi], r);
+    int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
     free(ws);
     free(want);
     free(got);
     attn_case_free(&c);
+    return parts;
 }
 
 /* Every dtype x GQA group 1/2/8 x window off/short/long, cycling head_dim and block size, with
@@ -75,8 +78,7 @@ static void test_split_matches_cpu(void **state)
                                     .extra_ctx = (int32_t)(seed * 13 % 300), .seed = seed};
                 if (dts[d] == KVF_DTYPE_FP8_E4M3)
                     s.k_scale = 0.37f, s.v_scale = 2.5f;
-                n_split += kvf_cuda_attention_parts(s.max_len + s.extra_ctx) > 1;
-                run_case(&s);
+                n_split += run_case(&s) > 1;
             }
     assert_true(n_split >= 30); /* the reduce was exercised, not just single partitions */
 }
@@ -90,9 +92,8 @@ static void test_single_partition(void **state)
                             .window = seed % 2 ? 0 : 20, .dtype = (kvf_dtype)(seed % 4),
                             .k_scale = 1.0f, .v_scale = 1.0f, .scale_mul = 1.0f, .n_seqs = 4,
                             .max_len = 200, .extra_ctx = 56, .seed = seed};
-        assert_int_equal(kvf_cuda_attention_parts(s.max_len + s.extra_ctx), 1);
         assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 8, 32, 256), 0);
-        run_case(&s);
+        assert_int_equal(run_case(&s), 1);
     }
 }
 
@@ -107,15 +108,47 @@ static void test_large_group(void **state)
     run_case(&s);
 }
 
+/* Small batches: 64- and 128-position partitions (many of them), GQA 2 and 4. */
+static void test_small_batch(void **state)
+{
+    (void)state;
+    int32_t lens[3] = {0};
+    for (uint32_t seed = 500; seed < 506; seed++) {
+        attn_case_spec s = {.head_dim = seed % 2 ? 128 : 32, .block_size = 16, .n_kv_heads = 2,
+                            .group = seed % 3 ? 4 : 2, .window = seed == 503 ? 150 : 0,
+                            .dtype = (kvf_dtype)(seed % 4), .k_scale = 1.0f, .v_scale = 1.0f,
+                            .scale_mul = 2.0f, .n_seqs = 1 + (int32_t)(seed % 3),
+                            .max_len = seed % 2 ? 1500 : 700, .extra_ctx = 9, .seed = seed,
+                            .decode_only = true};
+        int32_t len = kvf_cuda_attention_part_len(s.n_seqs, s.n_kv_heads * s.group,
+                                                  s.max_len + s.extra_ctx);
+        lens[len == 64 ? 0 : len == 128 ? 1 : 2]++;
+        assert_true(run_case(&s) > 1);
+    }
+    assert_true(lens[0] > 0);
+    /* 3 tokens x 8 heads at 12k: 128-position partitions */
+    attn_case_spec s = {.head_dim = 64, .block_size = 32, .n_kv_heads = 2, .group = 4,
+                        .dtype = KVF_DTYPE_BF16, .k_scale = 1.0f, .v_scale = 1.0f,
+                        .scale_mul = 1.0f, .n_seqs = 3, .max_len = 12000, .extra_ctx = 0,
+                        .seed = 510, .decode_only = true};
+    assert_int_equal(kvf_cuda_attention_part_len(3, 8, 12000), 128);
+    assert_int_equal(run_case(&s), 94);
+}
+
 static void test_workspace_size(void **state)
 {
     (void)state;
-    assert_int_equal(kvf_cuda_attention_parts(1), 1);
-    assert_int_equal(kvf_cuda_attention_parts(KVF_CUDA_ATTN_PART), 1);
-    assert_int_equal(kvf_cuda_attention_parts(KVF_CUDA_ATTN_PART + 1), 2);
-    assert_int_equal(kvf_cuda_attention_parts(32768), 32768 / KVF_CUDA_ATTN_PART);
+    assert_int_equal(kvf_cuda_attention_parts(1, 32, 1), 1);
+    assert_int_equal(kvf_cuda_attention_parts(1, 32, KVF_CUDA_ATTN_PART_MAX), 1);
+    assert_int_equal(kvf_cuda_attention_parts(256, 32, KVF_CUDA_ATTN_PART_MAX + 1), 2);
+    /* batch 1, 32 heads: 64-position partitions at 4k, 128 at 8k, 256 from 16k */
+    assert_int_equal(kvf_cuda_attention_part_len(1, 32, 4096), 64);
+    assert_int_equal(kvf_cuda_attention_part_len(1, 32, 8192), 128);
+    assert_int_equal(kvf_cuda_attention_part_len(1, 32, 16384), 256);
+    assert_int_equal(kvf_cuda_attention_part_len(64, 32, 4096), 256);
+    assert_int_equal(kvf_cuda_attention_parts(64, 32, 32768), 128);
     assert_int_equal(kvf_cuda_attention_workspace_bytes(3, 4, 64, 600),
-                     (size_t)3 * 4 * 3 * (64 + 2) * sizeof(float));
+                     (size_t)3 * 4 * 10 * (64 + 2) * sizeof(float));
     assert_int_equal(kvf_cuda_attention_workspace_bytes(0, 4, 64, 600), 0);
 }
 
@@ -200,6 +233,7 @@ int main(void)
         cmocka_unit_test(test_checks),
         cmocka_unit_test(test_single_partition),
         cmocka_unit_test(test_large_group),
+        cmocka_unit_test(test_small_batch),
         cmocka_unit_test(test_split_matches_cpu),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -24,6 +24,7 @@ typedef struct attn_case_spec {
     float scale_mul;        /* softmax scale = scale_mul / sqrt(head_dim): > 1 makes it peaky */
     int32_t n_seqs, max_len, extra_ctx;
     uint32_t seed;
+    bool decode_only; /* one token per sequence (a small batch: short partitions) */
 } attn_case_spec;
 
 typedef struct attn_case {
@@ -113,7 +114,7 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     c->tok_pos = malloc((size_t)(s->n_seqs * 64) * sizeof(int32_t));
     for (int32_t i = 0; i < s->n_seqs; i++) {
         int32_t chunk = 1;
-        if (attn_rng(&rng) % 2) {
+        if (attn_rng(&rng) % 2 && !s->decode_only) {
             int32_t cap = len[i] < 48 ? len[i] : 48;
             chunk = 1 + (int32_t)(attn_rng(&rng) % (uint32_t)cap);
         }
