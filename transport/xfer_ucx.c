@@ -1,7 +1,9 @@
 /* xfer_ucx.c: the "ucx" backend: the pool is ucp_mem_map'ed once and its packed rkey and the
  * worker address go in the descriptor; a write is one ucp_put_nbx per run of adjacent blocks,
  * an endpoint flush, then a UCX active message (id, status) the receiver answers with an
- * acknowledgement. Progress is the caller's (kvf_xfer_progress); deadlines force-close an
+ * acknowledgement (the notices of all writes to one peer that became ready in one progress call
+ * travel in one message, and so do the acknowledgements: BATCH_MAX). Progress is the caller's
+ * (kvf_xfer_progress) and looks only at writes something happened to; deadlines force-close an
  * endpoint whose operations are stuck, so a lost peer ends in an error event, never a hang.
  * The only file that includes UCX; kvf_status_from_ucs converts its codes.
  *
@@ -25,12 +27,21 @@ enum { AM_NOTICE = 11, AM_ACK = 12, AM_DATA = 13 };
 #define HDR_BYTES 24 /* u64 id | i32 status | u32 zero | u64 value (bytes, or an offset) */
 #define AM_CHUNK ((int64_t)1 << 20) /* "am" path: bytes per data message */
 #define CLOSE_WAIT_NS 2000000000LL /* how long destroy waits for force-closed operations */
+/* Notices (and acknowledgements) bound for one endpoint leave together: one active message
+ * whose header is the first entry and whose payload holds up to BATCH_MAX - 1 more, 24 bytes
+ * each (6,144 bytes: one shared-memory FIFO element). One message per transfer filled the
+ * receiver's FIFO at a few hundred short transfers in flight, and each refill then waited for
+ * the receiver to be scheduled. */
+#define BATCH_MAX 256
 
 typedef struct ucx_peer ucx_peer;
+typedef struct ucx_xfer ucx_xfer;
+typedef struct ucx_batch ucx_batch;
 
 /* One write in flight. Freed only once UCX holds none of its requests (pending == 0). */
 typedef struct ucx_send {
     uint64_t id;
+    ucx_xfer *u;
     ucx_peer *peer; /* NULL once the peer was disconnected */
     int64_t deadline_ns;
     int pending;       /* UCX requests (puts, flush, notice) not completed yet */
@@ -42,7 +53,10 @@ typedef struct ucx_send {
     uint8_t hdr[HDR_BYTES];
     uint8_t *data_hdrs; /* "am" path: [n_chunks][HDR_BYTES], live until the sends complete */
     uint64_t total_bytes;
-    struct ucx_send *next;
+    struct ucx_send *next, *prev; /* u->sends, doubly linked */
+    struct ucx_send *hnext;       /* u->htab chain */
+    struct ucx_send *rnext;       /* u->ready, while in_ready */
+    bool in_ready;
 } ucx_send;
 
 /* The flush posted at connect time: it completes once wire-up has. Outlives its peer when the
@@ -52,6 +66,7 @@ typedef struct ucx_conn_op {
 } ucx_conn_op;
 
 struct ucx_peer {
+    ucx_xfer *u;
     ucx_conn_op *conn; /* NULL once wire-up finished */
     ucp_ep_h ep;
     ucp_rkey_h rkey;
@@ -59,6 +74,8 @@ struct ucx_peer {
     bool failed; /* the error handler fired, or a deadline closed the endpoint */
     bool closed; /* ep force-closed */
     kvf_xfer_peer *pub;
+    ucx_batch *notices;  /* open notice batch, or NULL */
+    ucx_peer *nnext;     /* u->notice_peers, while notices != NULL */
 };
 
 /* An acknowledgement to send back through the notice's reply endpoint. */
@@ -71,13 +88,20 @@ typedef struct ucx_recv {
     struct ucx_recv *next;
 } ucx_recv;
 
-typedef struct ucx_ack {
+/* Entries going out in one active message (notices or acknowledgements): entry 0 is the AM
+ * header, the rest its payload. Owned by the open list it sits on, then by UCX until its
+ * request completes (u->batches_out meanwhile). */
+struct ucx_batch {
+    ucx_xfer *u;
     ucp_ep_h ep;
-    uint8_t hdr[HDR_BYTES];
-    struct ucx_ack *next;
-} ucx_ack;
+    bool notice;                 /* notices: each holds a pending request count on its write */
+    int n;
+    ucx_send *sends[BATCH_MAX];  /* notices: the writes announced */
+    uint8_t buf[BATCH_MAX * HDR_BYTES];
+    struct ucx_batch *next;
+};
 
-typedef struct ucx_xfer {
+struct ucx_xfer {
     kvf_xfer *x;
     ucp_context_h ctx;
     ucp_worker_h worker;
@@ -87,12 +111,27 @@ typedef struct ucx_xfer {
     ucp_address_t *addr;
     size_t addr_len;
     ucx_send *sends;
-    ucx_ack *acks; /* queued by the notice handler, sent from progress */
+    /* The same writes indexed by id (chained hash, hcap a power of two): writes, acks and
+     * cancels find theirs without walking every write in flight. */
+    ucx_send **htab;
+    size_t hcap, hcount;
+    /* Progress looks only at the writes something happened to (a UCX callback, an ack, a new
+     * write, a cancel): they are queued on ready. Every write is walked only when a peer
+     * failed or closed (walk_all) or the earliest deadline may have passed (next_deadline_ns,
+     * never later than the true one). With thousands of short writes in flight, walking them
+     * all on every progress call cost more than the copies. */
+    ucx_send *ready;
+    bool walk_all;
+    int64_t next_deadline_ns;
+    ucx_batch *acks;        /* open acknowledgement batches (one per reply endpoint), sent
+                             * from progress: AM handlers do not send */
+    ucx_peer *notice_peers; /* peers with an open notice batch, sent at the end of progress */
+    ucx_batch *batches_out; /* batches UCX still holds (freed at close if it never lets go) */
     bool no_peer_errh; /* transport "sm": UCX 1.13 has no peer-failure handling over it */
     bool am_data;      /* data path "am" (else "put") */
     int efd;           /* the worker's event fd, or -1 (no wakeup support) */
     ucx_recv *recvs;
-} ucx_xfer;
+};
 
 /* The one place UCX status codes become kvfleet ones. */
 static kvf_status kvf_status_from_ucs(ucs_status_t s)
@@ -131,6 +170,96 @@ static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value)
         h[16 + i] = (uint8_t)(value >> (8 * i));
 }
 
+/* ---- the index of writes by id ---- */
+
+static size_t send_hash(uint64_t id, size_t cap)
+{
+    return (size_t)((id * 0x9e3779b97f4a7c15ULL) >> 32) & (cap - 1);
+}
+
+static void send_index_add(ucx_xfer *u, ucx_send *s)
+{
+    if (u->hcount >= u->hcap) {
+        /* Grow to keep chains short; without memory the old table still works, just slower. */
+        ucx_send **nt = calloc(u->hcap * 2, sizeof *nt);
+        if (nt) {
+            for (size_t b = 0; b < u->hcap; b++)
+                while (u->htab[b]) {
+                    ucx_send *e = u->htab[b];
+                    u->htab[b] = e->hnext;
+                    size_t nb = send_hash(e->id, u->hcap * 2);
+                    e->hnext = nt[nb];
+                    nt[nb] = e;
+                }
+            free(u->htab);
+            u->htab = nt;
+            u->hcap *= 2;
+        }
+    }
+    size_t b = send_hash(s->id, u->hcap);
+    s->hnext = u->htab[b];
+    u->htab[b] = s;
+    u->hcount++;
+}
+
+/* The write with this id whose SENT event has not gone out yet, or NULL. (A reported write
+ * whose UCX operations are still held may share its id with a newer one.) */
+static ucx_send *send_find(ucx_xfer *u, uint64_t id)
+{
+    for (ucx_send *s = u->htab[send_hash(id, u->hcap)]; s; s = s->hnext)
+        if (s->id == id && !s->reported)
+            return s;
+    return NULL;
+}
+
+/* Links a new write into u->sends and the index, and queues it for progress. */
+static void send_link(ucx_xfer *u, ucx_send *s)
+{
+    s->prev = NULL;
+    s->next = u->sends;
+    if (u->sends)
+        u->sends->prev = s;
+    u->sends = s;
+    send_index_add(u, s);
+    if (s->deadline_ns < u->next_deadline_ns)
+        u->next_deadline_ns = s->deadline_ns;
+}
+
+/* Queues s for the next progress call (something happened to it). */
+static void send_ready(ucx_send *s)
+{
+    if (s->in_ready)
+        return;
+    s->in_ready = true;
+    s->rnext = s->u->ready;
+    s->u->ready = s;
+}
+
+/* Unlinks s from every list and frees it. */
+static void send_free(ucx_xfer *u, ucx_send *s)
+{
+    if (s->prev)
+        s->prev->next = s->next;
+    else
+        u->sends = s->next;
+    if (s->next)
+        s->next->prev = s->prev;
+    for (ucx_send **pp = &u->htab[send_hash(s->id, u->hcap)]; *pp; pp = &(*pp)->hnext)
+        if (*pp == s) {
+            *pp = s->hnext;
+            u->hcount--;
+            break;
+        }
+    if (s->in_ready)
+        for (ucx_send **pp = &u->ready; *pp; pp = &(*pp)->rnext)
+            if (*pp == s) {
+                *pp = s->rnext;
+                break;
+            }
+    free(s->data_hdrs);
+    free(s);
+}
+
 /* ---- request completion ---- */
 
 static void send_fail(ucx_send *s, kvf_status st)
@@ -142,6 +271,7 @@ static void send_fail(ucx_send *s, kvf_status st)
 static void op_done(void *req, ucs_status_t status, void *user_data)
 {
     ucx_send *s = user_data;
+    send_ready(s);
     s->pending--;
     if (status != UCS_OK)
         send_fail(s, kvf_status_from_ucs(status));
@@ -169,6 +299,7 @@ static void conn_done(void *req, ucs_status_t status, void *user_data)
 {
     ucx_conn_op *op = user_data;
     if (op->p) {
+        op->p->u->walk_all = true;
         op->p->conn = NULL;
         if (status == UCS_OK && op->p->pub->status == KVF_ERR_BUSY)
             op->p->pub->status = KVF_OK;
@@ -180,10 +311,58 @@ static void conn_done(void *req, ucs_status_t status, void *user_data)
         ucp_request_free(req);
 }
 
-static void ack_done(void *req, ucs_status_t status, void *user_data)
+/* A batch UCX let go of: its notices' writes move on (failed when status says so). */
+static void batch_release(ucx_batch *b, ucs_status_t status)
 {
-    free(user_data);
+    if (b->notice)
+        for (int i = 0; i < b->n; i++) {
+            ucx_send *s = b->sends[i];
+            s->pending--;
+            if (status != UCS_OK)
+                send_fail(s, kvf_status_from_ucs(status));
+            send_ready(s);
+        }
+    free(b);
+}
+
+static void batch_done(void *req, ucs_status_t status, void *user_data)
+{
+    ucx_batch *b = user_data;
+    for (ucx_batch **pp = &b->u->batches_out; *pp; pp = &(*pp)->next)
+        if (*pp == b) {
+            *pp = b->next;
+            break;
+        }
+    batch_release(b, status);
     ucp_request_free(req);
+}
+
+/* Sends a batch as one active message; the batch is freed now or when UCX completes it. */
+static void batch_send(ucx_xfer *u, ucx_batch *b)
+{
+    ucp_request_param_t param = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_FLAGS,
+        .cb.send = batch_done, .user_data = b,
+        .flags = UCP_AM_SEND_FLAG_EAGER | (b->notice ? UCP_AM_SEND_FLAG_REPLY : 0)};
+    ucs_status_ptr_t r = ucp_am_send_nbx(b->ep, b->notice ? AM_NOTICE : AM_ACK, b->buf, HDR_BYTES,
+                                         b->buf + HDR_BYTES, (size_t)(b->n - 1) * HDR_BYTES,
+                                         &param);
+    if (r != NULL && !UCS_PTR_IS_ERR(r)) {
+        if (b->notice)
+            for (int i = 0; i < b->n; i++)
+                b->sends[i]->pending++;
+        b->next = u->batches_out;
+        u->batches_out = b;
+        return;
+    }
+    if (UCS_PTR_IS_ERR(r) && !b->notice)
+        kvf_log(KVF_LOG_DEBUG, "xfer: ucx: %d acknowledgements not sent: %s", b->n,
+                ucs_status_string(UCS_PTR_STATUS(r)));
+    if (b->notice) /* the writes were counted as notified: release them as completed */
+        for (int i = 0; i < b->n; i++)
+            b->sends[i]->pending++;
+    batch_release(b, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
 }
 
 /* ---- endpoints ---- */
@@ -191,6 +370,7 @@ static void ack_done(void *req, ucs_status_t status, void *user_data)
 static void peer_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     ucx_peer *p = arg;
+    p->u->walk_all = true;
     p->failed = true;
     p->pub->status = KVF_ERR_PEER_LOST;
     kvf_log(KVF_LOG_WARN, "xfer: ucx: peer lost: %s", ucs_status_string(status));
@@ -223,16 +403,20 @@ static void peer_close(ucx_xfer *u, ucx_peer *p, bool wait)
  * KVF_ERR_CANCELLED (this side no longer expects it: timed out or cancelled). */
 static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id, kvf_status st)
 {
-    ucx_ack *a = calloc(1, sizeof *a);
-    if (!a) {
-        kvf_log(KVF_LOG_ERROR, "xfer: ucx: out of memory acknowledging transfer %llu",
-                (unsigned long long)id);
-        return;
+    ucx_batch *b = u->acks;
+    while (b && (b->ep != ep || b->n == BATCH_MAX))
+        b = b->next;
+    if (!b) {
+        b = malloc(sizeof *b);
+        if (!b) {
+            kvf_log(KVF_LOG_ERROR, "xfer: ucx: out of memory acknowledging transfer %llu",
+                    (unsigned long long)id);
+            return;
+        }
+        *b = (ucx_batch){.u = u, .ep = ep, .next = u->acks};
+        u->acks = b;
     }
-    a->ep = ep;
-    hdr_write(a->hdr, id, st, 0);
-    a->next = u->acks;
-    u->acks = a;
+    hdr_write(b->buf + (size_t)b->n++ * HDR_BYTES, id, st, 0);
 }
 
 static ucx_recv *recv_find(ucx_xfer *u, uint64_t id, bool create)
@@ -267,6 +451,44 @@ static void recv_try_complete(ucx_xfer *u, ucx_recv *r)
     free(r);
 }
 
+/* One notice entry (id, status, byte count) from the peer behind reply. */
+static void notice_entry(ucx_xfer *u, const uint8_t *h, ucp_ep_h reply)
+{
+    uint64_t id = kvf_xfer_get_u64(h), total = kvf_xfer_get_u64(h + 16);
+    int32_t st = (int32_t)kvf_xfer_get_u32(h + 8);
+    if (total > 0 && st == KVF_OK) {
+        /* "am" path: the bytes may still be on their way. */
+        ucx_recv *r = kvf_xfer_expecting(u->x, id) ? recv_find(u, id, true) : NULL;
+        if (!r) {
+            kvf_xfer_notice(u->x, id, KVF_OK); /* not expected: counted and dropped there */
+            if (reply)
+                queue_ack(u, reply, id, KVF_ERR_CANCELLED);
+            return;
+        }
+        r->noticed = true;
+        r->total = total;
+        r->reply_ep = reply;
+        recv_try_complete(u, r);
+        return;
+    }
+    bool delivered = kvf_xfer_notice(u->x, id, (kvf_status)st);
+    if (reply)
+        queue_ack(u, reply, id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
+}
+
+/* Entries of a batch message: the header, then the payload (eager, whole entries). Returns
+ * how many payload entries can be read; a malformed payload is logged and only the header
+ * counts. */
+static size_t batch_payload_entries(const char *what, size_t header_length, size_t length,
+                                    const ucp_am_recv_param_t *param)
+{
+    if (length % HDR_BYTES == 0 && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))
+        return length / HDR_BYTES;
+    kvf_log(KVF_LOG_WARN, "xfer: ucx: %s with a %zu-byte payload (whole %d-byte entries, "
+                          "eager): payload dropped", what, length, HDR_BYTES);
+    return 0;
+}
+
 static ucs_status_t notice_cb(void *arg, const void *header, size_t header_length, void *data,
                               size_t length, const ucp_am_recv_param_t *param)
 {
@@ -276,28 +498,11 @@ static ucs_status_t notice_cb(void *arg, const void *header, size_t header_lengt
                 header_length, HDR_BYTES);
         return UCS_OK;
     }
-    const uint8_t *h = header;
-    uint64_t id = kvf_xfer_get_u64(h), total = kvf_xfer_get_u64(h + 16);
-    int32_t st = (int32_t)kvf_xfer_get_u32(h + 8);
     ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep : NULL;
-    if (total > 0 && st == KVF_OK) {
-        /* "am" path: the bytes may still be on their way. */
-        ucx_recv *r = kvf_xfer_expecting(u->x, id) ? recv_find(u, id, true) : NULL;
-        if (!r) {
-            kvf_xfer_notice(u->x, id, KVF_OK); /* not expected: counted and dropped there */
-            if (reply)
-                queue_ack(u, reply, id, KVF_ERR_CANCELLED);
-            return UCS_OK;
-        }
-        r->noticed = true;
-        r->total = total;
-        r->reply_ep = reply;
-        recv_try_complete(u, r);
-        return UCS_OK;
-    }
-    bool delivered = kvf_xfer_notice(u->x, id, (kvf_status)st);
-    if (reply)
-        queue_ack(u, reply, id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
+    size_t more = batch_payload_entries("notice", header_length, length, param);
+    notice_entry(u, header, reply);
+    for (size_t i = 0; i < more; i++)
+        notice_entry(u, (const uint8_t *)data + i * HDR_BYTES, reply);
     return UCS_OK;
 }
 
@@ -336,15 +541,19 @@ static ucs_status_t ack_cb(void *arg, const void *header, size_t header_length, 
     ucx_xfer *u = arg;
     if (header_length != HDR_BYTES)
         return UCS_OK;
-    uint64_t id = kvf_xfer_get_u64(header);
-    int32_t st = (int32_t)kvf_xfer_get_u32((const uint8_t *)header + 8);
-    for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id && s->notice_sent && !s->reported) {
+    size_t more = batch_payload_entries("acknowledgement", header_length, length, param);
+    for (size_t i = 0; i <= more; i++) {
+        const uint8_t *h = i == 0 ? header : (const uint8_t *)data + (i - 1) * HDR_BYTES;
+        uint64_t id = kvf_xfer_get_u64(h);
+        int32_t st = (int32_t)kvf_xfer_get_u32(h + 8);
+        ucx_send *s = send_find(u, id);
+        if (s && s->notice_sent) {
             s->acked = true;
+            send_ready(s);
             if (st != KVF_OK) /* the receiver had stopped waiting: its blocks may be reused */
                 send_fail(s, (kvf_status)st);
-            break;
         }
+    }
     return UCS_OK;
 }
 
@@ -379,11 +588,18 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
     if (!u)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: ucx: out of memory");
     u->x = x;
+    u->hcap = 64;
+    u->htab = calloc(u->hcap, sizeof *u->htab);
+    if (!u->htab) {
+        free(u);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: ucx: out of memory");
+    }
     u->no_peer_errh = strcmp(tr, "sm") == 0;
     const char *dp = cfg->data_path && *cfg->data_path ? cfg->data_path : "auto";
     if (strcmp(dp, "am") == 0 || (strcmp(dp, "auto") == 0 && strcmp(tr, "tcp") == 0))
         u->am_data = true;
     else if (strcmp(dp, "put") != 0 && strcmp(dp, "auto") != 0) {
+        free(u->htab);
         free(u);
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "xfer: ucx: data path '%s' is not supported (use auto, put or am)", dp);
@@ -482,6 +698,7 @@ fail_worker:
 fail_ctx:
     ucp_cleanup(u->ctx);
 fail_u:
+    free(u->htab);
     free(u);
     return st;
 }
@@ -506,9 +723,9 @@ static void ucx_close(kvf_xfer *x)
         free(r);
     }
     while (u->acks) {
-        ucx_ack *a = u->acks;
-        u->acks = a->next;
-        free(a);
+        ucx_batch *b = u->acks;
+        u->acks = b->next;
+        free(b);
     }
     ucp_worker_release_address(u->worker, u->addr);
     ucp_rkey_buffer_release(u->rkey_buf);
@@ -516,16 +733,20 @@ static void ucx_close(kvf_xfer *x)
     ucp_worker_destroy(u->worker);
     /* No callback can come after the worker is gone: free what UCX never handed back (operations
      * queued behind a peer that died, which a force-close does not always release). */
+    while (u->batches_out) {
+        ucx_batch *b = u->batches_out;
+        u->batches_out = b->next;
+        free(b);
+    }
     while (u->sends) {
         ucx_send *s = u->sends;
-        u->sends = s->next;
         if (s->pending > 0)
             kvf_log(KVF_LOG_WARN, "xfer: ucx: transfer %llu: %d UCX operations never completed; "
                     "dropped with the worker", (unsigned long long)s->id, s->pending);
-        free(s->data_hdrs);
-        free(s);
+        send_free(u, s);
     }
     ucp_cleanup(u->ctx);
+    free(u->htab);
     free(u);
 }
 
@@ -571,6 +792,7 @@ static kvf_status ucx_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *bl
     memcpy(rkey_buf, blob + 12, rkey_len);
     memcpy(addr, blob + 16 + rkey_len, addr_len);
     p->pub = pub;
+    p->u = u;
     p->remote_base = base;
     ucp_ep_params_t ep = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -640,6 +862,16 @@ static void ucx_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
             send_fail(s, KVF_ERR_CANCELLED);
             s->peer = NULL;
         }
+    u->walk_all = true;
+    if (p->notices) {
+        /* Never sent: its writes were cancelled above and hold no request for it. */
+        for (ucx_peer **pp = &u->notice_peers; *pp; pp = &(*pp)->nnext)
+            if (*pp == p) {
+                *pp = p->nnext;
+                break;
+            }
+        free(p->notices);
+    }
     peer_close(u, p, true);
     free(p);
 }
@@ -654,15 +886,15 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
     if (p->failed || p->closed)
         return kvf_err_set(err, KVF_ERR_PEER_LOST, "xfer: write %llu: peer was lost (connect again)",
                            (unsigned long long)id);
-    for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id && !s->reported)
-            return kvf_err_set(err, KVF_ERR_EXISTS, "xfer: write %llu: this id is already in flight",
-                               (unsigned long long)id);
+    if (send_find(u, id))
+        return kvf_err_set(err, KVF_ERR_EXISTS, "xfer: write %llu: this id is already in flight",
+                           (unsigned long long)id);
     ucx_send *s = calloc(1, sizeof *s);
     if (!s)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: write %llu: out of memory",
                            (unsigned long long)id);
     s->id = id;
+    s->u = u;
     s->peer = p;
     s->deadline_ns = deadline_ns;
     s->status = KVF_OK;
@@ -698,8 +930,8 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
             s->total_bytes += (uint64_t)len;
         }
         s->flushed = true; /* no flush: the notice goes now and carries the byte count */
-        s->next = u->sends;
-        u->sends = s;
+        send_link(u, s);
+        send_ready(s);
         return KVF_OK;
     }
     /* One put per run; UCX completes them in any order, the flush waits for all of them. */
@@ -720,23 +952,66 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
             s->flushed = true;
     }
     /* From here the write belongs to progress: a failure above becomes its SENT event. */
-    s->next = u->sends;
-    u->sends = s;
+    send_link(u, s);
+    send_ready(s);
     return KVF_OK;
 }
 
 static kvf_status ucx_cancel(kvf_xfer *x, uint64_t id)
 {
     ucx_xfer *u = x->impl;
-    for (ucx_send *s = u->sends; s; s = s->next)
-        if (s->id == id && !s->reported) {
-            if (s->notice_sent && s->status == KVF_OK)
-                return KVF_ERR_STATE; /* the receiver was told already: wait for the event */
-            s->cancelled = true;
-            send_fail(s, KVF_ERR_CANCELLED);
-            return KVF_OK;
+    ucx_send *s = send_find(u, id);
+    if (!s)
+        return KVF_ERR_NOT_FOUND;
+    if (s->notice_sent && s->status == KVF_OK)
+        return KVF_ERR_STATE; /* the receiver was told already: wait for the event */
+    s->cancelled = true;
+    send_fail(s, KVF_ERR_CANCELLED);
+    send_ready(s);
+    return KVF_OK;
+}
+
+/* Queues s's notice on its peer's open batch (sent at the end of this progress call, or now
+ * when full); without memory for a batch it goes alone. */
+static void send_notice(ucx_send *s);
+static void queue_notice(ucx_xfer *u, ucx_send *s)
+{
+    ucx_peer *p = s->peer;
+    if (!p->notices) {
+        p->notices = malloc(sizeof *p->notices);
+        if (!p->notices) {
+            send_notice(s);
+            return;
         }
-    return KVF_ERR_NOT_FOUND;
+        *p->notices = (ucx_batch){.u = u, .ep = p->ep, .notice = true};
+        p->nnext = u->notice_peers;
+        u->notice_peers = p;
+    }
+    ucx_batch *b = p->notices;
+    hdr_write(b->buf + (size_t)b->n * HDR_BYTES, s->id, KVF_OK, s->total_bytes);
+    b->sends[b->n++] = s;
+    s->notice_sent = true;
+    if (b->n == BATCH_MAX) {
+        for (ucx_peer **pp = &u->notice_peers; *pp; pp = &(*pp)->nnext)
+            if (*pp == p) {
+                *pp = p->nnext;
+                break;
+            }
+        p->notices = NULL;
+        batch_send(u, b);
+    }
+}
+
+/* Sends every open notice batch. */
+static void send_notices(ucx_xfer *u)
+{
+    while (u->notice_peers) {
+        ucx_peer *p = u->notice_peers;
+        u->notice_peers = p->nnext;
+        ucx_batch *b = p->notices;
+        p->notices = NULL;
+        batch_send(u, b);
+    }
 }
 
 static void send_notice(ucx_send *s)
@@ -753,22 +1028,63 @@ static void send_notice(ucx_send *s)
 
 static void send_acks(ucx_xfer *u)
 {
-    ucx_ack *list = u->acks;
-    u->acks = NULL;
-    while (list) {
-        ucx_ack *a = list;
-        list = a->next;
-        ucp_request_param_t param = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-            .cb.send = ack_done, .user_data = a};
-        ucs_status_ptr_t r = ucp_am_send_nbx(a->ep, AM_ACK, a->hdr, HDR_BYTES, NULL, 0, &param);
-        if (r == NULL || UCS_PTR_IS_ERR(r)) {
-            if (UCS_PTR_IS_ERR(r))
-                kvf_log(KVF_LOG_DEBUG, "xfer: ucx: acknowledgement not sent: %s",
-                        ucs_status_string(UCS_PTR_STATUS(r)));
-            free(a);
+    while (u->acks) {
+        ucx_batch *b = u->acks;
+        u->acks = b->next;
+        batch_send(u, b);
+    }
+}
+
+/* Moves one write on: failure and deadline checks, the notice once flushed, the SENT event
+ * once acknowledged (or failed) with no UCX request left. Returns true when s was freed. */
+static bool send_step(ucx_xfer *u, ucx_send *s, int64_t now)
+{
+    kvf_xfer *x = u->x;
+    ucx_peer *p = s->peer;
+    if (s->reported) {
+        if (s->pending == 0) {
+            send_free(u, s);
+            return true;
+        }
+        return false;
+    }
+    if (s->status == KVF_OK && p && (p->failed || p->closed))
+        send_fail(s, KVF_ERR_PEER_LOST);
+    /* Past the deadline: a write still waiting, or one that failed (cancelled, peer lost)
+     * but whose operations UCX still holds, ends now. */
+    if (!s->acked && now >= s->deadline_ns && (s->status == KVF_OK || s->pending > 0)) {
+        send_fail(s, KVF_ERR_TIMEOUT);
+        kvf_log(KVF_LOG_WARN, "xfer: write %llu: deadline passed (%d UCX operations pending)",
+                (unsigned long long)s->id, s->pending);
+        if (s->pending > 0 && p) {
+            /* Stuck operations would hold the source blocks forever: drop the endpoint. */
+            p->failed = true;
+            p->pub->status = KVF_ERR_PEER_LOST;
+            peer_close(u, p, false);
+            ucp_worker_progress(u->worker);
+            u->walk_all = true; /* the other writes to this peer */
+        }
+        if (s->pending > 0) {
+            /* Operations queued behind a wire-up that never finished are not always
+             * released by the close: report now (they only read the pool, which outlives
+             * us) and free the record when UCX lets go of it. */
+            s->reported = true;
+            kvf_xfer_sent(x, s->id, s->status);
+            return false;
         }
     }
+    if (p && p->failed && !p->closed) {
+        peer_close(u, p, false);
+        u->walk_all = true;
+    }
+    if (s->status == KVF_OK && s->flushed && !s->notice_sent && p)
+        queue_notice(u, s);
+    if (s->pending == 0 && (s->status != KVF_OK || s->acked)) {
+        kvf_xfer_sent(x, s->id, s->status);
+        send_free(u, s);
+        return true;
+    }
+    return false;
 }
 
 static void ucx_progress(kvf_xfer *x)
@@ -788,57 +1104,31 @@ static void ucx_progress(kvf_xfer *x)
         rp = &r->next;
     }
     int64_t now = u->sends ? kvf_now_ns() : 0;
-    for (ucx_send **pp = &u->sends; *pp;) {
-        ucx_send *s = *pp;
-        ucx_peer *p = s->peer;
-        if (s->reported) {
-            if (s->pending == 0) {
-                *pp = s->next;
-                free(s->data_hdrs);
-                free(s);
-                continue;
-            }
-            pp = &s->next;
-            continue;
+    if (u->walk_all || now >= u->next_deadline_ns) {
+        /* Every write: a peer failed or closed, or a deadline may have passed. The walk
+         * recomputes the earliest deadline and empties the ready queue. */
+        u->walk_all = false;
+        while (u->ready) {
+            u->ready->in_ready = false;
+            u->ready = u->ready->rnext;
         }
-        if (s->status == KVF_OK && p && (p->failed || p->closed))
-            send_fail(s, KVF_ERR_PEER_LOST);
-        /* Past the deadline: a write still waiting, or one that failed (cancelled, peer lost)
-         * but whose operations UCX still holds, ends now. */
-        if (!s->acked && now >= s->deadline_ns && (s->status == KVF_OK || s->pending > 0)) {
-            send_fail(s, KVF_ERR_TIMEOUT);
-            kvf_log(KVF_LOG_WARN, "xfer: write %llu: deadline passed (%d UCX operations pending)",
-                    (unsigned long long)s->id, s->pending);
-            if (s->pending > 0 && p) {
-                /* Stuck operations would hold the source blocks forever: drop the endpoint. */
-                p->failed = true;
-                p->pub->status = KVF_ERR_PEER_LOST;
-                peer_close(u, p, false);
-                ucp_worker_progress(u->worker);
-            }
-            if (s->pending > 0) {
-                /* Operations queued behind a wire-up that never finished are not always
-                 * released by the close: report now (they only read the pool, which outlives
-                 * us) and free the record when UCX lets go of it. */
-                s->reported = true;
-                kvf_xfer_sent(x, s->id, s->status);
-                pp = &s->next;
-                continue;
-            }
+        int64_t next_deadline = INT64_MAX;
+        for (ucx_send *s = u->sends, *next; s; s = next) {
+            next = s->next;
+            if (!send_step(u, s, now) && !s->reported && !s->acked && s->deadline_ns < next_deadline)
+                next_deadline = s->deadline_ns;
         }
-        if (p && p->failed && !p->closed)
-            peer_close(u, p, false);
-        if (s->status == KVF_OK && s->flushed && !s->notice_sent)
-            send_notice(s);
-        if (s->pending == 0 && (s->status != KVF_OK || s->acked)) {
-            *pp = s->next;
-            kvf_xfer_sent(x, s->id, s->status);
-            free(s->data_hdrs);
-            free(s);
-            continue;
-        }
-        pp = &s->next;
+        u->next_deadline_ns = next_deadline;
     }
+    /* The writes something happened to (callbacks during a step may queue more). */
+    while (u->ready) {
+        ucx_send *s = u->ready;
+        u->ready = s->rnext;
+        s->in_ready = false;
+        send_step(u, s, now);
+    }
+    if (u->notice_peers)
+        send_notices(u);
 }
 
 static int ucx_event_fd(kvf_xfer *x)
