@@ -70,6 +70,7 @@ struct kvf_prefill {
     float *logits;            /* [max_seqs][vocab] */
     kvf_engine_sampler sampler;
     int64_t max_step_seqs;
+    int64_t last_step_ns;    /* how long the last forward step took */
     kvf_metric *m_requests, *m_failed, *m_tokens, *m_cached, *m_bytes, *m_expired_queued,
         *m_steps, *m_step_seqs, *m_step_seqs_max, *m_queue_ms;
 };
@@ -436,9 +437,11 @@ static void step_pass(kvf_prefill *p)
     if (ns == 0)
         return;
     kvf_err err = {0};
+    int64_t t0 = kvf_now_ns();
     kvf_status st = kvf_model_forward(kvf_worker_fwd(w), p->step_seqs, ns, kvf_kv_pool_base(pool),
                                       l->block_bytes ? kvf_kv_pool_bytes(pool) / l->block_bytes : 0,
                                       want_logits ? p->logits : NULL, p->next, &err);
+    p->last_step_ns = kvf_now_ns() - t0;
     kvf_metric_add(p->m_steps, 1);
     kvf_metric_observe(p->m_step_seqs, ns);
     if (ns > p->max_step_seqs) {
@@ -477,6 +480,33 @@ static void step_pass(kvf_prefill *p)
     }
 }
 
+/* Drives the writes in flight to their SENT events before the next step. Bytes (over tcp) and
+ * the decode worker's acknowledgement move only while this process progresses the transport,
+ * which a forward step does not: a prompt that is computed would otherwise wait for the next
+ * step of the others before its answer goes out (and over tcp a long batch would stall its
+ * bytes until the peer's endpoint times out). A write ends by its deadline (plus one progress
+ * call) at the latest. */
+static void drain_sends(kvf_prefill *p)
+{
+    kvf_xfer *x = kvf_worker_xfer(p->w);
+    while (p->n_sending > 0) {
+        int64_t until = 0;
+        for (pjob *j = p->jobs; j; j = j->next)
+            if (j->state == PJ_SENDING && j->deadline_ns > until)
+                until = j->deadline_ns;
+        if (until == 0)
+            return; /* only PJ_ID_WAIT left: cannot happen without a write in flight */
+        kvf_xfer_event ev;
+        kvf_err err = {0};
+        if (kvf_xfer_wait(x, &ev, until + 100000000LL, &err) != KVF_OK) {
+            kvf_log(KVF_LOG_WARN, "prefill: %d writes still in flight past their deadlines: %s",
+                    p->n_sending, err.msg);
+            return;
+        }
+        on_xfer_event(p, &ev);
+    }
+}
+
 /* Every loop pass: cancelled and expired calls leave, queued calls join, one step runs. */
 static void on_tick(void *ctx)
 {
@@ -508,6 +538,8 @@ static void on_tick(void *ctx)
         job_fail(p, j, &err);
     }
     admit_pass(p);
+    if (p->n_compute > 0 && p->n_sending > 0)
+        drain_sends(p); /* with no step to run, the loop's idle wait progresses them */
     step_pass(p);
     if (p->n_compute > 0 || (p->n_queued > 0 && p->n_compute < p->max_seqs && !p->blocked))
         kvf_worker_wake(p->w); /* more to compute: no sleep before the next pass */

@@ -3,7 +3,8 @@
 # 127.0.0.1: N concurrent distinct prompts through a disaggregated fleet give exactly the tokens of
 # `kvfleet generate`; the prefill worker ran more than one prompt in one forward step; its pool
 # is back to free/cached afterwards; a call whose deadline passes while it is queued is answered
-# with an error (decode falls back to a local prefill) and leaks no block; shutdown is clean.
+# with an error (decode falls back to a local prefill) and leaks no block; shutdown is clean; a
+# pool too small for two prompts makes the second wait for blocks instead of failing.
 source "$(dirname "$0")/../../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
 PY=/usr/bin/python3
@@ -168,4 +169,43 @@ expect_eq "prefill pool: no block held after the expiry" "$(wait_metric "$PADM2"
 fr=$(int "$(metric "$PADM2" "kvfleet_kv_free_blocks{$P}")"); ca=$(int "$(metric "$PADM2" "kvfleet_kv_cached_blocks{$P}")")
 to=$(int "$(metric "$PADM2" "kvfleet_kv_total_blocks{$P}")")
 expect_eq "prefill pool: free + cached == total after the expiry" "$((fr + ca))" "$to"
+# --- a pool too small for two prompts at once: the second waits for blocks, it does not fail --
+# 32 blocks (the least the model's 512 positions allow); each 300-token prompt takes 19.
+start pre3 prefill "${W[@]}" --kv-blocks 32; PRE3=$ADDR; PADM3=$ADMIN
+start d3 decode "${W[@]}" --local-prefill-max-tokens 0; D3=$ADDR; D3ADM=$ADMIN
+start r3 router --model "$M" --port 0 --decode "$D3" --prefill "$PRE3"; R3=$ADDR
+wait_ready "http://$R3"
+$PY - "http://$R3" "$TMP/full.json" <<'PYEOF' || fail "requests on a small prefill pool"
+import json, random, sys, threading, urllib.request
+url, out = sys.argv[1], sys.argv[2]
+rng = random.Random(13)
+prompts = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(4)]
+got = [None] * 4
+barrier = threading.Barrier(4)
+def one(i):
+    body = {"model": "small-gqa-bf16-theta5e5", "prompt": prompts[i], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-request-id": f"full-{i}"})
+    barrier.wait()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        got[i] = json.load(r)["choices"][0]["token_ids"]
+ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+json.dump({"prompts": prompts, "got": got}, open(out, "w"))
+sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
+PYEOF
+bad=0
+for i in 0 1 2 3; do
+    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/full.json")
+    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
+    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/full.json")
+    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
+done
+expect_eq "small pool: every answer equals kvfleet generate" "$bad" 0
+expect_eq "small pool: no RemotePrefill failed (they waited for blocks)" "$(int "$(metric "$PADM3" "kvfleet_prefill_failed_total{$P}")")" 0
+expect_eq "small pool: no prefill fell back to decode" "$(int "$(metric "$D3ADM" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')")" 0
+expect_eq "small pool: one prompt at a time fitted" "$(int "$(metric "$PADM3" "kvfleet_prefill_step_seqs_max{$P}")")" 1
+expect_eq "small pool: no block held afterwards" "$(wait_metric "$PADM3" "kvfleet_kv_used_blocks{$P}" 0)" 0
 finish
