@@ -70,7 +70,6 @@ struct kvf_prefill {
     float *logits;            /* [max_seqs][vocab] */
     kvf_engine_sampler sampler;
     int64_t max_step_seqs;
-    int64_t last_step_ns;    /* how long the last forward step took */
     kvf_metric *m_requests, *m_failed, *m_tokens, *m_cached, *m_bytes, *m_expired_queued,
         *m_steps, *m_step_seqs, *m_step_seqs_max, *m_queue_ms;
 };
@@ -437,11 +436,9 @@ static void step_pass(kvf_prefill *p)
     if (ns == 0)
         return;
     kvf_err err = {0};
-    int64_t t0 = kvf_now_ns();
     kvf_status st = kvf_model_forward(kvf_worker_fwd(w), p->step_seqs, ns, kvf_kv_pool_base(pool),
                                       l->block_bytes ? kvf_kv_pool_bytes(pool) / l->block_bytes : 0,
                                       want_logits ? p->logits : NULL, p->next, &err);
-    p->last_step_ns = kvf_now_ns() - t0;
     kvf_metric_add(p->m_steps, 1);
     kvf_metric_observe(p->m_step_seqs, ns);
     if (ns > p->max_step_seqs) {
