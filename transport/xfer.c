@@ -1,12 +1,17 @@
-/* xfer.c: the backend-independent half of kvf_xfer: picking a backend, the descriptor format,
- * checking pairs and coalescing them into runs, the event queue and the receiver's expectations
- * with their deadlines. How bytes move is left to xfer_local.c and xfer_ucx.c.
+/* xfer.c: the backend-independent half of kvf_xfer: picking a backend, the descriptor and hello
+ * formats, checking pairs and coalescing them into runs, the event queue, the receiver's
+ * expectations with their deadlines, and the pinned staging mirror that lets the ucx backend
+ * move a GPU pool (device -> mirror before the backend writes, mirror -> device before RECEIVED).
+ * How bytes move is left to xfer_local.c, xfer_ucx.c, xfer_cudaipc.c and xfer_nccl.c.
  *
  * Descriptor, version 1 (all integers little-endian):
  *   "KVFX" | u32 version | u8 backend name length | name | u32 n_layers | u32 n_kv_heads |
  *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
  *   u32 blob length | backend blob | u64 XXH3-64 of every byte before it
- * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers. */
+ * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers.
+ *
+ * Hello, version 1 (kvf_xfer_connect_hello -> control plane -> kvf_xfer_accept):
+ *   "KVFH" | u32 version | u8 backend name length | name | u32 blob length | blob | u64 XXH3-64 */
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
@@ -20,7 +25,12 @@
 #define DESC_MAGIC "KVFX"
 #define DESC_FIXED (4 + 4 + 1 + 5 * 4 + 2 * 8 + 4 + 8) /* every field but the name and blob */
 
-static const kvf_xfer_ops *const backends[] = {&kvf_xfer_ucx_ops, &kvf_xfer_local_ops};
+static const kvf_xfer_ops *const backends[] = {
+    &kvf_xfer_ucx_ops, &kvf_xfer_local_ops, &kvf_xfer_cudaipc_ops,
+#ifdef KVF_HAVE_NCCL
+    &kvf_xfer_nccl_ops,
+#endif
+};
 #define N_BACKENDS (sizeof backends / sizeof backends[0])
 
 /* ---- little-endian helpers ---- */
@@ -49,6 +59,48 @@ uint64_t kvf_xfer_get_u64(const uint8_t *p)
 
 /* ---- create / destroy ---- */
 
+/* The GPU half of a configuration: which backends need the ops table, staging only with ucx,
+ * a device pool given by the caller, a usable device. */
+static kvf_status gpu_cfg_check(const kvf_xfer_ops *ops, const kvf_xfer_cfg *cfg,
+                                const kvf_xfer_pool *pool, kvf_err *err)
+{
+    const kvf_xfer_gpu *g = cfg->gpu;
+    if (ops->needs_gpu && !g)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: backend '%s' moves GPU pools and needs the GPU ops table "
+                           "(kvf_xfer_cfg.gpu = kvf_cuda_xfer_gpu() from cuda/xfer_gpu.h); a host "
+                           "pool uses ucx or local", ops->name);
+    if (cfg->gpu_staging && strcmp(ops->name, "ucx") != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: gpu_staging is for backend ucx only (backend is '%s')", ops->name);
+    if (cfg->gpu_staging && !g)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: gpu_staging needs the GPU ops table (kvf_xfer_cfg.gpu)");
+    if (!g)
+        return KVF_OK;
+    if (!ops->needs_gpu && !cfg->gpu_staging)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: backend '%s' cannot reach a GPU pool directly (use cuda_ipc or "
+                           "nccl, or ucx with gpu_staging: this UCX has no CUDA transports)",
+                           ops->name);
+    if (!g->available || !g->copy_async || !g->mark || !g->mark_query || !g->mark_free ||
+        !g->sync || (cfg->gpu_staging && (!g->host_alloc || !g->host_free)))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: GPU ops table '%s' lacks an op backend '%s' needs (available, "
+                           "copy_async, mark, mark_query, mark_free, sync%s)",
+                           g->name ? g->name : "?", ops->name,
+                           cfg->gpu_staging ? ", host_alloc, host_free" : "");
+    char why[256] = "";
+    if (!g->available(g->ctx, why, sizeof why))
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "xfer: backend '%s'%s needs a GPU: %s",
+                           ops->name, cfg->gpu_staging ? " with gpu_staging" : "", why);
+    if (!pool->base)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: a GPU pool must be given (pool.base = the start of one device "
+                           "allocation); the transport allocates host pools only");
+    return KVF_OK;
+}
+
 kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, kvf_xfer **out,
                            kvf_err *err)
 {
@@ -60,9 +112,17 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
     for (size_t i = 0; i < N_BACKENDS; i++)
         if (strcmp(backends[i]->name, name) == 0)
             ops = backends[i];
+#ifndef KVF_HAVE_NCCL
+    if (!ops && strcmp(name, "nccl") == 0)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "xfer: backend 'nccl' is not in this build (built without NCCL: it "
+                           "needs CUDA and nccl.h/libnccl.so; use cuda_ipc on one node, or ucx "
+                           "with gpu_staging)");
+#endif
     if (!ops)
         return kvf_err_set(err, KVF_ERR_INVALID,
-                           "xfer: backend '%s' is not known (use ucx or local)", name);
+                           "xfer: backend '%s' is not known (use ucx, cuda_ipc, nccl or local)",
+                           name);
     if (!pool || pool->n_blocks <= 0 || pool->n_blocks > INT32_MAX)
         return kvf_err_set(err, KVF_ERR_INVALID, "xfer: pool needs 1 to %d blocks (got %lld)",
                            INT32_MAX, pool ? (long long)pool->n_blocks : 0LL);
@@ -82,21 +142,40 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
         return kvf_err_set(err, KVF_ERR_INVALID, "xfer: pool of %lld blocks of %lld bytes overflows",
                            (long long)pool->n_blocks, (long long)l->block_bytes);
 
+    if ((st = gpu_cfg_check(ops, cfg, pool, err)) != KVF_OK)
+        return st;
+
     kvf_xfer *x = calloc(1, sizeof *x);
     if (!x)
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory");
     x->ops = ops;
     x->pool = *pool;
     x->accept_unexpected = cfg->accept_unexpected;
+    x->gpu = cfg->gpu;
     pthread_mutex_init(&x->mu, NULL);
-    st = ops->open(x, cfg, err);
-    if (st != KVF_OK) {
-        pthread_mutex_destroy(&x->mu);
-        free(x);
-        return st;
+    if (cfg->gpu_staging) {
+        /* The backend registers the pinned mirror as its pool; the device pool stays ours. */
+        size_t bytes = (size_t)(pool->n_blocks * l->block_bytes);
+        st = cfg->gpu->host_alloc(cfg->gpu->ctx, bytes, &x->staging, err);
+        if (st != KVF_OK) {
+            kvf_err_prefix(err, "xfer: pinned staging mirror of %zu bytes", bytes);
+            goto fail;
+        }
+        x->gpu_base = pool->base;
+        x->pool.base = x->staging;
     }
+    st = ops->open(x, cfg, err);
+    if (st != KVF_OK)
+        goto fail;
     *out = x;
     return KVF_OK;
+
+fail:
+    if (x->staging)
+        cfg->gpu->host_free(cfg->gpu->ctx, x->staging);
+    pthread_mutex_destroy(&x->mu);
+    free(x);
+    return st;
 }
 
 void kvf_xfer_destroy(kvf_xfer *x)
@@ -106,8 +185,27 @@ void kvf_xfer_destroy(kvf_xfer *x)
     while (x->peers)
         kvf_xfer_disconnect(x, x->peers);
     x->ops->close(x);
+    if (x->staging) {
+        /* Copies into or out of the mirror must finish before it is freed. */
+        kvf_err e = {0};
+        if (x->gpu->sync(x->gpu->ctx, &e) != KVF_OK)
+            kvf_log(KVF_LOG_WARN, "xfer: staging: waiting for copies at destroy: %s", e.msg);
+        for (int side = 0; side < 2; side++) {
+            kvf_xfer_stage *s = side ? x->stage_rx : x->stage_tx;
+            while (s) {
+                kvf_xfer_stage *next = s->next;
+                x->gpu->mark_free(x->gpu->ctx, s->mark);
+                free(s->runs);
+                free(s);
+                s = next;
+            }
+        }
+        x->gpu->host_free(x->gpu->ctx, x->staging);
+    }
     pthread_mutex_destroy(&x->mu);
     free(x->ev);
+    for (size_t i = 0; i < x->n_exp; i++)
+        free(x->exp[i].blocks);
     free(x->exp);
     free(x);
 }
@@ -119,7 +217,7 @@ const char *kvf_xfer_backend_name(const kvf_xfer *x)
 
 void *kvf_xfer_pool_base(const kvf_xfer *x)
 {
-    return x->pool.base;
+    return x->staging ? x->gpu_base : x->pool.base;
 }
 
 /* ---- descriptors ---- */
@@ -195,9 +293,9 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
                            "%zu bytes)", nl, sizeof d.backend - 1, len);
     memcpy(d.backend, desc + 9, nl);
     for (size_t i = 0; i < nl; i++)
-        if (d.backend[i] < 'a' || d.backend[i] > 'z')
+        if ((d.backend[i] < 'a' || d.backend[i] > 'z') && d.backend[i] != '_')
             return kvf_err_set(err, KVF_ERR_PARSE,
-                               "xfer: descriptor backend name has byte 0x%02x (allowed: a-z)",
+                               "xfer: descriptor backend name has byte 0x%02x (allowed: a-z, _)",
                                (unsigned)(uint8_t)d.backend[i]);
     const uint8_t *p = desc + 9 + nl;
     uint32_t f[5];
@@ -240,8 +338,8 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
 
 /* ---- peers ---- */
 
-kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
-                            kvf_err *err)
+static kvf_status connect_any(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
+                              kvf_err *err)
 {
     kvf_xfer_desc_info d;
     kvf_status st = kvf_xfer_desc_parse(desc, len, &d, err);
@@ -274,6 +372,103 @@ kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xf
     return KVF_OK;
 }
 
+kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
+                            kvf_err *err)
+{
+    if (x->ops->hello)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: backend '%s' needs the receiver to take part: connect with "
+                           "kvf_xfer_connect_hello and hand the hello to kvf_xfer_accept there",
+                           x->ops->name);
+    return connect_any(x, desc, len, out, err);
+}
+
+#define HELLO_MAGIC "KVFH"
+#define HELLO_VERSION 1
+
+kvf_status kvf_xfer_connect_hello(kvf_xfer *x, const uint8_t *desc, size_t len,
+                                  kvf_xfer_peer **out, uint8_t **hello_out, size_t *hello_len_out,
+                                  kvf_err *err)
+{
+    kvf_xfer_peer *peer;
+    kvf_status st = connect_any(x, desc, len, &peer, err);
+    if (st != KVF_OK)
+        return st;
+    if (!x->ops->hello) {
+        *out = peer;
+        *hello_out = NULL;
+        *hello_len_out = 0;
+        return KVF_OK;
+    }
+    kvf_sbuf b, blob;
+    kvf_sbuf_init(&b);
+    kvf_sbuf_init(&blob);
+    if ((st = x->ops->hello(x, peer, &blob, err)) != KVF_OK)
+        goto fail;
+    uint8_t nl = (uint8_t)strlen(x->ops->name);
+    kvf_sbuf_append(&b, HELLO_MAGIC, 4);
+    kvf_xfer_put_u32(&b, HELLO_VERSION);
+    kvf_sbuf_append(&b, &nl, 1);
+    kvf_sbuf_append(&b, x->ops->name, nl);
+    kvf_xfer_put_u32(&b, (uint32_t)blob.len);
+    if (blob.len)
+        kvf_sbuf_append(&b, blob.data, blob.len);
+    if (!b.oom)
+        kvf_xfer_put_u64(&b, kvf_hash64(b.data, b.len));
+    if (b.oom || blob.oom) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a hello");
+        goto fail;
+    }
+    kvf_sbuf_fini(&blob);
+    *hello_len_out = b.len;
+    *hello_out = (uint8_t *)kvf_sbuf_take(&b);
+    *out = peer;
+    return KVF_OK;
+
+fail:
+    kvf_sbuf_fini(&blob);
+    kvf_sbuf_fini(&b);
+    kvf_xfer_disconnect(x, peer);
+    return st;
+}
+
+kvf_status kvf_xfer_accept(kvf_xfer *x, const uint8_t *hello, size_t len, kvf_err *err)
+{
+    if (len == 0)
+        return KVF_OK;
+    enum { FIXED = 4 + 4 + 1 + 4 + 8 };
+    if (!hello || len < FIXED)
+        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello of %zu bytes is too short (at least %d)",
+                           len, FIXED);
+    if (memcmp(hello, HELLO_MAGIC, 4) != 0)
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: hello does not start with \"KVFH\" (not a kvfleet hello)");
+    uint32_t version = kvf_xfer_get_u32(hello + 4);
+    if (version != HELLO_VERSION)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "xfer: hello version %u is not supported (this build reads %d)", version,
+                           HELLO_VERSION);
+    if (kvf_xfer_get_u64(hello + len - 8) != kvf_hash64(hello, len - 8))
+        return kvf_err_set(err, KVF_ERR_PARSE,
+                           "xfer: hello of %zu bytes fails its checksum (damaged or cut short in "
+                           "transit)", len);
+    size_t nl = hello[8];
+    if (len < FIXED + nl)
+        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello backend name length %zu overruns its "
+                           "%zu bytes", nl, len);
+    if (nl != strlen(x->ops->name) || memcmp(hello + 9, x->ops->name, nl) != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: hello is for backend '%.*s', this side "
+                           "uses '%s'", (int)nl, (const char *)hello + 9, x->ops->name);
+    uint32_t blob_len = kvf_xfer_get_u32(hello + 9 + nl);
+    if (blob_len != len - FIXED - nl)
+        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello says %u backend bytes but %zu follow",
+                           blob_len, len - FIXED - nl);
+    if (!x->ops->accept)
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: backend '%s' takes no hello (got %u bytes)",
+                           x->ops->name, blob_len);
+    return x->ops->accept(x, hello + 13 + nl, blob_len, err);
+}
+
 void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer)
 {
     if (!peer)
@@ -283,6 +478,9 @@ void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer)
             *pp = peer->next;
             break;
         }
+    for (kvf_xfer_stage *t = x->stage_tx; t; t = t->next)
+        if (t->peer == peer)
+            t->peer = NULL; /* ends CANCELLED once its copies are done */
     x->ops->disconnect(x, peer);
     free(peer);
 }
@@ -293,6 +491,159 @@ kvf_status kvf_xfer_peer_status(const kvf_xfer_peer *peer)
 }
 
 /* ---- writes ---- */
+
+/* ---- the ucx staging path ----
+ * Sender: each run is copied device -> mirror (same offsets), and only once those copies are done
+ * does the backend get the write. Receiver: the backend's notice starts mirror -> device copies
+ * of the announced blocks; the RECEIVED event follows once they are done. */
+
+static kvf_status stage_tx_start(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                                 const kvf_xfer_run *runs, size_t n_runs, int64_t deadline_ns,
+                                 kvf_err *err)
+{
+    const kvf_xfer_gpu *g = x->gpu;
+    for (kvf_xfer_stage *t = x->stage_tx; t; t = t->next)
+        if (t->id == id)
+            return kvf_err_set(err, KVF_ERR_EXISTS, "xfer: write %llu: this id is already in "
+                               "flight", (unsigned long long)id);
+    kvf_xfer_stage *t = calloc(1, sizeof *t);
+    kvf_xfer_run *rc = malloc(n_runs * sizeof *rc);
+    if (!t || !rc) {
+        free(t);
+        free(rc);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: write %llu: out of memory",
+                           (unsigned long long)id);
+    }
+    memcpy(rc, runs, n_runs * sizeof *rc);
+    int64_t bb = x->pool.layout.block_bytes;
+    char *dev = x->gpu_base, *host = x->staging;
+    kvf_status st = KVF_OK;
+    for (size_t i = 0; i < n_runs && st == KVF_OK; i++)
+        st = g->copy_async(g->ctx, host + runs[i].src * bb, dev + runs[i].src * bb,
+                           (size_t)(runs[i].count * bb), err);
+    if (st == KVF_OK)
+        st = g->mark(g->ctx, &t->mark, err);
+    if (st != KVF_OK) {
+        kvf_err e = {0};
+        g->sync(g->ctx, &e); /* copies already enqueued read the pool: let them finish */
+        free(rc);
+        free(t);
+        kvf_err_prefix(err, "xfer: write %llu: staging device -> host", (unsigned long long)id);
+        return st;
+    }
+    t->id = id;
+    t->peer = peer;
+    t->runs = rc;
+    t->n_runs = n_runs;
+    t->deadline_ns = deadline_ns;
+    t->next = x->stage_tx;
+    x->stage_tx = t;
+    return KVF_OK;
+}
+
+/* Hands writes whose copies finished to the backend (or ends them). Owner's thread. */
+static void stage_tx_progress(kvf_xfer *x)
+{
+    const kvf_xfer_gpu *g = x->gpu;
+    for (kvf_xfer_stage **pp = &x->stage_tx; *pp;) {
+        kvf_xfer_stage *t = *pp;
+        kvf_err e = {0};
+        kvf_status st = g->mark_query(g->ctx, t->mark, &e);
+        if (st == KVF_ERR_BUSY) {
+            pp = &t->next;
+            continue;
+        }
+        *pp = t->next;
+        g->mark_free(g->ctx, t->mark);
+        if (st != KVF_OK)
+            kvf_log(KVF_LOG_ERROR, "xfer: write %llu: staging copy failed: %s",
+                    (unsigned long long)t->id, e.msg);
+        else if (t->cancelled || !t->peer)
+            st = KVF_ERR_CANCELLED;
+        else if (kvf_now_ns() >= t->deadline_ns)
+            st = KVF_ERR_TIMEOUT;
+        else if ((st = x->ops->write(x, t->peer, t->id, t->runs, t->n_runs, t->deadline_ns,
+                                     &e)) != KVF_OK)
+            kvf_log(KVF_LOG_WARN, "xfer: write %llu: %s", (unsigned long long)t->id, e.msg);
+        if (st != KVF_OK)
+            kvf_xfer_sent(x, t->id, st);
+        free(t->runs);
+        free(t);
+    }
+}
+
+static int run_cmp(const void *a, const void *b)
+{
+    const int32_t *p = a, *q = b;
+    return (*p > *q) - (*p < *q);
+}
+
+/* Receiver, x->mu held: starts mirror -> device copies of blocks[n] (sorted here, adjacent
+ * blocks in one copy) for transfer id. */
+static kvf_status stage_rx_start_locked(kvf_xfer *x, uint64_t id, int32_t *blocks, size_t n,
+                                        kvf_err *err)
+{
+    const kvf_xfer_gpu *g = x->gpu;
+    kvf_xfer_stage *t = calloc(1, sizeof *t);
+    if (!t)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: transfer %llu: out of memory",
+                           (unsigned long long)id);
+    qsort(blocks, n, sizeof *blocks, run_cmp);
+    int64_t bb = x->pool.layout.block_bytes;
+    char *dev = x->gpu_base, *host = x->staging;
+    kvf_status st = KVF_OK;
+    for (size_t i = 0; i < n && st == KVF_OK;) {
+        size_t j = i + 1;
+        while (j < n && blocks[j] == blocks[j - 1] + 1)
+            j++;
+        st = g->copy_async(g->ctx, dev + blocks[i] * bb, host + blocks[i] * bb,
+                           (size_t)((int64_t)(j - i) * bb), err);
+        i = j;
+    }
+    if (st == KVF_OK)
+        st = g->mark(g->ctx, &t->mark, err);
+    if (st != KVF_OK) {
+        kvf_err e = {0};
+        g->sync(g->ctx, &e);
+        free(t);
+        return st;
+    }
+    t->id = id;
+    t->next = x->stage_rx;
+    x->stage_rx = t;
+    return KVF_OK;
+}
+
+static bool event_push_locked(kvf_xfer *x, kvf_xfer_event ev);
+
+/* Delivers RECEIVED for transfers whose copies into device memory finished. */
+static void stage_rx_progress(kvf_xfer *x)
+{
+    const kvf_xfer_gpu *g = x->gpu;
+    pthread_mutex_lock(&x->mu);
+    for (kvf_xfer_stage **pp = &x->stage_rx; *pp;) {
+        kvf_xfer_stage *t = *pp;
+        kvf_err e = {0};
+        kvf_status st = g->mark_query(g->ctx, t->mark, &e);
+        if (st == KVF_ERR_BUSY) {
+            pp = &t->next;
+            continue;
+        }
+        *pp = t->next;
+        g->mark_free(g->ctx, t->mark);
+        if (st != KVF_OK) {
+            kvf_log(KVF_LOG_ERROR, "xfer: transfer %llu: staging copy host -> device failed: %s",
+                    (unsigned long long)t->id, e.msg);
+            x->stats.received_failed++;
+        } else {
+            x->stats.received_ok++;
+        }
+        event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_RECEIVED, .id = t->id,
+                                              .status = st});
+        free(t);
+    }
+    pthread_mutex_unlock(&x->mu);
+}
 
 static int pair_cmp_dst(const void *a, const void *b)
 {
@@ -353,7 +704,10 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
     pthread_mutex_lock(&x->mu);
     x->stats.in_flight++;
     pthread_mutex_unlock(&x->mu);
-    st = x->ops->write(x, peer, id, runs, n_runs, deadline_ns, err);
+    if (x->staging)
+        st = stage_tx_start(x, peer, id, runs, n_runs, deadline_ns, err);
+    else
+        st = x->ops->write(x, peer, id, runs, n_runs, deadline_ns, err);
     pthread_mutex_lock(&x->mu);
     if (st == KVF_OK) {
         x->stats.writes++;
@@ -409,6 +763,7 @@ void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st)
 /* Removes expectation i; the caller holds x->mu. */
 static void exp_remove_locked(kvf_xfer *x, size_t i)
 {
+    free(x->exp[i].blocks);
     x->exp[i] = x->exp[--x->n_exp];
     x->stats.expected--;
 }
@@ -434,7 +789,19 @@ bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)
     pthread_mutex_lock(&x->mu);
     ssize_t i = exp_find_locked(x, id);
     bool expected = i >= 0;
-    if (expected)
+    if (expected && x->staging && st == KVF_OK) {
+        /* The bytes are in the mirror: copy them into device memory, RECEIVED comes after. */
+        kvf_err e = {0};
+        kvf_status cst = stage_rx_start_locked(x, id, x->exp[i].blocks, x->exp[i].n_blocks, &e);
+        exp_remove_locked(x, (size_t)i);
+        if (cst == KVF_OK) {
+            pthread_mutex_unlock(&x->mu);
+            return true;
+        }
+        kvf_log(KVF_LOG_ERROR, "xfer: transfer %llu: staging host -> device: %s",
+                (unsigned long long)id, e.msg);
+        st = cst;
+    } else if (expected)
         exp_remove_locked(x, (size_t)i);
     else
         x->stats.late_notices++;
@@ -455,13 +822,57 @@ bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)
 
 kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err)
 {
+    if (x->staging)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "xfer: expect %llu: the GPU staging path must know the destination "
+                           "blocks: use kvf_xfer_expect_blocks", (unsigned long long)id);
+    return kvf_xfer_expect_blocks(x, id, NULL, 0, deadline_ns, err);
+}
+
+kvf_status kvf_xfer_expect_blocks(kvf_xfer *x, uint64_t id, const int32_t *dst_blocks, size_t n,
+                                  int64_t deadline_ns, kvf_err *err)
+{
     kvf_status st = KVF_OK;
+    int32_t *blocks = NULL;
+    if (x->staging && (n == 0 || !dst_blocks))
+        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: expect %llu: no destination blocks (the "
+                           "GPU staging path copies them into device memory)",
+                           (unsigned long long)id);
+    if (n > 0 && dst_blocks) {
+        blocks = malloc(n * sizeof *blocks);
+        if (!blocks)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: expect %llu: out of memory",
+                               (unsigned long long)id);
+        memcpy(blocks, dst_blocks, n * sizeof *blocks);
+        qsort(blocks, n, sizeof *blocks, run_cmp);
+        for (size_t i = 0; i < n; i++) {
+            if (blocks[i] < 0 || blocks[i] >= x->pool.n_blocks) {
+                st = kvf_err_set(err, KVF_ERR_INVALID, "xfer: expect %llu: block %d is not in "
+                                 "this pool (0 to %lld)", (unsigned long long)id, blocks[i],
+                                 (long long)x->pool.n_blocks - 1);
+                free(blocks);
+                return st;
+            }
+            if (i > 0 && blocks[i] == blocks[i - 1]) {
+                st = kvf_err_set(err, KVF_ERR_INVALID, "xfer: expect %llu: block %d appears "
+                                 "twice", (unsigned long long)id, blocks[i]);
+                free(blocks);
+                return st;
+            }
+        }
+    }
     pthread_mutex_lock(&x->mu);
     if (exp_find_locked(x, id) >= 0) {
         st = kvf_err_set(err, KVF_ERR_EXISTS, "xfer: transfer %llu is already expected",
                          (unsigned long long)id);
         goto unlock;
     }
+    for (kvf_xfer_stage *t = x->stage_rx; t; t = t->next)
+        if (t->id == id) {
+            st = kvf_err_set(err, KVF_ERR_EXISTS, "xfer: transfer %llu is still being copied "
+                             "into device memory", (unsigned long long)id);
+            goto unlock;
+        }
     if (x->n_exp == x->exp_cap) {
         size_t cap = x->exp_cap ? x->exp_cap * 2 : 16;
         kvf_xfer_expectation *ne = realloc(x->exp, cap * sizeof *ne);
@@ -473,10 +884,13 @@ kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_er
         x->exp = ne;
         x->exp_cap = cap;
     }
-    x->exp[x->n_exp++] = (kvf_xfer_expectation){.id = id, .deadline_ns = deadline_ns};
+    x->exp[x->n_exp++] = (kvf_xfer_expectation){.id = id, .deadline_ns = deadline_ns,
+                                                .blocks = blocks, .n_blocks = blocks ? n : 0};
+    blocks = NULL;
     x->stats.expected++;
 unlock:
     pthread_mutex_unlock(&x->mu);
+    free(blocks);
     return st;
 }
 
@@ -492,7 +906,19 @@ kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err)
         pthread_mutex_unlock(&x->mu);
         return KVF_OK;
     }
+    bool landing = false;
+    for (kvf_xfer_stage *t = x->stage_rx; t; t = t->next)
+        landing |= t->id == id;
     pthread_mutex_unlock(&x->mu);
+    if (landing)
+        return kvf_err_set(err, KVF_ERR_STATE, "xfer: cancel: transfer %llu has landed and is "
+                           "being copied into device memory (wait for its event)",
+                           (unsigned long long)id);
+    for (kvf_xfer_stage *t = x->stage_tx; t; t = t->next)
+        if (t->id == id) {
+            t->cancelled = true; /* ends CANCELLED once its copies are done */
+            return KVF_OK;
+        }
     kvf_status st = x->ops->cancel(x, id);
     if (st == KVF_ERR_NOT_FOUND)
         return kvf_err_set(err, st, "xfer: cancel: transfer %llu is neither in flight nor expected",
@@ -506,7 +932,11 @@ kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err)
 
 void kvf_xfer_progress(kvf_xfer *x)
 {
+    if (x->stage_tx)
+        stage_tx_progress(x);
     x->ops->progress(x);
+    if (x->stage_rx)
+        stage_rx_progress(x);
     pthread_mutex_lock(&x->mu);
     /* The clock is read only when a deadline can fire (it is slow in VMs and this spins). */
     int64_t now = x->n_exp ? kvf_now_ns() : 0;
@@ -547,6 +977,8 @@ int kvf_xfer_event_fd(kvf_xfer *x)
 
 bool kvf_xfer_arm(kvf_xfer *x)
 {
+    if (x->stage_tx || x->stage_rx)
+        return false; /* GPU copies are polled, not waited on */
     return x->ops->arm(x);
 }
 

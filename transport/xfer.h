@@ -3,8 +3,13 @@
  * block) pairs and tells the receiver, per transfer id, that every byte has landed. It knows
  * nothing of the pool's allocator or of the control plane that carries descriptors and ids.
  *
- * Backends: "ucx" (RMA puts over UCX: tcp or shared memory on hosts) and "local" (memcpy
- * between two kvf_xfer objects of one process, for tests of the layers above).
+ * Backends: "ucx" (RMA puts over UCX: tcp or shared memory on hosts; a GPU pool through a pinned
+ * host mirror with gpu_staging), "cuda_ipc" (GPU to GPU on one node: device copies into the
+ * peer's pool mapped through its CUDA IPC handle), "nccl" (GPU to GPU through a communicator per
+ * sender-receiver pair, set up with the hello below; only in builds with NCCL) and "local"
+ * (memcpy between two kvf_xfer objects of one process, for tests of the layers above). The GPU
+ * backends reach device memory only through the kvf_xfer_gpu table the caller hands in, so
+ * transport/ never links CUDA itself (cuda/xfer_gpu.h has the real one).
  *
  * Progress model: integrated with the caller's loop. Nothing happens unless the owner calls
  * kvf_xfer_progress (or kvf_xfer_wait, which calls it); a receiver must keep calling it, since
@@ -54,8 +59,47 @@ typedef struct kvf_xfer_pool {
  * KVF_XFER_CFG_OPTS below: --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport /
  * KVFLEET_XFER_TRANSPORT, --xfer-net-devices / KVFLEET_XFER_NET_DEVICES, --xfer-data-path /
  * KVFLEET_XFER_DATA_PATH. Zeroed fields take the defaults. */
+/* ---- GPU memory: what the GPU backends and the staging path need, as plain C ----------------
+ * Implemented for CUDA by kvf_cuda_xfer_gpu() (cuda/xfer_gpu.h); tests use a host-memory double.
+ * Every op returns a status with a message; none aborts. Copies and allocations marked "async"
+ * are ordered on the table's one stream; a mark says when everything enqueued before it is done.
+ * Owned by the caller; it must outlive every kvf_xfer created with it. */
+#define KVF_XFER_IPC_HANDLE_BYTES 64
+typedef struct kvf_xfer_gpu {
+    const char *name; /* "cuda", or a test double's name */
+    void *ctx;        /* passed to every op */
+    /* Whether a device can be used; false with why ("no CUDA device: ... (35)"). */
+    bool (*available)(void *ctx, char *why, size_t why_len);
+    /* CUDA IPC. base must be the start of one device allocation. ipc_open maps a handle another
+     * process exported (not one of this process) until ipc_close. */
+    kvf_status (*ipc_export)(void *ctx, void *base, uint8_t handle_out[KVF_XFER_IPC_HANDLE_BYTES],
+                             kvf_err *err);
+    kvf_status (*ipc_open)(void *ctx, const uint8_t handle[KVF_XFER_IPC_HANDLE_BYTES],
+                           void **base_out, kvf_err *err);
+    void (*ipc_close)(void *ctx, void *base);
+    /* Enqueues a copy of bytes from src to dst: device, pinned host or IPC-mapped memory (the
+     * direction follows from the addresses). */
+    kvf_status (*copy_async)(void *ctx, void *dst, const void *src, size_t bytes, kvf_err *err);
+    /* A mark after everything enqueued so far. mark_query: KVF_OK once it is done, KVF_ERR_BUSY
+     * while not, another status when the work failed. mark_free releases it (done or not). */
+    kvf_status (*mark)(void *ctx, void **mark_out, kvf_err *err);
+    kvf_status (*mark_query)(void *ctx, void *mark, kvf_err *err);
+    void (*mark_free)(void *ctx, void *mark);
+    /* Waits for everything enqueued (only where that is known to be bounded: local copies). */
+    kvf_status (*sync)(void *ctx, kvf_err *err);
+    /* Pinned host memory (UCX staging). */
+    kvf_status (*host_alloc)(void *ctx, size_t bytes, void **out, kvf_err *err);
+    void (*host_free)(void *ctx, void *p);
+    /* Stream-ordered device memory (NCCL staging): usable by work enqueued after the alloc,
+     * released once work enqueued before the free is done. */
+    kvf_status (*dev_alloc_async)(void *ctx, size_t bytes, void **out, kvf_err *err);
+    void (*dev_free_async)(void *ctx, void *p);
+    /* The stream as an opaque pointer (a cudaStream_t, for NCCL). */
+    void *(*stream)(void *ctx);
+} kvf_xfer_gpu;
+
 typedef struct kvf_xfer_cfg {
-    const char *backend;     /* "ucx" (default) or "local" */
+    const char *backend;     /* "ucx" (default), "cuda_ipc", "nccl" or "local" */
     const char *transport;   /* ucx: "auto" (default: UCX decides, UCX_TLS is honoured), "tcp"
                               * (needed between network namespaces), "sm" (shared memory, one host) */
     const char *net_devices; /* ucx: UCX_NET_DEVICES value, e.g. "lo" or "eth0"; NULL: all */
@@ -64,13 +108,24 @@ typedef struct kvf_xfer_cfg {
                               * copies; see xfer_ucx.c for why tcp uses it) */
     bool accept_unexpected;  /* receiver: deliver notices for ids nobody expected as events
                               * (benchmarks); by default they are logged and dropped */
+    /* The pool is device memory reached through these ops (NULL: host memory). Required by
+     * cuda_ipc and nccl; with ucx it needs gpu_staging. pool.base must then be given: the start
+     * of one device allocation. */
+    const kvf_xfer_gpu *gpu;
+    /* ucx with a GPU pool: bytes go device -> pinned host mirror -> UCX -> pinned mirror ->
+     * device. The mirror is pinned host memory of the pool's size. Receivers must announce the
+     * destination blocks (kvf_xfer_expect_blocks) so they can be copied in before RECEIVED. */
+    bool gpu_staging;
+    /* cuda_ipc, nccl: the address this side's notice channel (TCP) listens on and that peers
+     * connect to; NULL: "127.0.0.1" (one node). Set the node's address for nccl across nodes. */
+    const char *notice_host;
 } kvf_xfer_cfg;
 
 /* The cfg-table lines (include common/cfg.h) for a kvf_xfer_cfg named `member` inside a
  * program's cfg struct `type`:
  *   static const kvf_cfg_opt decode_opts[] = { ..., KVF_XFER_CFG_OPTS(decode_cfg, xfer), {NULL} }; */
 #define KVF_XFER_CFG_OPTS(type, member)                                                          \
-    {"xfer-backend", "ucx", "KV transfer backend: ucx, or local (one process, tests)",            \
+    {"xfer-backend", "ucx", "KV transfer backend: ucx, cuda_ipc or nccl (GPU pools), or local (one process, tests)",            \
      offsetof(type, member.backend), KVF_CFG_STR},                                                \
     {"xfer-transport", "auto", "UCX transport: auto, tcp (between hosts/namespaces), sm "        \
      "(shared memory)", offsetof(type, member.transport), KVF_CFG_STR},                          \
@@ -113,7 +168,8 @@ kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, k
 /* Closes every peer (transfers in flight are dropped without events) and deregisters the pool. */
 void kvf_xfer_destroy(kvf_xfer *x);
 const char *kvf_xfer_backend_name(const kvf_xfer *x);
-/* The pool's memory (the caller's, or the one the transport allocated). */
+/* The pool's memory (the caller's, or the one the transport allocated; device memory with a GPU
+ * pool, never the staging mirror). */
 void *kvf_xfer_pool_base(const kvf_xfer *x);
 
 /* The descriptor other processes connect with: a versioned byte string (layout, block count,
@@ -140,6 +196,18 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
  * releases it. */
 kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
                             kvf_err *err);
+/* kvf_xfer_connect for backends whose receiver must take part in setting up the pair (nccl: the
+ * communicator's unique id). *hello_out (malloc'd, the caller frees it; NULL with *hello_len_out
+ * 0 when the backend needs none) goes to the receiver over the control plane, which hands it to
+ * kvf_xfer_accept; the peer reads KVF_ERR_BUSY until both sides finished. kvf_xfer_connect on
+ * such a backend is refused, naming this call. */
+kvf_status kvf_xfer_connect_hello(kvf_xfer *x, const uint8_t *desc, size_t len,
+                                  kvf_xfer_peer **out, uint8_t **hello_out, size_t *hello_len_out,
+                                  kvf_err *err);
+/* Receiver: takes a sender's hello (a versioned byte string, checked like descriptors). A hello
+ * of 0 bytes is accepted and ignored (backends that need none). */
+kvf_status kvf_xfer_accept(kvf_xfer *x, const uint8_t *hello, size_t len, kvf_err *err);
+
 /* Closes a peer. Writes in flight to it end with KVF_ERR_CANCELLED events. */
 void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer);
 /* KVF_OK while the peer is usable; KVF_ERR_BUSY while wire-up is still in progress (UCX: it
@@ -160,6 +228,11 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
 /* Receiver: announces transfer id. Exactly one RECEIVED event for id follows: KVF_OK when the
  * sender's notice arrives, KVF_ERR_TIMEOUT at deadline_ns (kvf_now_ns() time) otherwise. */
 kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_err *err);
+/* kvf_xfer_expect naming the destination blocks (n of them, each in this pool, none twice). The
+ * ucx staging path needs them (they are copied from the pinned mirror into device memory before
+ * the RECEIVED event) and refuses kvf_xfer_expect; other backends ignore them. */
+kvf_status kvf_xfer_expect_blocks(kvf_xfer *x, uint64_t id, const int32_t *dst_blocks /* [n] */,
+                                  size_t n, int64_t deadline_ns, kvf_err *err);
 
 /* Cancels transfer id on either side (a sender whose notice reaches a receiver that already
  * timed out or cancelled gets KVF_ERR_CANCELLED too). Sender: the write ends with a

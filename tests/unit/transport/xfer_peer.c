@@ -3,10 +3,14 @@
  * verifies every byte of its pool against the pattern; as "send" it fills its pool with the
  * pattern, connects to the descriptor it is given and writes what it is told (optionally
  * killing itself right after posting a write). It exits when the socket closes, or after 90 s.
- *   usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks> */
+ * GPU paths through the host-memory double (gpu_double.h): transport "cuda_ipc" uses that
+ * backend on a shared-memory "device" pool; a last argument "staging" makes the pool "device"
+ * memory moved over UCX through the pinned staging mirror. Receivers then announce their blocks.
+ *   usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks> [staging] */
 #include <signal.h>
 #include <stdio.h>
 
+#include "gpu_double.h"
 #include "peer_proto.h"
 
 #define MS 1000000LL
@@ -27,16 +31,20 @@ static int die(const char *what, const kvf_err *err)
 
 int main(int argc, char **argv)
 {
-    if (argc != 6) {
-        fprintf(stderr, "usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks>\n");
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks> "
+                        "[staging]\n");
         return 2;
     }
+    bool ipc = strcmp(argv[3], "cuda_ipc") == 0;
+    bool staging = argc == 7 && strcmp(argv[6], "staging") == 0;
     alarm(90);
     int fd = atoi(argv[1]);
     bool recv_role = strcmp(argv[2], "recv") == 0;
     kvf_kv_layout l = peer_layout(atoi(argv[4]));
     int64_t n_blocks = atoll(argv[5]), bb = l.block_bytes;
-    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * bb));
+    uint8_t *mem = ipc ? gpu_double_dev_alloc((size_t)(n_blocks * bb))
+                       : aligned_alloc(4096, (size_t)(n_blocks * bb));
     if (!mem)
         return die("out of memory", NULL);
     for (int64_t b = 0; b < n_blocks; b++) {
@@ -46,7 +54,11 @@ int main(int argc, char **argv)
             peer_fill_block(mem + b * bb, bb, b);
     }
     kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
-    kvf_xfer_cfg cfg = {.backend = "ucx", .transport = argv[3]};
+    kvf_xfer_cfg cfg = {.backend = ipc ? "cuda_ipc" : "ucx", .transport = ipc ? NULL : argv[3]};
+    if (ipc || staging) {
+        cfg.gpu = &gpu_double_ops;
+        cfg.gpu_staging = staging;
+    }
     kvf_xfer *x;
     kvf_err err = {0};
     if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
@@ -99,7 +111,13 @@ int main(int argc, char **argv)
             memcpy(pairs, msg.data + off, n * sizeof *pairs);
             int64_t dl = kvf_now_ns() + timeout_ms * MS;
             if (msg.type == MSG_EXPECT) {
-                if (n_pend == 64 || kvf_xfer_expect(x, id, dl, &err) != KVF_OK)
+                int32_t *dsts = malloc(n * sizeof *dsts);
+                for (uint32_t k = 0; k < n; k++)
+                    dsts[k] = pairs[k].dst;
+                kvf_status est = ipc || staging ? kvf_xfer_expect_blocks(x, id, dsts, n, dl, &err)
+                                                : kvf_xfer_expect(x, id, dl, &err);
+                free(dsts);
+                if (n_pend == 64 || est != KVF_OK)
                     return die("expect", &err);
                 pend[n_pend++] = (pending){.id = id, .n = n, .pairs = pairs};
                 peer_send(fd, MSG_READY, &id, sizeof id);
@@ -159,6 +177,9 @@ int main(int argc, char **argv)
         kvf_xfer_disconnect(x, peer);
     kvf_xfer_destroy(x);
     free(owner);
-    free(mem);
+    if (ipc)
+        gpu_double_dev_free(mem);
+    else
+        free(mem);
     return 0;
 }

@@ -1,0 +1,578 @@
+/* test_gpu.c: the GPU paths of kvf_xfer on a machine without a GPU, through the host-memory
+ * double of the GPU ops table (gpu_double.h): refusals (GPU backends without the table or
+ * without a device, staging without ucx, missing destination blocks, plain connect on nccl,
+ * bad hellos), descriptor round-trips and layout mismatch for cuda_ipc and nccl, the cuda_ipc
+ * protocol between two real processes (its "device" pools in shared memory: random block lists
+ * verified byte for byte, receiver killed, sender killed), and UCX with GPU pools through the
+ * pinned staging mirror over tcp and shared memory (sender staging to a staging receiver, and a
+ * plain UCX sender to a staging receiver). Every wait is bounded; children are killed. */
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <cmocka.h>
+
+#include "common/log.h"
+#include "gpu_double.h"
+#include "peer_proto.h"
+
+extern char **environ;
+
+#define MS 1000000LL
+#define SEC 1000000000LL
+
+static peer_msg msg;
+static pid_t child = -1;
+static int child_fd = -1;
+
+static int spawn_peer(const char *role, const char *transport, int n_layers, int n_blocks,
+                      bool staging)
+{
+    int sv[2];
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    char fd_s[16], layers_s[16], blocks_s[16];
+    snprintf(fd_s, sizeof fd_s, "%d", sv[1]);
+    snprintf(layers_s, sizeof layers_s, "%d", n_layers);
+    snprintf(blocks_s, sizeof blocks_s, "%d", n_blocks);
+    char *argv[] = {(char *)KVF_XFER_PEER_BIN, fd_s, (char *)role, (char *)transport, layers_s,
+                    blocks_s, staging ? "staging" : NULL, NULL};
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addclose(&fa, sv[0]);
+    assert_int_equal(posix_spawn(&child, KVF_XFER_PEER_BIN, &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(sv[1]);
+    child_fd = sv[0];
+    return sv[0];
+}
+
+/* Kills and reaps the child; removes the shared memory a killed child could not. */
+static int reap_peer(void)
+{
+    int ws = 0;
+    if (child > 0) {
+        kill(child, SIGKILL);
+        waitpid(child, &ws, 0);
+        char name[48];
+        snprintf(name, sizeof name, "/kvf-gpudbl-%d-0", (int)child);
+        shm_unlink(name);
+    }
+    if (child_fd >= 0)
+        close(child_fd);
+    child = -1;
+    child_fd = -1;
+    return ws;
+}
+
+static int setup(void **state)
+{
+    dbl.available = true;
+    dbl.why = NULL;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    reap_peer();
+    kvf_log_set_level(KVF_LOG_INFO);
+    return 0;
+}
+
+static void expect_msg(int fd, kvf_xfer *x, uint32_t want, int64_t timeout_ns)
+{
+    int r = peer_recv(fd, x, &msg, kvf_now_ns() + timeout_ns);
+    if (r != 1 || msg.type != want)
+        fail_msg("waited for message %u: got %s (type %u)", want,
+                 r == 0 ? "nothing" : r < 0 ? "a closed socket" : "another", msg.type);
+}
+
+static void send_pairs(int fd, uint32_t type, uint64_t id, int64_t timeout_ms, int die,
+                       const kvf_xfer_pair *pairs, uint32_t n)
+{
+    static uint8_t buf[PEER_MAX_MSG];
+    size_t off = 0;
+    uint32_t d = (uint32_t)die;
+    PEER_PUT(buf, off, id);
+    PEER_PUT(buf, off, timeout_ms);
+    if (type == MSG_WRITE)
+        PEER_PUT(buf, off, d);
+    PEER_PUT(buf, off, n);
+    memcpy(buf + off, pairs, n * sizeof *pairs);
+    off += n * sizeof *pairs;
+    assert_int_equal(peer_send(fd, type, buf, (uint32_t)off), 0);
+}
+
+/* A kvf_xfer on a "device" pool: "cuda_ipc" (shared-memory pool, IPC-able) or a ucx transport
+ * with staging. pattern: filled like a sender's pool, else zeroed. */
+static kvf_xfer *make_gpu_xfer(const char *transport, int n_layers, int n_blocks, bool pattern,
+                               uint8_t **mem_out)
+{
+    kvf_kv_layout l = peer_layout(n_layers);
+    bool ipc = strcmp(transport, "cuda_ipc") == 0;
+    size_t bytes = (size_t)(n_blocks * l.block_bytes);
+    uint8_t *mem = ipc ? gpu_double_dev_alloc(bytes) : aligned_alloc(4096, bytes);
+    assert_non_null(mem);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (pattern)
+            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
+        else
+            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
+    }
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
+    kvf_xfer_cfg cfg = {.backend = ipc ? "cuda_ipc" : "ucx", .transport = ipc ? NULL : transport,
+                        .gpu = &gpu_double_ops, .gpu_staging = !ipc};
+    kvf_xfer *x = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
+        fail_msg("create: %s", err.msg);
+    assert_ptr_equal(kvf_xfer_pool_base(x), mem); /* the device pool, not the mirror */
+    *mem_out = mem;
+    return x;
+}
+
+static void free_gpu_mem(const char *transport, uint8_t *mem)
+{
+    if (strcmp(transport, "cuda_ipc") == 0)
+        gpu_double_dev_free(mem);
+    else
+        free(mem);
+}
+
+static kvf_xfer_peer *connect_from_msg(kvf_xfer *x)
+{
+    assert_int_equal(msg.type, MSG_DESC);
+    kvf_xfer_peer *p = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_connect(x, msg.data, msg.len, &p, &err) != KVF_OK)
+        fail_msg("connect: %s", err.msg);
+    int64_t until = kvf_now_ns() + 20 * SEC;
+    while (kvf_xfer_peer_status(p) == KVF_ERR_BUSY && kvf_now_ns() < until)
+        kvf_xfer_progress(x);
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
+    return p;
+}
+
+/* ---- refusals ---- */
+
+static kvf_status try_create(const kvf_xfer_cfg *cfg, void *base, kvf_xfer **x, kvf_err *err)
+{
+    kvf_xfer_pool pool = {.base = base, .layout = peer_layout(1), .n_blocks = 4};
+    *x = NULL;
+    return kvf_xfer_create(cfg, &pool, x, err);
+}
+
+static void assert_refused(const kvf_xfer_cfg *cfg, void *base, kvf_status want, const char *says)
+{
+    kvf_xfer *x;
+    kvf_err err = {0};
+    kvf_status st = try_create(cfg, base, &x, &err);
+    if (st == KVF_OK)
+        kvf_xfer_destroy(x);
+    if (st != want || !strstr(err.msg, says))
+        fail_msg("backend %s: got %s \"%s\", wanted %s with \"%s\"", cfg->backend,
+                 kvf_status_str(st), err.msg, kvf_status_str(want), says);
+}
+
+static void test_refusals(void **state)
+{
+    static uint8_t mem[4 * 8192] __attribute__((aligned(64)));
+    kvf_xfer_cfg c = {.backend = "cuda_ipc"};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "needs the GPU ops table");
+    c.backend = "nccl";
+#ifdef KVF_HAVE_NCCL
+    assert_refused(&c, mem, KVF_ERR_INVALID, "needs the GPU ops table");
+#else
+    assert_refused(&c, mem, KVF_ERR_UNSUPPORTED, "built without NCCL");
+#endif
+    /* A table whose device is missing: the reason is passed on. */
+    dbl.available = false;
+    dbl.why = "no CUDA device: CUDA driver version is insufficient (35)";
+    c = (kvf_xfer_cfg){.backend = "cuda_ipc", .gpu = &gpu_double_ops};
+    assert_refused(&c, mem, KVF_ERR_UNSUPPORTED, "needs a GPU: no CUDA device");
+    c = (kvf_xfer_cfg){.backend = "ucx", .gpu = &gpu_double_ops, .gpu_staging = true};
+    assert_refused(&c, mem, KVF_ERR_UNSUPPORTED, "insufficient (35)");
+    dbl.available = true;
+    /* Staging is explicit and for ucx only; a GPU pool is the caller's. */
+    c = (kvf_xfer_cfg){.backend = "ucx", .gpu = &gpu_double_ops};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "gpu_staging");
+    c = (kvf_xfer_cfg){.backend = "ucx", .gpu_staging = true};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "needs the GPU ops table");
+    c = (kvf_xfer_cfg){.backend = "local", .gpu = &gpu_double_ops, .gpu_staging = true};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "for backend ucx only");
+    c = (kvf_xfer_cfg){.backend = "local", .gpu = &gpu_double_ops};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "cannot reach a GPU pool");
+    c = (kvf_xfer_cfg){.backend = "cuda_ipc", .gpu = &gpu_double_ops};
+    assert_refused(&c, NULL, KVF_ERR_INVALID, "must be given");
+    /* cuda_ipc: the pool must be one exportable allocation (here: not a shared "device" one). */
+    assert_refused(&c, mem, KVF_ERR_INVALID, "not the start of");
+    kvf_xfer_gpu partial = gpu_double_ops;
+    partial.ipc_open = NULL;
+    c.gpu = &partial;
+    assert_refused(&c, mem, KVF_ERR_INVALID, "has no IPC ops");
+    partial = gpu_double_ops;
+    partial.mark_query = NULL;
+    c = (kvf_xfer_cfg){.backend = "ucx", .gpu = &partial, .gpu_staging = true};
+    assert_refused(&c, mem, KVF_ERR_INVALID, "lacks an op");
+
+    /* Staging receivers name their blocks. */
+    kvf_xfer *x;
+    kvf_err err = {0};
+    c = (kvf_xfer_cfg){.backend = "ucx", .transport = "tcp", .gpu = &gpu_double_ops,
+                       .gpu_staging = true};
+    assert_int_equal(try_create(&c, mem, &x, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_expect(x, 1, kvf_now_ns() + SEC, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "kvf_xfer_expect_blocks"));
+    int32_t bad[] = {1, 4};
+    assert_int_equal(kvf_xfer_expect_blocks(x, 1, bad, 2, kvf_now_ns() + SEC, &err),
+                     KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "block 4 is not in this pool (0 to 3)"));
+    int32_t twice[] = {2, 1, 2};
+    assert_int_equal(kvf_xfer_expect_blocks(x, 1, twice, 3, kvf_now_ns() + SEC, &err),
+                     KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "block 2 appears twice"));
+    int32_t good[] = {3, 0};
+    assert_int_equal(kvf_xfer_expect_blocks(x, 1, good, 2, kvf_now_ns() + SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_cancel(x, 1, &err), KVF_OK);
+    kvf_xfer_event ev;
+    assert_true(kvf_xfer_poll(x, &ev));
+    assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+    /* Hellos: empty ones are for backends that need none; others are checked. */
+    assert_int_equal(kvf_xfer_accept(x, NULL, 0, &err), KVF_OK);
+    uint8_t junk[40] = "KVFH";
+    assert_int_equal(kvf_xfer_accept(x, junk, sizeof junk, &err), KVF_ERR_UNSUPPORTED);
+    junk[4] = 1;
+    assert_int_equal(kvf_xfer_accept(x, junk, sizeof junk, &err), KVF_ERR_PARSE);
+    assert_non_null(strstr(err.msg, "checksum"));
+    kvf_xfer_destroy(x);
+}
+
+/* ---- descriptors ---- */
+
+static void test_desc_roundtrip(void **state)
+{
+    kvf_kv_layout l = peer_layout(2);
+    uint8_t *mem = gpu_double_dev_alloc((size_t)(8 * l.block_bytes));
+    assert_non_null(mem);
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = 8};
+    kvf_xfer_cfg c = {.backend = "cuda_ipc", .gpu = &gpu_double_ops};
+    kvf_xfer *x, *y;
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_create(&c, &pool, &x, &err), KVF_OK);
+    uint8_t *desc;
+    size_t len;
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    kvf_xfer_desc_info d;
+    assert_int_equal(kvf_xfer_desc_parse(desc, len, &d, &err), KVF_OK);
+    assert_string_equal(d.backend, "cuda_ipc");
+    assert_int_equal(d.n_blocks, 8);
+    assert_int_equal(d.layout.block_bytes, l.block_bytes);
+    assert_true(d.blob_len > KVF_XFER_IPC_HANDLE_BYTES);
+    /* One byte changed anywhere: refused by the checksum. */
+    desc[len / 2] ^= 1;
+    assert_int_equal(kvf_xfer_desc_parse(desc, len, &d, &err), KVF_ERR_PARSE);
+    desc[len / 2] ^= 1;
+    /* The same process cannot map its own handle: a clear refusal, not a CUDA error. */
+    uint8_t *mem2 = gpu_double_dev_alloc((size_t)(8 * l.block_bytes));
+    pool.base = mem2;
+    assert_int_equal(kvf_xfer_create(&c, &pool, &y, &err), KVF_OK);
+    kvf_xfer_peer *p;
+    assert_int_equal(kvf_xfer_connect(y, desc, len, &p, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "from this process"));
+    kvf_xfer_destroy(y);
+    /* A layout that differs is refused at connect, naming both values. */
+    kvf_kv_layout l4 = peer_layout(4);
+    uint8_t *mem3 = gpu_double_dev_alloc((size_t)(4 * l4.block_bytes));
+    kvf_xfer_pool pool4 = {.base = mem3, .layout = l4, .n_blocks = 4};
+    assert_int_equal(kvf_xfer_create(&c, &pool4, &y, &err), KVF_OK);
+    assert_int_not_equal(kvf_xfer_connect(y, desc, len, &p, &err), KVF_OK);
+    assert_non_null(strstr(err.msg, "n_layers"));
+    assert_non_null(strstr(err.msg, "4"));
+    assert_non_null(strstr(err.msg, "2"));
+    kvf_xfer_destroy(y);
+    /* A ucx side refuses a cuda_ipc descriptor, naming both backends. */
+    kvf_xfer_cfg uc = {.backend = "ucx", .transport = "tcp", .gpu = &gpu_double_ops,
+                       .gpu_staging = true};
+    pool.base = mem2;
+    assert_int_equal(kvf_xfer_create(&uc, &pool, &y, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_connect(y, desc, len, &p, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "'cuda_ipc'"));
+    kvf_xfer_destroy(y);
+    free(desc);
+    kvf_xfer_destroy(x);
+#ifdef KVF_HAVE_NCCL
+    /* nccl: the descriptor round-trips; plain connect is refused naming connect_hello. */
+    c.backend = "nccl";
+    pool.base = mem;
+    assert_int_equal(kvf_xfer_create(&c, &pool, &x, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_desc_parse(desc, len, &d, &err), KVF_OK);
+    assert_string_equal(d.backend, "nccl");
+    pool.base = mem2;
+    assert_int_equal(kvf_xfer_create(&c, &pool, &y, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_connect(y, desc, len, &p, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "kvf_xfer_connect_hello"));
+    assert_int_equal(kvf_xfer_accept(y, (const uint8_t *)"x", 1, &err), KVF_ERR_PARSE);
+    kvf_xfer_destroy(y);
+    kvf_xfer_destroy(x);
+    free(desc);
+#endif
+    gpu_double_dev_free(mem);
+    gpu_double_dev_free(mem2);
+    gpu_double_dev_free(mem3);
+}
+
+/* ---- two processes ---- */
+
+/* Random lists, three transfers in flight at once, each verified by the receiver (the child). */
+static void random_lists(const char *transport, bool child_staging)
+{
+    enum { SRC_BLOCKS = 96, DST_BLOCKS = 64, ROUNDS = 6, BATCH = 3 };
+    int fd = spawn_peer("recv", transport, 2, DST_BLOCKS, child_staging);
+    uint8_t *mem;
+    kvf_xfer *x = make_gpu_xfer(transport, 2, SRC_BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_err err = {0};
+    srand(4321);
+    uint64_t id = 1;
+    int64_t copies0 = dbl.copies;
+    for (int round = 0; round < ROUNDS; round++) {
+        int perm[DST_BLOCKS / BATCH];
+        for (int i = 0; i < DST_BLOCKS / BATCH; i++)
+            perm[i] = i;
+        for (int i = DST_BLOCKS / BATCH - 1; i > 0; i--) {
+            int j = rand() % (i + 1), t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+        kvf_xfer_pair pairs[BATCH][DST_BLOCKS];
+        uint32_t n[BATCH];
+        for (int t = 0; t < BATCH; t++) {
+            n[t] = 1 + (uint32_t)(rand() % (DST_BLOCKS / BATCH));
+            int s0 = rand() % SRC_BLOCKS;
+            bool runs = rand() % 2;
+            for (uint32_t i = 0; i < n[t]; i++) {
+                int d = t * (DST_BLOCKS / BATCH) + (runs ? (int)i : perm[i]);
+                pairs[t][i].dst = d;
+                pairs[t][i].src = runs ? (s0 + (int)i) % SRC_BLOCKS : rand() % SRC_BLOCKS;
+            }
+            send_pairs(fd, MSG_EXPECT, id + t, 20000, 0, pairs[t], n[t]);
+        }
+        for (int t = 0; t < BATCH; t++)
+            expect_msg(fd, x, MSG_READY, 20 * SEC);
+        for (int t = 0; t < BATCH; t++)
+            assert_int_equal(kvf_xfer_write(x, p, id + t, pairs[t], n[t],
+                                            kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+        int sent = 0, results = 0;
+        int64_t until = kvf_now_ns() + 30 * SEC;
+        while ((sent < BATCH || results < BATCH) && kvf_now_ns() < until) {
+            kvf_xfer_event ev;
+            while (kvf_xfer_poll(x, &ev)) {
+                assert_int_equal(ev.kind, KVF_XFER_SENT);
+                assert_true(ev.id >= id && ev.id < id + BATCH);
+                if (ev.status != KVF_OK)
+                    fail_msg("transfer %llu: %s", (unsigned long long)ev.id,
+                             kvf_status_str(ev.status));
+                sent++;
+            }
+            int r = peer_recv(fd, x, &msg, kvf_now_ns() + 20 * MS);
+            assert_true(r >= 0);
+            if (r == 1) {
+                assert_int_equal(msg.type, MSG_RESULT);
+                size_t off = 0;
+                uint64_t rid;
+                int32_t st;
+                int64_t bad;
+                PEER_GET(msg.data, off, rid);
+                PEER_GET(msg.data, off, st);
+                PEER_GET(msg.data, off, bad);
+                assert_true(rid >= id && rid < id + BATCH);
+                assert_int_equal(st, KVF_OK);
+                if (bad != 0)
+                    fail_msg("transfer %llu: %lld bytes differ at the receiver",
+                             (unsigned long long)rid, (long long)bad);
+                results++;
+            }
+        }
+        assert_int_equal(sent, BATCH);
+        assert_int_equal(results, BATCH);
+        id += BATCH;
+    }
+    assert_true(dbl.copies > copies0); /* the bytes went through the GPU table's copies */
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.sent_ok, ROUNDS * BATCH);
+    assert_int_equal(s.in_flight, 0);
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free_gpu_mem(transport, mem);
+    int ws = 0;
+    waitpid(child, &ws, 0);
+    child = -1;
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+}
+
+static void test_cudaipc_random_lists(void **state)
+{
+    random_lists("cuda_ipc", false);
+}
+
+static void test_staging_random_lists_tcp(void **state)
+{
+    random_lists("tcp", true);
+}
+
+static void test_staging_random_lists_sm(void **state)
+{
+    random_lists("sm", true);
+}
+
+/* The receiver dies right after the write was posted: the sender's event is an error naming
+ * the transfer, within the deadline. */
+static void receiver_killed(const char *transport, bool staging)
+{
+    enum { LAYERS = 8, BLOCKS = 64 };
+    int fd = spawn_peer("recv", transport, LAYERS, BLOCKS, staging);
+    uint8_t *mem;
+    kvf_xfer *x = make_gpu_xfer(transport, LAYERS, BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i};
+    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    kvf_err err = {0};
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
+    int ws = reap_peer();
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.kind, KVF_XFER_SENT);
+    assert_int_equal(ev.id, 7);
+    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
+        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
+    assert_true(kvf_now_ns() - t0 <= 3 * SEC + 500 * MS);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.in_flight, 0);
+    assert_int_equal(s.sent_failed, 1);
+    assert_false(kvf_xfer_poll(x, &ev)); /* exactly one event */
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free_gpu_mem(transport, mem);
+}
+
+static void test_cudaipc_receiver_killed(void **state)
+{
+    receiver_killed("cuda_ipc", false);
+}
+
+static void test_staging_receiver_killed_tcp(void **state)
+{
+    receiver_killed("tcp", true);
+}
+
+/* The sender dies right after posting its write: our expectation times out at its deadline,
+ * naming the transfer; then a fresh sender fills the same blocks and every byte is right in
+ * our "device" pool. With staging on our side only, the sender is plain UCX: the mirror is a
+ * local matter, the descriptor is an ordinary ucx one. */
+static void sender_killed(const char *transport, bool our_staging)
+{
+    enum { LAYERS = 8, BLOCKS = 64 };
+    int64_t bb = peer_layout(LAYERS).block_bytes;
+    uint8_t *mem;
+    kvf_xfer *x = make_gpu_xfer(transport, LAYERS, BLOCKS, false, &mem);
+    assert_true(our_staging || strcmp(transport, "cuda_ipc") == 0);
+    uint8_t *desc;
+    size_t len;
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    kvf_xfer_pair pairs[BLOCKS];
+    int32_t dsts[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++) {
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % BLOCKS}; /* 7 is prime to 64 */
+        dsts[i] = pairs[i].dst;
+    }
+    int fd = spawn_peer("send", transport, LAYERS, BLOCKS, false);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    int64_t t0 = kvf_now_ns();
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, 9, 20000, 1, pairs, BLOCKS);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
+    assert_int_equal(ev.id, 9);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    int ws = reap_peer();
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+
+    memset(mem, 0, (size_t)(BLOCKS * bb));
+    fd = spawn_peer("send", transport, LAYERS, BLOCKS, false);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_xfer_expect_blocks(x, 10, dsts, BLOCKS, kvf_now_ns() + 20 * SEC, &err),
+                     KVF_OK);
+    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 10);
+    assert_int_equal(ev.status, KVF_OK);
+    for (int i = 0; i < BLOCKS; i++)
+        assert_int_equal(peer_check_block(mem + pairs[i].dst * bb, bb, pairs[i].src), 0);
+    expect_msg(fd, x, MSG_SENT, 20 * SEC);
+    reap_peer();
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.expected, 0);
+    assert_int_equal(s.received_failed, 1);
+    assert_int_equal(s.received_ok, 1);
+    free(desc);
+    kvf_xfer_destroy(x);
+    free_gpu_mem(transport, mem);
+}
+
+static void test_cudaipc_sender_killed(void **state)
+{
+    sender_killed("cuda_ipc", false);
+}
+
+static void test_staging_receive_tcp(void **state)
+{
+    sender_killed("tcp", true);
+}
+
+static void test_staging_receive_sm(void **state)
+{
+    sender_killed("sm", true);
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_refusals, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_desc_roundtrip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cudaipc_random_lists, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cudaipc_receiver_killed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cudaipc_sender_killed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_random_lists_tcp, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_random_lists_sm, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_receiver_killed_tcp, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_receive_tcp, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_receive_sm, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
