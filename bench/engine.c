@@ -19,9 +19,12 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/weights.h"
+#ifdef KVF_HAVE_CUDA
+#include "cuda/cuda.h"
+#endif
 
 typedef struct engine_bench_cfg {
-    const char *presets, *batches, *dir, *weights;
+    const char *presets, *batches, *dir, *weights, *device;
     int32_t prompt, decode, decode_medium, vocab, budget, threads;
     int64_t memread_bytes;
 } engine_bench_cfg;
@@ -36,6 +39,7 @@ static const kvf_cfg_opt engine_bench_opts[] = {
     {"budget", "2048", "token budget of one step (max_batch_tokens)", offsetof(engine_bench_cfg, budget), KVF_CFG_INT},
     {"threads", "0", "threads of the multi-threaded runs (0: one per online CPU)", offsetof(engine_bench_cfg, threads), KVF_CFG_INT},
     {"weights", "bf16", "weight dtype written to disk (f32, f16, bf16)", offsetof(engine_bench_cfg, weights), KVF_CFG_STR},
+    {"device", "cpu", "backend: cpu, or cuda (GPU 0; one run, weights kept as bf16/f16 on the device)", offsetof(engine_bench_cfg, device), KVF_CFG_STR},
     {"dir", NULL, "where to write the models (default: a new directory under $TMPDIR or /tmp, removed after)", offsetof(engine_bench_cfg, dir), KVF_CFG_STR},
     {"memread-bytes", "256M", "buffer of the plain memory read baseline", offsetof(engine_bench_cfg, memread_bytes), KVF_CFG_SIZE},
     {NULL},
@@ -89,14 +93,37 @@ static int parse_list(const char *s, int32_t *out, int cap)
     return n;
 }
 
-/* Weight bytes a decode step reads in the CPU backend's f32 form: every layer, the final
- * norm and the LM head; of the embedding only B rows (not counted). */
-static double decode_weight_bytes(const kvf_model_config *c)
+/* Weight bytes a decode step reads in the backend's form (4 bytes a parameter for the CPU
+ * backend's f32, 2 for the GPU's bf16/f16 matrices): every layer, the final norm and the LM
+ * head; of the embedding only B rows (not counted). */
+static double decode_weight_bytes(const kvf_model_config *c, double bytes_per_param)
 {
     double p = (double)kvf_model_config_n_params(c);
     if (!c->tie_embeddings)
         p -= (double)c->vocab_size * c->dim; /* the separate embedding table */
-    return 4.0 * p;
+    return bytes_per_param * p;
+}
+
+/* The backend --device names; "cuda" needs a build with CUDA and a usable GPU. */
+static kvf_status pick_device(const char *device, const kvf_backend **out, kvf_err *err)
+{
+    if (!device || strcmp(device, "cpu") == 0) {
+        *out = kvf_model_backend_cpu();
+        return KVF_OK;
+    }
+    if (strcmp(device, "cuda") == 0) {
+#ifdef KVF_HAVE_CUDA
+        char why[256];
+        if (!kvf_cuda_available(why, sizeof why))
+            return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "bench engine: --device cuda: %s", why);
+        *out = kvf_cuda_backend();
+        return KVF_OK;
+#else
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "bench engine: --device cuda: this kvfleet was built without CUDA (nvcc was not found when it was configured)");
+#endif
+    }
+    return kvf_err_set(err, KVF_ERR_INVALID, "bench engine: --device=%s is not known (use cpu or cuda)", device);
 }
 
 static kvf_status write_model(const char *dir, const char *preset, const engine_bench_cfg *bc,
@@ -133,8 +160,8 @@ static void remove_model(const char *dir)
 /* One batch: B sequences of P prompt tokens and D + 1 new tokens; the step that samples the
  * last first token ends the prefill phase, the following D steps are the decode phase. */
 static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_t P, int32_t D,
-                            uint64_t *rng, kvf_progress *pr, int64_t *done, run_result *out,
-                            kvf_err *err)
+                            uint64_t *rng, kvf_progress *pr, int64_t *done, double bytes_per_param,
+                            run_result *out, kvf_err *err)
 {
     static int32_t prompt[MAX_BATCH][4096];
     static uint64_t next_id;
@@ -187,7 +214,7 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
     out->step_ms = decode_steps ? 1e3 * t_decode / decode_steps : 0;
     out->decode_cpu = t_decode > 0 ? c_decode / t_decode : 0;
     out->overhead = step_ns > 0 ? (double)(step_ns - fwd_ns) / (double)step_ns : 0;
-    out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg) * decode_steps / t_decode : 0;
+    out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg, bytes_per_param) * decode_steps / t_decode : 0;
     return KVF_OK;
 }
 
@@ -212,13 +239,20 @@ int kvf_bench_engine_main(int argc, char **argv)
                 MAX_BATCH, MAX_BATCHES);
         return 2;
     }
+    const kvf_backend *be = NULL;
+    if ((st = pick_device(bc.device, &be, &err)) != KVF_OK) {
+        fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return 2;
+    }
+    bool gpu = be != kvf_model_backend_cpu();
+    double bytes_per_param = gpu ? 2.0 : 4.0;
     int32_t max_b = 1;
     for (int i = 0; i < n_batches; i++)
         max_b = batches[i] > max_b ? batches[i] : max_b;
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     int32_t multi = bc.threads > 0 ? bc.threads : (int32_t)(online > 0 ? online : 1);
     int32_t thread_runs[2] = {1, multi};
-    int n_thread_runs = multi > 1 ? 2 : 1;
+    int n_thread_runs = multi > 1 && !gpu ? 2 : 1; /* a GPU run does not depend on CPU threads */
 
     /* the plain read baseline, before anything else competes for memory */
     size_t mr_bytes = (size_t)bc.memread_bytes;
@@ -247,8 +281,10 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 1;
     }
 
-    printf("kvfleet bench engine: prompt %d tokens, budget %d tokens/step, f32 KV, greedy, "
-           "prefix cache off, %ld online CPUs\n", bc.prompt, bc.budget, online);
+    printf("kvfleet bench engine: device %s, prompt %d tokens, budget %d tokens/step, f32 KV, "
+           "greedy, prefix cache off, %ld online CPUs\n", be->name, bc.prompt, bc.budget, online);
+    if (gpu)
+        printf("(cuda: weight_GB/s counts 2 bytes a parameter; vs_read and cpu_util still compare with the host)\n");
     printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
     printf("%-7s %7s %5s %14s %13s %10s %12s %9s %9s %9s\n", "preset", "threads", "batch",
            "prefill_tok/s", "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "cpu_util",
@@ -293,7 +329,7 @@ int kvf_bench_engine_main(int argc, char **argv)
             ec.prefix_cache = false;
             ec.threads = thread_runs[t];
             kvf_engine *e = NULL;
-            if ((st = kvf_engine_create(m, kvf_model_backend_cpu(), &ec, &e, &err)) != KVF_OK) {
+            if ((st = kvf_engine_create(m, be, &ec, &e, &err)) != KVF_OK) {
                 fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
                 rc = 1;
                 break;
@@ -309,7 +345,7 @@ int kvf_bench_engine_main(int argc, char **argv)
             run_result res[MAX_BATCHES];
             uint64_t rng = 99;
             for (int i = 0; i < n_batches && rc == 0; i++) {
-                if ((st = run_batch(e, m, batches[i], bc.prompt, D, &rng, &pr, &done, &res[i], &err)) != KVF_OK) {
+                if ((st = run_batch(e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
                     fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
                     rc = 1;
                 }

@@ -21,13 +21,16 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
+#ifdef KVF_HAVE_CUDA
+#include "cuda/cuda.h"
+#endif
 
 typedef struct gen_cfg {
-    const char *model, *prompt_ids, *prompt, *kv_dtype;
+    const char *model, *prompt_ids, *prompt, *kv_dtype, *device;
     int32_t max_tokens, block_size, threads, prefill_chunk, top_k;
     int64_t kv_memory, seed;
-    double temperature, top_p;
-    bool json, ignore_eos, half_weights;
+    double temperature, top_p, kv_k_scale, kv_v_scale;
+    bool json, ignore_eos, half_weights, no_graphs;
 } gen_cfg;
 
 static const kvf_cfg_opt gen_opts[] = {
@@ -41,7 +44,12 @@ static const kvf_cfg_opt gen_opts[] = {
     {"seed", "0", "sampling seed: the same seed gives the same tokens", offsetof(gen_cfg, seed), KVF_CFG_INT64},
     {"ignore-eos", NULL, "keep generating past an end-of-sequence token", offsetof(gen_cfg, ignore_eos), KVF_CFG_BOOL},
     {"block-size", "16", "tokens per KV block (a power of two)", offsetof(gen_cfg, block_size), KVF_CFG_INT},
-    {"kv-dtype", "f32", "KV cache dtype: f32, f16 or bf16", offsetof(gen_cfg, kv_dtype), KVF_CFG_STR},
+    {"kv-dtype", "f32", "KV cache dtype: f32, f16, bf16 or fp8-e4m3", offsetof(gen_cfg, kv_dtype), KVF_CFG_STR},
+    {"kv-k-scale", "1", "fp8-e4m3 KV: K is stored as fp8(K / scale)", offsetof(gen_cfg, kv_k_scale), KVF_CFG_DOUBLE},
+    {"kv-v-scale", "1", "fp8-e4m3 KV: V is stored as fp8(V / scale)", offsetof(gen_cfg, kv_v_scale), KVF_CFG_DOUBLE},
+    {"device", "cpu", "where the model runs: cpu or cuda (GPU 0)", offsetof(gen_cfg, device), KVF_CFG_STR},
+    {"no-cuda-graphs", NULL, "cuda: run every decode step kernel by kernel (no CUDA graph replay)",
+     offsetof(gen_cfg, no_graphs), KVF_CFG_BOOL},
     {"kv-memory", "0", "KV pool bytes (K/M/G suffixes); 0: just enough for this request", offsetof(gen_cfg, kv_memory), KVF_CFG_SIZE},
     {"prefill-chunk", "512", "prompt tokens per forward step", offsetof(gen_cfg, prefill_chunk), KVF_CFG_INT},
     {"threads", "0", "CPU threads (0: one per CPU)", offsetof(gen_cfg, threads), KVF_CFG_INT},
@@ -54,10 +62,33 @@ static const kvf_cfg_opt gen_opts[] = {
 static const kvf_cfg_spec gen_spec = {
     .prog = "kvfleet generate",
     .summary = "Generation for one prompt in this process, through the engine the workers run\n"
-               "(CPU backend). Give the prompt as --prompt-ids 1,2,3 or as --prompt TEXT.\n"
+               "(CPU backend, or the GPU with --device cuda). Give the prompt as --prompt-ids 1,2,3\n"
+               "or as --prompt TEXT.\n"
                "Text streams to the terminal as it is generated; --json prints one object at the end.",
     .opts = gen_opts,
 };
+
+/* The backend --device names; "cuda" needs a build with CUDA and a usable GPU. */
+static kvf_status pick_device(const char *device, const kvf_backend **out, kvf_err *err)
+{
+    if (!device || strcmp(device, "cpu") == 0) {
+        *out = kvf_model_backend_cpu();
+        return KVF_OK;
+    }
+    if (strcmp(device, "cuda") == 0) {
+#ifdef KVF_HAVE_CUDA
+        char why[256];
+        if (!kvf_cuda_available(why, sizeof why))
+            return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "generate: --device cuda: %s", why);
+        *out = kvf_cuda_backend();
+        return KVF_OK;
+#else
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "generate: --device cuda: this kvfleet was built without CUDA (nvcc was not found when it was configured)");
+#endif
+    }
+    return kvf_err_set(err, KVF_ERR_INVALID, "generate: --device=%s is not known (use cpu or cuda)", device);
+}
 
 /* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
@@ -89,9 +120,15 @@ int kvf_cli_generate(int argc, char **argv)
                                         "generate: --max-tokens (%d) and --prefill-chunk (%d) must be positive, --threads (%d) not negative",
                                         c.max_tokens, c.prefill_chunk, c.threads), &err);
     int kv_dt = kvf_dtype_parse(c.kv_dtype);
-    if (kv_dt != KVF_DTYPE_F32 && kv_dt != KVF_DTYPE_F16 && kv_dt != KVF_DTYPE_BF16)
-        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-dtype=%s is not supported (use f32, f16 or bf16)",
+    if (kv_dt < 0)
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-dtype=%s is not supported (use f32, f16, bf16 or fp8-e4m3)",
                                         c.kv_dtype), &err);
+    if (!(c.kv_k_scale > 0 && c.kv_k_scale < 1e30) || !(c.kv_v_scale > 0 && c.kv_v_scale < 1e30))
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-k-scale (%g) and --kv-v-scale (%g) must be positive and finite",
+                                        c.kv_k_scale, c.kv_v_scale), &err);
+    const kvf_backend *be = NULL;
+    if ((st = pick_device(c.device, &be, &err)) != KVF_OK)
+        return kvf_cli_exit(st, &err);
 
     if (c.temperature < 0 || c.top_p <= 0 || c.top_p > 1 || c.top_k < 0)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID,
@@ -179,8 +216,11 @@ int kvf_cli_generate(int argc, char **argv)
     ec.swap_slots = 0;
     ec.threads = c.threads;
     ec.half_weights = c.half_weights;
+    ec.kv_k_scale = (float)c.kv_k_scale;
+    ec.kv_v_scale = (float)c.kv_v_scale;
+    ec.no_graphs = c.no_graphs;
     ec.model_id = c.model;
-    if ((st = kvf_engine_create(m, kvf_model_backend_cpu(), &ec, &eng, &err)) != KVF_OK)
+    if ((st = kvf_engine_create(m, be, &ec, &eng, &err)) != KVF_OK)
         goto fail;
     kvf_engine_request req = {.id = 1, .prompt = prompt, .n_prompt = n_prompt};
     kvf_engine_sampling_default(&req.sampling);

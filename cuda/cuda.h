@@ -6,8 +6,10 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "common/status.h"
+#include "model/backend.h"
 
 /* True when a CUDA device can be used. Otherwise false with why filled ("no CUDA device:
  * CUDA driver version is insufficient for CUDA runtime version (35)"). GPU tests skip on false. */
@@ -15,5 +17,46 @@ bool kvf_cuda_available(char *why, size_t why_len);
 
 /* Turns a cudaError_t (passed as int) into a status with "what: <cuda message> (<code>)". */
 kvf_status kvf_cuda_status(int cuda_err, const char *what, kvf_err *err);
+/* The same for a cublasStatus_t: "what: cuBLAS <name>: <message> (<code>)". */
+kvf_status kvf_cuda_blas_status(int blas_status, const char *what, kvf_err *err);
+
+/* The CUDA backend (cuda/backend.cu): device 0, one stream, a cuBLAS handle on it. Its create
+ * fails with a status saying why when no device is usable. Memory from alloc and the KV pool
+ * (its kv_mem ops) is device memory; upload/download are ordered on the stream and have
+ * finished when they return. Ops queue work and record the first error, which sync returns.
+ * Decode-only steps whose key repeats are captured as CUDA graphs (at most
+ * KVF_CUDA_MAX_GRAPHS kept, least recently used dropped) unless opts->no_graphs. */
+const kvf_backend *kvf_cuda_backend(void);
+
+#define KVF_CUDA_MAX_GRAPHS 16
+
+/* What a backend context did (for tests and logs). */
+typedef struct kvf_cuda_stats {
+    int64_t graphs_captured, graph_replays, graph_evictions, graph_failures;
+    int64_t eager_steps;
+    int32_t graphs_cached;
+    int64_t device_bytes; /* in use on the device (cudaMemGetInfo: total - free), all users */
+} kvf_cuda_stats;
+void kvf_cuda_backend_stats(void *be_ctx, kvf_cuda_stats *out);
+
+/* One row's sampling parameters for kvf_cuda_sample. */
+typedef struct kvf_cuda_sample_row {
+    float temperature; /* > 0 */
+    int32_t top_k;     /* 0 (or >= vocab): all */
+    float top_p;       /* (0, 1]; 1: all */
+    float u;           /* a uniform draw in [0, 1) from the caller's generator */
+} kvf_cuda_sample_row;
+
+/* One token per row of logits (device memory of a kvf_cuda_backend context, [n][vocab]) into
+ * out_host[n], finished on return. The rule: NaN logits are never kept; K = the tokens whose
+ * logit is >= the k-th largest logit (all when top_k is 0 or >= vocab; ties at the cut are all
+ * kept); w_i = exp((logit_i - max) / temperature); P = the tokens of K whose logit is >= the
+ * largest threshold whose kept w-mass is >= top_p * (w-mass of K); then the token i of P, in id
+ * order, at which the running sum of w first exceeds u * (w-mass of P). Rows that fail the
+ * parameter check (temperature <= 0, top_p outside (0, 1], u outside [0, 1), top_k < 0) are
+ * refused with ERR_INVALID naming the row. The engine still samples on the host. */
+kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t n, int64_t vocab,
+                           const kvf_cuda_sample_row *rows_host /* [n] */,
+                           int32_t *out_host /* [n] */, kvf_err *err);
 
 #endif

@@ -290,6 +290,8 @@ fail:
 
 kvf_kv_pool *kvf_engine_pool(kvf_engine *e) { return e->pool; }
 
+void *kvf_engine_backend_ctx(kvf_engine *e) { return e->be_ctx; }
+
 /* ---- sequences --------------------------------------------------------------------------- */
 
 static eng_seq *slot_seq(kvf_engine *e, int32_t slot) { return &e->seqs[slot]; }

@@ -167,6 +167,9 @@ kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err);
 
 /* The pool (for a worker that registers its memory with a transport). Borrowed. */
 kvf_kv_pool *kvf_engine_pool(kvf_engine *e);
+/* The backend context the engine created (for backend-specific calls such as
+ * kvf_cuda_backend_stats). Borrowed. */
+void *kvf_engine_backend_ctx(kvf_engine *e);
 
 /* The cost estimate behind PREEMPT_AUTO, in seconds: recomputing n_tokens tokens vs copying
  * n_blocks blocks out and back. Swap wins when its cost is lower. */
