@@ -1,0 +1,470 @@
+/* attn.cu: paged attention kernels over the block-major KV pool and their launcher
+ * (cuda/attn.h). One CTA serves (token, KV head, up to 8 of its query heads, one context
+ * partition of 64-256 positions); a reduce kernel merges the partitions. The host
+ * checks and a plain-C reference of the same algorithm are in attn_ref.c. */
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+extern "C" {
+#include "cuda/attn.h"
+#include "cuda/attn_ref.h"
+#include "cuda/cuda.h"
+}
+
+/* Algorithm (for every token t, query head h of KV head kvh, visible range [lo, pos]):
+ *  1. partition kernel, grid (n_tokens, n_kv_heads * head chunks, parts): the CTA of partition
+ *     p takes positions [max(p*len, lo), min((p+1)*len, pos+1)) (len: attn_ref.h's part_len,
+ *     64..256 from n_tokens, n_heads and max_ctx); it exits at once when that is empty, so
+ *     the grid depends only on (n_tokens, n_heads, max_ctx). It loads each K row
+ *     once for all its query heads (GQA), scores them against q * scale * k_scale * log2(e)
+ *     into shared memory, takes the partition's max m and sum l of 2^(s - m), then loads each
+ *     V row once and accumulates; the output is divided by l and multiplied by v_scale.
+ *  2. reduce kernel (only when parts > 1): out = sum_p w_p o_p / sum_p w_p,
+ *     w_p = l_p * 2^(m_p - max m).
+ * Threads: 128 per CTA; a row of head_dim elements is read by head_dim/8 adjacent threads, 8
+ * elements each (16 bytes for f16/bf16, 2 x 16 for f32, 8 for fp8), 4 rows in flight per
+ * thread. Prefill chunks use the same path (each query token reads its own K/V; no reuse of
+ * K/V tiles across the tokens of a chunk beyond what the L2 cache gives). */
+
+namespace {
+
+constexpr int ATTN_PART_MAX = KVF_CUDA_ATTN_PART_MAX;
+constexpr int ATTN_GMAX = KVF_CUDA_ATTN_HEADS_PER_CTA;
+constexpr int ATTN_NT = 128; /* threads per CTA */
+constexpr int ATTN_NW = ATTN_NT / 32;
+constexpr int ATTN_EPT = 8;    /* row elements per thread */
+constexpr int ATTN_UNROLL = 4; /* rows in flight per thread */
+constexpr unsigned ATTN_FULL = 0xffffffffu;
+
+/* Everything a kernel needs, by value. Pointers are device memory. */
+struct attn_args {
+    const float *q;
+    float *out;
+    const uint8_t *pool;
+    const int32_t *tok_seq, *tok_pos, *block_tables;
+    float *ws_o, *ws_m, *ws_l; /* attn_ref.h's workspace layout; NULL when parts == 1 */
+    int64_t block_bytes, slab_bytes, layer_off;
+    int32_t n_tokens, n_heads, n_kv_heads, group, chunks, max_blocks, max_ctx, parts, window;
+    int32_t log2_bs, part_len;
+    float q_mul, v_mul;
+};
+
+/* Loading 8 elements of a row (one thread's share) and turning them into floats. */
+template <kvf_dtype DT> struct attn_io;
+
+template <> struct attn_io<KVF_DTYPE_F32> {
+    struct raw {
+        float4 a, b;
+    };
+    static constexpr int ES = 4;
+    static __device__ __forceinline__ raw load(const uint8_t *p)
+    {
+        raw r;
+        r.a = __ldg(reinterpret_cast<const float4 *>(p));
+        r.b = __ldg(reinterpret_cast<const float4 *>(p + 16));
+        return r;
+    }
+    static __device__ __forceinline__ void cvt(const raw &r, float (&f)[ATTN_EPT])
+    {
+        f[0] = r.a.x, f[1] = r.a.y, f[2] = r.a.z, f[3] = r.a.w;
+        f[4] = r.b.x, f[5] = r.b.y, f[6] = r.b.z, f[7] = r.b.w;
+    }
+};
+
+template <> struct attn_io<KVF_DTYPE_F16> {
+    typedef uint4 raw;
+    static constexpr int ES = 2;
+    static __device__ __forceinline__ raw load(const uint8_t *p)
+    {
+        return __ldg(reinterpret_cast<const uint4 *>(p));
+    }
+    static __device__ __forceinline__ float2 pair(unsigned w)
+    {
+        __half2_raw hr;
+        hr.x = (unsigned short)(w & 0xffffu);
+        hr.y = (unsigned short)(w >> 16);
+        return __half22float2(__half2(hr));
+    }
+    static __device__ __forceinline__ void cvt(const raw &r, float (&f)[ATTN_EPT])
+    {
+        float2 a = pair(r.x), b = pair(r.y), c = pair(r.z), d = pair(r.w);
+        f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+        f[4] = c.x, f[5] = c.y, f[6] = d.x, f[7] = d.y;
+    }
+};
+
+template <> struct attn_io<KVF_DTYPE_BF16> {
+    typedef uint4 raw;
+    static constexpr int ES = 2;
+    static __device__ __forceinline__ raw load(const uint8_t *p)
+    {
+        return __ldg(reinterpret_cast<const uint4 *>(p));
+    }
+    /* exact: a bf16 is the top half of an f32 */
+    static __device__ __forceinline__ void cvt(const raw &r, float (&f)[ATTN_EPT])
+    {
+        f[0] = __uint_as_float(r.x << 16), f[1] = __uint_as_float(r.x & 0xffff0000u);
+        f[2] = __uint_as_float(r.y << 16), f[3] = __uint_as_float(r.y & 0xffff0000u);
+        f[4] = __uint_as_float(r.z << 16), f[5] = __uint_as_float(r.z & 0xffff0000u);
+        f[6] = __uint_as_float(r.w << 16), f[7] = __uint_as_float(r.w & 0xffff0000u);
+    }
+};
+
+template <> struct attn_io<KVF_DTYPE_FP8_E4M3> {
+    typedef uint2 raw;
+    static constexpr int ES = 1;
+    static __device__ __forceinline__ raw load(const uint8_t *p)
+    {
+        return __ldg(reinterpret_cast<const uint2 *>(p));
+    }
+    /* exact: every e4m3 value is a half; the low byte is the first element */
+    static __device__ __forceinline__ float2 pair(unsigned w)
+    {
+        __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+        return __half22float2(__half2(hr));
+    }
+    static __device__ __forceinline__ void cvt(const raw &r, float (&f)[ATTN_EPT])
+    {
+        float2 a = pair(r.x), b = pair(r.x >> 16), c = pair(r.y), d = pair(r.y >> 16);
+        f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+        f[4] = c.x, f[5] = c.y, f[6] = d.x, f[7] = d.y;
+    }
+};
+
+/* The visible range of a token: [lo, pos]. */
+__device__ __forceinline__ int attn_lo(int pos, int window)
+{
+    return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
+/* One CTA: token blockIdx.x, KV head and head chunk blockIdx.y, partition blockIdx.z; GC query
+ * heads' worth of registers (the chunk's ng <= GC heads are real). */
+template <int HD, kvf_dtype DT, int GC>
+__global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
+{
+    typedef attn_io<DT> io;
+    constexpr int TG = HD / ATTN_EPT; /* threads per row: 2..32, a power of two */
+    constexpr int NG = ATTN_NT / TG;  /* rows per pass */
+    constexpr int ROW = HD * io::ES;  /* bytes per row */
+    static_assert(TG >= 2 && TG <= 32 && (TG & (TG - 1)) == 0, "head_dim must be 16..256");
+    static_assert(GC * HD <= GC * ATTN_PART_MAX, "the cross-warp sums reuse the score buffer");
+    __shared__ __align__(16) float q_s[GC * HD];
+    __shared__ float s_s[GC * ATTN_PART_MAX]; /* scores, then weights, then cross-warp sums */
+    __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
+    __shared__ float m_s[GC], l_s[GC];
+
+    const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
+    const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
+    const int ng = min(GC, a.group - g0);
+    const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0; /* first head row */
+    const int pos = a.tok_pos[t];
+    if (pos < 0 || pos >= a.max_ctx) { /* outside the contract: zeros, never a wild read */
+        if (a.parts == 1)
+            for (int i = tid; i < ng * HD; i += ATTN_NT)
+                a.out[th0 * HD + i] = 0.0f;
+        return; /* the reduce writes the zeros when parts > 1 */
+    }
+    const int lo = attn_lo(pos, a.window);
+    const int p0 = max(part * a.part_len, lo), p1 = min((part + 1) * a.part_len, pos + 1);
+    if (p0 >= p1)
+        return; /* nothing visible here; the reduce skips this partition */
+    const int n = p1 - p0, bs = 1 << a.log2_bs, b0 = p0 >> a.log2_bs;
+    const int nb = ((p1 - 1) >> a.log2_bs) - b0 + 1;
+
+    /* the partition's block ids and the scaled queries, into shared memory */
+    const int32_t *bt = a.block_tables + (int64_t)a.tok_seq[t] * a.max_blocks;
+    for (int i = tid; i < nb; i += ATTN_NT)
+        blk_s[i] = bt[b0 + i];
+    for (int i = tid; i < GC * HD; i += ATTN_NT)
+        q_s[i] = i / HD < ng ? a.q[th0 * HD + i] * a.q_mul : 0.0f;
+    __syncthreads();
+
+    const int grp = tid / TG, r = tid % TG, warp = tid / 32, lane = tid % 32;
+    const int64_t row_off = a.layer_off + (int64_t)kvh * bs * ROW + r * ATTN_EPT * io::ES;
+
+    /* 1. scores: s[g][i] = q[g] . k[p0 + i] (base-2 logits) */
+    {
+        float qr[GC][ATTN_EPT];
+#pragma unroll
+        for (int g = 0; g < GC; g++) {
+            const float4 *q4 = reinterpret_cast<const float4 *>(q_s + g * HD + r * ATTN_EPT);
+            float4 x = q4[0], y = q4[1];
+            qr[g][0] = x.x, qr[g][1] = x.y, qr[g][2] = x.z, qr[g][3] = x.w;
+            qr[g][4] = y.x, qr[g][5] = y.y, qr[g][6] = y.z, qr[g][7] = y.w;
+        }
+        for (int base = 0; base < n; base += NG * ATTN_UNROLL) { /* same trip count everywhere */
+            typename io::raw raw[ATTN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ATTN_UNROLL; u++) {
+                const int i = base + u * NG + grp;
+                raw[u] = typename io::raw();
+                if (i < n) {
+                    const int p = p0 + i;
+                    const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
+                    raw[u] = io::load(a.pool + blk * a.block_bytes + row_off +
+                                      (int64_t)(p & (bs - 1)) * ROW);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATTN_UNROLL; u++) {
+                const int i = base + u * NG + grp;
+                float kf[ATTN_EPT];
+                io::cvt(raw[u], kf);
+                float dot[GC];
+#pragma unroll
+                for (int g = 0; g < GC; g++) {
+                    float d = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < ATTN_EPT; e++)
+                        d = fmaf(qr[g][e], kf[e], d);
+                    dot[g] = d;
+                }
+#pragma unroll
+                for (int g = 0; g < GC; g++)
+#pragma unroll
+                    for (int o = TG / 2; o > 0; o >>= 1)
+                        dot[g] += __shfl_xor_sync(ATTN_FULL, dot[g], o);
+                if (r == 0 && i < n)
+#pragma unroll
+                    for (int g = 0; g < GC; g++)
+                        if (g < ng)
+                            s_s[g * ATTN_PART_MAX + i] = dot[g];
+            }
+        }
+    }
+    __syncthreads();
+
+    /* 2. per head: m = max s, w = 2^(s - m) in place, l = sum w */
+    for (int g = warp; g < ng; g += ATTN_NW) {
+        float m = -INFINITY;
+        for (int i = lane; i < n; i += 32)
+            m = fmaxf(m, s_s[g * ATTN_PART_MAX + i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(ATTN_FULL, m, o));
+        float l = 0.0f;
+        for (int i = lane; i < n; i += 32) {
+            float w = exp2f(s_s[g * ATTN_PART_MAX + i] - m);
+            s_s[g * ATTN_PART_MAX + i] = w;
+            l += w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            l += __shfl_xor_sync(ATTN_FULL, l, o);
+        if (lane == 0)
+            m_s[g] = m, l_s[g] = l;
+    }
+    __syncthreads();
+
+    /* 3. acc[g] = sum_i w[g][i] * v[p0 + i] over this thread's 8 columns */
+    float acc[GC][ATTN_EPT];
+#pragma unroll
+    for (int g = 0; g < GC; g++)
+#pragma unroll
+        for (int e = 0; e < ATTN_EPT; e++)
+            acc[g][e] = 0.0f;
+    {
+        const int64_t v_off = row_off + a.slab_bytes;
+        for (int base = 0; base < n; base += NG * ATTN_UNROLL) {
+            typename io::raw raw[ATTN_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ATTN_UNROLL; u++) {
+                const int i = base + u * NG + grp;
+                raw[u] = typename io::raw();
+                if (i < n) {
+                    const int p = p0 + i;
+                    const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
+                    raw[u] = io::load(a.pool + blk * a.block_bytes + v_off +
+                                      (int64_t)(p & (bs - 1)) * ROW);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ATTN_UNROLL; u++) {
+                const int i = base + u * NG + grp;
+                if (i >= n)
+                    continue;
+                float vf[ATTN_EPT];
+                io::cvt(raw[u], vf);
+#pragma unroll
+                for (int g = 0; g < GC; g++) {
+                    const float w = g < ng ? s_s[g * ATTN_PART_MAX + i] : 0.0f;
+#pragma unroll
+                    for (int e = 0; e < ATTN_EPT; e++)
+                        acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+                }
+            }
+        }
+    }
+    /* the row groups of a warp hold the same columns: sum them into lanes 0..TG-1 */
+#pragma unroll
+    for (int g = 0; g < GC; g++)
+#pragma unroll
+        for (int e = 0; e < ATTN_EPT; e++)
+#pragma unroll
+            for (int o = TG; o < 32; o <<= 1)
+                acc[g][e] += __shfl_xor_sync(ATTN_FULL, acc[g][e], o);
+    __syncthreads(); /* everyone is done reading the weights: s_s becomes the sums */
+    float *red = s_s;
+    for (int w = 0; w < ATTN_NW; w++) { /* warps add in order: a fixed summation order */
+        if (warp == w && lane < TG)
+#pragma unroll
+            for (int g = 0; g < GC; g++)
+#pragma unroll
+                for (int e = 0; e < ATTN_EPT; e++) {
+                    const int j = g * HD + lane * ATTN_EPT + e;
+                    red[j] = (w == 0 ? 0.0f : red[j]) + acc[g][e];
+                }
+        __syncthreads();
+    }
+
+    /* 4. the partition's output (normalised by its own sum), its max and sum */
+    for (int i = tid; i < ng * HD; i += ATTN_NT) {
+        const int g = i / HD;
+        const float o = red[i] * (a.v_mul / l_s[g]);
+        if (a.parts == 1)
+            a.out[th0 * HD + i] = o;
+        else
+            a.ws_o[((th0 + g) * a.parts + part) * HD + i % HD] = o;
+    }
+    if (a.parts > 1 && tid < ng) {
+        a.ws_m[(th0 + tid) * a.parts + part] = m_s[tid];
+        a.ws_l[(th0 + tid) * a.parts + part] = l_s[tid];
+    }
+}
+
+/* Merges the partitions of (token blockIdx.x, head blockIdx.y); thread d writes column d. */
+__global__ void attn_reduce_kernel(const attn_args a, int hd)
+{
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int64_t th = (int64_t)t * a.n_heads + h;
+    float *out = a.out + th * hd;
+    const int pos = a.tok_pos[t];
+    if (pos < 0 || pos >= a.max_ctx) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x)
+            out[d] = 0.0f;
+        return;
+    }
+    const int pa = attn_lo(pos, a.window) / a.part_len, pb = pos / a.part_len;
+    const int64_t base = th * a.parts;
+    float mx = -INFINITY;
+    for (int p = pa; p <= pb; p++)
+        mx = fmaxf(mx, a.ws_m[base + p]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float wsum = 0.0f, o = 0.0f;
+        for (int p = pa; p <= pb; p++) {
+            const float w = a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
+            wsum += w;
+            o += w * a.ws_o[(base + p) * hd + d];
+        }
+        out[d] = o / wsum;
+    }
+}
+
+typedef void (*attn_fn)(const attn_args);
+
+template <int HD, kvf_dtype DT> attn_fn attn_pick_gc(int gc)
+{
+    switch (gc) {
+    case 1:
+        return attn_part_kernel<HD, DT, 1>;
+    case 2:
+        return attn_part_kernel<HD, DT, 2>;
+    case 4:
+        return attn_part_kernel<HD, DT, 4>;
+    default:
+        return attn_part_kernel<HD, DT, 8>;
+    }
+}
+
+template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc)
+{
+    switch (dt) {
+    case KVF_DTYPE_F32:
+        return attn_pick_gc<HD, KVF_DTYPE_F32>(gc);
+    case KVF_DTYPE_F16:
+        return attn_pick_gc<HD, KVF_DTYPE_F16>(gc);
+    case KVF_DTYPE_BF16:
+        return attn_pick_gc<HD, KVF_DTYPE_BF16>(gc);
+    case KVF_DTYPE_FP8_E4M3:
+        return attn_pick_gc<HD, KVF_DTYPE_FP8_E4M3>(gc);
+    }
+    return nullptr;
+}
+
+/* The kernel for (head_dim, dtype, heads per CTA rounded up to 1, 2, 4 or 8); NULL when none
+ * (kvf_cuda_attention_supports names the lists). */
+attn_fn attn_pick(int hd, kvf_dtype dt, int gc)
+{
+    switch (hd) {
+    case 16:
+        return attn_pick_dtype<16>(dt, gc);
+    case 32:
+        return attn_pick_dtype<32>(dt, gc);
+    case 64:
+        return attn_pick_dtype<64>(dt, gc);
+    case 128:
+        return attn_pick_dtype<128>(dt, gc);
+    case 256:
+        return attn_pick_dtype<256>(dt, gc);
+    }
+    return nullptr;
+}
+
+} /* namespace */
+
+extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *stream, kvf_err *err)
+{
+    kvf_status st = kvf_cuda_attn_check(p, err);
+    if (st != KVF_OK || p->n_tokens == 0)
+        return st;
+    const kvf_kv_layout *l = &p->layout;
+    attn_args a = {};
+    a.q = p->q;
+    a.out = p->out;
+    a.pool = static_cast<const uint8_t *>(p->pool);
+    a.tok_seq = p->tok_seq;
+    a.tok_pos = p->tok_pos;
+    a.block_tables = p->block_tables;
+    a.n_tokens = p->n_tokens;
+    a.n_heads = p->n_heads;
+    a.n_kv_heads = l->n_kv_heads;
+    a.group = p->n_heads / l->n_kv_heads;
+    a.chunks = (a.group + ATTN_GMAX - 1) / ATTN_GMAX;
+    a.max_blocks = p->max_blocks;
+    a.max_ctx = p->max_ctx;
+    a.parts = kvf_cuda_attention_parts(p->n_tokens, p->n_heads, p->max_ctx);
+    a.part_len = kvf_cuda_attention_part_len(p->n_tokens, p->n_heads, p->max_ctx);
+    a.window = p->window;
+    a.block_bytes = l->block_bytes;
+    a.slab_bytes = kvf_kv_slab_bytes(l);
+    a.layer_off = (int64_t)p->layer * 2 * a.slab_bytes;
+    a.log2_bs = 0;
+    while ((1 << a.log2_bs) < l->block_size)
+        a.log2_bs++;
+    /* the same float products as the reference (attn_ref.c) */
+    const bool fp8 = l->dtype == KVF_DTYPE_FP8_E4M3;
+    a.q_mul = p->scale * (fp8 ? p->k_scale : 1.0f) * 1.4426950408889634f;
+    a.v_mul = fp8 ? p->v_scale : 1.0f;
+    if (a.parts > 1) {
+        size_t n_all = (size_t)p->n_tokens * p->n_heads * a.parts;
+        a.ws_o = p->workspace;
+        a.ws_m = a.ws_o + n_all * l->head_dim;
+        a.ws_l = a.ws_m + n_all;
+    }
+    const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
+    const int gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    attn_fn fn = attn_pick(l->head_dim, l->dtype, gc);
+    if (!fn) /* supports() passed, so this is a table out of step with it */
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "attn: no kernel for head_dim %d, dtype %s",
+                           l->head_dim, kvf_dtype_name(l->dtype));
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    dim3 grid((unsigned)p->n_tokens, (unsigned)(l->n_kv_heads * a.chunks), (unsigned)a.parts);
+    fn<<<grid, ATTN_NT, 0, s>>>(a);
+    if (a.parts > 1)
+        attn_reduce_kernel<<<dim3((unsigned)p->n_tokens, (unsigned)p->n_heads),
+                             (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);
+    return kvf_cuda_status((int)cudaGetLastError(), "attn: kernel launch", err);
+}
