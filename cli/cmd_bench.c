@@ -17,7 +17,7 @@ static const kvf_cli_bench_entry benches[] = {
     {"xfer", kvf_bench_xfer_main, "KV block transfer GB/s over UCX vs ucx_perftest"},
     {"router", kvf_bench_router_main, "index ops/s and routing-decision latency"},
     {"serve", kvf_bench_serve_main, "TTFT / ITL / throughput of fleets it starts (colocated vs disaggregated, kv vs round-robin)"},
-    {"attn", NULL, "paged attention bandwidth on a GPU"},
+    {"attn", kvf_bench_attn_main, "paged decode attention KV bandwidth on a GPU vs a device-to-device copy"},
 };
 
 int kvf_cli_bench(int argc, char **argv)

@@ -1,0 +1,360 @@
+/* attn.c: `kvfleet bench attn`: paged decode attention on a GPU (cuda/attn.cu) for a grid of
+ * batch sizes and context lengths, as achieved KV bandwidth (K+V bytes read per second) beside
+ * a device-to-device copy measured in the same run. Needs a CUDA build and a GPU; says so and
+ * exits non-zero otherwise. Device work goes through cuda/attn_bench.h (no CUDA headers here). */
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/bench.h"
+#include "common/cfg.h"
+#include "common/dtype.h"
+#include "kv/layout.h"
+#ifdef KVF_HAVE_CUDA
+#include "cuda/attn.h"
+#include "cuda/attn_bench.h"
+#include "cuda/cuda.h"
+#endif
+
+typedef struct attn_bench_cfg {
+    bool quick, l2_flush;
+    int32_t heads, kv_heads, head_dim, block_size, max_iters;
+    const char *dtype, *batches, *contexts;
+    int64_t max_kv, copy_max, flush_bytes;
+    double seconds;
+} attn_bench_cfg;
+
+static const kvf_cfg_opt attn_bench_opts[] = {
+    {"quick", "false", "a 3 x 3 grid (batch 1, 16, 64 x context 1k, 4k, 16k) instead of the full one", offsetof(attn_bench_cfg, quick), KVF_CFG_BOOL},
+    {"batches", NULL, "batch sizes (comma-separated); default 1,2,4,...,256 (quick: 1,16,64)", offsetof(attn_bench_cfg, batches), KVF_CFG_STR},
+    {"contexts", NULL, "context lengths (comma-separated); default 512,1024,...,32768 (quick: 1024,4096,16384)", offsetof(attn_bench_cfg, contexts), KVF_CFG_STR},
+    {"heads", "32", "query heads (Llama-3-8B: 32)", offsetof(attn_bench_cfg, heads), KVF_CFG_INT},
+    {"kv-heads", "8", "KV heads (Llama-3-8B: 8)", offsetof(attn_bench_cfg, kv_heads), KVF_CFG_INT},
+    {"head-dim", "128", "head dimension (16, 32, 64, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
+    {"block-size", "16", "tokens per KV block", offsetof(attn_bench_cfg, block_size), KVF_CFG_INT},
+    {"dtype", "bf16", "KV dtype (f32, f16, bf16, fp8-e4m3)", offsetof(attn_bench_cfg, dtype), KVF_CFG_STR},
+    {"max-kv", "24G", "skip cases whose KV (one layer) is larger than this", offsetof(attn_bench_cfg, max_kv), KVF_CFG_SIZE},
+    {"copy-max", "2G", "largest device-to-device copy of the baseline (larger cases copy this much)", offsetof(attn_bench_cfg, copy_max), KVF_CFG_SIZE},
+    {"l2-flush", "true", "overwrite a buffer before every timed call so it starts with a cold L2 cache", offsetof(attn_bench_cfg, l2_flush), KVF_CFG_BOOL},
+    {"flush-bytes", "256M", "size of that buffer (several times the L2 cache)", offsetof(attn_bench_cfg, flush_bytes), KVF_CFG_SIZE},
+    {"seconds", "0.1", "GPU time to aim for per case and per side (attention, copy)", offsetof(attn_bench_cfg, seconds), KVF_CFG_DOUBLE},
+    {"max-iters", "200", "most timed calls per case and side", offsetof(attn_bench_cfg, max_iters), KVF_CFG_INT},
+    {NULL},
+};
+
+static const kvf_cfg_spec attn_bench_spec = {
+    .prog = "kvfleet bench attn",
+    .summary = "Paged decode attention on the GPU (one query token per sequence, every sequence at\n"
+               "the given context, blocks scattered over the pool) for each batch x context:\n"
+               "achieved KV bandwidth = K+V bytes read / kernel time (CUDA events), beside a\n"
+               "cudaMemcpy device-to-device copy of the same bytes (up to --copy-max) whose\n"
+               "bandwidth counts bytes read + written. Ends with\n"
+               "ratio_vs_d2d_copy_min_ctx4k=<min attention/copy ratio over contexts >= 4096>.\n"
+               "Needs a CUDA build and a GPU.",
+    .opts = attn_bench_opts,
+};
+
+#define ATTN_BENCH_MAX_LIST 32
+
+/* "1,2,4" -> values; 0 and a message on a bad list. */
+static int attn_parse_list(const char *s, const char *flag, int32_t *out, kvf_err *err)
+{
+    int n = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > (1L << 24) || n == ATTN_BENCH_MAX_LIST ||
+            (*end && *end != ',')) {
+            kvf_err_set(err, KVF_ERR_INVALID,
+                        "bench attn: --%s=%s is not a list of 1..%d positive integers "
+                        "(e.g. 1,16,64)",
+                        flag, s, ATTN_BENCH_MAX_LIST);
+            return 0;
+        }
+        out[n++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+    }
+    if (n == 0)
+        kvf_err_set(err, KVF_ERR_INVALID, "bench attn: --%s is empty", flag);
+    return n;
+}
+
+#ifdef KVF_HAVE_CUDA
+
+typedef struct attn_row {
+    int32_t batch, ctx;
+    double kv_bytes, attn_ms, copy_bytes, copy_ms;
+    bool skipped;
+} attn_row;
+
+static int32_t attn_iters(const attn_bench_cfg *c, double est_ms)
+{
+    double n = c->seconds * 1e3 / (est_ms > 1e-3 ? est_ms : 1e-3);
+    if (n < 3)
+        n = 3;
+    if (n > c->max_iters)
+        n = c->max_iters;
+    return (int32_t)n;
+}
+
+/* xorshift32 for the block permutation */
+static uint32_t attn_rng(uint32_t *s)
+{
+    uint32_t x = *s;
+    x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+    return *s = x;
+}
+
+static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const int32_t *batches,
+                          int nb, const int32_t *ctxs, int nc)
+{
+    kvf_err err = {0};
+    kvf_status st = KVF_OK;
+    int rc = 1;
+    const double tok_bytes = (double)kvf_kv_bytes_per_token(l); /* one layer: K + V */
+    char dev_name[256];
+    size_t dev_free = 0, dev_total = 0;
+    if (kvf_cuda_bench_device(dev_name, sizeof dev_name, &dev_free, &dev_total, &err) != KVF_OK) {
+        fprintf(stderr, "kvfleet bench attn: %s\n", err.msg);
+        return 1;
+    }
+
+    /* sizes: the largest case within --max-kv sets the pool, tables and workspace */
+    int32_t max_batch = 0, max_ctx = 0;
+    int64_t pool_blocks = 0;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < nc; j++) {
+            if ((double)batches[i] * ctxs[j] * tok_bytes > (double)c->max_kv)
+                continue;
+            int64_t blocks = (int64_t)batches[i] * kvf_kv_blocks_for(ctxs[j], l->block_size);
+            if (blocks > pool_blocks)
+                pool_blocks = blocks;
+            if (batches[i] > max_batch)
+                max_batch = batches[i];
+            if (ctxs[j] > max_ctx)
+                max_ctx = ctxs[j];
+        }
+    if (pool_blocks == 0) {
+        fprintf(stderr, "kvfleet bench attn: every case is larger than --max-kv=%lld bytes\n",
+                (long long)c->max_kv);
+        return 2;
+    }
+    size_t pool_bytes = (size_t)pool_blocks * (size_t)l->block_bytes;
+    size_t copy_bytes = pool_bytes < (size_t)c->copy_max ? pool_bytes : (size_t)c->copy_max;
+    int64_t max_blocks = kvf_kv_blocks_for(max_ctx, l->block_size);
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(max_batch, c->heads, l->head_dim, max_ctx);
+    size_t qo_bytes = (size_t)max_batch * c->heads * l->head_dim * sizeof(float);
+    size_t flush_bytes = c->l2_flush ? (size_t)c->flush_bytes : 0;
+    size_t need = pool_bytes + 2 * copy_bytes + ws_bytes + 2 * qo_bytes + flush_bytes +
+                  (size_t)max_batch * (size_t)(max_blocks + 2) * sizeof(int32_t);
+    if (need + ((size_t)512 << 20) > dev_free) {
+        fprintf(stderr,
+                "kvfleet bench attn: needs %.1f GiB of device memory, %.1f GiB free: lower "
+                "--max-kv or --copy-max\n",
+                need / 1073741824.0, dev_free / 1073741824.0);
+        return 1;
+    }
+
+    void *pool = NULL, *src = NULL, *dst = NULL, *ws = NULL, *q = NULL, *out = NULL;
+    void *flush = NULL, *d_seq = NULL, *d_pos = NULL, *d_bt = NULL;
+    int32_t *h_bt = NULL, *h_seq = NULL, *h_pos = NULL, *perm = NULL;
+    attn_row *rows = calloc((size_t)nb * nc, sizeof *rows);
+    fprintf(stderr, "bench attn: allocating %.1f GiB on %s and filling the pool\n",
+            need / 1073741824.0, dev_name);
+    if ((st = kvf_cuda_bench_alloc(pool_bytes, &pool, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc(copy_bytes, &src, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc(copy_bytes, &dst, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc(ws_bytes, &ws, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc(qo_bytes, &q, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc(qo_bytes, &out, &err)) != KVF_OK ||
+        (flush_bytes && (st = kvf_cuda_bench_alloc(flush_bytes, &flush, &err)) != KVF_OK) ||
+        (st = kvf_cuda_bench_alloc((size_t)max_batch * sizeof(int32_t), &d_seq, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc((size_t)max_batch * sizeof(int32_t), &d_pos, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc((size_t)max_batch * max_blocks * sizeof(int32_t), &d_bt,
+                                   &err)) != KVF_OK)
+        goto fail_alloc;
+    if ((st = kvf_cuda_bench_fill_random(pool, pool_bytes / kvf_dtype_size(l->dtype), l->dtype, 1,
+                                         &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_fill_random(src, copy_bytes / 4, KVF_DTYPE_F32, 2, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_fill_random(q, qo_bytes / 4, KVF_DTYPE_F32, 3, &err)) != KVF_OK)
+        goto fail_alloc;
+
+    /* blocks scattered over the whole pool, as a long-running server's would be */
+    perm = malloc((size_t)pool_blocks * sizeof *perm);
+    h_bt = malloc((size_t)max_batch * max_blocks * sizeof *h_bt);
+    h_seq = malloc((size_t)max_batch * sizeof *h_seq);
+    h_pos = malloc((size_t)max_batch * sizeof *h_pos);
+    uint32_t rng = 12345;
+    for (int64_t i = 0; i < pool_blocks; i++)
+        perm[i] = (int32_t)i;
+    for (int64_t i = pool_blocks - 1; i > 0; i--) {
+        uint64_t hi = attn_rng(&rng), lo = attn_rng(&rng);
+        int64_t j = (int64_t)((hi << 16 ^ lo) % (uint64_t)(i + 1));
+        int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+
+    int n_cases = nb * nc, k = 0;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < nc; j++, k++) {
+            attn_row *r = &rows[k];
+            r->batch = batches[i];
+            r->ctx = ctxs[j];
+            r->kv_bytes = (double)r->batch * r->ctx * tok_bytes;
+            if (r->kv_bytes > (double)c->max_kv) {
+                r->skipped = true;
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: skipped (KV %.1f GiB > --max-kv)\n",
+                        k + 1, n_cases, r->batch, r->ctx, r->kv_bytes / 1073741824.0);
+                continue;
+            }
+            int32_t nbk = (int32_t)kvf_kv_blocks_for(r->ctx, l->block_size);
+            for (int32_t s = 0; s < r->batch; s++) {
+                h_seq[s] = s;
+                h_pos[s] = r->ctx - 1;
+                for (int32_t b = 0; b < nbk; b++)
+                    h_bt[(int64_t)s * nbk + b] = perm[(int64_t)s * nbk + b];
+            }
+            if ((st = kvf_cuda_bench_upload(d_seq, h_seq, (size_t)r->batch * 4, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_upload(d_pos, h_pos, (size_t)r->batch * 4, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_upload(d_bt, h_bt, (size_t)r->batch * nbk * 4, &err)) != KVF_OK)
+                goto fail_alloc;
+            kvf_cuda_attn_params p = {
+                .q = q, .out = out, .pool = pool, .layout = *l, .layer = 0,
+                .n_tokens = r->batch, .n_heads = c->heads, .tok_seq = d_seq, .tok_pos = d_pos,
+                .block_tables = d_bt, .max_blocks = nbk, .max_ctx = r->ctx, .window = 0,
+                .scale = 1.0f / sqrtf((float)l->head_dim), .k_scale = 1.0f, .v_scale = 1.0f,
+                .workspace = ws, .workspace_bytes = ws_bytes};
+            double est = 0;
+            r->copy_bytes = r->kv_bytes < (double)copy_bytes ? r->kv_bytes : (double)copy_bytes;
+            size_t cb = (size_t)r->copy_bytes / 256 * 256;
+            if ((st = kvf_cuda_bench_attn_ms(&p, NULL, 0, 2, &est, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_attn_ms(&p, flush, flush_bytes, attn_iters(c, est),
+                                             &r->attn_ms, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_copy_ms(dst, src, cb, NULL, 0, 2, &est, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_copy_ms(dst, src, cb, flush, flush_bytes, attn_iters(c, est),
+                                             &r->copy_ms, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
+                goto fail_alloc;
+            r->copy_bytes = (double)cb;
+            fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: %.1f us, %.0f GB/s (copy %.0f GB/s)\n",
+                    k + 1, n_cases, r->batch, r->ctx, r->attn_ms * 1e3,
+                    r->kv_bytes / (r->attn_ms * 1e-3) / 1e9,
+                    2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+        }
+
+    /* the table */
+    printf("device: %s\n", dev_name);
+    printf("shape: %d query heads, %d KV heads x %d, %s KV, block %d; one decode token per "
+           "sequence; L2 %s before every call\n",
+           c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
+           c->l2_flush ? "flushed" : "not flushed");
+    printf("attn_GB/s = K+V bytes read / time; copy_GB/s = (read + written) / time of a "
+           "device-to-device copy of min(KV bytes, --copy-max)\n\n");
+    printf("%7s %7s %10s %10s %10s %10s %7s\n", "batch", "ctx", "kv_MiB", "attn_us", "attn_GB/s",
+           "copy_GB/s", "ratio");
+    double min_ratio = -1, min_ratio_all = -1;
+    for (k = 0; k < n_cases; k++) {
+        attn_row *r = &rows[k];
+        if (r->skipped) {
+            printf("%7d %7d %10.0f %10s %10s %10s %7s\n", r->batch, r->ctx,
+                   r->kv_bytes / 1048576.0, "skipped", "-", "-", "-");
+            continue;
+        }
+        double abw = r->kv_bytes / (r->attn_ms * 1e-3) / 1e9;
+        double cbw = 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9;
+        double ratio = abw / cbw;
+        printf("%7d %7d %10.1f %10.1f %10.0f %10.0f %7.3f\n", r->batch, r->ctx,
+               r->kv_bytes / 1048576.0, r->attn_ms * 1e3, abw, cbw, ratio);
+        if (r->ctx >= 4096 && (min_ratio < 0 || ratio < min_ratio))
+            min_ratio = ratio;
+        if (min_ratio_all < 0 || ratio < min_ratio_all)
+            min_ratio_all = ratio;
+    }
+    printf("\nratio_vs_d2d_copy_min=%.3f\n", min_ratio_all);
+    if (min_ratio < 0)
+        printf("ratio_vs_d2d_copy_min_ctx4k=n/a (no context >= 4096 measured)\n");
+    else
+        printf("ratio_vs_d2d_copy_min_ctx4k=%.3f\n", min_ratio);
+    rc = 0;
+    goto done;
+
+fail_alloc:
+    fprintf(stderr, "kvfleet bench attn: %s\n", err.msg);
+    rc = 1;
+done:
+    kvf_cuda_bench_free(pool);
+    kvf_cuda_bench_free(src);
+    kvf_cuda_bench_free(dst);
+    kvf_cuda_bench_free(ws);
+    kvf_cuda_bench_free(q);
+    kvf_cuda_bench_free(out);
+    kvf_cuda_bench_free(flush);
+    kvf_cuda_bench_free(d_seq);
+    kvf_cuda_bench_free(d_pos);
+    kvf_cuda_bench_free(d_bt);
+    free(perm);
+    free(h_bt);
+    free(h_seq);
+    free(h_pos);
+    free(rows);
+    return rc;
+}
+#endif /* KVF_HAVE_CUDA */
+
+int kvf_bench_attn_main(int argc, char **argv)
+{
+    attn_bench_cfg c = {0};
+    kvf_err err = {0};
+    kvf_status st = kvf_cfg_parse(&attn_bench_spec, &c, argc, argv, NULL, &err);
+    if (st == KVF_HELP)
+        return 0;
+    if (st != KVF_OK) {
+        fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return 2;
+    }
+    int32_t batches[ATTN_BENCH_MAX_LIST], ctxs[ATTN_BENCH_MAX_LIST];
+    const char *bdef = c.quick ? "1,16,64" : "1,2,4,8,16,32,64,128,256";
+    const char *cdef = c.quick ? "1024,4096,16384" : "512,1024,2048,4096,8192,16384,32768";
+    int nb = attn_parse_list(c.batches ? c.batches : bdef, "batches", batches, &err);
+    int nc = nb ? attn_parse_list(c.contexts ? c.contexts : cdef, "contexts", ctxs, &err) : 0;
+    if (!nb || !nc) {
+        fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return 2;
+    }
+    int dt = kvf_dtype_parse(c.dtype);
+    if (dt < 0) {
+        fprintf(stderr, "kvfleet: bench attn: --dtype=%s is not a KV dtype (use f32, f16, bf16 or fp8-e4m3)\n",
+                c.dtype);
+        return 2;
+    }
+    kvf_kv_layout l;
+    if (kvf_kv_layout_init(1, c.kv_heads, c.head_dim, c.block_size, (kvf_dtype)dt, &l, &err) !=
+        KVF_OK) {
+        fprintf(stderr, "kvfleet: bench attn: %s\n", err.msg);
+        return 2;
+    }
+#ifndef KVF_HAVE_CUDA
+    fprintf(stderr, "kvfleet bench attn: this build has no CUDA (nvcc was not found when it was "
+                    "configured); build with -DKVF_CUDA=ON where the CUDA toolkit is installed "
+                    "and run on a machine with a GPU\n");
+    return 1;
+#else
+    if (kvf_cuda_attention_supports(&l, c.heads, &err) != KVF_OK) {
+        fprintf(stderr, "kvfleet: bench attn: %s\n", err.msg);
+        return 2;
+    }
+    char why[256];
+    if (!kvf_cuda_available(why, sizeof why)) {
+        fprintf(stderr, "kvfleet bench attn: needs a GPU and none is usable here (%s); nothing "
+                        "was measured\n",
+                why);
+        return 1;
+    }
+    return attn_bench_run(&c, &l, batches, nb, ctxs, nc);
+#endif
+}
