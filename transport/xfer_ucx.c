@@ -38,7 +38,6 @@ enum { AM_NOTICE = 11, AM_ACK = 12, AM_DATA = 13 };
 typedef struct ucx_peer ucx_peer;
 typedef struct ucx_xfer ucx_xfer;
 typedef struct ucx_batch ucx_batch;
-typedef struct ucx_flush ucx_flush;
 
 /* One write in flight. Freed only once UCX holds none of its requests (pending == 0). */
 typedef struct ucx_send {
@@ -58,7 +57,6 @@ typedef struct ucx_send {
     struct ucx_send *next, *prev; /* u->sends, doubly linked */
     struct ucx_send *hnext;       /* u->htab chain */
     struct ucx_send *rnext;       /* u->ready, while in_ready */
-    struct ucx_send *fnext;       /* the peer's unflushed list, then its ucx_flush */
     bool in_ready;
 } ucx_send;
 
@@ -79,17 +77,6 @@ struct ucx_peer {
     kvf_xfer_peer *pub;
     ucx_batch *notices;  /* open notice batch, or NULL */
     ucx_peer *nnext;     /* u->notice_peers, while notices != NULL */
-    ucx_send *unflushed; /* "put" writes made since the last flush (each holds a pending count) */
-    ucx_peer *fnext_peer; /* u->flush_peers, while unflushed != NULL */
-};
-
-/* One endpoint flush shared by the writes put to a peer between two progress calls: when it
- * completes every put of those writes has landed. (A flush per write cost as much as a
- * 64 KiB copy.) Owned by UCX while in flight (u->flushes_out). */
-struct ucx_flush {
-    ucx_xfer *u;
-    ucx_send *sends; /* linked through fnext */
-    struct ucx_flush *next, *prev;
 };
 
 /* An acknowledgement to send back through the notice's reply endpoint. */
@@ -112,7 +99,7 @@ struct ucx_batch {
     int n;
     ucx_send *sends[BATCH_MAX];  /* notices: the writes announced */
     uint8_t buf[BATCH_MAX * HDR_BYTES];
-    struct ucx_batch *next, *prev; /* prev: only on u->batches_out */
+    struct ucx_batch *next;
 };
 
 struct ucx_xfer {
@@ -141,8 +128,6 @@ struct ucx_xfer {
                              * from progress: AM handlers do not send */
     ucx_peer *notice_peers; /* peers with an open notice batch, sent at the end of progress */
     ucx_batch *batches_out; /* batches UCX still holds (freed at close if it never lets go) */
-    ucx_peer *flush_peers;  /* peers with unflushed writes, flushed at the start of progress */
-    ucx_flush *flushes_out; /* flushes UCX still holds, doubly linked (as batches_out) */
     bool no_peer_errh; /* transport "sm": UCX 1.13 has no peer-failure handling over it */
     bool am_data;      /* data path "am" (else "put") */
     int efd;           /* the worker's event fd, or -1 (no wakeup support) */
@@ -188,9 +173,10 @@ static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value)
 
 /* ---- clocks ---- */
 
-/* Progress spins, and the precise clock costs a slow read in VMs: the coarse one (behind by at
- * most a scheduler tick, same base) says whether the earliest deadline can have come, with
- * COARSE_SLACK_NS to spare; only then is the precise clock read. */
+/* Progress spins, and the precise clock costs a slow read in VMs (about a quarter of the copy
+ * time of a spinning sender of 64 KiB writes): the coarse one (behind by at most a scheduler
+ * tick, same base) says whether the earliest deadline can have come, with COARSE_SLACK_NS to
+ * spare; only then is the precise clock read. */
 #define COARSE_SLACK_NS 50000000LL
 
 static int64_t coarse_now_ns(void)
@@ -308,6 +294,14 @@ static void op_done(void *req, ucs_status_t status, void *user_data)
     ucp_request_free(req);
 }
 
+static void flush_done(void *req, ucs_status_t status, void *user_data)
+{
+    ucx_send *s = user_data;
+    if (status == UCS_OK)
+        s->flushed = true;
+    op_done(req, status, user_data);
+}
+
 /* Accounts for what a non-blocking call returned. */
 static void send_track(ucx_send *s, ucs_status_ptr_t p)
 {
@@ -350,12 +344,11 @@ static void batch_release(ucx_batch *b, ucs_status_t status)
 static void batch_done(void *req, ucs_status_t status, void *user_data)
 {
     ucx_batch *b = user_data;
-    if (b->prev)
-        b->prev->next = b->next;
-    else
-        b->u->batches_out = b->next;
-    if (b->next)
-        b->next->prev = b->prev;
+    for (ucx_batch **pp = &b->u->batches_out; *pp; pp = &(*pp)->next)
+        if (*pp == b) {
+            *pp = b->next;
+            break;
+        }
     batch_release(b, status);
     ucp_request_free(req);
 }
@@ -375,10 +368,7 @@ static void batch_send(ucx_xfer *u, ucx_batch *b)
         if (b->notice)
             for (int i = 0; i < b->n; i++)
                 b->sends[i]->pending++;
-        b->prev = NULL;
         b->next = u->batches_out;
-        if (u->batches_out)
-            u->batches_out->prev = b;
         u->batches_out = b;
         return;
     }
@@ -424,69 +414,6 @@ static void peer_close(ucx_xfer *u, ucx_peer *p, bool wait)
 }
 
 /* ---- active messages ---- */
-
-/* A shared flush ended: its writes' puts landed (or failed with status). */
-static void flush_release(ucx_send *list, ucs_status_t status)
-{
-    for (ucx_send *s = list, *next; s; s = next) {
-        next = s->fnext;
-        s->fnext = NULL;
-        s->pending--;
-        if (status == UCS_OK)
-            s->flushed = true;
-        else
-            send_fail(s, kvf_status_from_ucs(status));
-        send_ready(s);
-    }
-}
-
-static void flush_batch_done(void *req, ucs_status_t status, void *user_data)
-{
-    ucx_flush *f = user_data;
-    if (f->prev)
-        f->prev->next = f->next;
-    else
-        f->u->flushes_out = f->next;
-    if (f->next)
-        f->next->prev = f->prev;
-    flush_release(f->sends, status);
-    free(f);
-    ucp_request_free(req);
-}
-
-/* Flushes every peer that has unflushed writes, one flush each. */
-static void flush_peers(ucx_xfer *u)
-{
-    while (u->flush_peers) {
-        ucx_peer *p = u->flush_peers;
-        u->flush_peers = p->fnext_peer;
-        ucx_send *list = p->unflushed;
-        p->unflushed = NULL;
-        if (p->failed || p->closed) {
-            flush_release(list, UCS_ERR_CONNECTION_RESET);
-            continue;
-        }
-        ucx_flush *f = malloc(sizeof *f);
-        if (!f) {
-            flush_release(list, UCS_ERR_NO_MEMORY);
-            continue;
-        }
-        *f = (ucx_flush){.u = u, .sends = list};
-        ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                                  UCP_OP_ATTR_FIELD_USER_DATA,
-                                  .cb.send = flush_batch_done, .user_data = f};
-        ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
-        if (r == NULL || UCS_PTR_IS_ERR(r)) {
-            flush_release(list, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
-            free(f);
-            continue;
-        }
-        f->next = u->flushes_out;
-        if (u->flushes_out)
-            u->flushes_out->prev = f;
-        u->flushes_out = f;
-    }
-}
 
 /* Queues the answer to a notice: KVF_OK when the transfer was delivered here, else
  * KVF_ERR_CANCELLED (this side no longer expects it: timed out or cancelled). */
@@ -827,11 +754,6 @@ static void ucx_close(kvf_xfer *x)
         u->batches_out = b->next;
         free(b);
     }
-    while (u->flushes_out) {
-        ucx_flush *f = u->flushes_out;
-        u->flushes_out = f->next;
-        free(f);
-    }
     while (u->sends) {
         ucx_send *s = u->sends;
         if (s->pending > 0)
@@ -957,16 +879,6 @@ static void ucx_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
             s->peer = NULL;
         }
     u->walk_all = true;
-    if (p->unflushed) {
-        /* Never flushed: cancelled above; they give back the count the flush would have. */
-        for (ucx_peer **pp = &u->flush_peers; *pp; pp = &(*pp)->fnext_peer)
-            if (*pp == p) {
-                *pp = p->fnext_peer;
-                break;
-            }
-        flush_release(p->unflushed, UCS_ERR_CANCELED);
-        p->unflushed = NULL;
-    }
     if (p->notices) {
         /* Never sent: its writes were cancelled above and hold no request for it. */
         for (ucx_peer **pp = &u->notice_peers; *pp; pp = &(*pp)->nnext)
@@ -1047,14 +959,13 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
         send_track(s, ucp_put_nbx(p->ep, base + runs[i].src * bb, (size_t)(runs[i].count * bb),
                                   p->remote_base + (uint64_t)(runs[i].dst * bb), p->rkey, &param));
     if (s->status == KVF_OK) {
-        /* Flushed together with the peer's other new writes at the next progress call. */
-        s->pending++;
-        s->fnext = p->unflushed;
-        if (!p->unflushed) {
-            p->fnext_peer = u->flush_peers;
-            u->flush_peers = p;
-        }
-        p->unflushed = s;
+        ucp_request_param_t fp = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                                  UCP_OP_ATTR_FIELD_USER_DATA,
+                                  .cb.send = flush_done, .user_data = s};
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
+        send_track(s, r);
+        if (r == NULL)
+            s->flushed = true;
     }
     /* From here the write belongs to progress: a failure above becomes its SENT event. */
     send_link(u, s);
@@ -1215,8 +1126,6 @@ static void ucx_progress(kvf_xfer *x)
         if (now + COARSE_SLACK_NS >= u->next_deadline_ns)
             now = kvf_now_ns();
     }
-    if (u->flush_peers)
-        flush_peers(u);
     if (u->walk_all || now >= u->next_deadline_ns) {
         /* Every write: a peer failed or closed, or a deadline may have passed. The walk
          * recomputes the earliest deadline and empties the ready queue. */
