@@ -20,6 +20,7 @@
 
 #include "common/log.h"
 #include "gpu_double.h"
+#include "transport/xfer_impl.h" /* stage_rx: to cancel while a landing is being copied */
 #include "peer_proto.h"
 
 extern char **environ;
@@ -327,6 +328,118 @@ static void test_desc_roundtrip(void **state)
     gpu_double_dev_free(mem3);
 }
 
+/* ---- staging in one process: cancel, and exactly one event each ---- */
+
+/* A staging sender and a staging receiver in this process over UCX: a write cancelled while its
+ * device -> mirror copies are pending ends CANCELLED (once the copies are done) and never reaches
+ * the receiver; a receiver cannot cancel a transfer whose mirror -> device copies are running;
+ * every write and expect gets exactly one event, and every byte lands in "device" memory. */
+static void staging_one_process(const char *transport)
+{
+    enum { N = 16 };
+    kvf_kv_layout l = peer_layout(1);
+    int64_t bb = l.block_bytes;
+    uint8_t *src = aligned_alloc(4096, (size_t)(N * bb)), *dst = aligned_alloc(4096, (size_t)(N * bb));
+    for (int b = 0; b < N; b++)
+        peer_fill_block(src + b * bb, bb, b);
+    memset(dst, 0, (size_t)(N * bb));
+    kvf_xfer_cfg c = {.backend = "ucx", .transport = transport, .gpu = &gpu_double_ops,
+                      .gpu_staging = true};
+    kvf_xfer_pool ps = {.base = src, .layout = l, .n_blocks = N}, pd = ps;
+    pd.base = dst;
+    kvf_xfer *tx, *rx;
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_create(&c, &ps, &tx, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_create(&c, &pd, &rx, &err), KVF_OK);
+    uint8_t *desc;
+    size_t len;
+    assert_int_equal(kvf_xfer_desc_export(rx, &desc, &len, &err), KVF_OK);
+    kvf_xfer_peer *p;
+    assert_int_equal(kvf_xfer_connect(tx, desc, len, &p, &err), KVF_OK);
+    free(desc);
+    int64_t until = kvf_now_ns() + 20 * SEC;
+    while (kvf_xfer_peer_status(p) == KVF_ERR_BUSY && kvf_now_ns() < until) {
+        kvf_xfer_progress(tx);
+        kvf_xfer_progress(rx);
+    }
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
+
+    kvf_xfer_pair pairs[N];
+    int32_t dsts[N];
+    for (int i = 0; i < N; i++) {
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = N - 1 - i};
+        dsts[i] = N - 1 - i;
+    }
+    /* Cancelled while staging: CANCELLED, nothing expected at the receiver changes. */
+    assert_int_equal(kvf_xfer_write(tx, p, 1, pairs, N, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_write(tx, p, 1, pairs, N, kvf_now_ns() + 10 * SEC, &err),
+                     KVF_ERR_EXISTS);
+    assert_int_equal(kvf_xfer_cancel(tx, 1, &err), KVF_OK);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(tx, &ev, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 1);
+    assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+    /* A real one: RECEIVED only after the mirror -> device copies, with every byte in place. */
+    assert_int_equal(kvf_xfer_expect_blocks(rx, 2, dsts, N, kvf_now_ns() + 10 * SEC, &err),
+                     KVF_OK);
+    assert_int_equal(kvf_xfer_write(tx, p, 2, pairs, N, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    bool sent = false, received = false, tried_cancel = false;
+    until = kvf_now_ns() + 20 * SEC;
+    while ((!sent || !received) && kvf_now_ns() < until) {
+        kvf_xfer_progress(tx);
+        kvf_xfer_progress(rx);
+        if (!received && !tried_cancel && rx->stage_rx) {
+            assert_int_equal(kvf_xfer_cancel(rx, 2, &err), KVF_ERR_STATE);
+            tried_cancel = true;
+        }
+        while (kvf_xfer_poll(tx, &ev)) {
+            assert_false(sent);
+            assert_int_equal(ev.id, 2);
+            assert_int_equal(ev.status, KVF_OK);
+            sent = true;
+        }
+        while (kvf_xfer_poll(rx, &ev)) {
+            assert_false(received);
+            assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
+            assert_int_equal(ev.id, 2);
+            assert_int_equal(ev.status, KVF_OK);
+            for (int i = 0; i < N; i++)
+                assert_int_equal(peer_check_block(dst + (N - 1 - i) * bb, bb, i), 0);
+            received = true;
+        }
+    }
+    assert_true(sent && received && tried_cancel);
+    for (int i = 0; i < 50; i++) {
+        kvf_xfer_progress(tx);
+        kvf_xfer_progress(rx);
+    }
+    assert_false(kvf_xfer_poll(tx, &ev));
+    assert_false(kvf_xfer_poll(rx, &ev));
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(rx, &s);
+    assert_int_equal(s.received_ok, 1);
+    assert_int_equal(s.expected, 0);
+    kvf_xfer_stats_get(tx, &s);
+    assert_int_equal(s.sent_ok, 1);
+    assert_int_equal(s.sent_failed, 1);
+    assert_int_equal(s.in_flight, 0);
+    kvf_xfer_disconnect(tx, p);
+    kvf_xfer_destroy(tx);
+    kvf_xfer_destroy(rx);
+    free(src);
+    free(dst);
+}
+
+static void test_staging_one_process_tcp(void **state)
+{
+    staging_one_process("tcp");
+}
+
+static void test_staging_one_process_sm(void **state)
+{
+    staging_one_process("sm");
+}
+
 /* ---- two processes ---- */
 
 /* Random lists, three transfers in flight at once, each verified by the receiver (the child). */
@@ -477,6 +590,38 @@ static void test_cudaipc_receiver_killed(void **state)
     receiver_killed("cuda_ipc", false);
 }
 
+/* The receiver stops (alive, silent) before acknowledging: the write ends TIMEOUT by its
+ * deadline, naming the transfer. */
+static void test_cudaipc_receiver_stalled(void **state)
+{
+    enum { LAYERS = 2, BLOCKS = 16 };
+    int fd = spawn_peer("recv", "cuda_ipc", LAYERS, BLOCKS, false);
+    uint8_t *mem;
+    kvf_xfer *x = make_gpu_xfer("cuda_ipc", LAYERS, BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = i};
+    send_pairs(fd, MSG_EXPECT, 21, 60000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kill(child, SIGSTOP), 0);
+    kvf_err err = {0};
+    kvf_log_set_level(KVF_LOG_ERROR);
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 2 * SEC;
+    assert_int_equal(kvf_xfer_write(x, p, 21, pairs, BLOCKS, deadline, &err), KVF_OK);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 3 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.id, 21);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el <= 2 * SEC + 500 * MS);
+    reap_peer();
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    gpu_double_dev_free(mem);
+}
+
 static void test_staging_receiver_killed_tcp(void **state)
 {
     receiver_killed("tcp", true);
@@ -565,8 +710,11 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_refusals, setup, teardown),
         cmocka_unit_test_setup_teardown(test_desc_roundtrip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_one_process_tcp, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_staging_one_process_sm, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_random_lists, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_receiver_killed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cudaipc_receiver_stalled, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_sender_killed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_staging_random_lists_tcp, setup, teardown),
         cmocka_unit_test_setup_teardown(test_staging_random_lists_sm, setup, teardown),
