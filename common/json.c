@@ -70,7 +70,8 @@ kvf_status kvf_json_get_int(const json_t *obj, const char *key, int64_t *out, kv
     }
     if (json_is_real(v)) { /* 4.0 is an integer; 4.5 is not */
         double d = json_real_value(v);
-        if (d == (double)(int64_t)d) {
+        /* range first: casting 1e84 to int64_t is undefined (found by tests/fuzz/fuzz_trace) */
+        if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 && d == (double)(int64_t)d) {
             *out = (int64_t)d;
             return KVF_OK;
         }

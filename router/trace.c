@@ -117,7 +117,9 @@ static kvf_status trace_read(FILE *f, const char *path, const char *model, int32
         int64_t n_blocks = in_len / block_size;
         if (grow((void **)&tokens, &tok_cap, (size_t)in_len, sizeof *tokens) ||
             grow((void **)&t.reqs, &req_cap, t.n_reqs + 1, sizeof *t.reqs) ||
-            grow((void **)&t.hashes, &hash_cap, t.n_hashes + (size_t)n_blocks, sizeof *t.hashes)) {
+            /* + 1: the array exists even when every prompt is shorter than a block, so
+             * t.hashes + first is never arithmetic on NULL (found by tests/fuzz/fuzz_trace) */
+            grow((void **)&t.hashes, &hash_cap, t.n_hashes + (size_t)n_blocks + 1, sizeof *t.hashes)) {
             json_decref(j);
             st = kvf_err_set(err, KVF_ERR_NOMEM, "out of memory");
             goto fail_line;

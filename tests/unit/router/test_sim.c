@@ -114,6 +114,17 @@ static void test_trace_parse_from_memory(void **state)
     assert_int_equal(kvf_router_trace_parse("mem", "", 0, "m", 16, 512, 0, &b, &err), KVF_ERR_PARSE);
     assert_non_null(strstr(err.msg, "no requests"));
     assert_int_equal(kvf_router_trace_parse("mem", text, strlen(text), "m", 16, 500, 0, &b, &err), KVF_ERR_INVALID);
+    /* prompts shorter than one block: no hash, but an array to index (fuzz_trace's first find) */
+    const char *tiny = "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [3]}";
+    assert_int_equal(kvf_router_trace_parse("mem", tiny, strlen(tiny), "m", 16, 512, 0, &b, &err), KVF_OK);
+    assert_int_equal(b.n_hashes, 0);
+    assert_int_equal(b.reqs[0].n_blocks, 0);
+    assert_non_null(b.hashes);
+    kvf_router_trace_fini(&b);
+    /* a timestamp too large for int64 is refused, not cast (fuzz_trace's second find) */
+    const char *huge = "{\"timestamp\": 1e84, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [3]}";
+    assert_int_equal(kvf_router_trace_parse("mem", huge, strlen(huge), "m", 16, 512, 0, &b, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "timestamp"));
 }
 
 static void test_lru_order_pins_and_ttl(void **state)
