@@ -24,6 +24,9 @@
  *             UCX: one put per run of adjacent blocks, flush, then an active message carrying
  *             (id, status); the receiver answers with an acknowledgement. (Over tcp the runs
  *             go as active messages and the notice carries the byte count: xfer_ucx.c.)
+ *             cuda_ipc: one device copy per run into the peer's mapped pool, then a notice over
+ *             the notice channel (TCP); nccl: a notice with the runs, then ncclSend, the
+ *             receiver posting the matching ncclRecv; both acknowledged like UCX (README.md).
  *   receiver: event {KVF_XFER_RECEIVED, id, KVF_OK}: every byte of transfer id has landed;
  *             or {.., KVF_ERR_TIMEOUT} at its deadline when the sender died or stalled.
  *   sender:   event {KVF_XFER_SENT, id, KVF_OK} once the receiver acknowledged the notice; or
@@ -31,7 +34,12 @@
  *             the deadline (plus one progress call). Only then may the source blocks be freed:
  *             UCX reads them until the event.
  * Exactly one event is delivered per accepted write and per expect; the event names the
- * transfer id, so the caller knows which blocks to return to its pool. */
+ * transfer id, so the caller knows which blocks to return to its pool.
+ *
+ * GPU pools (cfg.gpu): the source blocks must be complete in device memory before the write
+ * (the transport's stream does not wait for the caller's); RECEIVED means the bytes are in the
+ * receiver's device memory, visible to work it enqueues afterwards. nccl pairs need the hello:
+ * kvf_xfer_connect_hello on the sender, kvf_xfer_accept on the receiver. */
 #ifndef KVF_TRANSPORT_XFER_H
 #define KVF_TRANSPORT_XFER_H
 
