@@ -132,6 +132,7 @@ struct ucx_xfer {
     bool am_data;      /* data path "am" (else "put") */
     int efd;           /* the worker's event fd, or -1 (no wakeup support) */
     ucx_recv *recvs;
+    int64_t recv_failed_seen; /* x->stats.received_failed when recvs were last swept */
 };
 
 /* The one place UCX status codes become kvfleet ones. */
@@ -1110,14 +1111,25 @@ static void ucx_progress(kvf_xfer *x)
         ;
     if (u->acks)
         send_acks(u);
-    for (ucx_recv **rp = &u->recvs; *rp;) {
-        ucx_recv *r = *rp;
-        if (!kvf_xfer_expecting(x, r->id)) { /* timed out or cancelled meanwhile */
-            *rp = r->next;
-            free(r);
-            continue;
+    /* Drop "am" records of transfers no longer expected. Only a timeout or cancel (counted in
+     * received_failed) ends an expectation with a record left behind, so the sweep (a lock per
+     * record) runs only when that count moved. */
+    if (u->recvs) {
+        pthread_mutex_lock(&x->mu);
+        int64_t failed = x->stats.received_failed;
+        pthread_mutex_unlock(&x->mu);
+        if (failed != u->recv_failed_seen) {
+            u->recv_failed_seen = failed;
+            for (ucx_recv **rp = &u->recvs; *rp;) {
+                ucx_recv *r = *rp;
+                if (!kvf_xfer_expecting(x, r->id)) { /* timed out or cancelled meanwhile */
+                    *rp = r->next;
+                    free(r);
+                    continue;
+                }
+                rp = &r->next;
+            }
         }
-        rp = &r->next;
     }
     /* now: the time, or (when no deadline can have come) an earlier one that fires none. */
     int64_t now = 0;
