@@ -218,9 +218,10 @@ static void cuda_download(void *ctx, void *dst_host, const void *src, size_t byt
 }
 
 /* Grows one scratch buffer to at least `bytes`. Never while capturing: the capture then
- * fails and the step runs again unrecorded (which grows it). Growth drops every graph, since
- * they hold the old pointer. */
-static bool grow(cuda_ctx *c, void **buf, size_t *have, size_t bytes, const char *what)
+ * fails and the step runs again unrecorded (which grows it). Growth of a buffer that recorded
+ * steps use (in_graphs) drops every graph, since they hold the old pointer. */
+static bool grow(cuda_ctx *c, void **buf, size_t *have, size_t bytes, const char *what,
+                 bool in_graphs)
 {
     if (bytes <= *have)
         return true;
@@ -229,7 +230,8 @@ static bool grow(cuda_ctx *c, void **buf, size_t *have, size_t bytes, const char
         record(c, kvf_err_set(&e, KVF_ERR_STATE, "cuda backend: %s scratch must grow to %zu bytes during a graph capture", what, bytes), &e);
         return false;
     }
-    graphs_drop_all(c);
+    if (in_graphs)
+        graphs_drop_all(c);
     record_cuda(c, cudaStreamSynchronize(c->stream), "cuda backend: grow scratch");
     cudaFree(*buf);
     *buf = NULL;
@@ -423,7 +425,7 @@ static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_
     const void *b = x;
     if (w->dtype != KVF_DTYPE_F32) {
         size_t need = (size_t)n * (size_t)w->cols * kvf_dtype_size(w->dtype);
-        if (!grow(c, &c->conv, &c->conv_bytes, need, "cuda backend: matmul conversion"))
+        if (!grow(c, &c->conv, &c->conv_bytes, need, "cuda backend: matmul conversion", true))
             return;
         kvf_cuda_convert_params cp = {};
         cp.src = x;
@@ -550,7 +552,7 @@ static void cuda_attention(void *ctx, const float *q, const void *pool, const kv
         return;
     }
     size_t ws = kvf_cuda_attention_workspace_bytes(a->n_tokens, a->n_heads, a->head_dim, a->max_ctx);
-    if (ws && !grow(c, &c->attn_ws, &c->attn_ws_bytes, ws, "cuda backend: attention workspace"))
+    if (ws && !grow(c, &c->attn_ws, &c->attn_ws_bytes, ws, "cuda backend: attention workspace", true))
         return;
     kvf_cuda_attn_params p = {};
     p.q = q;
@@ -579,7 +581,7 @@ static void cuda_argmax(void *ctx, const float *logits, int64_t n, int64_t vocab
     cuda_ctx *c = (cuda_ctx *)ctx;
     if (n <= 0)
         return;
-    if (!grow(c, (void **)&c->small, &c->small_bytes, (size_t)n * sizeof(int32_t), "cuda backend: argmax"))
+    if (!grow(c, (void **)&c->small, &c->small_bytes, (size_t)n * sizeof(int32_t), "cuda backend: argmax", false))
         return;
     kvf_cuda_argmax_params p = {};
     p.logits = logits;
@@ -751,7 +753,7 @@ extern "C" kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t
     }
     size_t out_b = ((size_t)n * sizeof(int32_t) + 15) / 16 * 16;
     size_t need = out_b + (size_t)n * sizeof(kvf_cuda_sample_row);
-    if (!grow(c, (void **)&c->small, &c->small_bytes, need, "cuda: sample"))
+    if (!grow(c, (void **)&c->small, &c->small_bytes, need, "cuda: sample", false))
         return cuda_sync(c, err);
     kvf_cuda_sample_row *d_rows = (kvf_cuda_sample_row *)((uint8_t *)c->small + out_b);
     kvf_status st = mem_copy(c, d_rows, rows_host, (size_t)n * sizeof *rows_host,
