@@ -4,7 +4,8 @@
 # `kvfleet generate`; the prefill worker ran more than one prompt in one forward step; its pool
 # is back to free/cached afterwards; a call whose deadline passes while it is queued is answered
 # with an error (decode falls back to a local prefill) and leaks no block; shutdown is clean; a
-# pool too small for two prompts makes the second wait for blocks instead of failing.
+# pool too small for two prompts makes the second wait for blocks instead of failing; a prefill
+# worker stopped with calls queued answers them all and exits holding no block.
 source "$(dirname "$0")/../../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
 PY=/usr/bin/python3
@@ -208,4 +209,44 @@ expect_eq "small pool: no RemotePrefill failed (they waited for blocks)" "$(int 
 expect_eq "small pool: no prefill fell back to decode" "$(int "$(metric "$D3ADM" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')")" 0
 expect_eq "small pool: one prompt at a time fitted" "$(int "$(metric "$PADM3" "kvfleet_prefill_step_seqs_max{$P}")")" 1
 expect_eq "small pool: no block held afterwards" "$(wait_metric "$PADM3" "kvfleet_kv_used_blocks{$P}" 0)" 0
+# --- shutdown with calls queued and admitted: every call answered, every block back ----------
+# The prefill worker sleeps 1.5 s admitting each call, so when SIGTERM comes one call is being
+# admitted and three wait. It must exit 0 with no block held; decode prefills locally instead.
+start pre4 prefill --model "$M" --threads 1 --log-level info --fault-delay-ms 1500; PRE4=$ADDR; PP4=$PID
+start d4 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 20000; D4=$ADDR; D4ADM=$ADMIN
+start r4 router --model "$M" --port 0 --decode "$D4" --prefill "$PRE4"; R4=$ADDR
+wait_ready "http://$R4"
+$PY - "http://$R4" "$TMP/shut.json" <<'PYEOF' &
+import json, random, sys, threading, urllib.request
+url, out = sys.argv[1], sys.argv[2]
+rng = random.Random(17)
+prompts = [[rng.randrange(3, 1000) for _ in range(40 + 20 * i)] for i in range(4)]
+got = [None] * 4
+def one(i):
+    body = {"model": "small-gqa-bf16-theta5e5", "prompt": prompts[i], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "x-request-id": f"shut-{i}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        got[i] = json.load(r)["choices"][0]["token_ids"]
+ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+json.dump({"prompts": prompts, "got": got}, open(out, "w"))
+PYEOF
+CL=$!
+sleep 0.8
+kill -TERM "$PP4"; rc=0; wait "$PP4" || rc=$?
+expect_eq "prefill stopped mid-burst exits cleanly" "$rc" 0
+expect_contains "prefill stopped mid-burst holds no block" "$(cat "$TMP/pre4.err")" "prefill: stopped; 0 of"
+expect_contains "prefill stopped mid-burst answered its queued calls" "$(cat "$TMP/pre4.err")" "prefill: shutting down"
+wait "$CL" || fail "requests while the prefill worker stopped"
+bad=0
+for i in 0 1 2 3; do
+    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/shut.json")
+    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
+    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i] or [])))" "$TMP/shut.json")
+    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
+done
+expect_eq "prefill stopped mid-burst: every answer still equals kvfleet generate" "$bad" 0
 finish
