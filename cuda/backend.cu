@@ -12,18 +12,13 @@ extern "C" {
 #include "common/log.h"
 #include "cuda/attn.h"
 #include "cuda/cuda.h"
+#include "cuda/graph_cache.h"
 #include "cuda/ops.h"
 }
 
 #define CUBLAS_WS_BYTES (32u << 20) /* cuBLAS workspace, fixed so captured GEMMs never allocate */
 
-/* One recorded decode step. */
-typedef struct cuda_graph_ent {
-    kvf_backend_step_key key;
-    cudaGraphExec_t exec; /* NULL: empty entry */
-    uint64_t last_used;
-} cuda_graph_ent;
-
+/* What the current step does (graph_cache.h decides). */
 typedef enum cuda_step_mode { STEP_NONE = 0, STEP_EAGER, STEP_CAPTURE, STEP_REPLAY } cuda_step_mode;
 
 typedef struct cuda_ctx {
@@ -48,10 +43,8 @@ typedef struct cuda_ctx {
     size_t small_bytes;
 
     /* graphs */
-    cuda_graph_ent graphs[KVF_CUDA_MAX_GRAPHS];
-    uint64_t tick;
-    kvf_backend_step_key prev_key;
-    bool prev_valid;
+    kvf_cuda_graph_cache graphs;
+    kvf_backend_step_key step_key; /* of the step in progress */
     cuda_step_mode mode;
     int32_t replay_idx;
     kvf_cuda_stats stats;
@@ -85,22 +78,15 @@ static void record_msg(cuda_ctx *c, kvf_status st, const char *msg)
 
 /* ---- graphs */
 
-static void graphs_drop_all(cuda_ctx *c)
+static void graph_destroy(void *exec)
 {
-    for (int i = 0; i < KVF_CUDA_MAX_GRAPHS; i++)
-        if (c->graphs[i].exec) {
-            cudaGraphExecDestroy(c->graphs[i].exec);
-            c->graphs[i].exec = NULL;
-        }
-    c->stats.graphs_cached = 0;
-    c->prev_valid = false;
+    cudaGraphExecDestroy((cudaGraphExec_t)exec);
 }
 
-static bool key_eq(const kvf_backend_step_key *a, const kvf_backend_step_key *b)
+static void graphs_drop_all(cuda_ctx *c)
 {
-    return a->n_tokens == b->n_tokens && a->n_seqs == b->n_seqs &&
-           a->ctx_bucket == b->ctx_bucket && a->decode_only == b->decode_only &&
-           a->kv_pool == b->kv_pool;
+    kvf_cuda_graph_clear(&c->graphs, graph_destroy);
+    c->stats.graphs_cached = 0;
 }
 
 /* ---- create / destroy */
@@ -626,22 +612,13 @@ static kvf_status cuda_step_begin(void *ctx, const kvf_backend_step_key *key, bo
                                   kvf_err *err)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
-    *replay_out = false;
-    c->mode = STEP_EAGER;
-    bool same = c->prev_valid && key_eq(key, &c->prev_key);
-    c->prev_key = *key;
-    c->prev_valid = true;
-    if (c->no_graphs || !key->decode_only || c->failed)
-        return KVF_OK;
-    for (int i = 0; i < KVF_CUDA_MAX_GRAPHS; i++)
-        if (c->graphs[i].exec && key_eq(&c->graphs[i].key, key)) {
-            c->mode = STEP_REPLAY;
-            c->replay_idx = i;
-            *replay_out = true;
-            return KVF_OK;
-        }
-    /* capture only a shape seen in the step before: its scratch has grown already */
-    if (!same)
+    int32_t slot = -1;
+    kvf_cuda_step_plan plan = kvf_cuda_graph_plan(&c->graphs, key, !c->no_graphs && !c->failed, &slot);
+    c->step_key = *key;
+    c->replay_idx = slot;
+    *replay_out = plan == KVF_CUDA_STEP_REPLAY;
+    c->mode = plan == KVF_CUDA_STEP_REPLAY ? STEP_REPLAY : STEP_EAGER;
+    if (plan != KVF_CUDA_STEP_CAPTURE)
         return KVF_OK;
     cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
     if (e != cudaSuccess) {
@@ -652,29 +629,6 @@ static kvf_status cuda_step_begin(void *ctx, const kvf_backend_step_key *key, bo
     }
     c->mode = STEP_CAPTURE;
     return KVF_OK;
-}
-
-/* Stores a fresh graph, evicting the least recently used when the cache is full. */
-static int32_t graph_store(cuda_ctx *c, const kvf_backend_step_key *key, cudaGraphExec_t exec)
-{
-    int32_t slot = -1;
-    for (int32_t i = 0; i < KVF_CUDA_MAX_GRAPHS && slot < 0; i++)
-        if (!c->graphs[i].exec)
-            slot = i;
-    if (slot < 0) {
-        slot = 0;
-        for (int32_t i = 1; i < KVF_CUDA_MAX_GRAPHS; i++)
-            if (c->graphs[i].last_used < c->graphs[slot].last_used)
-                slot = i;
-        cudaGraphExecDestroy(c->graphs[slot].exec);
-        c->stats.graph_evictions++;
-        c->stats.graphs_cached--;
-    }
-    c->graphs[slot].key = *key;
-    c->graphs[slot].exec = exec;
-    c->graphs[slot].last_used = ++c->tick;
-    c->stats.graphs_cached++;
-    return slot;
 }
 
 static kvf_status cuda_step_end(void *ctx, bool *rerun_out, kvf_err *err)
@@ -688,10 +642,9 @@ static kvf_status cuda_step_end(void *ctx, bool *rerun_out, kvf_err *err)
         return KVF_OK;
     }
     if (mode == STEP_REPLAY) {
-        cuda_graph_ent *g = &c->graphs[c->replay_idx];
-        g->last_used = ++c->tick;
         c->stats.graph_replays++;
-        return kvf_cuda_status(cudaGraphLaunch(g->exec, c->stream), "cuda backend: graph replay", err);
+        return kvf_cuda_status(cudaGraphLaunch((cudaGraphExec_t)c->graphs.exec[c->replay_idx], c->stream),
+                               "cuda backend: graph replay", err);
     }
     if (mode != STEP_CAPTURE)
         return KVF_OK;
@@ -719,9 +672,15 @@ static kvf_status cuda_step_end(void *ctx, bool *rerun_out, kvf_err *err)
         return KVF_OK;
     }
     c->stats.graphs_captured++;
-    int32_t slot = graph_store(c, &c->prev_key, exec);
+    int32_t slot = -1;
+    void *old = kvf_cuda_graph_store(&c->graphs, &c->step_key, exec, &slot);
+    if (old) {
+        cudaGraphExecDestroy((cudaGraphExec_t)old);
+        c->stats.graph_evictions++;
+    }
+    c->stats.graphs_cached = c->graphs.n;
     c->stats.graph_replays++;
-    return kvf_cuda_status(cudaGraphLaunch(c->graphs[slot].exec, c->stream), "cuda backend: graph launch", err);
+    return kvf_cuda_status(cudaGraphLaunch(exec, c->stream), "cuda backend: graph launch", err);
 }
 
 /* ---- extras reachable from C */
