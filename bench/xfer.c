@@ -486,21 +486,35 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     return KVF_OK;
 }
 
-/* ucx_perftest -t ucp_put_bw with the same transport and message size, timed like our side:
- * a short probe run sets the message count for about --seconds (perftest has no time limit; a
- * run sized by bytes instead lasted a few ms when it was fast, and on a loaded host a few ms
- * can fall in a quiet gap that a one-second measurement cannot). */
-static kvf_status measure_perftest(const xfer_bench_cfg *c, const char *transport,
-                                   int64_t msg_bytes, double *gbps_out, kvf_err *err)
+/* Messages for about --seconds of perftest at gbps. */
+static int64_t perftest_count(const xfer_bench_cfg *c, int64_t msg_bytes, double gbps)
 {
-    int64_t probe_n = (64LL << 20) / msg_bytes;
-    double probe = 0;
-    kvf_status st = perftest_run(c, transport, msg_bytes, probe_n < 20 ? 20 : probe_n, &probe, err);
-    if (st != KVF_OK)
+    double n = gbps * 1e9 * c->seconds / (double)msg_bytes;
+    return n < 20 ? 20 : n > 5e6 ? 5000000 : (int64_t)n;
+}
+
+/* ucx_perftest -t ucp_put_bw with the same transport and message size, timed like our side:
+ * *n_io messages (0: a short probe run sets it first), then *n_io is set for about --seconds
+ * at the rate just measured. perftest has no time limit; a run sized by bytes instead lasted a
+ * few ms when it was fast, and on a loaded host a few ms can fall in a quiet gap that a
+ * one-second measurement cannot. */
+static kvf_status measure_perftest(const xfer_bench_cfg *c, const char *transport,
+                                   int64_t msg_bytes, int64_t *n_io, double *gbps_out,
+                                   kvf_err *err)
+{
+    kvf_status st;
+    if (*n_io <= 0) {
+        int64_t probe_n = (64LL << 20) / msg_bytes;
+        double probe = 0;
+        if ((st = perftest_run(c, transport, msg_bytes, probe_n < 20 ? 20 : probe_n, &probe,
+                               err)) != KVF_OK)
+            return st;
+        *n_io = perftest_count(c, msg_bytes, probe);
+    }
+    if ((st = perftest_run(c, transport, msg_bytes, *n_io, gbps_out, err)) != KVF_OK)
         return st;
-    double n = probe * 1e9 * c->seconds / (double)msg_bytes;
-    n = n < 20 ? 20 : n > 5e6 ? 5e6 : n;
-    return perftest_run(c, transport, msg_bytes, (int64_t)n, gbps_out, err);
+    *n_io = perftest_count(c, msg_bytes, *gbps_out);
+    return KVF_OK;
 }
 
 static int parse_list(const char *s, int64_t *out, int max, bool sizes)
@@ -588,7 +602,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
             for (int r = 0; r < n_runs; r++) {
                 /* Both sides measured --repeats times, alternating; the best of each counts. */
                 double eq = 0, real = 0, base = 0;
-                int64_t msg = runs[r] * l.block_bytes;
+                int64_t msg = runs[r] * l.block_bytes, perftest_n = 0;
                 for (int k = 0; k < c.repeats; k++) {
                     double e = 0, re = 0, b = 0;
                     int64_t eq_bytes = 0, real_bytes = 0;
@@ -597,7 +611,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
                         (st = measure_xfer(&c, &pp, trs[t], &l, (int32_t)runs[r], false, &re,
                                            &real_bytes, &err)) != KVF_OK ||
                         (!c.no_perftest &&
-                         (st = measure_perftest(&c, trs[t], msg, &b, &err)) != KVF_OK)) {
+                         (st = measure_perftest(&c, trs[t], msg, &perftest_n, &b, &err)) != KVF_OK)) {
                         stop_receiver(&pp);
                         goto fail;
                     }
