@@ -29,7 +29,7 @@
 #define SERVE_MAX_REQS 100000
 
 typedef struct serve_cfg {
-    const char *model, *workload, *fleet_log;
+    const char *model, *workload, *fleet_log, *device, *fleet_flags;
     double rate, duration;
     int64_t requests, seed;
     int32_t out_min, out_max, turns, ready_timeout_s;
@@ -46,6 +46,8 @@ static const kvf_cfg_opt serve_opts[] = {
     {"out-max", "64", "most output tokens per request", offsetof(serve_cfg, out_max), KVF_CFG_INT},
     {"turns", "4", "turns per conversation (multiturn)", offsetof(serve_cfg, turns), KVF_CFG_INT},
     {"ready-timeout-s", "120", "how long to wait for each fleet to be ready", offsetof(serve_cfg, ready_timeout_s), KVF_CFG_INT},
+    {"device", "cpu", "where the workers run: cpu or cuda (every worker of a fleet on GPU 0; passed to kvfleet up)", offsetof(serve_cfg, device), KVF_CFG_STR},
+    {"fleet-flags", NULL, "more flags for every kvfleet up, space-separated (e.g. \"--kv-memory=4G --kv-dtype=bf16\")", offsetof(serve_cfg, fleet_flags), KVF_CFG_STR},
     {"log-dir", NULL, "where each fleet's stderr is kept as <configuration>.log (default: a temporary directory, removed)", offsetof(serve_cfg, fleet_log), KVF_CFG_STR},
     {NULL},
 };
@@ -362,10 +364,17 @@ static int fleet_start(const char *self, const serve_cfg *c, const char *model, 
     char model_arg[PATH_MAX + 16], rt[32];
     snprintf(model_arg, sizeof model_arg, "--model=%s", model);
     snprintf(rt, sizeof rt, "--ready-timeout-s=%d", c->ready_timeout_s);
-    char *argv[32] = {(char *)self, "up", model_arg, "--port=0", rt};
-    int k = 5;
-    for (int i = 0; extra[i] && k < 31; i++)
+    char dev[64];
+    snprintf(dev, sizeof dev, "--device=%s", c->device ? c->device : "cpu");
+    char *argv[64] = {(char *)self, "up", model_arg, "--port=0", rt, dev};
+    int k = 6;
+    for (int i = 0; extra[i] && k < 63; i++)
         argv[k++] = extra[i];
+    /* --fleet-flags, split at spaces (a copy: the child owns it until exec) */
+    char flags[1024] = "";
+    snprintf(flags, sizeof flags, "%s", c->fleet_flags ? c->fleet_flags : "");
+    for (char *save = NULL, *t = strtok_r(flags, " ", &save); t && k < 63; t = strtok_r(NULL, " ", &save))
+        argv[k++] = t;
     argv[k] = NULL;
     pid_t pid = fork();
     if (pid < 0)
@@ -713,6 +722,14 @@ int kvf_bench_serve_main(int argc, char **argv)
                 (long long)c.requests, SERVE_MAX_REQS, c.out_min, c.out_max, c.turns);
         return 2;
     }
+    if (strcmp(c.device, "cpu") != 0 && strcmp(c.device, "cuda") != 0) {
+        fprintf(stderr, "kvfleet: bench serve: --device=%s is not known (use cpu or cuda)\n", c.device);
+        return 2;
+    }
+    if (c.fleet_flags && strlen(c.fleet_flags) >= 1024) {
+        fprintf(stderr, "kvfleet: bench serve: --fleet-flags is %zu bytes (at most 1023)\n", strlen(c.fleet_flags));
+        return 2;
+    }
     char self[PATH_MAX];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
     if (sl <= 0) {
@@ -768,8 +785,8 @@ int kvf_bench_serve_main(int argc, char **argv)
     static char *const disagg[] = {"--prefill=1", "--decode=1", "--local-prefill-max-tokens=0", NULL};
     static char *const rr[] = {"--prefill=0", "--decode=3", "--policy=round-robin", NULL};
     static char *const kv[] = {"--prefill=0", "--decode=3", "--policy=kv", NULL};
-    printf("kvfleet bench serve: model %s (vocab %d, %d positions), rate %g/s, %s, seed %lld, output %d-%d tokens\n",
-           model, vocab, max_pos, c.rate, c.requests > 0 ? "fixed count" : "fixed duration", (long long)c.seed,
+    printf("kvfleet bench serve: model %s (vocab %d, %d positions), device %s%s%s, rate %g/s, %s, seed %lld, output %d-%d tokens\n",
+           model, vocab, max_pos, c.device, c.fleet_flags ? ", fleet flags " : "", c.fleet_flags ? c.fleet_flags : "", c.rate, c.requests > 0 ? "fixed count" : "fixed duration", (long long)c.seed,
            c.out_min, c.out_max);
     if (c.requests > 0)
         printf("  %lld %s per configuration\n", (long long)c.requests, multiturn ? "conversations" : "requests");

@@ -26,7 +26,7 @@
 #define UP_MAX_ARGS 96
 
 typedef struct up_cfg {
-    const char *model, *host, *policy, *cache_dir;
+    const char *model, *host, *policy, *cache_dir, *device;
     int32_t prefill, decode, port;
     int64_t ready_timeout_s;
 } up_cfg;
@@ -38,6 +38,7 @@ static const kvf_cfg_opt up_opts[] = {
     {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
     {"host", "127.0.0.1", "the router's address", offsetof(up_cfg, host), KVF_CFG_STR},
     {"policy", "kv", "the router's policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
+    {"device", "cpu", "where the workers run: cpu or cuda (every worker on GPU 0; KV moves over cuda_ipc unless --xfer-backend says otherwise)", offsetof(up_cfg, device), KVF_CFG_STR},
     {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
     {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
     {NULL},
@@ -288,6 +289,10 @@ int kvf_cli_up(int argc, char **argv)
                     c.decode, c.prefill, UP_MAX_CHILDREN - 2);
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
+    if (strcmp(c.device, "cpu") != 0 && strcmp(c.device, "cuda") != 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "up: --device=%s is not known (use cpu or cuda)", c.device);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
     char self[PATH_MAX];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
     if (sl <= 0) {
@@ -310,8 +315,9 @@ int kvf_cli_up(int argc, char **argv)
 
     static child cs[UP_MAX_CHILDREN];
     int n = 0, rc = 0;
-    char model_arg[PATH_MAX + 16];
+    char model_arg[PATH_MAX + 16], device_arg[64];
     snprintf(model_arg, sizeof model_arg, "--model=%s", model);
+    snprintf(device_arg, sizeof device_arg, "--device=%s", c.device);
     /* Workers: prefill first, then decode; each on a free loopback port. */
     for (int role = 0; role < 2; role++) {
         const char *rname = role == 0 ? "prefill" : "decode";
@@ -333,6 +339,7 @@ int kvf_cli_up(int argc, char **argv)
             }
         if (k == 3 && role_has_flag(self, rname, "port"))
             wargs[k++] = "--port=0";
+        wargs[k++] = device_arg; /* the workers pick the transport that fits (auto) */
         for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
             if (strncmp(fwd[i], "--", 2) != 0)
                 continue;

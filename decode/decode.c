@@ -282,7 +282,11 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
     q->deadline_ns = kvf_now_ns() + (int64_t)cfg->prefill_timeout_ms * 1000000LL;
     if (q->n_cached_blocks >= nb) {
         q->got_xfer = true; /* nothing to receive: the prefill worker writes nothing */
-    } else if ((st = kvf_xfer_expect(kvf_worker_xfer(w), q->tid, q->deadline_ns, &err)) != KVF_OK) {
+    } else if ((st = kvf_xfer_expect_blocks(kvf_worker_xfer(w), q->tid, blocks + q->n_cached_blocks,
+                                            (size_t)(nb - q->n_cached_blocks), q->deadline_ns,
+                                            &err)) != KVF_OK) {
+        /* the blocks the prefill worker writes: ucx through a pinned mirror (--device cuda
+         * --xfer-gpu-staging) copies them into device memory before RECEIVED */
         kvf_log(KVF_LOG_WARN, "decode: req %s: transfer %llu: %s", q->id,
                 (unsigned long long)q->tid, err.msg);
         q->tid = 0;

@@ -28,8 +28,11 @@ kvf_status kvf_model_preset(const char *name, int32_t vocab_size, kvf_model_conf
     } else if (strcmp(name, "medium") == 0) {
         c.dim = 768, c.hidden_dim = 2048, c.n_layers = 12, c.n_heads = 12, c.n_kv_heads = 12, c.max_pos = 2048;
         c.tie_embeddings = true;
+    } else if (strcmp(name, "1b") == 0) { /* Llama-3.2-1B-like shapes, for GPU figures */
+        c.dim = 2048, c.hidden_dim = 8192, c.n_layers = 16, c.n_heads = 32, c.n_kv_heads = 8, c.max_pos = 4096;
+        c.tie_embeddings = true;
     } else {
-        return kvf_err_set(err, KVF_ERR_INVALID, "model: preset \"%s\" is not known (use tiny, small or medium)", name);
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: preset \"%s\" is not known (use tiny, small, medium or 1b)", name);
     }
     c.head_dim = c.dim / c.n_heads;
     *out = c;

@@ -12,7 +12,9 @@
 
 /* Fills *out with a preset: "tiny" (dim 64, 2 layers, 4/2 heads, ~0.1M parameters without the
  * embedding), "small" (dim 288, 6 layers, 6 heads, hidden 768: ~15M with a 32000 vocab),
- * "medium" (dim 768, 12 layers, 12 heads, hidden 2048: ~110M with a 32000 vocab). */
+ * "medium" (dim 768, 12 layers, 12 heads, hidden 2048: ~110M with a 32000 vocab), "1b" (dim
+ * 2048, 16 layers, 32/8 heads of 64, hidden 8192, tied embeddings: ~1.0B with a 32000 vocab;
+ * for GPU figures, written with --dtype bf16). */
 kvf_status kvf_model_preset(const char *name, int32_t vocab_size, kvf_model_config *out,
                             kvf_err *err);
 

@@ -19,6 +19,10 @@
 #include "kv/hash.h"
 #include "proto/worker.h"
 #include "worker/worker.h"
+#ifdef KVF_HAVE_CUDA
+#include "cuda/cuda.h"
+#include "cuda/xfer_gpu.h"
+#endif
 
 #define WATCH_BATCH 256 /* block hashes per KvEvent message */
 
@@ -660,6 +664,77 @@ static kvf_status add_metric(kvf_worker *w, int gauge, const char *name, const c
                  : kvf_metrics_counter(w->metrics, name, labels, help, out, err);
 }
 
+/* The transport the flags name (--xfer-backend wins over --transport; auto: cuda_ipc for a
+ * device pool, ucx for a host one), checked against --device from the flags alone, so a
+ * mismatch is refused before any model or GPU is touched. */
+static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, const char **out,
+                                 kvf_err *err)
+{
+    const char *flag = cfg->xfer_backend ? "xfer-backend" : "transport";
+    const char *b = cfg->xfer_backend ? cfg->xfer_backend : cfg->transport ? cfg->transport : "auto";
+    bool gpu_pool = cfg->device && strcmp(cfg->device, "cuda") == 0;
+    bool staging = cfg->xfer_gpu_staging;
+    if (strcmp(b, "auto") == 0)
+        b = gpu_pool && !staging ? "cuda_ipc" : "ucx";
+    if (strcmp(b, "nccl") == 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=nccl is not supported for workers: the "
+                           "NCCL communicator needs a hello from prefill to decode that RemotePrefill "
+                           "does not carry yet (use cuda_ipc on one node, or ucx with "
+                           "--xfer-gpu-staging between nodes)", rn, flag);
+    if (strcmp(b, "ucx") != 0 && strcmp(b, "local") != 0 && strcmp(b, "cuda_ipc") != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=%s is not supported (use auto, ucx, "
+                           "cuda_ipc or local)", rn, flag, b);
+    if (gpu_pool) {
+        if (strcmp(b, "local") == 0)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device cuda keeps the KV pool in GPU "
+                               "memory and --%s=local copies host memory (use cuda_ipc on one "
+                               "node, or ucx with --xfer-gpu-staging)", rn, flag);
+        if (strcmp(b, "ucx") == 0 && !staging)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device cuda keeps the KV pool in GPU "
+                               "memory and --%s=ucx moves host memory only (this UCX has no CUDA "
+                               "transports): use --%s=cuda_ipc on one node, or add "
+                               "--xfer-gpu-staging (ucx through a pinned host mirror)", rn, flag, flag);
+        if (strcmp(b, "cuda_ipc") == 0 && staging)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging is for --%s=ucx "
+                               "(cuda_ipc copies GPU to GPU)", rn, flag);
+    } else {
+        if (strcmp(b, "cuda_ipc") == 0)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=cuda_ipc moves GPU pools: it needs "
+                               "--device cuda (use ucx or local with --device %s)", rn, flag,
+                               cfg->device ? cfg->device : "cpu");
+        if (staging)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging needs --device cuda "
+                               "(a host pool goes over ucx directly)", rn);
+    }
+    *out = b;
+    return KVF_OK;
+}
+
+/* The backend --device names, and the GPU ops table for the transport (NULL on cpu). */
+static kvf_status pick_device(const kvf_worker_cfg *cfg, const char *rn, const kvf_backend **be_out,
+                              const kvf_xfer_gpu **gpu_out, kvf_err *err)
+{
+    const char *d = cfg->device ? cfg->device : "cpu";
+    if (strcmp(d, "cpu") == 0) {
+        *be_out = kvf_model_backend_cpu();
+        *gpu_out = NULL;
+        return KVF_OK;
+    }
+    if (strcmp(d, "cuda") != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device=%s is not known (use cpu or cuda)", rn, d);
+#ifdef KVF_HAVE_CUDA
+    char why[256] = "";
+    if (!kvf_cuda_available(why, sizeof why))
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: %s", rn, why);
+    *be_out = kvf_cuda_backend();
+    *gpu_out = kvf_cuda_xfer_gpu();
+    return KVF_OK;
+#else
+    return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: this kvfleet was built without "
+                       "CUDA (nvcc was not found when it was configured)", rn);
+#endif
+}
+
 kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kvf_worker **out,
                              kvf_err *err)
 {
@@ -674,12 +749,17 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     if (dt != KVF_DTYPE_F32 && dt != KVF_DTYPE_F16 && dt != KVF_DTYPE_BF16)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-dtype=%s is not supported (use f32, f16 "
                            "or bf16)", rn, cfg->kv_dtype ? cfg->kv_dtype : "");
-    if (cfg->transport && strcmp(cfg->transport, "ucx") != 0 && strcmp(cfg->transport, "local") != 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --transport=%s is not supported (use ucx or "
-                           "local)", rn, cfg->transport);
     char host[256];
     int port;
     kvf_status st;
+    /* device and transport: their flags agree before any GPU is looked for */
+    const char *xfer_backend = NULL;
+    if ((st = pick_transport(cfg, rn, &xfer_backend, err)) != KVF_OK)
+        return st;
+    const kvf_backend *be = NULL;
+    const kvf_xfer_gpu *gpu = NULL;
+    if ((st = pick_device(cfg, rn, &be, &gpu, err)) != KVF_OK)
+        return st;
     if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
         (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
         return st;
@@ -742,11 +822,13 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         ec.model_id = w->model_id;
         ec.on_event = on_kv_event;
         ec.event_ctx = w;
-        if ((st = kvf_engine_create(w->model, kvf_model_backend_cpu(), &ec, &w->engine, err)) != KVF_OK)
+        /* the engine makes the backend, then its pool through the backend's kv_mem ops: one
+         * device allocation with --device cuda */
+        if ((st = kvf_engine_create(w->model, be, &ec, &w->engine, err)) != KVF_OK)
             goto fail;
         w->pool = kvf_engine_pool(w->engine);
     } else {
-        w->be = kvf_model_backend_cpu();
+        w->be = be;
         if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads}, &w->be_ctx, err)) != KVF_OK)
             goto fail;
         /* prefill batches concurrent RemotePrefill calls: up to --max-seqs prompts per step */
@@ -755,21 +837,28 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
                                  .max_ctx = 0};
         if ((st = kvf_model_fwd_create(w->model, w->be, w->be_ctx, &w->layout, &fo, &w->fwd, err)) != KVF_OK)
             goto fail;
+        /* the pool where the backend wants it (device memory on a GPU: one allocation, which
+         * the transport registers and CUDA IPC exports whole) */
         kvf_kv_pool_cfg pc = {.layout = w->layout, .n_blocks = w->n_blocks, .on_event = on_kv_event,
-                              .event_ctx = w};
+                              .event_ctx = w, .mem = be->kv_mem ? be->kv_mem(w->be_ctx) : NULL,
+                              .mem_ctx = w->be_ctx};
         if ((st = kvf_kv_pool_create(&pc, &w->own_pool, err)) != KVF_OK)
             goto fail;
         w->pool = w->own_pool;
     }
 
-    /* transport: the pool's memory, registered once */
-    kvf_xfer_cfg xc = {.backend = cfg->transport ? cfg->transport : "ucx",
-                       .transport = cfg->xfer_tls ? cfg->xfer_tls : "auto"};
+    /* transport: the pool's memory, registered once (a device pool through the GPU ops) */
+    kvf_xfer_cfg xc = {.backend = xfer_backend,
+                       .transport = cfg->xfer_tls ? cfg->xfer_tls : "auto",
+                       .gpu = gpu, .gpu_staging = cfg->xfer_gpu_staging};
     kvf_xfer_pool xp = {.base = kvf_kv_pool_base(w->pool), .layout = w->layout, .n_blocks = w->n_blocks};
     if ((st = kvf_xfer_create(&xc, &xp, &w->xfer, err)) != KVF_OK) {
-        kvf_err_prefix(err, "%s: --transport=%s", rn, xc.backend);
+        kvf_err_prefix(err, "%s: --transport=%s%s", rn, xc.backend,
+                       xc.gpu_staging ? " --xfer-gpu-staging" : "");
         goto fail;
     }
+    kvf_log(KVF_LOG_INFO, "%s: KV pool in %s memory, transport %s%s", rn, gpu ? "GPU" : "host",
+            xc.backend, xc.gpu_staging ? " through a pinned host mirror" : "");
     if ((st = kvf_xfer_desc_export(w->xfer, &w->desc, &w->desc_len, err)) != KVF_OK)
         goto fail;
 

@@ -51,7 +51,10 @@ typedef struct kvf_worker_cfg {
                                        * prefill locally; 0: remote whenever a hint is given */
     int32_t prefill_timeout_ms;       /* decode: remote prefill deadline, then local fallback */
     int32_t load_interval_ms;         /* WatchKv load report period (default for watchers) */
-    const char *transport;    /* ucx or local */
+    const char *device;       /* cpu or cuda: where the model runs and the KV pool lives */
+    const char *transport;    /* auto, ucx, cuda_ipc or local (the older name of xfer_backend) */
+    const char *xfer_backend; /* NULL: transport; else the same values (it wins) */
+    bool xfer_gpu_staging;    /* ucx with a device pool: through a pinned host mirror */
     const char *xfer_tls;     /* ucx: auto, tcp, sm */
     const char *log_level;
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
@@ -88,8 +91,16 @@ typedef struct kvf_worker_cfg {
      offsetof(kvf_worker_cfg, prefill_timeout_ms), KVF_CFG_INT},                                 \
     {"load-interval-ms", "1000", "WatchKv load report period when the watcher sets none",       \
      offsetof(kvf_worker_cfg, load_interval_ms), KVF_CFG_INT},                                   \
-    {"transport", "ucx", "KV transport: ucx or local (local: one process only, tests)",         \
+    {"device", "cpu", "where the model runs and the KV pool lives: cpu or cuda (GPU 0)",         \
+     offsetof(kvf_worker_cfg, device), KVF_CFG_STR},                                             \
+    {"transport", "auto", "KV transport: auto (ucx for a host pool, cuda_ipc for --device cuda), " \
+     "ucx, cuda_ipc (GPU pools on one node) or local (one process only, tests)",                 \
      offsetof(kvf_worker_cfg, transport), KVF_CFG_STR},                                          \
+    {"xfer-backend", NULL, "the KV transport, as --transport (this name wins when both are set)", \
+     offsetof(kvf_worker_cfg, xfer_backend), KVF_CFG_STR},                                       \
+    {"xfer-gpu-staging", NULL, "with --device cuda and ucx: move KV through a pinned host mirror " \
+     "of the pool (the path between nodes: this UCX has no CUDA transports)",                    \
+     offsetof(kvf_worker_cfg, xfer_gpu_staging), KVF_CFG_BOOL},                                  \
     {"xfer-transport", "auto", "ucx: auto (UCX_TLS honoured), tcp or sm",                       \
      offsetof(kvf_worker_cfg, xfer_tls), KVF_CFG_STR},                                           \
     {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level), \

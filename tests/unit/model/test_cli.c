@@ -215,7 +215,7 @@ static void test_gen_model(void **state)
     kvf_sbuf_reset(&out);
     snprintf(cmd, sizeof cmd, "'%s' gen-model --out '%s/e' --preset huge 2>&1", bin(), tmp);
     assert_int_equal(run(cmd, &out), 2);
-    assert_non_null(strstr(out.data, "\"huge\" is not known (use tiny, small or medium)"));
+    assert_non_null(strstr(out.data, "\"huge\" is not known (use tiny, small, medium or 1b)"));
     kvf_sbuf_reset(&out);
     snprintf(cmd, sizeof cmd, "'%s' gen-model --out '%s/e' --dtype fp8 2>&1", bin(), tmp);
     assert_int_equal(run(cmd, &out), 2);

@@ -1,0 +1,61 @@
+#!/bin/sh
+# gpu_worker_flags.sh (label cli, runs without a GPU): `kvfleet decode|prefill --device cuda`
+# with no usable GPU fails at once naming the flag and why; a device pool with a host-only
+# transport (plain ucx, local), cuda_ipc on a host pool, staging without a GPU and nccl are
+# refused before any model or GPU is touched; up and bench serve refuse an unknown --device.
+set -u
+BIN=${KVF_BIN:?KVF_BIN names the kvfleet binary}
+M=${KVF_SHARED:-../shared}/fixtures/models/tiny-gqa-f32
+fail=0
+n=0
+
+expect() { # expect CODE TEXT -- command...   (CODE "nz": any non-zero exit)
+    code=$1; text=$2; shift 3
+    out=$(timeout 60 "$@" 2>&1 </dev/null); rc=$?
+    n=$((n + 1))
+    if [ "$code" = nz ] && [ "$rc" = 0 -o "$rc" = 124 ]; then
+        echo "FAIL: $* exited $rc, want non-zero: $out"; fail=1; return
+    elif [ "$code" != nz ] && [ "$rc" != "$code" ]; then
+        echo "FAIL: $* exited $rc, want $code: $out"; fail=1; return
+    fi
+    case $out in *"$text"*) echo "ok: $* -> $rc";; *) echo "FAIL: $*: no \"$text\" in: $out"; fail=1 ;; esac
+}
+
+# --help lists the new flags
+expect 0 "--device" -- "$BIN" decode --help
+expect 0 "--xfer-gpu-staging" -- "$BIN" prefill --help
+expect 0 "--xfer-backend" -- "$BIN" decode --help
+expect 0 "--device" -- "$BIN" up --help
+expect 0 "--device" -- "$BIN" bench serve --help
+
+# a device pool needs a transport that reaches GPU memory (refused from the flags alone)
+expect 2 "--device cuda keeps the KV pool in GPU memory and --transport=ucx moves host memory only" -- \
+    "$BIN" decode --model "$M" --device cuda --transport ucx
+expect 2 "--xfer-gpu-staging" -- "$BIN" decode --model "$M" --device cuda --transport ucx
+expect 2 "--xfer-backend=local copies host memory (use cuda_ipc" -- \
+    "$BIN" prefill --model "$M" --device cuda --xfer-backend local
+expect 2 "--xfer-backend=cuda_ipc moves GPU pools: it needs --device cuda" -- \
+    "$BIN" decode --model "$M" --xfer-backend cuda_ipc
+expect 2 "--xfer-gpu-staging needs --device cuda" -- "$BIN" prefill --model "$M" --xfer-gpu-staging
+expect 2 "--xfer-gpu-staging is for --transport=ucx" -- \
+    "$BIN" decode --model "$M" --device cuda --transport cuda_ipc --xfer-gpu-staging
+expect 2 "--xfer-backend=nccl is not supported for workers" -- \
+    "$BIN" decode --model "$M" --device cuda --xfer-backend nccl
+expect 2 "--transport=tcp is not supported (use auto, ucx, cuda_ipc or local)" -- \
+    "$BIN" decode --model "$M" --transport tcp
+expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" decode --model "$M" --device tpu
+# the environment sets them too
+KVFLEET_DEVICE=cuda KVFLEET_TRANSPORT=ucx expect 2 "moves host memory only" -- "$BIN" prefill --model "$M"
+expect 2 "up: --device=tpu is not known (use cpu or cuda)" -- "$BIN" up --device tpu
+expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" bench serve --device tpu
+
+# --device cuda with a transport that fits: fails at once without a GPU (skipped where one is)
+if "$BIN" generate --model "$M" --prompt-ids 1 --max-tokens 1 --device cuda >/dev/null 2>&1; then
+    echo "note: this machine has a GPU: the no-GPU cases are left to machines without one"
+else
+    expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda
+    expect nz "prefill: --device cuda: " -- "$BIN" prefill --model "$M" --device cuda --xfer-backend cuda_ipc
+    expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --transport ucx --xfer-gpu-staging
+fi
+[ $fail = 0 ] && echo "$n checks passed"
+exit $fail
