@@ -147,7 +147,14 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     size_t pool_bytes = (size_t)pool_blocks * (size_t)l->block_bytes;
     size_t copy_bytes = pool_bytes < (size_t)c->copy_max ? pool_bytes : (size_t)c->copy_max;
     int64_t max_blocks = kvf_kv_blocks_for(max_ctx, l->block_size);
-    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(max_batch, c->heads, l->head_dim, max_ctx);
+    size_t ws_bytes = 0; /* the largest any case needs (short partitions for small batches) */
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < nc; j++) {
+            size_t w = kvf_cuda_attention_workspace_bytes(batches[i], c->heads, l->head_dim,
+                                                          ctxs[j]);
+            if ((double)batches[i] * ctxs[j] * tok_bytes <= (double)c->max_kv && w > ws_bytes)
+                ws_bytes = w;
+        }
     size_t qo_bytes = (size_t)max_batch * c->heads * l->head_dim * sizeof(float);
     size_t flush_bytes = c->l2_flush ? (size_t)c->flush_bytes : 0;
     size_t need = pool_bytes + 2 * copy_bytes + ws_bytes + 2 * qo_bytes + flush_bytes +

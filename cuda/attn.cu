@@ -413,13 +413,10 @@ attn_fn attn_pick(int hd, kvf_dtype dt, int gc)
     return nullptr;
 }
 
-} /* namespace */
-
-extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *stream, kvf_err *err)
+/* The kernels' arguments for checked parameters p, and the heads per CTA (1, 2, 4 or 8) the
+ * partition kernel is instantiated for. */
+attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
 {
-    kvf_status st = kvf_cuda_attn_check(p, err);
-    if (st != KVF_OK || p->n_tokens == 0)
-        return st;
     const kvf_kv_layout *l = &p->layout;
     attn_args a = {};
     a.q = p->q;
@@ -455,7 +452,23 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
         a.ws_l = a.ws_m + n_all;
     }
     const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
-    const int gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    *gc_out = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    return a;
+}
+
+} /* namespace */
+
+/* KVF_ATTN_HOST_EMU: tests/unit/cuda/host_attn_emu.cpp includes this file to run the kernels
+ * above on the host under emulated threads; it launches them itself. */
+#ifndef KVF_ATTN_HOST_EMU
+extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *stream, kvf_err *err)
+{
+    kvf_status st = kvf_cuda_attn_check(p, err);
+    if (st != KVF_OK || p->n_tokens == 0)
+        return st;
+    const kvf_kv_layout *l = &p->layout;
+    int gc = 8;
+    const attn_args a = attn_make_args(p, &gc);
     attn_fn fn = attn_pick(l->head_dim, l->dtype, gc);
     if (!fn) /* supports() passed, so this is a table out of step with it */
         return kvf_err_set(err, KVF_ERR_INTERNAL, "attn: no kernel for head_dim %d, dtype %s",
@@ -468,3 +481,4 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
                              (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);
     return kvf_cuda_status((int)cudaGetLastError(), "attn: kernel launch", err);
 }
+#endif /* KVF_ATTN_HOST_EMU */

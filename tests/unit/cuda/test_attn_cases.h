@@ -1,7 +1,8 @@
 /* test_attn_cases.h: random paged-attention cases shared by the host test of the split
  * algorithm (host_attn_split.c) and the GPU kernel test (test_attn.c): scattered and shared
  * blocks, lengths that are not multiples of the block size, prefill chunks mixed with decode
- * tokens; and the CPU backend's answer for them. Header-only, for tests. */
+ * tokens; and the CPU backend's answer for them. Header-only, for tests; C and C++ (the
+ * host emulation of the kernels, host_attn_emu.cpp). */
 #ifndef KVF_TEST_ATTN_CASES_H
 #define KVF_TEST_ATTN_CASES_H
 
@@ -77,7 +78,7 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     c->n_heads = s->n_kv_heads * s->group;
     c->n_seqs = s->n_seqs;
     c->scale = s->scale_mul / sqrtf((float)s->head_dim);
-    int32_t *len = calloc((size_t)s->n_seqs, sizeof *len);
+    int32_t *len = (int32_t *)calloc((size_t)s->n_seqs, sizeof *len);
     int32_t longest = 0;
     for (int32_t i = 0; i < s->n_seqs; i++) {
         len[i] = i == 0 ? s->max_len : 1 + (int32_t)(attn_rng(&rng) % (uint32_t)s->max_len);
@@ -92,14 +93,14 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
         need += kvf_kv_blocks_for(len[i], bs) - (i == 1 ? shared : 0);
     c->n_blocks = (int32_t)need + 3;
     /* a random permutation of the pool's block ids, handed out in order */
-    int32_t *perm = malloc((size_t)c->n_blocks * sizeof *perm);
+    int32_t *perm = (int32_t *)malloc((size_t)c->n_blocks * sizeof *perm);
     for (int32_t i = 0; i < c->n_blocks; i++)
         perm[i] = i;
     for (int32_t i = c->n_blocks - 1; i > 0; i--) {
         int32_t j = (int32_t)(attn_rng(&rng) % (uint32_t)(i + 1)), t = perm[i];
         perm[i] = perm[j], perm[j] = t;
     }
-    c->block_tables = calloc((size_t)s->n_seqs * c->max_blocks, sizeof(int32_t));
+    c->block_tables = (int32_t *)calloc((size_t)s->n_seqs * c->max_blocks, sizeof(int32_t));
     int32_t next = 0;
     for (int32_t i = 0; i < s->n_seqs; i++) {
         int32_t *row = c->block_tables + (size_t)i * c->max_blocks;
@@ -110,8 +111,8 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     }
     free(perm);
     /* tokens: a decode token or a prefill chunk ending at the sequence's length */
-    c->tok_seq = malloc((size_t)(s->n_seqs * 64) * sizeof(int32_t));
-    c->tok_pos = malloc((size_t)(s->n_seqs * 64) * sizeof(int32_t));
+    c->tok_seq = (int32_t *)malloc((size_t)(s->n_seqs * 64) * sizeof(int32_t));
+    c->tok_pos = (int32_t *)malloc((size_t)(s->n_seqs * 64) * sizeof(int32_t));
     for (int32_t i = 0; i < s->n_seqs; i++) {
         int32_t chunk = 1;
         if (attn_rng(&rng) % 2 && !s->decode_only) {
@@ -127,7 +128,7 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     free(len);
     /* the pool: every element random in [-1, 1), stored in the layout's dtype */
     c->pool_bytes = (size_t)c->n_blocks * (size_t)c->layout.block_bytes;
-    c->pool = aligned_alloc(64, (c->pool_bytes + 63) / 64 * 64);
+    c->pool = (uint8_t *)aligned_alloc(64, (c->pool_bytes + 63) / 64 * 64);
     size_t es = kvf_dtype_size(s->dtype), n_el = c->pool_bytes / es;
     for (size_t i = 0; i < n_el; i++) {
         float f = attn_rng_unit(&rng);
@@ -148,7 +149,7 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
         }
     }
     size_t nq = (size_t)c->n_tokens * c->n_heads * s->head_dim;
-    c->q = malloc(nq * sizeof(float));
+    c->q = (float *)malloc(nq * sizeof(float));
     for (size_t i = 0; i < nq; i++)
         c->q[i] = attn_rng_unit(&rng);
     return 0;
@@ -169,7 +170,7 @@ static inline int attn_case_cpu(const attn_case *c, const attn_case_spec *s, flo
     }
     bool fp8 = s->dtype == KVF_DTYPE_FP8_E4M3;
     size_t nq = (size_t)c->n_tokens * c->n_heads * s->head_dim;
-    float *q = malloc(nq * sizeof(float));
+    float *q = (float *)malloc(nq * sizeof(float));
     for (size_t i = 0; i < nq; i++)
         q[i] = fp8 ? c->q[i] * s->k_scale : c->q[i];
     kvf_backend_attn a = {.n_tokens = c->n_tokens, .n_heads = c->n_heads,

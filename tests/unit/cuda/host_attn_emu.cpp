@@ -1,0 +1,292 @@
+/* host_attn_emu.cpp: runs the real partition and reduce kernels of cuda/attn.cu on the host,
+ * one OS thread per CUDA thread (a barrier for __syncthreads, a per-warp exchange for
+ * __shfl_xor_sync, static storage for __shared__), against the CPU backend and the host
+ * reference on small random cases: the kernels' indexing, shuffles, barriers and dispatch are
+ * checked without a GPU. What it cannot check: timing, races the barriers would hide, and
+ * the device's own conversions and exp2f. Slow per CTA, so the cases are small. */
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+
+#include <algorithm>
+
+extern "C" {
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "common/dtype.h"
+#include "cuda/attn.h"
+#include "cuda/attn_ref.h"
+#include "kv/layout.h"
+#include "model/backend.h"
+}
+#include "test_attn_cases.h"
+
+/* ---- the emulated CUDA built-ins */
+namespace emu {
+struct idx3 {
+    unsigned x, y, z;
+};
+thread_local idx3 tid, bid;
+idx3 bdim, gdim;
+pthread_barrier_t cta_bar;
+pthread_barrier_t warp_bar[32];
+float xchg[32][32];
+
+inline void syncthreads()
+{
+    pthread_barrier_wait(&cta_bar);
+}
+
+/* every lane of the warp calls this in the same order, as on the GPU */
+inline float shfl_xor(float v, int o)
+{
+    unsigned w = tid.x / 32, l = tid.x % 32;
+    xchg[w][l] = v;
+    pthread_barrier_wait(&warp_bar[w]);
+    float r = xchg[w][l ^ (unsigned)o];
+    pthread_barrier_wait(&warp_bar[w]);
+    return r;
+}
+
+inline float u2f(unsigned u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+} /* namespace emu */
+
+using std::max;
+using std::min;
+
+#undef __global__
+#define __global__
+#undef __device__
+#define __device__
+#undef __shared__
+#define __shared__ static
+#undef __forceinline__
+#define __forceinline__ inline
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#define threadIdx emu::tid
+#define blockIdx emu::bid
+#define blockDim emu::bdim
+#define gridDim emu::gdim
+#define __syncthreads() emu::syncthreads()
+#define __shfl_xor_sync(mask, v, o) emu::shfl_xor((v), (o))
+#define __ldg(p) (*(p))
+#define __uint_as_float(u) emu::u2f(u)
+#define KVF_ATTN_HOST_EMU 1
+#include "cuda/attn.cu"
+
+/* ---- launching a grid: CTAs one after another, each CTA's threads at once */
+struct emu_thread_arg {
+    attn_fn part; /* the partition kernel, or nullptr for the reduce */
+    const attn_args *a;
+    int hd;
+    emu::idx3 t, b;
+};
+
+static void *emu_thread(void *arg)
+{
+    const emu_thread_arg *x = static_cast<const emu_thread_arg *>(arg);
+    emu::tid = x->t;
+    emu::bid = x->b;
+    if (x->part)
+        x->part(*x->a);
+    else
+        attn_reduce_kernel(*x->a, x->hd);
+    return nullptr;
+}
+
+static void emu_launch(attn_fn part, const attn_args &a, int hd, emu::idx3 grid, unsigned nt)
+{
+    emu::gdim = grid;
+    emu::bdim = {nt, 1, 1};
+    emu_thread_arg *args = new emu_thread_arg[nt];
+    pthread_t *th = new pthread_t[nt];
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 1 << 20);
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                pthread_barrier_init(&emu::cta_bar, nullptr, nt);
+                for (unsigned w = 0; w * 32 < nt; w++)
+                    pthread_barrier_init(&emu::warp_bar[w], nullptr, min(32u, nt - 32 * w));
+                for (unsigned i = 0; i < nt; i++) {
+                    args[i] = {part, &a, hd, {i, 0, 0}, {x, y, z}};
+                    if (pthread_create(&th[i], &attr, emu_thread, &args[i]) != 0)
+                        fail_msg("pthread_create failed for thread %u", i);
+                }
+                for (unsigned i = 0; i < nt; i++)
+                    pthread_join(th[i], nullptr);
+                pthread_barrier_destroy(&emu::cta_bar);
+                for (unsigned w = 0; w * 32 < nt; w++)
+                    pthread_barrier_destroy(&emu::warp_bar[w]);
+            }
+    pthread_attr_destroy(&attr);
+    delete[] th;
+    delete[] args;
+}
+
+/* kvf_cuda_attention with the kernels run by emu_launch; p's pointers are host memory. */
+static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
+{
+    kvf_status st = kvf_cuda_attn_check(p, err);
+    if (st != KVF_OK || p->n_tokens == 0)
+        return st;
+    int gc = 8;
+    const attn_args a = attn_make_args(p, &gc);
+    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc);
+    if (!fn)
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "no kernel");
+    emu_launch(fn, a, 0,
+               {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
+                (unsigned)a.parts},
+               ATTN_NT);
+    if (a.parts > 1)
+        emu_launch(nullptr, a, p->layout.head_dim,
+                   {(unsigned)p->n_tokens, (unsigned)p->n_heads, 1}, (unsigned)p->layout.head_dim);
+    return KVF_OK;
+}
+
+/* same tolerances as the GPU test (test_attn.c) */
+static const double emu_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4};
+static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
+
+/* Runs one case through the emulated kernels; compares with the CPU backend and the
+ * reference. bad_pos >= 0 moves that token past max_ctx (it must get zeros). */
+static void emu_case(const attn_case_spec *s, int32_t bad_pos)
+{
+    attn_case c;
+    assert_int_equal(attn_case_build(s, &c), 0);
+    size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim, row = (size_t)c.n_heads * s->head_dim;
+    float *cpu = (float *)malloc(n * sizeof(float)), *ref = (float *)malloc(n * sizeof(float));
+    float *got = (float *)malloc(n * sizeof(float));
+    assert_int_equal(attn_case_cpu(&c, s, cpu), 0);
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s->head_dim,
+                                                         c.max_ctx);
+    float *ws = ws_bytes ? (float *)malloc(ws_bytes) : nullptr;
+    kvf_err err = {};
+    kvf_cuda_attn_params p = attn_case_params(&c, s, c.q, ref, c.pool, c.tok_seq, c.tok_pos,
+                                              c.block_tables, ws, ws_bytes);
+    if (kvf_cuda_attn_ref(&p, &err) != KVF_OK)
+        fail_msg("ref: %s", err.msg);
+    for (size_t i = 0; i < n; i++)
+        got[i] = NAN;
+    if (ws)
+        for (size_t i = 0; i < ws_bytes / sizeof(float); i++)
+            ws[i] = NAN; /* a partition the reduce reads but nobody wrote shows up */
+    if (bad_pos >= 0)
+        c.tok_pos[bad_pos] = c.max_ctx + 5;
+    p.out = got;
+    if (emu_attention(&p, &err) != KVF_OK)
+        fail_msg("emulated launch: %s", err.msg);
+    int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
+    for (int32_t t = 0; t < c.n_tokens; t++) {
+        size_t wi;
+        if (t == bad_pos) {
+            for (size_t i = 0; i < row; i++)
+                if (got[t * row + i] != 0.0f)
+                    fail_msg("token %d past max_ctx: element %zu is %g, not 0", t, i,
+                             (double)got[t * row + i]);
+            continue;
+        }
+        double r = attn_close(got + t * row, cpu + t * row, row, emu_atol[s->dtype],
+                              emu_rtol[s->dtype], &wi);
+        if (!(r <= 1.0))
+            fail_msg("kernel vs CPU: %s hd %d bs %d kv %d group %d window %d max_ctx %d (%d "
+                     "parts): token %d (pos %d) element %zu is %g, CPU backend %g (%.2fx)",
+                     kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads,
+                     s->group, s->window, c.max_ctx, parts, t, c.tok_pos[t], wi,
+                     (double)got[t * row + wi], (double)cpu[t * row + wi], r);
+        r = attn_close(got + t * row, ref + t * row, row, 2e-5, 1e-4, &wi);
+        if (!(r <= 1.0))
+            fail_msg("kernel vs reference: token %d element %zu is %g, reference %g (%.2fx)", t,
+                     wi, (double)got[t * row + wi], (double)ref[t * row + wi], r);
+    }
+    free(ws);
+    free(cpu);
+    free(ref);
+    free(got);
+    attn_case_free(&c);
+}
+
+static attn_case_spec emu_spec(int32_t hd, int32_t bs, int32_t kv, int32_t group, kvf_dtype dt,
+                               int32_t window, int32_t n_seqs, int32_t max_len, bool decode_only,
+                               uint32_t seed)
+{
+    attn_case_spec s = {};
+    s.head_dim = hd, s.block_size = bs, s.n_kv_heads = kv, s.group = group, s.window = window;
+    s.dtype = dt, s.k_scale = 1.0f, s.v_scale = 1.0f, s.scale_mul = seed % 2 ? 1.0f : 4.0f;
+    s.n_seqs = n_seqs, s.max_len = max_len, s.extra_ctx = 11, s.seed = seed;
+    s.decode_only = decode_only;
+    if (dt == KVF_DTYPE_FP8_E4M3)
+        s.k_scale = 0.37f, s.v_scale = 2.5f;
+    return s;
+}
+
+/* Split contexts (64-position partitions + reduce): every head_dim, every dtype, GQA 1/2/4/6/8/16
+ * (kernels with 1, 2, 4 and 8 heads per CTA; 16 in two chunks), block sizes 1 to 32, windows. */
+static void test_split_kernels(void **state)
+{
+    (void)state;
+    const attn_case_spec cases[] = {
+        emu_spec(16, 8, 2, 2, KVF_DTYPE_F32, 0, 2, 300, true, 1),
+        emu_spec(32, 16, 2, 1, KVF_DTYPE_F16, 100, 2, 400, true, 2),
+        emu_spec(64, 1, 1, 16, KVF_DTYPE_F16, 100, 2, 400, true, 3),
+        emu_spec(128, 32, 2, 4, KVF_DTYPE_FP8_E4M3, 0, 2, 700, true, 4),
+        emu_spec(128, 16, 1, 6, KVF_DTYPE_BF16, 300, 2, 600, true, 5),
+        emu_spec(256, 16, 2, 1, KVF_DTYPE_F32, 0, 1, 300, true, 6),
+        emu_spec(32, 8, 1, 8, KVF_DTYPE_BF16, 0, 2, 500, true, 7),
+        emu_spec(16, 32, 2, 4, KVF_DTYPE_FP8_E4M3, 50, 2, 333, true, 8),
+    };
+    for (const attn_case_spec &s : cases) {
+        int32_t th = s.n_seqs * s.n_kv_heads * s.group;
+        assert_true(kvf_cuda_attention_parts(s.n_seqs, th / s.n_seqs, s.max_len + s.extra_ctx) > 1);
+        emu_case(&s, -1);
+    }
+}
+
+/* One partition (max_ctx <= 256): output written directly; prefill chunks mixed with decode
+ * tokens over shared and scattered blocks. */
+static void test_single_partition_kernels(void **state)
+{
+    (void)state;
+    const attn_case_spec cases[] = {
+        emu_spec(32, 16, 1, 8, KVF_DTYPE_BF16, 37, 3, 90, false, 11),
+        emu_spec(16, 8, 2, 2, KVF_DTYPE_FP8_E4M3, 0, 3, 120, false, 12),
+        emu_spec(64, 16, 2, 4, KVF_DTYPE_F32, 0, 2, 200, false, 13),
+    };
+    for (const attn_case_spec &s : cases)
+        emu_case(&s, -1);
+}
+
+/* A token past max_ctx gets zeros on both paths; the others are unaffected. */
+static void test_bad_position(void **state)
+{
+    (void)state;
+    attn_case_spec a = emu_spec(32, 16, 2, 2, KVF_DTYPE_F32, 0, 2, 400, true, 21);
+    emu_case(&a, 0);
+    attn_case_spec b = emu_spec(32, 16, 2, 2, KVF_DTYPE_F32, 0, 2, 100, true, 22);
+    emu_case(&b, 1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_single_partition_kernels),
+        cmocka_unit_test(test_split_kernels),
+        cmocka_unit_test(test_bad_position),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
