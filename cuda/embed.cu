@@ -32,6 +32,7 @@ static __global__ void gather_kernel(const float *x, int64_t row_len, const int3
     }
 }
 
+#ifndef KVF_CUDA_HOST_EMU /* the launchers; tests/unit/cuda/host_ops_emu.cpp runs the kernels on the host */
 /* x: column chunks of 256 (at most 64), y: rows (at most 65535, the rest by a grid stride). */
 static dim3 row_grid(int64_t cols, int64_t n)
 {
@@ -65,3 +66,4 @@ extern "C" kvf_status kvf_cuda_gather(const kvf_cuda_gather_params *p, void *str
         p->x, p->row_len, p->rows, p->n, p->out);
     return kvf_cuda_status(cudaGetLastError(), "cuda: gather", err);
 }
+#endif

@@ -41,6 +41,7 @@ static __global__ void kv_write_kernel(uint8_t *pool, kvw_geo g, const float *k,
     }
 }
 
+#ifndef KVF_CUDA_HOST_EMU /* the launchers; tests/unit/cuda/host_ops_emu.cpp runs the kernels on the host */
 extern "C" kvf_status kvf_cuda_kv_write(const kvf_cuda_kv_write_params *p, void *stream,
                                         kvf_err *err)
 {
@@ -68,3 +69,4 @@ extern "C" kvf_status kvf_cuda_kv_write(const kvf_cuda_kv_write_params *p, void 
         (uint8_t *)p->pool, g, p->k, p->v, p->slots, p->n, ks, vs);
     return kvf_cuda_status(cudaGetLastError(), "cuda: kv_write", err);
 }
+#endif

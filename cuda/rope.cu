@@ -27,6 +27,7 @@ static __global__ void rope_kernel(float *x, int64_t n, int32_t n_heads, int32_t
     }
 }
 
+#ifndef KVF_CUDA_HOST_EMU /* the launchers; tests/unit/cuda/host_ops_emu.cpp runs the kernels on the host */
 extern "C" kvf_status kvf_cuda_rope(const kvf_cuda_rope_params *p, void *stream, kvf_err *err)
 {
     if (p->n < 0 || p->n_heads <= 0 || p->head_dim <= 0 || p->head_dim % 2)
@@ -39,3 +40,4 @@ extern "C" kvf_status kvf_cuda_rope(const kvf_cuda_rope_params *p, void *stream,
         p->x, p->n, p->n_heads, p->head_dim, p->cos_sin);
     return kvf_cuda_status(cudaGetLastError(), "cuda: rope", err);
 }
+#endif

@@ -18,6 +18,7 @@
 #include "cuda/cuda.h"
 #include "model/backend.h"
 #include "testutil.h"
+#include "sample_ref.h"
 
 typedef struct side {
     const kvf_backend *be;
@@ -344,65 +345,6 @@ static void test_argmax_ties(void **state)
     close_sides();
 }
 
-/* The rule of kvf_cuda_sample in double precision on the host; *kept_out gets the kept set. */
-static int32_t sample_ref(const float *r, int64_t vocab, const kvf_cuda_sample_row *p, bool *kept)
-{
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < vocab; j++)
-        mx = fmaxf(mx, r[j]);
-    float kth = -INFINITY;
-    if (p->top_k > 0 && p->top_k < vocab) { /* the k-th largest value */
-        float *c = malloc((size_t)vocab * 4);
-        memcpy(c, r, (size_t)vocab * 4);
-        for (int32_t i = 0; i < p->top_k; i++) { /* partial selection, small k in tests */
-            int64_t b = i;
-            for (int64_t j = i + 1; j < vocab; j++)
-                if (c[j] > c[b])
-                    b = j;
-            float t = c[i];
-            c[i] = c[b];
-            c[b] = t;
-        }
-        kth = c[p->top_k - 1];
-        free(c);
-    }
-    double z = 0;
-    for (int64_t j = 0; j < vocab; j++)
-        if (r[j] >= kth)
-            z += exp(((double)r[j] - mx) / p->temperature);
-    float thr = kth;
-    if (p->top_p < 1.0f) { /* the largest logit value whose kept mass reaches top_p * z */
-        float best = kth;
-        for (int64_t j = 0; j < vocab; j++) {
-            if (r[j] < kth || r[j] <= best)
-                continue;
-            double m = 0;
-            for (int64_t i = 0; i < vocab; i++)
-                if (r[i] >= r[j])
-                    m += exp(((double)r[i] - mx) / p->temperature);
-            if (m >= p->top_p * z)
-                best = r[j];
-        }
-        thr = best;
-    }
-    double zk = 0;
-    for (int64_t j = 0; j < vocab; j++) {
-        kept[j] = r[j] >= thr;
-        if (kept[j])
-            zk += exp(((double)r[j] - mx) / p->temperature);
-    }
-    double target = p->u * zk, acc = 0;
-    int32_t last = 0;
-    for (int64_t j = 0; j < vocab; j++)
-        if (kept[j]) {
-            acc += exp(((double)r[j] - mx) / p->temperature);
-            last = (int32_t)j;
-            if (target < acc)
-                return (int32_t)j;
-        }
-    return last;
-}
-
 static void test_sample(void **state)
 {
     open_sides(NULL);
@@ -426,7 +368,7 @@ static void test_sample(void **state)
     int same = 0;
     bool kept[V];
     for (int i = 0; i < N; i++) {
-        int32_t want = sample_ref(x + (int64_t)i * V, V, &rows[i], kept);
+        int32_t want = kvf_test_sample_ref(x + (int64_t)i * V, V, &rows[i], kept);
         assert_true(got[i] >= 0 && got[i] < V);
         if (!kept[got[i]])
             fail_msg("row %d: token %d is outside the kept set (top_k %d, top_p %g)", i, got[i],
