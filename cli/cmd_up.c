@@ -32,7 +32,7 @@ typedef struct up_cfg {
 } up_cfg;
 
 static const kvf_cfg_opt up_opts[] = {
-    {"model", NULL, "model directory (default: `gen-model --preset small`, written once to --cache-dir)", offsetof(up_cfg, model), KVF_CFG_STR},
+    {"model", NULL, "model directory (default: `gen-model --preset small`, medium with --device cuda, written once to --cache-dir)", offsetof(up_cfg, model), KVF_CFG_STR},
     {"prefill", "1", "prefill workers (0: decode workers prefill locally)", offsetof(up_cfg, prefill), KVF_CFG_INT},
     {"decode", "1", "decode workers", offsetof(up_cfg, decode), KVF_CFG_INT},
     {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
@@ -232,9 +232,11 @@ static void stop_all(child *cs, int n)
     }
 }
 
-/* The default model: gen-model --preset small, written once under the cache directory. */
+/* The default model: gen-model --preset small (medium with --device cuda: the GPU kernels take
+ * head_dim 16, 32, 64, 128 or 256 and small's is 48), written once under the cache directory. */
 static int default_model(const char *self, const up_cfg *c, char *dir, size_t cap)
 {
+    const char *preset = strcmp(c->device, "cuda") == 0 ? "medium" : "small";
     const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char base[PATH_MAX];
     if (c->cache_dir)
@@ -243,7 +245,7 @@ static int default_model(const char *self, const up_cfg *c, char *dir, size_t ca
         snprintf(base, sizeof base, "%s/kvfleet", xdg);
     else
         snprintf(base, sizeof base, "%s/.cache/kvfleet", home && *home ? home : "/tmp");
-    if ((size_t)snprintf(dir, cap, "%.3900s/models/small", base) >= cap)
+    if ((size_t)snprintf(dir, cap, "%.3900s/models/%s", base, preset) >= cap)
         return -1;
     char probe[PATH_MAX + 32];
     snprintf(probe, sizeof probe, "%s/model.safetensors", dir);
@@ -253,8 +255,8 @@ static int default_model(const char *self, const up_cfg *c, char *dir, size_t ca
     printf("kvfleet up: writing the default model to %s (once)\n", dir);
     fflush(stdout);
     char cmd[PATH_MAX * 8];
-    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && '%s' gen-model --preset small --out '%s.tmp' >/dev/null && rm -rf '%s' && mv '%s.tmp' '%s'",
-             base, self, dir, dir, dir, dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && '%s' gen-model --preset %s --out '%s.tmp' >/dev/null && rm -rf '%s' && mv '%s.tmp' '%s'",
+             base, self, preset, dir, dir, dir, dir);
     return system(cmd) == 0 ? 0 : -1;
 }
 
