@@ -77,6 +77,8 @@ static void op_fail(nccl_op *o, kvf_status st)
 
 static void op_free(nccl_xfer *u, nccl_op *o)
 {
+    if (o->staging) /* stream-ordered: released once the (aborted) work before it is done */
+        u->gpu->dev_free_async(u->gpu->ctx, o->staging);
     if (o->mark)
         u->gpu->mark_free(u->gpu->ctx, o->mark); /* releases once the stream passes it */
     free(o->runs);
@@ -600,8 +602,9 @@ static void sends_progress(nccl_xfer *u, int64_t now)
             op_fail(o, KVF_ERR_TIMEOUT); /* never posted: nothing to abort */
         if (o->status == KVF_OK && o->stage == OP_QUEUED && pair_usable(pr))
             send_post(u, o);
-        if (o->status == KVF_OK && o->stage == OP_POSTING && pr && !pr->busy &&
-            pr->state == PAIR_READY)
+        /* Even a write that already failed (its acknowledgement said CANCELLED) finishes its
+         * post: the mark tells when the kernel stopped reading our blocks. */
+        if (o->stage == OP_POSTING && pr && !pr->busy && pr->state == PAIR_READY)
             op_finish_post(u, o, false);
         kvf_status ms = o->stage == OP_POSTED ? op_mark_state(u, o) : KVF_ERR_BUSY;
         if (ms != KVF_OK && ms != KVF_ERR_BUSY)
