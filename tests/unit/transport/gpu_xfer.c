@@ -5,7 +5,8 @@
  * GPU (random block pairs, every byte verified after RECEIVED; receiver killed: the sender's
  * event is an error within the deadline; sender killed: the receiver's expect times out), and
  * the same over nccl between GPU 0 and GPU 1 (skipped with fewer than two GPUs: NCCL refuses
- * two ranks on one device). Every wait is bounded; the child is killed at the end. */
+ * two ranks on one device) and over ucx with gpu_staging (pinned mirrors, one GPU). Every wait
+ * is bounded; the child is killed at the end. */
 #include <setjmp.h>
 #include <signal.h>
 #include <spawn.h>
@@ -84,6 +85,7 @@ static kvf_xfer *xfer_make(const char *backend, uint8_t *dev, kvf_err *err)
 {
     kvf_xfer_pool pool = {.base = dev, .layout = peer_layout(LAYERS), .n_blocks = BLOCKS};
     kvf_xfer_cfg cfg = {.backend = backend, .gpu = kvf_cuda_xfer_gpu()};
+    cfg.gpu_staging = strcmp(backend, "ucx") == 0; /* a GPU pool over UCX: through the mirror */
     kvf_xfer *x = NULL;
     return kvf_xfer_create(&cfg, &pool, &x, err) == KVF_OK ? x : NULL;
 }
@@ -161,8 +163,12 @@ static int child_main(int fd, const char *role, const char *backend, int device)
                 pend[n_pend].id = id;
                 pend[n_pend].n = n;
                 memcpy(pend[n_pend].pairs, msg.data + off, n * sizeof(kvf_xfer_pair));
+                int32_t dsts[BLOCKS];
+                for (uint32_t k = 0; k < n; k++)
+                    dsts[k] = pend[n_pend].pairs[k].dst;
                 n_pend++;
-                kvf_xfer_expect(x, id, dl, &err);
+                if (kvf_xfer_expect_blocks(x, id, dsts, n, dl, &err) != KVF_OK)
+                    fprintf(stderr, "gpu_xfer child: expect: %s\n", err.msg);
                 peer_send(fd, MSG_READY, &id, sizeof id);
             } else if (msg.type == MSG_WRITE) {
                 kvf_status st = kvf_xfer_write(x, peer, id, (const kvf_xfer_pair *)(msg.data + off),
@@ -456,11 +462,14 @@ static void sender_killed(const char *backend)
     }
     assert_int_equal(msg.type, MSG_READY);
     kvf_xfer_pair pairs[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++)
+    int32_t dsts[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++) {
         pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % BLOCKS};
+        dsts[i] = pairs[i].dst;
+    }
     int64_t t0 = kvf_now_ns();
     kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_expect(x, 9, t0 + 2 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
     send_pairs(fd, MSG_WRITE, 9, 20000, 1, pairs, BLOCKS);
     kvf_xfer_event ev;
     assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
@@ -490,6 +499,21 @@ static void test_cudaipc_receiver_killed(void **state)
 static void test_cudaipc_sender_killed(void **state)
 {
     sender_killed("cuda_ipc");
+}
+
+static void test_staging_random_pairs(void **state)
+{
+    random_pairs("ucx");
+}
+
+static void test_staging_receiver_killed(void **state)
+{
+    receiver_killed("ucx");
+}
+
+static void test_staging_sender_killed(void **state)
+{
+    sender_killed("ucx");
 }
 
 static void test_nccl_random_pairs(void **state)
@@ -522,6 +546,9 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_cudaipc_random_pairs, teardown),
         cmocka_unit_test_teardown(test_cudaipc_receiver_killed, teardown),
         cmocka_unit_test_teardown(test_cudaipc_sender_killed, teardown),
+        cmocka_unit_test_teardown(test_staging_random_pairs, teardown),
+        cmocka_unit_test_teardown(test_staging_receiver_killed, teardown),
+        cmocka_unit_test_teardown(test_staging_sender_killed, teardown),
         cmocka_unit_test_teardown(test_nccl_random_pairs, teardown),
         cmocka_unit_test_teardown(test_nccl_receiver_killed, teardown),
         cmocka_unit_test_teardown(test_nccl_sender_killed, teardown),
