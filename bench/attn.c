@@ -71,8 +71,8 @@ static int attn_parse_list(const char *s, const char *flag, int32_t *out, kvf_er
         if (end == p || v < 1 || v > (1L << 24) || n == ATTN_BENCH_MAX_LIST ||
             (*end && *end != ',')) {
             kvf_err_set(err, KVF_ERR_INVALID,
-                        "bench attn: --%s=%s is not a list of 1..%d positive integers "
-                        "(e.g. 1,16,64)",
+                        "bench attn: --%s=%s is not a comma-separated list of at most %d "
+                        "positive integers (e.g. 1,16,64)",
                         flag, s, ATTN_BENCH_MAX_LIST);
             return 0;
         }
