@@ -590,6 +590,54 @@ static void test_cudaipc_receiver_killed(void **state)
     receiver_killed("cuda_ipc", false);
 }
 
+/* cuda_ipc cancel: before the notice went out the write ends CANCELLED (once its copies are
+ * done) and the receiver hears nothing; the peer stays usable for the next write. */
+static void test_cudaipc_cancel(void **state)
+{
+    enum { LAYERS = 2, BLOCKS = 16 };
+    int fd = spawn_peer("recv", "cuda_ipc", LAYERS, BLOCKS, false);
+    uint8_t *mem;
+    kvf_xfer *x = make_gpu_xfer("cuda_ipc", LAYERS, BLOCKS, true, &mem);
+    expect_msg(fd, x, MSG_DESC, 20 * SEC);
+    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = BLOCKS - 1 - i, .dst = i};
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_write(x, p, 5, pairs, BLOCKS, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_write(x, p, 5, pairs, BLOCKS, kvf_now_ns() + 5 * SEC, &err),
+                     KVF_ERR_EXISTS);
+    assert_int_equal(kvf_xfer_cancel(x, 5, &err), KVF_OK);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 5);
+    assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+    assert_int_equal(kvf_xfer_cancel(x, 5, &err), KVF_ERR_NOT_FOUND);
+    /* The same blocks again, expected this time: every byte verified by the child. */
+    send_pairs(fd, MSG_EXPECT, 6, 20000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_xfer_write(x, p, 6, pairs, BLOCKS, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 6);
+    assert_int_equal(ev.status, KVF_OK);
+    expect_msg(fd, x, MSG_RESULT, 20 * SEC);
+    size_t off = 0;
+    uint64_t rid;
+    int32_t st;
+    int64_t bad;
+    PEER_GET(msg.data, off, rid);
+    PEER_GET(msg.data, off, st);
+    PEER_GET(msg.data, off, bad);
+    assert_int_equal(rid, 6);
+    assert_int_equal(st, KVF_OK);
+    assert_int_equal(bad, 0);
+    assert_false(kvf_xfer_poll(x, &ev));
+    reap_peer();
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    gpu_double_dev_free(mem);
+}
+
 /* The receiver stops (alive, silent) before acknowledging: the write ends TIMEOUT by its
  * deadline, naming the transfer. */
 static void test_cudaipc_receiver_stalled(void **state)
@@ -715,6 +763,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_cudaipc_random_lists, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_receiver_killed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_receiver_stalled, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_cudaipc_cancel, setup, teardown),
         cmocka_unit_test_setup_teardown(test_cudaipc_sender_killed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_staging_random_lists_tcp, setup, teardown),
         cmocka_unit_test_setup_teardown(test_staging_random_lists_sm, setup, teardown),
