@@ -59,11 +59,12 @@ int() { local v=${1%.*}; echo "${v:--1}"; }
 
 M="$KVF_SHARED/fixtures/models/small-gqa-bf16-theta5e5"
 W=(--model "$M" --threads 1 --log-level warn)
+# (decode workers that must not fall back get a 60 s prefill timeout: a loaded machine is slow)
 P='role="prefill"'
 
 # --- N concurrent distinct prompts, disaggregated, against kvfleet generate --------------------
 start pre prefill "${W[@]}"; PRE=$ADDR; PADM=$ADMIN; PPRE=$PID
-start dec decode "${W[@]}" --local-prefill-max-tokens 0; DEC=$ADDR; DADM=$ADMIN; PDEC=$PID
+start dec decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 60000; DEC=$ADDR; DADM=$ADMIN; PDEC=$PID
 start rt router --model "$M" --port 0 --decode "$DEC" --prefill "$PRE"; RT=$ADDR; PRT=$PID
 wait_ready "http://$RT"
 N=12
@@ -173,7 +174,7 @@ expect_eq "prefill pool: free + cached == total after the expiry" "$((fr + ca))"
 # --- a pool too small for two prompts at once: the second waits for blocks, it does not fail --
 # 32 blocks (the least the model's 512 positions allow); each 300-token prompt takes 19.
 start pre3 prefill "${W[@]}" --kv-blocks 32; PRE3=$ADDR; PADM3=$ADMIN
-start d3 decode "${W[@]}" --local-prefill-max-tokens 0; D3=$ADDR; D3ADM=$ADMIN
+start d3 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 60000; D3=$ADDR; D3ADM=$ADMIN
 start r3 router --model "$M" --port 0 --decode "$D3" --prefill "$PRE3"; R3=$ADDR
 wait_ready "http://$R3"
 $PY - "http://$R3" "$TMP/full.json" <<'PYEOF' || fail "requests on a small prefill pool"
