@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # e2e_router.sh: the router end to end with real processes on 127.0.0.1 (ephemeral ports):
 # fixture greedy ids through the router in colocated and disaggregated mode and from
-# `kvfleet generate`; 64 concurrent streams; a client that disconnects mid-stream (the decode
-# pool returns to idle); a decode worker dead before the first token (retried elsewhere);
+# `kvfleet generate`; 64 concurrent streams (read on stream wake-ups); a client that
+# disconnects mid-stream (the decode pool returns to idle); a decode worker dead before the
+# first token (retried elsewhere);
 # `kvfleet up` serving and stopping cleanly. Every process is killed on exit.
 source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
@@ -126,6 +127,10 @@ print(sum(ok), "of 64 correct")
 sys.exit(0 if all(ok) else 1)
 EOF
         pass "64 concurrent streaming requests, mixed lengths, all correct"
+        # the router read those streams when they said they had something, not on a clock
+        w=$(metric "$RD" 'kvfleet_router_loop_wakeups_total{cause="stream"}')
+        [ "${w%.*}" -gt 0 ] 2>/dev/null || fail "the router streamed without a stream wake-up ('$w')"
+        pass "the router's loop woke on stream messages ($w passes)"
         # a client that disconnects after the first event: the decode pool returns to idle
         dadmin=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/dec-$m.out")
         $PY - "$RD" "$m" <<'EOF'
