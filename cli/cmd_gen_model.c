@@ -25,7 +25,7 @@ typedef struct genm_cfg {
 
 static const kvf_cfg_opt genm_opts[] = {
     {"out", NULL, "directory to write (created if missing; files in it are replaced)", offsetof(genm_cfg, out), KVF_CFG_STR},
-    {"preset", "tiny", "tiny (dim 64, 2 layers), small (~15M: dim 288, 6 layers), medium (~110M: dim 768, 12 layers)",
+    {"preset", "tiny", "tiny (dim 64, 2 layers), small (~15M: dim 288, 6 layers), medium (~110M: dim 768, 12 layers), 1b (~1.0B: dim 2048, 16 layers, 32/8 heads; for GPUs, with --dtype bf16)",
      offsetof(genm_cfg, preset), KVF_CFG_STR},
     {"dtype", "f32", "weight dtype: f32, bf16 or f16", offsetof(genm_cfg, dtype), KVF_CFG_STR},
     {"arch", "llama", "model_type to write: llama, mistral or qwen2 (qwen2 adds q/k/v biases)", offsetof(genm_cfg, arch), KVF_CFG_STR},
