@@ -38,7 +38,7 @@ static const kvf_cfg_opt up_opts[] = {
     {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
     {"host", "127.0.0.1", "the router's address", offsetof(up_cfg, host), KVF_CFG_STR},
     {"policy", "kv", "the router's policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
-    {"device", "cpu", "where the workers run: cpu or cuda (every worker on GPU 0; KV moves over cuda_ipc unless --xfer-backend says otherwise)", offsetof(up_cfg, device), KVF_CFG_STR},
+    {"device", "cpu", "where the workers run: cpu or cuda (every worker on GPU 0; KV moves over cuda_ipc unless --xfer-backend says otherwise; pools of 2G unless --kv-memory or --kv-blocks is given)", offsetof(up_cfg, device), KVF_CFG_STR},
     {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
     {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
     {NULL},
@@ -342,6 +342,13 @@ int kvf_cli_up(int argc, char **argv)
         if (k == 3 && role_has_flag(self, rname, "port"))
             wargs[k++] = "--port=0";
         wargs[k++] = device_arg; /* the workers pick the transport that fits (auto) */
+        /* a GPU pool: 2 GiB unless the pool is sized by flag or environment (the workers'
+         * 64 MiB default is for CPU-sized models and refuses medium's full context) */
+        bool sized = getenv("KVFLEET_KV_MEMORY") || getenv("KVFLEET_KV_BLOCKS");
+        for (int i = 0; i < n_fwd; i++)
+            sized = sized || strncmp(fwd[i], "--kv-memory", 11) == 0 || strncmp(fwd[i], "--kv-blocks", 11) == 0;
+        if (strcmp(c.device, "cuda") == 0 && !sized)
+            wargs[k++] = "--kv-memory=2G";
         for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
             if (strncmp(fwd[i], "--", 2) != 0)
                 continue;

@@ -56,6 +56,8 @@ else
     expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda
     expect nz "prefill: --device cuda: " -- "$BIN" prefill --model "$M" --device cuda --xfer-backend cuda_ipc
     expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --transport ucx --xfer-gpu-staging
+    # up passes --device to every worker and stops the fleet when they refuse it
+    expect nz "died before it was ready" -- "$BIN" up --device cuda --model "$M" --port 0
 fi
 [ $fail = 0 ] && echo "$n checks passed"
 exit $fail
