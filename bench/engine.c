@@ -19,9 +19,7 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/weights.h"
-#ifdef KVF_HAVE_CUDA
-#include "cuda/cuda.h"
-#endif
+#include "worker/worker.h"
 
 typedef struct engine_bench_cfg {
     const char *presets, *batches, *dir, *weights, *device;
@@ -102,28 +100,6 @@ static double decode_weight_bytes(const kvf_model_config *c, double bytes_per_pa
     if (!c->tie_embeddings)
         p -= (double)c->vocab_size * c->dim; /* the separate embedding table */
     return bytes_per_param * p;
-}
-
-/* The backend --device names; "cuda" needs a build with CUDA and a usable GPU. */
-static kvf_status pick_device(const char *device, const kvf_backend **out, kvf_err *err)
-{
-    if (!device || strcmp(device, "cpu") == 0) {
-        *out = kvf_model_backend_cpu();
-        return KVF_OK;
-    }
-    if (strcmp(device, "cuda") == 0) {
-#ifdef KVF_HAVE_CUDA
-        char why[256];
-        if (!kvf_cuda_available(why, sizeof why))
-            return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "bench engine: --device cuda: %s", why);
-        *out = kvf_cuda_backend();
-        return KVF_OK;
-#else
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
-                           "bench engine: --device cuda: this kvfleet was built without CUDA (nvcc was not found when it was configured)");
-#endif
-    }
-    return kvf_err_set(err, KVF_ERR_INVALID, "bench engine: --device=%s is not known (use cpu or cuda)", device);
 }
 
 static kvf_status write_model(const char *dir, const char *preset, const engine_bench_cfg *bc,
@@ -240,7 +216,7 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 2;
     }
     const kvf_backend *be = NULL;
-    if ((st = pick_device(bc.device, &be, &err)) != KVF_OK) {
+    if ((st = kvf_worker_device_pick(bc.device, "bench engine", &be, NULL, &err)) != KVF_OK) {
         fprintf(stderr, "kvfleet: %s\n", err.msg);
         return 2;
     }

@@ -21,9 +21,7 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
-#ifdef KVF_HAVE_CUDA
-#include "cuda/cuda.h"
-#endif
+#include "worker/worker.h"
 
 typedef struct gen_cfg {
     const char *model, *prompt_ids, *prompt, *kv_dtype, *device;
@@ -68,28 +66,6 @@ static const kvf_cfg_spec gen_spec = {
     .opts = gen_opts,
 };
 
-/* The backend --device names; "cuda" needs a build with CUDA and a usable GPU. */
-static kvf_status pick_device(const char *device, const kvf_backend **out, kvf_err *err)
-{
-    if (!device || strcmp(device, "cpu") == 0) {
-        *out = kvf_model_backend_cpu();
-        return KVF_OK;
-    }
-    if (strcmp(device, "cuda") == 0) {
-#ifdef KVF_HAVE_CUDA
-        char why[256];
-        if (!kvf_cuda_available(why, sizeof why))
-            return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "generate: --device cuda: %s", why);
-        *out = kvf_cuda_backend();
-        return KVF_OK;
-#else
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
-                           "generate: --device cuda: this kvfleet was built without CUDA (nvcc was not found when it was configured)");
-#endif
-    }
-    return kvf_err_set(err, KVF_ERR_INVALID, "generate: --device=%s is not known (use cpu or cuda)", device);
-}
-
 /* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
                            int32_t context)
@@ -127,7 +103,7 @@ int kvf_cli_generate(int argc, char **argv)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-k-scale (%g) and --kv-v-scale (%g) must be positive and finite",
                                         c.kv_k_scale, c.kv_v_scale), &err);
     const kvf_backend *be = NULL;
-    if ((st = pick_device(c.device, &be, &err)) != KVF_OK)
+    if ((st = kvf_worker_device_pick(c.device, "generate", &be, NULL, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
 
     if (c.temperature < 0 || c.top_p <= 0 || c.top_p > 1 || c.top_k < 0)

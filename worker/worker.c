@@ -710,28 +710,29 @@ static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, cons
     return KVF_OK;
 }
 
-/* The backend --device names, and the GPU ops table for the transport (NULL on cpu). */
-static kvf_status pick_device(const kvf_worker_cfg *cfg, const char *rn, const kvf_backend **be_out,
-                              const kvf_xfer_gpu **gpu_out, kvf_err *err)
+kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
+                                  const kvf_xfer_gpu **gpu_out, kvf_err *err)
 {
-    const char *d = cfg->device ? cfg->device : "cpu";
+    const char *d = device ? device : "cpu";
+    if (gpu_out)
+        *gpu_out = NULL;
     if (strcmp(d, "cpu") == 0) {
         *be_out = kvf_model_backend_cpu();
-        *gpu_out = NULL;
         return KVF_OK;
     }
     if (strcmp(d, "cuda") != 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device=%s is not known (use cpu or cuda)", rn, d);
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device=%s is not known (use cpu or cuda)", who, d);
 #ifdef KVF_HAVE_CUDA
     char why[256] = "";
     if (!kvf_cuda_available(why, sizeof why))
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: %s", rn, why);
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: %s", who, why);
     *be_out = kvf_cuda_backend();
-    *gpu_out = kvf_cuda_xfer_gpu();
+    if (gpu_out)
+        *gpu_out = kvf_cuda_xfer_gpu();
     return KVF_OK;
 #else
     return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: this kvfleet was built without "
-                       "CUDA (nvcc was not found when it was configured)", rn);
+                       "CUDA (nvcc was not found when it was configured)", who);
 #endif
 }
 
@@ -758,7 +759,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         return st;
     const kvf_backend *be = NULL;
     const kvf_xfer_gpu *gpu = NULL;
-    if ((st = pick_device(cfg, rn, &be, &gpu, err)) != KVF_OK)
+    if ((st = kvf_worker_device_pick(cfg->device, rn, &be, &gpu, err)) != KVF_OK)
         return st;
     if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
         (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)

@@ -174,6 +174,12 @@ typedef struct kvf_worker_load {
 } kvf_worker_load;
 void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out);
 
+/* The backend a --device name selects (NULL or "cpu": the CPU backend; "cuda": the GPU, which
+ * needs a build with CUDA and a usable device) and, when gpu_out is not NULL, the GPU ops table
+ * for the transport (NULL on cpu). Errors start with who ("generate", "bench engine"). */
+kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
+                                  const kvf_xfer_gpu **gpu_out, kvf_err *err);
+
 /* Reads a HOST:PORT; errors name the flag. */
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,
                                      int *port_out, kvf_err *err);
