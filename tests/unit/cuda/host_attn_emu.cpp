@@ -28,114 +28,23 @@ extern "C" {
 }
 #include "test_attn_cases.h"
 
-/* ---- the emulated CUDA built-ins */
-namespace emu {
-struct idx3 {
-    unsigned x, y, z;
-};
-thread_local idx3 tid, bid;
-idx3 bdim, gdim;
-pthread_barrier_t cta_bar;
-pthread_barrier_t warp_bar[32];
-float xchg[32][32];
-
-inline void syncthreads()
-{
-    pthread_barrier_wait(&cta_bar);
-}
-
-/* every lane of the warp calls this in the same order, as on the GPU */
-inline float shfl_xor(float v, int o)
-{
-    unsigned w = tid.x / 32, l = tid.x % 32;
-    xchg[w][l] = v;
-    pthread_barrier_wait(&warp_bar[w]);
-    float r = xchg[w][l ^ (unsigned)o];
-    pthread_barrier_wait(&warp_bar[w]);
-    return r;
-}
-
-inline float u2f(unsigned u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-} /* namespace emu */
+#include "cuda_emu.h"
 
 using std::max;
 using std::min;
 
-#undef __global__
-#define __global__
-#undef __device__
-#define __device__
-#undef __shared__
-#define __shared__ static
-#undef __forceinline__
-#define __forceinline__ inline
-#undef __launch_bounds__
-#define __launch_bounds__(...)
-#define threadIdx emu::tid
-#define blockIdx emu::bid
-#define blockDim emu::bdim
-#define gridDim emu::gdim
-#define __syncthreads() emu::syncthreads()
-#define __shfl_xor_sync(mask, v, o) emu::shfl_xor((v), (o))
-#define __ldg(p) (*(p))
-#define __uint_as_float(u) emu::u2f(u)
 #define KVF_ATTN_HOST_EMU 1
 #include "cuda/attn.cu"
 
-/* ---- launching a grid: CTAs one after another, each CTA's threads at once */
-struct emu_thread_arg {
-    attn_fn part; /* the partition kernel, or nullptr for the reduce */
-    const attn_args *a;
-    int hd;
-    emu::idx3 t, b;
-};
-
-static void *emu_thread(void *arg)
-{
-    const emu_thread_arg *x = static_cast<const emu_thread_arg *>(arg);
-    emu::tid = x->t;
-    emu::bid = x->b;
-    if (x->part)
-        x->part(*x->a);
-    else
-        attn_reduce_kernel(*x->a, x->hd);
-    return nullptr;
-}
-
+/* One kernel of attn.cu as a grid: the partition kernel part, or (part nullptr) the reduce. */
 static void emu_launch(attn_fn part, const attn_args &a, int hd, emu::idx3 grid, unsigned nt)
 {
-    emu::gdim = grid;
-    emu::bdim = {nt, 1, 1};
-    emu_thread_arg *args = new emu_thread_arg[nt];
-    pthread_t *th = new pthread_t[nt];
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setstacksize(&attr, 1 << 20);
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                pthread_barrier_init(&emu::cta_bar, nullptr, nt);
-                for (unsigned w = 0; w * 32 < nt; w++)
-                    pthread_barrier_init(&emu::warp_bar[w], nullptr, min(32u, nt - 32 * w));
-                for (unsigned i = 0; i < nt; i++) {
-                    args[i] = {part, &a, hd, {i, 0, 0}, {x, y, z}};
-                    if (pthread_create(&th[i], &attr, emu_thread, &args[i]) != 0)
-                        fail_msg("pthread_create failed for thread %u", i);
-                }
-                for (unsigned i = 0; i < nt; i++)
-                    pthread_join(th[i], nullptr);
-                pthread_barrier_destroy(&emu::cta_bar);
-                for (unsigned w = 0; w * 32 < nt; w++)
-                    pthread_barrier_destroy(&emu::warp_bar[w]);
-            }
-    pthread_attr_destroy(&attr);
-    delete[] th;
-    delete[] args;
+    emu::launch(grid, nt, 1 << 20, [&] {
+        if (part)
+            part(a);
+        else
+            attn_reduce_kernel(a, hd);
+    });
 }
 
 /* kvf_cuda_attention with the kernels run by emu_launch; p's pointers are host memory. */

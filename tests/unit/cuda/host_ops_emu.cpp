@@ -29,65 +29,8 @@ extern "C" {
 #include "sample_ref.h"
 }
 
-/* ---- the emulated CUDA built-ins */
-namespace emu {
-struct idx3 {
-    unsigned x, y, z;
-};
-thread_local idx3 tid, bid;
-idx3 bdim, gdim;
-pthread_barrier_t cta_bar;
-pthread_barrier_t warp_bar[32];
-float xchg[32][32];
+#include "cuda_emu.h"
 
-inline void syncthreads()
-{
-    pthread_barrier_wait(&cta_bar);
-}
-
-/* every lane of a warp calls this in the same order, as on the GPU */
-inline float shfl_xor(float v, int o)
-{
-    unsigned w = tid.x / 32, l = tid.x % 32;
-    xchg[w][l] = v;
-    pthread_barrier_wait(&warp_bar[w]);
-    float r = xchg[w][l ^ (unsigned)o];
-    pthread_barrier_wait(&warp_bar[w]);
-    return r;
-}
-
-inline unsigned f2u(float f)
-{
-    unsigned u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-inline int amax(int *p, int v)
-{
-    int old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-    while (v > old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-    }
-    return old;
-}
-} /* namespace emu */
-
-#undef __global__
-#define __global__
-#undef __device__
-#define __device__
-#undef __shared__
-#define __shared__ static
-#undef __forceinline__
-#define __forceinline__ inline
-#define threadIdx emu::tid
-#define blockIdx emu::bid
-#define blockDim emu::bdim
-#define gridDim emu::gdim
-#define __syncthreads() emu::syncthreads()
-#define __shfl_xor_sync(mask, v, o) emu::shfl_xor((v), (o))
-#define __float_as_uint(f) emu::f2u(f)
-#define atomicMax(p, v) emu::amax((p), (v))
 #define rsqrtf(x) (1.0f / sqrtf(x))
 #define KVF_CUDA_HOST_EMU 1
 #include "cuda/argmax.cu"
@@ -99,50 +42,10 @@ inline int amax(int *p, int v)
 #include "cuda/rope.cu"
 #include "cuda/sample.cu"
 
-/* ---- launching a grid: CTAs one after another, each CTA's threads at once */
-struct emu_arg {
-    const std::function<void()> *body;
-    emu::idx3 t, b;
-};
-
-static void *emu_thread(void *p)
-{
-    const emu_arg *a = static_cast<const emu_arg *>(p);
-    emu::tid = a->t;
-    emu::bid = a->b;
-    (*a->body)();
-    return nullptr;
-}
-
+/* A grid of CTAs of nt threads running body, 256 KiB of stack per thread. */
 static void emu_launch(emu::idx3 grid, unsigned nt, const std::function<void()> &body)
 {
-    emu::gdim = grid;
-    emu::bdim = {nt, 1, 1};
-    emu_arg *args = new emu_arg[nt];
-    pthread_t *th = new pthread_t[nt];
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setstacksize(&attr, 256 << 10);
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                pthread_barrier_init(&emu::cta_bar, nullptr, nt);
-                for (unsigned w = 0; w * 32 < nt; w++)
-                    pthread_barrier_init(&emu::warp_bar[w], nullptr, nt - 32 * w < 32 ? nt - 32 * w : 32);
-                for (unsigned i = 0; i < nt; i++) {
-                    args[i] = {&body, {i, 0, 0}, {x, y, z}};
-                    if (pthread_create(&th[i], &attr, emu_thread, &args[i]) != 0)
-                        fail_msg("pthread_create failed for thread %u", i);
-                }
-                for (unsigned i = 0; i < nt; i++)
-                    pthread_join(th[i], nullptr);
-                pthread_barrier_destroy(&emu::cta_bar);
-                for (unsigned w = 0; w * 32 < nt; w++)
-                    pthread_barrier_destroy(&emu::warp_bar[w]);
-            }
-    pthread_attr_destroy(&attr);
-    delete[] th;
-    delete[] args;
+    emu::launch(grid, nt, 256 << 10, body);
 }
 
 /* ---- helpers */
