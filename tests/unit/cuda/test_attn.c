@@ -110,24 +110,10 @@ static void run_case(const attn_case_spec *s)
 static void test_matches_cpu(void **state)
 {
     (void)state;
-    static const kvf_dtype dts[] = {KVF_DTYPE_F32, KVF_DTYPE_F16, KVF_DTYPE_BF16,
-                                    KVF_DTYPE_FP8_E4M3};
-    static const int32_t groups[] = {1, 2, 8}, windows[] = {0, 37, 300};
-    static const int32_t hds[] = {16, 32, 64, 128, 256}, bss[] = {8, 16, 32, 1, 64};
-    uint32_t seed = 1;
-    for (size_t d = 0; d < 4; d++)
-        for (size_t g = 0; g < 3; g++)
-            for (size_t w = 0; w < 3; w++, seed++) {
-                attn_case_spec s = {.head_dim = hds[seed % 5], .block_size = bss[(seed / 5) % 5],
-                                    .n_kv_heads = groups[g] == 8 ? 1 : 2, .group = groups[g],
-                                    .window = windows[w], .dtype = dts[d], .k_scale = 1.0f,
-                                    .v_scale = 1.0f, .scale_mul = (seed % 3) ? 1.0f : 6.0f,
-                                    .n_seqs = 5, .max_len = 300 + (int32_t)(seed * 37 % 400),
-                                    .extra_ctx = (int32_t)(seed * 13 % 300), .seed = seed};
-                if (dts[d] == KVF_DTYPE_FP8_E4M3)
-                    s.k_scale = 0.37f, s.v_scale = 2.5f;
-                run_case(&s);
-            }
+    attn_case_spec specs[ATTN_SWEEP_N];
+    attn_case_sweep(specs);
+    for (int i = 0; i < ATTN_SWEEP_N; i++)
+        run_case(&specs[i]);
 }
 
 /* Every head_dim x dtype with the fixture models' block size and GQA 2 and 4 (the kernels

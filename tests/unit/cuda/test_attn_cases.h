@@ -50,6 +50,32 @@ static inline float attn_rng_unit(uint32_t *s) /* uniform in [-1, 1) */
     return (float)(attn_rng(s) >> 8) / (float)(1u << 23) - 1.0f;
 }
 
+/* The sweep the split algorithm and the GPU kernel both run: every dtype x GQA group 1/2/8 x
+ * window off/short/long, cycling head_dim and block size, contexts up to 700 (three partitions)
+ * and max_ctx beyond the longest sequence. Fills out with ATTN_SWEEP_N specs (seeds 1 on). */
+enum { ATTN_SWEEP_N = 4 * 3 * 3 };
+static inline void attn_case_sweep(attn_case_spec out[ATTN_SWEEP_N])
+{
+    static const kvf_dtype dts[] = {KVF_DTYPE_F32, KVF_DTYPE_F16, KVF_DTYPE_BF16,
+                                    KVF_DTYPE_FP8_E4M3};
+    static const int32_t groups[] = {1, 2, 8}, windows[] = {0, 37, 300};
+    static const int32_t hds[] = {16, 32, 64, 128, 256}, bss[] = {8, 16, 32, 1, 64};
+    uint32_t seed = 1;
+    for (size_t d = 0; d < 4; d++)
+        for (size_t g = 0; g < 3; g++)
+            for (size_t w = 0; w < 3; w++, seed++) {
+                attn_case_spec s = {.head_dim = hds[seed % 5], .block_size = bss[(seed / 5) % 5],
+                                    .n_kv_heads = groups[g] == 8 ? 1 : 2, .group = groups[g],
+                                    .window = windows[w], .dtype = dts[d], .k_scale = 1.0f,
+                                    .v_scale = 1.0f, .scale_mul = (seed % 3) ? 1.0f : 6.0f,
+                                    .n_seqs = 5, .max_len = 300 + (int32_t)(seed * 37 % 400),
+                                    .extra_ctx = (int32_t)(seed * 13 % 300), .seed = seed};
+                if (dts[d] == KVF_DTYPE_FP8_E4M3)
+                    s.k_scale = 0.37f, s.v_scale = 2.5f;
+                out[seed - 1] = s;
+            }
+}
+
 static inline void attn_case_free(attn_case *c)
 {
     free(c->pool);
