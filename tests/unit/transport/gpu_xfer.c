@@ -25,18 +25,14 @@
 #include "cuda/cuda.h"
 #include "cuda/xfer_gpu.h"
 #include "peer_proto.h"
+#include "peer_test.h"
 
 extern char **environ;
 
-#define MS 1000000LL
-#define SEC 1000000000LL
 #define LAYERS 4
 #define BLOCKS 64
 enum { MSG_HELLO = 8 }; /* sender -> receiver: the nccl hello */
 
-static peer_msg msg;
-static pid_t child = -1;
-static int child_fd = -1;
 static const char *self_path;
 
 /* ---- device pools ---- */
@@ -149,15 +145,10 @@ static int child_main(int fd, const char *role, const char *backend, int device)
         if (r == 1 && msg.type == MSG_HELLO && kvf_xfer_accept(x, msg.data, msg.len, &err) != KVF_OK)
             fprintf(stderr, "gpu_xfer child: accept: %s\n", err.msg);
         if (r == 1 && (msg.type == MSG_EXPECT || msg.type == MSG_WRITE)) {
-            size_t off = 0;
             uint64_t id;
             int64_t timeout_ms;
-            uint32_t n, die_after = 0;
-            PEER_GET(msg.data, off, id);
-            PEER_GET(msg.data, off, timeout_ms);
-            if (msg.type == MSG_WRITE)
-                PEER_GET(msg.data, off, die_after);
-            PEER_GET(msg.data, off, n);
+            uint32_t n, die_after;
+            size_t off = peer_get_transfer(&msg, &id, &timeout_ms, &die_after, &n);
             int64_t dl = kvf_now_ns() + timeout_ms * MS;
             if (msg.type == MSG_EXPECT && n_pend < 16 && n <= BLOCKS) {
                 pend[n_pend].id = id;
@@ -175,14 +166,8 @@ static int child_main(int fd, const char *role, const char *backend, int device)
                                                n, dl, &err);
                 if (die_after)
                     kill(getpid(), SIGKILL);
-                if (st != KVF_OK) {
-                    uint8_t out[12];
-                    size_t o = 0;
-                    int32_t s32 = st;
-                    PEER_PUT(out, o, id);
-                    PEER_PUT(out, o, s32);
-                    peer_send(fd, MSG_SENT, out, (uint32_t)o);
-                }
+                if (st != KVF_OK)
+                    peer_send_sent(fd, id, st);
             }
         }
         kvf_xfer_event ev;
@@ -237,16 +222,7 @@ static int spawn_child(const char *role, const char *backend, int device)
 
 static int reap_child(void)
 {
-    int ws = 0;
-    if (child > 0) {
-        kill(child, SIGKILL);
-        waitpid(child, &ws, 0);
-    }
-    if (child_fd >= 0)
-        close(child_fd);
-    child = -1;
-    child_fd = -1;
-    return ws;
+    return peer_reap(NULL);
 }
 
 static int teardown(void **state)
@@ -254,30 +230,6 @@ static int teardown(void **state)
     reap_child();
     kvf_log_set_level(KVF_LOG_INFO);
     return 0;
-}
-
-static void expect_msg(int fd, kvf_xfer *x, uint32_t want, int64_t timeout_ns)
-{
-    int r = peer_recv(fd, x, &msg, kvf_now_ns() + timeout_ns);
-    if (r != 1 || msg.type != want)
-        fail_msg("waited for message %u: got %s (type %u)", want,
-                 r == 0 ? "nothing" : r < 0 ? "a closed socket" : "another", msg.type);
-}
-
-static void send_pairs(int fd, uint32_t type, uint64_t id, int64_t timeout_ms, int die,
-                       const kvf_xfer_pair *pairs, uint32_t n)
-{
-    static uint8_t buf[PEER_MAX_MSG];
-    size_t off = 0;
-    uint32_t d = (uint32_t)die;
-    PEER_PUT(buf, off, id);
-    PEER_PUT(buf, off, timeout_ms);
-    if (type == MSG_WRITE)
-        PEER_PUT(buf, off, d);
-    PEER_PUT(buf, off, n);
-    memcpy(buf + off, pairs, n * sizeof *pairs);
-    off += n * sizeof *pairs;
-    assert_int_equal(peer_send(fd, type, buf, (uint32_t)off), 0);
 }
 
 /* Which device the child uses: cuda_ipc shares device 0; nccl needs a second GPU. Returns -1

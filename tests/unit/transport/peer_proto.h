@@ -141,4 +141,29 @@ static inline int peer_recv(int fd, kvf_xfer *x, peer_msg *m, int64_t deadline_n
 #define PEER_PUT(buf, off, v) (memcpy((buf) + (off), &(v), sizeof(v)), (off) += sizeof(v))
 #define PEER_GET(buf, off, v) (memcpy(&(v), (buf) + (off), sizeof(v)), (off) += sizeof(v))
 
+/* The head of a MSG_EXPECT or MSG_WRITE in m: its id, timeout, die flag (MSG_WRITE only, else
+ * 0) and pair count; returns the offset of the n pairs that follow. */
+static inline size_t peer_get_transfer(const peer_msg *m, uint64_t *id, int64_t *timeout_ms,
+                                       uint32_t *die, uint32_t *n)
+{
+    size_t off = 0;
+    *die = 0;
+    PEER_GET(m->data, off, *id);
+    PEER_GET(m->data, off, *timeout_ms);
+    if (m->type == MSG_WRITE)
+        PEER_GET(m->data, off, *die);
+    PEER_GET(m->data, off, *n);
+    return off;
+}
+
+/* A MSG_SENT for transfer id with status st. */
+static inline int peer_send_sent(int fd, uint64_t id, int32_t st)
+{
+    uint8_t out[12];
+    size_t o = 0;
+    PEER_PUT(out, o, id);
+    PEER_PUT(out, o, st);
+    return peer_send(fd, MSG_SENT, out, (uint32_t)o);
+}
+
 #endif

@@ -23,15 +23,9 @@
 #include "kv/hash.h"
 #include "kv/pool.h"
 #include "peer_proto.h"
+#include "peer_test.h"
 
 extern char **environ;
-
-#define MS 1000000LL
-#define SEC 1000000000LL
-
-static peer_msg msg;
-static pid_t child = -1;
-static int child_fd = -1;
 
 /* Starts xfer_peer with one end of a socketpair; returns our end. */
 static int spawn_peer(const char *role, const char *transport, int n_layers, int n_blocks)
@@ -57,16 +51,7 @@ static int spawn_peer(const char *role, const char *transport, int n_layers, int
 /* Kills and reaps the child (if still there); returns its wait status. */
 static int reap_peer(void)
 {
-    int ws = 0;
-    if (child > 0) {
-        kill(child, SIGKILL);
-        waitpid(child, &ws, 0);
-    }
-    if (child_fd >= 0)
-        close(child_fd);
-    child = -1;
-    child_fd = -1;
-    return ws;
+    return peer_reap(NULL);
 }
 
 static int teardown(void **state)
@@ -152,122 +137,17 @@ static kvf_xfer *make_xfer(const char *transport, int n_layers, int n_blocks, bo
     return x;
 }
 
-/* Waits for a message of type want, progressing x meanwhile. */
-static void expect_msg(int fd, kvf_xfer *x, uint32_t want, int64_t timeout_ns)
-{
-    int r = peer_recv(fd, x, &msg, kvf_now_ns() + timeout_ns);
-    if (r != 1 || msg.type != want)
-        fail_msg("waited for message %u: got %s (type %u)", want,
-                 r == 0 ? "nothing" : r < 0 ? "a closed socket" : "another", msg.type);
-}
-
-static void send_pairs(int fd, uint32_t type, uint64_t id, int64_t timeout_ms, int die,
-                       const kvf_xfer_pair *pairs, uint32_t n)
-{
-    static uint8_t buf[PEER_MAX_MSG];
-    size_t off = 0;
-    uint32_t d = (uint32_t)die;
-    PEER_PUT(buf, off, id);
-    PEER_PUT(buf, off, timeout_ms);
-    if (type == MSG_WRITE)
-        PEER_PUT(buf, off, d);
-    PEER_PUT(buf, off, n);
-    memcpy(buf + off, pairs, n * sizeof *pairs);
-    off += n * sizeof *pairs;
-    assert_int_equal(peer_send(fd, type, buf, (uint32_t)off), 0);
-}
-
-static kvf_xfer_peer *connect_from_msg(kvf_xfer *x)
-{
-    assert_int_equal(msg.type, MSG_DESC);
-    kvf_xfer_peer *p = NULL;
-    kvf_err err = {0};
-    if (kvf_xfer_connect(x, msg.data, msg.len, &p, &err) != KVF_OK)
-        fail_msg("connect: %s", err.msg);
-    /* Wire-up first, so "mid-transfer" below means mid-transfer, not mid-connect. */
-    int64_t until = kvf_now_ns() + 20 * SEC;
-    while (kvf_xfer_peer_status(p) == KVF_ERR_BUSY && kvf_now_ns() < until)
-        kvf_xfer_progress(x);
-    assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
-    return p;
-}
-
 /* Random lists, three transfers in flight at once, each verified by the receiver. */
 static void random_lists(const char *transport)
 {
-    enum { SRC_BLOCKS = 96, DST_BLOCKS = 64, ROUNDS = 10, BATCH = 3 };
+    enum { SRC_BLOCKS = PEER_SRC_BLOCKS, DST_BLOCKS = PEER_DST_BLOCKS, BATCH = PEER_BATCH,
+           ROUNDS = 10 };
     int fd = spawn_peer("recv", transport, 2, DST_BLOCKS);
     uint8_t *mem;
     kvf_xfer *x = make_xfer(transport, 2, SRC_BLOCKS, true, &mem);
     expect_msg(fd, x, MSG_DESC, 20 * SEC);
     kvf_xfer_peer *p = connect_from_msg(x);
-    kvf_err err = {0};
-    srand(1234);
-    uint64_t id = 1;
-    for (int round = 0; round < ROUNDS; round++) {
-        int perm[DST_BLOCKS / BATCH];
-        for (int i = 0; i < DST_BLOCKS / BATCH; i++)
-            perm[i] = i;
-        for (int i = DST_BLOCKS / BATCH - 1; i > 0; i--) {
-            int j = rand() % (i + 1), t = perm[i];
-            perm[i] = perm[j];
-            perm[j] = t;
-        }
-        /* Disjoint destinations within a batch: each transfer gets its own slice. */
-        kvf_xfer_pair pairs[BATCH][DST_BLOCKS];
-        uint32_t n[BATCH];
-        for (int t = 0; t < BATCH; t++) {
-            n[t] = 1 + (uint32_t)(rand() % (DST_BLOCKS / BATCH));
-            int s0 = rand() % SRC_BLOCKS;
-            bool runs = rand() % 2;
-            for (uint32_t i = 0; i < n[t]; i++) {
-                /* A run fills the slice in order; otherwise the slice is visited shuffled. */
-                int d = t * (DST_BLOCKS / BATCH) + (runs ? (int)i : perm[i]);
-                pairs[t][i].dst = d;
-                pairs[t][i].src = runs ? (s0 + (int)i) % SRC_BLOCKS : rand() % SRC_BLOCKS;
-            }
-            send_pairs(fd, MSG_EXPECT, id + t, 20000, 0, pairs[t], n[t]);
-        }
-        for (int t = 0; t < BATCH; t++)
-            expect_msg(fd, x, MSG_READY, 20 * SEC);
-        for (int t = 0; t < BATCH; t++)
-            assert_int_equal(kvf_xfer_write(x, p, id + t, pairs[t], n[t],
-                                            kvf_now_ns() + 20 * SEC, &err), KVF_OK);
-        int sent = 0, results = 0;
-        int64_t until = kvf_now_ns() + 30 * SEC;
-        while ((sent < BATCH || results < BATCH) && kvf_now_ns() < until) {
-            kvf_xfer_event ev;
-            while (kvf_xfer_poll(x, &ev)) {
-                assert_int_equal(ev.kind, KVF_XFER_SENT);
-                assert_true(ev.id >= id && ev.id < id + BATCH);
-                if (ev.status != KVF_OK)
-                    fail_msg("transfer %llu: %s", (unsigned long long)ev.id,
-                             kvf_status_str(ev.status));
-                sent++;
-            }
-            int r = peer_recv(fd, x, &msg, kvf_now_ns() + 20 * MS);
-            assert_true(r >= 0);
-            if (r == 1) {
-                assert_int_equal(msg.type, MSG_RESULT);
-                size_t off = 0;
-                uint64_t rid;
-                int32_t st;
-                int64_t bad;
-                PEER_GET(msg.data, off, rid);
-                PEER_GET(msg.data, off, st);
-                PEER_GET(msg.data, off, bad);
-                assert_true(rid >= id && rid < id + BATCH);
-                assert_int_equal(st, KVF_OK);
-                if (bad != 0)
-                    fail_msg("transfer %llu: %lld bytes differ at the receiver",
-                             (unsigned long long)rid, (long long)bad);
-                results++;
-            }
-        }
-        assert_int_equal(sent, BATCH);
-        assert_int_equal(results, BATCH);
-        id += BATCH;
-    }
+    peer_random_rounds(fd, x, p, 1234, ROUNDS);
     kvf_xfer_stats s;
     kvf_xfer_stats_get(x, &s);
     assert_int_equal(s.sent_ok, ROUNDS * BATCH);

@@ -98,15 +98,10 @@ int main(int argc, char **argv)
         if (r == 1 && msg.type == MSG_QUIT)
             break;
         if (r == 1 && (msg.type == MSG_EXPECT || msg.type == MSG_WRITE)) {
-            size_t off = 0;
             uint64_t id;
             int64_t timeout_ms;
-            uint32_t n, die_after = 0;
-            PEER_GET(msg.data, off, id);
-            PEER_GET(msg.data, off, timeout_ms);
-            if (msg.type == MSG_WRITE)
-                PEER_GET(msg.data, off, die_after);
-            PEER_GET(msg.data, off, n);
+            uint32_t n, die_after;
+            size_t off = peer_get_transfer(&msg, &id, &timeout_ms, &die_after, &n);
             kvf_xfer_pair *pairs = malloc(n * sizeof *pairs);
             memcpy(pairs, msg.data + off, n * sizeof *pairs);
             int64_t dl = kvf_now_ns() + timeout_ms * MS;
@@ -126,14 +121,8 @@ int main(int argc, char **argv)
                 free(pairs);
                 if (die_after)
                     kill(getpid(), SIGKILL); /* mid-transfer: the puts are posted, no notice */
-                if (st != KVF_OK) {
-                    uint8_t out[12];
-                    size_t o = 0;
-                    int32_t s32 = st;
-                    PEER_PUT(out, o, id);
-                    PEER_PUT(out, o, s32);
-                    peer_send(fd, MSG_SENT, out, (uint32_t)o);
-                }
+                if (st != KVF_OK)
+                    peer_send_sent(fd, id, st);
             }
         }
         kvf_xfer_event ev;
