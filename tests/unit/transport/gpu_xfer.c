@@ -205,19 +205,11 @@ static int child_main(int fd, const char *role, const char *backend, int device)
 static int spawn_child(const char *role, const char *backend, int device)
 {
     int sv[2];
-    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
     char fd_s[16], dev_s[16];
-    snprintf(fd_s, sizeof fd_s, "%d", sv[1]);
+    peer_socketpair(sv, fd_s);
     snprintf(dev_s, sizeof dev_s, "%d", device);
     char *argv[] = {(char *)self_path, "child", fd_s, (char *)role, (char *)backend, dev_s, NULL};
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addclose(&fa, sv[0]);
-    assert_int_equal(posix_spawn(&child, self_path, &fa, NULL, argv, environ), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    close(sv[1]);
-    child_fd = sv[0];
-    return sv[0];
+    return peer_spawn(self_path, argv, sv);
 }
 
 static int reap_child(void)

@@ -1,14 +1,17 @@
 /* peer_test.h: the parent side the two-process transport tests share (test_procs.c, test_gpu.c,
- * gpu_xfer.c): the child's pid and socket, waiting for and sending peer_proto.h messages,
- * connecting from a received descriptor, reaping the child, and the random-lists rounds (batches
- * of transfers in flight at once, each verified by the receiver). Header-only; include after
- * cmocka's headers and peer_proto.h. */
+ * gpu_xfer.c): the child's pid and socket, starting and reaping it, waiting for and sending
+ * peer_proto.h messages, connecting from a received descriptor, and the random-lists rounds
+ * (batches of transfers in flight at once, each verified by the receiver). Header-only; include
+ * after cmocka's headers and peer_proto.h. */
 #ifndef KVF_TEST_PEER_TEST_H
 #define KVF_TEST_PEER_TEST_H
 
 #include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 
 #include "peer_proto.h"
@@ -19,6 +22,28 @@
 static peer_msg msg;
 static pid_t child = -1;
 static int child_fd = -1;
+
+extern char **environ;
+
+/* Opens the socketpair to a child; fd_s gets its end (sv[1]) as text for its command line. */
+static inline void peer_socketpair(int sv[2], char fd_s[16])
+{
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+    snprintf(fd_s, 16, "%d", sv[1]);
+}
+
+/* Starts bin with argv as the child, which keeps sv[1] and not sv[0]; returns our end. */
+static inline int peer_spawn(const char *bin, char *const argv[], int sv[2])
+{
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addclose(&fa, sv[0]);
+    assert_int_equal(posix_spawn(&child, bin, &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(sv[1]);
+    child_fd = sv[0];
+    return sv[0];
+}
 
 /* Kills and reaps the child (if still there), calling after_kill (when not NULL) with its pid
  * for what a killed child could not clean up; returns its wait status. */

@@ -30,21 +30,13 @@ static int spawn_peer(const char *role, const char *transport, int n_layers, int
                       bool staging)
 {
     int sv[2];
-    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
     char fd_s[16], layers_s[16], blocks_s[16];
-    snprintf(fd_s, sizeof fd_s, "%d", sv[1]);
+    peer_socketpair(sv, fd_s);
     snprintf(layers_s, sizeof layers_s, "%d", n_layers);
     snprintf(blocks_s, sizeof blocks_s, "%d", n_blocks);
     char *argv[] = {(char *)KVF_XFER_PEER_BIN, fd_s, (char *)role, (char *)transport, layers_s,
                     blocks_s, staging ? "staging" : NULL, NULL};
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addclose(&fa, sv[0]);
-    assert_int_equal(posix_spawn(&child, KVF_XFER_PEER_BIN, &fa, NULL, argv, environ), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    close(sv[1]);
-    child_fd = sv[0];
-    return sv[0];
+    return peer_spawn(KVF_XFER_PEER_BIN, argv, sv);
 }
 
 /* The shared memory of a killed child's "device" pool, which it could not remove. */
