@@ -1,8 +1,8 @@
 /* peer_test.h: the parent side the two-process transport tests share (test_procs.c, test_gpu.c,
  * gpu_xfer.c): the child's pid and socket, starting and reaping it, waiting for and sending
- * peer_proto.h messages, connecting from a received descriptor, and the random-lists rounds
- * (batches of transfers in flight at once, each verified by the receiver). Header-only; include
- * after cmocka's headers and peer_proto.h. */
+ * peer_proto.h messages, connecting from a received descriptor, the random-lists rounds
+ * (batches of transfers in flight at once, each verified by the receiver) and the write to a
+ * stopped receiver. Header-only; include after cmocka's headers and peer_proto.h. */
 #ifndef KVF_TEST_PEER_TEST_H
 #define KVF_TEST_PEER_TEST_H
 
@@ -102,6 +102,30 @@ static inline kvf_xfer_peer *connect_from_msg(kvf_xfer *x)
         kvf_xfer_progress(x);
     assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
     return p;
+}
+
+/* A receiver stopped mid-transfer: transfer 21 of blocks 0..n-1 one to one is expected by the
+ * child, which is stopped (SIGSTOP) once ready; then written with a 2 s deadline (the log set to
+ * errors only) and its event waited for up to 3 s past that. Returns the time from the write
+ * to the event, which is in ev. */
+static inline int64_t peer_stalled_write(int fd, kvf_xfer *x, kvf_xfer_peer *p, int n,
+                                         kvf_xfer_event *ev)
+{
+    kvf_xfer_pair *pairs = malloc((size_t)n * sizeof *pairs);
+    assert_non_null(pairs);
+    for (int i = 0; i < n; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = i};
+    send_pairs(fd, MSG_EXPECT, 21, 60000, 0, pairs, (uint32_t)n);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kill(child, SIGSTOP), 0);
+    kvf_err err = {0};
+    kvf_log_set_level(KVF_LOG_ERROR);
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 2 * SEC;
+    assert_int_equal(kvf_xfer_write(x, p, 21, pairs, (uint32_t)n, deadline, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(x, ev, deadline + 3 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    free(pairs);
+    return el;
 }
 
 enum { PEER_SRC_BLOCKS = 96, PEER_DST_BLOCKS = 64, PEER_BATCH = 3 };

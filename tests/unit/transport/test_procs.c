@@ -251,19 +251,8 @@ static void receiver_stalled(const char *transport)
     kvf_xfer *x = make_xfer(transport, LAYERS, BLOCKS, true, &mem);
     expect_msg(fd, x, MSG_DESC, 20 * SEC);
     kvf_xfer_peer *p = connect_from_msg(x);
-    kvf_xfer_pair pairs[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++)
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = i};
-    send_pairs(fd, MSG_EXPECT, 21, 60000, 0, pairs, BLOCKS);
-    expect_msg(fd, x, MSG_READY, 20 * SEC);
-    assert_int_equal(kill(child, SIGSTOP), 0);
-    kvf_err err = {0};
-    kvf_log_set_level(KVF_LOG_ERROR);
-    int64_t t0 = kvf_now_ns(), deadline = t0 + 2 * SEC;
-    assert_int_equal(kvf_xfer_write(x, p, 21, pairs, BLOCKS, deadline, &err), KVF_OK);
     kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 3 * SEC, &err), KVF_OK);
-    int64_t el = kvf_now_ns() - t0;
+    int64_t el = peer_stalled_write(fd, x, p, BLOCKS, &ev);
     assert_int_equal(ev.kind, KVF_XFER_SENT);
     assert_int_equal(ev.id, 21);
     if (ev.status != KVF_ERR_TIMEOUT && ev.status != KVF_ERR_PEER_LOST)
