@@ -310,13 +310,10 @@ static void random_pairs(const char *backend)
             }
             if (peer_recv(fd, x, &msg, kvf_now_ns() + 20 * MS) == 1) {
                 assert_int_equal(msg.type, MSG_RESULT);
-                size_t off = 0;
                 uint64_t rid;
                 int32_t st;
                 int64_t bad;
-                PEER_GET(msg.data, off, rid);
-                PEER_GET(msg.data, off, st);
-                PEER_GET(msg.data, off, bad);
+                peer_get_result(&msg, &rid, &st, &bad);
                 assert_int_equal(rid, id);
                 assert_int_equal(st, KVF_OK);
                 if (bad != 0)
@@ -331,10 +328,7 @@ static void random_pairs(const char *backend)
     kvf_xfer_disconnect(x, p);
     kvf_xfer_destroy(x);
     cudaFree(dev);
-    int ws = 0;
-    waitpid(child, &ws, 0);
-    child = -1;
-    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    peer_wait_exit_ok();
 }
 
 static void receiver_killed(const char *backend)

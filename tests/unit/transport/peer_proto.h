@@ -156,6 +156,15 @@ static inline size_t peer_get_transfer(const peer_msg *m, uint64_t *id, int64_t 
     return off;
 }
 
+/* The fields of a MSG_RESULT in m: transfer id, status, bytes that differed. */
+static inline void peer_get_result(const peer_msg *m, uint64_t *id, int32_t *st, int64_t *bad)
+{
+    size_t off = 0;
+    PEER_GET(m->data, off, *id);
+    PEER_GET(m->data, off, *st);
+    PEER_GET(m->data, off, *bad);
+}
+
 /* A MSG_SENT for transfer id with status st. */
 static inline int peer_send_sent(int fd, uint64_t id, int32_t st)
 {

@@ -63,6 +63,15 @@ static inline int peer_reap(void (*after_kill)(pid_t pid))
     return ws;
 }
 
+/* Waits for the child to exit by itself (after MSG_QUIT) and checks it exited with 0. */
+static inline void peer_wait_exit_ok(void)
+{
+    int ws = 0;
+    waitpid(child, &ws, 0);
+    child = -1;
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+}
+
 /* Waits for a message of type want, progressing x meanwhile. */
 static inline void expect_msg(int fd, kvf_xfer *x, uint32_t want, int64_t timeout_ns)
 {
@@ -186,13 +195,10 @@ static inline void peer_random_rounds(int fd, kvf_xfer *x, kvf_xfer_peer *p, uns
             assert_true(r >= 0);
             if (r == 1) {
                 assert_int_equal(msg.type, MSG_RESULT);
-                size_t off = 0;
                 uint64_t rid;
                 int32_t st;
                 int64_t bad;
-                PEER_GET(msg.data, off, rid);
-                PEER_GET(msg.data, off, st);
-                PEER_GET(msg.data, off, bad);
+                peer_get_result(&msg, &rid, &st, &bad);
                 assert_true(rid >= id && rid < id + BATCH);
                 assert_int_equal(st, KVF_OK);
                 if (bad != 0)

@@ -407,10 +407,7 @@ static void random_lists(const char *transport, bool child_staging)
     kvf_xfer_disconnect(x, p);
     kvf_xfer_destroy(x);
     free_gpu_mem(transport, mem);
-    int ws = 0;
-    waitpid(child, &ws, 0);
-    child = -1;
-    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    peer_wait_exit_ok();
 }
 
 static void test_cudaipc_random_lists(void **state)
@@ -502,13 +499,10 @@ static void test_cudaipc_cancel(void **state)
     assert_int_equal(ev.id, 6);
     assert_int_equal(ev.status, KVF_OK);
     expect_msg(fd, x, MSG_RESULT, 20 * SEC);
-    size_t off = 0;
     uint64_t rid;
     int32_t st;
     int64_t bad;
-    PEER_GET(msg.data, off, rid);
-    PEER_GET(msg.data, off, st);
-    PEER_GET(msg.data, off, bad);
+    peer_get_result(&msg, &rid, &st, &bad);
     assert_int_equal(rid, 6);
     assert_int_equal(st, KVF_OK);
     assert_int_equal(bad, 0);

@@ -149,10 +149,7 @@ static void random_lists(const char *transport)
     kvf_xfer_disconnect(x, p);
     kvf_xfer_destroy(x);
     free(mem);
-    int ws = 0;
-    waitpid(child, &ws, 0); /* it exits by itself after QUIT */
-    child = -1;
-    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    peer_wait_exit_ok();
 }
 
 static void test_random_lists_tcp(void **state)
