@@ -7,44 +7,7 @@
 # `kvfleet up` serving and stopping cleanly. Every process is killed on exit.
 source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
-PY=/usr/bin/python3
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-
-# start NAME ARGS...: runs `kvfleet ARGS` in the background, waits (30 s) for its ready line and
-# sets ADDR to the address after grpc= or http= in it, PID to its pid.
-start() {
-    local name=$1; shift
-    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    PID=$!
-    PIDS+=("$PID")
-    for _ in $(seq 300); do
-        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
-            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
-            return 0
-        fi
-        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
-        sleep 0.1
-    done
-    fail "$name not ready in 30 s"
-}
-
-# wait_ready URL: /ready answers 200 within 10 s.
-wait_ready() {
-    for _ in $(seq 100); do
-        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
-        sleep 0.1
-    done
-    fail "$1/ready never said 200"
-}
-
-metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
+source "$(dirname "$0")/fleet.sh"
 
 # check_fixture URL MODEL STREAM: every case of the model's expected.json through the router.
 check_fixture() {

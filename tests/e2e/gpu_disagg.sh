@@ -5,15 +5,9 @@
 # and the fixture, up to the fixture margin rule. Exits 77 (skipped) when kvfleet has no GPU.
 source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
-PY=/usr/bin/python3
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/fleet.sh"
+START_S=60 # CUDA start-up
+READY_S=30
 
 # KVF_E2E_DEVICE=cpu runs the same script on the CPU over ucx (a host check of the script
 # itself; the test proper is cuda).
@@ -32,33 +26,6 @@ if [ "$DEV" = cuda ] && ! why=$(timeout 120 "$KVF_BIN" generate --model "$M0" --
     esac
     fail "generate --device cuda failed for another reason: $why"
 fi
-
-# start NAME ARGS...: `kvfleet ARGS` in the background; waits (60 s: CUDA start-up) for its
-# ready line; sets ADDR (grpc= or http=), ADMIN (admin=, workers) and PID.
-start() {
-    local name=$1; shift
-    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    PID=$!
-    PIDS+=("$PID")
-    for _ in $(seq 600); do
-        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
-            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
-            ADMIN=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/$name.out" | head -1)
-            return 0
-        fi
-        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
-        sleep 0.1
-    done
-    fail "$name not ready in 60 s"
-}
-
-wait_ready() {
-    for _ in $(seq 300); do
-        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
-        sleep 0.1
-    done
-    fail "$1/ready never said 200"
-}
 
 # metric ADMIN NAME: the value of the first sample of NAME (labels allowed).
 metric() { { curl -s "http://$1/metrics" || true; } | awk -v n="$2" 'index($1, n) == 1 {print $2; exit}'; }

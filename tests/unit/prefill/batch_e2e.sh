@@ -8,42 +8,7 @@
 # worker stopped with calls queued answers them all and exits holding no block.
 source "$(dirname "$0")/../../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
-PY=/usr/bin/python3
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-
-# start NAME ARGS...: `kvfleet ARGS` in the background; waits (30 s) for its ready line; sets
-# ADDR (grpc= or http=), ADMIN (admin=, workers) and PID.
-start() {
-    local name=$1; shift
-    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
-    PID=$!
-    PIDS+=("$PID")
-    for _ in $(seq 300); do
-        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
-            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
-            ADMIN=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/$name.out" | head -1)
-            return 0
-        fi
-        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
-        sleep 0.1
-    done
-    fail "$name not ready in 30 s"
-}
-wait_ready() {
-    for _ in $(seq 100); do
-        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
-        sleep 0.1
-    done
-    fail "$1/ready never said 200"
-}
-metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
+source "$(dirname "$0")/../../e2e/fleet.sh"
 # wait_metric ADMIN NAME WANT: polls (5 s) until the metric equals WANT; prints the last value
 wait_metric() {
     local v

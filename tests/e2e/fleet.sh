@@ -1,0 +1,44 @@
+# fleet.sh: what the shell tests that start a fleet of real processes share: a temp dir and a
+# process list removed and killed on exit, start (a kvfleet process up to its ready line),
+# wait_ready and metric. Source it after tests/cli/lib.sh. START_S (default 30) and READY_S
+# (default 10) bound start's and wait_ready's waits, in seconds.
+PY=/usr/bin/python3
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$TMP"
+}
+trap cleanup EXIT
+
+# start NAME ARGS...: `kvfleet ARGS` in the background; waits (START_S) for its ready line; sets
+# ADDR (grpc= or http=), ADMIN (admin=, workers) and PID.
+start() {
+    local name=$1; shift
+    "$KVF_BIN" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    PID=$!
+    PIDS+=("$PID")
+    for _ in $(seq $((${START_S:-30} * 10))); do
+        if grep -q "ready" "$TMP/$name.out" 2>/dev/null; then
+            ADDR=$(sed -n 's/.*ready \(grpc\|http\)=\([^ ]*\).*/\2/p' "$TMP/$name.out" | head -1)
+            ADMIN=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/$name.out" | head -1)
+            return 0
+        fi
+        kill -0 "$PID" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "$name died before ready"; }
+        sleep 0.1
+    done
+    fail "$name not ready in ${START_S:-30} s"
+}
+
+# wait_ready URL: /ready answers 200 within READY_S.
+wait_ready() {
+    for _ in $(seq $((${READY_S:-10} * 10))); do
+        [ "$(curl -s -o /dev/null -w '%{http_code}' "$1/ready")" = 200 ] && return 0
+        sleep 0.1
+    done
+    fail "$1/ready never said 200"
+}
+
+# metric ADMIN NAME: the value of the sample named exactly NAME.
+metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
