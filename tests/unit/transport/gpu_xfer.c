@@ -172,13 +172,8 @@ static int child_main(int fd, const char *role, const char *backend, int device)
         }
         kvf_xfer_event ev;
         while (kvf_xfer_poll(x, &ev)) {
-            uint8_t out[32];
-            size_t o = 0;
-            int32_t s32 = ev.status;
-            PEER_PUT(out, o, ev.id);
-            PEER_PUT(out, o, s32);
             if (ev.kind == KVF_XFER_SENT) {
-                peer_send(fd, MSG_SENT, out, (uint32_t)o);
+                peer_send_sent(fd, ev.id, ev.status);
                 continue;
             }
             int64_t bad = 0;
@@ -189,8 +184,7 @@ static int child_main(int fd, const char *role, const char *backend, int device)
                     pend[i] = pend[--n_pend];
                     break;
                 }
-            PEER_PUT(out, o, bad);
-            peer_send(fd, MSG_RESULT, out, (uint32_t)o);
+            peer_send_result(fd, ev.id, ev.status, bad);
         }
     }
     if (peer)

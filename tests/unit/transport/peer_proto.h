@@ -175,4 +175,15 @@ static inline int peer_send_sent(int fd, uint64_t id, int32_t st)
     return peer_send(fd, MSG_SENT, out, (uint32_t)o);
 }
 
+/* A MSG_RESULT: transfer id, its status, and the bytes that differed at the receiver. */
+static inline int peer_send_result(int fd, uint64_t id, int32_t st, int64_t bad)
+{
+    uint8_t out[20];
+    size_t o = 0;
+    PEER_PUT(out, o, id);
+    PEER_PUT(out, o, st);
+    PEER_PUT(out, o, bad);
+    return peer_send(fd, MSG_RESULT, out, (uint32_t)o);
+}
+
 #endif

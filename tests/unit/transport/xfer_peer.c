@@ -127,13 +127,8 @@ int main(int argc, char **argv)
         }
         kvf_xfer_event ev;
         while (kvf_xfer_poll(x, &ev)) {
-            uint8_t out[32];
-            size_t o = 0;
-            int32_t s32 = ev.status;
-            PEER_PUT(out, o, ev.id);
-            PEER_PUT(out, o, s32);
             if (ev.kind == KVF_XFER_SENT) {
-                peer_send(fd, MSG_SENT, out, (uint32_t)o);
+                peer_send_sent(fd, ev.id, ev.status);
                 continue;
             }
             /* Receiver: after the notice, every byte of the pool must be what we expect. */
@@ -158,8 +153,7 @@ int main(int argc, char **argv)
                     if (!busy[b])
                         bad += peer_check_block(mem + b * bb, bb, owner[b]);
             free(busy);
-            PEER_PUT(out, o, bad);
-            peer_send(fd, MSG_RESULT, out, (uint32_t)o);
+            peer_send_result(fd, ev.id, ev.status, bad);
         }
     }
     if (peer)
