@@ -17,6 +17,7 @@
 #include "cuda/attn_ref.h"
 #include "cuda/cuda.h"
 #include "test_attn_cases.h"
+#include "gpu_skip.h"
 
 /* GPU vs CPU backend. Both decode the stored KV exactly to f32 and compute in f32; what
  * differs is summation order (warp trees vs sequential), fused multiply-adds and exp2f vs
@@ -264,11 +265,8 @@ static void test_bad_position_zeros(void **state)
 
 int main(void)
 {
-    char why[256];
-    if (!kvf_cuda_available(why, sizeof why)) {
-        printf("skipped: %s\n", why);
+    if (kvf_test_gpu_skip())
         return 77;
-    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_every_kernel_shape),

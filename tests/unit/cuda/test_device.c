@@ -2,14 +2,12 @@
 #include <stdio.h>
 
 #include "cuda/cuda.h"
+#include "gpu_skip.h"
 
 int main(void)
 {
-    char why[256];
-    if (!kvf_cuda_available(why, sizeof why)) {
-        printf("skipped: %s\n", why);
+    if (kvf_test_gpu_skip())
         return 77;
-    }
     printf("a CUDA device is usable\n");
     return 0;
 }

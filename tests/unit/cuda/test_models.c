@@ -22,6 +22,7 @@
 #include "model/forward.h"
 #include "model/model.h"
 #include "testutil.h"
+#include "gpu_skip.h"
 
 /* Tolerances, relative to the largest |logit| of the step. bf16 weights round every weight
  * to 8 significant bits (and the GEMM inputs with them); fp8 KV keeps 4 bits of each K and V. */
@@ -309,11 +310,8 @@ static void test_engine_graphs(void **state)
 
 int main(void)
 {
-    char why[256];
-    if (!kvf_cuda_available(why, sizeof why)) {
-        printf("skipped: %s\n", why);
+    if (kvf_test_gpu_skip())
         return 77;
-    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),

@@ -19,6 +19,7 @@
 #include "model/backend.h"
 #include "testutil.h"
 #include "sample_ref.h"
+#include "gpu_skip.h"
 
 typedef struct side {
     const kvf_backend *be;
@@ -429,11 +430,8 @@ static void test_kv_mem_and_supports(void **state)
 
 int main(void)
 {
-    char why[256];
-    if (!kvf_cuda_available(why, sizeof why)) {
-        printf("skipped: %s\n", why);
+    if (kvf_test_gpu_skip())
         return 77;
-    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_embed_gather),
