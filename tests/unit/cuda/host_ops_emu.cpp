@@ -56,16 +56,6 @@ static float rnd()
     return (float)((rng_state >> 40) & 0xffffff) / (float)0x1000000 * 2.0f - 1.0f;
 }
 
-static double rel_err(const float *a, const float *b, int64_t n)
-{
-    double mx = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        mx = fmax(mx, fabs(b[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return d / (mx > 0 ? mx : 1);
-}
-
 struct cpu_side {
     const kvf_backend *be;
     void *ctx;
@@ -149,7 +139,7 @@ static void test_rmsnorm_rope_eltwise(void **state)
     kvf_backend_weight wt = f32_weight(w, 1, d);
     cpu.be->rmsnorm(cpu.ctx, x, n, &wt, 1e-5f, want);
     emu_launch({(unsigned)n, 1, 1}, NORM_THREADS, [&] { rmsnorm_kernel(x, w, d, 1e-5f, got); });
-    double e = rel_err(got, want, n * d);
+    double e = kvf_test_rel_err(got, want, n * d);
     print_message("rmsnorm: error %.2e of the largest\n", e);
     assert_true(e <= 1e-5);
 
@@ -161,7 +151,7 @@ static void test_rmsnorm_rope_eltwise(void **state)
         cs[i] = rnd();
     cpu.be->rope(cpu.ctx, q, T, H, D, cs);
     emu_launch({2, 1, 1}, 32, [&] { rope_kernel(q2, T, H, D, cs); });
-    assert_true(rel_err(q2, q, T * H * D) <= 1e-6);
+    assert_true(kvf_test_rel_err(q2, q, T * H * D) <= 1e-6);
 
     static float a[1000], b[1000], sw[1000], ad[1000], bias[40];
     for (int i = 0; i < 1000; i++) {
@@ -176,8 +166,8 @@ static void test_rmsnorm_rope_eltwise(void **state)
     static float g1[1000], g2[1000], g3[1000];
     emu_launch({3, 1, 1}, 64, [&] { eltwise_kernel(KVF_CUDA_SWIGLU, a, b, g1, 1000); });
     emu_launch({3, 1, 1}, 64, [&] { eltwise_kernel(KVF_CUDA_ADD, a, b, g2, 1000); });
-    assert_true(rel_err(g1, sw, 1000) <= 1e-6);
-    assert_true(rel_err(g2, ad, 1000) <= 1e-7);
+    assert_true(kvf_test_rel_err(g1, sw, 1000) <= 1e-6);
+    assert_true(kvf_test_rel_err(g2, ad, 1000) <= 1e-7);
     memcpy(g3, b, sizeof g3); /* 25 rows of 40 */
     emu_launch({2, 1, 1}, 64, [&] { bias_kernel(g3, bias, 25, 40); });
     for (int i = 0; i < 1000; i++)

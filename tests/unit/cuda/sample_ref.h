@@ -1,6 +1,7 @@
 /* sample_ref.h: the rule of kvf_cuda_sample (cuda.h) written plainly on the host in double
- * precision, shared by the GPU test (test_ops.c) and the host emulation (host_ops_emu.cpp).
- * Header-only C that also compiles as C++. */
+ * precision, and the error measure both sides compare kernels with, shared by the GPU test
+ * (test_ops.c) and the host emulation (host_ops_emu.cpp). Header-only C that also compiles as
+ * C++. */
 #ifndef KVF_TEST_SAMPLE_REF_H
 #define KVF_TEST_SAMPLE_REF_H
 
@@ -11,6 +12,17 @@
 #include <string.h>
 
 #include "cuda/cuda.h"
+
+/* Largest |a - b| over the largest |b|. */
+static inline double kvf_test_rel_err(const float *a, const float *b, int64_t n)
+{
+    double mx = 0, d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        mx = fmax(mx, fabs(b[i]));
+        d = fmax(d, fabs((double)a[i] - b[i]));
+    }
+    return d / (mx > 0 ? mx : 1);
+}
 
 /* The rule of kvf_cuda_sample in double precision on the host; kept[vocab] gets the kept set. */
 static inline int32_t kvf_test_sample_ref(const float *r, int64_t vocab, const kvf_cuda_sample_row *p, bool *kept)

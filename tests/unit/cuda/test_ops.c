@@ -88,17 +88,6 @@ static float *rnd_array(int64_t n, float scale)
     return a;
 }
 
-/* Largest |a - b| over the largest |b|. */
-static double rel_err(const float *a, const float *b, int64_t n)
-{
-    double mx = 0, d = 0;
-    for (int64_t i = 0; i < n; i++) {
-        mx = fmax(mx, fabs(b[i]));
-        d = fmax(d, fabs((double)a[i] - b[i]));
-    }
-    return d / (mx > 0 ? mx : 1);
-}
-
 static kvf_model_tensor tensor(const char *name, const void *data, kvf_dtype dt, int64_t rows,
                                int64_t cols)
 {
@@ -153,7 +142,7 @@ static void check_matmul(int32_t matrix_dtype, int64_t n, bool with_bias, double
         s->be->weight_free(s->ctx, &w);
         s->be->weight_free(s->ctx, &b);
     }
-    double e = rel_err(y[1], y[0], n * rows);
+    double e = kvf_test_rel_err(y[1], y[0], n * rows);
     print_message("matmul n %lld, matrices %s%s: error %.2e of the largest (allowed %.0e)\n",
                   (long long)n, matrix_dtype == KVF_BACKEND_MATRIX_F32 ? "f32" : "bf16",
                   with_bias ? ", bias" : "", e, tol);
@@ -241,7 +230,7 @@ static void test_norm_rope_swiglu_add(void **state)
     }
     const char *names[4] = {"rmsnorm", "rmsnorm+rope", "swiglu", "add"};
     for (int i = 0; i < 4; i++) {
-        double e = rel_err(res[1][i], res[0][i], n * d);
+        double e = kvf_test_rel_err(res[1][i], res[0][i], n * d);
         print_message("%s: error %.2e of the largest (allowed 1e-5)\n", names[i], e);
         assert_true(e <= 1e-5);
         free(res[0][i]);
