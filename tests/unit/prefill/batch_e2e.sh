@@ -23,6 +23,28 @@ wait_metric() {
 int() { local v=${1%.*}; echo "${v:--1}"; }
 
 M="$KVF_SHARED/fixtures/models/small-gqa-bf16-theta5e5"
+
+# field_ids FILE KEY I: entry I of KEY ("prompts" or "got") in a client's JSON, comma-separated
+# ("" for a prompt left unanswered).
+field_ids() {
+    $PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))[sys.argv[2]][int(sys.argv[3])] or [])))" "$1" "$2" "$3"
+}
+# generate_ids IDS: the 8 tokens `kvfleet generate` gives for prompt IDS.
+generate_ids() {
+    "$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$1" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))"
+}
+# count_bad FILE N: sets bad to how many of prompts 0..N-1 in FILE the fleet answered otherwise
+# than `kvfleet generate` (each named on stderr).
+count_bad() {
+    local i ids want got
+    bad=0
+    for i in $(seq 0 $(($2 - 1))); do
+        ids=$(field_ids "$1" prompts "$i")
+        want=$(generate_ids "$ids")
+        got=$(field_ids "$1" got "$i")
+        [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
+    done
+}
 W=(--model "$M" --threads 1 --log-level warn)
 # (decode workers that must not fall back get a 60 s prefill timeout: a loaded machine is slow)
 P='role="prefill"'
@@ -56,13 +78,7 @@ json.dump({"prompts": prompts, "got": got}, open(out, "w"))
 sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
 PYEOF
 pass "$N concurrent distinct prompts answered through the disaggregated fleet"
-bad=0
-for i in $(seq 0 $((N - 1))); do
-    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/prompts.json")
-    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
-    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/prompts.json")
-    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
-done
+count_bad "$TMP/prompts.json" "$N"
 expect_eq "every concurrent answer equals kvfleet generate" "$bad" 0
 expect_eq "no prefill fell back to decode" "$(int "$(metric "$DADM" "kvfleet_decode_prefill_fallbacks_total{role=\"decode\"}")")" 0
 r=$(int "$(metric "$PADM" "kvfleet_prefill_requests_total{$P}")")
@@ -117,9 +133,8 @@ json.dump({"prompts": prompts, "got": got}, open(out, "w"))
 sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
 PYEOF
 for i in 0 1; do
-    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/dl.json")
-    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
-    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/dl.json")
+    want=$(generate_ids "$(field_ids "$TMP/dl.json" prompts "$i")")
+    got=$(field_ids "$TMP/dl.json" got "$i")
     expect_eq "deadline test: request $i equals kvfleet generate" "$got" "$want"
 done
 ex=0
@@ -163,13 +178,7 @@ ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
 json.dump({"prompts": prompts, "got": got}, open(out, "w"))
 sys.exit(0 if all(g is not None and len(g) == 8 for g in got) else 1)
 PYEOF
-bad=0
-for i in 0 1 2 3; do
-    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/full.json")
-    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
-    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i])))" "$TMP/full.json")
-    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
-done
+count_bad "$TMP/full.json" 4
 expect_eq "small pool: every answer equals kvfleet generate" "$bad" 0
 expect_eq "small pool: no RemotePrefill failed (they waited for blocks)" "$(int "$(metric "$PADM3" "kvfleet_prefill_failed_total{$P}")")" 0
 expect_eq "small pool: no prefill fell back to decode" "$(int "$(metric "$D3ADM" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')")" 0
@@ -207,12 +216,6 @@ expect_eq "prefill stopped mid-burst exits cleanly" "$rc" 0
 expect_contains "prefill stopped mid-burst holds no block" "$(cat "$TMP/pre4.err")" "prefill: stopped; 0 of"
 expect_contains "prefill stopped mid-burst answered its queued calls" "$(cat "$TMP/pre4.err")" "prefill: shutting down"
 wait "$CL" || fail "requests while the prefill worker stopped"
-bad=0
-for i in 0 1 2 3; do
-    ids=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['prompts'][$i])))" "$TMP/shut.json")
-    want=$("$KVF_BIN" generate --model "$M" --threads 1 --prompt-ids "$ids" --max-tokens 8 --ignore-eos --json 2>/dev/null | $PY -c "import json,sys; print(','.join(map(str, json.load(sys.stdin)['output_ids'])))")
-    got=$($PY -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['got'][$i] or [])))" "$TMP/shut.json")
-    [ "$got" = "$want" ] || { echo "prompt $i: fleet $got, generate $want" >&2; bad=$((bad + 1)); }
-done
+count_bad "$TMP/shut.json" 4
 expect_eq "prefill stopped mid-burst: every answer still equals kvfleet generate" "$bad" 0
 finish
