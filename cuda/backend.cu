@@ -183,24 +183,24 @@ static void cuda_free(void *ctx, void *p)
         record_cuda((cuda_ctx *)ctx, cudaFree(p), "cuda backend: free");
 }
 
-static void cuda_upload(void *ctx, void *dst, const void *src_host, size_t bytes)
+/* A copy on the stream, finished when it returns; a failure is recorded for sync. */
+static void copy_recorded(cuda_ctx *c, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                          const char *what)
 {
-    cuda_ctx *c = (cuda_ctx *)ctx;
     if (!bytes)
         return;
-    record_cuda(c, cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, c->stream),
-                "cuda backend: upload");
-    record_cuda(c, cudaStreamSynchronize(c->stream), "cuda backend: upload");
+    record_cuda(c, cudaMemcpyAsync(dst, src, bytes, kind, c->stream), what);
+    record_cuda(c, cudaStreamSynchronize(c->stream), what);
+}
+
+static void cuda_upload(void *ctx, void *dst, const void *src_host, size_t bytes)
+{
+    copy_recorded((cuda_ctx *)ctx, dst, src_host, bytes, cudaMemcpyHostToDevice, "cuda backend: upload");
 }
 
 static void cuda_download(void *ctx, void *dst_host, const void *src, size_t bytes)
 {
-    cuda_ctx *c = (cuda_ctx *)ctx;
-    if (!bytes)
-        return;
-    record_cuda(c, cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, c->stream),
-                "cuda backend: download");
-    record_cuda(c, cudaStreamSynchronize(c->stream), "cuda backend: download");
+    copy_recorded((cuda_ctx *)ctx, dst_host, src, bytes, cudaMemcpyDeviceToHost, "cuda backend: download");
 }
 
 /* Grows one scratch buffer to at least `bytes`. Never while capturing: the capture then

@@ -206,14 +206,12 @@ static double wait_metric(int port, const char *name, double want, int ms)
     return v;
 }
 
-/* Generate over the stream: prompt -> out (cap), *n_out; returns the final status. */
-static kvf_status generate(const char *target, const char *req_id, const int32_t *prompt, size_t n,
-                           int32_t max_tokens, const char *hint, int32_t *out, int32_t cap,
-                           int32_t *n_out)
+/* Opens a Generate stream for prompt on ch: ignore_eos, max_tokens, a prefill worker to use
+ * (hint; NULL: none) and a deadline (deadline_unix_ms; 0: none). */
+static kvf_status open_generate(kvf_rpc_channel *ch, const char *req_id, const int32_t *prompt,
+                                size_t n, int32_t max_tokens, const char *hint,
+                                int64_t deadline_unix_ms, kvf_rpc_stream **s_out, kvf_err *e)
 {
-    kvf_rpc_channel *ch = NULL;
-    kvf_err e = {0};
-    assert_int_equal(kvf_rpc_channel_create(target, NULL, &ch, &e), KVF_OK);
     Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
     sp.max_tokens = max_tokens;
     sp.ignore_eos = true;
@@ -225,12 +223,47 @@ static kvf_status generate(const char *target, const char *req_id, const int32_t
     rq.token_ids = (int32_t *)prompt;
     rq.sampling = &sp;
     rq.prefill = hint ? &ph : NULL;
+    rq.deadline_unix_ms = deadline_unix_ms;
     kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
-    kvf_rpc_stream *s = NULL;
-    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
-                     KVF_OK);
+    kvf_status st = kvf_rpc_msg_encode(&rq, &b, e);
+    if (st == KVF_OK)
+        st = kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, s_out, e);
     kvf_rpc_buf_free(&b);
+    return st;
+}
+
+/* Reads s to its end; returns how it ended, *n_msgs the messages read before that. A read that
+ * fails without ending the stream ends the drain too (with all_ok, an assertion failure). */
+static kvf_status drain_stream(kvf_rpc_stream *s, bool all_ok, int *n_msgs)
+{
+    kvf_err e = {0};
+    kvf_status st;
+    *n_msgs = 0;
+    for (;;) {
+        bool done = false;
+        kvf_rpc_buf m = {0};
+        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
+        if (done)
+            return st;
+        if (all_ok)
+            assert_int_equal(st, KVF_OK);
+        kvf_rpc_buf_free(&m);
+        if (st != KVF_OK)
+            return st;
+        (*n_msgs)++;
+    }
+}
+
+/* Generate over the stream: prompt -> out (cap), *n_out; returns the final status. */
+static kvf_status generate(const char *target, const char *req_id, const int32_t *prompt, size_t n,
+                           int32_t max_tokens, const char *hint, int32_t *out, int32_t cap,
+                           int32_t *n_out)
+{
+    kvf_rpc_channel *ch = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_rpc_channel_create(target, NULL, &ch, &e), KVF_OK);
+    kvf_rpc_stream *s = NULL;
+    assert_int_equal(open_generate(ch, req_id, prompt, n, max_tokens, hint, 0, &s, &e), KVF_OK);
     *n_out = 0;
     kvf_status st;
     for (;;) {
@@ -408,20 +441,8 @@ static void test_cancel_mid_stream_frees_blocks(void **state)
     int32_t prompt[100];
     for (int i = 0; i < 100; i++)
         prompt[i] = (i * 7 + 3) % 1000;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = 400;
-    sp.ignore_eos = true;
-    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    rq.request_id = "to-cancel";
-    rq.n_token_ids = 100;
-    rq.token_ids = prompt;
-    rq.sampling = &sp;
-    kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
     kvf_rpc_stream *s = NULL;
-    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
-                     KVF_OK);
-    kvf_rpc_buf_free(&b);
+    assert_int_equal(open_generate(ch, "to-cancel", prompt, 100, 400, NULL, 0, &s, &e), KVF_OK);
     for (int i = 0; i < 2; i++) {
         bool done = false;
         kvf_rpc_buf m = {0};
@@ -660,20 +681,8 @@ static void test_shutdown_mid_stream(void **state)
     int32_t prompt[64];
     for (int i = 0; i < 64; i++)
         prompt[i] = (i * 13 + 5) % 1000;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = 440;
-    sp.ignore_eos = true;
-    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    rq.request_id = "shutdown";
-    rq.n_token_ids = 64;
-    rq.token_ids = prompt;
-    rq.sampling = &sp;
-    kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
     kvf_rpc_stream *s = NULL;
-    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
-                     KVF_OK);
-    kvf_rpc_buf_free(&b);
+    assert_int_equal(open_generate(ch, "shutdown", prompt, 64, 440, NULL, 0, &s, &e), KVF_OK);
     bool done = false;
     kvf_rpc_buf m = {0};
     assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
@@ -681,16 +690,8 @@ static void test_shutdown_mid_stream(void **state)
     kvf_rpc_buf_free(&m);
     /* SIGTERM with the stream open: the process exits 0 and the stream ends, not with OK */
     assert_int_equal(proc_stop(&dec), 0);
-    kvf_status st = KVF_OK;
     int n = 0;
-    for (;;) {
-        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
-        if (done)
-            break;
-        assert_int_equal(st, KVF_OK);
-        kvf_rpc_buf_free(&m);
-        n++;
-    }
+    kvf_status st = drain_stream(s, true, &n);
     assert_int_not_equal(st, KVF_OK);
     assert_true(n < 439);
     kvf_rpc_stream_destroy(s);
@@ -738,20 +739,8 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     int32_t prompt[48];
     for (int i = 0; i < 48; i++)
         prompt[i] = (i * 11 + 1) % 1000;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = 450;
-    sp.ignore_eos = true;
-    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    rq.request_id = "cancel-by-id";
-    rq.n_token_ids = 48;
-    rq.token_ids = prompt;
-    rq.sampling = &sp;
-    kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
     kvf_rpc_stream *s = NULL;
-    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
-                     KVF_OK);
-    kvf_rpc_buf_free(&b);
+    assert_int_equal(open_generate(ch, "cancel-by-id", prompt, 48, 450, NULL, 0, &s, &e), KVF_OK);
     bool done = false;
     kvf_rpc_buf m = {0};
     assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
@@ -764,15 +753,8 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     assert_true(cresp->found);
     kvf_rpc_msg_free(cresp);
     kvf_rpc_buf_free(&r);
-    kvf_status st;
     int n = 0;
-    for (;;) {
-        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
-        if (done)
-            break;
-        kvf_rpc_buf_free(&m);
-        n++;
-    }
+    kvf_status st = drain_stream(s, false, &n);
     assert_int_equal(st, KVF_ERR_CANCELLED);
     assert_true(n < 449);
     kvf_rpc_stream_destroy(s);
@@ -784,20 +766,9 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     kvf_rpc_buf_free(&r);
 
     /* a request whose deadline_unix_ms passes mid-stream ends with TIMEOUT */
-    rq.request_id = "deadline";
-    rq.deadline_unix_ms = kvf_wall_ms() + 60;
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e),
+    assert_int_equal(open_generate(ch, "deadline", prompt, 48, 450, NULL, kvf_wall_ms() + 60, &s, &e),
                      KVF_OK);
-    kvf_rpc_buf_free(&b);
-    n = 0;
-    for (;;) {
-        st = kvf_rpc_stream_read(s, 10000, &m, &done, &e);
-        if (done)
-            break;
-        kvf_rpc_buf_free(&m);
-        n++;
-    }
+    st = drain_stream(s, false, &n);
     kvf_rpc_stream_destroy(s);
     kvf_rpc_channel_destroy(ch);
     if (n < 450) /* on a fast machine all 450 tokens may beat 60 ms; then OK is right */
@@ -839,22 +810,8 @@ static void *gen_thread(void *arg)
     g->st = kvf_rpc_channel_create(g->target, NULL, &ch, &e);
     if (g->st != KVF_OK)
         return NULL;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = 24;
-    sp.ignore_eos = true;
-    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
-    ph.address = (char *)g->hint;
-    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    rq.request_id = g->id;
-    rq.n_token_ids = g->n_prompt;
-    rq.token_ids = g->prompt;
-    rq.sampling = &sp;
-    rq.prefill = &ph;
-    kvf_rpc_buf b = {0};
     kvf_rpc_stream *s = NULL;
-    if ((g->st = kvf_rpc_msg_encode(&rq, &b, &e)) == KVF_OK)
-        g->st = kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, &s, &e);
-    kvf_rpc_buf_free(&b);
+    g->st = open_generate(ch, g->id, g->prompt, g->n_prompt, 24, g->hint, 0, &s, &e);
     while (g->st == KVF_OK) {
         bool done = false;
         kvf_rpc_buf m = {0};
