@@ -140,6 +140,28 @@ __device__ __forceinline__ int attn_lo(int pos, int window)
     return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
 }
 
+/* Starts the loads of this thread's share of rows first, first + NG, ... (ATTN_UNROLL of them,
+ * partition-relative) at byte offset off inside each position's block; rows at or past n read
+ * nothing and convert to zeros. */
+template <kvf_dtype DT, int NG, int ROW>
+__device__ __forceinline__ void attn_load_rows(const attn_args &a, const int32_t *blk_s, int p0,
+                                               int b0, int n, int first, int64_t off,
+                                               typename attn_io<DT>::raw (&raw)[ATTN_UNROLL])
+{
+    const int bs = 1 << a.log2_bs;
+#pragma unroll
+    for (int u = 0; u < ATTN_UNROLL; u++) {
+        const int i = first + u * NG;
+        raw[u] = typename attn_io<DT>::raw();
+        if (i < n) {
+            const int p = p0 + i;
+            const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
+            raw[u] = attn_io<DT>::load(a.pool + blk * a.block_bytes + off +
+                                       (int64_t)(p & (bs - 1)) * ROW);
+        }
+    }
+}
+
 /* One CTA: token blockIdx.x, KV head and head chunk blockIdx.y, partition blockIdx.z; GC query
  * heads' worth of registers (the chunk's ng <= GC heads are real). */
 template <int HD, kvf_dtype DT, int GC>
@@ -197,17 +219,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
         }
         for (int base = 0; base < n; base += NG * ATTN_UNROLL) { /* same trip count everywhere */
             typename io::raw raw[ATTN_UNROLL];
-#pragma unroll
-            for (int u = 0; u < ATTN_UNROLL; u++) {
-                const int i = base + u * NG + grp;
-                raw[u] = typename io::raw();
-                if (i < n) {
-                    const int p = p0 + i;
-                    const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
-                    raw[u] = io::load(a.pool + blk * a.block_bytes + row_off +
-                                      (int64_t)(p & (bs - 1)) * ROW);
-                }
-            }
+            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, row_off, raw);
 #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; u++) {
                 const int i = base + u * NG + grp;
@@ -270,17 +282,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
         const int64_t v_off = row_off + a.slab_bytes;
         for (int base = 0; base < n; base += NG * ATTN_UNROLL) {
             typename io::raw raw[ATTN_UNROLL];
-#pragma unroll
-            for (int u = 0; u < ATTN_UNROLL; u++) {
-                const int i = base + u * NG + grp;
-                raw[u] = typename io::raw();
-                if (i < n) {
-                    const int p = p0 + i;
-                    const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
-                    raw[u] = io::load(a.pool + blk * a.block_bytes + v_off +
-                                      (int64_t)(p & (bs - 1)) * ROW);
-                }
-            }
+            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, v_off, raw);
 #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; u++) {
                 const int i = base + u * NG + grp;
