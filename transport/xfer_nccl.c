@@ -453,6 +453,27 @@ static kvf_status nccl_cancel(kvf_xfer *x, uint64_t id)
     return KVF_ERR_NOT_FOUND;
 }
 
+/* One grouped ncclSend (sender, to rank 1) or ncclRecv (receiver, from rank 0) of o's bytes at
+ * buf on the GPU stream. A non-blocking communicator may leave the group in progress (the pair
+ * is busy until it completes); an error kills the pair. */
+static void group_post(nccl_xfer *u, nccl_op *o, void *buf, bool recv)
+{
+    const kvf_xfer_gpu *g = u->gpu;
+    nccl_pair *pr = o->pair;
+    cudaStream_t stream = (cudaStream_t)g->stream(g->ctx);
+    ncclGroupStart();
+    ncclResult_t r = recv ? ncclRecv(buf, (size_t)o->bytes, ncclUint8, 0, pr->comm, stream)
+                          : ncclSend(buf, (size_t)o->bytes, ncclUint8, 1, pr->comm, stream);
+    ncclResult_t r2 = ncclGroupEnd();
+    if (r == ncclSuccess)
+        r = r2;
+    o->stage = OP_POSTING;
+    if (r == ncclInProgress)
+        pr->busy = true;
+    else if (r != ncclSuccess)
+        pair_kill(u, pr, nccl_why(r));
+}
+
 /* Sender: gather (or not), notice, ncclSend. */
 static void send_post(nccl_xfer *u, nccl_op *o)
 {
@@ -505,17 +526,7 @@ static void send_post(nccl_xfer *u, nccl_op *o)
         o->stage = OP_POSTED;
         return;
     }
-    ncclGroupStart();
-    ncclResult_t r = ncclSend(buf, (size_t)o->bytes, ncclUint8, 1, pr->comm,
-                              (cudaStream_t)g->stream(g->ctx));
-    ncclResult_t r2 = ncclGroupEnd();
-    if (r == ncclSuccess)
-        r = r2;
-    o->stage = OP_POSTING;
-    if (r == ncclInProgress)
-        pr->busy = true;
-    else if (r != ncclSuccess)
-        pair_kill(u, pr, nccl_why(r));
+    group_post(u, o, buf, false);
 }
 
 /* Receiver: ncclRecv into the blocks (one run) or staging. */
@@ -539,17 +550,7 @@ static void recv_post(nccl_xfer *u, nccl_op *o)
         }
         buf = o->staging;
     }
-    ncclGroupStart();
-    ncclResult_t r = ncclRecv(buf, (size_t)o->bytes, ncclUint8, 0, pr->comm,
-                              (cudaStream_t)g->stream(g->ctx));
-    ncclResult_t r2 = ncclGroupEnd();
-    if (r == ncclSuccess)
-        r = r2;
-    o->stage = OP_POSTING;
-    if (r == ncclInProgress)
-        pr->busy = true;
-    else if (r != ncclSuccess)
-        pair_kill(u, pr, nccl_why(r));
+    group_post(u, o, buf, true);
 }
 
 /* After the group call completed: scatter (receiver), free staging, mark. */
