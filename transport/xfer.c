@@ -222,18 +222,41 @@ void *kvf_xfer_pool_base(const kvf_xfer *x)
 
 /* ---- descriptors ---- */
 
+/* Ends a descriptor or a hello: the backend's blob, length first, then the XXH3 of every byte
+ * before the checksum; *out gets the bytes (malloc'd). b and blob are released either way. */
+static kvf_status seal(kvf_sbuf *b, kvf_sbuf *blob, const char *what, uint8_t **out,
+                       size_t *len_out, kvf_err *err)
+{
+    kvf_xfer_put_u32(b, (uint32_t)blob->len);
+    if (blob->len)
+        kvf_sbuf_append(b, blob->data, blob->len);
+    if (!b->oom)
+        kvf_xfer_put_u64(b, kvf_hash64(b->data, b->len));
+    bool oom = b->oom || blob->oom;
+    kvf_sbuf_fini(blob);
+    if (oom) {
+        kvf_sbuf_fini(b);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a %s", what);
+    }
+    *len_out = b->len;
+    *out = (uint8_t *)kvf_sbuf_take(b);
+    return KVF_OK;
+}
+
 kvf_status kvf_xfer_desc_export(kvf_xfer *x, uint8_t **desc_out, size_t *len_out, kvf_err *err)
 {
     kvf_sbuf b, blob;
-    kvf_sbuf_init(&b);
     kvf_sbuf_init(&blob);
+    kvf_status st = x->ops->export_blob(x, &blob, err);
+    if (st != KVF_OK) {
+        kvf_sbuf_fini(&blob);
+        return st;
+    }
     const kvf_kv_layout *l = &x->pool.layout;
     size_t nl = strlen(x->ops->name);
     uint8_t nl8 = (uint8_t)nl;
-    kvf_status st = x->ops->export_blob(x, &blob, err);
-    if (st != KVF_OK)
-        goto fail_blob;
-    kvf_xfer_put_u32(&b, 0); /* the magic is written over below */
+    kvf_sbuf_init(&b);
+    kvf_sbuf_append(&b, DESC_MAGIC, 4);
     kvf_xfer_put_u32(&b, KVF_XFER_DESC_VERSION);
     kvf_sbuf_append(&b, &nl8, 1);
     kvf_sbuf_append(&b, x->ops->name, nl);
@@ -244,26 +267,7 @@ kvf_status kvf_xfer_desc_export(kvf_xfer *x, uint8_t **desc_out, size_t *len_out
     kvf_xfer_put_u32(&b, (uint32_t)l->dtype);
     kvf_xfer_put_u64(&b, (uint64_t)l->block_bytes);
     kvf_xfer_put_u64(&b, (uint64_t)x->pool.n_blocks);
-    kvf_xfer_put_u32(&b, (uint32_t)blob.len);
-    if (blob.len)
-        kvf_sbuf_append(&b, blob.data, blob.len);
-    if (!b.oom)
-        memcpy(b.data, DESC_MAGIC, 4);
-    if (!b.oom)
-        kvf_xfer_put_u64(&b, kvf_hash64(b.data, b.len));
-    if (b.oom || blob.oom) {
-        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a descriptor");
-        goto fail_blob;
-    }
-    *len_out = b.len;
-    *desc_out = (uint8_t *)kvf_sbuf_take(&b);
-    kvf_sbuf_fini(&blob);
-    return KVF_OK;
-
-fail_blob:
-    kvf_sbuf_fini(&blob);
-    kvf_sbuf_fini(&b);
-    return st;
+    return seal(&b, &blob, "descriptor", desc_out, len_out, err);
 }
 
 kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_info *out,
@@ -401,35 +405,24 @@ kvf_status kvf_xfer_connect_hello(kvf_xfer *x, const uint8_t *desc, size_t len,
         return KVF_OK;
     }
     kvf_sbuf b, blob;
-    kvf_sbuf_init(&b);
     kvf_sbuf_init(&blob);
-    if ((st = x->ops->hello(x, peer, &blob, err)) != KVF_OK)
-        goto fail;
+    if ((st = x->ops->hello(x, peer, &blob, err)) != KVF_OK) {
+        kvf_sbuf_fini(&blob);
+        kvf_xfer_disconnect(x, peer);
+        return st;
+    }
+    kvf_sbuf_init(&b);
     uint8_t nl = (uint8_t)strlen(x->ops->name);
     kvf_sbuf_append(&b, HELLO_MAGIC, 4);
     kvf_xfer_put_u32(&b, HELLO_VERSION);
     kvf_sbuf_append(&b, &nl, 1);
     kvf_sbuf_append(&b, x->ops->name, nl);
-    kvf_xfer_put_u32(&b, (uint32_t)blob.len);
-    if (blob.len)
-        kvf_sbuf_append(&b, blob.data, blob.len);
-    if (!b.oom)
-        kvf_xfer_put_u64(&b, kvf_hash64(b.data, b.len));
-    if (b.oom || blob.oom) {
-        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: out of memory writing a hello");
-        goto fail;
+    if ((st = seal(&b, &blob, "hello", hello_out, hello_len_out, err)) != KVF_OK) {
+        kvf_xfer_disconnect(x, peer);
+        return st;
     }
-    kvf_sbuf_fini(&blob);
-    *hello_len_out = b.len;
-    *hello_out = (uint8_t *)kvf_sbuf_take(&b);
     *out = peer;
     return KVF_OK;
-
-fail:
-    kvf_sbuf_fini(&blob);
-    kvf_sbuf_fini(&b);
-    kvf_xfer_disconnect(x, peer);
-    return st;
 }
 
 kvf_status kvf_xfer_accept(kvf_xfer *x, const uint8_t *hello, size_t len, kvf_err *err)
