@@ -410,6 +410,15 @@ static json_t *head(kvf_router_oai_kind kind, bool chunk, const char *id, const 
                      "model", model);
 }
 
+/* The fields every choice ends with (plain and streamed), then ch joins arr. */
+static void choice_end(json_t *ch, const kvf_router_oai_choice *c, json_t *arr)
+{
+    json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
+    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "finish_reason", finish_json(c->finish));
+    json_array_append_new(arr, ch);
+}
+
 kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
                                       const char *model, int64_t created,
                                       const kvf_router_oai_choice *choices, size_t n_choices,
@@ -427,10 +436,7 @@ kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
         } else {
             json_object_set_new(ch, "text", text_json(c->text, c->text_len));
         }
-        json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
-        json_object_set_new(ch, "logprobs", json_null());
-        json_object_set_new(ch, "finish_reason", finish_json(c->finish));
-        json_array_append_new(arr, ch);
+        choice_end(ch, c, arr);
     }
     json_object_set_new(o, "choices", arr);
     kvf_router_oai_usage zero = {0};
@@ -458,10 +464,7 @@ kvf_status kvf_router_oai_chunk_sse(kvf_router_oai_kind kind, const char *id, co
         } else {
             json_object_set_new(ch, "text", text_json(c->text, c->text_len));
         }
-        json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
-        json_object_set_new(ch, "logprobs", json_null());
-        json_object_set_new(ch, "finish_reason", finish_json(c->finish));
-        json_array_append_new(arr, ch);
+        choice_end(ch, c, arr);
     }
     json_object_set_new(o, "choices", arr);
     if (usage)
