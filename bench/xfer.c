@@ -42,8 +42,8 @@ static const kvf_cfg_opt xfer_bench_opts[] = {
     {"blocks", "64", "blocks per transfer (a multiple of every run length)", offsetof(xfer_bench_cfg, blocks), KVF_CFG_INT},
     {"window", "64", "transfers in flight at once, capped at ~256 MiB (each waits for a round trip to the receiver, which a loaded host delays by scheduler slices)", offsetof(xfer_bench_cfg, window), KVF_CFG_INT},
     {"eq-window", "4096", "equal-footprint transfers in flight at once, capped at ~256 MiB (the realistic rows' cap in bytes)", offsetof(xfer_bench_cfg, eq_window), KVF_CFG_INT},
-    {"repeats", "2", "measurements per case and side, alternating; the best of each side counts (a shared host's load comes in bursts)", offsetof(xfer_bench_cfg, repeats), KVF_CFG_INT},
-    {"seconds", "1.0", "seconds of transfers per case", offsetof(xfer_bench_cfg, seconds), KVF_CFG_DOUBLE},
+    {"repeats", "5", "rounds per case, each measuring both sides, the order flipped every round; the best of each side counts (a shared host's load comes in bursts)", offsetof(xfer_bench_cfg, repeats), KVF_CFG_INT},
+    {"seconds", "0.5", "seconds of transfers per measurement", offsetof(xfer_bench_cfg, seconds), KVF_CFG_DOUBLE},
     {"perftest", "ucx_perftest", "the ucx_perftest binary (the baseline)", offsetof(xfer_bench_cfg, perftest), KVF_CFG_STR},
     {"no-perftest", NULL, "skip the baseline (no ratio)", offsetof(xfer_bench_cfg, no_perftest), KVF_CFG_BOOL},
     {"serve-fd", "-1", "internal: run as the receiving process on this socket", offsetof(xfer_bench_cfg, serve_fd), KVF_CFG_INT},
@@ -424,6 +424,44 @@ static kvf_status spawn_tls(char *const argv[], const char *tls, int out_fd, pid
     return KVF_OK;
 }
 
+/* Whether a TCP socket listens on `port` (IPv4 or IPv6), read from /proc/net/tcp{,6}. */
+static bool port_listening(int port)
+{
+    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
+    for (int i = 0; i < 2; i++) {
+        FILE *f = fopen(files[i], "r");
+        if (!f)
+            continue;
+        char line[512], local[128];
+        unsigned st;
+        bool found = false;
+        while (!found && fgets(line, sizeof line, f)) {
+            char *colon;
+            if (sscanf(line, " %*d: %127s %*s %x", local, &st) == 2 && st == 0x0A &&
+                (colon = strrchr(local, ':')) && strtol(colon + 1, NULL, 16) == port)
+                found = true;
+        }
+        fclose(f);
+        if (found)
+            return true;
+    }
+    return false;
+}
+
+/* Waits up to 10 s for pid to listen on port (false: it did not, or it exited). A fixed sleep
+ * cost 0.5 s per perftest run, which kept the rounds per case few. */
+static bool wait_listening(int port, pid_t pid)
+{
+    for (int64_t until = kvf_now_ns() + 10000000000LL; kvf_now_ns() < until;) {
+        if (port_listening(port))
+            return true;
+        if (waitpid(pid, NULL, WNOHANG) == pid)
+            return false;
+        kvf_sleep_ms(2);
+    }
+    return false;
+}
+
 /* One ucx_perftest -t ucp_put_bw run of n messages: GB/s (overall). */
 static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, int64_t msg_bytes,
                                int64_t n, double *gbps_out, kvf_err *err)
@@ -440,7 +478,14 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     kvf_status st = spawn_tls(srv_argv, tls, -1, &srv, err);
     if (st != KVF_OK)
         return st;
-    kvf_sleep_ms(500); /* the server must be listening before the client connects */
+    /* The client must not connect before the server listens (it would fail, not retry). */
+    if (!wait_listening(atoi(port), srv)) {
+        kill(srv, SIGKILL);
+        waitpid(srv, NULL, 0);
+        return kvf_err_set(err, KVF_ERR_TIMEOUT,
+                           "bench xfer: ucx_perftest's server did not listen on port %s in 10 s",
+                           port);
+    }
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC) != 0) {
         kill(srv, SIGKILL);
@@ -517,6 +562,12 @@ static kvf_status measure_perftest(const xfer_bench_cfg *c, const char *transpor
     return KVF_OK;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
 static int parse_list(const char *s, int64_t *out, int max, bool sizes)
 {
     int n = 0;
@@ -559,9 +610,9 @@ int kvf_bench_xfer_main(int argc, char **argv)
         trs[n_trs++] = t;
     }
     if (n_sizes <= 0 || n_runs <= 0 || n_trs == 0 || c.blocks <= 0 || c.window <= 0 ||
-        c.eq_window <= 0 || c.repeats <= 0) {
+        c.eq_window <= 0 || c.repeats <= 0 || c.repeats > 64) {
         fprintf(stderr, "kvfleet: --block-sizes, --runs, --transports, --blocks, --window, "
-                        "--eq-window and --repeats need positive values (got '%s', '%s', '%s', "
+                        "--eq-window and --repeats (at most 64) need positive values (got '%s', '%s', '%s', "
                         "%d, %d, %d, %d)\n", c.block_sizes, c.runs, c.transports, c.blocks,
                 c.window, c.eq_window, c.repeats);
         return 2;
@@ -573,8 +624,10 @@ int kvf_bench_xfer_main(int argc, char **argv)
             return 2;
         }
 
-    printf("# kvfleet bench xfer: %.1f s per measurement, best of %d per side; baseline %s -t "
-           "ucp_put_bw (tcp: -O 1), one message = one run of adjacent blocks\n"
+    printf("# kvfleet bench xfer: %.1f s per measurement, %d rounds per case (both sides each, "
+           "order flipped every round), best of each side; baseline %s -t ucp_put_bw (tcp: -O "
+           "1), one message = one run of adjacent blocks\n"
+           "# eq_median: the median over rounds of (equal / perftest) within one round\n"
            "# equal:     every transfer puts the same run (blocks 0..run-1 to 0..run-1), up to %d "
            "(and ~256 MiB) in flight:\n"
            "#            the bytes perftest touches (its one message buffer, put again and again)\n"
@@ -582,12 +635,13 @@ int kvf_bench_xfer_main(int argc, char **argv)
            "~256 MiB) in flight\n",
            c.seconds, c.repeats, c.no_perftest ? "(skipped)" : c.perftest, c.eq_window, c.blocks,
            c.window);
-    printf("%-9s %8s %4s %10s %13s %11s %9s %11s %9s\n", "transport", "block", "run", "msg_bytes",
-           "perftest_GB/s", "equal_GB/s", "ratio_eq", "real_GB/s", "ratio_re");
+    printf("%-9s %8s %4s %10s %13s %11s %9s %11s %9s %9s\n", "transport", "block", "run",
+           "msg_bytes", "perftest_GB/s", "equal_GB/s", "ratio_eq", "real_GB/s", "ratio_re",
+           "eq_median");
     fflush(stdout);
     kvf_progress prog;
     kvf_progress_init(&prog, "bench xfer", (int64_t)n_trs * n_sizes * n_runs);
-    double min_ratio_real = 1e9, min_ratio_eq = 1e9;
+    double min_ratio_real = 1e9, min_ratio_eq = 1e9, min_ratio_med = 1e9;
     int done = 0;
     for (int t = 0; t < n_trs; t++) {
         xb_peer_proc pp;
@@ -600,17 +654,22 @@ int kvf_bench_xfer_main(int argc, char **argv)
                 goto fail;
             }
             for (int r = 0; r < n_runs; r++) {
-                /* Both sides measured --repeats times, alternating; the best of each counts. */
-                double eq = 0, real = 0, base = 0;
+                /* Both sides measured in --repeats rounds, the order flipped every round; the
+                 * best of each side counts, and the median of the rounds' own ratios is shown
+                 * beside it (a round's two sides ran within a second of each other). */
+                double eq = 0, real = 0, base = 0, round_ratio[64];
                 int64_t msg = runs[r] * l.block_bytes, perftest_n = 0;
                 for (int k = 0; k < c.repeats; k++) {
                     double e = 0, re = 0, b = 0;
                     int64_t eq_bytes = 0, real_bytes = 0;
-                    if ((st = measure_xfer(&c, &pp, trs[t], &l, (int32_t)runs[r], true, &e,
+                    bool base_first = k % 2 == 1;
+                    if ((!c.no_perftest && base_first &&
+                         (st = measure_perftest(&c, trs[t], msg, &perftest_n, &b, &err)) != KVF_OK) ||
+                        (st = measure_xfer(&c, &pp, trs[t], &l, (int32_t)runs[r], true, &e,
                                            &eq_bytes, &err)) != KVF_OK ||
                         (st = measure_xfer(&c, &pp, trs[t], &l, (int32_t)runs[r], false, &re,
                                            &real_bytes, &err)) != KVF_OK ||
-                        (!c.no_perftest &&
+                        (!c.no_perftest && !base_first &&
                          (st = measure_perftest(&c, trs[t], msg, &perftest_n, &b, &err)) != KVF_OK)) {
                         stop_receiver(&pp);
                         goto fail;
@@ -618,18 +677,23 @@ int kvf_bench_xfer_main(int argc, char **argv)
                     eq = e > eq ? e : eq;
                     real = re > real ? re : real;
                     base = b > base ? b : base;
+                    round_ratio[k] = b > 0 ? e / b : 0;
                 }
+                qsort(round_ratio, (size_t)c.repeats, sizeof *round_ratio, cmp_double);
+                double med = round_ratio[c.repeats / 2];
                 char bs[32];
                 snprintf(bs, sizeof bs, "%lldKiB", (long long)(l.block_bytes >> 10));
                 if (c.no_perftest) {
-                    printf("%-9s %8s %4lld %10lld %13s %11.3f %9s %11.3f %9s\n", trs[t], bs,
-                           (long long)runs[r], (long long)msg, "-", eq, "-", real, "-");
+                    printf("%-9s %8s %4lld %10lld %13s %11.3f %9s %11.3f %9s %9s\n", trs[t], bs,
+                           (long long)runs[r], (long long)msg, "-", eq, "-", real, "-", "-");
                 } else {
                     double ratio_eq = base > 0 ? eq / base : 0, ratio_real = base > 0 ? real / base : 0;
                     min_ratio_eq = ratio_eq < min_ratio_eq ? ratio_eq : min_ratio_eq;
                     min_ratio_real = ratio_real < min_ratio_real ? ratio_real : min_ratio_real;
-                    printf("%-9s %8s %4lld %10lld %13.3f %11.3f %9.3f %11.3f %9.3f\n", trs[t], bs,
-                           (long long)runs[r], (long long)msg, base, eq, ratio_eq, real, ratio_real);
+                    min_ratio_med = med < min_ratio_med ? med : min_ratio_med;
+                    printf("%-9s %8s %4lld %10lld %13.3f %11.3f %9.3f %11.3f %9.3f %9.3f\n", trs[t],
+                           bs, (long long)runs[r], (long long)msg, base, eq, ratio_eq, real,
+                           ratio_real, med);
                 }
                 fflush(stdout);
                 kvf_progress_update(&prog, ++done);
@@ -642,6 +706,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
         /* The realistic rows move more distinct memory than perftest does (from DRAM when
          * perftest's buffer sits in cache): reported, but the target is on equal footprint. */
         printf("ratio_vs_ucx_perftest_realistic=%.3f\n", min_ratio_real);
+        printf("ratio_vs_ucx_perftest_round_median=%.3f\n", min_ratio_med);
         printf("ratio_vs_ucx_perftest=%.3f\n", min_ratio_eq);
     }
     return 0;
