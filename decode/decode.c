@@ -1,9 +1,11 @@
 /* decode.c: the decode role's Generate stream. Decode-first (DESIGN.md s.1): look up the prefix
  * cache, then prefill locally (few uncached tokens, no hint, or the prefill worker is down) or
  * reserve the prompt's blocks and ask the hinted prefill worker to fill them, falling back to a
- * local prefill on any failure. Every path frees its blocks. All state lives on the worker's
- * loop thread; gRPC threads only post jobs. */
+ * local prefill on any failure. Every path frees its blocks; blocks a prefill worker may still
+ * write when decode gives up on it are held (kvf_engine_hold) until its answer or a deadline.
+ * All state lives on the worker's loop thread; gRPC threads only post jobs. */
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +32,9 @@ typedef struct dreq {
     int32_t completion_tokens, cached_tokens, remote_tokens;
     /* remote prefill in flight */
     bool remote, got_reply, got_xfer;
+    bool rpc_sent;    /* the RemotePrefill call started: the prefill worker may write */
+    bool writer_done; /* its answer came from the prefill worker: no byte can land any more */
+    bool xfer_ok;     /* RECEIVED OK: the one write of the transfer has landed */
     int32_t first_token, n_blocks, n_cached_blocks;
     uint64_t tid;
     int64_t deadline_ns, t0_ns;
@@ -37,6 +42,16 @@ typedef struct dreq {
     struct cancel_arg *cancel; /* the call's cancel callback argument */
     struct dreq *next;
 } dreq;
+
+/* Blocks of a given-up remote prefill, held until its writer is known to have stopped. */
+typedef struct dhold {
+    uint64_t tid;      /* transfer id = the engine id holding the blocks */
+    int64_t until_ns;  /* the transfer's deadline plus --late-write-grace-ms */
+    int64_t t0_ns;
+    int32_t n_blocks;
+    char id[KVF_RPC_MAX_ID_LEN + 1];
+    struct dhold *next;
+} dhold;
 
 typedef struct pconn {
     char addr[256];
@@ -49,10 +64,12 @@ struct kvf_decode {
     kvf_worker *w;
     dreq *reqs;
     pconn *peers;
+    dhold *holds;
     uint64_t next_eng_id;
     atomic_uint_fast64_t next_key;
     kvf_metric *m_remote, *m_local, *m_fallback, *m_bytes, *m_requests, *m_cancelled,
         *m_tokens;
+    kvf_metric *m_held_blocks, *m_hold_answer, *m_hold_deadline;
 };
 
 typedef struct reply {
@@ -61,6 +78,7 @@ typedef struct reply {
     kvf_status st;
     int32_t first_token;
     int64_t bytes_sent;
+    bool answered; /* the prefill worker itself answered (not a status made by gRPC here) */
     char msg[256];
 } reply;
 
@@ -92,16 +110,83 @@ static Kvfleet__V1__FinishReason finish_msg(kvf_engine_finish f)
     }
 }
 
-/* Stops whatever the engine and transport hold for q (its blocks go back to the pool now). */
+static void held_gauge(kvf_decode *d)
+{
+    kvf_engine_stats es;
+    kvf_engine_get_stats(kvf_worker_engine(d->w), &es);
+    kvf_metric_set(d->m_held_blocks, es.held_blocks);
+}
+
+/* Ends hold h (its writer answered, or its deadline passed, or shutdown): the blocks go back. */
+static void hold_end(kvf_decode *d, dhold *h, const char *why)
+{
+    kvf_err err = {0};
+    int32_t nb = 0;
+    kvf_status st = kvf_engine_release_held(kvf_worker_engine(d->w), h->tid, &nb, &err);
+    kvf_log(KVF_LOG_DEBUG, "decode: req %s: %d held blocks of transfer %llu released (%s%s) after "
+            "%.1f ms", h->id, h->n_blocks, (unsigned long long)h->tid, why,
+            st == KVF_OK ? "" : "; the engine's own deadline had released them",
+            (double)(kvf_now_ns() - h->t0_ns) / 1e6);
+    for (dhold **pp = &d->holds; *pp; pp = &(*pp)->next)
+        if (*pp == h) {
+            *pp = h->next;
+            break;
+        }
+    free(h);
+    held_gauge(d);
+}
+
+/* q's remote prefill is given up while the prefill worker may still write its blocks (a
+ * one-sided put cannot be recalled): the engine keeps them referenced until the RemotePrefill
+ * answer arrives (reply_job) or the transfer's deadline plus the grace passes (on_tick). The
+ * RemotePrefill call is deliberately not cancelled: its answer is the proof that the write
+ * ended. False when nothing was held (the caller frees the blocks). */
+static bool hold_start(kvf_decode *d, dreq *q, uint64_t tid)
+{
+    const kvf_worker_cfg *cfg = kvf_worker_config(d->w);
+    int64_t until = q->deadline_ns + (int64_t)cfg->late_write_grace_ms * 1000000LL;
+    dhold *h = calloc(1, sizeof *h);
+    kvf_err err = {0};
+    int32_t nb = 0;
+    if (!h || kvf_engine_hold(kvf_worker_engine(d->w), q->eng_id, until, &nb, &err) != KVF_OK) {
+        if (h)
+            kvf_log(KVF_LOG_WARN, "decode: req %s: hold: %s", q->id, err.msg);
+        else /* the engine holds nothing untracked: better to free now than leak */
+            kvf_log(KVF_LOG_WARN, "decode: req %s: out of memory for a hold; its blocks are "
+                    "freed while the prefill worker may still write them", q->id);
+        free(h);
+        return false;
+    }
+    h->tid = tid;
+    h->until_ns = until;
+    h->t0_ns = kvf_now_ns();
+    h->n_blocks = nb;
+    snprintf(h->id, sizeof h->id, "%s", q->id);
+    h->next = d->holds;
+    d->holds = h;
+    held_gauge(d);
+    kvf_log(KVF_LOG_INFO, "decode: req %s: remote prefill given up while %s may still write: "
+            "holding %d blocks (transfer %llu) until its answer or %.0f ms from now", q->id,
+            q->hint, nb, (unsigned long long)tid, (double)(until - h->t0_ns) / 1e6);
+    return true;
+}
+
+/* Stops whatever the engine and transport hold for q. Its blocks go back to the pool now,
+ * unless a prefill worker may still be writing them: then they are held (hold_start). */
 static void release(kvf_decode *d, dreq *q)
 {
     kvf_err err = {0};
+    bool may_write = q->remote && q->rpc_sent && !q->writer_done && !q->xfer_ok;
+    uint64_t held_tid = q->rpc_sent ? (uint64_t)q->eng_id : 0;
     if (q->remote && q->tid && !q->got_xfer) {
         uint64_t tid = q->tid;
         q->tid = 0; /* the CANCELLED event that follows matches nobody */
         kvf_xfer_cancel(kvf_worker_xfer(d->w), tid, &err);
     }
-    if (q->eng_id) {
+    q->rpc_sent = false;
+    if (q->eng_id && may_write && hold_start(d, q, held_tid)) {
+        q->eng_id = 0;
+    } else if (q->eng_id) {
         kvf_status st = kvf_engine_cancel(kvf_worker_engine(d->w), q->eng_id, &err);
         if (st != KVF_OK && st != KVF_ERR_NOT_FOUND)
             kvf_log(KVF_LOG_WARN, "decode: req %s: cancel: %s", q->id, err.msg);
@@ -211,6 +296,7 @@ static void reply_job(kvf_worker *w, void *arg)
     kvf_decode *d = r->d;
     dreq *q = find_key(d, r->key);
     if (q && q->remote && q->tid == r->tid) {
+        q->writer_done = r->answered;
         if (r->st != KVF_OK) {
             if (r->st == KVF_ERR_PEER_LOST || r->st == KVF_ERR_UNSUPPORTED)
                 peer_mark_down(d, q->hint);
@@ -220,6 +306,18 @@ static void reply_job(kvf_worker *w, void *arg)
             q->first_token = r->first_token;
             maybe_done(d, q);
         }
+    } else {
+        /* the answer for blocks held after decode gave up: only the prefill worker's own answer
+         * proves its write ended; a status made here (DEADLINE_EXCEEDED, UNAVAILABLE for a lost
+         * connection) does not, and the hold waits for its deadline */
+        for (dhold *h = d->holds; h; h = h->next)
+            if (h->tid == r->tid) {
+                if (r->answered) {
+                    kvf_metric_add(d->m_hold_answer, 1);
+                    hold_end(d, h, "the prefill worker answered");
+                }
+                break;
+            }
     }
     free(r);
     (void)w;
@@ -230,6 +328,9 @@ static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, 
 {
     reply *r = arg;
     r->st = st;
+    /* prefill.c answers only after its write's SENT event (OK or failed) or before it wrote,
+     * and every status it sets says "prefill: ..."; gRPC's own statuses never do */
+    r->answered = st == KVF_OK || (msg && strstr(msg, ": prefill: "));
     if (st == KVF_OK) {
         Kvfleet__V1__RemotePrefillResponse *m = NULL;
         kvf_err err = {0};
@@ -274,6 +375,7 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
     q->eng_id = er.id;
     q->remote = true;
     q->got_reply = q->got_xfer = false;
+    q->rpc_sent = q->writer_done = q->xfer_ok = false;
     q->n_blocks = nb;
     q->n_cached_blocks = (int32_t)(n_cached / l->block_size);
     q->cached_tokens = (int32_t)n_cached;
@@ -340,6 +442,8 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
                                  cfg->prefill_timeout_ms, reply_cb, r, &err);
         if (st != KVF_OK)
             free(r);
+        else
+            q->rpc_sent = true;
     } else {
         free(r);
         if (st == KVF_OK)
@@ -481,6 +585,7 @@ static void on_xfer_event(void *ctx, const kvf_xfer_event *ev)
             continue;
         if (ev->status == KVF_OK) {
             q->got_xfer = true;
+            q->xfer_ok = true;
             maybe_done(d, q);
         } else {
             q->tid = 0;
@@ -504,6 +609,13 @@ static void on_tick(void *ctx)
             fallback(d, q, "timed out");
         }
     }
+    for (dhold *h = d->holds, *next; h; h = next) {
+        next = h->next;
+        if (now >= h->until_ns) {
+            kvf_metric_add(d->m_hold_deadline, 1);
+            hold_end(d, h, "its deadline passed with no answer from the prefill worker");
+        }
+    }
 }
 
 static void on_shutdown(void *ctx)
@@ -511,6 +623,10 @@ static void on_shutdown(void *ctx)
     kvf_decode *d = ctx;
     while (d->reqs)
         end_req(d, d->reqs, KVF_ERR_CANCELLED, "decode worker shutting down");
+    /* the pool goes away with the process: nothing is handed out again */
+    while (d->holds)
+        hold_end(d, d->holds, "decode worker shutting down");
+    kvf_engine_release_expired(kvf_worker_engine(d->w), INT64_MAX);
     for (pconn *p = d->peers, *n; p; p = n) {
         n = p->next;
         kvf_rpc_channel_destroy(p->ch);
@@ -667,7 +783,16 @@ kvf_status kvf_decode_create(kvf_worker *w, kvf_decode **out, kvf_err *err)
         (st = kvf_metrics_counter(m, "kvfleet_decode_cancelled_total", lb,
                                   "Generate calls cancelled or abandoned by the client", &d->m_cancelled, err)) ||
         (st = kvf_metrics_counter(m, "kvfleet_decode_generated_tokens_total", lb, "tokens streamed",
-                                  &d->m_tokens, err))) {
+                                  &d->m_tokens, err)) ||
+        (st = kvf_metrics_gauge(m, "kvfleet_decode_held_blocks", lb, "blocks of given-up remote "
+                                "prefills held until the prefill worker can no longer write them",
+                                &d->m_held_blocks, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_holds_released_total",
+                                  "role=\"decode\",by=\"answer\"", "holds of given-up remote "
+                                  "prefills released, by what ended them", &d->m_hold_answer, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_decode_holds_released_total",
+                                  "role=\"decode\",by=\"deadline\"", "holds of given-up remote "
+                                  "prefills released, by what ended them", &d->m_hold_deadline, err))) {
         free(d);
         return st;
     }

@@ -26,6 +26,8 @@ typedef enum seq_state {
     SEQ_SWAPPED,   /* its blocks are in host slots */
     SEQ_FORK_WAIT, /* sample i > 0 waiting for sample 0's prompt to fork from */
     SEQ_REMOTE,    /* holds the prompt's blocks while another process writes them */
+    SEQ_HELD,      /* a given-up remote prefill whose writer may still write: its blocks stay
+                    * referenced (never handed out, never registered) until released */
     SEQ_FINISHED,  /* released; its last output is pending or just reported */
 } seq_state;
 
@@ -46,6 +48,8 @@ typedef struct eng_seq {
     kvf_engine_finish finish;
     bool pending; /* an output made outside a step, reported by the next step */
     int32_t pend_token;
+    int32_t n_hit_blocks;  /* remote: leading blocks that were prefix-cache hits */
+    int64_t hold_until_ns; /* HELD: released at this kvf_now_ns() time at the latest */
 } eng_seq;
 
 struct kvf_engine {
@@ -529,8 +533,8 @@ kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err)
     bool found = false;
     for (int32_t i = 0; i < e->n_order; i++) {
         eng_seq *s = slot_seq(e, e->order[i]);
-        if (s->id != id || s->state == SEQ_FREE)
-            continue;
+        if (s->id != id || s->state == SEQ_FREE || s->state == SEQ_HELD)
+            continue; /* a held request leaves only through a release (kvf_engine_hold) */
         found = true;
         if (s->state != SEQ_FINISHED)
             finish_seq(e, s, KVF_ENGINE_FINISH_CANCELLED, true);
@@ -577,6 +581,7 @@ kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
     if (n_cached_out)
         *n_cached_out = hit;
     e->st.prefix_hit_tokens += hit;
+    s->n_hit_blocks = s->kv.n_hashed;
     s->state = SEQ_REMOTE;
     return KVF_OK;
 undo:
@@ -607,6 +612,76 @@ kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_toke
     s->state = SEQ_RUNNING;
     take_token(e, s, first_token);
     return KVF_OK;
+}
+
+static void reclaim(kvf_engine *e);
+
+kvf_status kvf_engine_hold(kvf_engine *e, uint64_t id, int64_t until_ns, int32_t *n_blocks_out,
+                           kvf_err *err)
+{
+    eng_seq *s = e ? find_live(e, id) : NULL;
+    if (!s || s->state != SEQ_REMOTE)
+        return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: hold: req %llu is not waiting for a "
+                           "remote prefill", (unsigned long long)id);
+    s->state = SEQ_HELD;
+    s->finish = KVF_ENGINE_FINISH_CANCELLED;
+    s->hold_until_ns = until_ns;
+    e->st.finished++;
+    emit(e, s, -1, KVF_ENGINE_FINISH_CANCELLED);
+    if (n_blocks_out)
+        *n_blocks_out = s->kv.n_blocks;
+    kvf_log(KVF_LOG_DEBUG, "engine: req %llu: cancelled; %d blocks held", (unsigned long long)id,
+            s->kv.n_blocks);
+    return KVF_OK;
+}
+
+/* Gives s's blocks back (unregistered ones FREE, prefix-cache hits CACHED) and ends it. */
+static void held_release(kvf_engine *e, eng_seq *s)
+{
+    (void)e;
+    kv_release(s);
+    s->state = SEQ_FINISHED;
+}
+
+kvf_status kvf_engine_release_held(kvf_engine *e, uint64_t id, int32_t *n_blocks_out,
+                                   kvf_err *err)
+{
+    for (int32_t i = 0; e && i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->id != id || s->state != SEQ_HELD)
+            continue;
+        if (n_blocks_out)
+            *n_blocks_out = s->kv.n_blocks;
+        held_release(e, s);
+        if (!e->in_step)
+            reclaim(e);
+        return KVF_OK;
+    }
+    return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: release_held: req %llu is not held",
+                       (unsigned long long)id);
+}
+
+static int32_t release_expired(kvf_engine *e, int64_t now_ns)
+{
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state != SEQ_HELD || now_ns < s->hold_until_ns)
+            continue;
+        kvf_log(KVF_LOG_DEBUG, "engine: req %llu: hold of %d blocks expired",
+                (unsigned long long)s->id, s->kv.n_blocks);
+        held_release(e, s);
+        n++;
+    }
+    return n;
+}
+
+int32_t kvf_engine_release_expired(kvf_engine *e, int64_t now_ns)
+{
+    int32_t n = release_expired(e, now_ns);
+    if (n > 0 && !e->in_step)
+        reclaim(e);
+    return n;
 }
 
 /* ---- preemption -------------------------------------------------------------------------- */
@@ -729,7 +804,8 @@ static void flush_pending(kvf_engine *e)
         e->outs[e->n_outs++] =
             (kvf_engine_output){.id = s->id, .index = s->index, .token = s->pend_token,
                                 .n_generated = s->n_generated,
-                                .finish = s->state == SEQ_FINISHED ? s->finish : KVF_ENGINE_FINISH_NONE};
+                                .finish = s->state == SEQ_FINISHED || s->state == SEQ_HELD
+                                              ? s->finish : KVF_ENGINE_FINISH_NONE};
     }
 }
 
@@ -868,11 +944,14 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     e->n_outs = 0;
     e->in_step = true;
     flush_pending(e);
+    release_expired(e, t_step);
     schedule(e);
     kvf_status st = KVF_OK;
     if (e->n_set == 0) {
         /* nothing runs: a lone sequence that cannot be admitted would wait forever */
-        if (count_state(e, SEQ_RUNNING) == 0 && count_state(e, SEQ_REMOTE) == 0) {
+        /* (held blocks come back by their deadline at the latest: wait for them) */
+        if (count_state(e, SEQ_RUNNING) == 0 && count_state(e, SEQ_REMOTE) == 0 &&
+            count_state(e, SEQ_HELD) == 0) {
             for (int32_t i = 0; i < e->n_order; i++) {
                 eng_seq *s = slot_seq(e, e->order[i]);
                 if (s->state == SEQ_WAITING || s->state == SEQ_SWAPPED) {
@@ -961,7 +1040,10 @@ bool kvf_engine_busy(const kvf_engine *e)
 {
     for (int32_t i = 0; i < e->n_order; i++) {
         const eng_seq *s = &e->seqs[e->order[i]];
-        if (s->state != SEQ_FREE && (s->state != SEQ_FINISHED || s->pending))
+        if (s->pending)
+            return true;
+        /* a held sequence has nothing to compute: it waits for a release, not for steps */
+        if (s->state != SEQ_FREE && s->state != SEQ_FINISHED && s->state != SEQ_HELD)
             return true;
     }
     return false;
@@ -974,6 +1056,15 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out)
     out->waiting = count_state(e, SEQ_WAITING);
     out->swapped = count_state(e, SEQ_SWAPPED);
     out->remote = count_state(e, SEQ_REMOTE);
+    out->held = 0;
+    out->held_blocks = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        const eng_seq *s = &e->seqs[e->order[i]];
+        if (s->state == SEQ_HELD) {
+            out->held++;
+            out->held_blocks += s->kv.n_blocks;
+        }
+    }
     kvf_kv_pool_stats ps;
     kvf_kv_pool_get_stats(e->pool, &ps);
     out->free_blocks = ps.free;
@@ -993,13 +1084,21 @@ kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err)
     kvf_status st = kvf_kv_check_invariants(e->pool, e->live, n, err);
     if (st == KVF_OK && e->swap)
         st = kvf_kv_swap_check(e->swap, e->live, n, err);
-    /* the engine's own rule: a running sequence's table covers exactly its computed KV */
+    /* the engine's own rules: a running sequence's table covers exactly its computed KV; a
+     * held one still holds its blocks and registered none beyond its prefix-cache hits */
     for (int32_t i = 0; st == KVF_OK && i < e->n_order; i++) {
         const eng_seq *s = &e->seqs[e->order[i]];
         if (s->state == SEQ_RUNNING && s->kv.n_tokens != s->n_computed)
             st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu.%d: table holds %lld "
                              "positions but %d are computed", (unsigned long long)s->id,
                              s->index, (long long)s->kv.n_tokens, s->n_computed);
+        else if (s->state == SEQ_HELD && (!s->kv_live || s->kv.state != KVF_KV_SEQ_ACTIVE))
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: held but its blocks "
+                             "were released", (unsigned long long)s->id);
+        else if (s->state == SEQ_HELD && s->kv.n_hashed != s->n_hit_blocks)
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: held with %d registered "
+                             "blocks but only %d were prefix-cache hits", (unsigned long long)s->id,
+                             s->kv.n_hashed, s->n_hit_blocks);
     }
     return st;
 }

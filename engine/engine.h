@@ -12,7 +12,8 @@
  * running sequence is preempted: recomputed later from its tokens (WAITING) or swapped to host
  * memory (SWAPPED); either way it resumes with exactly the tokens an undisturbed run gives,
  * because it keeps its tokens and its own random generator. A finished or cancelled sequence
- * frees its blocks at once (registered ones stay cached for later prompts).
+ * frees its blocks at once (registered ones stay cached for later prompts), except a remote
+ * prefill given up while its writer may still write (kvf_engine_hold: held until released).
  *
  * The prefix cache serves every full cached block of a prompt except that at least one token
  * is always computed (its logits give the first new token): a prompt of exactly k full blocks
@@ -120,6 +121,7 @@ typedef struct kvf_engine_output {
 
 typedef struct kvf_engine_stats {
     int32_t running, waiting, swapped, remote; /* sequences in each state */
+    int32_t held, held_blocks; /* given-up remote prefills holding blocks (kvf_engine_hold) */
     int32_t free_blocks, cached_blocks, total_blocks;
     int32_t swap_slots_free;
     int64_t steps, prefill_tokens, decode_tokens; /* tokens computed by the forward pass */
@@ -154,9 +156,9 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
 bool kvf_engine_busy(const kvf_engine *e);
 
 /* Cancels every sample of request id: frees its blocks (or host slots) now; the next step
- * reports FINISH_CANCELLED for each sample not yet finished. ERR_NOT_FOUND for an unknown id.
- * For a remote prefill still in flight, abort the transfer first: the freed blocks may be
- * handed to the next sequence at once. */
+ * reports FINISH_CANCELLED for each sample not yet finished. ERR_NOT_FOUND for an unknown id
+ * (or one that is held: see kvf_engine_hold). The freed blocks may be handed to the next
+ * sequence at once: for a remote prefill whose writer may still write, use kvf_engine_hold. */
 kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err);
 
 void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out);
@@ -191,6 +193,27 @@ kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
  * takes first_token (sampled by the prefill worker) as the first output token (reported by the
  * next step) and joins the running batch. */
 kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_token, kvf_err *err);
+
+/* Gives up on remote request id (waiting for kvf_engine_remote_done) whose writer may still
+ * be putting bytes into its blocks (a one-sided write cannot be recalled): the next step
+ * reports FINISH_CANCELLED as kvf_engine_cancel does, but the blocks stay referenced (HELD):
+ * never handed to another sequence and never registered in the prefix cache, until
+ * kvf_engine_release_held(id) or until_ns (a kvf_now_ns() time; every step and
+ * kvf_engine_release_expired check it). Held blocks count as used in the stats (held,
+ * held_blocks) and in kvf_engine_check; kvf_engine_destroy frees them. A held request keeps its
+ * slot (max_queued) and its id, and makes the engine busy only until its output is reported.
+ * *n_blocks_out (may be NULL) gets how many blocks are held. ERR_NOT_FOUND when id is not a
+ * remote request still waiting for its KV. */
+kvf_status kvf_engine_hold(kvf_engine *e, uint64_t id, int64_t until_ns, int32_t *n_blocks_out,
+                           kvf_err *err);
+/* The writer of held request id has stopped: its blocks go back to the pool now (the ones the
+ * writer filled FREE, prefix-cache hits CACHED). *n_blocks_out (may be NULL) gets how many.
+ * ERR_NOT_FOUND when id is not held (never held, released already, or expired). */
+kvf_status kvf_engine_release_held(kvf_engine *e, uint64_t id, int32_t *n_blocks_out,
+                                   kvf_err *err);
+/* Releases every hold whose until_ns is <= now_ns (INT64_MAX: all, as at shutdown); returns
+ * how many. */
+int32_t kvf_engine_release_expired(kvf_engine *e, int64_t now_ns);
 
 /* ---- run to completion ------------------------------------------------------------------ */
 

@@ -103,6 +103,7 @@ void kvf_worker_cfg_default(kvf_worker_cfg *cfg)
     /* the environment may override defaults here too, as it does for the commands */
     (void)kvf_cfg_parse(&spec, cfg, 1, argv, NULL, &err);
     cfg->prefill_timeout_ms = cfg->prefill_timeout_ms > 0 ? cfg->prefill_timeout_ms : 10000;
+    cfg->late_write_grace_ms = 5000; /* a decode flag (cli/cmd_decode.c): its default */
 }
 
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,

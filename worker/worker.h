@@ -50,6 +50,8 @@ typedef struct kvf_worker_cfg {
     int32_t local_prefill_max_tokens; /* decode: prompts with at most this many uncached tokens
                                        * prefill locally; 0: remote whenever a hint is given */
     int32_t prefill_timeout_ms;       /* decode: remote prefill deadline, then local fallback */
+    int32_t late_write_grace_ms;      /* decode: blocks of a given-up remote prefill stay held
+                                       * until its answer or its deadline plus this (skew) */
     int32_t load_interval_ms;         /* WatchKv load report period (default for watchers) */
     const char *device;       /* cpu or cuda: where the model runs and the KV pool lives */
     const char *transport;    /* auto, ucx, cuda_ipc or local (the older name of xfer_backend) */
