@@ -417,7 +417,11 @@ static void test_prefill_killed_falls_back(void **state)
         fail_msg("decode used %.2f s of CPU during a %.2f s request mostly spent waiting", cpu, s);
     assert_true(metric(dec.admin_port, "kvfleet_decode_prefill_fallbacks_total") >= 1);
     assert_true(metric(dec.admin_port, "kvfleet_decode_remote_prefills_total") == 0);
-    assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", 0, 5000) == 0);
+    /* the blocks reserved for the killed worker stay held until the transfer's deadline (a gRPC
+     * UNAVAILABLE does not prove a writer stopped: docs/NOTES.md); nothing else is in use */
+    double held = metric(dec.admin_port, "kvfleet_decode_held_blocks");
+    assert_true(held >= 1);
+    assert_true(wait_metric(dec.admin_port, "kvfleet_kv_used_blocks", held, 5000) == held);
     /* the next request skips the dead worker and still completes */
     assert_int_equal(generate(dec.grpc, "after-kill", prompt, np, 24, pre.grpc, got, 64, &ng), KVF_OK);
     assert_int_equal(ng, 24);
