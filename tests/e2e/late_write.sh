@@ -5,6 +5,7 @@
 # (B's prompt again, and B's prompt + its output: prefix-cache hits on B's blocks) after A's
 # write has landed, must give exactly `kvfleet generate`'s tokens; the held-blocks gauge is
 # above 0 while A's prefill runs, back to 0 after its answer, and the pool is whole again.
+# Then E: a remote prefill that times out falls back locally and its hold ends by its deadline.
 source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
 source "$(dirname "$0")/fleet.sh"
@@ -99,6 +100,29 @@ expect_eq "the hold ended by the prefill worker's answer" \
     "$(metric "$DADMIN" 'kvfleet_decode_holds_released_total{role="decode",by="answer"}')" 1
 expect_eq "no hold ended by its deadline" \
     "$(metric "$DADMIN" 'kvfleet_decode_holds_released_total{role="decode",by="deadline"}')" 0
-grep -q "holding 10 blocks" "$TMP/dec.err" || fail "no INFO line for the hold in the decode log"
+[ "$(grep -c "holding 10 blocks" "$TMP/dec.err")" = 1 ] || fail "no single INFO line for the hold in the decode log"
 pass "the hold was logged once at INFO"
+
+# E: the remote prefill times out (2 s, the prefill worker sleeps 5 s): decode falls back to a
+# local prefill and holds the reserved blocks until the deadline plus 0.5 s, since no answer
+# has come; the prefill worker's answer (deadline passed, nothing written) comes later
+start pre2 prefill --model "$M" --xfer-transport sm --fault-delay-ms 5000; PRE2=$ADDR
+start dec2 decode --model "$M" --xfer-transport sm --prefill-timeout-ms 2000 --late-write-grace-ms 500; DADMIN2=$ADMIN; DEC2=$ADDR
+start rt2 router --model "$M" --port 0 --decode "$DEC2" --prefill "$PRE2"; RT=$ADDR
+wait_ready "http://$RT"
+E=$($PY -c "print(','.join(str(3 + (i * 7) % 300) for i in range(160)))")
+got_e=$(ask "$E" 8) || fail "request E failed"
+expect_eq "E (fallback after the timeout) equals kvfleet generate" "$got_e" "$(want "$E" 8)"
+for _ in $(seq 50); do
+    [ "$(metric "$DADMIN2" 'kvfleet_decode_holds_released_total{role="decode",by="deadline"}')" = 1 ] && break
+    sleep 0.1
+done
+expect_eq "E's hold ended by its deadline" \
+    "$(metric "$DADMIN2" 'kvfleet_decode_holds_released_total{role="decode",by="deadline"}')" 1
+expect_eq "E: held blocks back to 0" "$(metric "$DADMIN2" 'kvfleet_decode_held_blocks{role="decode"}')" 0
+for _ in $(seq 50); do
+    [ "$(metric "$DADMIN2" 'kvfleet_kv_used_blocks{role="decode"}')" = 0 ] && break
+    sleep 0.1
+done
+expect_eq "E: decode pool whole again" "$(metric "$DADMIN2" 'kvfleet_kv_used_blocks{role="decode"}')" 0
 finish
