@@ -145,17 +145,18 @@ static bool hold_start(kvf_decode *d, dreq *q, uint64_t tid)
 {
     const kvf_worker_cfg *cfg = kvf_worker_config(d->w);
     int64_t until = q->deadline_ns + (int64_t)cfg->late_write_grace_ms * 1000000LL;
-    dhold *h = calloc(1, sizeof *h);
     kvf_err err = {0};
     int32_t nb = 0;
-    if (!h || kvf_engine_hold(kvf_worker_engine(d->w), q->eng_id, until, &nb, &err) != KVF_OK) {
-        if (h)
-            kvf_log(KVF_LOG_WARN, "decode: req %s: hold: %s", q->id, err.msg);
-        else /* the engine holds nothing untracked: better to free now than leak */
-            kvf_log(KVF_LOG_WARN, "decode: req %s: out of memory for a hold; its blocks are "
-                    "freed while the prefill worker may still write them", q->id);
-        free(h);
+    if (kvf_engine_hold(kvf_worker_engine(d->w), q->eng_id, until, &nb, &err) != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "decode: req %s: hold: %s", q->id, err.msg);
         return false;
+    }
+    dhold *h = calloc(1, sizeof *h);
+    if (!h) { /* untracked: the engine's own deadline (on_tick) still ends it */
+        kvf_log(KVF_LOG_WARN, "decode: req %s: out of memory: %d blocks held until their "
+                "deadline whatever the prefill worker answers", q->id, nb);
+        held_gauge(d);
+        return true;
     }
     h->tid = tid;
     h->until_ns = until;
@@ -615,6 +616,12 @@ static void on_tick(void *ctx)
             kvf_metric_add(d->m_hold_deadline, 1);
             hold_end(d, h, "its deadline passed with no answer from the prefill worker");
         }
+    }
+    /* holds decode could not track (out of memory) end by the engine's deadline alone */
+    int32_t n = kvf_engine_release_expired(kvf_worker_engine(d->w), now);
+    if (n > 0) {
+        kvf_metric_add(d->m_hold_deadline, n);
+        held_gauge(d);
     }
 }
 

@@ -1,7 +1,8 @@
 /* decode.h: the decode role on top of a kvf_worker: the Generate stream (local prefill, or
  * RemotePrefill on the prefill worker the router names, with a deadline and a local fallback),
- * Cancel, and the decode metrics (remote/local prefills, fallbacks, KV bytes received).
- * Colocated mode is the same code with no prefill hint in the requests. */
+ * Cancel, and the decode metrics (remote/local prefills, fallbacks, KV bytes received, blocks
+ * held for given-up remote prefills until their writer stopped: docs/NOTES.md). Colocated mode
+ * is the same code with no prefill hint in the requests. */
 #ifndef KVF_DECODE_DECODE_H
 #define KVF_DECODE_DECODE_H
 
