@@ -22,6 +22,7 @@
 
 #include "bench/bench.h"
 #include "common/cfg.h"
+#include "common/log.h"
 #include "common/progress.h"
 #include "common/time.h"
 #include "transport/xfer.h"
@@ -424,9 +425,13 @@ static kvf_status spawn_tls(char *const argv[], const char *tls, int out_fd, pid
     return KVF_OK;
 }
 
-/* Whether a TCP socket listens on `port` (IPv4 or IPv6), read from /proc/net/tcp{,6}. */
-static bool port_listening(int port)
+/* Whether pid has a TCP socket listening on `port` (IPv4 or IPv6): the socket's inode from
+ * /proc/net/tcp{,6} found among pid's open files. Another program may listen on the same
+ * port (the workers of a test running beside us); that one must not count. */
+static bool pid_listening(pid_t pid, int port)
 {
+    unsigned long inodes[16];
+    int n = 0;
     const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
     for (int i = 0; i < 2; i++) {
         FILE *f = fopen(files[i], "r");
@@ -434,18 +439,31 @@ static bool port_listening(int port)
             continue;
         char line[512], local[128];
         unsigned st;
-        bool found = false;
-        while (!found && fgets(line, sizeof line, f)) {
+        unsigned long inode;
+        while (n < 16 && fgets(line, sizeof line, f)) {
             char *colon;
-            if (sscanf(line, " %*d: %127s %*s %x", local, &st) == 2 && st == 0x0A &&
-                (colon = strrchr(local, ':')) && strtol(colon + 1, NULL, 16) == port)
-                found = true;
+            if (sscanf(line, " %*d: %127s %*s %x %*s %*s %*s %*s %*s %lu", local, &st, &inode) == 3 &&
+                st == 0x0A && (colon = strrchr(local, ':')) && strtol(colon + 1, NULL, 16) == port)
+                inodes[n++] = inode;
         }
         fclose(f);
-        if (found)
-            return true;
     }
-    return false;
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/fd", (int)pid);
+    bool found = false;
+    for (int fd = 0; n > 0 && fd < 64 && !found; fd++) {
+        char path[96], target[64];
+        snprintf(path, sizeof path, "%s/%d", dir, fd);
+        ssize_t k = readlink(path, target, sizeof target - 1);
+        unsigned long inode;
+        if (k <= 0)
+            continue;
+        target[k] = 0;
+        if (sscanf(target, "socket:[%lu]", &inode) == 1)
+            for (int i = 0; i < n; i++)
+                found = found || inodes[i] == inode;
+    }
+    return found;
 }
 
 /* Waits up to 10 s for pid to listen on port (false: it did not, or it exited). A fixed sleep
@@ -453,9 +471,9 @@ static bool port_listening(int port)
 static bool wait_listening(int port, pid_t pid)
 {
     for (int64_t until = kvf_now_ns() + 10000000000LL; kvf_now_ns() < until;) {
-        if (port_listening(port))
+        if (pid_listening(pid, port))
             return true;
-        if (waitpid(pid, NULL, WNOHANG) == pid)
+        if (kill(pid, 0) != 0)
             return false;
         kvf_sleep_ms(2);
     }
@@ -531,6 +549,22 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     return KVF_OK;
 }
 
+/* perftest_run, again on another port when its server could not listen or the client could
+ * not connect (a port taken by another program between our choice and its bind): up to 3
+ * tries. */
+static kvf_status perftest_try(const xfer_bench_cfg *c, const char *transport, int64_t msg_bytes,
+                               int64_t n, double *gbps_out, kvf_err *err)
+{
+    kvf_status st = KVF_OK;
+    for (int k = 0; k < 3; k++) {
+        st = perftest_run(c, transport, msg_bytes, n, gbps_out, err);
+        if (st == KVF_OK || !(st == KVF_ERR_PARSE || strstr(err->msg, "did not listen")))
+            return st;
+        kvf_log(KVF_LOG_WARN, "%s (trying again on another port)", err->msg);
+    }
+    return st;
+}
+
 /* Messages for about --seconds of perftest at gbps. */
 static int64_t perftest_count(const xfer_bench_cfg *c, int64_t msg_bytes, double gbps)
 {
@@ -551,15 +585,29 @@ static kvf_status measure_perftest(const xfer_bench_cfg *c, const char *transpor
     if (*n_io <= 0) {
         int64_t probe_n = (64LL << 20) / msg_bytes;
         double probe = 0;
-        if ((st = perftest_run(c, transport, msg_bytes, probe_n < 20 ? 20 : probe_n, &probe,
+        if ((st = perftest_try(c, transport, msg_bytes, probe_n < 20 ? 20 : probe_n, &probe,
                                err)) != KVF_OK)
             return st;
         *n_io = perftest_count(c, msg_bytes, probe);
     }
-    if ((st = perftest_run(c, transport, msg_bytes, *n_io, gbps_out, err)) != KVF_OK)
+    if ((st = perftest_try(c, transport, msg_bytes, *n_io, gbps_out, err)) != KVF_OK)
         return st;
     *n_io = perftest_count(c, msg_bytes, *gbps_out);
     return KVF_OK;
+}
+
+/* The 1-minute load average (-1 when unreadable): printed at the start and the end, since on a
+ * shared host it says more about a run's figures than anything in it. */
+static double load1(void)
+{
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1)
+            l = -1;
+        fclose(f);
+    }
+    return l;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -639,6 +687,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
            "msg_bytes", "perftest_GB/s", "equal_GB/s", "ratio_eq", "real_GB/s", "ratio_re",
            "eq_median");
     fflush(stdout);
+    double load_start = load1();
     kvf_progress prog;
     kvf_progress_init(&prog, "bench xfer", (int64_t)n_trs * n_sizes * n_runs);
     double min_ratio_real = 1e9, min_ratio_eq = 1e9, min_ratio_med = 1e9;
@@ -702,6 +751,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
         stop_receiver(&pp);
     }
     kvf_progress_finish(&prog);
+    printf("# load average (1 min): %.2f at the start, %.2f at the end\n", load_start, load1());
     if (!c.no_perftest) {
         /* The realistic rows move more distinct memory than perftest does (from DRAM when
          * perftest's buffer sits in cache): reported, but the target is on equal footprint. */
