@@ -117,7 +117,8 @@ ldd_all() {
         KVF_LDD_DIR=$DEST/ldd KVF_LDD_CURL=$DEST/tools/libexec/curl KVF_LDD_CURL_LIB=$DEST/tools/lib \
             LD_LIBRARY_PATH=$1 xargs -P 8 -L 1 sh -c '
             [ "$2" = "$KVF_LDD_CURL" ] && LD_LIBRARY_PATH=$KVF_LDD_CURL_LIB:$LD_LIBRARY_PATH
-            ldd "$2" >"$KVF_LDD_DIR/$1.txt" 2>&1' sh
+            ldd "$2" >"$KVF_LDD_DIR/$1.txt" 2>&1
+            echo "ldd exit status $?" >>"$KVF_LDD_DIR/$1.txt"' sh
 }
 # not_found: the sonames the last ldd_all could not find.
 not_found() { cat "$DEST"/ldd/*.txt | awk '$2 == "=>" && $3 == "not" {print $1}' | sort -u; }
@@ -133,19 +134,21 @@ mapfile -t MISSING < <(not_found)
 if [ "${#MISSING[@]}" -gt 0 ]; then
     say "not in the bundle nor ld.so's paths: ${MISSING[*]}; searching"
     mapfile -t CANDS < <(lib_dirs)
-    for round in 1 2 3; do
+    for round in 1 2 3; do # a library found may need others
+        added=0
         for so in "${MISSING[@]}"; do
             dir=""
             for d in "${CANDS[@]}"; do [ -e "$d/$so" ] && { dir=$d; break; }; done
-            [ -z "$dir" ] && dir=$(timeout 60 find /usr /opt /root -maxdepth 10 -name "$so" -print -quit 2>/dev/null | xargs -r dirname)
-            if [ -n "$dir" ]; then
-                case ":$LDP:" in *":$dir:"*) ;; *) LDP="$DEST/lib:$dir${LDP#"$DEST/lib"}"; say "$so: $dir" ;; esac
-            fi
+            [ -z "$dir" ] && dir=$(timeout 60 find /usr /opt /root -maxdepth 10 \( -name .debug -o -name .cache \) -prune -o -name "$so" -print -quit 2>/dev/null | xargs -r dirname)
+            [ -n "$dir" ] || { say "$so: found nowhere"; continue; }
+            say "$so: $dir"
+            case ":$LDP:" in *":$dir:"*) ;; *) LDP="$DEST/lib:$dir${LDP#"$DEST/lib"}"; added=1 ;; esac
         done
-        ldd_all "$LDP" # a library found may need others
+        [ "$added" = 1 ] || break
+        ldd_all "$LDP"
         mapfile -t MISSING < <(not_found)
         [ "${#MISSING[@]}" -eq 0 ] && break
-        [ "$round" = 3 ] || say "round $round: still missing: ${MISSING[*]}"
+        say "round $round: still missing: ${MISSING[*]}"
     done
 fi
 export LD_LIBRARY_PATH=$LDP UCX_MODULE_DIR=$DEST/lib/ucx PATH="$DEST/build:$PATH"
@@ -155,7 +158,7 @@ say "UCX_MODULE_DIR=$UCX_MODULE_DIR"
 # --- every carried binary must resolve every library (and symbol version) ---------------------
 bad=0
 for i in "${!ELF[@]}"; do
-    miss=$(grep -E "not found|not a dynamic|No such file|cannot" "$DEST/ldd/$i.txt" 2>&1)
+    miss=$(grep -E "not found|not a dynamic|No such file|cannot|error while|exit status [1-9]" "$DEST/ldd/$i.txt" 2>&1)
     [ -s "$DEST/ldd/$i.txt" ] || miss="ldd printed nothing"
     if [ -n "$miss" ]; then
         echo "ldd ${ELF[$i]#"$DEST"/}:" >&2
