@@ -13,12 +13,13 @@
 #          bounded 200 s) -> $OUT/bench-attn.log. Expected 1-4 min.
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
-#          "GPU end to end"; bounded 380 s), single-stream generate (bounded 60 s)
+#          "GPU end to end"; bounded 360 s), single-stream generate (bounded 60 s)
 #          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. Expected 5-9 min.
 #   all    tests (bounded 330 s) then bench with --quick grids (90 s + 90 s): under 10 min.
 # Set-up takes about 10-20 s (unpack, ldd). Exits 2 when the set-up fails (missing libraries,
 # a path in the way). Environment: OUT (default /tmp/gpu-out), KVF_GPU_DIR (where to unpack,
 # default /tmp/kvf-gpu), KVF_GPU_ARCHIVE, KVF_GPU_SERVE_REQUESTS (default 160),
+# KVF_GPU_SERVE_PRESET (gen-model preset, default 1b; tiny for a quick check of the phase),
 # KVF_GPU_RUN_NO_LINK=1 (use existing /work/main/build-gpu and /work/shared as they are: on the
 # development machine, where they are real folders holding the same build).
 set -uo pipefail
@@ -212,25 +213,29 @@ run_bench() {
 }
 run_serve() {
     local t=$SECONDS rc=0 r log=$OUT/bench-serve.log m=/tmp/kvf-m1b logs=/tmp/kvf-serve-logs
-    local n=${KVF_GPU_SERVE_REQUESTS:-160}
+    local n=${KVF_GPU_SERVE_REQUESTS:-160} preset=${KVF_GPU_SERVE_PRESET:-1b}
+    [ "$preset" = 1b ] || m=/tmp/kvf-m-$preset
     : >"$log"
     if [ -f "$m/.complete" ]; then
         say "serve: $m already generated" | tee -a "$log"
     else
-        say "serve: kvfleet gen-model --preset 1b --dtype bf16 --out $m (bounded 100 s)" | tee -a "$log"
+        say "serve: kvfleet gen-model --preset $preset --dtype bf16 --out $m (bounded 100 s)" | tee -a "$log"
         rm -rf "$m"
-        timeout -k 10 100 kvfleet gen-model --preset 1b --dtype bf16 --out "$m" 2>&1 | tee -a "$log"
+        timeout -k 10 100 kvfleet gen-model --preset "$preset" --dtype bf16 --out "$m" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
         [ "$rc" = 0 ] && touch "$m/.complete"
     fi
     if [ "$rc" = 0 ]; then
         rm -rf "$logs" && mkdir -p "$logs"
-        say "serve: kvfleet bench serve --device cuda, $n requests at 8/s per configuration (bounded 380 s)" | tee -a "$log"
-        timeout -k 10 380 kvfleet bench serve --device cuda --model "$m" \
+        say "serve: kvfleet bench serve --device cuda, $n requests at 8/s per configuration (bounded 360 s)" | tee -a "$log"
+        timeout -k 10 360 kvfleet bench serve --device cuda --model "$m" \
             --fleet-flags "--kv-memory=16G --kv-dtype=bf16 --max-batch-tokens=2048 --max-seqs=64" \
             --rate 8 --requests "$n" --out-min 128 --out-max 256 --log-dir "$logs" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
         tar -C /tmp -czf "$OUT/serve-fleet-logs.tar.gz" "$(basename "$logs")" 2>/dev/null
+        if [ "$rc" != 0 ]; then # the fleets' own words, for the output tail
+            for f in "$logs"/*.log; do [ -f "$f" ] && { echo "--- last lines of $f"; tail -n 15 "$f"; }; done | tee -a "$log"
+        fi
         say "serve: single-stream kvfleet generate --device cuda, 512 tokens (bounded 60 s)" | tee -a "$log"
         timeout -k 10 60 kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
             --max-tokens 512 --ignore-eos --json 2>&1 >/dev/null | tee -a "$log"
