@@ -36,11 +36,12 @@ PY=/usr/bin/python3
 
 # --- 1. configure and build -------------------------------------------------------------------
 next "configure $BUILD_DIR (KVF_CUDA=ON, sm_90, RelWithDebInfo)"
+mkdir -p .gpu
 if [ "${KVF_GPU_NO_BUILD:-0}" != 1 ]; then
     nice -n 19 cmake -S . -B "$BUILD_DIR" -DKVF_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$BUILD_DIR.configure.log" 2>&1 ||
-        { tail -30 "$BUILD_DIR.configure.log"; die "cmake configure failed (log: $BUILD_DIR.configure.log)"; }
-    rm -f "$BUILD_DIR.configure.log"
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo >.gpu/configure.log 2>&1 ||
+        { tail -30 .gpu/configure.log; die "cmake configure failed (log: .gpu/configure.log)"; }
+    rm -f .gpu/configure.log
 fi
 [ -f "$BUILD_DIR/CMakeCache.txt" ] || die "$BUILD_DIR is not configured"
 BUILD_ABS=$(cd "$BUILD_DIR" && pwd -P)
