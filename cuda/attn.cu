@@ -24,10 +24,14 @@ extern "C" {
  *     V row once and accumulates; the output is divided by l and multiplied by v_scale.
  *  2. reduce kernel (only when parts > 1): out = sum_p w_p o_p / sum_p w_p,
  *     w_p = l_p * 2^(m_p - max m).
- * Threads: 128 per CTA; a row of head_dim elements is read by head_dim/8 adjacent threads, 8
+ * Threads: 128 per CTA; a row of head_dim elements is read by HD_PAD/8 adjacent threads, 8
  * elements each (16 bytes for f16/bf16, 2 x 16 for f32, 8 for fp8), 4 rows in flight per
- * thread. Prefill chunks use the same path (each query token reads its own K/V; no reuse of
- * K/V tiles across the tokens of a chunk beyond what the L2 cache gives). */
+ * thread. HD_PAD is head_dim rounded up to a power of two (48 -> 64, 80 and 96 -> 128) so the
+ * shuffle trees stay power-of-two; the threads whose 8 columns lie at or past head_dim ("pad
+ * lanes") load nothing, hold zeros and store nothing (48 idles 2 of 8 lanes per row, 80 idles
+ * 6 of 16, 96 idles 4 of 16). For the powers of two 16..256 HD_PAD == HD and the pad tests
+ * fold away at compile time. Prefill chunks use the same path (each query token reads its own
+ * K/V; no reuse of K/V tiles across the tokens of a chunk beyond what the L2 cache gives). */
 
 namespace {
 
@@ -38,6 +42,12 @@ constexpr int ATTN_NW = ATTN_NT / 32;
 constexpr int ATTN_EPT = 8;    /* row elements per thread */
 constexpr int ATTN_UNROLL = 4; /* rows in flight per thread */
 constexpr unsigned ATTN_FULL = 0xffffffffu;
+
+/* head_dim rounded up to the power of two its thread group covers (16..256) */
+constexpr int attn_hd_pad(int hd)
+{
+    return hd <= 16 ? 16 : hd <= 32 ? 32 : hd <= 64 ? 64 : hd <= 128 ? 128 : 256;
+}
 
 /* Everything a kernel needs, by value. Pointers are device memory. */
 struct attn_args {
@@ -141,11 +151,12 @@ __device__ __forceinline__ int attn_lo(int pos, int window)
 }
 
 /* Starts the loads of this thread's share of rows first, first + NG, ... (ATTN_UNROLL of them,
- * partition-relative) at byte offset off inside each position's block; rows at or past n read
- * nothing and convert to zeros. */
+ * partition-relative) at byte offset off inside each position's block; rows at or past n, and
+ * every row of a pad lane (live false: its columns are past head_dim), read nothing and
+ * convert to zeros. */
 template <kvf_dtype DT, int NG, int ROW>
 __device__ __forceinline__ void attn_load_rows(const attn_args &a, const int32_t *blk_s, int p0,
-                                               int b0, int n, int first, int64_t off,
+                                               int b0, int n, int first, int64_t off, bool live,
                                                typename attn_io<DT>::raw (&raw)[ATTN_UNROLL])
 {
     const int bs = 1 << a.log2_bs;
@@ -153,7 +164,7 @@ __device__ __forceinline__ void attn_load_rows(const attn_args &a, const int32_t
     for (int u = 0; u < ATTN_UNROLL; u++) {
         const int i = first + u * NG;
         raw[u] = typename attn_io<DT>::raw();
-        if (i < n) {
+        if (live && i < n) {
             const int p = p0 + i;
             const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
             raw[u] = attn_io<DT>::load(a.pool + blk * a.block_bytes + off +
@@ -168,11 +179,16 @@ template <int HD, kvf_dtype DT, int GC>
 __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
 {
     typedef attn_io<DT> io;
-    constexpr int TG = HD / ATTN_EPT; /* threads per row: 2..32, a power of two */
-    constexpr int NG = ATTN_NT / TG;  /* rows per pass */
-    constexpr int ROW = HD * io::ES;  /* bytes per row */
+    constexpr int HD_PAD = attn_hd_pad(HD);
+    constexpr int TG = HD_PAD / ATTN_EPT; /* threads per row: 2..32, a power of two */
+    constexpr int NG = ATTN_NT / TG;      /* rows per pass */
+    constexpr int ROW = HD * io::ES;      /* bytes per row */
     static_assert(TG >= 2 && TG <= 32 && (TG & (TG - 1)) == 0, "head_dim must be 16..256");
+    static_assert(HD % ATTN_EPT == 0 && HD <= HD_PAD && 2 * HD > HD_PAD,
+                  "head_dim must be a multiple of 8 above half its padded size");
     static_assert(GC * HD <= GC * ATTN_PART_MAX, "the cross-warp sums reuse the score buffer");
+    static_assert((GC * HD + GC * ATTN_PART_MAX + ATTN_PART_MAX + 1 + 2 * GC) * 4 <= 48 * 1024,
+                  "static shared memory is capped at 48 KiB");
     __shared__ __align__(16) float q_s[GC * HD];
     __shared__ float s_s[GC * ATTN_PART_MAX]; /* scores, then weights, then cross-warp sums */
     __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
@@ -205,6 +221,8 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __syncthreads();
 
     const int grp = tid / TG, r = tid % TG, warp = tid / 32, lane = tid % 32;
+    /* false only for pad lanes (columns r*8.. at or past head_dim); constant true if HD_PAD == HD */
+    const bool live = HD == HD_PAD || r * ATTN_EPT < HD;
     const int64_t row_off = a.layer_off + (int64_t)kvh * bs * ROW + r * ATTN_EPT * io::ES;
 
     /* 1. scores: s[g][i] = q[g] . k[p0 + i] (base-2 logits) */
@@ -212,14 +230,17 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
         float qr[GC][ATTN_EPT];
 #pragma unroll
         for (int g = 0; g < GC; g++) {
-            const float4 *q4 = reinterpret_cast<const float4 *>(q_s + g * HD + r * ATTN_EPT);
-            float4 x = q4[0], y = q4[1];
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f), y = x; /* a pad lane's q is 0 */
+            if (live) {
+                const float4 *q4 = reinterpret_cast<const float4 *>(q_s + g * HD + r * ATTN_EPT);
+                x = q4[0], y = q4[1];
+            }
             qr[g][0] = x.x, qr[g][1] = x.y, qr[g][2] = x.z, qr[g][3] = x.w;
             qr[g][4] = y.x, qr[g][5] = y.y, qr[g][6] = y.z, qr[g][7] = y.w;
         }
         for (int base = 0; base < n; base += NG * ATTN_UNROLL) { /* same trip count everywhere */
             typename io::raw raw[ATTN_UNROLL];
-            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, row_off, raw);
+            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, row_off, live, raw);
 #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; u++) {
                 const int i = base + u * NG + grp;
@@ -282,7 +303,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
         const int64_t v_off = row_off + a.slab_bytes;
         for (int base = 0; base < n; base += NG * ATTN_UNROLL) {
             typename io::raw raw[ATTN_UNROLL];
-            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, v_off, raw);
+            attn_load_rows<DT, NG, ROW>(a, blk_s, p0, b0, n, base + grp, v_off, live, raw);
 #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; u++) {
                 const int i = base + u * NG + grp;
@@ -311,7 +332,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __syncthreads(); /* everyone is done reading the weights: s_s becomes the sums */
     float *red = s_s;
     for (int w = 0; w < ATTN_NW; w++) { /* warps add in order: a fixed summation order */
-        if (warp == w && lane < TG)
+        if (warp == w && lane < TG && live) /* lane < TG: r == lane; pad lanes store nothing */
 #pragma unroll
             for (int g = 0; g < GC; g++)
 #pragma unroll
@@ -397,7 +418,7 @@ template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc)
 }
 
 /* The kernel for (head_dim, dtype, heads per CTA rounded up to 1, 2, 4 or 8); NULL when none
- * (kvf_cuda_attention_supports names the lists). */
+ * (kvf_cuda_attention_supports names the lists: keep the head_dims here and there in step). */
 attn_fn attn_pick(int hd, kvf_dtype dt, int gc)
 {
     switch (hd) {
@@ -405,8 +426,14 @@ attn_fn attn_pick(int hd, kvf_dtype dt, int gc)
         return attn_pick_dtype<16>(dt, gc);
     case 32:
         return attn_pick_dtype<32>(dt, gc);
+    case 48: /* padded to 64 */
+        return attn_pick_dtype<48>(dt, gc);
     case 64:
         return attn_pick_dtype<64>(dt, gc);
+    case 80: /* padded to 128 */
+        return attn_pick_dtype<80>(dt, gc);
+    case 96: /* padded to 128 */
+        return attn_pick_dtype<96>(dt, gc);
     case 128:
         return attn_pick_dtype<128>(dt, gc);
     case 256:

@@ -13,8 +13,10 @@
 
 #define ATTN_LOG2E 1.4426950408889634f
 
-static const int32_t attn_head_dims[] = {16, 32, 64, 128, 256};
-#define ATTN_HEAD_DIMS_TEXT "16, 32, 64, 128 or 256"
+/* attn.cu's attn_pick instantiates these (48, 80 and 96 on a thread group padded to 64, 128
+ * and 128 lanes' worth of columns); keep the three lists in step. */
+static const int32_t attn_head_dims[] = {16, 32, 48, 64, 80, 96, 128, 256};
+#define ATTN_HEAD_DIMS_TEXT "16, 32, 48, 64, 80, 96, 128 or 256"
 #define ATTN_GRID_YZ_MAX 65535
 
 int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx)

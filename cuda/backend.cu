@@ -600,6 +600,8 @@ static kvf_status cuda_sync(void *ctx, kvf_err *err)
     return st;
 }
 
+/* RoPE needs an even head_dim; RMSNorm and kv_write take any. Attention's lists (head_dim 16,
+ * 32, 48, 64, 80, 96, 128, 256; block sizes; dtypes) are kvf_cuda_attention_supports'. */
 static kvf_status cuda_supports(void *ctx, const kvf_kv_layout *layout, int32_t n_heads, kvf_err *err)
 {
     if (layout->head_dim % 2)

@@ -73,11 +73,13 @@ static const double emu_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4};
 static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
- * reference. bad_pos >= 0 moves that token past max_ctx (it must get zeros). */
+ * reference. bad_pos >= 0 moves that token past max_ctx (it must get zeros). Rows no token may
+ * read are NaN (attn_case_poison_unseen), so a read past a row or past a sequence shows. */
 static void emu_case(const attn_case_spec *s, int32_t bad_pos)
 {
     attn_case c;
     assert_int_equal(attn_case_build(s, &c), 0);
+    attn_case_poison_unseen(&c);
     size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim, row = (size_t)c.n_heads * s->head_dim;
     float *cpu = (float *)malloc(n * sizeof(float)), *ref = (float *)malloc(n * sizeof(float));
     float *got = (float *)malloc(n * sizeof(float));
@@ -180,6 +182,35 @@ static void test_single_partition_kernels(void **state)
         emu_case(&s, -1);
 }
 
+/* head_dim 48, 80 and 96 (thread groups padded to 64, 128 and 128 columns: the pad lanes load
+ * and store nothing) x every dtype: GQA 1/2/4/6/8/16 (all four heads-per-CTA kernels, 16 in two
+ * chunks), block sizes 1 to 32 with lengths that are not multiples of them, scattered and shared
+ * blocks, prefill chunks mixed with decode tokens in one partition, decode batches split into
+ * 64-position partitions, sliding windows. */
+static void test_padded_head_dims(void **state)
+{
+    (void)state;
+    static const int32_t hds[] = {48, 80, 96}, groups[] = {1, 2, 4, 6, 8, 16};
+    static const int32_t bss[] = {16, 8, 32, 1, 16};
+    static const int32_t windows[] = {0, 37, 0, 100};
+    uint32_t seed = 600;
+    int n = 0;
+    for (int32_t hd : hds)
+        for (int dt = 0; dt < KVF_DTYPE_COUNT; dt++, seed++, n++) {
+            const int32_t group = groups[n % 6], kv = group >= 8 ? 1 : 2;
+            const bool split = n % 2 == 1; /* decode-only, contexts of 2-6 partitions */
+            attn_case_spec s = emu_spec(hd, bss[n % 5], kv, group, (kvf_dtype)dt, windows[n % 4],
+                                        2, split ? 250 + 9 * (n % 5) : 24 + 9 * (n % 5),
+                                        split, seed);
+            if (split) {
+                int32_t th = s.n_seqs * s.n_kv_heads * s.group;
+                assert_true(kvf_cuda_attention_parts(s.n_seqs, th / s.n_seqs,
+                                                     s.max_len + s.extra_ctx) > 1);
+            }
+            emu_case(&s, -1);
+        }
+}
+
 /* A token past max_ctx gets zeros on both paths; the others are unaffected. */
 static void test_bad_position(void **state)
 {
@@ -195,6 +226,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_single_partition_kernels),
         cmocka_unit_test(test_split_kernels),
+        cmocka_unit_test(test_padded_head_dims),
         cmocka_unit_test(test_bad_position),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -40,11 +40,13 @@ static void *dev_copy(const void *host, size_t bytes)
     return d;
 }
 
-/* Runs one case on the GPU; compares with the CPU backend and the host reference. */
+/* Runs one case on the GPU; compares with the CPU backend and the host reference. Rows no token
+ * may read are NaN (attn_case_poison_unseen): a read past a row or a sequence shows. */
 static void run_case(const attn_case_spec *s)
 {
     attn_case c;
     assert_int_equal(attn_case_build(s, &c), 0);
+    attn_case_poison_unseen(&c);
     size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim;
     float *cpu = malloc(n * sizeof(float)), *ref = malloc(n * sizeof(float));
     float *gpu = malloc(n * sizeof(float));
@@ -117,14 +119,15 @@ static void test_matches_cpu(void **state)
         run_case(&specs[i]);
 }
 
-/* Every head_dim x dtype with the fixture models' block size and GQA 2 and 4 (the kernels
- * with 2 and 4 heads per CTA), one partition and several. */
+/* Every head_dim (48, 80 and 96 on padded thread groups) x dtype with the fixture models'
+ * block size and GQA 2 and 4 (the kernels with 2 and 4 heads per CTA), one partition and
+ * several; rows no token may read are NaN, so a padded lane reading past its row shows. */
 static void test_every_kernel_shape(void **state)
 {
     (void)state;
-    static const int32_t hds[] = {16, 32, 64, 128, 256};
+    static const int32_t hds[] = {16, 32, 48, 64, 80, 96, 128, 256};
     uint32_t seed = 200;
-    for (size_t h = 0; h < 5; h++)
+    for (size_t h = 0; h < sizeof hds / sizeof hds[0]; h++)
         for (int dt = 0; dt < KVF_DTYPE_COUNT; dt++, seed++) {
             attn_case_spec s = {.head_dim = hds[h], .block_size = 16, .n_kv_heads = 2,
                                 .group = seed % 2 ? 2 : 4, .window = 0, .dtype = (kvf_dtype)dt,
@@ -135,7 +138,7 @@ static void test_every_kernel_shape(void **state)
         }
 }
 
-/* Group 16 (two chunks of 8 heads) and 6 (8-head kernel with 6 real heads); small decode
+/* Group 16 (two chunks of 8 heads; at head_dim 64 and 80) and 6 (8-head kernel with 6 real heads); small decode
  * batches (short partitions); a long context in the benchmark's shape (bf16, head_dim 128,
  * GQA 4, about 20 partitions). */
 static void test_groups_and_long_context(void **state)
@@ -147,6 +150,8 @@ static void test_groups_and_long_context(void **state)
     run_case(&s);
     s.group = 6, s.n_kv_heads = 2, s.seed = 301, s.window = 100;
     run_case(&s);
+    s.head_dim = 80, s.group = 16, s.n_kv_heads = 1, s.seed = 303, s.dtype = KVF_DTYPE_F16;
+    run_case(&s); /* padded thread groups, two chunks of 8 heads */
     /* small batches: 64- and 128-position partitions */
     for (uint32_t seed = 500; seed < 506; seed++) {
         attn_case_spec b = {.head_dim = seed % 2 ? 128 : 32, .block_size = 16, .n_kv_heads = 2,
@@ -187,11 +192,11 @@ static void test_refusals(void **state)
     assert_int_equal(kvf_cuda_bench_sync(&err), KVF_OK);
 
     kvf_cuda_attn_params b = p;
-    b.layout.head_dim = 80;
+    b.layout.head_dim = 72;
     b.layout.block_bytes = kvf_kv_bytes_per_token(&b.layout) * b.layout.block_size;
     assert_int_equal(kvf_cuda_attention(&b, NULL, &err), KVF_ERR_UNSUPPORTED);
-    assert_non_null(strstr(err.msg, "head_dim 80"));
-    assert_non_null(strstr(err.msg, "16, 32, 64, 128 or 256"));
+    assert_non_null(strstr(err.msg, "head_dim 72"));
+    assert_non_null(strstr(err.msg, "16, 32, 48, 64, 80, 96, 128 or 256"));
     b = p;
     b.layout.block_size = 24;
     b.layout.block_bytes = kvf_kv_bytes_per_token(&b.layout) * b.layout.block_size;

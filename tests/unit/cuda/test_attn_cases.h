@@ -51,7 +51,7 @@ static inline float attn_rng_unit(uint32_t *s) /* uniform in [-1, 1) */
 }
 
 /* The sweep the split algorithm and the GPU kernel both run: every dtype x GQA group 1/2/8 x
- * window off/short/long, cycling head_dim and block size, contexts up to 700 (three partitions)
+ * window off/short/long, cycling head_dim (every supported one, 48/80/96 included) and block size, contexts up to 700 (three partitions)
  * and max_ctx beyond the longest sequence. Fills out with ATTN_SWEEP_N specs (seeds 1 on). */
 enum { ATTN_SWEEP_N = 4 * 3 * 3 };
 static inline void attn_case_sweep(attn_case_spec out[ATTN_SWEEP_N])
@@ -59,12 +59,12 @@ static inline void attn_case_sweep(attn_case_spec out[ATTN_SWEEP_N])
     static const kvf_dtype dts[] = {KVF_DTYPE_F32, KVF_DTYPE_F16, KVF_DTYPE_BF16,
                                     KVF_DTYPE_FP8_E4M3};
     static const int32_t groups[] = {1, 2, 8}, windows[] = {0, 37, 300};
-    static const int32_t hds[] = {16, 32, 64, 128, 256}, bss[] = {8, 16, 32, 1, 64};
+    static const int32_t hds[] = {16, 32, 48, 64, 80, 96, 128, 256}, bss[] = {8, 16, 32, 1, 64};
     uint32_t seed = 1;
     for (size_t d = 0; d < 4; d++)
         for (size_t g = 0; g < 3; g++)
             for (size_t w = 0; w < 3; w++, seed++) {
-                attn_case_spec s = {.head_dim = hds[seed % 5], .block_size = bss[(seed / 5) % 5],
+                attn_case_spec s = {.head_dim = hds[seed % 8], .block_size = bss[(seed / 5) % 5],
                                     .n_kv_heads = groups[g] == 8 ? 1 : 2, .group = groups[g],
                                     .window = windows[w], .dtype = dts[d], .k_scale = 1.0f,
                                     .v_scale = 1.0f, .scale_mul = (seed % 3) ? 1.0f : 6.0f,
@@ -75,6 +75,10 @@ static inline void attn_case_sweep(attn_case_spec out[ATTN_SWEEP_N])
                 out[seed - 1] = s;
             }
 }
+
+/* Bytes allocated after the pool (NaN after attn_case_poison_unseen): a kernel that reads past
+ * the pool's last row reads these. */
+#define ATTN_CASE_POOL_SLACK 256
 
 static inline void attn_case_free(attn_case *c)
 {
@@ -154,7 +158,8 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     free(len);
     /* the pool: every element random in [-1, 1), stored in the layout's dtype */
     c->pool_bytes = (size_t)c->n_blocks * (size_t)c->layout.block_bytes;
-    c->pool = (uint8_t *)aligned_alloc(64, (c->pool_bytes + 63) / 64 * 64);
+    c->pool = (uint8_t *)aligned_alloc(64, (c->pool_bytes + ATTN_CASE_POOL_SLACK + 63) / 64 * 64);
+    memset(c->pool + c->pool_bytes, 0, ATTN_CASE_POOL_SLACK);
     size_t es = kvf_dtype_size(s->dtype), n_el = c->pool_bytes / es;
     for (size_t i = 0; i < n_el; i++) {
         float f = attn_rng_unit(&rng);
@@ -179,6 +184,65 @@ static inline int attn_case_build(const attn_case_spec *s, attn_case *c)
     for (size_t i = 0; i < nq; i++)
         c->q[i] = attn_rng_unit(&rng);
     return 0;
+}
+
+/* Writes NaN (in the layout's dtype) over every KV row no token of the case may read: the
+ * positions past each sequence's length in its last block, every block no table names, and
+ * the slack after the pool. A kernel that reads past a row (a padded thread group's idle
+ * lanes) or past the visible range then produces NaN instead of a plausible number. Call after
+ * attn_case_build; the CPU backend and the reference never read these rows. */
+static inline void attn_case_poison_unseen(attn_case *c)
+{
+    const kvf_kv_layout *l = &c->layout;
+    size_t es = kvf_dtype_size(l->dtype);
+    uint8_t nan_bytes[4];
+    uint32_t f32_nan = 0x7fc00000u;
+    switch (l->dtype) {
+    case KVF_DTYPE_F32:
+        memcpy(nan_bytes, &f32_nan, 4);
+        break;
+    case KVF_DTYPE_F16:
+        nan_bytes[0] = 0x00, nan_bytes[1] = 0x7e;
+        break;
+    case KVF_DTYPE_BF16:
+        nan_bytes[0] = 0xc0, nan_bytes[1] = 0x7f;
+        break;
+    default:
+        nan_bytes[0] = 0x7f; /* e4m3: S.1111.111 is NaN */
+        break;
+    }
+    /* whole blocks first: every block no table names */
+    bool *used = (bool *)calloc((size_t)c->n_blocks, sizeof(bool));
+    for (int64_t i = 0; i < (int64_t)c->n_seqs * c->max_blocks; i++)
+        if (c->block_tables[i] >= 0)
+            used[c->block_tables[i]] = true;
+    for (int32_t b = 0; b < c->n_blocks; b++)
+        if (!used[b])
+            for (int64_t i = 0; i < l->block_bytes; i += (int64_t)es)
+                memcpy(c->pool + b * l->block_bytes + i, nan_bytes, es);
+    free(used);
+    /* each sequence's last block past its length (the length: its last token's position + 1;
+     * a partial last block is never shared) */
+    for (int32_t s = 0; s < c->n_seqs; s++) {
+        int32_t len = 0;
+        for (int32_t t = 0; t < c->n_tokens; t++)
+            if (c->tok_seq[t] == s && c->tok_pos[t] + 1 > len)
+                len = c->tok_pos[t] + 1;
+        if (len == 0 || len % l->block_size == 0)
+            continue;
+        int32_t blk = c->block_tables[(int64_t)s * c->max_blocks + (len - 1) / l->block_size];
+        for (int32_t layer = 0; layer < l->n_layers; layer++)
+            for (int part = 0; part < 2; part++)
+                for (int32_t h = 0; h < l->n_kv_heads; h++)
+                    for (int32_t off = len % l->block_size; off < l->block_size; off++) {
+                        uint8_t *row = c->pool + kvf_kv_offset(l, blk, layer, (kvf_kv_part)part,
+                                                               h, off);
+                        for (int32_t e = 0; e < l->head_dim; e++)
+                            memcpy(row + (size_t)e * es, nan_bytes, es);
+                    }
+    }
+    for (size_t i = 0; i + es <= ATTN_CASE_POOL_SLACK; i += es)
+        memcpy(c->pool + c->pool_bytes + i, nan_bytes, es);
 }
 
 /* The CPU backend's attention for the case, into out[n_tokens][n_heads][head_dim]. The CPU
