@@ -34,7 +34,7 @@ static const kvf_cfg_opt attn_bench_opts[] = {
     {"contexts", NULL, "context lengths (comma-separated); default 512,1024,...,32768 (quick: 1024,4096,16384)", offsetof(attn_bench_cfg, contexts), KVF_CFG_STR},
     {"heads", "32", "query heads (Llama-3-8B: 32)", offsetof(attn_bench_cfg, heads), KVF_CFG_INT},
     {"kv-heads", "8", "KV heads (Llama-3-8B: 8)", offsetof(attn_bench_cfg, kv_heads), KVF_CFG_INT},
-    {"head-dim", "128", "head dimension (16, 32, 64, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
+    {"head-dim", "128", "head dimension (16, 32, 48, 64, 80, 96, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
     {"block-size", "16", "tokens per KV block", offsetof(attn_bench_cfg, block_size), KVF_CFG_INT},
     {"dtype", "bf16", "KV dtype (f32, f16, bf16, fp8-e4m3)", offsetof(attn_bench_cfg, dtype), KVF_CFG_STR},
     {"max-kv", "24G", "skip cases whose KV (one layer) is larger than this", offsetof(attn_bench_cfg, max_kv), KVF_CFG_SIZE},

@@ -32,7 +32,7 @@ typedef struct up_cfg {
 } up_cfg;
 
 static const kvf_cfg_opt up_opts[] = {
-    {"model", NULL, "model directory (default: `gen-model --preset small`, medium with --device cuda, written once to --cache-dir)", offsetof(up_cfg, model), KVF_CFG_STR},
+    {"model", NULL, "model directory (default: `gen-model --preset small`, on either device, written once to --cache-dir)", offsetof(up_cfg, model), KVF_CFG_STR},
     {"prefill", "1", "prefill workers (0: decode workers prefill locally)", offsetof(up_cfg, prefill), KVF_CFG_INT},
     {"decode", "1", "decode workers", offsetof(up_cfg, decode), KVF_CFG_INT},
     {"port", "8000", "the router's HTTP port (0 picks a free one)", offsetof(up_cfg, port), KVF_CFG_INT},
@@ -232,11 +232,12 @@ static void stop_all(child *cs, int n)
     }
 }
 
-/* The default model: gen-model --preset small (medium with --device cuda: the GPU kernels take
- * head_dim 16, 32, 64, 128 or 256 and small's is 48), written once under the cache directory. */
+/* The default model: gen-model --preset small on both devices (its head_dim 48 runs on the GPU
+ * attention's padded thread groups; until then --device cuda defaulted to medium), written once
+ * under the cache directory. */
 static int default_model(const char *self, const up_cfg *c, char *dir, size_t cap)
 {
-    const char *preset = strcmp(c->device, "cuda") == 0 ? "medium" : "small";
+    const char *preset = "small";
     const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char base[PATH_MAX];
     if (c->cache_dir)
@@ -343,7 +344,7 @@ int kvf_cli_up(int argc, char **argv)
             wargs[k++] = "--port=0";
         wargs[k++] = device_arg; /* the workers pick the transport that fits (auto) */
         /* a GPU pool: 2 GiB unless the pool is sized by flag or environment (the workers'
-         * 64 MiB default is for CPU-sized models and refuses medium's full context) */
+         * 64 MiB default is for CPU-sized models and refuses e.g. medium's full context) */
         bool sized = getenv("KVFLEET_KV_MEMORY") || getenv("KVFLEET_KV_BLOCKS");
         for (int i = 0; i < n_fwd; i++)
             sized = sized || strncmp(fwd[i], "--kv-memory", 11) == 0 || strncmp(fwd[i], "--kv-blocks", 11) == 0;
