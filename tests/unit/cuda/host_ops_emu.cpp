@@ -152,6 +152,17 @@ static void test_rmsnorm_rope_eltwise(void **state)
     cpu.be->rope(cpu.ctx, q, T, H, D, cs);
     emu_launch({2, 1, 1}, 32, [&] { rope_kernel(q2, T, H, D, cs); });
     assert_true(kvf_test_rel_err(q2, q, T * H * D) <= 1e-6);
+    /* the head_dims the attention runs on padded thread groups: RoPE assumes no power of two */
+    for (int32_t hd : {48, 80, 96}) {
+        static float r1[T * H * 96], r2[T * H * 96], rcs[T * 48 * 2];
+        for (int64_t i = 0; i < T * H * hd; i++)
+            r1[i] = r2[i] = rnd();
+        for (int64_t i = 0; i < T * hd; i++)
+            rcs[i] = rnd();
+        cpu.be->rope(cpu.ctx, r1, T, H, hd, rcs);
+        emu_launch({2, 1, 1}, 32, [&] { rope_kernel(r2, T, H, hd, rcs); });
+        assert_true(kvf_test_rel_err(r2, r1, T * H * hd) <= 1e-6);
+    }
 
     static float a[1000], b[1000], sw[1000], ad[1000], bias[40];
     for (int i = 0; i < 1000; i++) {
