@@ -351,9 +351,9 @@ static kvf_status measure_xfer(const xfer_bench_cfg *c, xb_peer_proc *pp, const 
     /* The first `window` transfers warm up; the clock starts when the first one completes. */
     for (;;) {
         bool issue = !warm || kvf_now_ns() - t0 < (int64_t)(c->seconds * 1e9);
+        int64_t deadline = issue && in_flight < window ? kvf_now_ns() + 60000000000LL : 0;
         while (issue && in_flight < window) {
-            st = kvf_xfer_write(x, peer, next_id++, pairs, (size_t)n_pairs,
-                                kvf_now_ns() + 60000000000LL, err);
+            st = kvf_xfer_write(x, peer, next_id++, pairs, (size_t)n_pairs, deadline, err);
             if (st != KVF_OK)
                 goto end_case;
             in_flight++;
@@ -362,14 +362,14 @@ static kvf_status measure_xfer(const xfer_bench_cfg *c, xb_peer_proc *pp, const 
             break;
         /* Window full (or draining): wait for an event (every write ends in one by its
          * deadline), spinning first, then sleeping on the transport's fd. */
-        kvf_xfer_event ev;
-        bool got = xb_spin(x, &ev);
-        if (!got)
+        kvf_xfer_event evs[256];
+        size_t n_ev = xb_spin(x, evs) ? 1 + kvf_xfer_poll_many(x, evs + 1, 255) : 0;
+        if (n_ev == 0)
             xb_sleep(x, -1);
-        while (got) {
-            if (ev.status != KVF_OK) {
-                st = kvf_err_set(err, ev.status, "bench xfer: transfer %llu: %s",
-                                 (unsigned long long)ev.id, kvf_status_str(ev.status));
+        for (size_t i = 0; i < n_ev; i++) {
+            if (evs[i].status != KVF_OK) {
+                st = kvf_err_set(err, evs[i].status, "bench xfer: transfer %llu: %s",
+                                 (unsigned long long)evs[i].id, kvf_status_str(evs[i].status));
                 goto end_case;
             }
             in_flight--;
@@ -379,7 +379,6 @@ static kvf_status measure_xfer(const xfer_bench_cfg *c, xb_peer_proc *pp, const 
             } else {
                 done_bytes += transfer_bytes;
             }
-            got = kvf_xfer_poll(x, &ev);
         }
     }
     t_end = kvf_now_ns();

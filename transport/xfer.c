@@ -706,23 +706,27 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
             runs[n_runs++] = (kvf_xfer_run){.src = sorted[i].src, .dst = sorted[i].dst, .count = 1};
         }
     }
-    /* Counted before the backend runs: the local backend ends the write inside ops->write. */
+    /* Counted before the backend runs (the local backend ends the write inside ops->write) and
+     * taken back if it refuses the write: one lock per write, not two. */
+    int64_t bytes = (int64_t)n * x->pool.layout.block_bytes;
     pthread_mutex_lock(&x->mu);
     x->stats.in_flight++;
+    x->stats.writes++;
+    x->stats.puts += (int64_t)n_runs;
+    x->stats.bytes += bytes;
     pthread_mutex_unlock(&x->mu);
     if (x->staging)
         st = stage_tx_start(x, peer, id, runs, n_runs, deadline_ns, err);
     else
         st = x->ops->write(x, peer, id, runs, n_runs, deadline_ns, err);
-    pthread_mutex_lock(&x->mu);
-    if (st == KVF_OK) {
-        x->stats.writes++;
-        x->stats.puts += (int64_t)n_runs;
-        x->stats.bytes += (int64_t)n * x->pool.layout.block_bytes;
-    } else {
+    if (st != KVF_OK) {
+        pthread_mutex_lock(&x->mu);
         x->stats.in_flight--;
+        x->stats.writes--;
+        x->stats.puts -= (int64_t)n_runs;
+        x->stats.bytes -= bytes;
+        pthread_mutex_unlock(&x->mu);
     }
-    pthread_mutex_unlock(&x->mu);
 done:
     if (heap) {
         free(sorted);
@@ -758,13 +762,22 @@ static bool event_push_locked(kvf_xfer *x, kvf_xfer_event ev)
 
 void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st)
 {
+    kvf_xfer_event ev = {.kind = KVF_XFER_SENT, .id = id, .status = st};
+    kvf_xfer_sent_many(x, &ev, 1);
+}
+
+void kvf_xfer_sent_many(kvf_xfer *x, const kvf_xfer_event *evs, size_t n)
+{
     pthread_mutex_lock(&x->mu);
-    x->stats.in_flight--;
-    if (st == KVF_OK)
-        x->stats.sent_ok++;
-    else
-        x->stats.sent_failed++;
-    event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_SENT, .id = id, .status = st});
+    for (size_t i = 0; i < n; i++) {
+        x->stats.in_flight--;
+        if (evs[i].status == KVF_OK)
+            x->stats.sent_ok++;
+        else
+            x->stats.sent_failed++;
+        event_push_locked(x, (kvf_xfer_event){.kind = KVF_XFER_SENT, .id = evs[i].id,
+                                              .status = evs[i].status});
+    }
     pthread_mutex_unlock(&x->mu);
 }
 
@@ -966,16 +979,20 @@ void kvf_xfer_progress(kvf_xfer *x)
 
 bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out)
 {
-    bool got = false;
+    return kvf_xfer_poll_many(x, ev_out, 1) == 1;
+}
+
+size_t kvf_xfer_poll_many(kvf_xfer *x, kvf_xfer_event *evs, size_t max)
+{
+    size_t n = 0;
     pthread_mutex_lock(&x->mu);
-    if (x->ev_len) {
-        *ev_out = x->ev[x->ev_head];
+    for (; n < max && x->ev_len; n++) {
+        evs[n] = x->ev[x->ev_head];
         x->ev_head = (x->ev_head + 1) % x->ev_cap;
         x->ev_len--;
-        got = true;
     }
     pthread_mutex_unlock(&x->mu);
-    return got;
+    return n;
 }
 
 int kvf_xfer_event_fd(kvf_xfer *x)

@@ -257,6 +257,8 @@ kvf_status kvf_xfer_cancel(kvf_xfer *x, uint64_t id, kvf_err *err);
 void kvf_xfer_progress(kvf_xfer *x);
 /* Pops one event: returns true and fills *ev_out, or false when none is queued. */
 bool kvf_xfer_poll(kvf_xfer *x, kvf_xfer_event *ev_out);
+/* Up to max queued events into evs, oldest first, under one lock; returns how many. */
+size_t kvf_xfer_poll_many(kvf_xfer *x, kvf_xfer_event *evs, size_t max);
 /* For event loops (epoll, libevent): a file descriptor that becomes readable when the transport
  * has work, or -1 (local backend: nothing to wait for). Protocol: progress and poll until idle,
  * then kvf_xfer_arm; if it returns true, sleep on the fd (and no longer than the nearest

@@ -104,6 +104,8 @@ struct kvf_xfer_peer {
 /* Backend -> generic layer. Both take x->mu themselves. */
 /* Sender: write id ended with st (counts stats, queues the SENT event). */
 void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st);
+/* kvf_xfer_sent for n writes under one lock (evs[i].id and .status; .kind is ignored). */
+void kvf_xfer_sent_many(kvf_xfer *x, const kvf_xfer_event *evs, size_t n);
 /* Receiver: the sender's notice for id arrived with st. Returns whether it became an event:
  * false when id was not expected (and accept_unexpected is off), so the notice was dropped. */
 bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st);
