@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdbool.h>
@@ -32,10 +33,11 @@
 extern char **environ;
 
 typedef struct xfer_bench_cfg {
-    const char *transports, *block_sizes, *runs, *perftest;
-    int32_t blocks, window, eq_window, repeats, serve_fd;
+    const char *transports, *block_sizes, *runs, *perftest, *pin;
+    int32_t blocks, window, eq_window, repeats, serve_fd, serve_cpu;
     double seconds;
     bool no_perftest;
+    int pin_tx, pin_rx; /* parsed --pin (-1: not pinned) */
 } xfer_bench_cfg;
 
 static const kvf_cfg_opt xfer_bench_opts[] = {
@@ -49,7 +51,9 @@ static const kvf_cfg_opt xfer_bench_opts[] = {
     {"seconds", "0.5", "seconds of transfers per measurement", offsetof(xfer_bench_cfg, seconds), KVF_CFG_DOUBLE},
     {"perftest", "ucx_perftest", "the ucx_perftest binary (the baseline)", offsetof(xfer_bench_cfg, perftest), KVF_CFG_STR},
     {"no-perftest", NULL, "skip the baseline (no ratio)", offsetof(xfer_bench_cfg, no_perftest), KVF_CFG_BOOL},
+    {"pin", "auto", "CPUs of the sending and the receiving process, the same for kvfleet and ucx_perftest (its -c): 'S,R', 'auto' (0,1 with 2 or more CPUs) or 'off'", offsetof(xfer_bench_cfg, pin), KVF_CFG_STR},
     {"serve-fd", "-1", "internal: run as the receiving process on this socket", offsetof(xfer_bench_cfg, serve_fd), KVF_CFG_INT},
+    {"serve-cpu", "-1", "internal: the receiving process's CPU (-1: any)", offsetof(xfer_bench_cfg, serve_cpu), KVF_CFG_INT},
     {NULL},
 };
 
@@ -202,6 +206,17 @@ static kvf_status layout_for(int64_t bytes, kvf_kv_layout *l, kvf_err *err)
 
 /* ---- the receiving process ---- */
 
+/* Runs the calling process on CPU cpu only (cpu < 0: leaves it alone). */
+static bool pin_to(int cpu)
+{
+    if (cpu < 0)
+        return true;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return sched_setaffinity(0, sizeof set, &set) == 0;
+}
+
 static int serve(int fd)
 {
     xb_msg m;
@@ -252,7 +267,7 @@ typedef struct xb_peer_proc {
     int fd;
 } xb_peer_proc;
 
-static kvf_status spawn_receiver(xb_peer_proc *pp, kvf_err *err)
+static kvf_status spawn_receiver(xb_peer_proc *pp, int cpu, kvf_err *err)
 {
     char self[4096];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -262,9 +277,10 @@ static kvf_status spawn_receiver(xb_peer_proc *pp, kvf_err *err)
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
         return kvf_err_set(err, KVF_ERR_IO, "bench xfer: socketpair: %s", strerror(errno));
-    char fd_arg[32];
+    char fd_arg[32], cpu_arg[32];
     snprintf(fd_arg, sizeof fd_arg, "--serve-fd=%d", sv[1]);
-    char *argv[] = {"kvfleet", "bench", "xfer", fd_arg, NULL};
+    snprintf(cpu_arg, sizeof cpu_arg, "--serve-cpu=%d", cpu);
+    char *argv[] = {"kvfleet", "bench", "xfer", fd_arg, cpu_arg, NULL};
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, sv[1], sv[1]); /* clears CLOEXEC in the child */
@@ -494,9 +510,16 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     snprintf(size, sizeof size, "%lld", (long long)msg_bytes);
     snprintf(iters, sizeof iters, "%lld", (long long)n);
     const char *tls = strcmp(transport, "tcp") == 0 ? "tcp" : "sm";
-    char *srv_argv[] = {(char *)c->perftest, "-p", port, NULL};
+    /* Pinned as our two processes are (-c: perftest sets its own affinity, replacing the one it
+     * inherits from this pinned process); argv ends at the first NULL. */
+    char cpu_tx[16], cpu_rx[16];
+    snprintf(cpu_tx, sizeof cpu_tx, "%d", c->pin_tx);
+    snprintf(cpu_rx, sizeof cpu_rx, "%d", c->pin_rx);
+    bool pin = c->pin_tx >= 0;
+    char *srv_argv[] = {(char *)c->perftest, "-p", port, pin ? "-c" : NULL, cpu_rx, NULL};
     char *cli_argv[] = {(char *)c->perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
-                        size, "-n", iters, strcmp(tls, "tcp") == 0 ? "-O" : NULL, "1", NULL};
+                        size, "-n", iters, pin ? "-c" : NULL, cpu_tx,
+                        strcmp(tls, "tcp") == 0 ? "-O" : NULL, "1", NULL};
     pid_t srv, cli;
     kvf_status st = spawn_tls(srv_argv, tls, -1, &srv, err);
     if (st != KVF_OK)
@@ -645,8 +668,32 @@ int kvf_bench_xfer_main(int argc, char **argv)
             fprintf(stderr, "kvfleet: %s\n", err.msg);
         return st == KVF_HELP ? 0 : 2;
     }
-    if (c.serve_fd >= 0)
+    if (c.serve_fd >= 0) {
+        if (!pin_to(c.serve_cpu))
+            fprintf(stderr, "kvfleet: bench xfer: receiver: cannot run on CPU %d: %s\n",
+                    c.serve_cpu, strerror(errno));
         return serve(c.serve_fd);
+    }
+    /* Both processes of each side spin; left to the scheduler, a receiver that slept and woke
+     * could be placed on the sender's CPU and halve it for a whole case (seen: one case at 0.70
+     * of perftest for all five rounds while perftest's fresh processes, spread out, were not).
+     * So both sides run pinned alike: sender on S, receiver on R. */
+    c.pin_tx = c.pin_rx = -1;
+    long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+    if (strcmp(c.pin, "auto") == 0) {
+        if (n_cpu >= 2)
+            c.pin_tx = 0, c.pin_rx = 1;
+    } else if (strcmp(c.pin, "off") != 0 &&
+               (sscanf(c.pin, "%d,%d", &c.pin_tx, &c.pin_rx) != 2 || c.pin_tx < 0 ||
+                c.pin_rx < 0 || c.pin_tx >= n_cpu || c.pin_rx >= n_cpu)) {
+        fprintf(stderr, "kvfleet: --pin='%s': give two CPUs 'S,R' below %ld, 'auto' or 'off'\n",
+                c.pin, n_cpu);
+        return 2;
+    }
+    if (!pin_to(c.pin_tx)) {
+        fprintf(stderr, "kvfleet: --pin: cannot run on CPU %d: %s\n", c.pin_tx, strerror(errno));
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
 
     int64_t sizes[8], runs[8];
@@ -689,6 +736,11 @@ int kvf_bench_xfer_main(int argc, char **argv)
            "~256 MiB) in flight\n",
            c.seconds, c.repeats, c.no_perftest ? "(skipped)" : c.perftest, c.eq_window, c.blocks,
            c.window);
+    if (c.pin_tx >= 0)
+        printf("# pinned alike: the sending process on CPU %d, the receiving one on CPU %d "
+               "(kvfleet and ucx_perftest -c)\n", c.pin_tx, c.pin_rx);
+    else
+        printf("# not pinned\n");
     printf("%-9s %8s %4s %10s %13s %11s %9s %11s %9s %9s\n", "transport", "block", "run",
            "msg_bytes", "perftest_GB/s", "equal_GB/s", "ratio_eq", "real_GB/s", "ratio_re",
            "eq_median");
@@ -700,7 +752,7 @@ int kvf_bench_xfer_main(int argc, char **argv)
     int done = 0;
     for (int t = 0; t < n_trs; t++) {
         xb_peer_proc pp;
-        if ((st = spawn_receiver(&pp, &err)) != KVF_OK)
+        if ((st = spawn_receiver(&pp, c.pin_rx, &err)) != KVF_OK)
             goto fail;
         for (int s = 0; s < n_sizes; s++) {
             kvf_kv_layout l;
