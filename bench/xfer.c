@@ -136,12 +136,14 @@ static int xb_recv(int fd, xb_msg *m, int64_t deadline_ns)
     }
 }
 
-/* Waiting for transfer events spins on progress first and sleeps only when none came for
- * XB_SPINS passes, as both ucx_perftest processes spin all the time: over shared memory a
- * sleeping peer costs a wake-up signal per message (a system call on each side), which for
- * 64 KiB transfers took as long as the copy. */
+/* Both processes spin on progress for the whole of a case and never arm the transport's
+ * wake-up, as both ucx_perftest processes spin. A peer that sleeps costs the other side a
+ * wake-up signal per message while it is armed (UCX's shared-memory transport sends one with
+ * sendto on a unix socket): first, sleeping after idle spells, that was a system call per
+ * message for 64 KiB transfers; later, after 4096 idle passes, it was still 5% of the sender's
+ * time for 512 KiB ones (perf: sendto -> sock_def_readable), where perftest's sender spends 97%
+ * in the copy. Each process runs on its own CPU (--pin). */
 #define XB_SPINS 4096
-#define XB_SLEEP_MS 1
 
 /* Progresses x until an event is queued (true, *ev filled) or XB_SPINS passes found none. */
 static bool xb_spin(kvf_xfer *x, kvf_xfer_event *ev)
@@ -154,34 +156,21 @@ static bool xb_spin(kvf_xfer *x, kvf_xfer_event *ev)
     return false;
 }
 
-/* Sleeps at most XB_SLEEP_MS on x's event fd and on fd2 (when >= 0), unless x has work
- * pending. Returns whether fd2 is readable. */
-static bool xb_sleep(kvf_xfer *x, int fd2)
-{
-    struct pollfd pfd[2] = {{.fd = fd2, .events = POLLIN}, {.fd = kvf_xfer_event_fd(x), .events = POLLIN}};
-    int timeout_ms = pfd[1].fd >= 0 && kvf_xfer_arm(x) ? XB_SLEEP_MS : 0;
-    return poll(pfd, 2, timeout_ms) > 0 && (pfd[0].revents & (POLLIN | POLLHUP | POLLERR));
-}
-
 /* Receiver during a case: progresses x (dropping its events: notices of unexpected ids are
  * accepted) until the sender's next control message, which it returns as xb_recv does. The
- * socket is looked at every 256 bursts of events and whenever the transport is idle. */
+ * socket is looked at every 256 bursts of events and whenever XB_SPINS passes found none. */
 static int xb_serve_case(int fd, kvf_xfer *x, xb_msg *m)
 {
     for (uint32_t bursts = 0;; bursts++) {
         kvf_xfer_event ev;
-        bool readable;
         if (xb_spin(x, &ev)) {
             while (kvf_xfer_poll(x, &ev))
                 ;
             if (bursts % 256)
                 continue;
-            struct pollfd pfd = {.fd = fd, .events = POLLIN};
-            readable = poll(&pfd, 1, 0) > 0;
-        } else {
-            readable = xb_sleep(x, fd);
         }
-        if (readable)
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        if (poll(&pfd, 1, 0) > 0)
             return xb_read_msg(fd, m);
     }
 }
@@ -376,12 +365,10 @@ static kvf_status measure_xfer(const xfer_bench_cfg *c, xb_peer_proc *pp, const 
         }
         if (!issue && in_flight == 0)
             break;
-        /* Window full (or draining): wait for an event (every write ends in one by its
-         * deadline), spinning first, then sleeping on the transport's fd. */
+        /* Window full (or draining): wait for an event, spinning (every write ends in one by
+         * its deadline). */
         kvf_xfer_event evs[256];
         size_t n_ev = xb_spin(x, evs) ? 1 + kvf_xfer_poll_many(x, evs + 1, 255) : 0;
-        if (n_ev == 0)
-            xb_sleep(x, -1);
         for (size_t i = 0; i < n_ev; i++) {
             if (evs[i].status != KVF_OK) {
                 st = kvf_err_set(err, evs[i].status, "bench xfer: transfer %llu: %s",
