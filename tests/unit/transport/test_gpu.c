@@ -386,16 +386,30 @@ static void test_staging_one_process_sm(void **state)
 
 /* ---- two processes ---- */
 
+/* A receiving child on transport (its pool n_blocks blocks, staged when child_staging) and our
+ * GPU-pool sender of `src_blocks` blocks connected to it: returns the sender, with the child's
+ * socket, our device memory and the peer. */
+static kvf_xfer *open_to_receiver(const char *transport, int n_layers, int dst_blocks,
+                                  int src_blocks, bool child_staging, int *fd_out,
+                                  uint8_t **mem_out, kvf_xfer_peer **peer_out)
+{
+    *fd_out = spawn_peer("recv", transport, n_layers, dst_blocks, child_staging);
+    kvf_xfer *x = make_gpu_xfer(transport, n_layers, src_blocks, true, mem_out);
+    expect_msg(*fd_out, x, MSG_DESC, 20 * SEC);
+    *peer_out = connect_from_msg(x);
+    return x;
+}
+
 /* Random lists, three transfers in flight at once, each verified by the receiver (the child). */
 static void random_lists(const char *transport, bool child_staging)
 {
     enum { SRC_BLOCKS = PEER_SRC_BLOCKS, DST_BLOCKS = PEER_DST_BLOCKS, BATCH = PEER_BATCH,
            ROUNDS = 6 };
-    int fd = spawn_peer("recv", transport, 2, DST_BLOCKS, child_staging);
+    int fd;
     uint8_t *mem;
-    kvf_xfer *x = make_gpu_xfer(transport, 2, SRC_BLOCKS, true, &mem);
-    expect_msg(fd, x, MSG_DESC, 20 * SEC);
-    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(transport, 2, DST_BLOCKS, SRC_BLOCKS, child_staging, &fd,
+                                   &mem, &p);
     int64_t copies0 = dbl.copies;
     peer_random_rounds(fd, x, p, 4321, ROUNDS);
     assert_true(dbl.copies > copies0); /* the bytes went through the GPU table's copies */
@@ -430,11 +444,10 @@ static void test_staging_random_lists_sm(void **state)
 static void receiver_killed(const char *transport, bool staging)
 {
     enum { LAYERS = 8, BLOCKS = 64 };
-    int fd = spawn_peer("recv", transport, LAYERS, BLOCKS, staging);
+    int fd;
     uint8_t *mem;
-    kvf_xfer *x = make_gpu_xfer(transport, LAYERS, BLOCKS, true, &mem);
-    expect_msg(fd, x, MSG_DESC, 20 * SEC);
-    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(transport, LAYERS, BLOCKS, BLOCKS, staging, &fd, &mem, &p);
     kvf_xfer_pair pairs[BLOCKS];
     for (int i = 0; i < BLOCKS; i++)
         pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i};
@@ -473,11 +486,10 @@ static void test_cudaipc_receiver_killed(void **state)
 static void test_cudaipc_cancel(void **state)
 {
     enum { LAYERS = 2, BLOCKS = 16 };
-    int fd = spawn_peer("recv", "cuda_ipc", LAYERS, BLOCKS, false);
+    int fd;
     uint8_t *mem;
-    kvf_xfer *x = make_gpu_xfer("cuda_ipc", LAYERS, BLOCKS, true, &mem);
-    expect_msg(fd, x, MSG_DESC, 20 * SEC);
-    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver("cuda_ipc", LAYERS, BLOCKS, BLOCKS, false, &fd, &mem, &p);
     kvf_xfer_pair pairs[BLOCKS];
     for (int i = 0; i < BLOCKS; i++)
         pairs[i] = (kvf_xfer_pair){.src = BLOCKS - 1 - i, .dst = i};
@@ -518,11 +530,10 @@ static void test_cudaipc_cancel(void **state)
 static void test_cudaipc_receiver_stalled(void **state)
 {
     enum { LAYERS = 2, BLOCKS = 16 };
-    int fd = spawn_peer("recv", "cuda_ipc", LAYERS, BLOCKS, false);
+    int fd;
     uint8_t *mem;
-    kvf_xfer *x = make_gpu_xfer("cuda_ipc", LAYERS, BLOCKS, true, &mem);
-    expect_msg(fd, x, MSG_DESC, 20 * SEC);
-    kvf_xfer_peer *p = connect_from_msg(x);
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver("cuda_ipc", LAYERS, BLOCKS, BLOCKS, false, &fd, &mem, &p);
     kvf_xfer_event ev;
     int64_t el = peer_stalled_write(fd, x, p, BLOCKS, &ev);
     assert_int_equal(ev.id, 21);
