@@ -481,17 +481,20 @@ static bool wait_listening(int port, pid_t pid)
     for (int64_t until = kvf_now_ns() + 10000000000LL; kvf_now_ns() < until;) {
         if (pid_listening(pid, port))
             return true;
-        if (kill(pid, 0) != 0)
+        siginfo_t si = {0}; /* exited? (not reaped here: the caller waits for it) */
+        if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) != 0 || si.si_pid == pid)
             return false;
         kvf_sleep_ms(2);
     }
     return false;
 }
 
-/* One ucx_perftest -t ucp_put_bw run of n messages: GB/s (overall). */
+/* One ucx_perftest -t ucp_put_bw run of n messages: GB/s (overall). *retry: the failure was the
+ * server not listening or the client not connecting, which another port may cure. */
 static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, int64_t msg_bytes,
-                               int64_t n, double *gbps_out, kvf_err *err)
+                               int64_t n, double *gbps_out, bool *retry, kvf_err *err)
 {
+    *retry = false;
     char port[16], size[32], iters[32];
     snprintf(port, sizeof port, "%d", 20000 + (int)((getpid() * 7919 + kvf_now_ns() / 1000) % 30000));
     snprintf(size, sizeof size, "%lld", (long long)msg_bytes);
@@ -513,10 +516,11 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
         return st;
     /* The client must not connect before the server listens (it would fail, not retry). */
     if (!wait_listening(atoi(port), srv)) {
+        *retry = true;
         kill(srv, SIGKILL);
         waitpid(srv, NULL, 0);
         return kvf_err_set(err, KVF_ERR_TIMEOUT,
-                           "bench xfer: ucx_perftest's server did not listen on port %s in 10 s",
+                           "bench xfer: ucx_perftest's server exited or did not listen on port %s within 10 s",
                            port);
     }
     int pfd[2];
@@ -556,6 +560,7 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     /* "Final:  iters  lat50 lat_avg lat_overall  bw_avg bw_overall  rate_avg rate_overall" */
     const char *f = strstr(out, "Final:");
     double v[8] = {0};
+    *retry = !f;
     if (!f || sscanf(f, "Final: %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4],
                      &v[5]) != 6)
         return kvf_err_set(err, KVF_ERR_PARSE,
@@ -570,12 +575,12 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
 static kvf_status perftest_try(const xfer_bench_cfg *c, const char *transport, int64_t msg_bytes,
                                int64_t n, double *gbps_out, kvf_err *err)
 {
+    bool retry = true;
     kvf_status st = KVF_OK;
-    for (int k = 0; k < 3; k++) {
-        st = perftest_run(c, transport, msg_bytes, n, gbps_out, err);
-        if (st == KVF_OK || !(st == KVF_ERR_PARSE || strstr(err->msg, "did not listen")))
-            return st;
-        kvf_log(KVF_LOG_WARN, "%s (trying again on another port)", err->msg);
+    for (int k = 0; k < 3 && retry; k++) {
+        if (k > 0)
+            kvf_log(KVF_LOG_WARN, "%s (trying again on another port)", err->msg);
+        st = perftest_run(c, transport, msg_bytes, n, gbps_out, &retry, err);
     }
     return st;
 }
