@@ -1500,7 +1500,12 @@ void kvf_router_http_destroy(kvf_router_http *h)
     while (h->reqs) {
         rq *r = h->reqs;
         detach(r);
-        r->ev = NULL; /* evhttp_free answers nothing more and frees the requests */
+        /* evhttp_free frees the requests still on a connection. One whose client left (the loop
+         * stopped between on_close and the pass that would have answered it) is no longer on
+         * any: libevent handed it to us, so it is ours to free. */
+        if (r->ev && !evhttp_request_get_connection(r->ev))
+            evhttp_request_free(r->ev);
+        r->ev = NULL;
         rq_free(r);
     }
     for (int r = 0; r < 2; r++)
