@@ -325,13 +325,14 @@ static void reply_job(kvf_worker *w, void *arg)
 }
 
 /* On the channel's completion-queue thread: copy and hand to the loop. */
-static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, const char *msg)
+static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, const char *msg,
+                     bool by_server)
 {
     reply *r = arg;
     r->st = st;
-    /* prefill.c answers only after its write's SENT event (OK or failed) or before it wrote,
-     * and every status it sets says "prefill: ..."; gRPC's own statuses never do */
-    r->answered = st == KVF_OK || (msg && strstr(msg, ": prefill: "));
+    /* prefill.c answers only after its write's SENT event (OK or failed) or before it wrote; a
+     * status gRPC made (deadline, lost connection, cancel) proves nothing of the write */
+    r->answered = by_server;
     if (st == KVF_OK) {
         Kvfleet__V1__RemotePrefillResponse *m = NULL;
         kvf_err err = {0};

@@ -178,10 +178,12 @@ kvf_status kvf_rpc_unary(kvf_rpc_channel *ch, const char *method, const void *re
 
 /* The same call, asynchronous: done runs once, on the channel's completion-queue thread (keep it
  * short; it must not destroy the channel), with the status, the response (owned by the layer:
- * copy what you keep) and the error message (NULL on success). Returns an error, and never
- * calls done, if the call cannot start. */
+ * copy what you keep), the error message (NULL on success) and by_server: true when the
+ * server's handler (or this layer on the server) ended the call, false when gRPC did (a passed
+ * deadline, a lost connection, a cancel, a server shutting down), so the handler may still be
+ * running. Returns an error, and never calls done, if the call cannot start. */
 typedef void (*kvf_rpc_unary_done_fn)(void *arg, kvf_status st, const uint8_t *resp,
-                                      size_t resp_len, const char *msg);
+                                      size_t resp_len, const char *msg, bool by_server);
 kvf_status kvf_rpc_unary_async(kvf_rpc_channel *ch, const char *method, const void *req,
                                size_t len, int64_t timeout_ms, kvf_rpc_unary_done_fn done,
                                void *arg, kvf_err *err);

@@ -125,6 +125,19 @@ static void status_op(grpc_op *op, grpc_metadata_array *trailing_md, grpc_status
     op->data.recv_status_on_client.status_details = details;
 }
 
+/* True when the server's side of kvfleet ended the call (OK, or the kvf-status it attaches to
+ * every status it sends), false for a status gRPC made: a passed deadline, a lost connection, a
+ * cancel, a server shutting down. */
+static bool ended_by_server(grpc_status_code code, const grpc_metadata_array *trailing)
+{
+    if (code == GRPC_STATUS_OK)
+        return true;
+    for (size_t i = 0; i < trailing->count; i++)
+        if (grpc_slice_str_cmp(trailing->metadata[i].key, RPC_KVF_STATUS_KEY) == 0)
+            return true;
+    return false;
+}
+
 static kvf_status status_of(const char *method, grpc_status_code code, grpc_slice details,
                             const grpc_metadata_array *trailing, kvf_err *err)
 {
@@ -203,7 +216,8 @@ static void on_unary_done(rpc_tag *t, bool ok)
                          u->method);
     else if ((st = kvf_rpc_bb_read(u->recv_bb, &resp, &e)) != KVF_OK)
         kvf_err_prefix(&e, "rpc: %s", u->method);
-    u->done(u->arg, st, resp.data, resp.len, st == KVF_OK ? NULL : e.msg);
+    u->done(u->arg, st, resp.data, resp.len, st == KVF_OK ? NULL : e.msg,
+            ok && ended_by_server(u->code, &u->trailing_md));
     kvf_rpc_buf_free(&resp);
     live_remove(u->ch, &u->live);
     unary_free(u);
@@ -257,9 +271,10 @@ typedef struct rpc_wait {
 } rpc_wait;
 
 static void on_blocking_done(void *arg, kvf_status st, const uint8_t *resp, size_t len,
-                             const char *msg)
+                             const char *msg, bool by_server)
 {
     rpc_wait *w = arg;
+    (void)by_server;
     pthread_mutex_lock(&w->mu);
     w->st = st;
     if (st == KVF_OK) {

@@ -308,15 +308,18 @@ typedef struct async_result {
     pthread_cond_t cv;
     int done;
     kvf_status st[8];
+    bool by_server[8];
     char data[8][8];
 } async_result;
 
-static void on_async(void *arg, kvf_status st, const uint8_t *resp, size_t len, const char *msg)
+static void on_async(void *arg, kvf_status st, const uint8_t *resp, size_t len, const char *msg,
+                     bool by_server)
 {
     async_result *a = arg;
     pthread_mutex_lock(&a->mu);
     int i = a->done;
     a->st[i] = st;
+    a->by_server[i] = by_server;
     if (st == KVF_OK && len < sizeof a->data[i])
         memcpy(a->data[i], resp, len);
     a->done++;
@@ -340,6 +343,43 @@ static void test_unary_async(void **state)
         assert_int_equal(a.st[i], KVF_OK);
         assert_string_equal(a.data[i], "ba");
     }
+}
+
+/* Waits until a holds n results. */
+static void async_wait(async_result *a, int n)
+{
+    pthread_mutex_lock(&a->mu);
+    while (a->done < n)
+        pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* by_server tells a status the server's handler set from one gRPC made on the way: the decode
+ * worker frees blocks a prefill worker may write into only on the former. */
+static void test_unary_async_who_ended(void **state)
+{
+    fixture *f = *state;
+    kvf_err e;
+    async_result a = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    assert_int_equal(kvf_rpc_unary_async(f->ch, M_ECHO, "ab", 2, 5000, on_async, &a, &e), KVF_OK);
+    async_wait(&a, 1);
+    assert_int_equal(kvf_rpc_unary_async(f->ch, M_FAIL, "x", 1, 5000, on_async, &a, &e), KVF_OK);
+    async_wait(&a, 2);
+    assert_int_equal(kvf_rpc_unary_async(f->ch, M_SLOW, "x", 1, 200, on_async, &a, &e), KVF_OK);
+    async_wait(&a, 3);
+    kvf_rpc_channel *dead;
+    assert_int_equal(kvf_rpc_channel_create("127.0.0.1:1", NULL, &dead, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_unary_async(dead, M_ECHO, "x", 1, 5000, on_async, &a, &e), KVF_OK);
+    async_wait(&a, 4);
+    kvf_rpc_channel_destroy(dead);
+    assert_int_equal(a.st[0], KVF_OK);
+    assert_true(a.by_server[0]);
+    assert_int_equal(a.st[1], KVF_ERR_FULL);
+    assert_true(a.by_server[1]);
+    assert_int_equal(a.st[2], KVF_ERR_TIMEOUT);
+    assert_false(a.by_server[2]);
+    assert_int_equal(a.st[3], KVF_ERR_PEER_LOST);
+    assert_false(a.by_server[3]);
 }
 
 static void test_stream_10000(void **state)
@@ -434,6 +474,7 @@ static void test_channel_destroy_with_calls_in_flight(void **state)
     assert_true(kvf_now_ns() - t0 < 5000000000LL);
     assert_int_equal(a.done, 1);
     assert_int_equal(a.st[0], KVF_ERR_CANCELLED);
+    assert_false(a.by_server[0]);
     for (int i = 0; i < 500 && !atomic_load(&f->slow_saw_cancel); i++)
         kvf_sleep_ms(10);
     assert_int_equal(atomic_load(&f->slow_saw_cancel), 1);
@@ -620,6 +661,7 @@ static void test_shutdown_with_calls_in_flight(void **state)
         pthread_cond_wait(&a.cv, &a.mu);
     pthread_mutex_unlock(&a.mu);
     assert_true(a.st[0] == KVF_ERR_CANCELLED || a.st[0] == KVF_ERR_PEER_LOST);
+    assert_false(a.by_server[0]); /* the handler may still run: gRPC ended it */
     /* Every handler that ran ended; a new call finds nobody. */
     assert_int_equal(atomic_load(&f->forever_ended), atomic_load(&f->forever_started));
     kvf_rpc_buf rb = {0};
@@ -730,6 +772,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_unary_echo, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unary_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unary_async, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unary_async_who_ended, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stream_10000, setup, teardown),
         cmocka_unit_test_setup_teardown(test_stream_send_queue, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unary_through_a_stream, setup, teardown),
