@@ -151,11 +151,29 @@ static void job_unlink(kvf_prefill *p, pjob *j)
 }
 
 /* Ends a call: releases its blocks, answers (first token and stats, or st and msg), frees it. */
-static void job_finish(kvf_prefill *p, pjob *j, kvf_status st, const char *msg)
+/* Takes j out of the worker: its blocks back to the pool, out of the list and the queue count. */
+static void job_leave(kvf_prefill *p, pjob *j)
 {
     job_release_blocks(p, j);
     job_unlink(p, j);
     atomic_fetch_sub(&p->queued_tokens, (int64_t)j->rq->n_token_ids);
+}
+
+/* Ends j without an answer: its write may still land, and only an answer from this worker tells
+ * decode that it has stopped (decode then keeps the blocks until the write's deadline). */
+static void job_abandon(kvf_prefill *p, pjob *j, const char *msg)
+{
+    job_leave(p, j);
+    kvf_log(KVF_LOG_WARN, "prefill: req %s: %s", j->id, msg);
+    kvf_metric_add(p->m_failed, 1);
+    kvf_rpc_call_abandon(j->call, msg);
+    kvf_rpc_msg_free(j->rq);
+    free(j);
+}
+
+static void job_finish(kvf_prefill *p, pjob *j, kvf_status st, const char *msg)
+{
+    job_leave(p, j);
     if (st == KVF_OK) {
         const kvf_kv_layout *l = kvf_worker_layout(p->w);
         j->stats.prompt_tokens = j->n;
@@ -632,7 +650,9 @@ static void on_shutdown(void *ctx)
             job_finish(p, j, KVF_ERR_CANCELLED, "prefill: shutting down");
     }
     /* writes in flight: closing their peers ends them with CANCELLED events; the blocks go
-     * back once the transport let go of them (or after 2 s, as the transport closes anyway) */
+     * back once the transport let go of them. A write still without its event after 2 s is
+     * abandoned, not answered: its bytes may yet land (tcp's socket buffers), and an answer
+     * would tell decode its blocks are safe to reuse. */
     for (ppeer *e = p->peers, *n; e; e = n) {
         n = e->next;
         kvf_xfer_disconnect(x, e->peer);
@@ -650,7 +670,8 @@ static void on_shutdown(void *ctx)
             kvf_sleep_ms(1);
     }
     while (p->jobs)
-        job_finish(p, p->jobs, KVF_ERR_CANCELLED, "prefill: shutting down during the transfer");
+        job_abandon(p, p->jobs, "shutting down with its KV write still in flight; the call is "
+                    "abandoned unanswered");
 }
 
 kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill **out,

@@ -147,6 +147,11 @@ kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_
 /* Ends a streaming call with a status (and message, may be NULL) and releases it; the call
  * pointer is invalid afterwards. Does not wait: the status follows the queued messages. */
 void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg);
+/* Ends a call without an answer from the handler, for when the handler cannot vouch for what it
+ * started (a write it could not stop): queued messages are dropped and gRPC cancels the call, so
+ * the client sees UNAVAILABLE with by_server false, as for a lost connection. Releases the call
+ * like kvf_rpc_call_finish; use one of the two, once. */
+void kvf_rpc_call_abandon(kvf_rpc_call *c, const char *msg);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Client                                                                                    */

@@ -407,6 +407,27 @@ void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg)
     call_finish(c, st, msg, NULL);
 }
 
+void kvf_rpc_call_abandon(kvf_rpc_call *c, const char *msg)
+{
+    pthread_mutex_lock(&c->mu);
+    while (c->in_cancel_cb)
+        pthread_cond_wait(&c->cv, &c->mu);
+    if (c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        kvf_log(KVF_LOG_ERROR, "rpc: %s: call finished twice (handler bug)", c->method_name);
+        return;
+    }
+    c->finished = true;
+    c->on_cancel = NULL;
+    c->cancelled = true;
+    drop_queue_locked(c);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    /* gRPC's own cancellation: the client gets UNAVAILABLE with no kvf-status trailer */
+    grpc_call_cancel_with_status(c->call, GRPC_STATUS_UNAVAILABLE, msg ? msg : "abandoned", NULL);
+    call_unref(c); /* the handler's reference */
+}
+
 /* ---- the handler pool ---- */
 
 static void run_call(kvf_rpc_call *c)

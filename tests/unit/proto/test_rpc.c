@@ -22,6 +22,7 @@
 #define M_ECHO "/test.T/Echo"
 #define M_FAIL "/test.T/Fail"
 #define M_SLOW "/test.T/Slow"
+#define M_ABANDON "/test.T/Abandon"
 #define M_BIG "/test.T/Big"
 #define M_COUNT "/test.T/Count"
 #define M_FOREVER "/test.T/Forever"
@@ -98,6 +99,15 @@ static void h_count(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t le
         }
     }
     kvf_rpc_call_finish(call, KVF_OK, NULL);
+}
+
+/* Queues a message, then gives the call up without an answer of its own. */
+static void h_abandon(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+{
+    (void)ctx, (void)req, (void)len;
+    kvf_err e;
+    kvf_rpc_call_send(call, "x", 1, &e);
+    kvf_rpc_call_abandon(call, "test: cannot vouch for it");
 }
 
 /* Queues n messages without waiting, finishes, and returns: the status must follow them. */
@@ -204,6 +214,7 @@ static int setup(void **state)
     assert_int_equal(kvf_rpc_server_add_unary(f->srv, M_SLOW, h_slow, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_unary(f->srv, M_BIG, h_big, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_COUNT, h_count, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_ABANDON, h_abandon, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FOREVER, h_forever, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_QUEUE, h_queue, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FLOOD, h_flood, f, &e), KVF_OK);
@@ -372,6 +383,10 @@ static void test_unary_async_who_ended(void **state)
     assert_int_equal(kvf_rpc_unary_async(dead, M_ECHO, "x", 1, 5000, on_async, &a, &e), KVF_OK);
     async_wait(&a, 4);
     kvf_rpc_channel_destroy(dead);
+    assert_int_equal(kvf_rpc_unary_async(f->ch, M_ABANDON, "x", 1, 5000, on_async, &a, &e), KVF_OK);
+    async_wait(&a, 5);
+    assert_int_equal(a.st[4], KVF_ERR_PEER_LOST); /* UNAVAILABLE, as for a lost connection */
+    assert_false(a.by_server[4]);
     assert_int_equal(a.st[0], KVF_OK);
     assert_true(a.by_server[0]);
     assert_int_equal(a.st[1], KVF_ERR_FULL);
