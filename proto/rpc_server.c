@@ -369,7 +369,9 @@ static void start_finish_locked(kvf_rpc_call *c)
 
 /* Ends the call: the status (and, for a unary call, the response) goes out after the messages
  * already queued; drops the handler's reference. Never waits for the client. */
-static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const kvf_rpc_buf *resp)
+/* The handler's end of the call, once: locks c->mu and returns true with it held, or false
+ * (unlocked, logged) when the call was already finished. Waits out a running cancel callback. */
+static bool finish_begin(kvf_rpc_call *c)
 {
     pthread_mutex_lock(&c->mu);
     while (c->in_cancel_cb)
@@ -377,10 +379,17 @@ static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const k
     if (c->finished) {
         pthread_mutex_unlock(&c->mu);
         kvf_log(KVF_LOG_ERROR, "rpc: %s: call finished twice (handler bug)", c->method_name);
-        return;
+        return false;
     }
     c->finished = true;
     c->on_cancel = NULL;
+    return true;
+}
+
+static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const kvf_rpc_buf *resp)
+{
+    if (!finish_begin(c))
+        return;
     if (resp && st == KVF_OK) {
         c->finish_bb = kvf_rpc_bb_from(resp->data, resp->len);
         if (!c->finish_bb) {
@@ -409,16 +418,8 @@ void kvf_rpc_call_finish(kvf_rpc_call *c, kvf_status st, const char *msg)
 
 void kvf_rpc_call_abandon(kvf_rpc_call *c, const char *msg)
 {
-    pthread_mutex_lock(&c->mu);
-    while (c->in_cancel_cb)
-        pthread_cond_wait(&c->cv, &c->mu);
-    if (c->finished) {
-        pthread_mutex_unlock(&c->mu);
-        kvf_log(KVF_LOG_ERROR, "rpc: %s: call finished twice (handler bug)", c->method_name);
+    if (!finish_begin(c))
         return;
-    }
-    c->finished = true;
-    c->on_cancel = NULL;
     c->cancelled = true;
     drop_queue_locked(c);
     pthread_cond_broadcast(&c->cv);

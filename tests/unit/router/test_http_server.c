@@ -802,20 +802,28 @@ static void test_dns_membership(void **state)
 }
 
 /* max_inflight 1 and one slow request in flight: the next gets 429 with Retry-After. */
+/* A router over one slow fake worker, with one streaming request running on it: returns the
+ * client's socket once the first bytes of the answer came. */
+static int start_slow_stream(fixture *x, int max_inflight)
+{
+    fake_start(&x->f[0], FAKE_SLOW);
+    x->n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x->f[0].port);
+    router_start(x, d, max_inflight);
+    wait_ready(x, 200);
+    int fd = send_req(x->r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":100,\"stream\":true}", NULL);
+    char buf[256];
+    assert_true(read(fd, buf, sizeof buf) > 0);
+    return fd;
+}
+
 static void test_saturated_429(void **state)
 {
     (void)state;
     fixture x = {0};
-    fake_start(&x.f[0], FAKE_SLOW);
-    x.n_fakes = 1;
-    char d[64];
-    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
-    router_start(&x, d, 1);
-    wait_ready(&x, 200);
-    int fd = send_req(x.r.port, "POST", "/v1/completions",
-                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":100,\"stream\":true}", NULL);
-    char buf[256];
-    assert_true(read(fd, buf, sizeof buf) > 0); /* the first one is running */
+    int fd = start_slow_stream(&x, 1); /* the first one is running */
     resp r;
     char m[512];
     http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":3}", NULL, &r);
@@ -837,17 +845,7 @@ static void test_stop_after_client_left(void **state)
     (void)state;
     for (int i = 0; i < 12; i++) {
         fixture x = {0};
-        fake_start(&x.f[0], FAKE_SLOW);
-        x.n_fakes = 1;
-        char d[64];
-        snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
-        router_start(&x, d, 4);
-        wait_ready(&x, 200);
-        int fd = send_req(x.r.port, "POST", "/v1/completions",
-                          "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1],\"max_tokens\":100,\"stream\":true}", NULL);
-        char buf[256];
-        assert_true(read(fd, buf, sizeof buf) > 0);
-        close(fd);
+        close(start_slow_stream(&x, 4));
         struct timespec ts = {0, (long)(i % 4) * 250000L};
         nanosleep(&ts, NULL);
         router_stop(&x);
