@@ -100,8 +100,11 @@ static fx *fx_open(const char *name)
         assert_int_equal(n, (size_t)f->n_new);
         k->margins = read_array(json_object_get(c, "margins"), false, &n);
         assert_int_equal(n, (size_t)f->n_new);
-        k->first = to_floats(read_array(json_object_get(c, "logits_first_step"), false, &n), n);
-        k->last = to_floats(read_array(json_object_get(c, "logits_last_step"), false, &n), n);
+        /* n is set by read_array: read it only after that call returns (argument order) */
+        double *first = read_array(json_object_get(c, "logits_first_step"), false, &n);
+        k->first = to_floats(first, n);
+        double *last = read_array(json_object_get(c, "logits_last_step"), false, &n);
+        k->last = to_floats(last, n);
     }
     json_decref(j);
     return f;
