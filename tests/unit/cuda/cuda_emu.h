@@ -1,13 +1,17 @@
 /* cuda_emu.h: what the host emulations of the CUDA kernels share (host_attn_emu.cpp,
- * host_ops_emu.cpp): the built-ins (thread and block indices, a barrier for __syncthreads, a
- * per-warp exchange for __shfl_xor_sync, statics for __shared__), a grid launcher that runs the
- * CTAs one after another with one OS thread per CUDA thread, and the macros that let a .cu file
- * compile as host C++. C++ only; include after cmocka's headers and before the .cu files. */
+ * host_ops_emu.cpp, host_backend_emu.c's runtime): the built-ins (thread and block indices, a
+ * barrier for __syncthreads, a per-warp exchange for __shfl_xor_sync, statics for __shared__),
+ * two grid launchers that run the CTAs one after another (launch: one OS thread per CUDA thread;
+ * launch_fibers: one user-space fiber per CUDA thread, much cheaper per CTA, 3-D blocks), and
+ * the macros that let a .cu file compile as host C++. C++17; include after cmocka's headers and
+ * before the .cu files. The state is inline, so several translation units may include it. */
 #ifndef KVF_TEST_CUDA_EMU_H
 #define KVF_TEST_CUDA_EMU_H
 
 #include <pthread.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <functional>
 
@@ -15,20 +19,102 @@ namespace emu {
 struct idx3 {
     unsigned x, y, z;
 };
-thread_local idx3 tid, bid;
-idx3 bdim, gdim;
-pthread_barrier_t cta_bar;
-pthread_barrier_t warp_bar[32];
-float xchg[32][32];
+inline thread_local idx3 tid, bid;
+inline idx3 bdim, gdim;
+inline pthread_barrier_t cta_bar;
+inline pthread_barrier_t warp_bar[32];
+inline float xchg[32][32];
+
+/* ---- fibers (launch_fibers): the CTA's threads take turns on the calling OS thread; a thread
+ * that reaches a barrier waits until every live thread of its CTA (or warp) has arrived */
+#if defined(__x86_64__)
+/* Saves the caller's stack pointer in *save and resumes the stack at `to` (the callee-saved
+ * registers are the compiler's to spill: every other one is clobbered). Below the 128-byte red
+ * zone it pushes rbp and the resume address; a fresh stack holds the entry point instead. */
+inline void switch_stack(void **save, void *to)
+{
+    asm volatile("subq $128, %%rsp\n\t"
+                 "leaq 1f(%%rip), %%rax\n\t"
+                 "pushq %%rbp\n\t"
+                 "pushq %%rax\n\t"
+                 "movq %%rsp, (%%rdi)\n\t"
+                 "movq %%rsi, %%rsp\n\t"
+                 "popq %%rax\n\t"
+                 "popq %%rbp\n\t"
+                 "jmpq *%%rax\n"
+                 "1:\n\t"
+                 "addq $128, %%rsp\n\t"
+                 : "+D"(save), "+S"(to)
+                 :
+                 : "rax", "rbx", "rcx", "rdx", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15",
+                   "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                   "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc");
+}
+#endif
+
+struct fiber {
+#if defined(__x86_64__)
+    void *sp;
+#else
+    ucontext_t uc;
+#endif
+    int state; /* 0 runnable, 1 waiting, 2 done */
+    int wait;  /* waiting at: -1 the CTA barrier, w the exchange of warp w */
+};
+struct fiber_cta {
+    fiber *f = nullptr;
+    unsigned nt = 0, cur = 0, done = 0;
+    unsigned at_cta = 0, at_warp[32] = {}, live_warp[32] = {};
+#if defined(__x86_64__)
+    void *sched_sp = nullptr;
+#else
+    ucontext_t sched;
+#endif
+    char *stacks = nullptr;
+    size_t stack_bytes = 0, stacks_len = 0;
+    const std::function<void()> *body = nullptr;
+};
+inline fiber_cta fc;
+inline thread_local bool in_fiber = false;
+
+inline void fiber_wait(int at)
+{
+    fiber &me = fc.f[fc.cur];
+    me.state = 1;
+    me.wait = at;
+#if defined(__x86_64__)
+    switch_stack(&me.sp, fc.sched_sp);
+#else
+    swapcontext(&me.uc, &fc.sched);
+#endif
+}
+
+/* linear thread id of a (possibly 3-D) block, and its warp and lane */
+inline unsigned lin_tid()
+{
+    return tid.x + bdim.x * (tid.y + bdim.y * tid.z);
+}
 
 inline void syncthreads()
 {
+    if (in_fiber) {
+        fiber_wait(-1);
+        return;
+    }
     pthread_barrier_wait(&cta_bar);
 }
 
 /* every lane of a warp calls this in the same order, as on the GPU */
 inline float shfl_xor(float v, int o)
 {
+    if (in_fiber) {
+        unsigned t = lin_tid(), w = t / 32, l = t % 32;
+        xchg[w][l] = v;
+        fiber_wait((int)w);
+        float r = xchg[w][l ^ (unsigned)o];
+        fiber_wait((int)w);
+        return r;
+    }
     unsigned w = tid.x / 32, l = tid.x % 32;
     xchg[w][l] = v;
     pthread_barrier_wait(&warp_bar[w]);
@@ -104,6 +190,122 @@ inline void launch(idx3 grid, unsigned nt, size_t stack_bytes, const std::functi
     pthread_attr_destroy(&attr);
     delete[] th;
     delete[] args;
+}
+/* a fiber's first frame: run the body, then say so and go back to the scheduler for good */
+inline void fiber_entry()
+{
+    (*fc.body)();
+    fc.f[fc.cur].state = 2;
+#if defined(__x86_64__)
+    void *dead;
+    switch_stack(&dead, fc.sched_sp);
+    __builtin_unreachable();
+#endif
+}
+
+/* Runs body as a grid of CTAs of block threads (x fastest), each thread a fiber with stack_bytes
+ * of stack; one CTA at a time, on the calling thread. A barrier that some live thread of the CTA
+ * never reaches fails the test (it would hang on the GPU). */
+inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
+                          const std::function<void()> &body)
+{
+    unsigned nt = block.x * block.y * block.z;
+    if (nt == 0 || nt > 1024)
+        fail_msg("launch_fibers: %u threads per CTA", nt);
+    gdim = grid;
+    bdim = block;
+    size_t need = (size_t)nt * stack_bytes;
+    if (fc.stacks_len < need || fc.stack_bytes != stack_bytes) {
+        if (fc.stacks)
+            munmap(fc.stacks, fc.stacks_len);
+        void *m = mmap(nullptr, need, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED)
+            fail_msg("launch_fibers: no memory for %zu bytes of stacks", need);
+        fc.stacks = static_cast<char *>(m);
+        fc.stacks_len = need;
+        fc.stack_bytes = stack_bytes;
+        delete[] fc.f;
+        fc.f = new fiber[1024];
+    }
+    fc.body = &body;
+    fc.nt = nt;
+    unsigned n_warps = (nt + 31) / 32;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                fc.done = fc.at_cta = 0;
+                for (unsigned w = 0; w < n_warps; w++) {
+                    fc.at_warp[w] = 0;
+                    fc.live_warp[w] = nt - 32 * w < 32 ? nt - 32 * w : 32;
+                }
+                for (unsigned i = 0; i < nt; i++) {
+                    fiber &f = fc.f[i];
+                    f.state = 0;
+                    f.wait = 0;
+#if defined(__x86_64__)
+                    /* top of stack: a null return address (so the entry sees rsp + 8 16-byte
+                     * aligned, as after a call), then rbp 0 and the entry for switch_stack's pops */
+                    uintptr_t top = ((uintptr_t)(fc.stacks + (size_t)(i + 1) * stack_bytes)) & ~(uintptr_t)15;
+                    void **sp = reinterpret_cast<void **>(top);
+                    sp[-1] = nullptr;
+                    sp[-2] = nullptr;
+                    sp[-3] = reinterpret_cast<void *>(&fiber_entry);
+                    f.sp = sp - 3;
+#else
+                    getcontext(&f.uc);
+                    f.uc.uc_stack.ss_sp = fc.stacks + (size_t)i * stack_bytes;
+                    f.uc.uc_stack.ss_size = stack_bytes;
+                    f.uc.uc_link = &fc.sched;
+                    makecontext(&f.uc, fiber_entry, 0);
+#endif
+                }
+                bid = {x, y, z};
+                in_fiber = true;
+                while (fc.done < nt) {
+                    bool ran = false;
+                    for (unsigned i = 0; i < nt; i++) {
+                        fiber &f = fc.f[i];
+                        if (f.state != 0)
+                            continue;
+                        ran = true;
+                        fc.cur = i;
+                        tid = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
+#if defined(__x86_64__)
+                        switch_stack(&fc.sched_sp, f.sp);
+#else
+                        swapcontext(&fc.sched, &f.uc);
+#endif
+                        unsigned w = i / 32;
+                        if (f.state == 2) {
+                            fc.done++;
+                            fc.live_warp[w]--;
+                        } else if (f.wait < 0) {
+                            fc.at_cta++;
+                        } else {
+                            fc.at_warp[f.wait]++;
+                        }
+                        /* release a barrier every live thread has reached */
+                        if (fc.at_cta && fc.at_cta == nt - fc.done) {
+                            for (unsigned j = 0; j < nt; j++)
+                                if (fc.f[j].state == 1 && fc.f[j].wait < 0)
+                                    fc.f[j].state = 0;
+                            fc.at_cta = 0;
+                        }
+                        if (fc.at_warp[w] && fc.at_warp[w] == fc.live_warp[w]) {
+                            for (unsigned j = w * 32; j < nt && j < w * 32 + 32; j++)
+                                if (fc.f[j].state == 1 && fc.f[j].wait == (int)w)
+                                    fc.f[j].state = 0;
+                            fc.at_warp[w] = 0;
+                        }
+                    }
+                    if (!ran) {
+                        in_fiber = false;
+                        fail_msg("launch_fibers: CTA (%u,%u,%u): %u threads wait at a barrier that the "
+                                 "other %u live threads never reach", x, y, z, fc.at_cta, nt - fc.done - fc.at_cta);
+                    }
+                }
+                in_fiber = false;
+            }
 }
 } /* namespace emu */
 

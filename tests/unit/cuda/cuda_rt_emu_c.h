@@ -1,0 +1,28 @@
+/* cuda_rt_emu_c.h: what host_backend_emu.c (plain C) asks of the emulated CUDA runtime in
+ * cuda_rt_emu.cpp: counters of what the backend did, and the misuses the emulation saw that a
+ * GPU would not report at once (a launch on the legacy default stream, a copy outside any
+ * allocation, a GEMM reading past its matrices). */
+#ifndef KVF_TEST_CUDA_RT_EMU_C_H
+#define KVF_TEST_CUDA_RT_EMU_C_H
+
+#include <stdint.h>
+
+typedef struct kvf_emu_rt_stats {
+    int64_t launches, launches_replayed, gemms, memcpys, memsets;
+    int64_t captures_begun, captures_ended, captures_invalidated, graph_launches;
+    int64_t default_stream_ops;  /* work on stream 0 while a non-blocking stream exists */
+    int64_t bad_ranges;          /* copy, memset or GEMM operand outside an allocation */
+    int64_t bad_configs;         /* launches refused (grid, block or shared memory) */
+    int64_t live_allocs, live_bytes;
+    char first_problem[256];     /* the first misuse seen, "" when none */
+} kvf_emu_rt_stats;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out);
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,216 @@
+/* host_backend_emu.c: the real CUDA backend (cuda/backend.cu, device.cu and the kernel files,
+ * launches rewritten by emu_rewrite_launches.py, on cuda_rt_emu.cpp's host runtime and cuBLAS)
+ * behind kvf_backend, on every fixture model: a prefill, then teacher-forced decode steps that
+ * the graph policy captures and replays; logits against the CPU backend and the fixture within
+ * test_models.c's tolerances (bf16 or f32 matrices, f32 or scaled fp8 KV), replayed steps equal
+ * to the eager ones bit for bit, greedy tokens equal to the fixture where its margin allows.
+ * Not checked: timing, races, the device's own arithmetic, real cuBLAS (cuda_rt_emu.cpp). */
+#define main kvf_test_models_gpu_main /* reuse the GPU test's fixture reader and tolerances */
+#include "test_models.c"
+#undef main
+
+#include <time.h>
+
+#include "cuda_rt_emu_c.h"
+#include "kv/pool.h"
+
+/* what one run does: prefill of each listed case, then n_decode teacher-forced steps */
+#define N_DECODE 10
+static const int32_t run_cases[] = {1, 3}; /* prompts of 5 and 40 tokens */
+#define N_RUN_CASES (int32_t)(sizeof run_cases / sizeof run_cases[0])
+
+typedef struct side {
+    const kvf_backend *be;
+    void *ctx;
+    kvf_model_fwd *fwd;
+    const kvf_kv_mem_ops *mem;
+    void *pool;
+    kvf_kv_layout lay;
+} side;
+
+#define N_POOL 40
+
+static void side_open(side *s, const kvf_backend *be, const kvf_model *m, const kvf_backend_opts *bo,
+                      kvf_dtype kv)
+{
+    kvf_err err = {0};
+    memset(s, 0, sizeof *s);
+    s->be = be;
+    if (be->create(bo, &s->ctx, &err) != KVF_OK)
+        fail_msg("%s create: %s", be->name, err.msg);
+    assert_int_equal(kvf_model_kv_layout(m, 16, kv, &s->lay, &err), KVF_OK);
+    kvf_model_fwd_opts o = {.max_tokens = 128, .max_seqs = 4, .max_ctx = 256};
+    if (kvf_model_fwd_create(m, be, s->ctx, &s->lay, &o, &s->fwd, &err) != KVF_OK)
+        fail_msg("%s fwd_create: %s", be->name, err.msg);
+    s->mem = be->kv_mem ? be->kv_mem(s->ctx) : &kvf_kv_mem_host;
+    if (s->mem->alloc(s->ctx, N_POOL * s->lay.block_bytes, &s->pool, &err) != KVF_OK)
+        fail_msg("%s pool: %s", be->name, err.msg);
+}
+
+static void side_close(side *s)
+{
+    kvf_err err = {0};
+    s->mem->free(s->ctx, s->pool, N_POOL * s->lay.block_bytes);
+    kvf_model_fwd_destroy(s->fwd);
+    if (s->be->sync)
+        assert_int_equal(s->be->sync(s->ctx, &err), KVF_OK);
+    s->be->destroy(s->ctx);
+}
+
+static void side_step(side *s, const kvf_model_seq *q, float *logits, int32_t *next, const char *what)
+{
+    kvf_err err = {0};
+    if (kvf_model_forward(s->fwd, q, 1, s->pool, N_POOL, logits, next, &err) != KVF_OK)
+        fail_msg("%s: %s forward: %s", what, s->be->name, err.msg);
+}
+
+/* one model, one configuration: emu (graphs on), emu (graphs off, when eager_too) and CPU */
+static void check_model(const char *name, int32_t matrix_dtype, kvf_dtype kv, float kv_scale_k,
+                        float kv_scale_v, double tol, bool eager_too)
+{
+    clock_t t0 = clock();
+    fx *f = fx_open(name);
+    const kvf_model *m = f->m;
+    int32_t vocab = m->cfg.vocab_size;
+    kvf_emu_rt_stats rt0, rt1;
+    kvf_emu_rt_stats_get(&rt0);
+    /* KV scales other than 1 change the fp8 rounding, so the fixture's tolerance (set for
+     * scales 1, as test_models.c runs) is then not asked: the CPU backend, with the same
+     * scales, is the reference */
+    bool vs_fixture = kv_scale_k == 1.0f && kv_scale_v == 1.0f;
+    kvf_backend_opts bo = {.matrix_dtype = matrix_dtype, .kv_k_scale = kv_scale_k, .kv_v_scale = kv_scale_v};
+    kvf_backend_opts bo_eager = bo;
+    bo_eager.no_graphs = true;
+    kvf_backend_opts bo_cpu = {.kv_k_scale = bo.kv_k_scale, .kv_v_scale = bo.kv_v_scale};
+    side g, e, cpu;
+    side_open(&g, kvf_cuda_backend(), m, &bo, kv);
+    if (eager_too)
+        side_open(&e, kvf_cuda_backend(), m, &bo_eager, kv);
+    side_open(&cpu, kvf_model_backend_cpu(), m, &bo_cpu, kv);
+    float *lg = malloc((size_t)vocab * sizeof *lg), *le = malloc((size_t)vocab * sizeof *le),
+          *lc = malloc((size_t)vocab * sizeof *lc);
+    int32_t table[16];
+    for (int32_t b = 0; b < 16; b++) /* scattered: reversed, every other block */
+        table[b] = N_POOL - 1 - 2 * b;
+    double worst_cpu = 0, worst_fx = 0;
+    int tokens_equal = 0, tokens_skipped = 0, steps = 0;
+    for (int32_t ci = 0; ci < N_RUN_CASES; ci++) {
+        const fx_case *k = &f->cases[run_cases[ci]];
+        char what[160];
+        int32_t ng = -1, ne = -1, nc = -1, pos = k->n_prompt;
+        kvf_model_seq q = {.tokens = k->prompt, .n_tokens = k->n_prompt, .start_pos = 0,
+                           .block_table = table, .n_blocks = 16};
+        for (int32_t i = 0; i <= N_DECODE; i++) {
+            snprintf(what, sizeof what, "%s/%s %s KV %s step %d", name, k->name,
+                     matrix_dtype == KVF_BACKEND_MATRIX_F32 ? "f32" : "bf16", kvf_dtype_name(kv), i);
+            side_step(&g, &q, lg, &ng, what);
+            if (eager_too)
+                side_step(&e, &q, le, &ne, what);
+            side_step(&cpu, &q, lc, &nc, what);
+            steps++;
+            double scale, d = rel_err(lg, lc, vocab, &scale);
+            worst_cpu = fmax(worst_cpu, d);
+            if (d > tol)
+                fail_msg("%s: logits off the CPU backend's by %.3g of the largest (allowed %.0e)", what, d, tol);
+            if (eager_too && memcmp(lg, le, (size_t)vocab * sizeof *lg) != 0) {
+                double de = rel_err(lg, le, vocab, &scale);
+                fail_msg("%s: graphs on and off give different logits (by %.3g of the largest)", what, de);
+            }
+            if (eager_too)
+                assert_int_equal(ng, ne);
+            if (i == 0 && vs_fixture) {
+                d = rel_err(lg, k->first, vocab, &scale);
+                worst_fx = fmax(worst_fx, d);
+                if (d > tol)
+                    fail_msg("%s: first-step logits off the fixture by %.3g (allowed %.0e)", what, d, tol);
+            }
+            if (vs_fixture && k->margins[i] > 2 * tol * scale) {
+                if (ng != k->greedy[i])
+                    fail_msg("%s: token %d, fixture %d (margin %.3g)", what, ng, k->greedy[i], k->margins[i]);
+                tokens_equal++;
+            } else {
+                tokens_skipped++;
+            }
+            /* teacher forcing: the fixture's token goes in next */
+            q = (kvf_model_seq){.tokens = &k->greedy[i], .n_tokens = 1, .start_pos = pos,
+                                .block_table = table, .n_blocks = 16};
+            pos++;
+        }
+    }
+    kvf_cuda_stats cs;
+    kvf_cuda_backend_stats(g.ctx, &cs);
+    kvf_emu_rt_stats_get(&rt1);
+    if (rt1.first_problem[0])
+        fail_msg("%s: the emulated runtime saw a misuse: %s", name, rt1.first_problem);
+    /* per case: the first decode runs eagerly, the second is captured (and launched), the rest
+     * replay; the prefill runs eagerly */
+    assert_int_equal(cs.graph_failures, 0);
+    assert_true(cs.graphs_captured >= 1);
+    assert_true(cs.graph_replays > cs.graphs_captured);
+    assert_true(rt1.launches_replayed > rt0.launches_replayed);
+    assert_int_equal(rt1.captures_invalidated, rt0.captures_invalidated);
+    assert_int_equal(rt1.bad_configs, rt0.bad_configs);
+    if (eager_too) {
+        kvf_cuda_stats es;
+        kvf_cuda_backend_stats(e.ctx, &es);
+        assert_int_equal(es.graph_replays, 0);
+        assert_int_equal(es.graphs_captured, 0);
+    }
+    print_message("%-24s matrices %-4s KV %-8s scales %g/%g: %d steps; vs CPU worst %.2e, vs fixture %.2e (allowed "
+                  "%.0e); graphs %lld captured, %lld replays (%lld launches replayed), %lld eager; %d "
+                  "tokens equal the fixture, %d margins too small; %.1f s\n",
+                  name, matrix_dtype == KVF_BACKEND_MATRIX_F32 ? "f32" : "bf16", kvf_dtype_name(kv),
+                  (double)kv_scale_k, (double)kv_scale_v, steps,
+                  worst_cpu, worst_fx, tol, (long long)cs.graphs_captured, (long long)cs.graph_replays,
+                  (long long)(rt1.launches_replayed - rt0.launches_replayed), (long long)cs.eager_steps,
+                  tokens_equal, tokens_skipped, (double)(clock() - t0) / CLOCKS_PER_SEC);
+    free(lg);
+    free(le);
+    free(lc);
+    side_close(&g);
+    if (eager_too)
+        side_close(&e);
+    side_close(&cpu);
+    fx_close(f);
+    kvf_emu_rt_stats_get(&rt1);
+    if (rt1.live_allocs != rt0.live_allocs)
+        fail_msg("%s: %lld device allocations left after destroy", name,
+                 (long long)(rt1.live_allocs - rt0.live_allocs));
+}
+
+static void test_emu_bf16(void **state)
+{
+    for (size_t i = 0; i < N_MODELS; i++)
+        check_model(models[i], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_F32, 1.0f, 1.0f, TOL_BF16, true);
+}
+
+static void test_emu_f32(void **state)
+{
+    for (size_t i = 0; i < N_MODELS; i++)
+        check_model(models[i], KVF_BACKEND_MATRIX_F32, KVF_DTYPE_F32, 1.0f, 1.0f, TOL_F32, false);
+}
+
+static void test_emu_fp8_kv(void **state)
+{
+    for (size_t i = 0; i < N_MODELS; i++)
+        check_model(models[i], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_FP8_E4M3, 1.0f, 1.0f, TOL_FP8, false);
+}
+
+/* the KV scales reach kv_write and attention: fp8 with k 0.5, v 0.25 against the CPU backend */
+static void test_emu_fp8_scales(void **state)
+{
+    check_model(models[0], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_FP8_E4M3, 0.5f, 0.25f, TOL_FP8, false);
+}
+
+int main(void)
+{
+    print_message("emulated CUDA backend: cases %d and %d of each fixture model, prefill + %d "
+                  "teacher-forced decode steps each\n", run_cases[0], run_cases[1], N_DECODE);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_emu_f32),
+        cmocka_unit_test(test_emu_bf16),
+        cmocka_unit_test(test_emu_fp8_kv),
+        cmocka_unit_test(test_emu_fp8_scales),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
