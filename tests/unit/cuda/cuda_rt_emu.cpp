@@ -44,6 +44,8 @@ int n_capturing = 0;
 cudaError_t last_err = cudaSuccess;
 kvf_emu_rt_stats st_;
 bool replaying = false;
+bool invalidate_next = false;
+int fail_launch_in = -1; /* launches to go before the refused one; -1: none */
 
 void problem(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void problem(const char *fmt, ...)
@@ -160,6 +162,10 @@ void enqueue_kernel(const cfg_t &c, std::function<void()> body)
         set_err(cudaErrorInvalidConfiguration);
         return;
     }
+    if (fail_launch_in >= 0 && fail_launch_in-- == 0) {
+        set_err(cudaErrorLaunchOutOfResources);
+        return;
+    }
     st_.launches++;
     cudaError_t e = submit(c.stream, [g, b, body] {
         if (replaying)
@@ -170,6 +176,16 @@ void enqueue_kernel(const cfg_t &c, std::function<void()> body)
         set_err(e);
 }
 } /* namespace emu */
+
+extern "C" void kvf_emu_rt_invalidate_next_capture(void)
+{
+    invalidate_next = true;
+}
+
+extern "C" void kvf_emu_rt_fail_launch(int skip)
+{
+    fail_launch_in = skip;
+}
 
 extern "C" void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out)
 {
@@ -213,6 +229,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
     case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     default: return "emulated CUDA error";
     }
 }
@@ -370,7 +387,10 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode)
     if (s->capturing)
         return set_err(cudaErrorIllegalState);
     s->capturing = true;
-    s->invalidated = false;
+    s->invalidated = invalidate_next;
+    if (invalidate_next)
+        st_.captures_invalidated++;
+    invalidate_next = false;
     s->nodes.clear();
     n_capturing++;
     st_.captures_begun++;

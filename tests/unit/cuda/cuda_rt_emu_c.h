@@ -21,6 +21,12 @@ typedef struct kvf_emu_rt_stats {
 extern "C" {
 #endif
 void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out);
+/* Faults on demand, for the backend's error paths: the next stream capture is invalidated as it
+ * begins (as if its first op could not be captured), so every op issued into it fails; the
+ * launch after the next `skip` launches is refused with cudaErrorLaunchOutOfResources (not
+ * sticky) instead of running. */
+void kvf_emu_rt_invalidate_next_capture(void);
+void kvf_emu_rt_fail_launch(int skip);
 #ifdef __cplusplus
 }
 #endif

@@ -219,6 +219,72 @@ static void test_emu_fp8_scales(void **state)
     check_model(models[0], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_FP8_E4M3, 0.5f, 0.25f, TOL_FP8, false);
 }
 
+/* The backend's error paths on tiny-gqa-f32 (f32 matrices, so the CPU backend agrees to 2e-3):
+ * a capture that fails is rerun eagerly and graphs stay off; a launch that fails makes that
+ * step's forward return the error (the first one, with CUDA's message) and the next step runs. */
+static void test_emu_failures(void **state)
+{
+    fx *f = fx_open(models[0]);
+    const kvf_model *m = f->m;
+    const fx_case *k = &f->cases[1];
+    int32_t vocab = m->cfg.vocab_size, table[16];
+    for (int32_t b = 0; b < 16; b++)
+        table[b] = N_POOL - 1 - 2 * b;
+    kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
+    kvf_backend_opts bo_cpu = {0};
+    side g, cpu;
+    side_open(&g, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
+    side_open(&cpu, kvf_model_backend_cpu(), m, &bo_cpu, KVF_DTYPE_F32);
+    float *lg = malloc((size_t)vocab * sizeof *lg), *lc = malloc((size_t)vocab * sizeof *lc);
+    int32_t ng, nc, pos = k->n_prompt;
+    kvf_emu_rt_stats rt0, rt1;
+    kvf_emu_rt_stats_get(&rt0);
+    kvf_model_seq q = {.tokens = k->prompt, .n_tokens = k->n_prompt, .block_table = table, .n_blocks = 16};
+    int failed_steps = 0;
+    for (int32_t i = 0; i < 8; i++) {
+        char what[96];
+        snprintf(what, sizeof what, "failures: step %d", i);
+        if (i == 2) /* the first decode step whose key repeats: it is captured */
+            kvf_emu_rt_invalidate_next_capture();
+        if (i == 4 || i == 6) { /* eager steps by now: one launch of them is refused */
+            kvf_emu_rt_fail_launch(i == 4 ? 0 : 7);
+            kvf_err err = {0};
+            kvf_status st = kvf_model_forward(g.fwd, &q, 1, g.pool, N_POOL, lg, &ng, &err);
+            if (st == KVF_OK)
+                fail_msg("%s: a refused launch was not reported", what);
+            if (!strstr(err.msg, "too many resources requested for launch"))
+                fail_msg("%s: the error does not carry CUDA's message: %s", what, err.msg);
+            failed_steps++;
+            /* the same step again runs whole */
+        }
+        side_step(&g, &q, lg, &ng, what);
+        side_step(&cpu, &q, lc, &nc, what);
+        double scale, d = rel_err(lg, lc, vocab, &scale);
+        if (d > TOL_F32)
+            fail_msg("%s: logits off the CPU backend's by %.3g (allowed %.0e)", what, d, TOL_F32);
+        q = (kvf_model_seq){.tokens = &k->greedy[i], .n_tokens = 1, .start_pos = pos,
+                            .block_table = table, .n_blocks = 16};
+        pos++;
+    }
+    kvf_cuda_stats cs;
+    kvf_cuda_backend_stats(g.ctx, &cs);
+    kvf_emu_rt_stats_get(&rt1);
+    assert_int_equal(cs.graph_failures, 1);
+    assert_int_equal(cs.graphs_captured, 0);
+    assert_int_equal(cs.graph_replays, 0);
+    assert_int_equal(rt1.captures_invalidated - rt0.captures_invalidated, 1);
+    assert_int_equal(rt1.captures_begun - rt0.captures_begun, 1); /* graphs off after the failure */
+    assert_true(cs.device_bytes > 0);
+    print_message("failures: a failed capture reran eagerly (graphs then off), %d steps with a refused "
+                  "launch returned CUDA's error and were redone; every step within %.0e of the CPU\n",
+                  failed_steps, TOL_F32);
+    free(lg);
+    free(lc);
+    side_close(&g);
+    side_close(&cpu);
+    fx_close(f);
+}
+
 int main(void)
 {
     print_message("emulated CUDA backend: every case of every fixture model, its prefill and then "
@@ -229,6 +295,7 @@ int main(void)
         cmocka_unit_test(test_emu_f16),
         cmocka_unit_test(test_emu_fp8_kv),
         cmocka_unit_test(test_emu_fp8_scales),
+        cmocka_unit_test(test_emu_failures),
         /* test_models.c's own GPU tests, on the emulated device */
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),
