@@ -179,8 +179,10 @@ static kvf_status cuda_alloc(void *ctx, size_t bytes, void **out, kvf_err *err)
 
 static void cuda_free(void *ctx, void *p)
 {
-    if (p)
-        record_cuda((cuda_ctx *)ctx, cudaFree(p), "cuda backend: free");
+    if (!p)
+        return;
+    graphs_drop_all((cuda_ctx *)ctx); /* a recorded step may read or write p */
+    record_cuda((cuda_ctx *)ctx, cudaFree(p), "cuda backend: free");
 }
 
 /* A copy on the stream, finished when it returns; a failure is recorded for sync. */
@@ -363,8 +365,10 @@ fail:
 static void cuda_weight_free(void *ctx, kvf_backend_weight *w)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
-    if (w->owned)
+    if (w->owned) {
+        graphs_drop_all(c); /* recorded steps read the weight */
         record_cuda(c, cudaFree(w->owned), "cuda backend: free weight");
+    }
     memset(w, 0, sizeof *w);
 }
 

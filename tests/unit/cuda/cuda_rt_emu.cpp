@@ -236,7 +236,7 @@ const char *cudaGetErrorString(cudaError_t e)
 
 /* Device memory: its own pages, ending 256-aligned just before an inaccessible page, so a kernel
  * that writes or reads past the end of an allocation faults at once instead of corrupting the
- * host heap. */
+ * host heap; freed, its addresses are never handed out again. */
 namespace {
 const size_t page = 4096;
 struct region {
@@ -279,8 +279,11 @@ cudaError_t cudaFree(void *p)
         return set_err(cudaErrorInvalidValue);
     }
     allocs.erase(it);
+    /* the pages go back but the addresses stay reserved and inaccessible: a later allocation
+     * never reuses them, so a graph or kernel that reads freed memory faults instead of reading
+     * whatever was allocated there next */
     auto r = regions.find((uintptr_t)p);
-    munmap(r->second.map, r->second.len);
+    mmap(r->second.map, r->second.len, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     regions.erase(r);
     return cudaSuccess;
 }

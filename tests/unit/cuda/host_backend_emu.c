@@ -285,6 +285,64 @@ static void test_emu_failures(void **state)
     fx_close(f);
 }
 
+/* A second forward-pass instance on the same backend context and pool (its weights and scratch
+ * new allocations, the first one's freed): its decode steps have the keys of steps the first one
+ * recorded, and must not replay graphs that read the first one's freed buffers. */
+static void test_emu_fwd_recreated(void **state)
+{
+    fx *f = fx_open(models[0]);
+    const kvf_model *m = f->m;
+    const fx_case *k = &f->cases[1];
+    int32_t vocab = m->cfg.vocab_size, table[16];
+    for (int32_t b = 0; b < 16; b++)
+        table[b] = N_POOL - 1 - 2 * b;
+    kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
+    kvf_backend_opts bo_cpu = {0};
+    side g, cpu;
+    side_open(&g, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
+    side_open(&cpu, kvf_model_backend_cpu(), m, &bo_cpu, KVF_DTYPE_F32);
+    enum { STEPS = 5 };
+    float *lg = malloc((size_t)vocab * sizeof *lg), *lc = malloc((size_t)STEPS * vocab * sizeof *lc);
+    kvf_model_fwd_opts o = {.max_tokens = 128, .max_seqs = 4, .max_ctx = 256};
+    kvf_err err = {0};
+    kvf_cuda_stats cs;
+    for (int round = 0; round < 2; round++) {
+        if (round == 1) { /* a new forward pass on the same context and pool */
+            kvf_model_fwd_destroy(g.fwd);
+            g.fwd = NULL;
+            if (kvf_model_fwd_create(m, g.be, g.ctx, &g.lay, &o, &g.fwd, &err) != KVF_OK)
+                fail_msg("fwd_create again: %s", err.msg);
+        }
+        int32_t ng, nc, pos = k->n_prompt;
+        kvf_model_seq q = {.tokens = k->prompt, .n_tokens = k->n_prompt, .block_table = table, .n_blocks = 16};
+        for (int32_t i = 0; i < STEPS; i++) {
+            char what[96];
+            float *want = lc + (size_t)i * vocab;
+            snprintf(what, sizeof what, "forward pass %d, step %d", round + 1, i);
+            side_step(&g, &q, lg, &ng, what);
+            if (round == 0)
+                side_step(&cpu, &q, want, &nc, what);
+            double scale, d = rel_err(lg, want, vocab, &scale);
+            if (d > TOL_F32)
+                fail_msg("%s: logits off the CPU backend's by %.3g (allowed %.0e)", what, d, TOL_F32);
+            q = (kvf_model_seq){.tokens = &k->greedy[i], .n_tokens = 1, .start_pos = pos,
+                                .block_table = table, .n_blocks = 16};
+            pos++;
+        }
+        kvf_cuda_backend_stats(g.ctx, &cs);
+        if (round == 0)
+            assert_true(cs.graph_replays > cs.graphs_captured); /* graphs were stored */
+    }
+    print_message("a second forward pass on the same context: %lld graphs captured, %lld replays; "
+                  "every step within %.0e of the CPU\n", (long long)cs.graphs_captured,
+                  (long long)cs.graph_replays, TOL_F32);
+    free(lg);
+    free(lc);
+    side_close(&g);
+    side_close(&cpu);
+    fx_close(f);
+}
+
 int main(void)
 {
     print_message("emulated CUDA backend: every case of every fixture model, its prefill and then "
@@ -296,6 +354,7 @@ int main(void)
         cmocka_unit_test(test_emu_fp8_kv),
         cmocka_unit_test(test_emu_fp8_scales),
         cmocka_unit_test(test_emu_failures),
+        cmocka_unit_test(test_emu_fwd_recreated),
         /* test_models.c's own GPU tests, on the emulated device */
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),
