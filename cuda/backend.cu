@@ -667,8 +667,9 @@ static kvf_status cuda_step_end(void *ctx, bool *rerun_out, kvf_err *err)
         cudaGraphDestroy(graph);
     if (!ok) {
         c->stats.graph_failures++;
-        kvf_log(KVF_LOG_WARN, "cuda backend: decode step not recorded (%s%s); graphs off for this context",
-                e != cudaSuccess ? cudaGetErrorString(e) : "", c->failed ? c->first.msg : "");
+        kvf_log(KVF_LOG_WARN, "cuda backend: decode step not recorded (%s%s%s); graphs off for this context",
+                e != cudaSuccess ? cudaGetErrorString(e) : "", e != cudaSuccess && c->failed ? "; " : "",
+                c->failed ? c->first.msg : "");
         (void)cudaGetLastError();
         c->failed = false; /* the capture's error is not the step's: the rerun decides */
         memset(&c->first, 0, sizeof c->first);
