@@ -10,12 +10,19 @@ import sys
 
 
 def match_back_angle(s, i):
-    """s[i] == '>': index of the '<' that opens it (template arguments)."""
+    """s[i] == '>': index of the '<' that opens it (template arguments; a '<' or '>' inside
+    parentheses there, as in (N > 2), is an operator, not a bracket)."""
     depth = 0
+    parens = 0
     while i >= 0:
-        if s[i] == '>':
+        c = s[i]
+        if c == ')':
+            parens += 1
+        elif c == '(':
+            parens -= 1
+        elif parens == 0 and c == '>':
             depth += 1
-        elif s[i] == '<':
+        elif parens == 0 and c == '<':
             depth -= 1
             if depth == 0:
                 return i
