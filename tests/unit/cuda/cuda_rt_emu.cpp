@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include <map>
 #include <memory>
@@ -589,4 +590,90 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
             }
     });
     return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
+}
+
+/* ---- what cuda/attn_bench.cu adds (test_attn.c's device memory and its timings) */
+
+struct CUevent_st {
+    double t_ms = 0;
+};
+
+static double now_ms()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+cudaError_t cudaDeviceSynchronize(void)
+{
+    if (refuse_in_capture("cudaDeviceSynchronize"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device)
+{
+    *device = 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
+{
+    if (device != 0)
+        return set_err(cudaErrorInvalidDevice);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "host emulation");
+    prop->major = 9;
+    prop->minor = 0;
+    prop->multiProcessorCount = 1;
+    prop->totalGlobalMem = (size_t)80 << 30;
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    if (refuse_in_capture("cudaMemcpy"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    return cudaMemcpyAsync(dst, src, n, kind, nullptr);
+}
+
+cudaError_t cudaMemset(void *p, int v, size_t n)
+{
+    if (refuse_in_capture("cudaMemset"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    return cudaMemsetAsync(p, v, n, nullptr);
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e)
+{
+    *e = new CUevent_st;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    delete e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
+{
+    if (!e)
+        return set_err(cudaErrorInvalidResourceHandle);
+    cudaError_t r = submit(s, [e] { e->t_ms = now_ms(); });
+    return r == cudaSuccess ? r : set_err(r);
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e)
+{
+    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
+{
+    if (!a || !b)
+        return set_err(cudaErrorInvalidResourceHandle);
+    *ms = (float)(b->t_ms - a->t_ms);
+    return cudaSuccess;
 }
