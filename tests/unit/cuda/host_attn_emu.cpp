@@ -39,7 +39,7 @@ using std::min;
 /* One kernel of attn.cu as a grid: the partition kernel part, or (part nullptr) the reduce. */
 static void emu_launch(attn_fn part, const attn_args &a, int hd, emu::idx3 grid, unsigned nt)
 {
-    emu::launch(grid, nt, 1 << 20, [&] {
+    emu::launch_fibers(grid, {nt, 1, 1}, 1 << 20, [&] {
         if (part)
             part(a);
         else

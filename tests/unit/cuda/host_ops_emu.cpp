@@ -45,7 +45,7 @@ extern "C" {
 /* A grid of CTAs of nt threads running body, 256 KiB of stack per thread. */
 static void emu_launch(emu::idx3 grid, unsigned nt, const std::function<void()> &body)
 {
-    emu::launch(grid, nt, 256 << 10, body);
+    emu::launch_fibers(grid, {nt, 1, 1}, 256 << 10, body);
 }
 
 /* ---- helpers */
