@@ -358,9 +358,7 @@ int main(void)
         /* test_models.c's own GPU tests, on the emulated device */
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),
-        /* not test_forward_fp8_kv: its TOL_FP8 (8e-2 of the fixture) is tighter than fp8 KV's
-         * own error on tiny-mha-tied-f32, where the CPU backend is 0.128 off (test_emu_fp8_kv
-         * above allows for that) */
+        cmocka_unit_test(test_forward_fp8_kv),
         cmocka_unit_test(test_engine_graphs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

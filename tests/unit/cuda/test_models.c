@@ -25,10 +25,13 @@
 #include "gpu_skip.h"
 
 /* Tolerances, relative to the largest |logit| of the step. bf16 weights round every weight
- * to 8 significant bits (and the GEMM inputs with them); fp8 KV keeps 4 bits of each K and V. */
+ * to 8 significant bits (and the GEMM inputs with them); fp8 KV keeps 4 bits of each K and V.
+ * TOL_FP8 is against the fixture, made with f32 KV: fp8's own rounding is most of it (the CPU
+ * backend with fp8 KV is up to 0.128 off on tiny-mha-tied-f32, 0.03 on the others; the
+ * emulated CUDA backend, bf16 weights and fp8 KV, up to 0.105: cuda_backend_emu). */
 #define TOL_F32 2e-3
 #define TOL_BF16 3e-2
-#define TOL_FP8 8e-2
+#define TOL_FP8 0.15
 
 static const char *models[] = {"tiny-gqa-f32", "tiny-mha-tied-f32", "tiny-mqa-bf16",
                                "small-gqa-bf16-theta5e5"};
