@@ -185,9 +185,13 @@ expect_eq "small pool: no prefill fell back to decode" "$(int "$(metric "$D3ADM"
 expect_eq "small pool: one prompt at a time fitted" "$(int "$(metric "$PADM3" "kvfleet_prefill_step_seqs_max{$P}")")" 1
 expect_eq "small pool: no block held afterwards" "$(wait_metric "$PADM3" "kvfleet_kv_used_blocks{$P}" 0)" 0
 # --- shutdown with calls queued and admitted: every call answered, every block back ----------
-# The prefill worker sleeps 1.5 s admitting each call, so when SIGTERM comes one call is being
-# admitted and three wait. It must exit 0 with no block held; decode prefills locally instead.
-start pre4 prefill --model "$M" --threads 1 --log-level info --fault-delay-ms 1500; PRE4=$ADDR; PP4=$PID
+# The prefill worker sleeps 1.5 s admitting each call and admits one at a time (--max-seqs 1),
+# and SIGTERM comes once all four calls have arrived, so one call is being admitted and three
+# wait (a fixed sleep before the signal let a loaded machine deliver all four at once, admit
+# them all in one 6 s pass and leave none queued). It must exit 0 with no block held; decode
+# prefills locally instead.
+start pre4 prefill --model "$M" --threads 1 --log-level info --fault-delay-ms 1500 --max-seqs 1
+PRE4=$ADDR; PP4=$PID; PADM4=$ADMIN
 start d4 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 20000; D4=$ADDR; D4ADM=$ADMIN
 start r4 router --model "$M" --port 0 --decode "$D4" --prefill "$PRE4"; R4=$ADDR
 wait_ready "http://$R4"
@@ -210,7 +214,7 @@ ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
 json.dump({"prompts": prompts, "got": got}, open(out, "w"))
 PYEOF
 CL=$!
-sleep 0.8
+expect_eq "prefill stopped mid-burst: all four calls arrived" "$(int "$(wait_metric "$PADM4" "kvfleet_prefill_requests_total{$P}" 4)")" 4
 kill -TERM "$PP4"; rc=0; wait "$PP4" || rc=$?
 expect_eq "prefill stopped mid-burst exits cleanly" "$rc" 0
 expect_contains "prefill stopped mid-burst holds no block" "$(cat "$TMP/pre4.err")" "prefill: stopped; 0 of"
