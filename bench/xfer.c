@@ -501,15 +501,20 @@ static kvf_status perftest_run(const xfer_bench_cfg *c, const char *transport, i
     snprintf(iters, sizeof iters, "%lld", (long long)n);
     const char *tls = strcmp(transport, "tcp") == 0 ? "tcp" : "sm";
     /* Pinned as our two processes are (-c: perftest sets its own affinity, replacing the one it
-     * inherits from this pinned process); argv ends at the first NULL. */
+     * inherits from this pinned process). */
     char cpu_tx[16], cpu_rx[16];
     snprintf(cpu_tx, sizeof cpu_tx, "%d", c->pin_tx);
     snprintf(cpu_rx, sizeof cpu_rx, "%d", c->pin_rx);
     bool pin = c->pin_tx >= 0;
-    char *srv_argv[] = {(char *)c->perftest, "-p", port, pin ? "-c" : NULL, cpu_rx, NULL};
-    char *cli_argv[] = {(char *)c->perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s",
-                        size, "-n", iters, pin ? "-c" : NULL, cpu_tx,
-                        strcmp(tls, "tcp") == 0 ? "-O" : NULL, "1", NULL};
+    char *srv_argv[8] = {(char *)c->perftest, "-p", port}, *cli_argv[16] = {
+        (char *)c->perftest, "127.0.0.1", "-p", port, "-t", "ucp_put_bw", "-s", size, "-n", iters};
+    int ns = 3, nc = 10;
+    if (pin) {
+        srv_argv[ns++] = "-c", srv_argv[ns++] = cpu_rx;
+        cli_argv[nc++] = "-c", cli_argv[nc++] = cpu_tx;
+    }
+    if (strcmp(tls, "tcp") == 0)
+        cli_argv[nc++] = "-O", cli_argv[nc++] = "1";
     pid_t srv, cli;
     kvf_status st = spawn_tls(srv_argv, tls, -1, &srv, err);
     if (st != KVF_OK)
