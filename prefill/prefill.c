@@ -150,7 +150,6 @@ static void job_unlink(kvf_prefill *p, pjob *j)
     }
 }
 
-/* Ends a call: releases its blocks, answers (first token and stats, or st and msg), frees it. */
 /* Takes j out of the worker: its blocks back to the pool, out of the list and the queue count. */
 static void job_leave(kvf_prefill *p, pjob *j)
 {
@@ -171,6 +170,7 @@ static void job_abandon(kvf_prefill *p, pjob *j, const char *msg)
     free(j);
 }
 
+/* Ends a call: releases its blocks, answers (first token and stats, or st and msg), frees it. */
 static void job_finish(kvf_prefill *p, pjob *j, kvf_status st, const char *msg)
 {
     job_leave(p, j);

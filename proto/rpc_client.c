@@ -125,17 +125,20 @@ static void status_op(grpc_op *op, grpc_metadata_array *trailing_md, grpc_status
     op->data.recv_status_on_client.status_details = details;
 }
 
-/* True when the server's side of kvfleet ended the call (OK, or the kvf-status it attaches to
- * every status it sends), false for a status gRPC made: a passed deadline, a lost connection, a
- * cancel, a server shutting down. */
-static bool ended_by_server(grpc_status_code code, const grpc_metadata_array *trailing)
+/* The kvf-status trailer the server attaches to every status it sends, or NULL: gRPC's own
+ * statuses (a passed deadline, a lost connection, a cancel, a server shutting down) carry none. */
+static const grpc_metadata *kvf_status_md(const grpc_metadata_array *trailing)
 {
-    if (code == GRPC_STATUS_OK)
-        return true;
     for (size_t i = 0; i < trailing->count; i++)
         if (grpc_slice_str_cmp(trailing->metadata[i].key, RPC_KVF_STATUS_KEY) == 0)
-            return true;
-    return false;
+            return &trailing->metadata[i];
+    return NULL;
+}
+
+/* True when the server's side of kvfleet ended the call (OK, or its kvf-status trailer). */
+static bool ended_by_server(grpc_status_code code, const grpc_metadata_array *trailing)
+{
+    return code == GRPC_STATUS_OK || kvf_status_md(trailing) != NULL;
 }
 
 static kvf_status status_of(const char *method, grpc_status_code code, grpc_slice details,
@@ -144,14 +147,10 @@ static kvf_status status_of(const char *method, grpc_status_code code, grpc_slic
     if (code == GRPC_STATUS_OK)
         return KVF_OK;
     kvf_status st = kvf_status_from_grpc(code);
-    for (size_t i = 0; i < trailing->count; i++) {
-        const grpc_metadata *md = &trailing->metadata[i];
-        if (grpc_slice_str_cmp(md->key, RPC_KVF_STATUS_KEY) != 0)
-            continue;
-        char buf[16];
-        size_t n = GRPC_SLICE_LENGTH(md->value);
-        if (n == 0 || n >= sizeof buf)
-            break;
+    const grpc_metadata *md = kvf_status_md(trailing);
+    char buf[16];
+    size_t n = md ? GRPC_SLICE_LENGTH(md->value) : 0;
+    if (n > 0 && n < sizeof buf) {
         memcpy(buf, GRPC_SLICE_START_PTR(md->value), n);
         buf[n] = '\0';
         char *end;
@@ -159,7 +158,6 @@ static kvf_status status_of(const char *method, grpc_status_code code, grpc_slic
         /* Only codes this build knows, and never OK on a failed call. */
         if (*end == '\0' && v != 0 && strcmp(kvf_status_name((kvf_status)v), "UNKNOWN") != 0)
             st = (kvf_status)v;
-        break;
     }
     char *text = grpc_slice_to_c_string(details);
     kvf_err_set(err, st, "rpc: %s: %s (%s)", method, text && *text ? text : kvf_status_str(st),

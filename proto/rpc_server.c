@@ -367,8 +367,6 @@ static void start_finish_locked(kvf_rpc_call *c)
     }
 }
 
-/* Ends the call: the status (and, for a unary call, the response) goes out after the messages
- * already queued; drops the handler's reference. Never waits for the client. */
 /* The handler's end of the call, once: locks c->mu and returns true with it held, or false
  * (unlocked, logged) when the call was already finished. Waits out a running cancel callback. */
 static bool finish_begin(kvf_rpc_call *c)
@@ -386,6 +384,8 @@ static bool finish_begin(kvf_rpc_call *c)
     return true;
 }
 
+/* Ends the call: the status (and, for a unary call, the response) goes out after the messages
+ * already queued; drops the handler's reference. Never waits for the client. */
 static void call_finish(kvf_rpc_call *c, kvf_status st, const char *msg, const kvf_rpc_buf *resp)
 {
     if (!finish_begin(c))
