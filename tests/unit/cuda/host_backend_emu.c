@@ -189,28 +189,31 @@ static void check_model(const char *name, int32_t matrix_dtype, kvf_dtype kv, fl
                  (long long)(rt1.live_allocs - rt0.live_allocs));
 }
 
-static void test_emu_bf16(void **state)
+/* check_model on every fixture model, KV scales 1 */
+static void check_models(int32_t matrix_dtype, kvf_dtype kv, double tol, bool eager_too)
 {
     for (size_t i = 0; i < N_MODELS; i++)
-        check_model(models[i], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_F32, 1.0f, 1.0f, TOL_BF16, true);
+        check_model(models[i], matrix_dtype, kv, 1.0f, 1.0f, tol, eager_too);
+}
+
+static void test_emu_bf16(void **state)
+{
+    check_models(KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_F32, TOL_BF16, true);
 }
 
 static void test_emu_f32(void **state)
 {
-    for (size_t i = 0; i < N_MODELS; i++)
-        check_model(models[i], KVF_BACKEND_MATRIX_F32, KVF_DTYPE_F32, 1.0f, 1.0f, TOL_F32, false);
+    check_models(KVF_BACKEND_MATRIX_F32, KVF_DTYPE_F32, TOL_F32, false);
 }
 
 static void test_emu_f16(void **state)
 {
-    for (size_t i = 0; i < N_MODELS; i++)
-        check_model(models[i], KVF_BACKEND_MATRIX_F16, KVF_DTYPE_F32, 1.0f, 1.0f, TOL_BF16, false);
+    check_models(KVF_BACKEND_MATRIX_F16, KVF_DTYPE_F32, TOL_BF16, false);
 }
 
 static void test_emu_fp8_kv(void **state)
 {
-    for (size_t i = 0; i < N_MODELS; i++)
-        check_model(models[i], KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_FP8_E4M3, 1.0f, 1.0f, TOL_FP8, false);
+    check_models(KVF_BACKEND_MATRIX_BF16, KVF_DTYPE_FP8_E4M3, TOL_FP8, false);
 }
 
 /* the KV scales reach kv_write and attention: fp8 with k 0.5, v 0.25 against the CPU backend */
