@@ -1,6 +1,7 @@
 /* forward.c: the Llama-family forward pass (RMSNorm, RoPE, GQA attention over paged KV, SwiGLU
  * MLP, tied or separate LM head) written once over kvf_backend. It validates a batch, lays out
- * per-token metadata in preallocated scratch and calls the backend's ops layer by layer. */
+ * per-token metadata in one preallocated block (one upload a step) and calls the backend's ops
+ * layer by layer. */
 #include "model/forward.h"
 
 #include <math.h>
@@ -27,10 +28,14 @@ struct kvf_model_fwd {
     fwd_layer_w *layers;
 
     /* backend scratch */
-    float *x, *xb, *q, *k, *v, *att, *hg, *hu, *xs, *logits, *cos_sin;
+    float *x, *xb, *q, *k, *v, *att, *hg, *hu, *xs, *logits;
+    /* A step's metadata: one backend block (meta) and its host twin (h_meta), laid out per step
+     * by meta_place; the pointers below point into them. */
+    uint8_t *meta, *h_meta;
+    size_t meta_bytes; /* the current step's, from the start of the block */
+    float *cos_sin;
     int32_t *tokens, *tok_seq, *tok_pos, *tables, *last_rows;
     int64_t *slots;
-    /* host staging for the metadata above */
     int32_t *h_tokens, *h_tok_seq, *h_tok_pos, *h_tables, *h_last_rows;
     int64_t *h_slots;
     float *h_cos_sin;
@@ -61,17 +66,11 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f)
     free_w(f, &f->final_norm);
     free_w(f, &f->lm_head_own);
     void *bufs[] = {f->x, f->xb, f->q, f->k, f->v, f->att, f->hg, f->hu, f->xs, f->logits,
-                    f->cos_sin, f->tokens, f->tok_seq, f->tok_pos, f->tables, f->last_rows, f->slots};
+                    f->meta};
     for (size_t j = 0; j < sizeof bufs / sizeof bufs[0]; j++)
         if (bufs[j])
             f->be->free(f->ctx, bufs[j]);
-    free(f->h_tokens);
-    free(f->h_tok_seq);
-    free(f->h_tok_pos);
-    free(f->h_tables);
-    free(f->h_last_rows);
-    free(f->h_slots);
-    free(f->h_cos_sin);
+    free(f->h_meta);
     free(f->inv_freq);
     free(f);
 }
@@ -135,6 +134,31 @@ static kvf_status host(void *p, size_t bytes, kvf_err *err)
     return KVF_OK;
 }
 
+/* Lays out a step of T tokens and S sequences in the metadata block: each array at a 256-byte
+ * boundary, in an order fixed by (T, S) alone, so steps with equal graph keys (backend.h) see
+ * equal addresses. Points the metadata pointers into meta and h_meta (when allocated) and
+ * returns the bytes used. */
+static size_t meta_place(kvf_model_fwd *f, int32_t T, int32_t S)
+{
+    size_t half = (size_t)f->m->cfg.head_dim / 2, off = 0;
+    struct { void *dev, *host; size_t bytes; } a[] = {
+        {&f->cos_sin, &f->h_cos_sin, (size_t)T * half * 2 * sizeof(float)},
+        {&f->slots, &f->h_slots, (size_t)T * sizeof(int64_t)},
+        {&f->tokens, &f->h_tokens, (size_t)T * sizeof(int32_t)},
+        {&f->tok_seq, &f->h_tok_seq, (size_t)T * sizeof(int32_t)},
+        {&f->tok_pos, &f->h_tok_pos, (size_t)T * sizeof(int32_t)},
+        {&f->tables, &f->h_tables, (size_t)S * f->max_blocks * sizeof(int32_t)},
+        {&f->last_rows, &f->h_last_rows, (size_t)S * sizeof(int32_t)},
+    };
+    for (size_t i = 0; i < sizeof a / sizeof a[0]; i++) {
+        off = (off + 255) & ~(size_t)255;
+        *(void **)a[i].dev = f->meta ? f->meta + off : NULL;
+        *(void **)a[i].host = f->h_meta ? f->h_meta + off : NULL;
+        off += a[i].bytes;
+    }
+    return off;
+}
+
 kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void *be_ctx,
                                 const kvf_kv_layout *layout, const kvf_model_fwd_opts *opts,
                                 kvf_model_fwd **out, kvf_err *err)
@@ -180,8 +204,7 @@ kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void 
 
     size_t T = (size_t)o.max_tokens, S = (size_t)o.max_seqs, F = sizeof(float);
     size_t dim = (size_t)c->dim, qd = (size_t)c->n_heads * c->head_dim,
-           kvd = (size_t)c->n_kv_heads * c->head_dim, hid = (size_t)c->hidden_dim, half = (size_t)c->head_dim / 2;
-    size_t tab = S * (size_t)f->max_blocks * sizeof(int32_t);
+           kvd = (size_t)c->n_kv_heads * c->head_dim, hid = (size_t)c->hidden_dim;
     if ((st = scratch(f, &f->x, T * dim * F, err)) != KVF_OK ||
         (st = scratch(f, &f->xb, T * dim * F, err)) != KVF_OK ||
         (st = scratch(f, &f->q, T * qd * F, err)) != KVF_OK ||
@@ -192,20 +215,8 @@ kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void 
         (st = scratch(f, &f->hu, T * hid * F, err)) != KVF_OK ||
         (st = scratch(f, &f->xs, S * dim * F, err)) != KVF_OK ||
         (st = scratch(f, &f->logits, S * (size_t)c->vocab_size * F, err)) != KVF_OK ||
-        (st = scratch(f, &f->cos_sin, T * half * 2 * F, err)) != KVF_OK ||
-        (st = scratch(f, &f->tokens, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = scratch(f, &f->tok_seq, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = scratch(f, &f->tok_pos, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = scratch(f, &f->tables, tab, err)) != KVF_OK ||
-        (st = scratch(f, &f->last_rows, S * sizeof(int32_t), err)) != KVF_OK ||
-        (st = scratch(f, &f->slots, T * sizeof(int64_t), err)) != KVF_OK ||
-        (st = host(&f->h_tokens, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = host(&f->h_tok_seq, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = host(&f->h_tok_pos, T * sizeof(int32_t), err)) != KVF_OK ||
-        (st = host(&f->h_tables, tab, err)) != KVF_OK ||
-        (st = host(&f->h_last_rows, S * sizeof(int32_t), err)) != KVF_OK ||
-        (st = host(&f->h_slots, T * sizeof(int64_t), err)) != KVF_OK ||
-        (st = host(&f->h_cos_sin, T * half * 2 * F, err)) != KVF_OK)
+        (st = scratch(f, &f->meta, meta_place(f, o.max_tokens, o.max_seqs), err)) != KVF_OK ||
+        (st = host(&f->h_meta, meta_place(f, o.max_tokens, o.max_seqs), err)) != KVF_OK)
         goto fail;
     *out = f;
     return KVF_OK;
@@ -245,6 +256,12 @@ static kvf_status prepare(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n
             return kvf_err_set(err, KVF_ERR_INVALID,
                                "model: forward: sequence %d brings %d tokens; the step holds %d tokens in all (%d used before it)",
                                s, q->n_tokens, f->opts.max_tokens, T);
+        T += q->n_tokens;
+    }
+    f->meta_bytes = meta_place(f, T, n_seqs);
+    T = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        const kvf_model_seq *q = &seqs[s];
         if (q->start_pos < 0 || q->start_pos > f->opts.max_ctx - q->n_tokens)
             return kvf_err_set(err, KVF_ERR_INVALID,
                                "model: forward: sequence %d: positions %d..%d are outside 0..%d (max_ctx)",
@@ -300,15 +317,8 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     if (st != KVF_OK)
         return st;
 
-    /* 1. metadata to the backend */
-    int32_t half = c->head_dim / 2;
-    be->upload(ctx, f->tokens, f->h_tokens, (size_t)T * sizeof(int32_t));
-    be->upload(ctx, f->tok_seq, f->h_tok_seq, (size_t)T * sizeof(int32_t));
-    be->upload(ctx, f->tok_pos, f->h_tok_pos, (size_t)T * sizeof(int32_t));
-    be->upload(ctx, f->slots, f->h_slots, (size_t)T * sizeof(int64_t));
-    be->upload(ctx, f->cos_sin, f->h_cos_sin, (size_t)T * half * 2 * sizeof(float));
-    be->upload(ctx, f->tables, f->h_tables, (size_t)n_seqs * f->max_blocks * sizeof(int32_t));
-    be->upload(ctx, f->last_rows, f->h_last_rows, (size_t)n_seqs * sizeof(int32_t));
+    /* 1. metadata to the backend: one copy (on a GPU each upload is a host wait) */
+    be->upload(ctx, f->meta, f->h_meta, f->meta_bytes);
 
     int32_t max_pos = 0;
     bool decode_only = true;
