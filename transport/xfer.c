@@ -1,5 +1,5 @@
-/* xfer.c: the backend-independent half of kvf_xfer: picking a backend, the descriptor and hello
- * formats, checking pairs and coalescing them into runs, the event queue, the receiver's
+/* xfer.c: the backend-independent half of kvf_xfer: picking a backend, the descriptor format,
+ * checking pairs and coalescing them into runs, the event queue, the receiver's
  * expectations with their deadlines, and the pinned staging mirror that lets the ucx backend
  * move a GPU pool (device -> mirror before the backend writes, mirror -> device before RECEIVED).
  * How bytes move is left to xfer_local.c, xfer_ucx.c, xfer_cudaipc.c and xfer_nccl.c.
@@ -8,10 +8,7 @@
  *   "KVFX" | u32 version | u8 backend name length | name | u32 n_layers | u32 n_kv_heads |
  *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
  *   u32 blob length | backend blob | u64 XXH3-64 of every byte before it
- * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers.
- *
- * Hello, version 1 (kvf_xfer_connect_hello -> control plane -> kvf_xfer_accept):
- *   "KVFH" | u32 version | u8 backend name length | name | u32 blob length | blob | u64 XXH3-64 */
+ * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers. */
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
@@ -222,7 +219,7 @@ void *kvf_xfer_pool_base(const kvf_xfer *x)
 
 /* ---- descriptors ---- */
 
-/* Ends a descriptor or a hello: the backend's blob, length first, then the XXH3 of every byte
+/* Ends a descriptor: the backend's blob, length first, then the XXH3 of every byte
  * before the checksum; *out gets the bytes (malloc'd). b and blob are released either way. */
 static kvf_status seal(kvf_sbuf *b, kvf_sbuf *blob, const char *what, uint8_t **out,
                        size_t *len_out, kvf_err *err)
@@ -342,8 +339,8 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
 
 /* ---- peers ---- */
 
-static kvf_status connect_any(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
-                              kvf_err *err)
+kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
+                            kvf_err *err)
 {
     kvf_xfer_desc_info d;
     kvf_status st = kvf_xfer_desc_parse(desc, len, &d, err);
@@ -374,92 +371,6 @@ static kvf_status connect_any(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_
     x->peers = peer;
     *out = peer;
     return KVF_OK;
-}
-
-kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
-                            kvf_err *err)
-{
-    if (x->ops->hello)
-        return kvf_err_set(err, KVF_ERR_INVALID,
-                           "xfer: backend '%s' needs the receiver to take part: connect with "
-                           "kvf_xfer_connect_hello and hand the hello to kvf_xfer_accept there",
-                           x->ops->name);
-    return connect_any(x, desc, len, out, err);
-}
-
-#define HELLO_MAGIC "KVFH"
-#define HELLO_VERSION 1
-
-kvf_status kvf_xfer_connect_hello(kvf_xfer *x, const uint8_t *desc, size_t len,
-                                  kvf_xfer_peer **out, uint8_t **hello_out, size_t *hello_len_out,
-                                  kvf_err *err)
-{
-    kvf_xfer_peer *peer;
-    kvf_status st = connect_any(x, desc, len, &peer, err);
-    if (st != KVF_OK)
-        return st;
-    if (!x->ops->hello) {
-        *out = peer;
-        *hello_out = NULL;
-        *hello_len_out = 0;
-        return KVF_OK;
-    }
-    kvf_sbuf b, blob;
-    kvf_sbuf_init(&blob);
-    if ((st = x->ops->hello(x, peer, &blob, err)) != KVF_OK) {
-        kvf_sbuf_fini(&blob);
-        kvf_xfer_disconnect(x, peer);
-        return st;
-    }
-    kvf_sbuf_init(&b);
-    uint8_t nl = (uint8_t)strlen(x->ops->name);
-    kvf_sbuf_append(&b, HELLO_MAGIC, 4);
-    kvf_xfer_put_u32(&b, HELLO_VERSION);
-    kvf_sbuf_append(&b, &nl, 1);
-    kvf_sbuf_append(&b, x->ops->name, nl);
-    if ((st = seal(&b, &blob, "hello", hello_out, hello_len_out, err)) != KVF_OK) {
-        kvf_xfer_disconnect(x, peer);
-        return st;
-    }
-    *out = peer;
-    return KVF_OK;
-}
-
-kvf_status kvf_xfer_accept(kvf_xfer *x, const uint8_t *hello, size_t len, kvf_err *err)
-{
-    if (len == 0)
-        return KVF_OK;
-    enum { FIXED = 4 + 4 + 1 + 4 + 8 };
-    if (!hello || len < FIXED)
-        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello of %zu bytes is too short (at least %d)",
-                           len, FIXED);
-    if (memcmp(hello, HELLO_MAGIC, 4) != 0)
-        return kvf_err_set(err, KVF_ERR_PARSE,
-                           "xfer: hello does not start with \"KVFH\" (not a kvfleet hello)");
-    uint32_t version = kvf_xfer_get_u32(hello + 4);
-    if (version != HELLO_VERSION)
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
-                           "xfer: hello version %u is not supported (this build reads %d)", version,
-                           HELLO_VERSION);
-    if (kvf_xfer_get_u64(hello + len - 8) != kvf_hash64(hello, len - 8))
-        return kvf_err_set(err, KVF_ERR_PARSE,
-                           "xfer: hello of %zu bytes fails its checksum (damaged or cut short in "
-                           "transit)", len);
-    size_t nl = hello[8];
-    if (len < FIXED + nl)
-        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello backend name length %zu overruns its "
-                           "%zu bytes", nl, len);
-    if (nl != strlen(x->ops->name) || memcmp(hello + 9, x->ops->name, nl) != 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: hello is for backend '%.*s', this side "
-                           "uses '%s'", (int)nl, (const char *)hello + 9, x->ops->name);
-    uint32_t blob_len = kvf_xfer_get_u32(hello + 9 + nl);
-    if (blob_len != len - FIXED - nl)
-        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: hello says %u backend bytes but %zu follow",
-                           blob_len, len - FIXED - nl);
-    if (!x->ops->accept)
-        return kvf_err_set(err, KVF_ERR_INVALID, "xfer: backend '%s' takes no hello (got %u bytes)",
-                           x->ops->name, blob_len);
-    return x->ops->accept(x, hello + 13 + nl, blob_len, err);
 }
 
 void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer)

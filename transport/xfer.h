@@ -6,7 +6,8 @@
  * Backends: "ucx" (RMA puts over UCX: tcp or shared memory on hosts; a GPU pool through a pinned
  * host mirror with gpu_staging), "cuda_ipc" (GPU to GPU on one node: device copies into the
  * peer's pool mapped through its CUDA IPC handle), "nccl" (GPU to GPU through a communicator per
- * sender-receiver pair, set up with the hello below; only in builds with NCCL) and "local"
+ * sender-receiver pair, set up by kvf_xfer_connect over the pair's notice channel; only in builds
+ * with NCCL) and "local"
  * (memcpy between two kvf_xfer objects of one process, for tests of the layers above). The GPU
  * backends reach device memory only through the kvf_xfer_gpu table the caller hands in, so
  * transport/ never links CUDA itself (cuda/xfer_gpu.h has the real one).
@@ -38,8 +39,7 @@
  *
  * GPU pools (cfg.gpu): the source blocks must be complete in device memory before the write
  * (the transport's stream does not wait for the caller's); RECEIVED means the bytes are in the
- * receiver's device memory, visible to work it enqueues afterwards. nccl pairs need the hello:
- * kvf_xfer_connect_hello on the sender, kvf_xfer_accept on the receiver. */
+ * receiver's device memory, visible to work it enqueues afterwards. */
 #ifndef KVF_TRANSPORT_XFER_H
 #define KVF_TRANSPORT_XFER_H
 
@@ -201,20 +201,12 @@ kvf_status kvf_xfer_desc_parse(const uint8_t *desc, size_t len, kvf_xfer_desc_in
 /* Connects to the pool a descriptor describes. A descriptor of another backend, or a layout
  * that differs from ours (block size, dtype, layers, kv heads, head_dim), is refused here with
  * a message naming both values. *out belongs to x; kvf_xfer_disconnect or kvf_xfer_destroy
- * releases it. */
+ * releases it. Backends whose receiver takes part in setting up the pair do it over their own
+ * channel, with no call on the receiver's side (nccl: the sender's first notice-channel message
+ * carries the communicator's unique id, and the receiver joins when it arrives, from its
+ * kvf_xfer_progress); the peer reads KVF_ERR_BUSY until both sides finished, and writes queue. */
 kvf_status kvf_xfer_connect(kvf_xfer *x, const uint8_t *desc, size_t len, kvf_xfer_peer **out,
                             kvf_err *err);
-/* kvf_xfer_connect for backends whose receiver must take part in setting up the pair (nccl: the
- * communicator's unique id). *hello_out (malloc'd, the caller frees it; NULL with *hello_len_out
- * 0 when the backend needs none) goes to the receiver over the control plane, which hands it to
- * kvf_xfer_accept; the peer reads KVF_ERR_BUSY until both sides finished. kvf_xfer_connect on
- * such a backend is refused, naming this call. */
-kvf_status kvf_xfer_connect_hello(kvf_xfer *x, const uint8_t *desc, size_t len,
-                                  kvf_xfer_peer **out, uint8_t **hello_out, size_t *hello_len_out,
-                                  kvf_err *err);
-/* Receiver: takes a sender's hello (a versioned byte string, checked like descriptors). A hello
- * of 0 bytes is accepted and ignored (backends that need none). */
-kvf_status kvf_xfer_accept(kvf_xfer *x, const uint8_t *hello, size_t len, kvf_err *err);
 
 /* Closes a peer. Writes in flight to it end with KVF_ERR_CANCELLED events. */
 void kvf_xfer_disconnect(kvf_xfer *x, kvf_xfer_peer *peer);

@@ -37,12 +37,8 @@ typedef struct kvf_xfer_ops {
     int (*event_fd)(kvf_xfer *x);
     /* Arms event_fd; false when work is already pending (progress again instead of sleeping). */
     bool (*arm)(kvf_xfer *x);
-    /* Optional (NULL: none). needs_gpu: the pool is device memory reached through cfg->gpu.
-     * hello: appends what the receiver must be given (after connect); accept: takes it. A
-     * backend with hello refuses plain kvf_xfer_connect. */
+    /* The pool is device memory reached through cfg->gpu. */
     bool needs_gpu;
-    kvf_status (*hello)(kvf_xfer *x, kvf_xfer_peer *peer, kvf_sbuf *out, kvf_err *err);
-    kvf_status (*accept)(kvf_xfer *x, const uint8_t *blob, size_t blob_len, kvf_err *err);
 } kvf_xfer_ops;
 
 extern const kvf_xfer_ops kvf_xfer_local_ops;
@@ -123,7 +119,8 @@ typedef struct kvf_xfer_conn kvf_xfer_conn;
 
 enum {
     KVF_XFER_MSG_CLOSED = 0, /* not sent: the connection failed or the other side closed it */
-    KVF_XFER_MSG_HELLO = 1,  /* sender -> receiver, first: value = pair token (nccl) */
+    KVF_XFER_MSG_HELLO = 1,  /* sender -> receiver, first (nccl): value = pair token, body =
+                              * the communicator's unique id (the receiver joins as rank 1) */
     KVF_XFER_MSG_NOTICE = 2, /* sender -> receiver: id landed (cuda_ipc) / is coming (nccl:
                               * value = bytes, body = runs as (i64 dst, i64 count) pairs) */
     KVF_XFER_MSG_ACK = 3,    /* receiver -> sender: id, status (KVF_OK or KVF_ERR_CANCELLED) */

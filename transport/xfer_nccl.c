@@ -1,7 +1,8 @@
 /* xfer_nccl.c: the "nccl" backend: GPU to GPU through an NCCL communicator per sender-receiver
- * pair (rank 0 sends, rank 1 receives). The sender's kvf_xfer_connect_hello makes the unique id
- * and starts a non-blocking init; the hello carries the id to the receiver's kvf_xfer_accept;
- * both inits are progressed from kvf_xfer_progress. A write gathers its runs into stream-ordered
+ * pair (rank 0 sends, rank 1 receives). The sender's kvf_xfer_connect makes the unique id,
+ * starts a non-blocking init and opens the pair's notice channel, whose first message (the
+ * hello) carries the id; the receiver starts its own init when the hello arrives. Both inits are
+ * progressed from kvf_xfer_progress. A write gathers its runs into stream-ordered
  * device staging (or sends straight from the pool when it is one run), tells the receiver over
  * the notice channel (xfer_chan.c: id, bytes, destination runs), then ncclSend; the receiver
  * posts the matching ncclRecv (into its blocks when they are one run, else staging it scatters
@@ -9,6 +10,7 @@
  * NCCL (nccl.h pulls in cuda_runtime.h; no CUDA call is made here: the kvf_xfer_gpu table does
  * them). Deadlines abort the communicator (ncclCommAbort), so a lost or stalled peer ends in an
  * error event, never a hang; the pair is then lost (connect again). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -19,22 +21,20 @@
 #include "common/time.h"
 #include "transport/xfer_impl.h"
 
-#define HELLO_BLOB (NCCL_UNIQUE_ID_BYTES + 8)
 #define DRAIN_NS (5 * 1000000000LL)  /* a recv nobody expects gets this long to finish */
 #define GRACE_NS (1 * 1000000000LL)  /* a recv whose expectation ended gets this long more */
 
-typedef enum { PAIR_WAIT, PAIR_INIT, PAIR_READY, PAIR_DEAD } pair_state;
+typedef enum { PAIR_INIT, PAIR_READY, PAIR_DEAD } pair_state;
 
-/* One communicator: a connected peer (sender side) or an accepted hello (receiver side). */
+/* One communicator: a connected peer (sender side) or a sender's hello (receiver side). */
 typedef struct nccl_pair {
-    ncclComm_t comm;      /* NULL before accept (receiver) and after an abort */
-    pair_state state;     /* WAIT: receiver saw the channel's hello but not the NCCL hello yet */
+    ncclComm_t comm;      /* NULL when its init failed and after an abort */
+    pair_state state;
     bool busy;            /* a call returned ncclInProgress: poll before the next one */
     bool sender;
-    uint64_t token;       /* names the pair in both hellos */
+    uint64_t token;       /* names the pair in logs (the hello carries it) */
     kvf_xfer_peer *pub;   /* sender side */
     kvf_xfer_conn *conn;  /* notice channel; NULL once closed */
-    ncclUniqueId uid;     /* sender side: for the hello */
     struct nccl_pair *next;
 } nccl_pair;
 
@@ -134,11 +134,11 @@ static bool pair_usable(const nccl_pair *pr)
     return pr && pr->state == PAIR_READY && !pr->busy && pr->conn && kvf_xfer_conn_up(pr->conn);
 }
 
-static kvf_status comm_init(nccl_pair *pr, int rank, kvf_err *err)
+static kvf_status comm_init(nccl_pair *pr, const ncclUniqueId *uid, int rank, kvf_err *err)
 {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
-    ncclResult_t r = ncclCommInitRankConfig(&pr->comm, 2, pr->uid, rank, &cfg);
+    ncclResult_t r = ncclCommInitRankConfig(&pr->comm, 2, *uid, rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
         pr->comm = NULL;
         return kvf_err_set(err, KVF_ERR_IO, "xfer: nccl: ncclCommInitRankConfig (rank %d of 2): "
@@ -150,14 +150,6 @@ static kvf_status comm_init(nccl_pair *pr, int rank, kvf_err *err)
 
 /* ---- the notice channel ---- */
 
-static nccl_pair *pair_by_token(nccl_xfer *u, uint64_t token)
-{
-    for (nccl_pair *pr = u->pairs; pr; pr = pr->next)
-        if (!pr->sender && pr->token == token)
-            return pr;
-    return NULL;
-}
-
 static nccl_pair *pair_new(nccl_xfer *u, uint64_t token, bool sender)
 {
     nccl_pair *pr = calloc(1, sizeof *pr);
@@ -165,7 +157,7 @@ static nccl_pair *pair_new(nccl_xfer *u, uint64_t token, bool sender)
         return NULL;
     pr->token = token;
     pr->sender = sender;
-    pr->state = PAIR_WAIT;
+    pr->state = PAIR_INIT;
     pr->next = u->pairs;
     u->pairs = pr;
     return pr;
@@ -206,24 +198,45 @@ static void on_notice(nccl_xfer *u, nccl_pair *pr, const kvf_xfer_msg *m)
     *tail = o;
 }
 
+/* Receiver: the first message of a sender's channel names its pair (value) and carries the
+ * unique id of its communicator (body); we join as rank 1. A pair whose hello is wrong or whose
+ * init fails dies at once: its channel is dropped on the next pass, so the sender loses the
+ * peer instead of waiting for an init that will not come. */
+static void on_hello(nccl_xfer *u, kvf_xfer_conn *conn, nccl_pair *pr, const kvf_xfer_msg *m)
+{
+    if (pr) {
+        kvf_log(KVF_LOG_WARN, "xfer: nccl: a second hello (pair %llx) on the channel of pair "
+                "%llx: ignored", (unsigned long long)m->value, (unsigned long long)pr->token);
+        return;
+    }
+    if (!(pr = pair_new(u, m->value, false))) {
+        kvf_log(KVF_LOG_ERROR, "xfer: nccl: hello of pair %llx: out of memory",
+                (unsigned long long)m->value);
+        return;
+    }
+    pr->conn = conn;
+    kvf_xfer_conn_set_user(conn, pr);
+    if (m->body_len != NCCL_UNIQUE_ID_BYTES) {
+        char why[96];
+        snprintf(why, sizeof why, "its hello carries %u bytes, not a unique id (%d bytes)",
+                 m->body_len, NCCL_UNIQUE_ID_BYTES);
+        pair_kill(u, pr, why);
+        return;
+    }
+    ncclUniqueId uid;
+    memcpy(uid.internal, m->body, NCCL_UNIQUE_ID_BYTES);
+    kvf_err e = {0};
+    if (comm_init(pr, &uid, 1, &e) != KVF_OK)
+        pair_kill(u, pr, e.msg);
+}
+
 static void on_msg(void *arg, kvf_xfer_conn *conn, const kvf_xfer_msg *m)
 {
     nccl_xfer *u = arg;
     nccl_pair *pr = kvf_xfer_conn_user(conn);
     switch (m->type) {
-    case KVF_XFER_MSG_HELLO: /* receiver: a sender's channel names its pair */
-        if (pr)
-            break;
-        pr = pair_by_token(u, m->value);
-        if (!pr)
-            pr = pair_new(u, m->value, false);
-        if (!pr || pr->conn) {
-            kvf_log(KVF_LOG_WARN, "xfer: nccl: channel hello for pair %llx refused (%s)",
-                    (unsigned long long)m->value, pr ? "already connected" : "out of memory");
-            break;
-        }
-        pr->conn = conn;
-        kvf_xfer_conn_set_user(conn, pr);
+    case KVF_XFER_MSG_HELLO: /* receiver: a sender's pair, with its communicator's unique id */
+        on_hello(u, conn, pr, m);
         break;
     case KVF_XFER_MSG_NOTICE:
         if (!pr || pr->sender || pr->state == PAIR_DEAD) {
@@ -310,7 +323,8 @@ static kvf_status nccl_export_blob(kvf_xfer *x, kvf_sbuf *out, kvf_err *err)
     return out->oom ? kvf_err_set(err, KVF_ERR_NOMEM, "xfer: nccl: out of memory") : KVF_OK;
 }
 
-/* Sender: a new communicator as rank 0 and a channel to the receiver. */
+/* Sender: a new communicator as rank 0 and a channel to the receiver, whose first message (the
+ * hello) carries the unique id; messages on the channel are ordered, so notices follow it. */
 static kvf_status nccl_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *blob,
                                size_t blob_len, kvf_err *err)
 {
@@ -325,11 +339,18 @@ static kvf_status nccl_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *b
         st = kvf_err_set(err, KVF_ERR_PARSE, "xfer: nccl: descriptor blob has %zu bytes after "
                          "the notice address", blob_len - used);
     ncclResult_t r = ncclSuccess;
-    if (st == KVF_OK && (r = ncclGetUniqueId(&pr->uid)) != ncclSuccess)
+    ncclUniqueId uid;
+    if (st == KVF_OK && (r = ncclGetUniqueId(&uid)) != ncclSuccess)
         st = kvf_err_set(err, KVF_ERR_IO, "xfer: nccl: ncclGetUniqueId: %s", nccl_why(r));
     if (st == KVF_OK)
-        st = comm_init(pr, 0, err);
+        st = comm_init(pr, &uid, 0, err);
+    kvf_xfer_msg hello = {.type = KVF_XFER_MSG_HELLO, .value = pr->token,
+                          .body = (const uint8_t *)uid.internal, .body_len = NCCL_UNIQUE_ID_BYTES};
+    if (st == KVF_OK && !kvf_xfer_chan_send(pr->conn, &hello))
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "xfer: nccl: out of memory queueing the hello");
     if (st != KVF_OK) {
+        if (pr->comm)
+            ncclCommAbort(pr->comm);
         if (pr->conn)
             kvf_xfer_chan_drop(u->chan, pr->conn);
         u->pairs = pr->next; /* pair_new put it first */
@@ -337,43 +358,9 @@ static kvf_status nccl_connect(kvf_xfer *x, kvf_xfer_peer *pub, const uint8_t *b
         return st;
     }
     kvf_xfer_conn_set_user(pr->conn, pr);
-    kvf_xfer_msg hello = {.type = KVF_XFER_MSG_HELLO, .value = pr->token};
-    kvf_xfer_chan_send(pr->conn, &hello);
     pub->impl = pr;
     pub->status = KVF_ERR_BUSY; /* until the communicator and the channel are up */
     return KVF_OK;
-}
-
-static kvf_status nccl_hello(kvf_xfer *x, kvf_xfer_peer *pub, kvf_sbuf *out, kvf_err *err)
-{
-    nccl_pair *pr = pub->impl;
-    kvf_sbuf_append(out, pr->uid.internal, NCCL_UNIQUE_ID_BYTES);
-    kvf_xfer_put_u64(out, pr->token);
-    return out->oom ? kvf_err_set(err, KVF_ERR_NOMEM, "xfer: nccl: out of memory") : KVF_OK;
-}
-
-/* Receiver: joins the sender's communicator as rank 1. */
-static kvf_status nccl_accept(kvf_xfer *x, const uint8_t *blob, size_t blob_len, kvf_err *err)
-{
-    nccl_xfer *u = x->impl;
-    if (blob_len != HELLO_BLOB)
-        return kvf_err_set(err, KVF_ERR_PARSE, "xfer: nccl: hello blob of %zu bytes (%d "
-                           "expected)", blob_len, HELLO_BLOB);
-    uint64_t token = kvf_xfer_get_u64(blob + NCCL_UNIQUE_ID_BYTES);
-    nccl_pair *pr = pair_by_token(u, token);
-    if (pr && pr->state != PAIR_WAIT)
-        return kvf_err_set(err, KVF_ERR_EXISTS, "xfer: nccl: the hello of pair %llx was accepted "
-                           "already", (unsigned long long)token);
-    bool fresh = !pr;
-    if (fresh && !(pr = pair_new(u, token, false)))
-        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: nccl: out of memory");
-    memcpy(pr->uid.internal, blob, NCCL_UNIQUE_ID_BYTES);
-    kvf_status st = comm_init(pr, 1, err);
-    if (st != KVF_OK && fresh) {
-        u->pairs = pr->next;
-        free(pr);
-    }
-    return st;
 }
 
 static void nccl_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
@@ -739,6 +726,4 @@ const kvf_xfer_ops kvf_xfer_nccl_ops = {
     .event_fd = nccl_event_fd,
     .arm = nccl_arm,
     .needs_gpu = true,
-    .hello = nccl_hello,
-    .accept = nccl_accept,
 };

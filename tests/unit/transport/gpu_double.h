@@ -4,7 +4,11 @@
  * query of every mark answers "busy"), so code that touches bytes before its mark is done sees
  * stale data and fails the byte checks. IPC: "device" pools made with gpu_double_dev_alloc live
  * in POSIX shared memory whose name is the handle, so cuda_ipc runs between two real processes.
- * Header-only; one double per process (tests are single-threaded). */
+ * Work of another engine can sit on the stream as a gate (gpu_double_push_gate): started when
+ * the stream reaches it, holding back everything after it until it is done; included after
+ * nccl_emu.h, gpu_double_nccl_streams puts the NCCL emulation's operations there. Counters of
+ * live marks, stream-ordered allocations and gates let tests check that everything is freed.
+ * Header-only; one double per process, used from one thread (gates may finish on others). */
 #ifndef KVF_TEST_GPU_DOUBLE_H
 #define KVF_TEST_GPU_DOUBLE_H
 
@@ -14,14 +18,24 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "transport/xfer.h"
 
+/* Another engine's work on the stream (a gate): start it, ask whether it is done, let go. */
+typedef struct dbl_gate_ops {
+    void (*start)(void *gate);
+    bool (*done)(void *gate);
+    void (*release)(void *gate);
+} dbl_gate_ops;
+
 typedef struct dbl_op {
-    void *dst; /* NULL: a deferred free of src */
+    void *dst; /* NULL: a deferred free of src, or a gate */
     const void *src;
     size_t n;
+    const dbl_gate_ops *gate_ops; /* a gate: src is the gate */
+    bool started;
 } dbl_op;
 
 typedef struct dbl_shm {
@@ -39,6 +53,8 @@ typedef struct gpu_double {
     dbl_shm shm[16];
     int n_shm, next_shm;
     int64_t copies, busy_answers;
+    int64_t marks_live, dev_live, gates_live; /* made and not yet freed / released */
+    int64_t dev_allocs;                       /* dev_alloc_async calls that succeeded */
 } gpu_double;
 
 static gpu_double dbl = {.available = true};
@@ -48,19 +64,34 @@ typedef struct dbl_mark {
     int queries;
 } dbl_mark_t;
 
-static void dbl_run(size_t upto)
+/* Runs queued work up to op index upto (relative to q_base); false when a gate that is not
+ * done holds it back (what is before the gate ran, the gate was started). */
+static bool dbl_run(size_t upto)
 {
     for (; dbl.q_done < upto; dbl.q_done++) {
         dbl_op *o = &dbl.q[dbl.q_done];
-        if (o->dst)
+        if (o->gate_ops) {
+            void *g = (void *)o->src;
+            if (!o->started) {
+                o->started = true;
+                o->gate_ops->start(g);
+            }
+            if (!o->gate_ops->done(g))
+                return false;
+            o->gate_ops->release(g);
+            dbl.gates_live--;
+        } else if (o->dst) {
             memcpy(o->dst, o->src, o->n);
-        else
+        } else {
             free((void *)o->src);
+            dbl.dev_live--;
+        }
     }
     if (dbl.q_done == dbl.n_q) {
         dbl.q_base += dbl.n_q;
         dbl.n_q = dbl.q_done = 0;
     }
+    return true;
 }
 
 static kvf_status dbl_push(dbl_op op, kvf_err *err)
@@ -151,6 +182,7 @@ static kvf_status dbl_mark(void *ctx, void **mark_out, kvf_err *err)
     if (!m)
         return kvf_err_set(err, KVF_ERR_NOMEM, "gpu double: out of memory");
     m->upto = dbl.q_base + dbl.n_q;
+    dbl.marks_live++;
     *mark_out = m;
     return KVF_OK;
 }
@@ -162,20 +194,36 @@ static kvf_status dbl_mark_query(void *ctx, void *mark, kvf_err *err)
         dbl.busy_answers++;
         return KVF_ERR_BUSY;
     }
-    if (m->upto > dbl.q_base + dbl.q_done)
-        dbl_run(m->upto - dbl.q_base);
+    if (m->upto > dbl.q_base + dbl.q_done && !dbl_run(m->upto - dbl.q_base))
+        return KVF_ERR_BUSY; /* behind a gate still running */
     return KVF_OK;
 }
 
 static void dbl_mark_free(void *ctx, void *mark)
 {
+    dbl.marks_live--;
     free(mark);
 }
 
+/* Runs everything; a gate still running is waited for, up to 30 s. */
 static kvf_status dbl_sync(void *ctx, kvf_err *err)
 {
-    dbl_run(dbl.n_q);
-    return KVF_OK;
+    for (int i = 0; i < 30000; i++) {
+        if (dbl_run(dbl.n_q))
+            return KVF_OK;
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    }
+    return kvf_err_set(err, KVF_ERR_TIMEOUT, "gpu double: sync: work of another engine on the "
+                       "stream did not finish in 30 s");
+}
+
+/* Puts another engine's work on the stream (see dbl_gate_ops). */
+static inline kvf_status gpu_double_push_gate(const dbl_gate_ops *ops, void *gate, kvf_err *err)
+{
+    kvf_status st = dbl_push((dbl_op){.src = gate, .gate_ops = ops}, err);
+    if (st == KVF_OK)
+        dbl.gates_live++;
+    return st;
 }
 
 static kvf_status dbl_host_alloc(void *ctx, size_t bytes, void **out, kvf_err *err)
@@ -192,13 +240,19 @@ static void dbl_host_free(void *ctx, void *p)
 static kvf_status dbl_dev_alloc_async(void *ctx, size_t bytes, void **out, kvf_err *err)
 {
     *out = malloc(bytes);
+    if (*out) {
+        dbl.dev_live++;
+        dbl.dev_allocs++;
+    }
     return *out ? KVF_OK : kvf_err_set(err, KVF_ERR_NOMEM, "gpu double: out of memory");
 }
 
 static void dbl_dev_free_async(void *ctx, void *p)
 {
-    if (dbl_push((dbl_op){.dst = NULL, .src = p}, NULL) != KVF_OK)
+    if (dbl_push((dbl_op){.dst = NULL, .src = p}, NULL) != KVF_OK) {
         free(p); /* out of memory: the queue is empty of its users by then in these tests */
+        dbl.dev_live--;
+    }
 }
 
 static void *dbl_stream(void *ctx)
@@ -225,8 +279,39 @@ static const kvf_xfer_gpu gpu_double_ops = {
     .stream = dbl_stream,
 };
 
+#ifdef KVF_TEST_NCCL_EMU_H
+/* The NCCL emulation's operations as gates on the double's one stream. */
+static void dbl_nccl_start(void *g)
+{
+    kvf_nccl_emu_op_start(g);
+}
+
+static bool dbl_nccl_done(void *g)
+{
+    return kvf_nccl_emu_op_done(g);
+}
+
+static void dbl_nccl_release(void *g)
+{
+    kvf_nccl_emu_op_release(g);
+}
+
+static const dbl_gate_ops dbl_nccl_gate = {
+    .start = dbl_nccl_start, .done = dbl_nccl_done, .release = dbl_nccl_release,
+};
+
+static bool dbl_nccl_enqueue(void *ctx, void *stream, kvf_nccl_emu_op *op)
+{
+    return gpu_double_push_gate(&dbl_nccl_gate, op, NULL) == KVF_OK;
+}
+
+static const kvf_nccl_emu_streams gpu_double_nccl_streams = {
+    .ctx = &dbl, .enqueue = dbl_nccl_enqueue,
+};
+#endif
+
 /* A zeroed "device" pool in shared memory (so its handle can be opened by another process). */
-static void *gpu_double_dev_alloc(size_t bytes)
+static inline void *gpu_double_dev_alloc(size_t bytes)
 {
     if (dbl.n_shm == 16)
         return NULL;
@@ -253,7 +338,7 @@ static void *gpu_double_dev_alloc(size_t bytes)
     return s->base;
 }
 
-static void gpu_double_dev_free(void *base)
+static inline void gpu_double_dev_free(void *base)
 {
     for (int i = 0; i < dbl.n_shm; i++)
         if (dbl.shm[i].base == base && dbl.shm[i].owner) {

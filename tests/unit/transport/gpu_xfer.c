@@ -31,7 +31,6 @@ extern char **environ;
 
 #define LAYERS 4
 #define BLOCKS 64
-enum { MSG_HELLO = 8 }; /* sender -> receiver: the nccl hello */
 
 static const char *self_path;
 
@@ -123,16 +122,12 @@ static int child_main(int fd, const char *role, const char *backend, int device)
     } else {
         if (peer_recv(fd, NULL, &msg, kvf_now_ns() + 30 * SEC) != 1 || msg.type != MSG_DESC)
             return 1;
-        uint8_t *hello = NULL;
-        size_t hello_len = 0;
-        if (kvf_xfer_connect_hello(x, msg.data, msg.len, &peer, &hello, &hello_len, &err) !=
-            KVF_OK) {
+        /* nccl: the hello with the unique id goes over the pair's notice channel, and the
+         * parent's init starts from its own progress (it is in expect_msg meanwhile). */
+        if (kvf_xfer_connect(x, msg.data, msg.len, &peer, &err) != KVF_OK) {
             fprintf(stderr, "gpu_xfer child: connect: %s\n", err.msg);
             return 1;
         }
-        if (hello_len)
-            peer_send(fd, MSG_HELLO, hello, (uint32_t)hello_len);
-        free(hello);
         if (!peer_wait_ready(x, peer, 60 * SEC))
             return 1;
         uint64_t zero = 0;
@@ -142,8 +137,6 @@ static int child_main(int fd, const char *role, const char *backend, int device)
         int r = peer_recv(fd, x, &msg, kvf_now_ns() + 50 * MS);
         if (r < 0 || (r == 1 && msg.type == MSG_QUIT))
             break;
-        if (r == 1 && msg.type == MSG_HELLO && kvf_xfer_accept(x, msg.data, msg.len, &err) != KVF_OK)
-            fprintf(stderr, "gpu_xfer child: accept: %s\n", err.msg);
         if (r == 1 && (msg.type == MSG_EXPECT || msg.type == MSG_WRITE)) {
             uint64_t id;
             int64_t timeout_ms;
@@ -238,19 +231,15 @@ static int child_device(const char *backend)
 #endif
 }
 
-/* We send: connect (carrying the hello to the child for nccl), wait until usable. */
+/* We send: connect (nccl: the child joins the communicator when the hello on the notice
+ * channel reaches it), wait until usable. */
 static kvf_xfer_peer *connect_to_child(kvf_xfer *x, int fd)
 {
     expect_msg(fd, x, MSG_DESC, 30 * SEC);
     kvf_xfer_peer *p = NULL;
-    uint8_t *hello = NULL;
-    size_t hello_len = 0;
     kvf_err err = {0};
-    if (kvf_xfer_connect_hello(x, msg.data, msg.len, &p, &hello, &hello_len, &err) != KVF_OK)
+    if (kvf_xfer_connect(x, msg.data, msg.len, &p, &err) != KVF_OK)
         fail_msg("connect: %s", err.msg);
-    if (hello_len)
-        assert_int_equal(peer_send(fd, MSG_HELLO, hello, (uint32_t)hello_len), 0);
-    free(hello);
     if (!peer_wait_ready(x, p, 60 * SEC))
         fail_msg("the peer did not become usable: %s", kvf_status_str(kvf_xfer_peer_status(p)));
     return p;
@@ -385,14 +374,9 @@ static void sender_killed(const char *backend)
     int fd = spawn_child("send", backend, device);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     free(desc);
-    /* nccl: the child's hello comes first; accept it, then wait for its READY. */
-    int r = peer_recv(fd, x, &msg, kvf_now_ns() + 30 * SEC);
-    assert_int_equal(r, 1);
-    if (msg.type == MSG_HELLO) {
-        assert_int_equal(kvf_xfer_accept(x, msg.data, msg.len, &err), KVF_OK);
-        expect_msg(fd, x, MSG_READY, 60 * SEC);
-    }
-    assert_int_equal(msg.type, MSG_READY);
+    /* nccl: our init starts when the child's hello arrives on the channel (from our progress
+     * inside expect_msg); its READY says the pair is usable. */
+    expect_msg(fd, x, MSG_READY, 60 * SEC);
     kvf_xfer_pair pairs[BLOCKS];
     int32_t dsts[BLOCKS];
     for (int i = 0; i < BLOCKS; i++) {

@@ -6,10 +6,18 @@
  * GPU paths through the host-memory double (gpu_double.h): transport "cuda_ipc" uses that
  * backend on a shared-memory "device" pool; a last argument "staging" makes the pool "device"
  * memory moved over UCX through the pinned staging mirror. Receivers then announce their blocks.
+ * Built a second time as xfer_peer_emu, on the test-only transport with the NCCL emulation
+ * (nccl_emu.h): transport "nccl" then runs that backend on a "device" pool of host memory, its
+ * operations ordered on the double's stream; a sender told die=2 holds its sends' bytes, lets
+ * the notice and its send go out for 300 ms and then dies. At a clean exit it checks that every
+ * mark, staging buffer, stream gate, NCCL operation and communicator was freed (exit 3 if not).
  *   usage: xfer_peer <fd> recv|send <transport> <n_layers> <n_blocks> [staging] */
 #include <signal.h>
 #include <stdio.h>
 
+#ifdef KVF_XFER_PEER_NCCL_EMU
+#include "nccl_emu.h"
+#endif
 #include "gpu_double.h"
 #include "peer_proto.h"
 
@@ -36,7 +44,10 @@ int main(int argc, char **argv)
                         "[staging]\n");
         return 2;
     }
-    bool ipc = strcmp(argv[3], "cuda_ipc") == 0;
+    bool ipc = strcmp(argv[3], "cuda_ipc") == 0, nccl = strcmp(argv[3], "nccl") == 0;
+#ifdef KVF_XFER_PEER_NCCL_EMU
+    kvf_nccl_emu_set_streams(&gpu_double_nccl_streams);
+#endif
     bool staging = argc == 7 && strcmp(argv[6], "staging") == 0;
     alarm(90);
     int fd = atoi(argv[1]);
@@ -54,8 +65,9 @@ int main(int argc, char **argv)
             peer_fill_block(mem + b * bb, bb, b);
     }
     kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
-    kvf_xfer_cfg cfg = {.backend = ipc ? "cuda_ipc" : "ucx", .transport = ipc ? NULL : argv[3]};
-    if (ipc || staging) {
+    kvf_xfer_cfg cfg = {.backend = ipc ? "cuda_ipc" : nccl ? "nccl" : "ucx",
+                        .transport = ipc || nccl ? NULL : argv[3]};
+    if (ipc || nccl || staging) {
         cfg.gpu = &gpu_double_ops;
         cfg.gpu_staging = staging;
     }
@@ -109,7 +121,8 @@ int main(int argc, char **argv)
                 int32_t *dsts = malloc(n * sizeof *dsts);
                 for (uint32_t k = 0; k < n; k++)
                     dsts[k] = pairs[k].dst;
-                kvf_status est = ipc || staging ? kvf_xfer_expect_blocks(x, id, dsts, n, dl, &err)
+                kvf_status est = ipc || nccl || staging
+                                     ? kvf_xfer_expect_blocks(x, id, dsts, n, dl, &err)
                                                 : kvf_xfer_expect(x, id, dl, &err);
                 free(dsts);
                 if (n_pend == 64 || est != KVF_OK)
@@ -117,8 +130,14 @@ int main(int argc, char **argv)
                 pend[n_pend++] = (pending){.id = id, .n = n, .pairs = pairs};
                 peer_send(fd, MSG_READY, &id, sizeof id);
             } else {
+#ifdef KVF_XFER_PEER_NCCL_EMU
+                if (die_after == 2)
+                    kvf_nccl_emu_hold_sends(true);
+#endif
                 kvf_status st = kvf_xfer_write(x, peer, id, pairs, n, dl, &err);
                 free(pairs);
+                for (int64_t until = kvf_now_ns() + 300 * MS; die_after == 2 && kvf_now_ns() < until;)
+                    kvf_xfer_progress(x); /* the notice and the send go out; the bytes do not */
                 if (die_after)
                     kill(getpid(), SIGKILL); /* mid-transfer: the puts are posted, no notice */
                 if (st != KVF_OK)
@@ -164,5 +183,23 @@ int main(int argc, char **argv)
         gpu_double_dev_free(mem);
     else
         free(mem);
+    if (nccl) {
+        /* Everything the backend put on the stream ran; nothing is left allocated. */
+        dbl_sync(NULL, &err);
+        int64_t ops = 0, comms = 0;
+#ifdef KVF_XFER_PEER_NCCL_EMU
+        kvf_nccl_emu_stats es;
+        kvf_nccl_emu_stats_get(&es);
+        ops = es.ops_live;
+        comms = es.comms_live;
+#endif
+        if (dbl.marks_live || dbl.dev_live || dbl.gates_live || ops || comms) {
+            fprintf(stderr, "xfer_peer: left behind: %lld marks, %lld staging buffers, %lld "
+                    "stream gates, %lld NCCL operations, %lld communicators\n",
+                    (long long)dbl.marks_live, (long long)dbl.dev_live,
+                    (long long)dbl.gates_live, (long long)ops, (long long)comms);
+            return 3;
+        }
+    }
     return 0;
 }

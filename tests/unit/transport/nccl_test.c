@@ -1,0 +1,364 @@
+/* nccl_test.c (transport_nccl_emu): the nccl backend between two real processes on a machine
+ * without a GPU: the test-only transport copy built against the NCCL emulation (nccl_emu.h),
+ * "device" pools in host memory and NCCL operations ordered on the GPU double's stream
+ * (gpu_double.h), xfer_peer_emu as the other process. Plain kvf_xfer_connect sets the pair up
+ * (the hello with the unique id goes over the notice channel). Cases: random run lists (several
+ * transfers in flight; gathered and single-run sends, receiver scatter), receiver killed, sender
+ * killed before and after its notice and send went out, cancel and a write that reaches a
+ * receiver that gave up, receiver stalled (the sender's deadline aborts the communicator); after
+ * each, every mark, staging buffer, stream gate, NCCL operation and communicator is freed here,
+ * and the child checks the same at its clean exit. Every wait is bounded; children are killed. */
+#include <setjmp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <cmocka.h>
+
+#include "common/log.h"
+#include "nccl_emu.h"
+#include "gpu_double.h"
+#include "peer_proto.h"
+#include "peer_test.h"
+
+extern char **environ;
+
+static int spawn_peer(const char *role, int n_layers, int n_blocks)
+{
+    int sv[2];
+    char fd_s[16], layers_s[16], blocks_s[16];
+    peer_socketpair(sv, fd_s);
+    snprintf(layers_s, sizeof layers_s, "%d", n_layers);
+    snprintf(blocks_s, sizeof blocks_s, "%d", n_blocks);
+    char *argv[] = {(char *)KVF_XFER_PEER_BIN, fd_s, (char *)role, "nccl", layers_s, blocks_s,
+                    NULL};
+    return peer_spawn(KVF_XFER_PEER_BIN, argv, sv);
+}
+
+static int setup(void **state)
+{
+    dbl.available = true;
+    dbl.why = NULL;
+    kvf_nccl_emu_set_streams(&gpu_double_nccl_streams);
+    kvf_nccl_emu_hold_sends(false);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    peer_reap(NULL);
+    kvf_log_set_level(KVF_LOG_INFO);
+    return 0;
+}
+
+/* A nccl kvf_xfer on a host-memory "device" pool, filled with the pattern or zeroed. */
+static kvf_xfer *make_xfer(int n_layers, int n_blocks, bool pattern, uint8_t **mem_out)
+{
+    kvf_kv_layout l = peer_layout(n_layers);
+    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * l.block_bytes));
+    assert_non_null(mem);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (pattern)
+            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
+        else
+            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
+    }
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
+    kvf_xfer_cfg cfg = {.backend = "nccl", .gpu = &gpu_double_ops};
+    kvf_xfer *x = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
+        fail_msg("create: %s", err.msg);
+    *mem_out = mem;
+    return x;
+}
+
+/* After a kvf_xfer is destroyed: once the stream ran what was left on it, nothing the backend
+ * made is still alive (marks, stream-ordered staging, gates, NCCL operations, communicators,
+ * unique-id listeners). */
+static void assert_all_freed(void)
+{
+    kvf_err err = {0};
+    assert_int_equal(dbl_sync(NULL, &err), KVF_OK);
+    kvf_nccl_emu_stats es;
+    kvf_nccl_emu_stats_get(&es);
+    if (dbl.marks_live || dbl.dev_live || dbl.gates_live || es.ops_live || es.comms_live ||
+        es.listeners)
+        fail_msg("left behind: %lld marks, %lld staging buffers, %lld stream gates, %lld NCCL "
+                 "operations, %lld communicators, %lld unique-id listeners",
+                 (long long)dbl.marks_live, (long long)dbl.dev_live, (long long)dbl.gates_live,
+                 (long long)es.ops_live, (long long)es.comms_live, (long long)es.listeners);
+}
+
+/* A receiving child and our sender connected to it with plain kvf_xfer_connect (waits until
+ * the pair is usable: both communicator inits done, the channel up). */
+static kvf_xfer *open_to_receiver(int n_layers, int dst_blocks, int src_blocks, int *fd_out,
+                                  uint8_t **mem_out, kvf_xfer_peer **peer_out)
+{
+    *fd_out = spawn_peer("recv", n_layers, dst_blocks);
+    kvf_xfer *x = make_xfer(n_layers, src_blocks, true, mem_out);
+    expect_msg(*fd_out, x, MSG_DESC, 20 * SEC);
+    *peer_out = connect_from_msg(x);
+    return x;
+}
+
+static void close_sender(kvf_xfer *x, kvf_xfer_peer *p, uint8_t *mem)
+{
+    kvf_xfer_disconnect(x, p);
+    kvf_xfer_destroy(x);
+    free(mem);
+    assert_all_freed();
+}
+
+/* Waits for the child's MSG_RESULT of transfer id and checks it. */
+static void expect_result(int fd, kvf_xfer *x, uint64_t id, kvf_status want)
+{
+    expect_msg(fd, x, MSG_RESULT, 20 * SEC);
+    uint64_t rid;
+    int32_t st;
+    int64_t bad;
+    peer_get_result(&msg, &rid, &st, &bad);
+    assert_int_equal(rid, id);
+    if (st != (int32_t)want || bad != 0)
+        fail_msg("transfer %llu at the receiver: %s, %lld bytes differ (wanted %s, 0)",
+                 (unsigned long long)id, kvf_status_str((kvf_status)st), (long long)bad,
+                 kvf_status_str(want));
+}
+
+/* Random lists, three transfers in flight at once, each verified by the child: slices filled
+ * in order (one run: sent straight from the pool, received straight into the blocks) or
+ * shuffled (gathered into staging, scattered at the receiver). */
+static void test_nccl_random_lists(void **state)
+{
+    enum { ROUNDS = 8 };
+    int fd;
+    uint8_t *mem;
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(2, PEER_DST_BLOCKS, PEER_SRC_BLOCKS, &fd, &mem, &p);
+    kvf_nccl_emu_stats e0, e1;
+    kvf_nccl_emu_stats_get(&e0);
+    int64_t copies0 = dbl.copies, allocs0 = dbl.dev_allocs;
+    peer_random_rounds(fd, x, p, 4321, ROUNDS);
+    kvf_nccl_emu_stats_get(&e1);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.sent_ok, ROUNDS * PEER_BATCH);
+    assert_int_equal(s.in_flight, 0);
+    /* The bytes went through NCCL sends, and the gathered ones through the double's copies. */
+    assert_int_equal(e1.sends_done - e0.sends_done, ROUNDS * PEER_BATCH);
+    assert_true(e1.bytes_sent - e0.bytes_sent == s.bytes);
+    assert_true(dbl.copies > copies0);
+    assert_true(dbl.dev_allocs > allocs0); /* staging for the gathered ones */
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    peer_wait_exit_ok(); /* its own check: nothing left behind */
+    close_sender(x, p, mem);
+}
+
+/* The receiver dies right after the write: the sender's event is an error naming the transfer,
+ * within the deadline. */
+static void test_nccl_receiver_killed(void **state)
+{
+    enum { LAYERS = 8, BLOCKS = 64 };
+    int fd;
+    uint8_t *mem;
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(LAYERS, BLOCKS, BLOCKS, &fd, &mem, &p);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i};
+    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    kvf_err err = {0};
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
+    int ws = peer_reap(NULL);
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.kind, KVF_XFER_SENT);
+    assert_int_equal(ev.id, 7);
+    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
+        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
+    assert_true(kvf_now_ns() - t0 <= 3 * SEC + 500 * MS);
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_ERR_PEER_LOST);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.in_flight, 0);
+    assert_int_equal(s.sent_failed, 1);
+    for (int i = 0; i < 20; i++)
+        kvf_xfer_progress(x);
+    assert_false(kvf_xfer_poll(x, &ev)); /* exactly one event */
+    close_sender(x, p, mem);
+}
+
+/* The sender (the child) dies after its write: die=1 right after kvf_xfer_write (nothing went
+ * out), die=2 after 300 ms of progress with its bytes held (the notice arrived, our recv was
+ * posted and waits). Our expectation times out at its deadline, naming the transfer; then a
+ * fresh sender fills the same blocks (shuffled: staging and scatter here) and every byte is
+ * right. */
+static void sender_killed(int die)
+{
+    enum { LAYERS = 8, BLOCKS = 64 };
+    int64_t bb = peer_layout(LAYERS).block_bytes;
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(LAYERS, BLOCKS, false, &mem);
+    uint8_t *desc;
+    size_t len;
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    kvf_xfer_pair pairs[BLOCKS];
+    int32_t dsts[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++) {
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % BLOCKS}; /* 7 is prime to 64 */
+        dsts[i] = pairs[i].dst;
+    }
+    int fd = spawn_peer("send", LAYERS, BLOCKS);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC); /* its pair is usable: our init ran on our progress */
+    int64_t t0 = kvf_now_ns();
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, 9, 20000, die, pairs, BLOCKS);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
+    assert_int_equal(ev.id, 9);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    int ws = peer_reap(NULL);
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+
+    memset(mem, 0, (size_t)(BLOCKS * bb));
+    fd = spawn_peer("send", LAYERS, BLOCKS);
+    assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_xfer_expect_blocks(x, 10, dsts, BLOCKS, kvf_now_ns() + 20 * SEC, &err),
+                     KVF_OK);
+    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 10);
+    assert_int_equal(ev.status, KVF_OK);
+    for (int i = 0; i < BLOCKS; i++)
+        if (peer_check_block(mem + pairs[i].dst * bb, bb, pairs[i].src) != 0)
+            fail_msg("block %d (from %d) differs after RECEIVED", pairs[i].dst, pairs[i].src);
+    expect_msg(fd, x, MSG_SENT, 20 * SEC);
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    peer_wait_exit_ok();
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.expected, 0);
+    assert_int_equal(s.received_failed, 1);
+    assert_int_equal(s.received_ok, 1);
+    free(desc);
+    kvf_xfer_destroy(x);
+    free(mem);
+    assert_all_freed();
+}
+
+static void test_nccl_sender_killed(void **state)
+{
+    sender_killed(1);
+}
+
+static void test_nccl_sender_killed_mid(void **state)
+{
+    sender_killed(2);
+}
+
+/* Cancel before the send was posted: CANCELLED, the receiver hears nothing. A write whose
+ * receiver already gave up (its expectation timed out) is still taken there (into staging,
+ * dropped) and ends CANCELLED here. The pair survives both: the next write lands. */
+static void test_nccl_cancel(void **state)
+{
+    enum { LAYERS = 2, BLOCKS = 16 };
+    int fd;
+    uint8_t *mem;
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(LAYERS, BLOCKS, BLOCKS, &fd, &mem, &p);
+    kvf_xfer_pair pairs[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        pairs[i] = (kvf_xfer_pair){.src = BLOCKS - 1 - i, .dst = i};
+    kvf_err err = {0};
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_write(x, p, 5, pairs, BLOCKS, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_write(x, p, 5, pairs, BLOCKS, kvf_now_ns() + 5 * SEC, &err),
+                     KVF_ERR_EXISTS);
+    assert_int_equal(kvf_xfer_cancel(x, 5, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 5 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 5);
+    assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+    assert_int_equal(kvf_xfer_cancel(x, 5, &err), KVF_ERR_NOT_FOUND);
+
+    /* The receiver's expectation of 6 ends (1 ms) before our write: CANCELLED by its answer. */
+    kvf_log_set_level(KVF_LOG_ERROR);
+    send_pairs(fd, MSG_EXPECT, 6, 1, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    expect_result(fd, x, 6, KVF_ERR_TIMEOUT);
+    assert_int_equal(kvf_xfer_write(x, p, 6, pairs, BLOCKS, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 6);
+    assert_int_equal(ev.status, KVF_ERR_CANCELLED);
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
+
+    /* The same blocks again, expected this time: every byte verified by the child. */
+    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, 7);
+    assert_int_equal(ev.status, KVF_OK);
+    expect_result(fd, x, 7, KVF_OK);
+    assert_false(kvf_xfer_poll(x, &ev));
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    peer_wait_exit_ok();
+    close_sender(x, p, mem);
+}
+
+/* The receiver stops (alive, silent) before its recv is posted: the send waits, as a kernel
+ * would, until the write's deadline aborts the communicator; the event is TIMEOUT by the
+ * deadline, and the pair is lost. */
+static void test_nccl_receiver_stalled(void **state)
+{
+    enum { LAYERS = 2, BLOCKS = 16 };
+    int fd;
+    uint8_t *mem;
+    kvf_xfer_peer *p;
+    kvf_xfer *x = open_to_receiver(LAYERS, BLOCKS, BLOCKS, &fd, &mem, &p);
+    kvf_nccl_emu_stats e0, e1;
+    kvf_nccl_emu_stats_get(&e0);
+    kvf_xfer_event ev;
+    int64_t el = peer_stalled_write(fd, x, p, BLOCKS, &ev);
+    assert_int_equal(ev.id, 21);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el <= 2 * SEC + 500 * MS);
+    kvf_nccl_emu_stats_get(&e1);
+    assert_int_equal(e1.aborts - e0.aborts, 1); /* the abort is what ended it */
+    assert_int_equal(e1.sends_done, e0.sends_done);
+    assert_int_equal(kvf_xfer_peer_status(p), KVF_ERR_PEER_LOST);
+    kvf_err err = {0};
+    assert_int_equal(kvf_xfer_write(x, p, 22, (kvf_xfer_pair[]){{0, 0}}, 1,
+                                    kvf_now_ns() + SEC, &err), KVF_ERR_PEER_LOST);
+    peer_reap(NULL);
+    close_sender(x, p, mem);
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_nccl_random_lists, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nccl_receiver_killed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nccl_sender_killed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nccl_sender_killed_mid, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nccl_cancel, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nccl_receiver_stalled, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
