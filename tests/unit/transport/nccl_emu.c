@@ -988,6 +988,7 @@ ncclResult_t ncclGroupEnd(void)
         o->bytes = p->bytes;
         o->refs = 2;
         stat_add(&g_stats.ops_live, 1);
+        stat_add(&g_stats.ops_posted, 1);
         pthread_mutex_lock(&c->mu);
         c->refs++;
         o->seq = p->send ? c->send_seq++ : c->recv_seq++;

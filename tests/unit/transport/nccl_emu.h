@@ -63,6 +63,7 @@ typedef struct kvf_nccl_emu_stats {
     int64_t comms_live;   /* communicators not yet freed (ncclCommAbort/Destroy, then last op) */
     int64_t ops_live;     /* operations not yet freed (done and released) */
     int64_t inits_ok, aborts;
+    int64_t ops_posted;   /* sends and recvs accepted by ncclGroupEnd */
     int64_t sends_done, recvs_done; /* completed without error */
     int64_t bytes_sent, bytes_received;
     int64_t listeners;    /* unique ids made and not yet taken by an init */

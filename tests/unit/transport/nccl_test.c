@@ -40,8 +40,16 @@ static int spawn_peer(const char *role, int n_layers, int n_blocks)
     return peer_spawn(KVF_XFER_PEER_BIN, argv, sv);
 }
 
+/* What was alive when the test began (a failed test leaves its objects behind). */
+static kvf_nccl_emu_stats base_emu;
+static int64_t base_marks, base_dev, base_gates;
+
 static int setup(void **state)
 {
+    kvf_nccl_emu_stats_get(&base_emu);
+    base_marks = dbl.marks_live;
+    base_dev = dbl.dev_live;
+    base_gates = dbl.gates_live;
     dbl.available = true;
     dbl.why = NULL;
     kvf_nccl_emu_set_streams(&gpu_double_nccl_streams);
@@ -87,12 +95,14 @@ static void assert_all_freed(void)
     assert_int_equal(dbl_sync(NULL, &err), KVF_OK);
     kvf_nccl_emu_stats es;
     kvf_nccl_emu_stats_get(&es);
-    if (dbl.marks_live || dbl.dev_live || dbl.gates_live || es.ops_live || es.comms_live ||
-        es.listeners)
+    int64_t left[6] = {dbl.marks_live - base_marks, dbl.dev_live - base_dev,
+                       dbl.gates_live - base_gates, es.ops_live - base_emu.ops_live,
+                       es.comms_live - base_emu.comms_live, es.listeners - base_emu.listeners};
+    if (left[0] || left[1] || left[2] || left[3] || left[4] || left[5])
         fail_msg("left behind: %lld marks, %lld staging buffers, %lld stream gates, %lld NCCL "
-                 "operations, %lld communicators, %lld unique-id listeners",
-                 (long long)dbl.marks_live, (long long)dbl.dev_live, (long long)dbl.gates_live,
-                 (long long)es.ops_live, (long long)es.comms_live, (long long)es.listeners);
+                 "operations, %lld communicators, %lld unique-id listeners", (long long)left[0],
+                 (long long)left[1], (long long)left[2], (long long)left[3], (long long)left[4],
+                 (long long)left[5]);
 }
 
 /* A receiving child and our sender connected to it with plain kvf_xfer_connect (waits until
@@ -221,6 +231,8 @@ static void sender_killed(int die)
     int fd = spawn_peer("send", LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC); /* its pair is usable: our init ran on our progress */
+    kvf_nccl_emu_stats e0, e1;
+    kvf_nccl_emu_stats_get(&e0);
     int64_t t0 = kvf_now_ns();
     kvf_log_set_level(KVF_LOG_ERROR);
     assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
@@ -234,6 +246,12 @@ static void sender_killed(int die)
     assert_true(el >= 2 * SEC && el < 3 * SEC);
     int ws = peer_reap(NULL);
     assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    /* die=2: the notice came and our recv was posted; die=1: nothing reached us. Either way
+     * the pair's communicator was aborted here once the sender's end closed. */
+    kvf_nccl_emu_stats_get(&e1);
+    assert_int_equal(e1.ops_posted - e0.ops_posted, die == 2 ? 1 : 0);
+    assert_int_equal(e1.recvs_done, e0.recvs_done);
+    assert_int_equal(e1.aborts - e0.aborts, 1);
 
     memset(mem, 0, (size_t)(BLOCKS * bb));
     fd = spawn_peer("send", LAYERS, BLOCKS);
