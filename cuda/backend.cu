@@ -763,6 +763,7 @@ static const kvf_backend kvf_cuda_backend_ops = {
     .sync = cuda_sync,
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
+    .sample = kvf_cuda_sample,
 };
 
 extern "C" const kvf_backend *kvf_cuda_backend(void)

@@ -40,12 +40,7 @@ typedef struct kvf_cuda_stats {
 void kvf_cuda_backend_stats(void *be_ctx, kvf_cuda_stats *out);
 
 /* One row's sampling parameters for kvf_cuda_sample. */
-typedef struct kvf_cuda_sample_row {
-    float temperature; /* > 0 */
-    int32_t top_k;     /* 0 (or >= vocab): all */
-    float top_p;       /* (0, 1]; 1: all */
-    float u;           /* a uniform draw in [0, 1) from the caller's generator */
-} kvf_cuda_sample_row;
+typedef kvf_backend_sample_row kvf_cuda_sample_row; /* top_k >= vocab also means all */
 
 /* One token per row of logits (device memory of a kvf_cuda_backend context, [n][vocab]) into
  * out_host[n], finished on return. The rule: NaN logits are never kept; K = the tokens whose
@@ -54,7 +49,8 @@ typedef struct kvf_cuda_sample_row {
  * largest threshold whose kept w-mass is >= top_p * (w-mass of K); then the token i of P, in id
  * order, at which the running sum of w first exceeds u * (w-mass of P). Rows that fail the
  * parameter check (temperature <= 0, top_p outside (0, 1], u outside [0, 1), top_k < 0) are
- * refused with ERR_INVALID naming the row. The engine still samples on the host. */
+ * refused with ERR_INVALID naming the row. The backend's `sample` op (model/backend.h), which
+ * the engine uses for rows that draw with a temperature. */
 kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t n, int64_t vocab,
                            const kvf_cuda_sample_row *rows_host /* [n] */,
                            int32_t *out_host /* [n] */, kvf_err *err);

@@ -9,6 +9,7 @@
  * preemption are therefore the same operation. */
 #include "engine/engine.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -81,6 +82,7 @@ struct kvf_engine {
     kvf_model_seq *mseq; /* [max_seqs] */
     float *logits;       /* [max_seqs][vocab] */
     int32_t *next;       /* [max_seqs] */
+    kvf_backend_sample_row *draw; /* [max_seqs]: draws made by the backend (mseq[i].sample) */
     kvf_engine_output *outs; /* [2 * n_slots] */
     int32_t n_outs;
     bool in_step;
@@ -196,6 +198,7 @@ void kvf_engine_destroy(kvf_engine *e)
     free(e->mseq);
     free(e->logits);
     free(e->next);
+    free(e->draw);
     free(e->outs);
     free(e->live);
     free(e);
@@ -269,10 +272,11 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
     e->mseq = malloc(S * sizeof *e->mseq);
     e->logits = malloc(S * (size_t)e->vocab * sizeof *e->logits);
     e->next = malloc(S * sizeof *e->next);
+    e->draw = malloc(S * sizeof *e->draw);
     e->outs = malloc(2 * N * sizeof *e->outs);
     e->live = malloc(N * sizeof *e->live);
     if (!e->seqs || !e->tok_buf || !e->order || !e->set || !e->set_n || !e->set_kv || !e->mseq ||
-        !e->logits || !e->next || !e->outs || !e->live) {
+        !e->logits || !e->next || !e->draw || !e->outs || !e->live) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for %d sequences of %d "
                          "positions", e->n_slots, e->max_ctx);
         goto fail;
@@ -985,10 +989,27 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
                                      .block_table = s->kv.blocks,
                                      .n_blocks = s->kv.n_blocks};
     }
-    /* logits leave the backend only when some sequence samples with a temperature */
-    bool need_logits = false;
-    for (int32_t i = 0; i < e->n_set && !need_logits; i++)
-        need_logits = slot_seq(e, e->set[i])->sp.temperature > 0;
+    /* A sequence that emits a token this step and samples with a temperature draws on the
+     * backend when it can (one uniform from its generator, as the host sampler takes), so the
+     * logits stay there; they leave it only for the host sampler, and always for a sequence
+     * about to fork its siblings (they draw from its row). */
+    bool need_logits = false, backend_draws = kvf_model_fwd_samples(e->fwd);
+    for (int32_t i = 0; i < e->n_set; i++) {
+        eng_seq *s = slot_seq(e, e->set[i]);
+        bool emits = s->n_computed + (int32_t)e->set_n[i] >= s->n_tokens;
+        if (!emits || !(s->sp.temperature > 0))
+            continue;
+        if (!backend_draws || (s->index == 0 && s->n > 1 && !s->forked)) {
+            need_logits = true;
+            continue;
+        }
+        float u = (float)kvf_engine_rng_uniform(&s->rng);
+        e->draw[i] = (kvf_backend_sample_row){.temperature = s->sp.temperature,
+                                              .top_k = s->sp.top_k, .top_p = s->sp.top_p,
+                                              .u = u < 1.0f ? u : nextafterf(1.0f, 0.0f)};
+        e->mseq[i].sample = &e->draw[i];
+        e->st.backend_draws++;
+    }
     int64_t t_fwd = kvf_now_ns();
     st = kvf_model_forward(e->fwd, e->mseq, e->n_set, kvf_kv_pool_base(e->pool), e->n_blocks,
                            need_logits ? e->logits : NULL, e->next, err);
@@ -1014,7 +1035,7 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
         const float *row = e->logits + (size_t)i * e->vocab;
         if (s->index == 0 && s->n > 1 && !s->forked)
             fork_siblings(e, s, row, e->next[i]);
-        take_token(e, s, sample_for(e, s, row, e->next[i]));
+        take_token(e, s, e->mseq[i].sample ? e->next[i] : sample_for(e, s, row, e->next[i]));
     }
     goto out;
 fail:

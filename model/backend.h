@@ -68,6 +68,15 @@ typedef struct kvf_backend_step_key {
     const void *kv_pool;      /* the pool base the step reads and writes */
 } kvf_backend_step_key;
 
+/* One sequence's draw for the optional `sample` op: temperature > 0, top_k >= 0 (0: all), top_p
+ * in (0, 1] (1: all), u in [0, 1) from the caller's generator. */
+typedef struct kvf_backend_sample_row {
+    float temperature;
+    int32_t top_k;
+    float top_p;
+    float u;
+} kvf_backend_sample_row;
+
 typedef struct kvf_backend {
     const char *name;
     kvf_status (*create)(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err);
@@ -138,6 +147,15 @@ typedef struct kvf_backend {
     kvf_status (*step_begin)(void *ctx, const kvf_backend_step_key *key, bool *replay_out,
                              kvf_err *err);
     kvf_status (*step_end)(void *ctx, bool *rerun_out, kvf_err *err);
+    /* One token per row of logits[n][vocab] (backend memory) into out_host[n], finished on
+     * return, so the logits need not leave the backend. The rule (kvf_cuda_sample in cuda.h)
+     * keeps every tie at the top-k and top-p cuts and draws in id order: for the same u it may
+     * pick another token than the engine's host sampler, which orders by logit. A row that
+     * fails the check in kvf_backend_sample_row is refused (ERR_INVALID naming it). NULL: the
+     * engine downloads the logits and samples on the host. */
+    kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
+                         const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
+                         kvf_err *err);
 } kvf_backend;
 
 /* The CPU backend (model/cpu_backend.c). */

@@ -39,6 +39,7 @@ struct kvf_model_fwd {
     int32_t *h_tokens, *h_tok_seq, *h_tok_pos, *h_tables, *h_last_rows;
     int64_t *h_slots;
     float *h_cos_sin;
+    kvf_backend_sample_row *h_draw; /* [max_seqs]: the rows of a step that samples */
 };
 
 static void free_w(kvf_model_fwd *f, kvf_backend_weight *w)
@@ -71,6 +72,7 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f)
         if (bufs[j])
             f->be->free(f->ctx, bufs[j]);
     free(f->h_meta);
+    free(f->h_draw);
     free(f->inv_freq);
     free(f);
 }
@@ -216,7 +218,8 @@ kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void 
         (st = scratch(f, &f->xs, S * dim * F, err)) != KVF_OK ||
         (st = scratch(f, &f->logits, S * (size_t)c->vocab_size * F, err)) != KVF_OK ||
         (st = scratch(f, &f->meta, meta_place(f, o.max_tokens, o.max_seqs), err)) != KVF_OK ||
-        (st = host(&f->h_meta, meta_place(f, o.max_tokens, o.max_seqs), err)) != KVF_OK)
+        (st = host(&f->h_meta, meta_place(f, o.max_tokens, o.max_seqs), err)) != KVF_OK ||
+        (st = host(&f->h_draw, S * sizeof *f->h_draw, err)) != KVF_OK)
         goto fail;
     *out = f;
     return KVF_OK;
@@ -228,6 +231,27 @@ fail:
 const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f)
 {
     return &f->opts;
+}
+
+bool kvf_model_fwd_samples(const kvf_model_fwd *f)
+{
+    return f->be->sample != NULL;
+}
+
+/* Checks a sequence's draw (kvf_backend_sample_row) before the step runs. */
+static kvf_status check_draw(const kvf_model_fwd *f, int32_t s, const kvf_backend_sample_row *d,
+                             kvf_err *err)
+{
+    if (!f->be->sample)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: forward: sequence %d asks for a draw "
+                           "on the backend and backend %s cannot sample", s, f->be->name);
+    if (!(d->temperature > 0.0f) || d->top_k < 0 || !(d->top_p > 0.0f && d->top_p <= 1.0f) ||
+        !(d->u >= 0.0f && d->u < 1.0f))
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: forward: sequence %d: draw with "
+                           "temperature %g (> 0), top_k %d (>= 0), top_p %g (0 < p <= 1), u %g "
+                           "(0 <= u < 1)", s, (double)d->temperature, d->top_k, (double)d->top_p,
+                           (double)d->u);
+    return KVF_OK;
 }
 
 /* The attention context bound of a step whose furthest position is max_pos: the next power of
@@ -256,6 +280,9 @@ static kvf_status prepare(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n
             return kvf_err_set(err, KVF_ERR_INVALID,
                                "model: forward: sequence %d brings %d tokens; the step holds %d tokens in all (%d used before it)",
                                s, q->n_tokens, f->opts.max_tokens, T);
+        kvf_status st;
+        if (q->sample && (st = check_draw(f, s, q->sample, err)) != KVF_OK)
+            return st;
         T += q->n_tokens;
     }
     f->meta_bytes = meta_place(f, T, n_seqs);
@@ -354,11 +381,27 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
             run_ops(f, kv_pool, T, n_seqs, &attn);
     }
 
-    /* 6. outputs leave the backend */
+    /* 6. outputs leave the backend: a step where some sequence draws asks the backend for
+     * every next token (a greedy row as a draw among the ties at the largest logit: top_k 1,
+     * u 0, the lowest such id, which is the argmax) */
     if (logits_out)
         be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
-    if (next_out)
+    bool draws = false;
+    for (int32_t s = 0; s < n_seqs; s++)
+        draws = draws || seqs[s].sample;
+    if (next_out && draws) {
+        for (int32_t s = 0; s < n_seqs; s++)
+            f->h_draw[s] = seqs[s].sample ? *seqs[s].sample
+                                          : (kvf_backend_sample_row){.temperature = 1.0f,
+                                                                     .top_k = 1, .top_p = 1.0f};
+        if ((st = be->sample(ctx, f->logits, n_seqs, c->vocab_size, f->h_draw, next_out, err)) != KVF_OK) {
+            if (be->sync)
+                (void)be->sync(ctx, NULL); /* drain; the sample error is the one reported */
+            return st;
+        }
+    } else if (next_out) {
         be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
+    }
     return be->sync ? be->sync(ctx, err) : KVF_OK;
 }
 

@@ -4,6 +4,7 @@
 #ifndef KVF_MODEL_FORWARD_H
 #define KVF_MODEL_FORWARD_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kv/layout.h"
@@ -18,6 +19,9 @@ typedef struct kvf_model_seq {
                                  * already in the blocks */
     const int32_t *block_table; /* [n_blocks] block ids covering start_pos + n_tokens positions */
     int32_t n_blocks;
+    /* NULL: next_out gets the greedy id. Else next_out gets a draw made on the backend (its
+     * `sample` op; kvf_model_fwd_samples says whether it has one). */
+    const kvf_backend_sample_row *sample;
 } kvf_model_seq;
 
 /* Limits fixed at creation; scratch is sized for them, so a step never allocates. */
@@ -42,9 +46,10 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f);
 
 /* Runs one step. kv_pool is the pool's base (backend memory, n_pool_blocks * block_bytes).
  * Outputs are for each sequence's last new token: logits_out (host, [n_seqs][vocab]) and
- * next_out (host, [n_seqs], greedy ids, ties to the lowest id); either may be NULL.
- * Refuses, before touching the pool, a batch beyond the limits, a token outside the
- * vocabulary, a block table too short for the positions, or a block id outside the pool.
+ * next_out (host, [n_seqs]: greedy ids, ties to the lowest id, or the draws of the sequences
+ * with `sample`); either may be NULL. Refuses, before touching the pool, a batch beyond the
+ * limits, a token outside the vocabulary, a block table too short for the positions, a block
+ * id outside the pool, or a `sample` the backend cannot draw (no op, or a value out of range).
  * Returns after the backend's queued work is done (its `sync`), with the first error the
  * backend recorded during the step. */
 kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_seqs] */,
@@ -52,5 +57,7 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_s
                              float *logits_out, int32_t *next_out, kvf_err *err);
 
 const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f);
+/* Whether kvf_model_seq.sample can be used: the backend draws tokens itself. */
+bool kvf_model_fwd_samples(const kvf_model_fwd *f);
 
 #endif

@@ -257,6 +257,7 @@ static void check_model_batched(const char *name)
                 b_shared = true;
             }
             kvf_model_seq *s = &seqs[ns];
+            *s = (kvf_model_seq){0};
             s->block_table = tables[i];
             s->n_blocks = 12;
             s->start_pos = pos[i];

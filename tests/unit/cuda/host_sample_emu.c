@@ -1,0 +1,214 @@
+/* host_sample_emu.c: draws made on the backend (kvf_backend.sample), on the real CUDA backend
+ * run by the host emulation (cuda_rt_emu.cpp): the forward pass's draws equal the rule of
+ * kvf_cuda_sample (sample_ref.h) applied to the same step's logits, greedy rows of a drawing step
+ * stay the argmax, bad draws are refused before the step; and the engine draws on the backend
+ * (seeded runs repeat, a fork still works, greedy requests beside sampled ones keep the
+ * fixture's tokens). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "testutil.h"
+
+#include "../engine/enginetest.h"
+#include "cuda/cuda.h"
+#include "engine/sample.h"
+#include "kv/pool.h"
+#include "model/forward.h"
+#include "sample_ref.h"
+
+#define N_POOL 16
+
+typedef struct fwd_side {
+    const kvf_backend *be;
+    void *ctx;
+    kvf_model_fwd *fwd;
+    const kvf_kv_mem_ops *mem;
+    void *pool;
+    kvf_kv_layout lay;
+} fwd_side;
+
+static void side_open(fwd_side *s, const kvf_backend *be, const kvf_model *m)
+{
+    kvf_err err = {0};
+    kvf_backend_opts bo = {.n_threads = 1, .matrix_dtype = KVF_BACKEND_MATRIX_F32};
+    memset(s, 0, sizeof *s);
+    s->be = be;
+    if (be->create(&bo, &s->ctx, &err) != KVF_OK)
+        fail_msg("%s create: %s", be->name, err.msg);
+    assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_F32, &s->lay, &err), KVF_OK);
+    kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 128};
+    if (kvf_model_fwd_create(m, be, s->ctx, &s->lay, &o, &s->fwd, &err) != KVF_OK)
+        fail_msg("%s fwd_create: %s", be->name, err.msg);
+    s->mem = be->kv_mem ? be->kv_mem(s->ctx) : &kvf_kv_mem_host;
+    if (s->mem->alloc(s->ctx, N_POOL * s->lay.block_bytes, &s->pool, &err) != KVF_OK)
+        fail_msg("%s pool: %s", be->name, err.msg);
+}
+
+static void side_close(fwd_side *s)
+{
+    s->mem->free(s->ctx, s->pool, N_POOL * s->lay.block_bytes);
+    kvf_model_fwd_destroy(s->fwd);
+    s->be->destroy(s->ctx);
+}
+
+/* Three sequences, prefilled in one step: 0 greedy, 1 and 2 drawing with draw[0], draw[1]. */
+static kvf_status three_seqs(fwd_side *s, const et_fixture *fx, const kvf_backend_sample_row *draw,
+                             float *logits, int32_t *next, kvf_err *err)
+{
+    static int32_t tables[3][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}};
+    kvf_model_seq seqs[3];
+    for (int32_t i = 0; i < 3; i++) {
+        const et_case *c = &fx->cases[i % fx->n_cases];
+        seqs[i] = (kvf_model_seq){.tokens = c->prompt, .n_tokens = c->n_prompt,
+                                  .block_table = tables[i], .n_blocks = 4,
+                                  .sample = i == 0 ? NULL : &draw[i - 1]};
+    }
+    return kvf_model_forward(s->fwd, seqs, 3, s->pool, N_POOL, logits, next, err);
+}
+
+static void test_forward_draws_follow_the_rule(void **state)
+{
+    (void)state;
+    et_fixture *fx = et_open("tiny-gqa-f32");
+    int32_t V = fx->m->cfg.vocab_size;
+    fwd_side s;
+    side_open(&s, kvf_cuda_backend(), fx->m);
+    assert_true(kvf_model_fwd_samples(s.fwd));
+    float *logits = malloc((size_t)3 * V * sizeof *logits);
+    bool *kept = malloc((size_t)V);
+    kvf_err err = {0};
+    /* temperature, top_k and top_p across their ranges; u from a fixed generator */
+    const kvf_backend_sample_row shapes[] = {
+        {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f},  {.temperature = 0.7f, .top_k = 5, .top_p = 1.0f},
+        {.temperature = 1.3f, .top_k = 0, .top_p = 0.9f},  {.temperature = 0.5f, .top_k = 3, .top_p = 0.6f},
+        {.temperature = 2.0f, .top_k = 1, .top_p = 1.0f},  {.temperature = 1.0f, .top_k = V + 7, .top_p = 0.3f},
+    };
+    int n_shapes = (int)(sizeof shapes / sizeof shapes[0]), differ = 0;
+    uint64_t x = 12345;
+    for (int round = 0; round < 8; round++) {
+        kvf_backend_sample_row draw[2];
+        for (int j = 0; j < 2; j++) {
+            draw[j] = shapes[(round * 2 + j) % n_shapes];
+            x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+            draw[j].u = (float)((x >> 40) / (double)(1 << 24));
+        }
+        int32_t next[3] = {-1, -1, -1};
+        if (three_seqs(&s, fx, draw, logits, next, &err) != KVF_OK)
+            fail_msg("round %d: %s", round, err.msg);
+        assert_int_equal(next[0], kvf_engine_argmax(logits, V)); /* the greedy row */
+        for (int j = 0; j < 2; j++) {
+            const float *row = logits + (size_t)(j + 1) * V;
+            int32_t want = kvf_test_sample_ref(row, V, &draw[j], kept);
+            if (next[j + 1] != want)
+                fail_msg("round %d, row %d (t %g, k %d, p %g, u %g): drew %d, the rule says %d",
+                         round, j + 1, (double)draw[j].temperature, draw[j].top_k,
+                         (double)draw[j].top_p, (double)draw[j].u, next[j + 1], want);
+            differ += want != kvf_engine_argmax(row, V);
+        }
+    }
+    assert_true(differ > 0); /* some draws were not the argmax: sampling really happened */
+
+    /* a bad draw is refused before the step, naming the sequence */
+    kvf_backend_sample_row bad[2] = {{.temperature = 1.0f, .top_p = 1.0f, .u = 0.5f},
+                                     {.temperature = 1.0f, .top_p = 0.0f, .u = 0.5f}};
+    int32_t next[3];
+    assert_int_equal(three_seqs(&s, fx, bad, NULL, next, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "sequence 2"));
+    bad[1] = (kvf_backend_sample_row){.temperature = 1.0f, .top_p = 1.0f, .u = 1.0f};
+    assert_int_equal(three_seqs(&s, fx, bad, NULL, next, &err), KVF_ERR_INVALID);
+    side_close(&s);
+
+    /* the CPU backend has no sample op: a draw is refused, naming the backend */
+    side_open(&s, kvf_model_backend_cpu(), fx->m);
+    assert_false(kvf_model_fwd_samples(s.fwd));
+    bad[1] = bad[0];
+    assert_int_equal(three_seqs(&s, fx, bad, NULL, next, &err), KVF_ERR_UNSUPPORTED);
+    assert_non_null(strstr(err.msg, "cannot sample"));
+    side_close(&s);
+    free(kept);
+    free(logits);
+    et_close(fx);
+}
+
+static kvf_engine *emu_engine(const et_fixture *fx)
+{
+    kvf_engine_cfg cfg;
+    et_cfg(&cfg);
+    cfg.n_blocks = 64;
+    cfg.max_ctx = 256;
+    cfg.threads = 1;
+    kvf_engine *e = NULL;
+    kvf_err err = {0};
+    if (kvf_engine_create(fx->m, kvf_cuda_backend(), &cfg, &e, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    return e;
+}
+
+static void test_engine_draws_on_the_backend(void **state)
+{
+    (void)state;
+    et_fixture *fx = et_open("tiny-gqa-f32");
+    const et_case *c0 = &fx->cases[0], *c1 = &fx->cases[1 % fx->n_cases];
+    et_result *r[2];
+    int64_t draws[2];
+    for (int run = 0; run < 2; run++) {
+        kvf_engine *e = emu_engine(fx);
+        r[run] = calloc(1, sizeof *r[run]);
+        /* id 0: greedy; id 1: sampled, seeded; id 2: two samples that fork after the prompt */
+        kvf_engine_request g = et_req(0, c0->prompt, c0->n_prompt, fx->n_new);
+        kvf_engine_request t = et_req(1, c1->prompt, c1->n_prompt, 12);
+        t.sampling.temperature = 1.5f;
+        t.sampling.top_p = 0.95f;
+        t.sampling.seed = 7;
+        kvf_engine_request f = t;
+        f.id = 2;
+        f.sampling.n = 2;
+        f.sampling.top_k = 8;
+        et_add(e, &g);
+        et_add(e, &t);
+        et_add(e, &f);
+        et_run(e, r[run], 2);
+        kvf_engine_stats st;
+        kvf_engine_get_stats(e, &st);
+        draws[run] = st.backend_draws;
+        kvf_engine_destroy(e);
+    }
+    /* the greedy request beside drawing ones keeps the fixture's tokens (the argmax rows of a
+     * drawing step) */
+    et_assert_tokens("greedy beside draws", r[0]->tokens[0], r[0]->n[0], c0->greedy, fx->n_new);
+    /* seeded: both runs drew the same tokens; the sampled request is not the greedy one */
+    for (int k = 2; k < 6; k++)
+        et_assert_tokens("seeded rerun", r[1]->tokens[k], r[1]->n[k], r[0]->tokens[k], r[0]->n[k]);
+    assert_int_equal(r[0]->n[2], 12);
+    assert_int_equal(r[0]->n[4], 12);
+    assert_int_equal(r[0]->n[5], 12);
+    /* every sampled token but the fork's three first ones (drawn on the host from the
+     * downloaded row) was drawn on the backend */
+    assert_int_equal(draws[0], 12 + 2 * 12 - 2);
+    assert_int_equal(draws[1], draws[0]);
+    bool all_greedy = true;
+    for (int i = 0; i < 12 && i < fx->n_new; i++)
+        all_greedy = all_greedy && r[0]->tokens[2][i] == c1->greedy[i];
+    assert_false(all_greedy);
+    free(r[0]);
+    free(r[1]);
+    et_close(fx);
+}
+
+int main(void)
+{
+    char why[256];
+    if (!kvf_cuda_available(why, sizeof why)) {
+        fprintf(stderr, "host_sample_emu: the emulated device is not available: %s\n", why);
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_forward_draws_follow_the_rule),
+        cmocka_unit_test(test_engine_draws_on_the_backend),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
