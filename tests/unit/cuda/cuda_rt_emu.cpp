@@ -1,15 +1,24 @@
-/* cuda_rt_emu.cpp: the CUDA runtime and cuBLAS calls that cuda/backend.cu and cuda/device.cu
- * make, on the host: device memory is host memory (filled with 0xff bytes, NaN floats, so a read
- * of memory nobody wrote shows), streams run their work at once, a capturing stream records
- * launches, copies, memsets and GEMMs by value into a graph that cudaGraphLaunch replays, and
- * cublasGemmEx is written from cuBLAS's documented column-major semantics. Misuses a GPU would
- * not report at once are counted (cuda_rt_emu_c.h) for the test to assert on. */
+/* cuda_rt_emu.cpp: the CUDA runtime and cuBLAS calls that cuda/backend.cu, cuda/device.cu and
+ * cuda/xfer_gpu.cu make, on the host: device memory is host memory (filled with 0xff bytes, NaN
+ * floats, so a read of memory nobody wrote shows), streams run their work at once, a capturing
+ * stream records launches, copies, memsets and GEMMs by value into a graph that cudaGraphLaunch
+ * replays, and cublasGemmEx is written from cuBLAS's documented column-major semantics. CUDA IPC
+ * works between processes: an exported allocation moves onto a memfd, and the handle names it
+ * as /proc/<pid>/fd/<n> for the other process to map. Every entry point holds one process-wide
+ * recursive lock (a worker calls the backend and the transport's GPU table from two threads);
+ * the last error and the capture a thread runs are per thread, as in CUDA. Misuses a GPU would
+ * not report at once are counted (cuda_rt_emu_c.h) for a test to assert on, or abort a program
+ * that asked for that (kvfleet_emu). */
 #include "cuda_rt_emu.h"
 
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <map>
 #include <memory>
@@ -23,7 +32,8 @@ typedef std::vector<std::function<void()>> node_list;
 struct CUstream_st {
     unsigned flags = 0;
     bool capturing = false, invalidated = false;
-    node_list nodes; /* of the capture in progress */
+    pthread_t capturer{}; /* the thread that began the capture in progress */
+    node_list nodes;      /* of the capture in progress */
 };
 struct CUgraph_st {
     node_list nodes;
@@ -39,14 +49,28 @@ struct cublasContext {
 };
 
 namespace {
-std::map<uintptr_t, size_t> allocs; /* base -> bytes */
+/* One lock for the whole runtime: every entry point takes it (EMU_API), so the backend on a
+ * worker's engine thread and the transport's copies on another thread never interleave inside
+ * the emulator; a kernel runs to its end under it. Recursive: entry points call each other. */
+pthread_mutex_t api_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+struct api_lock {
+    api_lock() { pthread_mutex_lock(&api_mu); }
+    ~api_lock() { pthread_mutex_unlock(&api_mu); }
+    api_lock(const api_lock &) = delete;
+    api_lock &operator=(const api_lock &) = delete;
+};
+#define EMU_API api_lock emu_api_lock_
+
+std::map<uintptr_t, size_t> allocs; /* device allocations: base -> bytes */
 std::set<cudaStream_t> streams;
-int n_capturing = 0;
-cudaError_t last_err = cudaSuccess;
+int n_capturing_blocking = 0;          /* captures on blocking streams (the legacy stream syncs with them) */
+thread_local int my_captures = 0;      /* captures this thread began and has not ended */
+thread_local cudaError_t last_err = cudaSuccess; /* per host thread, as in CUDA */
 kvf_emu_rt_stats st_;
 bool replaying = false;
 bool invalidate_next = false;
 int fail_launch_in = -1; /* launches to go before the refused one; -1: none */
+int misuse_fatal = -1;   /* -1: not decided yet (KVF_EMU_MISUSE, else count) */
 
 void problem(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void problem(const char *fmt, ...)
@@ -56,9 +80,14 @@ void problem(const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    st_.misuses++;
     if (!st_.first_problem[0])
         snprintf(st_.first_problem, sizeof st_.first_problem, "%s", buf);
-    print_message("cuda_rt_emu: %s\n", buf);
+    const char *env = getenv("KVF_EMU_MISUSE");
+    bool fatal = env && !strcmp(env, "abort") ? true : env && !strcmp(env, "count") ? false : misuse_fatal == 1;
+    fprintf(stderr, "cuda_rt_emu: %s%s\n", buf, fatal ? " (misuse is fatal in this program: aborting)" : "");
+    if (fatal)
+        abort();
 }
 
 cudaError_t set_err(cudaError_t e)
@@ -67,15 +96,38 @@ cudaError_t set_err(cudaError_t e)
     return e;
 }
 
-/* true when [p, p + bytes) lies inside one allocation */
+/* An IPC mapping of another process's allocation (cudaIpcOpenMemHandle): device memory here. */
+struct ipc_map {
+    size_t bytes;          /* the exporter's allocation */
+    void *map;             /* the reservation: the memfd's pages, then an inaccessible page */
+    size_t len;
+    int refs;              /* opens of the same handle share one mapping, as in CUDA */
+    uint64_t pid, ino;     /* which exported allocation */
+};
+std::map<uintptr_t, ipc_map> ipc_maps; /* base (as returned) -> mapping */
+
+/* The map entry whose range [base, base + bytes) holds p, or end(). */
+template <class M, class F>
+typename M::iterator find_holding(M &m, const void *p, F bytes_of)
+{
+    uintptr_t a = (uintptr_t)p;
+    auto it = m.upper_bound(a);
+    if (it == m.begin())
+        return m.end();
+    --it;
+    return a >= it->first && a < it->first + bytes_of(it->second) ? it : m.end();
+}
+
+/* true when [p, p + bytes) lies inside one device allocation, or one IPC mapping of another
+ * process's (device memory either way) */
 bool in_alloc(const void *p, size_t bytes)
 {
     uintptr_t a = (uintptr_t)p;
-    auto it = allocs.upper_bound(a);
-    if (it == allocs.begin())
-        return false;
-    --it;
-    return a >= it->first && a + bytes <= it->first + it->second;
+    auto it = find_holding(allocs, p, [](size_t b) { return b; });
+    if (it != allocs.end())
+        return a + bytes <= it->first + it->second;
+    auto im = find_holding(ipc_maps, p, [](const ipc_map &m) { return m.bytes; });
+    return im != ipc_maps.end() && a + bytes <= im->first + im->second.bytes;
 }
 
 bool any_alloc_holds(const void *p)
@@ -83,14 +135,16 @@ bool any_alloc_holds(const void *p)
     return in_alloc(p, 1);
 }
 
-/* an unsafe call (allocation, host wait) while this thread captures: every capture is
- * invalidated (cudaStreamCaptureModeThreadLocal, the mode backend.cu uses) */
+/* An unsafe call (allocation, host wait) while this thread captures: this thread's captures are
+ * invalidated (cudaStreamCaptureModeThreadLocal, the mode backend.cu uses: another thread's
+ * calls do not touch them). */
 bool refuse_in_capture(const char *what)
 {
-    if (!n_capturing)
+    if (!my_captures)
         return false;
+    pthread_t me = pthread_self();
     for (cudaStream_t s : streams)
-        if (s->capturing && !s->invalidated) {
+        if (s->capturing && !s->invalidated && pthread_equal(s->capturer, me)) {
             s->invalidated = true;
             st_.captures_invalidated++;
         }
@@ -115,7 +169,7 @@ cudaError_t submit(cudaStream_t s, std::function<void()> work)
                 problem("work on the legacy default stream beside a non-blocking stream (unordered with it on a GPU)");
                 break;
             }
-        if (n_capturing)
+        if (n_capturing_blocking)
             return set_err(cudaErrorStreamCaptureImplicit);
     }
     if (s && s->capturing) {
@@ -155,6 +209,7 @@ size_t type_size(cudaDataType t)
 namespace emu {
 void enqueue_kernel(const cfg_t &c, std::function<void()> body)
 {
+    EMU_API;
     const dim3 g = c.grid, b = c.block;
     if (!g.x || !g.y || !g.z || !b.x || !b.y || !b.z || g.y > 65535 || g.z > 65535 || b.z > 64 ||
         (uint64_t)b.x * b.y * b.z > 1024 || c.smem > 48 * 1024) {
@@ -180,16 +235,26 @@ void enqueue_kernel(const cfg_t &c, std::function<void()> body)
 
 extern "C" void kvf_emu_rt_invalidate_next_capture(void)
 {
+    EMU_API;
     invalidate_next = true;
 }
 
 extern "C" void kvf_emu_rt_fail_launch(int skip)
 {
+    EMU_API;
     fail_launch_in = skip;
+}
+
+extern "C" void kvf_emu_rt_misuse_fatal(int fatal)
+{
+    EMU_API;
+    misuse_fatal = fatal ? 1 : 0;
 }
 
 extern "C" void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out)
 {
+    EMU_API;
+    st_.ipc_live = (int64_t)ipc_maps.size();
     st_.live_allocs = (int64_t)allocs.size();
     st_.live_bytes = 0;
     for (auto &a : allocs)
@@ -201,17 +266,20 @@ extern "C" void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out)
 
 cudaError_t cudaGetDeviceCount(int *count)
 {
+    EMU_API;
     *count = 1;
     return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device)
 {
+    EMU_API;
     return device == 0 ? cudaSuccess : set_err(cudaErrorInvalidDevice);
 }
 
 cudaError_t cudaGetLastError(void)
 {
+    EMU_API;
     cudaError_t e = last_err;
     last_err = cudaSuccess;
     return e;
@@ -219,6 +287,7 @@ cudaError_t cudaGetLastError(void)
 
 const char *cudaGetErrorString(cudaError_t e)
 {
+    EMU_API;
     switch (e) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
@@ -231,66 +300,117 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorStreamCaptureImplicit: return "operation would make the legacy stream depend on a capturing blocking stream";
     case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorDeviceUninitialized: return "invalid device context";
+    case cudaErrorMapBufferObjectFailed: return "mapping of buffer object failed";
+    case cudaErrorStreamCaptureWrongThread: return "attempt to terminate a thread-local capture sequence from another thread";
     default: return "emulated CUDA error";
     }
 }
 
 /* Device memory: its own pages, ending 256-aligned just before an inaccessible page, so a kernel
  * that writes or reads past the end of an allocation faults at once instead of corrupting the
- * host heap; freed, its addresses are never handed out again. */
+ * host heap; freed, its addresses are never handed out again. Private anonymous pages until
+ * cudaIpcGetMemHandle exports the allocation: then the same addresses are remapped onto a memfd
+ * holding the same bytes (fd kept until cudaFree), which another process maps by its name. */
 namespace {
 const size_t page = 4096;
 struct region {
     void *map;
+    size_t len;       /* usable pages, then the guard page */
+    int fd = -1;      /* memfd once exported */
+    uint64_t ino = 0; /* the memfd's inode: names the allocation in a handle */
+};
+std::map<uintptr_t, region> regions; /* device allocations: base -> pages */
+
+struct host_region {
+    size_t bytes;
+    void *map;
     size_t len;
 };
-std::map<uintptr_t, region> regions;
-} /* namespace */
+std::map<uintptr_t, host_region> host_allocs; /* cudaHostAlloc: base -> pages */
 
-cudaError_t cudaMalloc(void **p, size_t bytes)
+/* Pages for bytes, ending 256-aligned before an inaccessible page, 0xff-filled; base_out and
+ * the mapping. */
+bool map_guarded(size_t bytes, char **base_out, void **map_out, size_t *len_out)
 {
-    *p = nullptr;
-    if (refuse_in_capture("cudaMalloc"))
-        return set_err(cudaErrorStreamCaptureUnsupported);
     size_t n = (bytes + 255) / 256 * 256;
     if (!n)
         n = 256;
     size_t usable = (n + page - 1) / page * page, len = usable + page;
     void *m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
-        return set_err(cudaErrorMemoryAllocation);
+        return false;
     mprotect(static_cast<char *>(m) + usable, page, PROT_NONE);
     char *base = static_cast<char *>(m) + usable - n;
     memset(base, 0xff, n); /* NaN as f32: unwritten memory shows */
+    *base_out = base;
+    *map_out = m;
+    *len_out = len;
+    return true;
+}
+
+/* The pages go back but the addresses stay reserved and inaccessible: a later allocation never
+ * reuses them, so a graph or kernel that reads freed memory faults instead of reading whatever
+ * was allocated there next. */
+void unmap_keep_reserved(void *map, size_t len)
+{
+    mmap(map, len, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+}
+
+cudaError_t alloc_device(void **p, size_t bytes)
+{
+    char *base;
+    void *m;
+    size_t len;
+    if (!map_guarded(bytes, &base, &m, &len))
+        return set_err(cudaErrorMemoryAllocation);
     allocs[(uintptr_t)base] = bytes;
     regions[(uintptr_t)base] = {m, len};
     *p = base;
     return cudaSuccess;
 }
 
+cudaError_t free_device(void *p, const char *what)
+{
+    auto it = allocs.find((uintptr_t)p);
+    if (it == allocs.end()) {
+        problem("%s of %p, which cudaMalloc did not return%s", what, p,
+                ipc_maps.count((uintptr_t)p) ? " (an IPC mapping: cudaIpcCloseMemHandle it)" : "");
+        return set_err(cudaErrorInvalidValue);
+    }
+    allocs.erase(it);
+    auto r = regions.find((uintptr_t)p);
+    if (r->second.fd >= 0)
+        close(r->second.fd); /* mappings in other processes keep the pages */
+    unmap_keep_reserved(r->second.map, r->second.len);
+    regions.erase(r);
+    return cudaSuccess;
+}
+} /* namespace */
+
+cudaError_t cudaMalloc(void **p, size_t bytes)
+{
+    EMU_API;
+    *p = nullptr;
+    if (refuse_in_capture("cudaMalloc"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    return alloc_device(p, bytes);
+}
+
 cudaError_t cudaFree(void *p)
 {
+    EMU_API;
     if (!p)
         return cudaSuccess;
     if (refuse_in_capture("cudaFree"))
         return set_err(cudaErrorStreamCaptureUnsupported);
-    auto it = allocs.find((uintptr_t)p);
-    if (it == allocs.end()) {
-        problem("cudaFree of %p, which cudaMalloc did not return", p);
-        return set_err(cudaErrorInvalidValue);
-    }
-    allocs.erase(it);
-    /* the pages go back but the addresses stay reserved and inaccessible: a later allocation
-     * never reuses them, so a graph or kernel that reads freed memory faults instead of reading
-     * whatever was allocated there next */
-    auto r = regions.find((uintptr_t)p);
-    mmap(r->second.map, r->second.len, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    regions.erase(r);
-    return cudaSuccess;
+    return free_device(p, "cudaFree");
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b)
 {
+    EMU_API;
     size_t used = 0;
     for (auto &a : allocs)
         used += a.second;
@@ -299,13 +419,48 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b)
     return cudaSuccess;
 }
 
+namespace {
+/* Where [p, p + n) lies, for cudaMemcpyDefault (unified addressing): device memory (an allocation
+ * or an IPC mapping), pinned host memory (cudaHostAlloc), pageable host memory (nothing of ours
+ * holds its first byte), or across an end of one of ours (a misuse either way). */
+enum mem_kind { MEM_DEVICE, MEM_PINNED, MEM_PAGEABLE, MEM_ACROSS };
+mem_kind classify(const void *p, size_t n)
+{
+    if (any_alloc_holds(p))
+        return in_alloc(p, n) ? MEM_DEVICE : MEM_ACROSS;
+    auto h = find_holding(host_allocs, p, [](const host_region &r) { return r.bytes; });
+    if (h != host_allocs.end())
+        return (uintptr_t)p + n <= h->first + h->second.bytes ? MEM_PINNED : MEM_ACROSS;
+    return MEM_PAGEABLE;
+}
+} /* namespace */
+
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s)
 {
+    EMU_API;
     if (!n)
         return cudaSuccess;
+    if (kind == cudaMemcpyDefault) {
+        /* the direction follows from the addresses (xfer_gpu.cu's copies: device, IPC-mapped
+         * or pinned memory at both ends; pageable memory there is a caller's mistake) */
+        mem_kind dk = classify(dst, n), sk = classify(src, n);
+        if (dk == MEM_ACROSS || sk == MEM_ACROSS || dk == MEM_PAGEABLE || sk == MEM_PAGEABLE) {
+            st_.bad_ranges++;
+            problem("cudaMemcpyAsync (default kind) of %zu bytes %p -> %p: an end is %s", n, src, dst,
+                    dk == MEM_ACROSS || sk == MEM_ACROSS ? "not inside one allocation"
+                                                         : "pageable host memory, not device, IPC-mapped or pinned");
+            return set_err(cudaErrorInvalidValue);
+        }
+        kind = dk == MEM_DEVICE ? (sk == MEM_DEVICE ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                : (sk == MEM_DEVICE ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+        if (kind == cudaMemcpyHostToHost) {
+            problem("cudaMemcpyAsync (default kind) of %zu bytes between two pinned host buffers", n);
+            return set_err(cudaErrorInvalidValue);
+        }
+    }
     bool dd = kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyHostToDevice;
     bool sd = kind == cudaMemcpyDeviceToDevice || kind == cudaMemcpyDeviceToHost;
-    if (kind == cudaMemcpyHostToHost || kind == cudaMemcpyDefault) {
+    if (kind == cudaMemcpyHostToHost) {
         problem("cudaMemcpyAsync kind %d is not one backend.cu should use", (int)kind);
         return set_err(cudaErrorInvalidValue);
     }
@@ -330,6 +485,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind
 
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
 {
+    EMU_API;
     if (!n)
         return cudaSuccess;
     if (!in_alloc(p, n)) {
@@ -344,6 +500,7 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s)
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags)
 {
+    EMU_API;
     if (refuse_in_capture("cudaStreamCreate"))
         return set_err(cudaErrorStreamCaptureUnsupported);
     cudaStream_t n = new CUstream_st;
@@ -353,13 +510,23 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags)
     return cudaSuccess;
 }
 
+/* the bookkeeping of a capture that ends (the stream's flag is the caller's) */
+static void capture_over(cudaStream_t s)
+{
+    if (!(s->flags & cudaStreamNonBlocking))
+        n_capturing_blocking--;
+    if (pthread_equal(s->capturer, pthread_self()))
+        my_captures--;
+}
+
 cudaError_t cudaStreamDestroy(cudaStream_t s)
 {
+    EMU_API;
     if (!s || !streams.count(s))
         return set_err(cudaErrorInvalidResourceHandle);
     if (s->capturing) {
         problem("a stream destroyed while capturing");
-        n_capturing--;
+        capture_over(s);
     }
     streams.erase(s);
     delete s;
@@ -368,6 +535,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
+    EMU_API;
     if (!stream_ok(s))
         return set_err(cudaErrorInvalidResourceHandle);
     if (s && s->capturing) {
@@ -384,6 +552,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode)
 {
+    EMU_API;
     if (!s)
         return set_err(cudaErrorStreamCaptureUnsupported); /* the legacy stream cannot capture */
     if (!streams.count(s))
@@ -396,20 +565,28 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode)
         st_.captures_invalidated++;
     invalidate_next = false;
     s->nodes.clear();
-    n_capturing++;
+    s->capturer = pthread_self();
+    my_captures++;
+    if (!(s->flags & cudaStreamNonBlocking))
+        n_capturing_blocking++;
     st_.captures_begun++;
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
 {
+    EMU_API;
     *g = nullptr;
     if (!s || !streams.count(s))
         return set_err(cudaErrorInvalidResourceHandle);
     if (!s->capturing)
         return set_err(cudaErrorIllegalState);
+    if (!pthread_equal(s->capturer, pthread_self())) {
+        problem("cudaStreamEndCapture on a thread other than the one that began the capture");
+        return set_err(cudaErrorStreamCaptureWrongThread);
+    }
     s->capturing = false;
-    n_capturing--;
+    capture_over(s);
     st_.captures_ended++;
     if (s->invalidated) {
         s->nodes.clear();
@@ -423,6 +600,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g)
 
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned long long flags)
 {
+    EMU_API;
     if (!g)
         return set_err(cudaErrorInvalidValue);
     cudaGraphExec_t e = new CUgraphExec_st;
@@ -433,18 +611,21 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned 
 
 cudaError_t cudaGraphDestroy(cudaGraph_t g)
 {
+    EMU_API;
     delete g;
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e)
 {
+    EMU_API;
     delete e;
     return cudaSuccess;
 }
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s)
 {
+    EMU_API;
     if (!e)
         return set_err(cudaErrorInvalidValue);
     st_.graph_launches++;
@@ -463,12 +644,14 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s)
 
 cublasStatus_t cublasCreate_v2(cublasHandle_t *h)
 {
+    EMU_API;
     *h = new cublasContext;
     return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h)
 {
+    EMU_API;
     if (!h)
         return CUBLAS_STATUS_NOT_INITIALIZED;
     delete h;
@@ -477,6 +660,7 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t h)
 
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s)
 {
+    EMU_API;
     if (!h)
         return CUBLAS_STATUS_NOT_INITIALIZED;
     h->stream = s;
@@ -485,6 +669,7 @@ cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s)
 
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *ws, size_t bytes)
 {
+    EMU_API;
     if (!h)
         return CUBLAS_STATUS_NOT_INITIALIZED;
     if (bytes && !in_alloc(ws, bytes)) {
@@ -499,6 +684,7 @@ cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *ws, size_t bytes)
 
 cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t mode)
 {
+    EMU_API;
     if (!h)
         return CUBLAS_STATUS_NOT_INITIALIZED;
     h->math = mode;
@@ -507,6 +693,7 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t mode)
 
 const char *cublasGetStatusName(cublasStatus_t s)
 {
+    EMU_API;
     switch (s) {
     case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
     case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
@@ -520,6 +707,7 @@ const char *cublasGetStatusName(cublasStatus_t s)
 
 const char *cublasGetStatusString(cublasStatus_t s)
 {
+    EMU_API;
     switch (s) {
     case CUBLAS_STATUS_SUCCESS: return "success";
     case CUBLAS_STATUS_NOT_INITIALIZED: return "the library was not initialized";
@@ -538,6 +726,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
                             const void *B, cudaDataType bt, int ldb, const void *beta, void *C,
                             cudaDataType ct, int ldc, cublasComputeType_t compute, cublasGemmAlgo_t algo)
 {
+    EMU_API;
     if (!h)
         return CUBLAS_STATUS_NOT_INITIALIZED;
     auto op_ok = [](cublasOperation_t o) { return o == CUBLAS_OP_N || o == CUBLAS_OP_T || o == CUBLAS_OP_C; };
@@ -596,7 +785,19 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 
 struct CUevent_st {
     double t_ms = 0;
+    unsigned flags = 0;
+    bool recorded = false;
+    int queries = 0; /* since the last record */
 };
+
+namespace {
+std::set<cudaEvent_t> events;
+
+bool event_ok(cudaEvent_t e)
+{
+    return e && events.count(e);
+}
+} /* namespace */
 
 static double now_ms()
 {
@@ -607,6 +808,7 @@ static double now_ms()
 
 cudaError_t cudaDeviceSynchronize(void)
 {
+    EMU_API;
     if (refuse_in_capture("cudaDeviceSynchronize"))
         return set_err(cudaErrorStreamCaptureUnsupported);
     return cudaSuccess;
@@ -614,12 +816,14 @@ cudaError_t cudaDeviceSynchronize(void)
 
 cudaError_t cudaGetDevice(int *device)
 {
+    EMU_API;
     *device = 0;
     return cudaSuccess;
 }
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
 {
+    EMU_API;
     if (device != 0)
         return set_err(cudaErrorInvalidDevice);
     memset(prop, 0, sizeof *prop);
@@ -633,6 +837,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
 {
+    EMU_API;
     if (refuse_in_capture("cudaMemcpy"))
         return set_err(cudaErrorStreamCaptureUnsupported);
     return cudaMemcpyAsync(dst, src, n, kind, nullptr);
@@ -640,40 +845,359 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind
 
 cudaError_t cudaMemset(void *p, int v, size_t n)
 {
+    EMU_API;
     if (refuse_in_capture("cudaMemset"))
         return set_err(cudaErrorStreamCaptureUnsupported);
     return cudaMemsetAsync(p, v, n, nullptr);
 }
 
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags)
+{
+    EMU_API;
+    *e = nullptr;
+    if (flags & ~(unsigned)(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
+        return set_err(cudaErrorInvalidValue);
+    cudaEvent_t n = new CUevent_st;
+    n->flags = flags;
+    events.insert(n);
+    *e = n;
+    return cudaSuccess;
+}
+
 cudaError_t cudaEventCreate(cudaEvent_t *e)
 {
-    *e = new CUevent_st;
-    return cudaSuccess;
+    EMU_API;
+    return cudaEventCreateWithFlags(e, cudaEventDefault);
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t e)
 {
+    EMU_API;
+    if (!event_ok(e))
+        return set_err(cudaErrorInvalidResourceHandle);
+    events.erase(e);
     delete e;
     return cudaSuccess;
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
-    if (!e)
+    EMU_API;
+    if (!event_ok(e))
         return set_err(cudaErrorInvalidResourceHandle);
+    e->recorded = true;
+    e->queries = 0;
     cudaError_t r = submit(s, [e] { e->t_ms = now_ms(); });
     return r == cudaSuccess ? r : set_err(r);
 }
 
+/* Work runs when it is issued, so a recorded event is complete at once; but its first query
+ * after each record answers cudaErrorNotReady (as a GPU still copying would), so a caller's
+ * polling path runs too. Not an error: the last error is left alone, as CUDA does. */
+cudaError_t cudaEventQuery(cudaEvent_t e)
+{
+    EMU_API;
+    if (!event_ok(e))
+        return set_err(cudaErrorInvalidResourceHandle);
+    if (e->recorded && e->queries++ == 0)
+        return cudaErrorNotReady;
+    return cudaSuccess;
+}
+
 cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
-    return e ? cudaSuccess : set_err(cudaErrorInvalidResourceHandle);
+    EMU_API;
+    if (!event_ok(e))
+        return set_err(cudaErrorInvalidResourceHandle);
+    if (refuse_in_capture("cudaEventSynchronize"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    e->queries = 1;
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
 {
-    if (!a || !b)
+    EMU_API;
+    if (!event_ok(a) || !event_ok(b))
+        return set_err(cudaErrorInvalidResourceHandle);
+    if ((a->flags | b->flags) & cudaEventDisableTiming)
         return set_err(cudaErrorInvalidResourceHandle);
     *ms = (float)(b->t_ms - a->t_ms);
     return cudaSuccess;
+}
+
+/* ---- what cuda/xfer_gpu.cu adds (the transport's GPU ops table): IPC, pinned host memory,
+ * stream-ordered allocations, pointer attributes, the driver's cuMemGetAddressRange */
+
+namespace {
+/* The 64-byte handle: which process, which of its fds (a memfd), that memfd's inode (so a handle
+ * of a freed allocation whose fd number was reused is refused), its size, and where in it the
+ * allocation starts. */
+struct emu_ipc_handle {
+    char magic[8]; /* "kvfemu1" */
+    uint64_t pid;
+    int64_t fd;
+    uint64_t ino;
+    uint64_t map_bytes; /* the memfd's size: the allocation's usable pages */
+    uint64_t offset;    /* of the allocation's base in it */
+    uint64_t bytes;     /* the allocation's size */
+};
+static_assert(sizeof(emu_ipc_handle) <= sizeof(cudaIpcMemHandle_t), "the handle must fit CUDA's");
+const char ipc_magic[8] = "kvfemu1";
+
+/* Moves an allocation's pages (the guard page stays) onto a memfd at the same addresses, same
+ * bytes: from now on another process can map them. */
+cudaError_t share_region(region &r)
+{
+    if (r.fd >= 0)
+        return cudaSuccess;
+    size_t usable = r.len - page;
+    int fd = memfd_create("kvf-emu-device", MFD_CLOEXEC);
+    if (fd < 0)
+        return cudaErrorMemoryAllocation;
+    struct stat sb;
+    void *tmp = MAP_FAILED;
+    if (ftruncate(fd, (off_t)usable) != 0 || fstat(fd, &sb) != 0 ||
+        (tmp = mmap(nullptr, usable, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+        close(fd);
+        return cudaErrorMemoryAllocation;
+    }
+    memcpy(tmp, r.map, usable);
+    munmap(tmp, usable);
+    if (mmap(r.map, usable, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+        close(fd);
+        return cudaErrorMemoryAllocation; /* (MAP_FIXED failing leaves the old pages in place) */
+    }
+    r.fd = fd;
+    r.ino = (uint64_t)sb.st_ino;
+    return cudaSuccess;
+}
+
+/* the driver's cuMemGetAddressRange (v3020): the allocation (or IPC mapping) holding ptr */
+int emu_cuMemGetAddressRange(unsigned long long *base, size_t *size, unsigned long long ptr)
+{
+    EMU_API;
+    const void *p = (const void *)(uintptr_t)ptr;
+    auto it = find_holding(allocs, p, [](size_t b) { return b; });
+    if (it != allocs.end()) {
+        if (base)
+            *base = it->first;
+        if (size)
+            *size = it->second;
+        return 0;
+    }
+    auto im = find_holding(ipc_maps, p, [](const ipc_map &m) { return m.bytes; });
+    if (im != ipc_maps.end()) {
+        if (base)
+            *base = im->first;
+        if (size)
+            *size = im->second.bytes;
+        return 0;
+    }
+    return 1; /* CUDA_ERROR_INVALID_VALUE */
+}
+} /* namespace */
+
+/* As CUDA: the handle names the whole allocation that holds devPtr (a peer maps it from its
+ * start), whatever offset devPtr has in it. */
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *devPtr)
+{
+    EMU_API;
+    if (!handle)
+        return set_err(cudaErrorInvalidValue);
+    auto it = find_holding(allocs, devPtr, [](size_t b) { return b; });
+    if (it == allocs.end())
+        return set_err(cudaErrorInvalidValue); /* not an allocation of this process (an IPC mapping either) */
+    region &r = regions[it->first];
+    cudaError_t e = share_region(r);
+    if (e != cudaSuccess)
+        return set_err(e);
+    emu_ipc_handle h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.magic, ipc_magic, sizeof h.magic);
+    h.pid = (uint64_t)getpid();
+    h.fd = r.fd;
+    h.ino = r.ino;
+    h.map_bytes = r.len - page;
+    h.offset = it->first - (uintptr_t)r.map;
+    h.bytes = it->second;
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle, &h, sizeof h);
+    st_.ipc_exported++;
+    return cudaSuccess;
+}
+
+/* Maps another process's exported allocation (its memfd through /proc/<pid>/fd/<n>) before an
+ * inaccessible page. A handle of this very process is refused, as CUDA refuses it (invalid
+ * device context); the same handle opened twice shares one mapping with a count. */
+cudaError_t cudaIpcOpenMemHandle(void **devPtr, cudaIpcMemHandle_t handle, unsigned int flags)
+{
+    EMU_API;
+    if (!devPtr)
+        return set_err(cudaErrorInvalidValue);
+    *devPtr = nullptr;
+    if (flags != cudaIpcMemLazyEnablePeerAccess)
+        return set_err(cudaErrorInvalidValue);
+    if (refuse_in_capture("cudaIpcOpenMemHandle"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    emu_ipc_handle h;
+    memcpy(&h, &handle, sizeof h);
+    if (memcmp(h.magic, ipc_magic, sizeof h.magic) != 0 || h.fd < 0 || h.offset + h.bytes > h.map_bytes)
+        return set_err(cudaErrorInvalidResourceHandle);
+    if (h.pid == (uint64_t)getpid())
+        return set_err(cudaErrorDeviceUninitialized); /* CUDA: "invalid device context" */
+    for (auto &m : ipc_maps)
+        if (m.second.pid == h.pid && m.second.ino == h.ino) {
+            m.second.refs++;
+            *devPtr = (void *)m.first;
+            return cudaSuccess;
+        }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%llu/fd/%lld", (unsigned long long)h.pid, (long long)h.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return set_err(cudaErrorMapBufferObjectFailed); /* the exporter is gone, or freed it */
+    struct stat sb;
+    if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_ino != h.ino || (uint64_t)sb.st_size != h.map_bytes) {
+        close(fd);
+        return set_err(cudaErrorInvalidResourceHandle); /* that fd is something else now */
+    }
+    size_t len = (size_t)h.map_bytes + page;
+    void *m = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED ||
+        mmap(m, (size_t)h.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+        if (m != MAP_FAILED)
+            munmap(m, len);
+        close(fd);
+        return set_err(cudaErrorMapBufferObjectFailed);
+    }
+    close(fd); /* the mapping keeps the pages */
+    char *base = static_cast<char *>(m) + h.offset;
+    ipc_maps[(uintptr_t)base] = {(size_t)h.bytes, m, len, 1, h.pid, h.ino};
+    st_.ipc_opened++;
+    *devPtr = base;
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void *devPtr)
+{
+    EMU_API;
+    auto it = ipc_maps.find((uintptr_t)devPtr);
+    if (it == ipc_maps.end())
+        return set_err(cudaErrorInvalidValue);
+    if (--it->second.refs > 0)
+        return cudaSuccess;
+    /* as cudaFree: a copy into the closed mapping faults instead of landing anywhere */
+    unmap_keep_reserved(it->second.map, it->second.len);
+    ipc_maps.erase(it);
+    return cudaSuccess;
+}
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attr, const void *ptr)
+{
+    EMU_API;
+    if (!attr)
+        return set_err(cudaErrorInvalidValue);
+    memset(attr, 0, sizeof *attr);
+    if (any_alloc_holds(ptr)) {
+        attr->type = cudaMemoryTypeDevice;
+        attr->device = 0;
+        attr->devicePointer = const_cast<void *>(ptr);
+        return cudaSuccess;
+    }
+    if (find_holding(host_allocs, ptr, [](const host_region &r) { return r.bytes; }) != host_allocs.end()) {
+        attr->type = cudaMemoryTypeHost;
+        attr->device = 0;
+        attr->devicePointer = attr->hostPointer = const_cast<void *>(ptr);
+        return cudaSuccess;
+    }
+    attr->type = cudaMemoryTypeUnregistered; /* plain host memory: not an error since CUDA 11 */
+    attr->device = -2;
+    attr->hostPointer = const_cast<void *>(ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **funcPtr, unsigned int cudaVersion,
+                                             unsigned long long flags, cudaDriverEntryPointQueryResult *driverStatus)
+{
+    EMU_API;
+    if (!symbol || !funcPtr)
+        return set_err(cudaErrorInvalidValue);
+    *funcPtr = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (!strcmp(symbol, "cuMemGetAddressRange")) {
+        q = cudaVersion >= 3020 ? cudaDriverEntryPointSuccess : cudaDriverEntryPointVersionNotSufficent;
+        if (q == cudaDriverEntryPointSuccess)
+            *funcPtr = (void *)&emu_cuMemGetAddressRange;
+    }
+    if (driverStatus)
+        *driverStatus = q;
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned int flags)
+{
+    EMU_API;
+    if (!p)
+        return set_err(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (refuse_in_capture("cudaHostAlloc"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    char *base;
+    void *m;
+    size_t len;
+    if (!map_guarded(bytes, &base, &m, &len))
+        return set_err(cudaErrorMemoryAllocation);
+    host_allocs[(uintptr_t)base] = {bytes, m, len};
+    *p = base;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeHost(void *p)
+{
+    EMU_API;
+    if (!p)
+        return cudaSuccess;
+    if (refuse_in_capture("cudaFreeHost"))
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    auto it = host_allocs.find((uintptr_t)p);
+    if (it == host_allocs.end()) {
+        problem("cudaFreeHost of %p, which cudaHostAlloc did not return", p);
+        return set_err(cudaErrorInvalidValue);
+    }
+    unmap_keep_reserved(it->second.map, it->second.len);
+    host_allocs.erase(it);
+    return cudaSuccess;
+}
+
+/* Stream-ordered allocations: the stream's earlier work has run already (work runs when it is
+ * issued), so they are plain allocations made and freed now. Inside a capture they would be
+ * graph memory nodes, which this emulation does not record. */
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s)
+{
+    EMU_API;
+    if (!p)
+        return set_err(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (!stream_ok(s))
+        return set_err(cudaErrorInvalidResourceHandle);
+    if (s && s->capturing) {
+        problem("cudaMallocAsync inside a stream capture (graph memory nodes are not emulated)");
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    }
+    return alloc_device(p, bytes);
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
+{
+    EMU_API;
+    if (!stream_ok(s))
+        return set_err(cudaErrorInvalidResourceHandle);
+    if (s && s->capturing) {
+        problem("cudaFreeAsync inside a stream capture (graph memory nodes are not emulated)");
+        return set_err(cudaErrorStreamCaptureUnsupported);
+    }
+    if (!p)
+        return cudaSuccess;
+    return free_device(p, "cudaFreeAsync");
 }

@@ -1,7 +1,7 @@
-/* cuda_rt_emu_c.h: what host_backend_emu.c (plain C) asks of the emulated CUDA runtime in
- * cuda_rt_emu.cpp: counters of what the backend did, and the misuses the emulation saw that a
- * GPU would not report at once (a launch on the legacy default stream, a copy outside any
- * allocation, a GEMM reading past its matrices). */
+/* cuda_rt_emu_c.h: what host_backend_emu.c (plain C) and kvfleet_emu ask of the emulated CUDA
+ * runtime in cuda_rt_emu.cpp: counters of what the backend did, the misuses the emulation saw that
+ * a GPU would not report at once (a launch on the legacy default stream, a copy outside any
+ * allocation, a GEMM reading past its matrices), and whether a misuse ends the process. */
 #ifndef KVF_TEST_CUDA_RT_EMU_C_H
 #define KVF_TEST_CUDA_RT_EMU_C_H
 
@@ -14,6 +14,8 @@ typedef struct kvf_emu_rt_stats {
     int64_t bad_ranges;          /* copy, memset or GEMM operand outside an allocation */
     int64_t bad_configs;         /* launches refused (grid, block or shared memory) */
     int64_t live_allocs, live_bytes;
+    int64_t misuses;             /* every misuse reported (the counters above and the rest) */
+    int64_t ipc_exported, ipc_opened, ipc_live; /* handles made; maps opened; maps open now */
     char first_problem[256];     /* the first misuse seen, "" when none */
 } kvf_emu_rt_stats;
 
@@ -27,6 +29,11 @@ void kvf_emu_rt_stats_get(kvf_emu_rt_stats *out);
  * sticky) instead of running. */
 void kvf_emu_rt_invalidate_next_capture(void);
 void kvf_emu_rt_fail_launch(int skip);
+/* A misuse is printed to stderr and counted (the default: a cmocka test asserts on the counters),
+ * or, once fatal is set, printed and then abort()ed on the spot: what a program that is not a
+ * test (kvfleet_emu) sets, so the process dies loudly at the call instead of serving on. The
+ * environment variable KVF_EMU_MISUSE=abort or =count, read at the first misuse, overrides. */
+void kvf_emu_rt_misuse_fatal(int fatal);
 #ifdef __cplusplus
 }
 #endif
