@@ -677,31 +677,33 @@ static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, cons
     bool staging = cfg->xfer_gpu_staging;
     if (strcmp(b, "auto") == 0)
         b = gpu_pool && !staging ? "cuda_ipc" : "ucx";
-    if (strcmp(b, "nccl") == 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=nccl is not supported for workers: the "
-                           "NCCL communicator needs a hello from prefill to decode that RemotePrefill "
-                           "does not carry yet (use cuda_ipc on one node, or ucx with "
-                           "--xfer-gpu-staging between nodes)", rn, flag);
-    if (strcmp(b, "ucx") != 0 && strcmp(b, "local") != 0 && strcmp(b, "cuda_ipc") != 0)
+    if (strcmp(b, "ucx") != 0 && strcmp(b, "local") != 0 && strcmp(b, "cuda_ipc") != 0 &&
+        strcmp(b, "nccl") != 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=%s is not supported (use auto, ucx, "
-                           "cuda_ipc or local)", rn, flag, b);
+                           "cuda_ipc, nccl or local)", rn, flag, b);
+    bool gpu_to_gpu = strcmp(b, "cuda_ipc") == 0 || strcmp(b, "nccl") == 0;
     if (gpu_pool) {
         if (strcmp(b, "local") == 0)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device cuda keeps the KV pool in GPU "
                                "memory and --%s=local copies host memory (use cuda_ipc on one "
-                               "node, or ucx with --xfer-gpu-staging)", rn, flag);
+                               "node, nccl between GPUs, or ucx with --xfer-gpu-staging)", rn, flag);
         if (strcmp(b, "ucx") == 0 && !staging)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device cuda keeps the KV pool in GPU "
                                "memory and --%s=ucx moves host memory only (this UCX has no CUDA "
-                               "transports): use --%s=cuda_ipc on one node, or add "
-                               "--xfer-gpu-staging (ucx through a pinned host mirror)", rn, flag, flag);
-        if (strcmp(b, "cuda_ipc") == 0 && staging)
+                               "transports): use --%s=cuda_ipc on one node, --%s=nccl "
+                               "(NCCL, GPU to GPU), or add --xfer-gpu-staging (ucx through a pinned host "
+                               "mirror)", rn, flag, flag, flag);
+        if (gpu_to_gpu && staging)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging is for --%s=ucx "
-                               "(cuda_ipc copies GPU to GPU)", rn, flag);
+                               "(%s moves GPU to GPU)", rn, flag, b);
     } else {
-        if (strcmp(b, "cuda_ipc") == 0)
-            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=cuda_ipc moves GPU pools: it needs "
-                               "--device cuda (use ucx or local with --device %s)", rn, flag,
+        /* nccl: NCCL sends from and receives into device memory only, and the pair's
+         * communicator needs a GPU on both sides. */
+        if (gpu_to_gpu)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=%s moves GPU pools: it needs "
+                               "--device cuda (%s; use ucx or local with --device %s)", rn, flag,
+                               b, strcmp(b, "nccl") == 0 ? "NCCL sends and receives device "
+                               "memory only" : "CUDA IPC maps device memory",
                                cfg->device ? cfg->device : "cpu");
         if (staging)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging needs --device cuda "

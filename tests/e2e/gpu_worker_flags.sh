@@ -1,8 +1,9 @@
 #!/bin/sh
 # gpu_worker_flags.sh (label cli, runs without a GPU): `kvfleet decode|prefill --device cuda`
 # with no usable GPU fails at once naming the flag and why; a device pool with a host-only
-# transport (plain ucx, local), cuda_ipc on a host pool, staging without a GPU and nccl are
-# refused before any model or GPU is touched; up and bench serve refuse an unknown --device.
+# transport (plain ucx, local), cuda_ipc or nccl on a host pool, staging without a GPU or with a
+# GPU-to-GPU backend are refused before any model or GPU is touched; nccl with a device pool is
+# accepted (it then needs the GPU); up and bench serve refuse an unknown --device.
 set -u
 BIN=${KVF_BIN:?KVF_BIN names the kvfleet binary}
 M=${KVF_SHARED:-../shared}/fixtures/models/tiny-gqa-f32
@@ -39,9 +40,11 @@ expect 2 "--xfer-backend=cuda_ipc moves GPU pools: it needs --device cuda" -- \
 expect 2 "--xfer-gpu-staging needs --device cuda" -- "$BIN" prefill --model "$M" --xfer-gpu-staging
 expect 2 "--xfer-gpu-staging is for --transport=ucx" -- \
     "$BIN" decode --model "$M" --device cuda --transport cuda_ipc --xfer-gpu-staging
-expect 2 "--xfer-backend=nccl is not supported for workers" -- \
-    "$BIN" decode --model "$M" --device cuda --xfer-backend nccl
-expect 2 "--transport=tcp is not supported (use auto, ucx, cuda_ipc or local)" -- \
+expect 2 "--xfer-backend=nccl moves GPU pools: it needs --device cuda (NCCL sends and receives device memory only" -- \
+    "$BIN" decode --model "$M" --xfer-backend nccl
+expect 2 "--xfer-gpu-staging is for --xfer-backend=ucx (nccl moves GPU to GPU)" -- \
+    "$BIN" prefill --model "$M" --device cuda --xfer-backend nccl --xfer-gpu-staging
+expect 2 "--transport=tcp is not supported (use auto, ucx, cuda_ipc, nccl or local)" -- \
     "$BIN" decode --model "$M" --transport tcp
 expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" decode --model "$M" --device tpu
 # the environment sets them too
@@ -55,6 +58,8 @@ if "$BIN" generate --model "$M" --prompt-ids 1 --max-tokens 1 --device cuda >/de
 else
     expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda
     expect nz "prefill: --device cuda: " -- "$BIN" prefill --model "$M" --device cuda --xfer-backend cuda_ipc
+    # nccl with a device pool passes the flag checks and then needs the GPU like the others
+    expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --xfer-backend nccl
     expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --transport ucx --xfer-gpu-staging
     # up passes --device to every worker and stops the fleet when they refuse it
     expect nz "died before it was ready" -- "$BIN" up --device cuda --model "$M" --port 0

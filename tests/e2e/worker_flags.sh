@@ -20,7 +20,7 @@ expect 2 "--model DIR is required" -- "$BIN" decode
 expect 2 "--kv-dtype=f8 is not supported (use f32, f16 or bf16)" -- "$BIN" decode --model "$M" --kv-dtype=f8
 expect 2 "--listen=nowhere is not HOST:PORT" -- "$BIN" prefill --model "$M" --listen nowhere
 expect 2 "port \"99999\" is not 0..65535" -- "$BIN" decode --model "$M" --admin-listen 127.0.0.1:99999
-expect 2 "--transport=nccl is not supported for workers" -- "$BIN" decode --model "$M" --transport nccl
+expect 2 "--transport=nccl moves GPU pools: it needs --device cuda" -- "$BIN" decode --model "$M" --transport nccl
 expect 2 "holds 3 blocks" -- "$BIN" decode --model "$M" --kv-blocks 3
 expect 2 "--local-prefill-max-tokens (-1) must be >= 0" -- "$BIN" decode --model "$M" --local-prefill-max-tokens=-1
 expect 2 "--log-level=loud is not one of" -- "$BIN" prefill --model "$M" --log-level loud
