@@ -11,9 +11,10 @@ READY_S=30
 
 # KVF_E2E_DEVICE=cpu runs the same script on the CPU over ucx (a host check of the script
 # itself; the test proper is cuda). KVF_BIN may be kvfleet_emu (e2e_gpu_disagg_emu: the same
-# kvfleet on the emulated CUDA runtime, IPC between the two workers included); KVF_E2E_EXACT=1
+# kvfleet on the emulated CUDA runtime, IPC between the two workers included); KVF_E2E_STRICT=1
 # then also requires the disaggregated tokens to equal generate --device cuda's at every step
-# (the emulator is deterministic; cuBLAS on a GPU does not promise it across batch shapes).
+# (the emulator is deterministic; cuBLAS on a GPU does not promise it across batch shapes) and
+# decode to have fallen back to a local prefill for no prompt.
 DEV=${KVF_E2E_DEVICE:-cuda}
 POOL="KV pool in GPU memory, transport cuda_ipc"
 [ "$DEV" = cpu ] && POOL="KV pool in host memory, transport ucx"
@@ -39,7 +40,7 @@ for m in tiny-gqa-f32 tiny-mha-tied-f32; do
     N_NEW=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['n_new'])" "$EXP")
     start "pre-$m" prefill --model "$M" --device "$DEV" --kv-blocks 64; PRE=$ADDR; PRE_ADMIN=$ADMIN
     start "dec-$m" decode --model "$M" --device "$DEV" --kv-blocks 64 --local-prefill-max-tokens 0
-    DEC=$ADDR
+    DEC=$ADDR; DEC_ADMIN=$ADMIN
     grep -q "$POOL" "$TMP/pre-$m.err" || fail "$m: prefill did not log \"$POOL\": $(cat "$TMP/pre-$m.err")"
     grep -q "$POOL" "$TMP/dec-$m.err" || fail "$m: decode did not log \"$POOL\""
     pass "$m: both workers: $POOL"
@@ -63,7 +64,7 @@ for m in tiny-gqa-f32 tiny-mha-tied-f32; do
 # bf16 tolerance (3e-2) of the case's largest first-step logit; later steps may differ.
 import json, os, sys, urllib.request
 url, model, path, ids_path = sys.argv[1:5]
-exact = os.environ.get("KVF_E2E_EXACT") == "1"
+exact = os.environ.get("KVF_E2E_STRICT") == "1"
 exp = json.load(open(path))
 gen = [tuple(l.split()) for l in open(ids_path)]
 TOL_BF16 = 3e-2
@@ -114,6 +115,13 @@ EOF
     sent=$(metric "$PRE_ADMIN" kvfleet_prefill_kv_bytes_sent_total)
     awk -v v="${sent:-0}" 'BEGIN {exit !(v + 0 > 0)}' || fail "$m: the prefill worker sent no KV bytes ($sent)"
     pass "$m: prefill wrote $sent KV bytes into decode's pool"
+    if [ "${KVF_E2E_STRICT:-}" = 1 ]; then
+        remote=$(metric "$DEC_ADMIN" kvfleet_decode_remote_prefills_total)
+        fellback=$(metric "$DEC_ADMIN" kvfleet_decode_prefill_fallbacks_total)
+        [ "${fellback:-x}" = 0 ] && awk -v v="${remote:-0}" 'BEGIN {exit !(v + 0 > 0)}' ||
+            fail "$m: decode prefilled remotely ${remote:-?} times and fell back to a local prefill ${fellback:-?} times (want > 0 and 0)"
+        pass "$m: decode took every prompt's KV from the prefill worker ($remote remote prefills, no fallback)"
+    fi
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     PIDS=()
