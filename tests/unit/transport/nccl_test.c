@@ -2,7 +2,8 @@
  * without a GPU: the test-only transport copy built against the NCCL emulation (nccl_emu.h),
  * "device" pools in host memory and NCCL operations ordered on the GPU double's stream
  * (gpu_double.h), xfer_peer_emu as the other process. Plain kvf_xfer_connect sets the pair up
- * (the hello with the unique id goes over the notice channel). Cases: random run lists (several
+ * (the hello with the unique id goes over the notice channel). Cases: hellos a receiver must
+ * refuse (no unique id, one NCCL refuses: the channel is dropped), random run lists (several
  * transfers in flight; gathered and single-run sends, receiver scatter), receiver killed, sender
  * killed before and after its notice and send went out, cancel and a write that reaches a
  * receiver that gave up, receiver stalled (the sender's deadline aborts the communicator); after
@@ -18,7 +19,11 @@
 #include <stdio.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <cmocka.h>
+
+#include <nccl.h>
 
 #include "common/log.h"
 #include "nccl_emu.h"
@@ -163,7 +168,9 @@ static void test_nccl_random_lists(void **state)
     assert_int_equal(e1.sends_done - e0.sends_done, ROUNDS * PEER_BATCH);
     assert_true(e1.bytes_sent - e0.bytes_sent == s.bytes);
     assert_true(dbl.copies > copies0);
-    assert_true(dbl.dev_allocs > allocs0); /* staging for the gathered ones */
+    /* Both paths ran: staging for the gathered writes, none for the single-run ones. */
+    assert_true(dbl.dev_allocs > allocs0);
+    assert_true(dbl.dev_allocs - allocs0 < ROUNDS * PEER_BATCH);
     peer_send(fd, MSG_QUIT, NULL, 0);
     peer_wait_exit_ok(); /* its own check: nothing left behind */
     close_sender(x, p, mem);
@@ -367,10 +374,90 @@ static void test_nccl_receiver_stalled(void **state)
     close_sender(x, p, mem);
 }
 
+/* A raw TCP connection to x's notice channel (the address in its descriptor). */
+static int raw_connect(kvf_xfer *x)
+{
+    uint8_t *desc;
+    size_t len;
+    kvf_err err = {0};
+    kvf_xfer_desc_info d;
+    assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_desc_parse(desc, len, &d, &err), KVF_OK);
+    const uint8_t *b = desc + d.blob_off; /* u16 port | u8 host length | host */
+    char host[64] = {0};
+    memcpy(host, b + 3, b[2]);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)(b[0] | b[1] << 8))};
+    assert_int_equal(inet_pton(AF_INET, host, &sa.sin_addr), 1);
+    free(desc);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    return fd;
+}
+
+/* Sends one channel frame (xfer_chan.c: u32 type | i32 status | u64 id | u64 value | u32 body
+ * length | u32 zero | body) of type HELLO with value 77 and body_len bytes of body. */
+static void raw_hello(int fd, const uint8_t *body, uint32_t body_len)
+{
+    uint8_t h[32] = {1};
+    h[16] = 77;
+    memcpy(h + 24, &body_len, 4); /* little-endian host */
+    assert_int_equal(peer_write_all(fd, h, sizeof h), 0);
+    if (body_len)
+        assert_int_equal(peer_write_all(fd, body, body_len), 0);
+}
+
+/* Whether x closed fd within 5 s (progressing x meanwhile). */
+static bool closed_by(kvf_xfer *x, int fd)
+{
+    for (int64_t until = kvf_now_ns() + 5 * SEC; kvf_now_ns() < until;) {
+        kvf_xfer_progress(x);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        char c;
+        if (poll(&p, 1, 5) > 0 && recv(fd, &c, 1, MSG_DONTWAIT) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* A receiver given a hello with no unique id, or one NCCL refuses, kills that pair and drops
+ * its channel at once (a real sender would see the peer lost, not wait), and keeps nothing. */
+static void test_nccl_bad_hello(void **state)
+{
+    uint8_t *mem;
+    kvf_xfer *x = make_xfer(1, 4, false, &mem);
+    kvf_log_set_level(KVF_LOG_ERROR);
+    int fd = raw_connect(x);
+    raw_hello(fd, NULL, 0);
+    assert_true(closed_by(x, fd));
+    close(fd);
+    uint8_t junk[128] = "not an id";
+    fd = raw_connect(x);
+    raw_hello(fd, junk, sizeof junk);
+    assert_true(closed_by(x, fd));
+    close(fd);
+    /* A well-formed hello is taken: the channel stays while the init waits for its rank 0. */
+    ncclUniqueId id;
+    assert_int_equal(ncclGetUniqueId(&id), ncclSuccess);
+    fd = raw_connect(x);
+    raw_hello(fd, (const uint8_t *)id.internal, sizeof id.internal);
+    for (int i = 0; i < 50; i++)
+        kvf_xfer_progress(x);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    assert_int_equal(poll(&p, 1, 50), 0);
+    close(fd); /* the sender goes: the pair dies with its channel */
+    kvf_xfer_destroy(x);
+    free(mem);
+    /* The id's listener was taken by our rank-1 init (the ranks accept or connect by who holds
+     * it); a rank 0 that never comes leaves nothing behind once the communicator is aborted. */
+    assert_all_freed();
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_nccl_bad_hello, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nccl_random_lists, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nccl_receiver_killed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nccl_sender_killed, setup, teardown),
