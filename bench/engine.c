@@ -25,6 +25,7 @@ typedef struct engine_bench_cfg {
     const char *presets, *batches, *dir, *weights, *device;
     int32_t prompt, decode, decode_medium, vocab, budget, threads;
     int64_t memread_bytes;
+    double temperature, top_p;
 } engine_bench_cfg;
 
 static const kvf_cfg_opt engine_bench_opts[] = {
@@ -39,6 +40,8 @@ static const kvf_cfg_opt engine_bench_opts[] = {
     {"weights", "bf16", "weight dtype written to disk (f32, f16, bf16)", offsetof(engine_bench_cfg, weights), KVF_CFG_STR},
     {"device", "cpu", "backend: cpu, or cuda (GPU 0; one run, weights kept as bf16/f16 on the device)", offsetof(engine_bench_cfg, device), KVF_CFG_STR},
     {"dir", NULL, "where to write the models (default: a new directory under $TMPDIR or /tmp, removed after)", offsetof(engine_bench_cfg, dir), KVF_CFG_STR},
+    {"temperature", "0", "sampling temperature of every sequence (0: greedy); with a temperature a GPU draws on the device, the CPU on the host", offsetof(engine_bench_cfg, temperature), KVF_CFG_DOUBLE},
+    {"top-p", "1", "top_p of every sequence (with --temperature)", offsetof(engine_bench_cfg, top_p), KVF_CFG_DOUBLE},
     {"memread-bytes", "256M", "buffer of the plain memory read baseline", offsetof(engine_bench_cfg, memread_bytes), KVF_CFG_SIZE},
     {NULL},
 };
@@ -135,8 +138,8 @@ static void remove_model(const char *dir)
 
 /* One batch: B sequences of P prompt tokens and D + 1 new tokens; the step that samples the
  * last first token ends the prefill phase, the following D steps are the decode phase. */
-static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_t P, int32_t D,
-                            uint64_t *rng, kvf_progress *pr, int64_t *done, double bytes_per_param,
+static kvf_status run_batch(const engine_bench_cfg *c, kvf_engine *e, const kvf_model *m,
+                            int32_t B, int32_t P, int32_t D, uint64_t *rng, kvf_progress *pr, int64_t *done, double bytes_per_param,
                             run_result *out, kvf_err *err)
 {
     static int32_t prompt[MAX_BATCH][4096];
@@ -149,6 +152,9 @@ static kvf_status run_batch(kvf_engine *e, const kvf_model *m, int32_t B, int32_
         kvf_engine_request q = {.id = next_id++, .prompt = prompt[b], .n_prompt = P};
         kvf_engine_sampling_default(&q.sampling);
         q.sampling.max_tokens = D + 1;
+        q.sampling.temperature = (float)c->temperature;
+        q.sampling.top_p = (float)c->top_p;
+        q.sampling.seed = q.id;
         kvf_status st = kvf_engine_add(e, &q, err);
         if (st != KVF_OK)
             return st;
@@ -215,6 +221,11 @@ int kvf_bench_engine_main(int argc, char **argv)
                 MAX_BATCH, MAX_BATCHES);
         return 2;
     }
+    if (!(bc.temperature >= 0) || !(bc.top_p > 0 && bc.top_p <= 1)) {
+        fprintf(stderr, "kvfleet: bench engine: --temperature=%g --top-p=%g: temperature >= 0 "
+                "(0: greedy), top_p greater than 0 and at most 1\n", bc.temperature, bc.top_p);
+        return 2;
+    }
     const kvf_backend *be = NULL;
     if ((st = kvf_worker_device_pick(bc.device, "bench engine", &be, NULL, &err)) != KVF_OK) {
         fprintf(stderr, "kvfleet: %s\n", err.msg);
@@ -257,8 +268,11 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 1;
     }
 
+    char how[64] = "greedy";
+    if (bc.temperature > 0)
+        snprintf(how, sizeof how, "temperature %g top_p %g", bc.temperature, bc.top_p);
     printf("kvfleet bench engine: device %s, prompt %d tokens, budget %d tokens/step, f32 KV, "
-           "greedy, prefix cache off, %ld online CPUs\n", be->name, bc.prompt, bc.budget, online);
+           "%s, prefix cache off, %ld online CPUs\n", be->name, bc.prompt, bc.budget, how, online);
     if (gpu)
         printf("(cuda: weight_GB/s counts 2 bytes a parameter; vs_read and cpu_util still compare with the host)\n");
     printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
@@ -321,7 +335,7 @@ int kvf_bench_engine_main(int argc, char **argv)
             run_result res[MAX_BATCHES];
             uint64_t rng = 99;
             for (int i = 0; i < n_batches && rc == 0; i++) {
-                if ((st = run_batch(e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
+                if ((st = run_batch(&bc, e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
                     fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
                     rc = 1;
                 }

@@ -1,10 +1,12 @@
 /* sample.c: xoshiro256** seeded by splitmix64, and temperature / top-k / top-p sampling over
- * one logits row with a preallocated candidate array. */
+ * one logits row with preallocated scratch: the cuts are found by selection (no sort), so a
+ * draw costs a few passes over the row and one exp per id. */
 #include "engine/sample.h"
 
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 
 static uint64_t splitmix64(uint64_t *x)
 {
@@ -46,17 +48,26 @@ double kvf_engine_rng_uniform(kvf_engine_rng *r)
 
 kvf_status kvf_engine_sampler_init(kvf_engine_sampler *s, int32_t vocab, kvf_err *err)
 {
+    size_t n = (size_t)(vocab > 0 ? vocab : 1);
     s->vocab = vocab;
-    s->cand = malloc((size_t)(vocab > 0 ? vocab : 1) * sizeof *s->cand);
-    if (!s->cand)
+    s->cand = malloc(n * sizeof *s->cand);
+    s->w = malloc(n * sizeof *s->w);
+    s->hist = malloc(KVF_ENGINE_SAMPLE_BUCKETS * sizeof *s->hist);
+    if (!s->cand || !s->w || !s->hist) {
+        kvf_engine_sampler_fini(s);
         return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for a sampler of %d ids", vocab);
+    }
     return KVF_OK;
 }
 
 void kvf_engine_sampler_fini(kvf_engine_sampler *s)
 {
     free(s->cand);
+    free(s->w);
+    free(s->hist);
     s->cand = NULL;
+    s->w = NULL;
+    s->hist = NULL;
 }
 
 int32_t kvf_engine_argmax(const float *logits, int32_t vocab)
@@ -68,81 +79,168 @@ int32_t kvf_engine_argmax(const float *logits, int32_t vocab)
     return best;
 }
 
-/* Larger logit first; equal logits by lower id. */
-static inline int cand_before(const kvf_engine_cand *a, const kvf_engine_cand *b)
+/* Splits c[0..n) around the value pv: those above it first (*n_gt of them), then those equal
+ * (*n_eq), then those below. */
+static void split3(kvf_engine_cand *c, int32_t n, float pv, int32_t *n_gt, int32_t *n_eq)
 {
-    return a->logit > b->logit || (a->logit == b->logit && a->id < b->id);
+    int32_t gt = 0, i = 0, lt = n;
+    while (i < lt) {
+        kvf_engine_cand x = c[i];
+        if (x.logit > pv) {
+            c[i++] = c[gt];
+            c[gt++] = x;
+        } else if (x.logit < pv) {
+            c[i] = c[--lt];
+            c[lt] = x;
+        } else {
+            i++;
+        }
+    }
+    *n_gt = gt;
+    *n_eq = lt - gt;
 }
 
-static int cand_cmp(const void *pa, const void *pb)
+/* The median of three values of c[0..n), a pivot that keeps sorted runs linear. */
+static float pivot_of(const kvf_engine_cand *c, int32_t n)
 {
-    const kvf_engine_cand *a = pa, *b = pb;
-    return cand_before(a, b) ? -1 : cand_before(b, a) ? 1 : 0;
+    float a = c[0].logit, b = c[n / 2].logit, d = c[n - 1].logit;
+    return a < b ? (b < d ? b : a < d ? d : a) : (a < d ? a : b < d ? d : b);
 }
 
-/* Sift-down in a heap of k candidates whose root is the one that comes LAST in order. */
-static void heap_down(kvf_engine_cand *h, int32_t k, int32_t i)
+/* Sift-down in a min-heap of values. */
+static void heap_down(float *h, int32_t k, int32_t i)
 {
     for (;;) {
         int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < k && cand_before(&h[m], &h[l]))
+        if (l < k && h[l] < h[m])
             m = l;
-        if (r < k && cand_before(&h[m], &h[r]))
+        if (r < k && h[r] < h[m])
             m = r;
         if (m == i)
             return;
-        kvf_engine_cand t = h[i];
+        float t = h[i];
         h[i] = h[m];
         h[m] = t;
         i = m;
     }
 }
 
-/* Puts the top k candidates of logits into s->cand[0..k), sorted; returns k. */
-static int32_t top_candidates(kvf_engine_sampler *s, const float *logits, int32_t k)
+/* The k-th largest non-NaN value of logits (1 <= k < vocab); -inf when fewer are not NaN. A
+ * min-heap of the k largest for small k (one compare per id), selection otherwise. */
+static float kth_largest(kvf_engine_sampler *s, const float *logits, int32_t k)
 {
-    int32_t v = s->vocab;
-    kvf_engine_cand *c = s->cand;
-    if (k <= 0 || k >= v) {
-        for (int32_t i = 0; i < v; i++)
-            c[i] = (kvf_engine_cand){logits[i], i};
-        qsort(c, (size_t)v, sizeof *c, cand_cmp);
-        return v;
+    int32_t v = s->vocab, n = 0;
+    if ((int64_t)k * 16 <= v) {
+        float *h = s->w; /* free until the weights are written */
+        for (int32_t i = 0; i < v; i++) {
+            float x = logits[i];
+            if (x != x)
+                continue;
+            if (n < k) {
+                h[n++] = x;
+                if (n == k)
+                    for (int32_t j = k / 2 - 1; j >= 0; j--)
+                        heap_down(h, k, j);
+            } else if (x > h[0]) {
+                h[0] = x;
+                heap_down(h, k, 0);
+            }
+        }
+        return n < k ? -INFINITY : h[0];
     }
-    for (int32_t i = 0; i < k; i++)
-        c[i] = (kvf_engine_cand){logits[i], i};
-    for (int32_t i = k / 2 - 1; i >= 0; i--)
-        heap_down(c, k, i);
-    for (int32_t i = k; i < v; i++) {
-        kvf_engine_cand x = {logits[i], i};
-        if (cand_before(&x, &c[0])) {
-            c[0] = x;
-            heap_down(c, k, 0);
+    kvf_engine_cand *c = s->cand;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] == logits[i])
+            c[n++] = (kvf_engine_cand){.logit = logits[i], .id = i};
+    if (n < k)
+        return -INFINITY;
+    for (;;) {
+        float pv = pivot_of(c, n);
+        int32_t gt, eq;
+        split3(c, n, pv, &gt, &eq);
+        if (k <= gt) {
+            n = gt;
+        } else if (k <= gt + eq) {
+            return pv;
+        } else {
+            c += gt + eq;
+            n -= gt + eq;
+            k -= gt + eq;
         }
     }
-    qsort(c, (size_t)k, sizeof *c, cand_cmp);
-    return k;
 }
 
-/* Candidates for top-p over the whole vocabulary without sorting all of it: a token whose
- * probability is below (1 - top_p) / vocab cannot be in the top-p set, because all such tokens
- * together hold less than 1 - top_p of the mass. Puts the others in s->cand, sorted, with
- * their unnormalised probabilities, and returns how many; *total_out gets the whole mass. */
-static int32_t top_p_candidates(kvf_engine_sampler *s, const float *logits, double inv_t,
-                                float top_p, double *total_out)
+/* The largest value t of c[0..n) whose mass (w of every candidate >= t) reaches want, by
+ * weighted selection (c is reordered); the lowest when rounding leaves want out of reach. */
+static float mass_threshold(kvf_engine_cand *c, int32_t n, double want)
 {
-    int32_t v = s->vocab, k = 0;
-    float mx = logits[kvf_engine_argmax(logits, v)];
-    double total = 0;
+    double above = 0; /* mass of the candidates known to be above the range */
+    float lowest = c[0].logit;
+    for (int32_t i = 1; i < n; i++)
+        lowest = c[i].logit < lowest ? c[i].logit : lowest;
+    while (n > 0) {
+        float pv = pivot_of(c, n);
+        int32_t gt, eq;
+        split3(c, n, pv, &gt, &eq);
+        double m_gt = 0, m_eq = 0;
+        for (int32_t i = 0; i < gt; i++)
+            m_gt += c[i].w;
+        for (int32_t i = gt; i < gt + eq; i++)
+            m_eq += c[i].w;
+        if (above + m_gt >= want) {
+            n = gt;
+        } else if (above + m_gt + m_eq >= want) {
+            return pv;
+        } else {
+            above += m_gt + m_eq;
+            c += gt + eq;
+            n -= gt + eq;
+        }
+    }
+    return lowest;
+}
+
+/* Bucket of a logit for the top-p search: 0 holds the largest. Monotone (a larger logit never
+ * lands in a later bucket; equal logits share one), so whole buckets are above or below a cut. */
+static inline int32_t bucket_of(float l, float mx, float scale)
+{
+    float d = (mx - l) * scale;
+    return d < (float)(KVF_ENGINE_SAMPLE_BUCKETS - 1) ? (int32_t)d : KVF_ENGINE_SAMPLE_BUCKETS - 1;
+}
+
+/* The top-p cut among the ids >= cut whose weights are in s->w (mass z): the bucket where the
+ * mass from the top first reaches want, then the exact value by selection inside it. */
+static float top_p_cut(kvf_engine_sampler *s, const float *logits, float cut, float mx, double want)
+{
+    int32_t v = s->vocab;
+    float lo = mx;
     for (int32_t i = 0; i < v; i++)
-        total += exp(((double)logits[i] - mx) * inv_t);
-    double thr = (1.0 - (double)top_p) / v * total;
+        if (logits[i] >= cut && logits[i] > -INFINITY && logits[i] < lo)
+            lo = logits[i];
+    float scale = mx > lo ? (float)(KVF_ENGINE_SAMPLE_BUCKETS - 1) / (mx - lo) : 0.0f;
+    double *h = s->hist;
+    memset(h, 0, KVF_ENGINE_SAMPLE_BUCKETS * sizeof *h);
     for (int32_t i = 0; i < v; i++)
-        if (exp(((double)logits[i] - mx) * inv_t) >= thr)
-            s->cand[k++] = (kvf_engine_cand){logits[i], i};
-    qsort(s->cand, (size_t)k, sizeof *s->cand, cand_cmp);
-    *total_out = total;
-    return k;
+        if (logits[i] >= cut)
+            h[bucket_of(logits[i], mx, scale)] += s->w[i];
+    double above = 0;
+    int32_t b = 0, last = 0;
+    for (; b < KVF_ENGINE_SAMPLE_BUCKETS; b++) {
+        if (h[b] > 0 || b == 0)
+            last = b;
+        if (above + h[b] >= want)
+            break;
+        above += h[b];
+    }
+    if (b == KVF_ENGINE_SAMPLE_BUCKETS) { /* rounding: the lowest non-empty bucket */
+        b = last;
+        above -= h[b];
+    }
+    int32_t n = 0;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] >= cut && bucket_of(logits[i], mx, scale) == b)
+            s->cand[n++] = (kvf_engine_cand){.logit = logits[i], .w = s->w[i], .id = i};
+    return n > 0 ? mass_threshold(s->cand, n, want - above) : cut;
 }
 
 int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temperature,
@@ -151,56 +249,39 @@ int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temp
     int32_t v = s->vocab;
     if (!(temperature > 0))
         return kvf_engine_argmax(logits, v);
-    double inv_t = 1.0 / temperature;
-    bool all = top_k <= 0 || top_k >= v;
-    if (all && !(top_p < 1.0f)) {
-        /* The whole vocabulary: no ordering needed, draw in id order. */
-        float mx = logits[kvf_engine_argmax(logits, v)];
-        double sum = 0;
+    double u = kvf_engine_rng_uniform(rng);
+    float inv_t = 1.0f / temperature, mx = -INFINITY;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] == logits[i]) /* NaN is never kept */
+            mx = logits[i] > mx ? logits[i] : mx;
+    if (mx == -INFINITY)
+        return kvf_engine_argmax(logits, v); /* nothing has weight */
+    /* the top-k cut: the k-th largest value, ties with it kept */
+    float cut = top_k > 0 && top_k < v ? kth_largest(s, logits, top_k) : -INFINITY;
+    /* the weights above it, and the top-p cut above that */
+    double z = 0;
+    for (int32_t i = 0; i < v; i++) {
+        float w = logits[i] >= cut ? expf((logits[i] - mx) * inv_t) : 0.0f;
+        s->w[i] = w;
+        z += w;
+    }
+    double kept = z;
+    if (top_p < 1.0f) {
+        cut = top_p_cut(s, logits, cut, mx, (double)top_p * z);
+        kept = 0;
         for (int32_t i = 0; i < v; i++)
-            sum += exp(((double)logits[i] - mx) * inv_t);
-        double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
-        int32_t last = 0;
-        for (int32_t i = 0; i < v; i++) {
-            double p = exp(((double)logits[i] - mx) * inv_t);
-            if (p <= 0)
-                continue;
+            if (logits[i] >= cut)
+                kept += s->w[i];
+    }
+    /* the draw, in id order over the kept tokens */
+    double target = u * kept, acc = 0;
+    int32_t last = -1;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] >= cut) {
+            acc += s->w[i];
             last = i;
-            acc += p;
-            if (u < acc)
+            if (target < acc)
                 return i;
         }
-        return last;
-    }
-    double total = 0;
-    int32_t k = all ? top_p_candidates(s, logits, inv_t, top_p, &total)
-                    : top_candidates(s, logits, top_k);
-    kvf_engine_cand *c = s->cand;
-    /* the largest logit of the vocabulary is c[0] either way */
-    double mx = c[0].logit, sum = 0;
-    for (int32_t i = 0; i < k; i++) {
-        double p = exp(((double)c[i].logit - mx) * inv_t);
-        c[i].logit = (float)p; /* reuse the slot for the unnormalised probability */
-        sum += p;
-    }
-    if (!all)
-        total = sum; /* top-p applies to the top-k distribution */
-    if (top_p < 1.0f) {
-        double want = (double)top_p * total, acc = 0;
-        int32_t keep = 0;
-        while (keep < k) {
-            acc += c[keep++].logit;
-            if (acc >= want)
-                break;
-        }
-        k = keep;
-        sum = acc;
-    }
-    double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
-    for (int32_t i = 0; i < k; i++) {
-        acc += c[i].logit;
-        if (u < acc)
-            return c[i].id;
-    }
-    return c[k - 1].id;
+    return last >= 0 ? last : kvf_engine_argmax(logits, v); /* rounding */
 }

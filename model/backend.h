@@ -148,11 +148,11 @@ typedef struct kvf_backend {
                              kvf_err *err);
     kvf_status (*step_end)(void *ctx, bool *rerun_out, kvf_err *err);
     /* One token per row of logits[n][vocab] (backend memory) into out_host[n], finished on
-     * return, so the logits need not leave the backend. The rule (kvf_cuda_sample in cuda.h)
-     * keeps every tie at the top-k and top-p cuts and draws in id order: for the same u it may
-     * pick another token than the engine's host sampler, which orders by logit. A row that
-     * fails the check in kvf_backend_sample_row is refused (ERR_INVALID naming it). NULL: the
-     * engine downloads the logits and samples on the host. */
+     * return, so the logits need not leave the backend. The rule is the engine's host sampler's
+     * (engine/sample.h; written out at kvf_cuda_sample in cuda/cuda.h): both draw the same token
+     * from the same row and u, up to rounding. A row that fails the check in
+     * kvf_backend_sample_row is refused (ERR_INVALID naming it). NULL: the engine downloads the
+     * logits and samples on the host. */
     kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
                          const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
                          kvf_err *err);

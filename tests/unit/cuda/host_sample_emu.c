@@ -3,7 +3,8 @@
  * kvf_cuda_sample (sample_ref.h) applied to the same step's logits, greedy rows of a drawing step
  * stay the argmax, bad draws are refused before the step; and the engine draws on the backend
  * (seeded runs repeat, a fork still works, greedy requests beside sampled ones keep the
- * fixture's tokens). */
+ * fixture's tokens, and the CPU engine, drawing on the host by the same rule, draws the same
+ * tokens). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -134,16 +135,19 @@ static void test_forward_draws_follow_the_rule(void **state)
     et_close(fx);
 }
 
-static kvf_engine *emu_engine(const et_fixture *fx)
+/* An engine on the emulated GPU (f32 matrices, so its logits are the CPU's up to rounding),
+ * or on the CPU. */
+static kvf_engine *make_engine(const et_fixture *fx, const kvf_backend *be)
 {
     kvf_engine_cfg cfg;
     et_cfg(&cfg);
     cfg.n_blocks = 64;
     cfg.max_ctx = 256;
     cfg.threads = 1;
+    cfg.matrix_dtype = KVF_BACKEND_MATRIX_F32;
     kvf_engine *e = NULL;
     kvf_err err = {0};
-    if (kvf_engine_create(fx->m, kvf_cuda_backend(), &cfg, &e, &err) != KVF_OK)
+    if (kvf_engine_create(fx->m, be, &cfg, &e, &err) != KVF_OK)
         fail_msg("%s", err.msg);
     return e;
 }
@@ -153,10 +157,10 @@ static void test_engine_draws_on_the_backend(void **state)
     (void)state;
     et_fixture *fx = et_open("tiny-gqa-f32");
     const et_case *c0 = &fx->cases[0], *c1 = &fx->cases[1 % fx->n_cases];
-    et_result *r[2];
-    int64_t draws[2];
-    for (int run = 0; run < 2; run++) {
-        kvf_engine *e = emu_engine(fx);
+    et_result *r[3];
+    int64_t draws[3];
+    for (int run = 0; run < 3; run++) { /* emulated GPU twice, then the CPU */
+        kvf_engine *e = make_engine(fx, run < 2 ? kvf_cuda_backend() : kvf_model_backend_cpu());
         r[run] = calloc(1, sizeof *r[run]);
         /* id 0: greedy; id 1: sampled, seeded; id 2: two samples that fork after the prompt */
         kvf_engine_request g = et_req(0, c0->prompt, c0->n_prompt, fx->n_new);
@@ -190,12 +194,17 @@ static void test_engine_draws_on_the_backend(void **state)
      * downloaded row) was drawn on the backend */
     assert_int_equal(draws[0], 12 + 2 * 12 - 2);
     assert_int_equal(draws[1], draws[0]);
+    /* the CPU draws on the host (no sample op) by the same rule: the same tokens */
+    assert_int_equal(draws[2], 0);
+    for (int k = 0; k < 6; k++)
+        et_assert_tokens("CPU against the emulated GPU", r[2]->tokens[k], r[2]->n[k],
+                         r[0]->tokens[k], r[0]->n[k]);
     bool all_greedy = true;
     for (int i = 0; i < 12 && i < fx->n_new; i++)
         all_greedy = all_greedy && r[0]->tokens[2][i] == c1->greedy[i];
     assert_false(all_greedy);
-    free(r[0]);
-    free(r[1]);
+    for (int run = 0; run < 3; run++)
+        free(r[run]);
     et_close(fx);
 }
 

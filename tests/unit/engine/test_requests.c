@@ -67,10 +67,24 @@ static void test_sampler_distribution(void **state)
         assert_int_equal(kvf_engine_sample(&s, logits, 5.0f, 1, 1.0f, &rng), 3);
         assert_int_equal(kvf_engine_sample(&s, logits, 0.0f, 0, 1.0f, &rng), 3);
     }
-    /* ties go to the lowest id */
+    /* greedy ties go to the lowest id; a cut keeps every tie (top_k 1 here keeps ids 1 and 2,
+     * drawn half and half), as the GPU's rule does */
     float flat[4] = {1, 3, 3, 2};
     assert_int_equal(kvf_engine_argmax(flat, 4), 1);
-    assert_int_equal(kvf_engine_sample(&s, flat, 1.0f, 1, 1.0f, &rng), 1);
+    int tied[4] = {0};
+    for (int i = 0; i < 2000; i++)
+        tied[kvf_engine_sample(&s, flat, 1.0f, 1, 1.0f, &rng)]++;
+    assert_int_equal(tied[0] + tied[3], 0);
+    assert_true(tied[1] > 850 && tied[2] > 850);
+    /* NaN is never drawn; a row of NaN and -inf falls back to the argmax */
+    float odd[4] = {NAN, 0.0f, NAN, -INFINITY};
+    for (int i = 0; i < 50; i++) {
+        assert_int_equal(kvf_engine_sample(&s, odd, 1.0f, 0, 0.9f, &rng), 1);
+        assert_int_equal(kvf_engine_sample(&s, odd, 1.0f, 2, 1.0f, &rng), 1);
+    }
+    float none[4] = {NAN, -INFINITY, NAN, -INFINITY};
+    int32_t t_none = kvf_engine_sample(&s, none, 1.0f, 0, 1.0f, &rng);
+    assert_true(t_none >= 0 && t_none < 4);
     /* the same seed and stream give the same draws; another stream differs */
     kvf_engine_rng a, b, c;
     kvf_engine_rng_seed(&a, 9, 0);
@@ -86,7 +100,10 @@ static void test_sampler_distribution(void **state)
     kvf_engine_sampler_fini(&s);
 }
 
-/* A plain reference: sort the whole vocabulary, keep the top k, then the top-p prefix, draw. */
+/* A plain reference for the rule in sample.h: sort the whole vocabulary, find the top-k cut
+ * (the k-th largest value) and the top-p cut (walking distinct values down, the first whose
+ * cumulative mass, ties included, reaches top_p of the top-k mass), then draw in id order over
+ * the ids at or above the cut. */
 static int cmp_ref(const void *pa, const void *pb)
 {
     const kvf_engine_cand *a = pa, *b = pb;
@@ -98,62 +115,45 @@ static int cmp_ref(const void *pa, const void *pb)
 static int32_t ref_sample(const float *logits, int32_t v, float temp, int32_t top_k, float top_p,
                           kvf_engine_rng *rng)
 {
-    if (!(top_k > 0 && top_k < v) && !(top_p < 1)) {
-        /* the whole distribution is drawn in id order */
-        float mx = logits[0];
-        for (int32_t i = 1; i < v; i++)
-            mx = logits[i] > mx ? logits[i] : mx;
-        double sum = 0;
-        for (int32_t i = 0; i < v; i++)
-            sum += exp(((double)logits[i] - mx) / temp);
-        double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
-        for (int32_t i = 0; i < v; i++) {
-            acc += exp(((double)logits[i] - mx) / temp);
-            if (u < acc)
-                return i;
-        }
-        return v - 1;
-    }
+    double u = kvf_engine_rng_uniform(rng);
     kvf_engine_cand *c = malloc((size_t)v * sizeof *c);
     for (int32_t i = 0; i < v; i++)
-        c[i] = (kvf_engine_cand){logits[i], i};
+        c[i] = (kvf_engine_cand){.logit = logits[i], .id = i};
     qsort(c, (size_t)v, sizeof *c, cmp_ref);
-    double mx = c[0].logit, total = 0;
-    int32_t k = top_k > 0 && top_k < v ? top_k : v;
-    if (k == v) {
-        for (int32_t i = 0; i < v; i++) /* in id order, as the sampler sums it */
-            total += exp(((double)logits[i] - mx) / temp);
-    }
-    double *p = malloc((size_t)k * sizeof *p), sum = 0;
-    for (int32_t i = 0; i < k; i++) {
-        p[i] = exp(((double)c[i].logit - mx) / temp);
-        sum += p[i];
-    }
-    if (k < v)
-        total = sum;
-    int32_t keep = k;
+    double mx = c[0].logit;
+    float cut = top_k > 0 && top_k < v ? c[top_k - 1].logit : -INFINITY;
+    double z = 0; /* in id order, as the sampler sums it */
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] >= cut)
+            z += exp(((double)logits[i] - mx) / temp);
     if (top_p < 1) {
         double acc = 0;
-        keep = 0;
-        while (keep < k) {
-            acc += p[keep++];
-            if (acc >= top_p * total)
+        for (int32_t i = 0; i < v && c[i].logit >= cut;) {
+            int32_t j = i;
+            for (; j < v && c[j].logit == c[i].logit; j++)
+                acc += exp(((double)c[j].logit - mx) / temp);
+            if (acc >= top_p * z) {
+                cut = c[i].logit;
                 break;
-        }
-        sum = acc;
-    }
-    double u = kvf_engine_rng_uniform(rng) * sum, acc = 0;
-    int32_t tok = c[keep - 1].id;
-    for (int32_t i = 0; i < keep; i++) {
-        acc += p[i];
-        if (u < acc) {
-            tok = c[i].id;
-            break;
+            }
+            i = j;
         }
     }
     free(c);
-    free(p);
-    return tok;
+    double kept = 0;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] >= cut)
+            kept += exp(((double)logits[i] - mx) / temp);
+    double target = u * kept, acc = 0;
+    int32_t last = -1;
+    for (int32_t i = 0; i < v; i++)
+        if (logits[i] >= cut) {
+            acc += exp(((double)logits[i] - mx) / temp);
+            last = i;
+            if (target < acc)
+                return i;
+        }
+    return last;
 }
 
 static void test_sampler_matches_reference(void **state)
