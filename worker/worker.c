@@ -2,6 +2,7 @@
  * the flags, the loop thread that owns them and its job queue, the transport registration, the
  * Info/Health/Cancel-free/WatchKv handlers with KV events fanned out to every watcher, metrics
  * and the admin HTTP port. The roles' own RPCs live in decode/ and prefill/. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
@@ -709,8 +710,35 @@ static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, cons
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging needs --device cuda "
                                "(a host pool goes over ucx directly)", rn);
     }
+    if (cfg->xfer_notice_host) {
+        struct in_addr a;
+        if (!gpu_to_gpu)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-notice-host is for cuda_ipc and "
+                               "nccl (the transport is %s)", rn, b);
+        if (inet_pton(AF_INET, cfg->xfer_notice_host, &a) != 1 || a.s_addr == htonl(INADDR_ANY))
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-notice-host=%s is not an IPv4 "
+                               "address peers can connect to (e.g. this node's 10.0.0.7)", rn,
+                               cfg->xfer_notice_host);
+    }
     *out = b;
     return KVF_OK;
+}
+
+/* The notice channel's address: --xfer-notice-host, else the --listen host when it is an IPv4
+ * address other than 0.0.0.0, else 127.0.0.1 (peers on this node only). */
+static const char *notice_host(const kvf_worker_cfg *cfg, const char *listen_host, const char *rn,
+                               const char *backend)
+{
+    struct in_addr a;
+    if (cfg->xfer_notice_host)
+        return cfg->xfer_notice_host;
+    if (inet_pton(AF_INET, listen_host, &a) == 1 && a.s_addr != htonl(INADDR_ANY))
+        return listen_host;
+    if (strcmp(backend, "nccl") == 0)
+        kvf_log(KVF_LOG_WARN, "%s: nccl: the notice channel listens on 127.0.0.1 (--listen host "
+                "%s is no IPv4 address peers can reach), so only peers on this node can pair with "
+                "it: set --xfer-notice-host to this node's address", rn, listen_host);
+    return "127.0.0.1";
 }
 
 kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
@@ -852,17 +880,25 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     }
 
     /* transport: the pool's memory, registered once (a device pool through the GPU ops) */
+    char listen_host[256];
+    int listen_port;
+    if ((st = kvf_worker_parse_hostport("listen", cfg->listen, listen_host, sizeof listen_host,
+                                        &listen_port, err)) != KVF_OK)
+        goto fail;
     kvf_xfer_cfg xc = {.backend = xfer_backend,
                        .transport = cfg->xfer_tls ? cfg->xfer_tls : "auto",
-                       .gpu = gpu, .gpu_staging = cfg->xfer_gpu_staging};
+                       .gpu = gpu, .gpu_staging = cfg->xfer_gpu_staging,
+                       .notice_host = notice_host(cfg, listen_host, rn, xfer_backend)};
     kvf_xfer_pool xp = {.base = kvf_kv_pool_base(w->pool), .layout = w->layout, .n_blocks = w->n_blocks};
     if ((st = kvf_xfer_create(&xc, &xp, &w->xfer, err)) != KVF_OK) {
         kvf_err_prefix(err, "%s: --transport=%s%s", rn, xc.backend,
                        xc.gpu_staging ? " --xfer-gpu-staging" : "");
         goto fail;
     }
-    kvf_log(KVF_LOG_INFO, "%s: KV pool in %s memory, transport %s%s", rn, gpu ? "GPU" : "host",
-            xc.backend, xc.gpu_staging ? " through a pinned host mirror" : "");
+    bool noticed = strcmp(xc.backend, "cuda_ipc") == 0 || strcmp(xc.backend, "nccl") == 0;
+    kvf_log(KVF_LOG_INFO, "%s: KV pool in %s memory, transport %s%s%s%s", rn, gpu ? "GPU" : "host",
+            xc.backend, xc.gpu_staging ? " through a pinned host mirror" : "",
+            noticed ? ", notices on " : "", noticed ? xc.notice_host : "");
     if ((st = kvf_xfer_desc_export(w->xfer, &w->desc, &w->desc_len, err)) != KVF_OK)
         goto fail;
 

@@ -58,6 +58,8 @@ typedef struct kvf_worker_cfg {
     const char *xfer_backend; /* NULL: transport; else the same values (it wins) */
     bool xfer_gpu_staging;    /* ucx with a device pool: through a pinned host mirror */
     const char *xfer_tls;     /* ucx: auto, tcp, sm */
+    const char *xfer_notice_host; /* cuda_ipc, nccl: IPv4 of the notice channel; NULL: the
+                                   * --listen host when it is one, else 127.0.0.1 */
     const char *log_level;
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;
@@ -105,6 +107,10 @@ typedef struct kvf_worker_cfg {
      offsetof(kvf_worker_cfg, xfer_gpu_staging), KVF_CFG_BOOL},                                  \
     {"xfer-transport", "auto", "ucx: auto (UCX_TLS honoured), tcp or sm",                       \
      offsetof(kvf_worker_cfg, xfer_tls), KVF_CFG_STR},                                           \
+    {"xfer-notice-host", NULL, "cuda_ipc, nccl: IPv4 address the transfer notice channel "      \
+     "listens on and peers connect to (default: the --listen host when it is an IPv4 address, "  \
+     "else 127.0.0.1; nccl between nodes needs this node's address)",                            \
+     offsetof(kvf_worker_cfg, xfer_notice_host), KVF_CFG_STR},                                   \
     {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level), \
      KVF_CFG_STR}
 

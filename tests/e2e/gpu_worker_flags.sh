@@ -44,6 +44,13 @@ expect 2 "--xfer-backend=nccl moves GPU pools: it needs --device cuda (NCCL send
     "$BIN" decode --model "$M" --xfer-backend nccl
 expect 2 "--xfer-gpu-staging is for --xfer-backend=ucx (nccl moves GPU to GPU)" -- \
     "$BIN" prefill --model "$M" --device cuda --xfer-backend nccl --xfer-gpu-staging
+# the notice channel's address: an IPv4 peers can reach, and only for the GPU-to-GPU backends
+expect 2 "--xfer-notice-host=node-7 is not an IPv4 address peers can connect to" -- \
+    "$BIN" prefill --model "$M" --device cuda --xfer-backend nccl --xfer-notice-host node-7
+expect 2 "--xfer-notice-host=0.0.0.0 is not an IPv4 address" -- \
+    "$BIN" decode --model "$M" --device cuda --xfer-notice-host 0.0.0.0
+expect 2 "--xfer-notice-host is for cuda_ipc and nccl (the transport is ucx)" -- \
+    "$BIN" decode --model "$M" --xfer-notice-host 10.0.0.7
 expect 2 "--transport=tcp is not supported (use auto, ucx, cuda_ipc, nccl or local)" -- \
     "$BIN" decode --model "$M" --transport tcp
 expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" decode --model "$M" --device tpu
