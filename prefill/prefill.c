@@ -4,6 +4,7 @@
  * over all admitted prompts (chunked to max_tokens), and as each prompt completes registers its
  * full blocks (KV events), writes the blocks the decode worker lacks through the transport and
  * answers the call when that write is acknowledged. Full blocks stay cached after release. */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,7 @@ struct kvf_prefill {
     pjob **step_jobs;         /* [max_seqs] */
     int32_t *next;            /* [max_seqs] greedy ids */
     float *logits;            /* [max_seqs][vocab] */
+    kvf_backend_sample_row *draw; /* [max_seqs]: first tokens drawn on the backend */
     kvf_engine_sampler sampler;
     int64_t max_step_seqs;
     kvf_metric *m_requests, *m_failed, *m_tokens, *m_cached, *m_bytes, *m_expired_queued,
@@ -444,11 +446,25 @@ static void step_pass(kvf_prefill *p)
         j->take = (int32_t)(left < budget ? left : budget);
         budget -= j->take;
         const Kvfleet__V1__SamplingParams *sp = j->rq->sampling;
-        if (j->pos + j->take == j->n && sp && sp->temperature > 0)
-            want_logits = true;
         p->step_seqs[ns] = (kvf_model_seq){.tokens = j->rq->token_ids + j->pos, .n_tokens = j->take,
                                            .start_pos = (int32_t)j->pos,
                                            .block_table = j->seq.blocks, .n_blocks = j->seq.n_blocks};
+        if (j->pos + j->take == j->n && sp && sp->temperature > 0) {
+            /* the first token: drawn on the backend when it can (the logits stay there), with
+             * the uniform the host sampler would take from the same generator */
+            if (kvf_model_fwd_samples(kvf_worker_fwd(w))) {
+                kvf_engine_rng rng;
+                kvf_engine_rng_seed(&rng, sp->seed, 0);
+                float u = (float)kvf_engine_rng_uniform(&rng);
+                p->draw[ns] = (kvf_backend_sample_row){
+                    .temperature = sp->temperature, .top_k = sp->top_k > 0 ? sp->top_k : 0,
+                    .top_p = sp->top_p > 0 && sp->top_p < 1 ? sp->top_p : 1.0f,
+                    .u = u < 1.0f ? u : nextafterf(1.0f, 0.0f)};
+                p->step_seqs[ns].sample = &p->draw[ns];
+            } else {
+                want_logits = true;
+            }
+        }
         p->step_jobs[ns++] = j;
     }
     if (ns == 0)
@@ -482,7 +498,9 @@ static void step_pass(kvf_prefill *p)
             continue;
         }
         const Kvfleet__V1__SamplingParams *sp = j->rq->sampling;
-        if (sp && sp->temperature > 0) {
+        if (p->step_seqs[i].sample) {
+            j->first_token = p->next[i];
+        } else if (sp && sp->temperature > 0) {
             kvf_engine_rng rng;
             kvf_engine_rng_seed(&rng, sp->seed, 0);
             j->first_token = kvf_engine_sample(&p->sampler, p->logits + (size_t)i * (size_t)p->vocab,
@@ -693,7 +711,8 @@ kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill
     p->step_jobs = calloc((size_t)p->max_seqs, sizeof *p->step_jobs);
     p->next = calloc((size_t)p->max_seqs, sizeof *p->next);
     p->logits = malloc((size_t)p->max_seqs * (size_t)p->vocab * sizeof *p->logits);
-    if (!p->step_seqs || !p->step_jobs || !p->next || !p->logits) {
+    p->draw = malloc((size_t)p->max_seqs * sizeof *p->draw);
+    if (!p->step_seqs || !p->step_jobs || !p->next || !p->logits || !p->draw) {
         int32_t ms = p->max_seqs;
         kvf_prefill_destroy(p);
         return kvf_err_set(err, KVF_ERR_NOMEM, "prefill: out of memory for a batch of %d "
@@ -740,5 +759,6 @@ void kvf_prefill_destroy(kvf_prefill *p)
     free(p->step_jobs);
     free(p->next);
     free(p->logits);
+    free(p->draw);
     free(p);
 }
