@@ -73,7 +73,10 @@ struct kvf_worker {
     kvf_worker_http *http;
     kvf_metrics *metrics;
     kvf_metric *m_free, *m_used, *m_cached, *m_total, *m_running, *m_waiting, *m_steps,
-        *m_watchers, *m_events, *m_prefix_hit;
+        *m_watchers, *m_events, *m_prefix_hit, *m_draws;
+    /* --device cuda: the device's memory and the decode step's CUDA graphs (NULL otherwise) */
+    kvf_metric *m_gpu_used, *m_graph_replays, *m_graph_captures;
+    int64_t gpu_stats_ns; /* when they were last read */
     kvf_worker_hooks hooks;
     /* loop */
     pthread_t thread;
@@ -457,7 +460,19 @@ static void publish_load(kvf_worker *w)
         l.running = es.running + es.remote;
         l.waiting = es.waiting + es.swapped;
         kvf_metric_set(w->m_prefix_hit, es.prefix_hit_tokens);
+        kvf_metric_set(w->m_draws, es.backend_draws);
     }
+#ifdef KVF_HAVE_CUDA
+    int64_t now = kvf_now_ns();
+    if (w->m_gpu_used && now - w->gpu_stats_ns >= 500 * 1000000LL) { /* cudaMemGetInfo: not per pass */
+        kvf_cuda_stats cs;
+        kvf_cuda_backend_stats(w->engine ? kvf_engine_backend_ctx(w->engine) : w->be_ctx, &cs);
+        kvf_metric_set(w->m_gpu_used, cs.device_bytes);
+        kvf_metric_set(w->m_graph_replays, cs.graph_replays);
+        kvf_metric_set(w->m_graph_captures, cs.graphs_captured);
+        w->gpu_stats_ns = now;
+    }
+#endif
     l.total_blocks = ps.total;
     l.free_blocks = ps.free;
     l.cached_blocks = ps.cached + ps.pinned;
@@ -916,7 +931,12 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         (st = add_metric(w, 0, "kvfleet_engine_steps_total", "engine steps", &w->m_steps, err)) ||
         (st = add_metric(w, 1, "kvfleet_kv_watchers", "open WatchKv streams", &w->m_watchers, err)) ||
         (st = add_metric(w, 0, "kvfleet_kv_events_total", "KV event messages published", &w->m_events, err)) ||
-        (st = add_metric(w, 0, "kvfleet_engine_prefix_hit_tokens_total", "prompt tokens served from the prefix cache", &w->m_prefix_hit, err)))
+        (st = add_metric(w, 0, "kvfleet_engine_prefix_hit_tokens_total", "prompt tokens served from the prefix cache", &w->m_prefix_hit, err)) ||
+        (st = add_metric(w, 0, "kvfleet_engine_backend_draws_total", "sampled tokens drawn on the backend (the GPU), not the host", &w->m_draws, err)))
+        goto fail;
+    if (gpu && ((st = add_metric(w, 1, "kvfleet_gpu_memory_used_bytes", "GPU memory in use, all processes (cudaMemGetInfo)", &w->m_gpu_used, err)) ||
+                (st = add_metric(w, 0, "kvfleet_cuda_graph_replays_total", "decode steps replayed from a CUDA graph", &w->m_graph_replays, err)) ||
+                (st = add_metric(w, 0, "kvfleet_cuda_graphs_captured_total", "CUDA graphs captured for decode steps", &w->m_graph_captures, err))))
         goto fail;
 
     /* gRPC server with the shared handlers; the role adds its own */
