@@ -18,6 +18,7 @@ static const kvf_cli_bench_entry benches[] = {
     {"router", kvf_bench_router_main, "index ops/s and routing-decision latency"},
     {"serve", kvf_bench_serve_main, "TTFT / ITL / throughput of fleets it starts (colocated vs disaggregated, kv vs round-robin)"},
     {"attn", kvf_bench_attn_main, "paged decode attention KV bandwidth on a GPU vs a device-to-device copy"},
+    {"sample", kvf_bench_sample_main, "host sampler microseconds per draw vs argmax and a full sort of the row"},
 };
 
 int kvf_cli_bench(int argc, char **argv)
