@@ -18,6 +18,13 @@ READY_S=30
 DEV=${KVF_E2E_DEVICE:-cuda}
 POOL="KV pool in GPU memory, transport cuda_ipc"
 [ "$DEV" = cpu ] && POOL="KV pool in host memory, transport ucx"
+# KVF_E2E_XFER=nccl: both workers on --xfer-backend nccl (e2e_gpu_disagg_nccl_emu: the NCCL
+# emulation inside kvfleet_emu; on GPUs NCCL wants two of them). Unset: the backend's default.
+XFER=()
+if [ -n "${KVF_E2E_XFER:-}" ]; then
+    XFER=(--xfer-backend "$KVF_E2E_XFER")
+    POOL="KV pool in GPU memory, transport $KVF_E2E_XFER"
+fi
 
 # --- a GPU first: generate --device cuda says why it cannot run (no device, no CUDA build) ---
 M0="$KVF_SHARED/fixtures/models/tiny-gqa-f32"
@@ -38,8 +45,8 @@ for m in tiny-gqa-f32 tiny-mha-tied-f32; do
     M="$KVF_SHARED/fixtures/models/$m"
     EXP="$M/expected.json"
     N_NEW=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['n_new'])" "$EXP")
-    start "pre-$m" prefill --model "$M" --device "$DEV" --kv-blocks 64; PRE=$ADDR; PRE_ADMIN=$ADMIN
-    start "dec-$m" decode --model "$M" --device "$DEV" --kv-blocks 64 --local-prefill-max-tokens 0
+    start "pre-$m" prefill --model "$M" --device "$DEV" --kv-blocks 64 "${XFER[@]}"; PRE=$ADDR; PRE_ADMIN=$ADMIN
+    start "dec-$m" decode --model "$M" --device "$DEV" --kv-blocks 64 --local-prefill-max-tokens 0 "${XFER[@]}"
     DEC=$ADDR; DEC_ADMIN=$ADMIN
     grep -q "$POOL" "$TMP/pre-$m.err" || fail "$m: prefill did not log \"$POOL\": $(cat "$TMP/pre-$m.err")"
     grep -q "$POOL" "$TMP/dec-$m.err" || fail "$m: decode did not log \"$POOL\""

@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <set>
@@ -29,11 +30,29 @@
 
 typedef std::vector<std::function<void()>> node_list;
 
+/* Another engine's operation on a stream (kvf_emu_rt_ext_enqueue: an NCCL send or recv): its
+ * place in the stream's order and the engine's handle. */
+struct ext_pending {
+    uint64_t seq;
+    void *op;
+};
 struct CUstream_st {
     unsigned flags = 0;
     bool capturing = false, invalidated = false;
     pthread_t capturer{}; /* the thread that began the capture in progress */
     node_list nodes;      /* of the capture in progress */
+    std::deque<ext_pending> ext; /* started, not yet seen done; in stream order */
+    uint64_t ext_seq = 0;        /* operations ever enqueued on it */
+};
+struct CUevent_st {
+    double t_ms = 0;
+    unsigned flags = 0;
+    bool recorded = false;
+    int queries = 0; /* since the last record */
+    /* the stream's other-engine operations before the record: those with seq < ext_upto on
+     * ext_stream (NULL: none pending when it was recorded, or that stream is gone) */
+    CUstream_st *ext_stream = nullptr;
+    uint64_t ext_upto = 0;
 };
 struct CUgraph_st {
     node_list nodes;
@@ -53,16 +72,48 @@ namespace {
  * worker's engine thread and the transport's copies on another thread never interleave inside
  * the emulator; a kernel runs to its end under it. Recursive: entry points call each other. */
 pthread_mutex_t api_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+thread_local int api_depth = 0; /* how many times this thread holds api_mu */
 struct api_lock {
-    api_lock() { pthread_mutex_lock(&api_mu); }
-    ~api_lock() { pthread_mutex_unlock(&api_mu); }
+    api_lock()
+    {
+        pthread_mutex_lock(&api_mu);
+        api_depth++;
+    }
+    ~api_lock()
+    {
+        api_depth--;
+        pthread_mutex_unlock(&api_mu);
+    }
     api_lock(const api_lock &) = delete;
     api_lock &operator=(const api_lock &) = delete;
 };
 #define EMU_API api_lock emu_api_lock_
+/* Lets go of every hold this thread has on api_mu for a scope (a wait on another engine, which
+ * may need the NCCL thread, another thread of ours, or the other process to move), then takes
+ * them back. What the lock guarded may have changed meanwhile. */
+struct api_unlocked {
+    int n;
+    api_unlocked() : n(api_depth)
+    {
+        for (int i = 0; i < n; i++) {
+            api_depth--;
+            pthread_mutex_unlock(&api_mu);
+        }
+    }
+    ~api_unlocked()
+    {
+        for (int i = 0; i < n; i++) {
+            pthread_mutex_lock(&api_mu);
+            api_depth++;
+        }
+    }
+    api_unlocked(const api_unlocked &) = delete;
+    api_unlocked &operator=(const api_unlocked &) = delete;
+};
 
 std::map<uintptr_t, size_t> allocs; /* device allocations: base -> bytes */
 std::set<cudaStream_t> streams;
+std::set<cudaEvent_t> events;
 int n_capturing_blocking = 0;          /* captures on blocking streams (the legacy stream syncs with them) */
 thread_local int my_captures = 0;      /* captures this thread began and has not ended */
 thread_local cudaError_t last_err = cudaSuccess; /* per host thread, as in CUDA */
@@ -157,8 +208,93 @@ bool stream_ok(cudaStream_t s)
     return s == nullptr || streams.count(s);
 }
 
-/* Runs work on stream s now, or records it when s captures. */
-cudaError_t submit(cudaStream_t s, std::function<void()> work)
+/* ---- other engines' operations on our streams (kvf_emu_rt_ext_enqueue): an NCCL send or recv
+ * is started when it is enqueued (the stream's earlier work already ran: work runs when it is
+ * issued); later work on that stream waits for it first (the host thread issuing it blocks,
+ * api_mu released, up to ext_wait_s), an event recorded after it is not ready until it is done,
+ * and synchronizing waits. Consecutive operations on one stream run at once here (as those of
+ * one NCCL group would), not one after the other. */
+kvf_emu_rt_ext_ops ext_ops;
+bool have_ext = false;
+int ext_waiters = 0;     /* threads waiting on an operation (api_mu released): none is freed meanwhile */
+CUstream_st legacy_ext;  /* what the legacy default stream (nullptr) has pending */
+
+CUstream_st *ext_of(cudaStream_t s)
+{
+    return s ? s : &legacy_ext;
+}
+
+int64_t mono_ns()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The seconds a stream waits for an operation before that is called a misuse (a peer that never
+ * posts the matching call): KVF_EMU_EXT_WAIT_S, default 30. */
+int64_t ext_wait_ns()
+{
+    const char *e = getenv("KVF_EMU_EXT_WAIT_S");
+    long v = e ? strtol(e, nullptr, 10) : 0;
+    return (int64_t)(v > 0 ? v : 30) * 1000000000LL;
+}
+
+/* Lets go of the operations on s that are done (none while a thread waits on one). */
+void ext_reap(CUstream_st *s)
+{
+    if (!have_ext || ext_waiters)
+        return;
+    for (auto it = s->ext.begin(); it != s->ext.end();)
+        if (ext_ops.done(it->op)) {
+            ext_ops.release(it->op);
+            it = s->ext.erase(it);
+        } else {
+            ++it;
+        }
+}
+
+/* The first operation on s enqueued before seq upto that is not seen done, or nullptr. */
+void *ext_first_pending(CUstream_st *s, uint64_t upto)
+{
+    for (auto &p : s->ext)
+        if (p.seq < upto && !ext_ops.done(p.op))
+            return p.op;
+    return nullptr;
+}
+
+/* Waits until every operation enqueued on s before seq upto is done, api_mu released while
+ * waiting; false (a misuse, reported) when one is not done within ext_wait_ns. */
+bool ext_wait(CUstream_st *s, uint64_t upto, const char *what)
+{
+    if (!have_ext || s->ext.empty())
+        return true;
+    int64_t deadline = mono_ns() + ext_wait_ns();
+    for (;;) {
+        void *op = ext_first_pending(s, upto);
+        if (!op) {
+            ext_reap(s);
+            return true;
+        }
+        int64_t left = deadline - mono_ns();
+        if (left <= 0) {
+            problem("%s waited %lld s for an NCCL operation before it on its stream, which never ended "
+                    "(a peer that never posts the matching call, and nobody aborts the communicator?)",
+                    what, (long long)(ext_wait_ns() / 1000000000LL));
+            return false;
+        }
+        ext_waiters++;
+        {
+            api_unlocked u;
+            ext_ops.wait(op, std::min<int64_t>(left, 100000000LL));
+        }
+        ext_waiters--;
+    }
+}
+
+/* Runs work on stream s now (after the other engines' operations before it: ext_wait), or
+ * records it when s captures; wait_ext false: do not wait for them (an event record). */
+cudaError_t submit(cudaStream_t s, std::function<void()> work, bool wait_ext = true)
 {
     if (!stream_ok(s))
         return set_err(cudaErrorInvalidResourceHandle);
@@ -178,6 +314,10 @@ cudaError_t submit(cudaStream_t s, std::function<void()> work)
         s->nodes.push_back(std::move(work));
         return cudaSuccess;
     }
+    if (wait_ext && !ext_wait(ext_of(s), UINT64_MAX, "work on a stream"))
+        return set_err(cudaErrorLaunchTimeout);
+    if (!stream_ok(s))
+        return set_err(cudaErrorInvalidResourceHandle); /* destroyed while it waited */
     work();
     return cudaSuccess;
 }
@@ -245,6 +385,37 @@ extern "C" void kvf_emu_rt_fail_launch(int skip)
     fail_launch_in = skip;
 }
 
+extern "C" void kvf_emu_rt_set_ext_ops(const kvf_emu_rt_ext_ops *ops)
+{
+    EMU_API;
+    have_ext = ops != nullptr;
+    if (ops)
+        ext_ops = *ops;
+}
+
+extern "C" int kvf_emu_rt_ext_enqueue(void *stream, void *op)
+{
+    EMU_API;
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (!have_ext) {
+        problem("kvf_emu_rt_ext_enqueue before kvf_emu_rt_set_ext_ops");
+        return 0;
+    }
+    if (!stream_ok(s)) {
+        problem("an NCCL operation enqueued on stream %p, which is not a live stream", stream);
+        return 0;
+    }
+    if (s && s->capturing) {
+        problem("an NCCL operation enqueued on a capturing stream (not emulated)");
+        return 0;
+    }
+    CUstream_st *x = ext_of(s);
+    ext_reap(x);
+    ext_ops.start(op); /* the stream's earlier work ran when it was issued */
+    x->ext.push_back({x->ext_seq++, op});
+    return 1;
+}
+
 extern "C" void kvf_emu_rt_misuse_fatal(int fatal)
 {
     EMU_API;
@@ -301,6 +472,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
     case cudaErrorNotReady: return "device not ready";
+    case cudaErrorLaunchTimeout: return "the launch timed out and was terminated";
     case cudaErrorDeviceUninitialized: return "invalid device context";
     case cudaErrorMapBufferObjectFailed: return "mapping of buffer object failed";
     case cudaErrorStreamCaptureWrongThread: return "attempt to terminate a thread-local capture sequence from another thread";
@@ -528,6 +700,14 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
         problem("a stream destroyed while capturing");
         capture_over(s);
     }
+    /* its NCCL operations end first (CUDA returns at once and lets the work finish) */
+    if (!ext_wait(s, UINT64_MAX, "cudaStreamDestroy"))
+        return set_err(cudaErrorLaunchTimeout);
+    if (!streams.count(s))
+        return set_err(cudaErrorInvalidResourceHandle); /* destroyed meanwhile by another thread */
+    for (cudaEvent_t e : events)
+        if (e->ext_stream == s)
+            e->ext_stream = nullptr;
     streams.erase(s);
     delete s;
     return cudaSuccess;
@@ -547,7 +727,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
     }
     if (refuse_in_capture("cudaStreamSynchronize"))
         return set_err(cudaErrorStreamCaptureUnsupported);
-    return cudaSuccess; /* work ran when it was issued */
+    /* work ran when it was issued; NCCL operations on it may still be going */
+    if (!ext_wait(ext_of(s), UINT64_MAX, "cudaStreamSynchronize"))
+        return set_err(cudaErrorLaunchTimeout);
+    return cudaSuccess;
 }
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode)
@@ -783,16 +966,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
 
 /* ---- what cuda/attn_bench.cu adds (test_attn.c's device memory and its timings) */
 
-struct CUevent_st {
-    double t_ms = 0;
-    unsigned flags = 0;
-    bool recorded = false;
-    int queries = 0; /* since the last record */
-};
-
 namespace {
-std::set<cudaEvent_t> events;
-
 bool event_ok(cudaEvent_t e)
 {
     return e && events.count(e);
@@ -811,6 +985,11 @@ cudaError_t cudaDeviceSynchronize(void)
     EMU_API;
     if (refuse_in_capture("cudaDeviceSynchronize"))
         return set_err(cudaErrorStreamCaptureUnsupported);
+    std::vector<CUstream_st *> all(streams.begin(), streams.end());
+    all.push_back(&legacy_ext);
+    for (CUstream_st *x : all)
+        if ((x == &legacy_ext || streams.count(x)) && !ext_wait(x, UINT64_MAX, "cudaDeviceSynchronize"))
+            return set_err(cudaErrorLaunchTimeout);
     return cudaSuccess;
 }
 
@@ -887,18 +1066,35 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
         return set_err(cudaErrorInvalidResourceHandle);
     e->recorded = true;
     e->queries = 0;
-    cudaError_t r = submit(s, [e] { e->t_ms = now_ms(); });
+    e->ext_stream = nullptr;
+    if (stream_ok(s) && !(s && s->capturing)) {
+        CUstream_st *x = ext_of(s);
+        ext_reap(x);
+        if (!x->ext.empty()) {
+            e->ext_stream = x;
+            e->ext_upto = x->ext_seq;
+        }
+    }
+    /* no wait for the stream's NCCL operations: the event is complete once they are */
+    cudaError_t r = submit(s, [e] { e->t_ms = now_ms(); }, false);
     return r == cudaSuccess ? r : set_err(r);
 }
 
-/* Work runs when it is issued, so a recorded event is complete at once; but its first query
- * after each record answers cudaErrorNotReady (as a GPU still copying would), so a caller's
- * polling path runs too. Not an error: the last error is left alone, as CUDA does. */
+/* Work runs when it is issued, so a recorded event is complete at once unless an NCCL operation
+ * before it on its stream is still going; and its first query after each record answers
+ * cudaErrorNotReady (as a GPU still copying would), so a caller's polling path runs too. Not an
+ * error: the last error is left alone, as CUDA does. */
 cudaError_t cudaEventQuery(cudaEvent_t e)
 {
     EMU_API;
     if (!event_ok(e))
         return set_err(cudaErrorInvalidResourceHandle);
+    if (e->ext_stream) {
+        ext_reap(e->ext_stream);
+        if (ext_first_pending(e->ext_stream, e->ext_upto))
+            return cudaErrorNotReady;
+        e->ext_stream = nullptr;
+    }
     if (e->recorded && e->queries++ == 0)
         return cudaErrorNotReady;
     return cudaSuccess;
@@ -911,6 +1107,12 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e)
         return set_err(cudaErrorInvalidResourceHandle);
     if (refuse_in_capture("cudaEventSynchronize"))
         return set_err(cudaErrorStreamCaptureUnsupported);
+    if (e->ext_stream) {
+        if (!ext_wait(e->ext_stream, e->ext_upto, "cudaEventSynchronize"))
+            return set_err(cudaErrorLaunchTimeout);
+        if (event_ok(e)) /* (destroyed meanwhile by another thread: the caller's misuse) */
+            e->ext_stream = nullptr;
+    }
     e->queries = 1;
     return cudaSuccess;
 }
@@ -1199,5 +1401,8 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
     }
     if (!p)
         return cudaSuccess;
+    /* an NCCL recv before it on the stream may still be writing p */
+    if (!ext_wait(ext_of(s), UINT64_MAX, "cudaFreeAsync"))
+        return set_err(cudaErrorLaunchTimeout);
     return free_device(p, "cudaFreeAsync");
 }
