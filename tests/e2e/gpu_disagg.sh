@@ -20,6 +20,10 @@ POOL="KV pool in GPU memory, transport cuda_ipc"
 [ "$DEV" = cpu ] && POOL="KV pool in host memory, transport ucx"
 # KVF_E2E_XFER=nccl: both workers on --xfer-backend nccl (e2e_gpu_disagg_nccl_emu: the NCCL
 # emulation inside kvfleet_emu; on GPUs NCCL wants two of them). Unset: the backend's default.
+# KVF_E2E_KV_BLOCKS: both pools' blocks (default 64, every prompt in fresh blocks, so one
+# contiguous run each); a few blocks make prompts reuse evicted ones, so a transfer spans several
+# runs (the transports' gather and scatter paths).
+KV_BLOCKS=${KVF_E2E_KV_BLOCKS:-64}
 XFER=()
 if [ -n "${KVF_E2E_XFER:-}" ]; then
     XFER=(--xfer-backend "$KVF_E2E_XFER")
@@ -45,8 +49,8 @@ for m in tiny-gqa-f32 tiny-mha-tied-f32; do
     M="$KVF_SHARED/fixtures/models/$m"
     EXP="$M/expected.json"
     N_NEW=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['n_new'])" "$EXP")
-    start "pre-$m" prefill --model "$M" --device "$DEV" --kv-blocks 64 "${XFER[@]}"; PRE=$ADDR; PRE_ADMIN=$ADMIN
-    start "dec-$m" decode --model "$M" --device "$DEV" --kv-blocks 64 --local-prefill-max-tokens 0 "${XFER[@]}"
+    start "pre-$m" prefill --model "$M" --device "$DEV" --kv-blocks "$KV_BLOCKS" "${XFER[@]}"; PRE=$ADDR; PRE_ADMIN=$ADMIN
+    start "dec-$m" decode --model "$M" --device "$DEV" --kv-blocks "$KV_BLOCKS" --local-prefill-max-tokens 0 "${XFER[@]}"
     DEC=$ADDR; DEC_ADMIN=$ADMIN
     grep -q "$POOL" "$TMP/pre-$m.err" || fail "$m: prefill did not log \"$POOL\": $(cat "$TMP/pre-$m.err")"
     grep -q "$POOL" "$TMP/dec-$m.err" || fail "$m: decode did not log \"$POOL\""
