@@ -8,7 +8,8 @@
  * recursive lock (a worker calls the backend and the transport's GPU table from two threads);
  * the last error and the capture a thread runs are per thread, as in CUDA. Misuses a GPU would
  * not report at once are counted (cuda_rt_emu_c.h) for a test to assert on, or abort a program
- * that asked for that (kvfleet_emu). */
+ * that asked for that (kvfleet_emu). Another engine's operations (kvfleet_emu's NCCL emulation)
+ * can sit on a stream (kvf_emu_rt_ext_enqueue): later work there waits for them. */
 #include "cuda_rt_emu.h"
 
 #include <fcntl.h>
