@@ -133,6 +133,17 @@ EOF
             fail "$m: decode prefilled remotely ${remote:-?} times and fell back to a local prefill ${fellback:-?} times (want > 0 and 0)"
         pass "$m: decode took every prompt's KV from the prefill worker ($remote remote prefills, no fallback)"
     fi
+    if [ "$DEV" = cuda ]; then # the GPU gauges (read every 500 ms or so): memory in use, graphs replayed
+        for _ in $(seq 1 30); do
+            used=$(metric "$DEC_ADMIN" kvfleet_gpu_memory_used_bytes)
+            replays=$(metric "$DEC_ADMIN" kvfleet_cuda_graph_replays_total)
+            awk -v u="${used:-0}" -v r="${replays:-0}" 'BEGIN {exit !(u + 0 > 0 && r + 0 > 0)}' && break
+            sleep 0.2
+        done
+        awk -v u="${used:-0}" -v r="${replays:-0}" 'BEGIN {exit !(u + 0 > 0 && r + 0 > 0)}' ||
+            fail "$m: decode's /metrics: kvfleet_gpu_memory_used_bytes ${used:-absent}, kvfleet_cuda_graph_replays_total ${replays:-absent} (want both > 0)"
+        pass "$m: decode's /metrics: $used bytes of GPU memory in use, $replays decode steps replayed from CUDA graphs"
+    fi
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     PIDS=()
