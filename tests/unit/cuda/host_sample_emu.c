@@ -17,47 +17,18 @@
 #include "../engine/enginetest.h"
 #include "cuda/cuda.h"
 #include "engine/sample.h"
-#include "kv/pool.h"
-#include "model/forward.h"
+#include "emu_side.h"
 #include "sample_ref.h"
 
-#define N_POOL 16
-
-typedef struct fwd_side {
-    const kvf_backend *be;
-    void *ctx;
-    kvf_model_fwd *fwd;
-    const kvf_kv_mem_ops *mem;
-    void *pool;
-    kvf_kv_layout lay;
-} fwd_side;
-
-static void side_open(fwd_side *s, const kvf_backend *be, const kvf_model *m)
+/* one side per backend: f32 matrices, so the emulated GPU's logits are the CPU's up to rounding */
+static void sample_side(side *s, const kvf_backend *be, const kvf_model *m)
 {
-    kvf_err err = {0};
     kvf_backend_opts bo = {.n_threads = 1, .matrix_dtype = KVF_BACKEND_MATRIX_F32};
-    memset(s, 0, sizeof *s);
-    s->be = be;
-    if (be->create(&bo, &s->ctx, &err) != KVF_OK)
-        fail_msg("%s create: %s", be->name, err.msg);
-    assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_F32, &s->lay, &err), KVF_OK);
-    kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 128};
-    if (kvf_model_fwd_create(m, be, s->ctx, &s->lay, &o, &s->fwd, &err) != KVF_OK)
-        fail_msg("%s fwd_create: %s", be->name, err.msg);
-    s->mem = be->kv_mem ? be->kv_mem(s->ctx) : &kvf_kv_mem_host;
-    if (s->mem->alloc(s->ctx, N_POOL * s->lay.block_bytes, &s->pool, &err) != KVF_OK)
-        fail_msg("%s pool: %s", be->name, err.msg);
-}
-
-static void side_close(fwd_side *s)
-{
-    s->mem->free(s->ctx, s->pool, N_POOL * s->lay.block_bytes);
-    kvf_model_fwd_destroy(s->fwd);
-    s->be->destroy(s->ctx);
+    side_open(s, be, m, &bo, KVF_DTYPE_F32);
 }
 
 /* Three sequences, prefilled in one step: 0 greedy, 1 and 2 drawing with draw[0], draw[1]. */
-static kvf_status three_seqs(fwd_side *s, const et_fixture *fx, const kvf_backend_sample_row *draw,
+static kvf_status three_seqs(side *s, const et_fixture *fx, const kvf_backend_sample_row *draw,
                              float *logits, int32_t *next, kvf_err *err)
 {
     static int32_t tables[3][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}};
@@ -76,8 +47,8 @@ static void test_forward_draws_follow_the_rule(void **state)
     (void)state;
     et_fixture *fx = et_open("tiny-gqa-f32");
     int32_t V = fx->m->cfg.vocab_size;
-    fwd_side s;
-    side_open(&s, kvf_cuda_backend(), fx->m);
+    side s;
+    sample_side(&s, kvf_cuda_backend(), fx->m);
     assert_true(kvf_model_fwd_samples(s.fwd));
     float *logits = malloc((size_t)3 * V * sizeof *logits);
     bool *kept = malloc((size_t)V);
@@ -124,7 +95,7 @@ static void test_forward_draws_follow_the_rule(void **state)
     side_close(&s);
 
     /* the CPU backend has no sample op: a draw is refused, naming the backend */
-    side_open(&s, kvf_model_backend_cpu(), fx->m);
+    sample_side(&s, kvf_model_backend_cpu(), fx->m);
     assert_false(kvf_model_fwd_samples(s.fwd));
     bad[1] = bad[0];
     assert_int_equal(three_seqs(&s, fx, bad, NULL, next, &err), KVF_ERR_UNSUPPORTED);
