@@ -72,23 +72,8 @@ static int teardown(void **state)
 /* A nccl kvf_xfer on a host-memory "device" pool, filled with the pattern or zeroed. */
 static kvf_xfer *make_xfer(int n_layers, int n_blocks, bool pattern, uint8_t **mem_out)
 {
-    kvf_kv_layout l = peer_layout(n_layers);
-    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * l.block_bytes));
-    assert_non_null(mem);
-    for (int64_t b = 0; b < n_blocks; b++) {
-        if (pattern)
-            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
-        else
-            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
-    }
-    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
     kvf_xfer_cfg cfg = {.backend = "nccl", .gpu = &gpu_double_ops};
-    kvf_xfer *x = NULL;
-    kvf_err err = {0};
-    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
-        fail_msg("create: %s", err.msg);
-    *mem_out = mem;
-    return x;
+    return peer_make_xfer(&cfg, n_layers, n_blocks, pattern, mem_out);
 }
 
 /* After a kvf_xfer is destroyed: once the stream ran what was left on it, nothing the backend
@@ -128,6 +113,15 @@ static void close_sender(kvf_xfer *x, kvf_xfer_peer *p, uint8_t *mem)
     kvf_xfer_destroy(x);
     free(mem);
     assert_all_freed();
+}
+
+/* Asks the child to quit, checks it exited cleanly (its own check: nothing left behind), then
+ * closes our sender. */
+static void quit_and_close(int fd, kvf_xfer *x, kvf_xfer_peer *p, uint8_t *mem)
+{
+    peer_send(fd, MSG_QUIT, NULL, 0);
+    peer_wait_exit_ok();
+    close_sender(x, p, mem);
 }
 
 /* Waits for the child's MSG_RESULT of transfer id and checks it. */
@@ -171,9 +165,7 @@ static void test_nccl_random_lists(void **state)
     /* Both paths ran: staging for the gathered writes, none for the single-run ones. */
     assert_true(dbl.dev_allocs > allocs0);
     assert_true(dbl.dev_allocs - allocs0 < ROUNDS * PEER_BATCH);
-    peer_send(fd, MSG_QUIT, NULL, 0);
-    peer_wait_exit_ok(); /* its own check: nothing left behind */
-    close_sender(x, p, mem);
+    quit_and_close(fd, x, p, mem);
 }
 
 /* The receiver dies right after the write: the sender's event is an error naming the transfer,
@@ -185,31 +177,11 @@ static void test_nccl_receiver_killed(void **state)
     uint8_t *mem;
     kvf_xfer_peer *p;
     kvf_xfer *x = open_to_receiver(LAYERS, BLOCKS, BLOCKS, &fd, &mem, &p);
-    kvf_xfer_pair pairs[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++)
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i};
-    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
-    expect_msg(fd, x, MSG_READY, 20 * SEC);
-    kvf_err err = {0};
-    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
-    kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
-    int ws = peer_reap(NULL);
-    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
-    kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
-    assert_int_equal(ev.kind, KVF_XFER_SENT);
-    assert_int_equal(ev.id, 7);
-    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
-        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
-    assert_true(kvf_now_ns() - t0 <= 3 * SEC + 500 * MS);
+    peer_receiver_killed(fd, x, p, BLOCKS, NULL);
     assert_int_equal(kvf_xfer_peer_status(p), KVF_ERR_PEER_LOST);
-    kvf_xfer_stats s;
-    kvf_xfer_stats_get(x, &s);
-    assert_int_equal(s.in_flight, 0);
-    assert_int_equal(s.sent_failed, 1);
     for (int i = 0; i < 20; i++)
         kvf_xfer_progress(x);
+    kvf_xfer_event ev;
     assert_false(kvf_xfer_poll(x, &ev)); /* exactly one event */
     close_sender(x, p, mem);
 }
@@ -231,26 +203,13 @@ static void sender_killed(int die)
     assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
     kvf_xfer_pair pairs[BLOCKS];
     int32_t dsts[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++) {
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % BLOCKS}; /* 7 is prime to 64 */
-        dsts[i] = pairs[i].dst;
-    }
+    peer_stride_pairs(pairs, dsts, BLOCKS);
     int fd = spawn_peer("send", LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC); /* its pair is usable: our init ran on our progress */
     kvf_nccl_emu_stats e0, e1;
     kvf_nccl_emu_stats_get(&e0);
-    int64_t t0 = kvf_now_ns();
-    kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
-    send_pairs(fd, MSG_WRITE, 9, 20000, die, pairs, BLOCKS);
-    kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
-    int64_t el = kvf_now_ns() - t0;
-    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
-    assert_int_equal(ev.id, 9);
-    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
-    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    peer_expect_write_timeout(fd, x, pairs, dsts, BLOCKS, die);
     int ws = peer_reap(NULL);
     assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
     /* die=2: the notice came and our recv was posted; die=1: nothing reached us. Either way
@@ -264,12 +223,7 @@ static void sender_killed(int die)
     fd = spawn_peer("send", LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
-    assert_int_equal(kvf_xfer_expect_blocks(x, 10, dsts, BLOCKS, kvf_now_ns() + 20 * SEC, &err),
-                     KVF_OK);
-    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
-    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
-    assert_int_equal(ev.id, 10);
-    assert_int_equal(ev.status, KVF_OK);
+    peer_expect_write_ok(fd, x, 10, pairs, dsts, BLOCKS);
     for (int i = 0; i < BLOCKS; i++)
         if (peer_check_block(mem + pairs[i].dst * bb, bb, pairs[i].src) != 0)
             fail_msg("block %d (from %d) differs after RECEIVED", pairs[i].dst, pairs[i].src);
@@ -341,9 +295,7 @@ static void test_nccl_cancel(void **state)
     assert_int_equal(ev.status, KVF_OK);
     expect_result(fd, x, 7, KVF_OK);
     assert_false(kvf_xfer_poll(x, &ev));
-    peer_send(fd, MSG_QUIT, NULL, 0);
-    peer_wait_exit_ok();
-    close_sender(x, p, mem);
+    quit_and_close(fd, x, p, mem);
 }
 
 /* The receiver stops (alive, silent) before its recv is posted: the send waits, as a kernel

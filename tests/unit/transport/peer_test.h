@@ -1,8 +1,9 @@
 /* peer_test.h: the parent side the two-process transport tests share (test_procs.c, test_gpu.c,
  * gpu_xfer.c): the child's pid and socket, starting and reaping it, waiting for and sending
- * peer_proto.h messages, connecting from a received descriptor, the random-lists rounds
- * (batches of transfers in flight at once, each verified by the receiver) and the write to a
- * stopped receiver. Header-only; include after cmocka's headers and peer_proto.h. */
+ * peer_proto.h messages, connecting from a received descriptor, a kvf_xfer on a host pool, the
+ * random-lists rounds (batches of transfers in flight at once, each verified by the receiver),
+ * and the writes to a killed receiver, from a killed sender and to a stopped receiver (also
+ * nccl_test.c). Header-only; include after cmocka's headers and peer_proto.h. */
 #ifndef KVF_TEST_PEER_TEST_H
 #define KVF_TEST_PEER_TEST_H
 
@@ -111,6 +112,124 @@ static inline kvf_xfer_peer *connect_from_msg(kvf_xfer *x)
         kvf_xfer_progress(x);
     assert_int_equal(kvf_xfer_peer_status(p), KVF_OK);
     return p;
+}
+
+/* A kvf_xfer made from cfg on the pool at mem (n_blocks blocks of peer_layout(n_layers)), which
+ * is first filled with the pattern or zeroed. */
+static inline kvf_xfer *peer_xfer_create(const kvf_xfer_cfg *cfg, uint8_t *mem, int n_layers,
+                                         int n_blocks, bool pattern)
+{
+    kvf_kv_layout l = peer_layout(n_layers);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        if (pattern)
+            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
+        else
+            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
+    }
+    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
+    kvf_xfer *x = NULL;
+    kvf_err err = {0};
+    if (kvf_xfer_create(cfg, &pool, &x, &err) != KVF_OK)
+        fail_msg("create: %s", err.msg);
+    return x;
+}
+
+/* peer_xfer_create on a new host-memory pool; its memory (free it after the kvf_xfer) in
+ * mem_out. */
+static inline kvf_xfer *peer_make_xfer(const kvf_xfer_cfg *cfg, int n_layers, int n_blocks,
+                                       bool pattern, uint8_t **mem_out)
+{
+    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * peer_layout(n_layers).block_bytes));
+    assert_non_null(mem);
+    *mem_out = mem;
+    return peer_xfer_create(cfg, mem, n_layers, n_blocks, pattern);
+}
+
+/* A receiver killed mid-transfer: transfer 7 of blocks 0..n-1 to n-1..0 is expected by the
+ * child, written with a 3 s deadline (the log set to errors only), then the child is killed
+ * (peer_reap(after_kill)). The one event must be SENT for 7 with PEER_LOST or TIMEOUT within
+ * 3.5 s of the write, and nothing left in flight. */
+static inline void peer_receiver_killed(int fd, kvf_xfer *x, kvf_xfer_peer *p, int n,
+                                        void (*after_kill)(pid_t pid))
+{
+    kvf_xfer_pair *pairs = malloc((size_t)n * sizeof *pairs);
+    assert_non_null(pairs);
+    for (int i = 0; i < n; i++)
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = n - 1 - i};
+    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, (uint32_t)n);
+    expect_msg(fd, x, MSG_READY, 20 * SEC);
+    kvf_err err = {0};
+    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
+    kvf_log_set_level(KVF_LOG_ERROR);
+    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, (uint32_t)n, deadline, &err), KVF_OK);
+    free(pairs);
+    int ws = peer_reap(after_kill);
+    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.kind, KVF_XFER_SENT);
+    assert_int_equal(ev.id, 7);
+    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
+        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
+    assert_true(kvf_now_ns() - t0 <= 3 * SEC + 500 * MS);
+    kvf_xfer_stats s;
+    kvf_xfer_stats_get(x, &s);
+    assert_int_equal(s.in_flight, 0);
+    assert_int_equal(s.sent_failed, 1);
+}
+
+/* The pairs the sender-killed tests write: block i to block (i * 7) % n (7 is prime to the 64
+ * blocks they use, so every block is hit once, shuffled); dsts gets the destinations. */
+static inline void peer_stride_pairs(kvf_xfer_pair *pairs, int32_t *dsts, int n)
+{
+    for (int i = 0; i < n; i++) {
+        pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % n};
+        dsts[i] = pairs[i].dst;
+    }
+}
+
+/* A sender killed mid-transfer: x expects transfer 9 into dsts (NULL: kvf_xfer_expect, no
+ * blocks named) with a 2 s deadline (the log set to errors only) and the sending child on fd is
+ * told to write pairs and die (die as in MSG_WRITE). The event must be RECEIVED for 9 with
+ * TIMEOUT, 2 to 3 s after the expectation. */
+static inline void peer_expect_write_timeout(int fd, kvf_xfer *x, const kvf_xfer_pair *pairs,
+                                             const int32_t *dsts, int n, int die)
+{
+    kvf_err err = {0};
+    int64_t t0 = kvf_now_ns();
+    kvf_log_set_level(KVF_LOG_ERROR);
+    if (dsts)
+        assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, (uint32_t)n, t0 + 2 * SEC, &err),
+                         KVF_OK);
+    else
+        assert_int_equal(kvf_xfer_expect(x, 9, t0 + 2 * SEC, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, 9, 20000, die, pairs, (uint32_t)n);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
+    int64_t el = kvf_now_ns() - t0;
+    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
+    assert_int_equal(ev.id, 9);
+    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
+    assert_true(el >= 2 * SEC && el < 3 * SEC);
+}
+
+/* The healthy write after a killed sender: x expects transfer id into dsts (NULL: as in
+ * peer_expect_write_timeout), the sending child on fd writes pairs, and the event is id with OK
+ * (the caller checks the bytes). */
+static inline void peer_expect_write_ok(int fd, kvf_xfer *x, uint64_t id,
+                                        const kvf_xfer_pair *pairs, const int32_t *dsts, int n)
+{
+    kvf_err err = {0};
+    int64_t deadline = kvf_now_ns() + 20 * SEC;
+    if (dsts)
+        assert_int_equal(kvf_xfer_expect_blocks(x, id, dsts, (uint32_t)n, deadline, &err), KVF_OK);
+    else
+        assert_int_equal(kvf_xfer_expect(x, id, deadline, &err), KVF_OK);
+    send_pairs(fd, MSG_WRITE, id, 20000, 0, pairs, (uint32_t)n);
+    kvf_xfer_event ev;
+    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
+    assert_int_equal(ev.id, id);
+    assert_int_equal(ev.status, KVF_OK);
 }
 
 /* A receiver stopped mid-transfer: transfer 21 of blocks 0..n-1 one to one is expected by the

@@ -77,19 +77,9 @@ static kvf_xfer *make_gpu_xfer(const char *transport, int n_layers, int n_blocks
     size_t bytes = (size_t)(n_blocks * l.block_bytes);
     uint8_t *mem = ipc ? gpu_double_dev_alloc(bytes) : aligned_alloc(4096, bytes);
     assert_non_null(mem);
-    for (int64_t b = 0; b < n_blocks; b++) {
-        if (pattern)
-            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
-        else
-            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
-    }
-    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
     kvf_xfer_cfg cfg = {.backend = ipc ? "cuda_ipc" : "ucx", .transport = ipc ? NULL : transport,
                         .gpu = &gpu_double_ops, .gpu_staging = !ipc};
-    kvf_xfer *x = NULL;
-    kvf_err err = {0};
-    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
-        fail_msg("create: %s", err.msg);
+    kvf_xfer *x = peer_xfer_create(&cfg, mem, n_layers, n_blocks, pattern);
     assert_ptr_equal(kvf_xfer_pool_base(x), mem); /* the device pool, not the mirror */
     *mem_out = mem;
     return x;
@@ -442,28 +432,8 @@ static void receiver_killed(const char *transport, bool staging)
     uint8_t *mem;
     kvf_xfer_peer *p;
     kvf_xfer *x = open_to_receiver(transport, LAYERS, BLOCKS, BLOCKS, staging, &fd, &mem, &p);
-    kvf_xfer_pair pairs[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++)
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = BLOCKS - 1 - i};
-    send_pairs(fd, MSG_EXPECT, 7, 20000, 0, pairs, BLOCKS);
-    expect_msg(fd, x, MSG_READY, 20 * SEC);
-    kvf_err err = {0};
-    int64_t t0 = kvf_now_ns(), deadline = t0 + 3 * SEC;
-    kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_write(x, p, 7, pairs, BLOCKS, deadline, &err), KVF_OK);
-    int ws = reap_peer();
-    assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+    peer_receiver_killed(fd, x, p, BLOCKS, unlink_child_shm);
     kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, deadline + 2 * SEC, &err), KVF_OK);
-    assert_int_equal(ev.kind, KVF_XFER_SENT);
-    assert_int_equal(ev.id, 7);
-    if (ev.status != KVF_ERR_PEER_LOST && ev.status != KVF_ERR_TIMEOUT)
-        fail_msg("transfer 7 ended with %s", kvf_status_str(ev.status));
-    assert_true(kvf_now_ns() - t0 <= 3 * SEC + 500 * MS);
-    kvf_xfer_stats s;
-    kvf_xfer_stats_get(x, &s);
-    assert_int_equal(s.in_flight, 0);
-    assert_int_equal(s.sent_failed, 1);
     assert_false(kvf_xfer_poll(x, &ev)); /* exactly one event */
     kvf_xfer_disconnect(x, p);
     kvf_xfer_destroy(x);
@@ -561,24 +531,11 @@ static void sender_killed(const char *transport, bool our_staging)
     assert_int_equal(kvf_xfer_desc_export(x, &desc, &len, &err), KVF_OK);
     kvf_xfer_pair pairs[BLOCKS];
     int32_t dsts[BLOCKS];
-    for (int i = 0; i < BLOCKS; i++) {
-        pairs[i] = (kvf_xfer_pair){.src = i, .dst = (i * 7) % BLOCKS}; /* 7 is prime to 64 */
-        dsts[i] = pairs[i].dst;
-    }
+    peer_stride_pairs(pairs, dsts, BLOCKS);
     int fd = spawn_peer("send", transport, LAYERS, BLOCKS, false);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
-    int64_t t0 = kvf_now_ns();
-    kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_expect_blocks(x, 9, dsts, BLOCKS, t0 + 2 * SEC, &err), KVF_OK);
-    send_pairs(fd, MSG_WRITE, 9, 20000, 1, pairs, BLOCKS);
-    kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
-    int64_t el = kvf_now_ns() - t0;
-    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
-    assert_int_equal(ev.id, 9);
-    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
-    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    peer_expect_write_timeout(fd, x, pairs, dsts, BLOCKS, 1);
     int ws = reap_peer();
     assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
 
@@ -586,12 +543,7 @@ static void sender_killed(const char *transport, bool our_staging)
     fd = spawn_peer("send", transport, LAYERS, BLOCKS, false);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
-    assert_int_equal(kvf_xfer_expect_blocks(x, 10, dsts, BLOCKS, kvf_now_ns() + 20 * SEC, &err),
-                     KVF_OK);
-    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
-    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
-    assert_int_equal(ev.id, 10);
-    assert_int_equal(ev.status, KVF_OK);
+    peer_expect_write_ok(fd, x, 10, pairs, dsts, BLOCKS);
     for (int i = 0; i < BLOCKS; i++)
         assert_int_equal(peer_check_block(mem + pairs[i].dst * bb, bb, pairs[i].src), 0);
     expect_msg(fd, x, MSG_SENT, 20 * SEC);

@@ -110,23 +110,8 @@ static void assert_all_free(kvf_kv_pool *kp)
 static kvf_xfer *make_xfer(const char *transport, int n_layers, int n_blocks, bool pattern,
                            uint8_t **mem_out)
 {
-    kvf_kv_layout l = peer_layout(n_layers);
-    uint8_t *mem = aligned_alloc(4096, (size_t)(n_blocks * l.block_bytes));
-    assert_non_null(mem);
-    for (int64_t b = 0; b < n_blocks; b++) {
-        if (pattern)
-            peer_fill_block(mem + b * l.block_bytes, l.block_bytes, b);
-        else
-            memset(mem + b * l.block_bytes, 0, (size_t)l.block_bytes);
-    }
-    kvf_xfer_pool pool = {.base = mem, .layout = l, .n_blocks = n_blocks};
     kvf_xfer_cfg cfg = {.backend = "ucx", .transport = transport};
-    kvf_xfer *x = NULL;
-    kvf_err err = {0};
-    if (kvf_xfer_create(&cfg, &pool, &x, &err) != KVF_OK)
-        fail_msg("create: %s", err.msg);
-    *mem_out = mem;
-    return x;
+    return peer_make_xfer(&cfg, n_layers, n_blocks, pattern, mem_out);
 }
 
 /* Random lists, three transfers in flight at once, each verified by the receiver. */
@@ -305,17 +290,7 @@ static void sender_killed(const char *transport)
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
     assert_int_equal(kvf_kv_seq_adopt(&seq, ids, BLOCKS, (int64_t)BLOCKS * 16, &err), KVF_OK);
-    int64_t t0 = kvf_now_ns();
-    kvf_log_set_level(KVF_LOG_ERROR);
-    assert_int_equal(kvf_xfer_expect(x, 9, t0 + 2 * SEC, &err), KVF_OK);
-    send_pairs(fd, MSG_WRITE, 9, 20000, 1, pairs, BLOCKS);
-    kvf_xfer_event ev;
-    assert_int_equal(kvf_xfer_wait(x, &ev, t0 + 10 * SEC, &err), KVF_OK);
-    int64_t el = kvf_now_ns() - t0;
-    assert_int_equal(ev.kind, KVF_XFER_RECEIVED);
-    assert_int_equal(ev.id, 9);
-    assert_int_equal(ev.status, KVF_ERR_TIMEOUT);
-    assert_true(el >= 2 * SEC && el < 3 * SEC);
+    peer_expect_write_timeout(fd, x, pairs, NULL, BLOCKS, 1);
     int ws = reap_peer();
     assert_true(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
     kvf_xfer_stats s;
@@ -333,11 +308,7 @@ static void sender_killed(const char *transport)
     fd = spawn_peer("send", transport, LAYERS, BLOCKS);
     assert_int_equal(peer_send(fd, MSG_DESC, desc, (uint32_t)len), 0);
     expect_msg(fd, x, MSG_READY, 20 * SEC);
-    assert_int_equal(kvf_xfer_expect(x, 10, kvf_now_ns() + 20 * SEC, &err), KVF_OK);
-    send_pairs(fd, MSG_WRITE, 10, 20000, 0, pairs, BLOCKS);
-    assert_int_equal(kvf_xfer_wait(x, &ev, kvf_now_ns() + 25 * SEC, &err), KVF_OK);
-    assert_int_equal(ev.id, 10);
-    assert_int_equal(ev.status, KVF_OK);
+    peer_expect_write_ok(fd, x, 10, pairs, NULL, BLOCKS);
     for (int b = 0; b < BLOCKS; b++)
         assert_int_equal(peer_check_block(mem + b * bb, bb, b), 0);
     expect_msg(fd, x, MSG_SENT, 20 * SEC);
