@@ -1,7 +1,8 @@
 /* attn.cu: paged attention kernels over the block-major KV pool and their launcher
  * (cuda/attn.h). One CTA serves (token, KV head, up to 8 of its query heads, one context
- * partition of 64-256 positions); a reduce kernel merges the partitions. The host
- * checks and a plain-C reference of the same algorithm are in attn_ref.c. */
+ * partition of 64-256 positions); a prefill chunk's tokens are served in tiles of up to 16
+ * (token, query head) rows that share each K/V row they load; a reduce kernel merges the
+ * partitions. The host checks and a plain-C reference of the algorithm are in attn_ref.c. */
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -30,8 +31,20 @@ extern "C" {
  * shuffle trees stay power-of-two; the threads whose 8 columns lie at or past head_dim ("pad
  * lanes") load nothing, hold zeros and store nothing (48 idles 2 of 8 lanes per row, 80 idles
  * 6 of 16, 96 idles 4 of 16). For the powers of two 16..256 HD_PAD == HD and the pad tests
- * fold away at compile time. Prefill chunks use the same path (each query token reads its own
- * K/V; no reuse of K/V tiles across the tokens of a chunk beyond what the L2 cache gives). */
+ * fold away at compile time.
+ * Prefill chunks (a step with n_seqs < n_tokens): a token whose sequence has other tokens beside
+ * it in the step belongs to a tile, and the tiled kernel serves it instead (the partition kernel
+ * returns at once for it; one with a run of one token, a decode token, stays there):
+ *  3. tile kernel, same grid: a tile is up to QT = 16 / GC consecutive tokens of one sequence at
+ *     consecutive positions, aligned so that a position that is a multiple of QT starts one; the
+ *     CTA of a tile's first token serves its QT x GC (token, query head) rows, every other CTA
+ *     of the tile returns. For each pass of KT positions of its partition (the union of the rows'
+ *     visible ranges) it loads K into shared memory once for all 16 rows, scores them (causal
+ *     and window masks per row), updates each row's running max and sum (online softmax, base 2),
+ *     loads V over K and accumulates; at the end it writes what the partition kernel writes for
+ *     each row whose own range meets the partition (output / sum * v_scale, and m, l when split),
+ *     so the reduce and the workspace are shared. Each K/V row is read once per tile instead of
+ *     once per token. */
 
 namespace {
 
@@ -59,6 +72,8 @@ struct attn_args {
     int64_t block_bytes, slab_bytes, layer_off;
     int32_t n_tokens, n_heads, n_kv_heads, group, chunks, max_blocks, max_ctx, parts, window;
     int32_t log2_bs, part_len;
+    int32_t tiled; /* the tile kernel runs too: runs of two or more tokens are its */
+    int32_t gc;    /* query heads per CTA: ng <= gc of them real (1, 2, 4 or 8) */
     float q_mul, v_mul;
 };
 
@@ -150,6 +165,14 @@ __device__ __forceinline__ int attn_lo(int pos, int window)
     return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
 }
 
+/* True when token t is the only token of its sequence beside it in the step (a decode token):
+ * the partition kernel serves it; a token of a longer run belongs to a tile. */
+__device__ __forceinline__ bool attn_single(const attn_args &a, int t)
+{
+    const int s = a.tok_seq[t];
+    return (t == 0 || a.tok_seq[t - 1] != s) && (t + 1 == a.n_tokens || a.tok_seq[t + 1] != s);
+}
+
 /* Starts the loads of this thread's share of rows first, first + NG, ... (ATTN_UNROLL of them,
  * partition-relative) at byte offset off inside each position's block; rows at or past n, and
  * every row of a pad lane (live false: its columns are past head_dim), read nothing and
@@ -195,6 +218,8 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __shared__ float m_s[GC], l_s[GC];
 
     const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
+    if (a.tiled && !attn_single(a, t))
+        return; /* the tile kernel's */
     const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
     const int ng = min(GC, a.group - g0);
     const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0; /* first head row */
@@ -358,6 +383,235 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     }
 }
 
+constexpr int ATTN_TILE_ROWS = 16; /* (token, query head) rows of one tile */
+
+/* K/V positions per pass of the tile kernel: about 4096 floats of shared memory */
+constexpr int attn_tile_kt(int hd)
+{
+    return hd <= 64 ? 64 : hd <= 128 ? 32 : 16;
+}
+
+/* Loads positions k0 .. k0 + kn - 1 (partition-relative block ids in blk_s, first block b0) of
+ * one K or V slab (byte offset off in each block: layer, part, KV head) into rows of kv_s as
+ * floats (row stride KS); rows kn .. KT - 1 become zeros, so nothing past the range is read. */
+template <int HD, kvf_dtype DT, int KT, int KS>
+__device__ __forceinline__ void attn_tile_load(const attn_args &a, const int32_t *blk_s, int b0,
+                                               int k0, int kn, int64_t off, float *kv_s)
+{
+    typedef attn_io<DT> io;
+    constexpr int CPR = HD / ATTN_EPT; /* 8-element chunks per row */
+    constexpr int ROW = HD * io::ES;
+    const int bs = 1 << a.log2_bs;
+    for (int c = threadIdx.x; c < KT * CPR; c += ATTN_NT) {
+        const int row = c / CPR, ch = c % CPR;
+        float f[ATTN_EPT];
+        if (row < kn) {
+            const int p = k0 + row;
+            const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
+            io::cvt(io::load(a.pool + blk * a.block_bytes + off + (int64_t)(p & (bs - 1)) * ROW +
+                             ch * ATTN_EPT * io::ES),
+                    f);
+        } else {
+#pragma unroll
+            for (int e = 0; e < ATTN_EPT; e++)
+                f[e] = 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < ATTN_EPT; e++)
+            kv_s[row * KS + ch * ATTN_EPT + e] = f[e];
+    }
+}
+
+/* Output element u of thread tid in the tile kernel: element tid + u * ATTN_NT of the
+ * [rows][HD] output, as (row, column); written so that when HD divides the CTA the column is
+ * visibly the same for every u. */
+template <int HD> __device__ __forceinline__ int attn_tile_row(int tid, int u)
+{
+    return ATTN_NT % HD == 0 ? tid / HD + u * (ATTN_NT / HD) : (tid + u * ATTN_NT) / HD;
+}
+
+template <int HD> __device__ __forceinline__ int attn_tile_col(int tid, int u)
+{
+    return ATTN_NT % HD == 0 ? tid % HD : (tid + u * ATTN_NT) % HD;
+}
+
+/* One CTA per tile (algorithm step 3): token blockIdx.x when it starts a tile, KV head and head
+ * chunk blockIdx.y, partition blockIdx.z. Row r of the tile is (token r / gc, head r % gc). */
+template <int HD, kvf_dtype DT>
+__global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
+{
+    constexpr int R = ATTN_TILE_ROWS;
+    constexpr int KT = attn_tile_kt(HD);
+    constexpr int KS = HD + 1;           /* odd row stride: a warp's 32 rows hit 32 banks */
+    constexpr int SU = R * KT / ATTN_NT; /* scores per thread, all at one position j */
+    constexpr int OU = R * HD / ATTN_NT; /* output elements per thread */
+    constexpr int TPR = ATTN_NT / R;     /* threads per row in the softmax update */
+    static_assert(ATTN_NT % KT == 0 && KT % TPR == 0 && (R * HD) % ATTN_NT == 0, "tile shape");
+    static_assert((R * HD + KT * KS + R * KT + ATTN_PART_MAX + 1 + R) * 4 <= 48 * 1024,
+                  "static shared memory is capped at 48 KiB");
+    __shared__ float q_s[R * HD];
+    __shared__ float kv_s[KT * KS];  /* K, then V, of one pass */
+    __shared__ float p_s[R * KT];    /* scores, then weights */
+    __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
+    __shared__ float c_s[R];         /* per row: the factor the pass rescales its output by */
+
+    const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
+    if (attn_single(a, t))
+        return; /* a decode token: the partition kernel's */
+    const int gc = a.gc, qt = R / gc; /* tokens per tile: 16, 8, 4 or 2 */
+    const int seq = a.tok_seq[t], pos0 = a.tok_pos[t];
+    if (t > 0 && a.tok_seq[t - 1] == seq && a.tok_pos[t - 1] + 1 == pos0 && (pos0 & (qt - 1)) != 0)
+        return; /* inside a tile an earlier CTA serves */
+    int nt = 1; /* the tile's tokens: t .. t + nt - 1, at positions pos0 .. pos0 + nt - 1 */
+    while (nt < qt && t + nt < a.n_tokens && a.tok_seq[t + nt] == seq &&
+           a.tok_pos[t + nt] == pos0 + nt && ((pos0 + nt) & (qt - 1)) != 0)
+        nt++;
+    const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
+    const int ng = min(gc, a.group - g0);
+    const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0;
+    /* tokens outside [0, max_ctx) get zeros (the reduce writes them when split) and are left
+     * out; the others are a contiguous run ia .. ib of the tile */
+    const int ia = (int)max((int64_t)0, -(int64_t)pos0);
+    const int ib = (int)min((int64_t)nt - 1, (int64_t)a.max_ctx - 1 - pos0);
+    if (a.parts == 1)
+        for (int i = tid; i < nt * ng * HD; i += ATTN_NT) {
+            const int ti = i / (ng * HD);
+            if (ti < ia || ti > ib)
+                a.out[(th0 + (int64_t)ti * a.n_heads) * HD + i % (ng * HD)] = 0.0f;
+        }
+    if (ia > ib)
+        return;
+    const int p0 = max(part * a.part_len, attn_lo(pos0 + ia, a.window));
+    const int p1 = min((part + 1) * a.part_len, pos0 + ib + 1);
+    if (p0 >= p1)
+        return; /* no row sees this partition; the reduce skips it for each */
+    const int b0 = p0 >> a.log2_bs, nb = ((p1 - 1) >> a.log2_bs) - b0 + 1;
+    const int32_t *bt = a.block_tables + (int64_t)seq * a.max_blocks;
+    for (int i = tid; i < nb; i += ATTN_NT)
+        blk_s[i] = bt[b0 + i];
+    for (int i = tid; i < R * HD; i += ATTN_NT) {
+        const int r = i / HD, ti = r / gc, g = r % gc;
+        q_s[i] = (ti >= ia && ti <= ib && g < ng)
+                     ? a.q[(th0 + (int64_t)ti * a.n_heads + g) * HD + i % HD] * a.q_mul
+                     : 0.0f;
+    }
+
+    /* this thread's scores: rows sr0 + u * (NT / KT), position j of each pass */
+    const int j = tid % KT, sr0 = tid / KT;
+    /* its softmax row, and that row's running max and sum (the same in all TPR threads) */
+    const int mr = tid / TPR, mt = mr / gc;
+    float m_run = -INFINITY, l_run = 0.0f;
+    float o[OU];
+#pragma unroll
+    for (int u = 0; u < OU; u++)
+        o[u] = 0.0f;
+    const int64_t k_off = a.layer_off + (int64_t)kvh * (1 << a.log2_bs) * HD * attn_io<DT>::ES;
+    for (int k0 = p0; k0 < p1; k0 += KT) {
+        const int kn = min(KT, p1 - k0);
+        __syncthreads(); /* the last pass is done with kv_s and p_s (and q_s, blk_s are in) */
+        attn_tile_load<HD, DT, KT, KS>(a, blk_s, b0, k0, kn, k_off, kv_s);
+        __syncthreads();
+        /* 1. scores, masked per row: position k0 + j is visible to token ti when
+         * lo(pos) <= k0 + j <= pos */
+        {
+            float acc[SU];
+#pragma unroll
+            for (int u = 0; u < SU; u++)
+                acc[u] = 0.0f;
+#pragma unroll 8
+            for (int d = 0; d < HD; d++) {
+                const float k = kv_s[j * KS + d];
+#pragma unroll
+                for (int u = 0; u < SU; u++)
+                    acc[u] = fmaf(q_s[(sr0 + u * (ATTN_NT / KT)) * HD + d], k, acc[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < SU; u++) {
+                const int r = sr0 + u * (ATTN_NT / KT), ti = r / gc, pos = pos0 + ti;
+                const int kp = k0 + j;
+                const bool vis = j < kn && ti >= ia && ti <= ib && r % gc < ng && kp <= pos &&
+                                 kp >= attn_lo(pos, a.window);
+                p_s[r * KT + j] = vis ? acc[u] : -INFINITY;
+            }
+        }
+        __syncthreads();
+        /* 2. per row: new max, weights 2^(s - m) in place, sum; c_s = 2^(old m - new m) */
+        {
+            const int sub = tid % TPR;
+            float mx = -INFINITY;
+            for (int jj = sub; jj < KT; jj += TPR)
+                mx = fmaxf(mx, p_s[mr * KT + jj]);
+#pragma unroll
+            for (int off = TPR / 2; off > 0; off >>= 1)
+                mx = fmaxf(mx, __shfl_xor_sync(ATTN_FULL, mx, off));
+            const float m_new = fmaxf(m_run, mx);
+            float sum = 0.0f;
+            for (int jj = sub; jj < KT; jj += TPR) {
+                const float s = p_s[mr * KT + jj];
+                const float w = s == -INFINITY ? 0.0f : exp2f(s - m_new);
+                p_s[mr * KT + jj] = w;
+                sum += w;
+            }
+#pragma unroll
+            for (int off = TPR / 2; off > 0; off >>= 1)
+                sum += __shfl_xor_sync(ATTN_FULL, sum, off);
+            const float corr = m_run == -INFINITY ? 0.0f : exp2f(m_run - m_new);
+            l_run = l_run * corr + sum;
+            m_run = m_new;
+            if (sub == 0)
+                c_s[mr] = corr;
+        }
+        __syncthreads(); /* scores read: kv_s may take V */
+        attn_tile_load<HD, DT, KT, KS>(a, blk_s, b0, k0, kn, k_off + a.slab_bytes, kv_s);
+        __syncthreads();
+        /* 3. o = o * c + sum_j w[j] * v[j]; when HD divides the CTA every element of a thread
+         * is in one column, so each V element is loaded once for all of them */
+#pragma unroll
+        for (int u = 0; u < OU; u++)
+            o[u] *= c_s[attn_tile_row<HD>(tid, u)];
+#pragma unroll 4
+        for (int jj = 0; jj < KT; jj++) {
+            const float v0 = kv_s[jj * KS + attn_tile_col<HD>(tid, 0)];
+#pragma unroll
+            for (int u = 0; u < OU; u++) {
+                const float v = ATTN_NT % HD == 0 ? v0 : kv_s[jj * KS + attn_tile_col<HD>(tid, u)];
+                o[u] = fmaf(p_s[attn_tile_row<HD>(tid, u) * KT + jj], v, o[u]);
+            }
+        }
+    }
+    __syncthreads();
+    if (tid % TPR == 0)
+        c_s[mr] = l_run; /* c_s now holds each row's sum */
+    __syncthreads();
+
+    /* 4. for each row whose own range meets this partition: output / sum * v_scale, and its
+     * max and sum when split */
+#pragma unroll
+    for (int u = 0; u < OU; u++) {
+        const int r = attn_tile_row<HD>(tid, u), d = attn_tile_col<HD>(tid, u);
+        const int ti = r / gc, g = r % gc;
+        const int pos = pos0 + ti;
+        if (ti < ia || ti > ib || g >= ng ||
+            max(part * a.part_len, attn_lo(pos, a.window)) >= min((part + 1) * a.part_len, pos + 1))
+            continue;
+        const int64_t th = th0 + (int64_t)ti * a.n_heads + g;
+        const float v = o[u] * (a.v_mul / c_s[r]);
+        if (a.parts == 1)
+            a.out[th * HD + d] = v;
+        else
+            a.ws_o[(th * a.parts + part) * HD + d] = v;
+    }
+    if (a.parts > 1 && tid % TPR == 0) {
+        const int pos = pos0 + mt, g = mr % gc;
+        if (mt >= ia && mt <= ib && g < ng &&
+            max(part * a.part_len, attn_lo(pos, a.window)) < min((part + 1) * a.part_len, pos + 1)) {
+            const int64_t th = th0 + (int64_t)mt * a.n_heads + g;
+            a.ws_m[th * a.parts + part] = m_run;
+            a.ws_l[th * a.parts + part] = l_run;
+        }
+    }
+}
+
 /* Merges the partitions of (token blockIdx.x, head blockIdx.y); thread d writes column d. */
 __global__ void attn_reduce_kernel(const attn_args a, int hd)
 {
@@ -402,42 +656,49 @@ template <int HD, kvf_dtype DT> attn_fn attn_pick_gc(int gc)
     }
 }
 
-template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc)
+/* The partition kernel (tile false) or the tile kernel (tile true; it takes gc at run time). */
+template <int HD, kvf_dtype DT> attn_fn attn_pick_kind(int gc, bool tile)
+{
+    return tile ? attn_tile_kernel<HD, DT> : attn_pick_gc<HD, DT>(gc);
+}
+
+template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc, bool tile)
 {
     switch (dt) {
     case KVF_DTYPE_F32:
-        return attn_pick_gc<HD, KVF_DTYPE_F32>(gc);
+        return attn_pick_kind<HD, KVF_DTYPE_F32>(gc, tile);
     case KVF_DTYPE_F16:
-        return attn_pick_gc<HD, KVF_DTYPE_F16>(gc);
+        return attn_pick_kind<HD, KVF_DTYPE_F16>(gc, tile);
     case KVF_DTYPE_BF16:
-        return attn_pick_gc<HD, KVF_DTYPE_BF16>(gc);
+        return attn_pick_kind<HD, KVF_DTYPE_BF16>(gc, tile);
     case KVF_DTYPE_FP8_E4M3:
-        return attn_pick_gc<HD, KVF_DTYPE_FP8_E4M3>(gc);
+        return attn_pick_kind<HD, KVF_DTYPE_FP8_E4M3>(gc, tile);
     }
     return nullptr;
 }
 
-/* The kernel for (head_dim, dtype, heads per CTA rounded up to 1, 2, 4 or 8); NULL when none
- * (kvf_cuda_attention_supports names the lists: keep the head_dims here and there in step). */
-attn_fn attn_pick(int hd, kvf_dtype dt, int gc)
+/* The kernel for (head_dim, dtype, heads per CTA rounded up to 1, 2, 4 or 8), the partition
+ * kernel or (tile) the tile kernel; NULL when none (kvf_cuda_attention_supports names the
+ * lists: keep the head_dims here and there in step). */
+attn_fn attn_pick(int hd, kvf_dtype dt, int gc, bool tile)
 {
     switch (hd) {
     case 16:
-        return attn_pick_dtype<16>(dt, gc);
+        return attn_pick_dtype<16>(dt, gc, tile);
     case 32:
-        return attn_pick_dtype<32>(dt, gc);
+        return attn_pick_dtype<32>(dt, gc, tile);
     case 48: /* padded to 64 */
-        return attn_pick_dtype<48>(dt, gc);
+        return attn_pick_dtype<48>(dt, gc, tile);
     case 64:
-        return attn_pick_dtype<64>(dt, gc);
+        return attn_pick_dtype<64>(dt, gc, tile);
     case 80: /* padded to 128 */
-        return attn_pick_dtype<80>(dt, gc);
+        return attn_pick_dtype<80>(dt, gc, tile);
     case 96: /* padded to 128 */
-        return attn_pick_dtype<96>(dt, gc);
+        return attn_pick_dtype<96>(dt, gc, tile);
     case 128:
-        return attn_pick_dtype<128>(dt, gc);
+        return attn_pick_dtype<128>(dt, gc, tile);
     case 256:
-        return attn_pick_dtype<256>(dt, gc);
+        return attn_pick_dtype<256>(dt, gc, tile);
     }
     return nullptr;
 }
@@ -481,7 +742,9 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
         a.ws_l = a.ws_m + n_all;
     }
     const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
-    *gc_out = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    a.gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    a.tiled = p->n_seqs > 0 && p->n_seqs < p->n_tokens;
+    *gc_out = a.gc;
     return a;
 }
 
@@ -498,13 +761,16 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
     const kvf_kv_layout *l = &p->layout;
     int gc = 8;
     const attn_args a = attn_make_args(p, &gc);
-    attn_fn fn = attn_pick(l->head_dim, l->dtype, gc);
-    if (!fn) /* supports() passed, so this is a table out of step with it */
+    attn_fn fn = attn_pick(l->head_dim, l->dtype, gc, false);
+    attn_fn tile_fn = attn_pick(l->head_dim, l->dtype, gc, true);
+    if (!fn || !tile_fn) /* supports() passed, so this is a table out of step with it */
         return kvf_err_set(err, KVF_ERR_INTERNAL, "attn: no kernel for head_dim %d, dtype %s",
                            l->head_dim, kvf_dtype_name(l->dtype));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     dim3 grid((unsigned)p->n_tokens, (unsigned)(l->n_kv_heads * a.chunks), (unsigned)a.parts);
     fn<<<grid, ATTN_NT, 0, s>>>(a);
+    if (a.tiled)
+        tile_fn<<<grid, ATTN_NT, 0, s>>>(a);
     if (a.parts > 1)
         attn_reduce_kernel<<<dim3((unsigned)p->n_tokens, (unsigned)p->n_heads),
                              (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);

@@ -23,6 +23,12 @@ typedef struct kvf_cuda_attn_params {
     kvf_kv_layout layout;         /* dtype f32, f16, bf16 or fp8-e4m3 */
     int32_t layer;
     int32_t n_tokens, n_heads;    /* n_kv_heads and head_dim come from layout */
+    int32_t n_seqs;               /* sequences in the step (rows of block_tables in use); 0 =
+                                   * not known, taken as n_tokens. Only picks kernels: with
+                                   * n_tokens > n_seqs some sequence has a run of several
+                                   * tokens (a prefill chunk), and runs of two or more go to the
+                                   * tiled kernel, which reads each K/V row once for a tile of
+                                   * up to 16 (token, head) rows; the answer never depends on it */
     const int32_t *tok_seq;       /* [n_tokens] */
     const int32_t *tok_pos;       /* [n_tokens] */
     const int32_t *block_tables;  /* [n_seqs][max_blocks] */

@@ -37,7 +37,9 @@ int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_
 
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory
  * (including the workspace, with the same size rule): same partitions, same base-2 online
- * softmax per partition, same reduce order. Checks p as the launcher does, except that
+ * softmax per partition, same reduce order. It is the partition kernel's order for every token;
+ * a prefill chunk's tokens on the tile kernel (p->n_seqs < p->n_tokens) rescale their running
+ * sums pass by pass, so they agree with it to rounding, not bit for bit. Checks p as the launcher does, except that
  * per-token positions are also checked here (a token with tok_pos outside [0, max_ctx) gets
  * zeros on the GPU and KVF_ERR_INVALID here). */
 kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err);

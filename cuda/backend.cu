@@ -552,6 +552,7 @@ static void cuda_attention(void *ctx, const float *q, const void *pool, const kv
     p.layer = layer;
     p.n_tokens = a->n_tokens;
     p.n_heads = a->n_heads;
+    p.n_seqs = a->n_seqs;
     p.tok_seq = a->tok_seq;
     p.tok_pos = a->tok_pos;
     p.block_tables = a->block_tables;

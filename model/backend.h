@@ -28,6 +28,8 @@ typedef struct kvf_backend_weight {
 /* What attention needs about one step's tokens. Arrays are backend memory. */
 typedef struct kvf_backend_attn {
     int32_t n_tokens;
+    int32_t n_seqs; /* sequences in the step; 0 = not known. A GPU picks kernels by it (n_tokens >
+                     * n_seqs: prefill chunks, tiled); the answer never depends on it */
     int32_t n_heads, n_kv_heads, head_dim;
     const int32_t *tok_seq; /* [n_tokens]: the row of block_tables holding the token's sequence */
     const int32_t *tok_pos; /* [n_tokens]: its position; it attends to positions <= it */

@@ -55,13 +55,15 @@ static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
         return st;
     int gc = 8;
     const attn_args a = attn_make_args(p, &gc);
-    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc);
-    if (!fn)
+    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc, false);
+    attn_fn tile_fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc, true);
+    if (!fn || !tile_fn)
         return kvf_err_set(err, KVF_ERR_INTERNAL, "no kernel");
-    emu_launch(fn, a, 0,
-               {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
-                (unsigned)a.parts},
-               ATTN_NT);
+    const emu::idx3 grid = {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
+                            (unsigned)a.parts};
+    emu_launch(fn, a, 0, grid, ATTN_NT);
+    if (a.tiled)
+        emu_launch(tile_fn, a, 0, grid, ATTN_NT);
     if (a.parts > 1)
         emu_launch(nullptr, a, p->layout.head_dim,
                    {(unsigned)p->n_tokens, (unsigned)p->n_heads, 1}, (unsigned)p->layout.head_dim);
@@ -75,7 +77,17 @@ static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
  * reference. bad_pos >= 0 moves that token past max_ctx (it must get zeros). Rows no token may
  * read are NaN (attn_case_poison_unseen), so a read past a row or past a sequence shows. */
+static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles);
+
+/* Both ways: prefill chunks on the tile kernel (n_seqs given) and on the partition kernel. */
 static void emu_case(const attn_case_spec *s, int32_t bad_pos)
+{
+    emu_case_as(s, bad_pos, true);
+    emu_case_as(s, bad_pos, false);
+}
+
+/* tiles false: n_seqs 0, so every token goes to the partition kernel. */
+static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
 {
     attn_case c;
     assert_int_equal(attn_case_build(s, &c), 0);
@@ -100,6 +112,7 @@ static void emu_case(const attn_case_spec *s, int32_t bad_pos)
     if (bad_pos >= 0)
         c.tok_pos[bad_pos] = c.max_ctx + 5;
     p.out = got;
+    p.n_seqs = tiles ? c.n_seqs : 0;
     if (emu_attention(&p, &err) != KVF_OK)
         fail_msg("emulated launch: %s", err.msg);
     int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
@@ -115,15 +128,17 @@ static void emu_case(const attn_case_spec *s, int32_t bad_pos)
         double r = attn_close(got + t * row, cpu + t * row, row, emu_atol[s->dtype],
                               emu_rtol[s->dtype], &wi);
         if (!(r <= 1.0))
-            fail_msg("kernel vs CPU: %s hd %d bs %d kv %d group %d window %d max_ctx %d (%d "
-                     "parts): token %d (pos %d) element %zu is %g, CPU backend %g (%.2fx)",
-                     kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads,
-                     s->group, s->window, c.max_ctx, parts, t, c.tok_pos[t], wi,
+            fail_msg("kernel vs CPU (%s): %s hd %d bs %d kv %d group %d window %d max_ctx %d "
+                     "(%d parts): token %d (pos %d) element %zu is %g, CPU backend %g (%.2fx)",
+                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim,
+                     s->block_size, s->n_kv_heads, s->group, s->window, c.max_ctx, parts, t,
+                     c.tok_pos[t], wi,
                      (double)got[t * row + wi], (double)cpu[t * row + wi], r);
         r = attn_close(got + t * row, ref + t * row, row, 2e-5, 1e-4, &wi);
         if (!(r <= 1.0))
-            fail_msg("kernel vs reference: token %d element %zu is %g, reference %g (%.2fx)", t,
-                     wi, (double)got[t * row + wi], (double)ref[t * row + wi], r);
+            fail_msg("kernel vs reference (%s): token %d element %zu is %g, reference %g (%.2fx)",
+                     tiles ? "tiles" : "no tiles", t, wi, (double)got[t * row + wi],
+                     (double)ref[t * row + wi], r);
     }
     free(ws);
     free(cpu);
@@ -211,6 +226,34 @@ static void test_padded_head_dims(void **state)
         }
 }
 
+/* Prefill chunks on the tile kernel beside decode tokens, over contexts of 2-4 partitions:
+ * every head_dim x dtype, GQA 1/2/4/6/8/16 (tiles of 16, 8, 4 and 2 tokens; 16 in two head
+ * chunks), block sizes 1 to 32, windows shorter and longer than a tile, chunks that start and
+ * end off a tile's alignment. */
+static void test_tiled_prefill(void **state)
+{
+    (void)state;
+    static const int32_t hds[] = {16, 32, 48, 64, 80, 96, 128, 256}, groups[] = {1, 2, 4, 6, 8, 16};
+    static const int32_t bss[] = {16, 8, 32, 1, 16}, windows[] = {0, 5, 0, 100};
+    uint32_t seed = 900;
+    int n = 0;
+    for (int32_t hd : hds)
+        for (int dt = 0; dt < KVF_DTYPE_COUNT; dt++, seed++, n++) {
+            const int32_t group = groups[n % 6], kv = group >= 8 ? 1 : 2;
+            attn_case_spec s = emu_spec(hd, bss[n % 5], kv, group, (kvf_dtype)dt, windows[n % 4],
+                                        3, 260 + 37 * (n % 7), false, seed);
+            attn_case c;
+            assert_int_equal(attn_case_build(&s, &c), 0);
+            const bool chunk = c.n_tokens > c.n_seqs;
+            const int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
+            attn_case_free(&c);
+            if (!chunk)
+                continue; /* this seed drew no prefill chunk: the other tests cover decode */
+            assert_true(parts > 1);
+            emu_case(&s, -1);
+        }
+}
+
 /* A token past max_ctx gets zeros on both paths; the others are unaffected. */
 static void test_bad_position(void **state)
 {
@@ -219,6 +262,19 @@ static void test_bad_position(void **state)
     emu_case(&a, 0);
     attn_case_spec b = emu_spec(32, 16, 2, 2, KVF_DTYPE_F32, 0, 2, 100, true, 22);
     emu_case(&b, 1);
+    /* inside a prefill chunk (a tile's row), one partition and split */
+    for (int32_t max_len : {120, 400}) {
+        attn_case_spec m = emu_spec(64, 16, 1, 4, KVF_DTYPE_BF16, 0, 3, max_len, false, 23);
+        attn_case c;
+        assert_int_equal(attn_case_build(&m, &c), 0);
+        int32_t bad = -1;
+        for (int32_t t = 0; t + 2 < c.n_tokens && bad < 0; t++)
+            if (c.tok_seq[t] == c.tok_seq[t + 2])
+                bad = t + 1; /* a chunk's token with a neighbour on each side */
+        attn_case_free(&c);
+        assert_true(bad >= 0);
+        emu_case(&m, bad);
+    }
 }
 
 int main(void)
@@ -227,6 +283,7 @@ int main(void)
         cmocka_unit_test(test_single_partition_kernels),
         cmocka_unit_test(test_split_kernels),
         cmocka_unit_test(test_padded_head_dims),
+        cmocka_unit_test(test_tiled_prefill),
         cmocka_unit_test(test_bad_position),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -40,8 +40,9 @@ static void *dev_copy(const void *host, size_t bytes)
     return d;
 }
 
-/* Runs one case on the GPU; compares with the CPU backend and the host reference. Rows no token
- * may read are NaN (attn_case_poison_unseen): a read past a row or a sequence shows. */
+/* Runs one case on the GPU twice (prefill chunks on the tile kernel, then every token on the
+ * partition kernel: n_seqs 0); compares each with the CPU backend and the host reference. Rows
+ * no token may read are NaN (attn_case_poison_unseen): a read past a row or a sequence shows. */
 static void run_case(const attn_case_spec *s)
 {
     attn_case c;
@@ -66,33 +67,39 @@ static void run_case(const attn_case_spec *s)
     void *d_seq = dev_copy(c.tok_seq, nt), *d_pos = dev_copy(c.tok_pos, nt);
     void *d_bt = dev_copy(c.block_tables, (size_t)c.n_seqs * c.max_blocks * sizeof(int32_t));
     void *d_ws = ws_bytes ? dev_copy(NULL, ws_bytes) : NULL;
-    /* poison the output: every element must be written */
-    for (size_t i = 0; i < n; i++)
-        gpu[i] = NAN;
-    if (kvf_cuda_bench_upload(d_out, gpu, n * sizeof(float), &err) != KVF_OK)
-        fail_msg("%s", err.msg);
-    kvf_cuda_attn_params dp = attn_case_params(&c, s, d_q, d_out, d_pool, d_seq, d_pos, d_bt,
-                                               d_ws, ws_bytes);
-    if (kvf_cuda_attention(&dp, NULL, &err) != KVF_OK)
-        fail_msg("launch: %s", err.msg);
-    if (kvf_cuda_bench_sync(&err) != KVF_OK)
-        fail_msg("kernel: %s", err.msg);
-    if (kvf_cuda_bench_download(gpu, d_out, n * sizeof(float), &err) != KVF_OK)
-        fail_msg("%s", err.msg);
+    for (int tiles = 1; tiles >= 0; tiles--) {
+        /* poison the output: every element must be written */
+        for (size_t i = 0; i < n; i++)
+            gpu[i] = NAN;
+        if (kvf_cuda_bench_upload(d_out, gpu, n * sizeof(float), &err) != KVF_OK)
+            fail_msg("%s", err.msg);
+        kvf_cuda_attn_params dp = attn_case_params(&c, s, d_q, d_out, d_pool, d_seq, d_pos, d_bt,
+                                                   d_ws, ws_bytes);
+        if (!tiles)
+            dp.n_seqs = 0;
+        if (kvf_cuda_attention(&dp, NULL, &err) != KVF_OK)
+            fail_msg("launch: %s", err.msg);
+        if (kvf_cuda_bench_sync(&err) != KVF_OK)
+            fail_msg("kernel: %s", err.msg);
+        if (kvf_cuda_bench_download(gpu, d_out, n * sizeof(float), &err) != KVF_OK)
+            fail_msg("%s", err.msg);
 
-    size_t wi;
-    double r = attn_close(gpu, cpu, n, attn_atol[s->dtype], attn_rtol[s->dtype], &wi);
-    if (!(r <= 1.0))
-        fail_msg("GPU vs CPU: %s hd %d bs %d kv %d group %d window %d max_ctx %d (%d parts): "
-                 "element %zu (token %zu) is %g, CPU backend %g (%.2fx the tolerance)",
-                 kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads, s->group,
-                 s->window, c.max_ctx, kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx), wi,
-                 wi / ((size_t)c.n_heads * s->head_dim), (double)gpu[wi], (double)cpu[wi], r);
-    r = attn_close(gpu, ref, n, REF_ATOL, REF_RTOL, &wi);
-    if (!(r <= 1.0))
-        fail_msg("GPU vs reference: %s hd %d group %d: element %zu is %g, reference %g (%.2fx)",
-                 kvf_dtype_name(s->dtype), s->head_dim, s->group, wi, (double)gpu[wi],
-                 (double)ref[wi], r);
+        size_t wi;
+        double r = attn_close(gpu, cpu, n, attn_atol[s->dtype], attn_rtol[s->dtype], &wi);
+        if (!(r <= 1.0))
+            fail_msg("GPU vs CPU (%s): %s hd %d bs %d kv %d group %d window %d max_ctx %d (%d "
+                     "parts): element %zu (token %zu) is %g, CPU backend %g (%.2fx the tolerance)",
+                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim,
+                     s->block_size, s->n_kv_heads, s->group, s->window, c.max_ctx,
+                     kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx), wi,
+                     wi / ((size_t)c.n_heads * s->head_dim), (double)gpu[wi], (double)cpu[wi], r);
+        r = attn_close(gpu, ref, n, REF_ATOL, REF_RTOL, &wi);
+        if (!(r <= 1.0))
+            fail_msg("GPU vs reference (%s): %s hd %d group %d: element %zu is %g, reference %g "
+                     "(%.2fx)",
+                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim, s->group,
+                     wi, (double)gpu[wi], (double)ref[wi], r);
+    }
 
     kvf_cuda_bench_free(d_pool);
     kvf_cuda_bench_free(d_q);

@@ -277,7 +277,8 @@ static inline int attn_case_cpu(const attn_case *c, const attn_case_spec *s, flo
     return 0;
 }
 
-/* Parameters for the case with the given (host or device) pointers. */
+/* Parameters for the case with the given (host or device) pointers; n_seqs is given, so a case
+ * with prefill chunks runs them on the tile kernel. */
 static inline kvf_cuda_attn_params attn_case_params(const attn_case *c, const attn_case_spec *s,
                                                     const float *q, float *out, const void *pool,
                                                     const int32_t *tok_seq,
@@ -287,7 +288,8 @@ static inline kvf_cuda_attn_params attn_case_params(const attn_case *c, const at
 {
     kvf_cuda_attn_params p = {
         .q = q, .out = out, .pool = pool, .layout = c->layout, .layer = c->layer,
-        .n_tokens = c->n_tokens, .n_heads = c->n_heads, .tok_seq = tok_seq, .tok_pos = tok_pos,
+        .n_tokens = c->n_tokens, .n_heads = c->n_heads, .n_seqs = c->n_seqs,
+        .tok_seq = tok_seq, .tok_pos = tok_pos,
         .block_tables = block_tables, .max_blocks = c->max_blocks, .max_ctx = c->max_ctx,
         .window = s->window, .scale = c->scale,
         .k_scale = s->dtype == KVF_DTYPE_FP8_E4M3 ? s->k_scale : 1.0f,
