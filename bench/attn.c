@@ -1,6 +1,8 @@
 /* attn.c: `kvfleet bench attn`: paged decode attention on a GPU (cuda/attn.cu) for a grid of
  * batch sizes and context lengths, as achieved KV bandwidth (K+V bytes read per second) beside
- * a device-to-device copy measured in the same run. Needs a CUDA build and a GPU; says so and
+ * a device-to-device copy measured in the same run; with --chunk N, prefill chunks of N tokens
+ * per sequence on the tile kernel beside the same call with every token on the partition kernel
+ * (the path chunks took before tiles). Needs a CUDA build and a GPU; says so and
  * exits non-zero otherwise. Device work goes through cuda/attn_bench.h (no CUDA headers here). */
 #include <math.h>
 #include <stdbool.h>
@@ -22,7 +24,7 @@
 
 typedef struct attn_bench_cfg {
     bool quick, l2_flush;
-    int32_t heads, kv_heads, head_dim, block_size, max_iters;
+    int32_t heads, kv_heads, head_dim, block_size, max_iters, chunk;
     const char *dtype, *batches, *contexts;
     int64_t max_kv, copy_max, flush_bytes;
     double seconds;
@@ -32,6 +34,7 @@ static const kvf_cfg_opt attn_bench_opts[] = {
     {"quick", "false", "a 3 x 3 grid (batch 1, 16, 64 x context 1k, 4k, 16k) instead of the full one", offsetof(attn_bench_cfg, quick), KVF_CFG_BOOL},
     {"batches", NULL, "batch sizes (comma-separated); default 1,2,4,...,256 (quick: 1,16,64)", offsetof(attn_bench_cfg, batches), KVF_CFG_STR},
     {"contexts", NULL, "context lengths (comma-separated); default 512,1024,...,32768 (quick: 1024,4096,16384)", offsetof(attn_bench_cfg, contexts), KVF_CFG_STR},
+    {"chunk", "0", "prefill chunks: N query tokens per sequence at the end of its context, timed on the tile kernel and on the partition kernel (0: one decode token per sequence)", offsetof(attn_bench_cfg, chunk), KVF_CFG_INT},
     {"heads", "32", "query heads (Llama-3-8B: 32)", offsetof(attn_bench_cfg, heads), KVF_CFG_INT},
     {"kv-heads", "8", "KV heads (Llama-3-8B: 8)", offsetof(attn_bench_cfg, kv_heads), KVF_CFG_INT},
     {"head-dim", "128", "head dimension (16, 32, 48, 64, 80, 96, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
@@ -54,6 +57,9 @@ static const kvf_cfg_spec attn_bench_spec = {
                "cudaMemcpy device-to-device copy of the same bytes (up to --copy-max) whose\n"
                "bandwidth counts bytes read + written. Ends with\n"
                "ratio_vs_d2d_copy_min_ctx4k=<min attention/copy ratio over contexts >= 4096>.\n"
+               "With --chunk N (prefill): N tokens per sequence, each call timed with prefill\n"
+               "chunks on the tile kernel and with every token on the partition kernel; ends\n"
+               "with speedup_tiled_vs_per_token_min=<min over cases>.\n"
                "Needs a CUDA build and a GPU.",
     .opts = attn_bench_opts,
 };
@@ -89,6 +95,7 @@ static int attn_parse_list(const char *s, const char *flag, int32_t *out, kvf_er
 typedef struct attn_row {
     int32_t batch, ctx;
     double kv_bytes, attn_ms, copy_bytes, copy_ms;
+    double untiled_ms; /* --chunk: the same call with every token on the partition kernel */
     bool skipped;
 } attn_row;
 
@@ -110,6 +117,43 @@ static uint32_t attn_rng(uint32_t *s)
     return *s = x;
 }
 
+/* --chunk: the prefill table (tiled vs every token on the partition kernel). */
+static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
+                               const attn_row *rows, int n_cases)
+{
+    printf("shape: %d query heads, %d KV heads x %d, %s KV, block %d; a prefill chunk of %d "
+           "tokens per sequence at the end of its context; L2 %s before every call\n",
+           c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
+           c->chunk, c->l2_flush ? "flushed" : "not flushed");
+    printf("tiled_us: chunks on the tile kernel; per_token_us: every token on the partition "
+           "kernel (each reads its own K/V); TFLOP/s counts 4 * head_dim flops per visible "
+           "(query head, position) pair of the tiled call\n\n");
+    printf("%7s %7s %7s %10s %12s %9s %9s\n", "batch", "ctx", "tokens", "tiled_us",
+           "per_token_us", "speedup", "TFLOP/s");
+    double min_speedup = -1;
+    for (int k = 0; k < n_cases; k++) {
+        const attn_row *r = &rows[k];
+        if (r->skipped) {
+            printf("%7d %7d %7d %10s %12s %9s %9s\n", r->batch, r->ctx, r->batch * c->chunk,
+                   "skipped", "-", "-", "-");
+            continue;
+        }
+        /* visible pairs: each of the chunk's tokens sees ctx - chunk + 1 .. ctx positions */
+        double pairs = (double)r->batch * c->heads *
+                       ((double)c->chunk * (r->ctx - c->chunk) + c->chunk * (c->chunk + 1) / 2.0);
+        double tflops = 4.0 * l->head_dim * pairs / (r->attn_ms * 1e-3) / 1e12;
+        double speedup = r->untiled_ms / r->attn_ms;
+        printf("%7d %7d %7d %10.1f %12.1f %9.2f %9.2f\n", r->batch, r->ctx, r->batch * c->chunk,
+               r->attn_ms * 1e3, r->untiled_ms * 1e3, speedup, tflops);
+        if (min_speedup < 0 || speedup < min_speedup)
+            min_speedup = speedup;
+    }
+    if (min_speedup < 0)
+        printf("\nspeedup_tiled_vs_per_token_min=n/a (no case measured)\n");
+    else
+        printf("\nspeedup_tiled_vs_per_token_min=%.3f\n", min_speedup);
+}
+
 static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const int32_t *batches,
                           int nb, const int32_t *ctxs, int nc)
 {
@@ -117,6 +161,7 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     kvf_status st = KVF_OK;
     int rc = 1;
     const double tok_bytes = (double)kvf_kv_bytes_per_token(l); /* one layer: K + V */
+    const int32_t tps = c->chunk > 0 ? c->chunk : 1; /* query tokens per sequence */
     char dev_name[256];
     size_t dev_free = 0, dev_total = 0;
     if (kvf_cuda_bench_device(dev_name, sizeof dev_name, &dev_free, &dev_total, &err) != KVF_OK) {
@@ -150,12 +195,13 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     size_t ws_bytes = 0; /* the largest any case needs (short partitions for small batches) */
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
-            size_t w = kvf_cuda_attention_workspace_bytes(batches[i], c->heads, l->head_dim,
-                                                          ctxs[j]);
+            size_t w = kvf_cuda_attention_workspace_bytes(batches[i] * tps, c->heads,
+                                                          l->head_dim, ctxs[j]);
             if ((double)batches[i] * ctxs[j] * tok_bytes <= (double)c->max_kv && w > ws_bytes)
                 ws_bytes = w;
         }
-    size_t qo_bytes = (size_t)max_batch * c->heads * l->head_dim * sizeof(float);
+    const int64_t max_tokens = (int64_t)max_batch * tps;
+    size_t qo_bytes = (size_t)max_tokens * c->heads * l->head_dim * sizeof(float);
     size_t flush_bytes = c->l2_flush ? (size_t)c->flush_bytes : 0;
     size_t need = pool_bytes + 2 * copy_bytes + ws_bytes + 2 * qo_bytes + flush_bytes +
                   (size_t)max_batch * (size_t)(max_blocks + 2) * sizeof(int32_t);
@@ -180,8 +226,8 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
         (st = kvf_cuda_bench_alloc(qo_bytes, &q, &err)) != KVF_OK ||
         (st = kvf_cuda_bench_alloc(qo_bytes, &out, &err)) != KVF_OK ||
         (flush_bytes && (st = kvf_cuda_bench_alloc(flush_bytes, &flush, &err)) != KVF_OK) ||
-        (st = kvf_cuda_bench_alloc((size_t)max_batch * sizeof(int32_t), &d_seq, &err)) != KVF_OK ||
-        (st = kvf_cuda_bench_alloc((size_t)max_batch * sizeof(int32_t), &d_pos, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc((size_t)max_tokens * sizeof(int32_t), &d_seq, &err)) != KVF_OK ||
+        (st = kvf_cuda_bench_alloc((size_t)max_tokens * sizeof(int32_t), &d_pos, &err)) != KVF_OK ||
         (st = kvf_cuda_bench_alloc((size_t)max_batch * max_blocks * sizeof(int32_t), &d_bt,
                                    &err)) != KVF_OK)
         goto fail_alloc;
@@ -194,8 +240,8 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     /* blocks scattered over the whole pool, as a long-running server's would be */
     perm = malloc((size_t)pool_blocks * sizeof *perm);
     h_bt = malloc((size_t)max_batch * max_blocks * sizeof *h_bt);
-    h_seq = malloc((size_t)max_batch * sizeof *h_seq);
-    h_pos = malloc((size_t)max_batch * sizeof *h_pos);
+    h_seq = malloc((size_t)max_tokens * sizeof *h_seq);
+    h_pos = malloc((size_t)max_tokens * sizeof *h_pos);
     uint32_t rng = 12345;
     for (int64_t i = 0; i < pool_blocks; i++)
         perm[i] = (int32_t)i;
@@ -213,6 +259,12 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
             r->batch = batches[i];
             r->ctx = ctxs[j];
             r->kv_bytes = (double)r->batch * r->ctx * tok_bytes;
+            if (r->ctx < tps) {
+                r->skipped = true;
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: skipped (shorter than --chunk)\n",
+                        k + 1, n_cases, r->batch, r->ctx);
+                continue;
+            }
             if (r->kv_bytes > (double)c->max_kv) {
                 r->skipped = true;
                 fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: skipped (KV %.1f GiB > --max-kv)\n",
@@ -220,19 +272,23 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
                 continue;
             }
             int32_t nbk = (int32_t)kvf_kv_blocks_for(r->ctx, l->block_size);
+            const int32_t n_tok = r->batch * tps;
             for (int32_t s = 0; s < r->batch; s++) {
-                h_seq[s] = s;
-                h_pos[s] = r->ctx - 1;
+                for (int32_t i = 0; i < tps; i++) { /* the last tps positions of the context */
+                    h_seq[s * tps + i] = s;
+                    h_pos[s * tps + i] = r->ctx - tps + i;
+                }
                 for (int32_t b = 0; b < nbk; b++)
                     h_bt[(int64_t)s * nbk + b] = perm[(int64_t)s * nbk + b];
             }
-            if ((st = kvf_cuda_bench_upload(d_seq, h_seq, (size_t)r->batch * 4, &err)) != KVF_OK ||
-                (st = kvf_cuda_bench_upload(d_pos, h_pos, (size_t)r->batch * 4, &err)) != KVF_OK ||
+            if ((st = kvf_cuda_bench_upload(d_seq, h_seq, (size_t)n_tok * 4, &err)) != KVF_OK ||
+                (st = kvf_cuda_bench_upload(d_pos, h_pos, (size_t)n_tok * 4, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_upload(d_bt, h_bt, (size_t)r->batch * nbk * 4, &err)) != KVF_OK)
                 goto fail_alloc;
             kvf_cuda_attn_params p = {
                 .q = q, .out = out, .pool = pool, .layout = *l, .layer = 0,
-                .n_tokens = r->batch, .n_heads = c->heads, .tok_seq = d_seq, .tok_pos = d_pos,
+                .n_tokens = n_tok, .n_heads = c->heads, .n_seqs = r->batch,
+                .tok_seq = d_seq, .tok_pos = d_pos,
                 .block_tables = d_bt, .max_blocks = nbk, .max_ctx = r->ctx, .window = 0,
                 .scale = 1.0f / sqrtf((float)l->head_dim), .k_scale = 1.0f, .v_scale = 1.0f,
                 .workspace = ws, .workspace_bytes = ws_bytes};
@@ -247,6 +303,19 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
                                              &r->copy_ms, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
                 goto fail_alloc;
+            if (c->chunk > 0) { /* the baseline: the same call, no tiles */
+                kvf_cuda_attn_params u = p;
+                u.n_seqs = 0;
+                if ((st = kvf_cuda_bench_attn_ms(&u, NULL, 0, 2, &est, &err)) != KVF_OK ||
+                    (st = kvf_cuda_bench_attn_ms(&u, flush, flush_bytes, attn_iters(c, est),
+                                                 &r->untiled_ms, &err)) != KVF_OK ||
+                    (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
+                    goto fail_alloc;
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d chunk %d: tiled %.1f us, "
+                                "per token %.1f us\n",
+                        k + 1, n_cases, r->batch, r->ctx, tps, r->attn_ms * 1e3,
+                        r->untiled_ms * 1e3);
+            }
             r->copy_bytes = (double)cb;
             fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: %.1f us, %.0f GB/s (copy %.0f GB/s)\n",
                     k + 1, n_cases, r->batch, r->ctx, r->attn_ms * 1e3,
@@ -254,8 +323,13 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
                     2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
         }
 
-    /* the table */
     printf("device: %s\n", dev_name);
+    if (c->chunk > 0) {
+        attn_prefill_table(c, l, rows, n_cases);
+        rc = 0;
+        goto done;
+    }
+    /* the table */
     printf("shape: %d query heads, %d KV heads x %d, %s KV, block %d; one decode token per "
            "sequence; L2 %s before every call\n",
            c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
@@ -325,7 +399,13 @@ int kvf_bench_attn_main(int argc, char **argv)
         return 2;
     }
     int32_t batches[ATTN_BENCH_MAX_LIST], ctxs[ATTN_BENCH_MAX_LIST];
-    const char *bdef = c.quick ? "1,16,64" : "1,2,4,8,16,32,64,128,256";
+    if (c.chunk < 0 || c.chunk > 8192) {
+        fprintf(stderr, "kvfleet: bench attn: --chunk=%d is out of range (0..8192; 0 = decode)\n",
+                c.chunk);
+        return 2;
+    }
+    const char *bdef = c.chunk ? (c.quick ? "1,4" : "1,2,4,8")
+                               : c.quick ? "1,16,64" : "1,2,4,8,16,32,64,128,256";
     const char *cdef = c.quick ? "1024,4096,16384" : "512,1024,2048,4096,8192,16384,32768";
     int nb = attn_parse_list(c.batches ? c.batches : bdef, "batches", batches, &err);
     int nc = nb ? attn_parse_list(c.contexts ? c.contexts : cdef, "contexts", ctxs, &err) : 0;

@@ -10,12 +10,14 @@
 #          e2e_gpu_disagg) -> $OUT/gpu-tests.log, $OUT/ctest-LastTest.log. Expected 2-5 min
 #          (never run yet); bounded at 540 s. Exit status: ctest's.
 #   bench  kvfleet bench attn (full grid, bounded 240 s) then bench/attn_torch.py (full grid,
-#          bounded 200 s) -> $OUT/bench-attn.log. Expected 1-4 min.
+#          bounded 200 s), then prefill chunks of 512, tiled vs per token (kvfleet bench attn
+#          --chunk 512, batches 1 and 4, bounded 100 s) -> $OUT/bench-attn.log. Expected 2-5 min.
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
 #          "GPU end to end"; bounded 360 s), single-stream generate (bounded 60 s)
 #          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. Expected 5-9 min.
-#   all    tests (bounded 330 s) then bench with --quick grids (90 s + 90 s): under 10 min.
+#   all    tests (bounded 300 s) then bench with --quick grids (90 s + 90 s + 60 s): under
+#          10 min.
 # Set-up takes about 10-20 s (unpack, ldd). Exits 2 when the set-up fails (missing libraries,
 # a path in the way). Environment: OUT (default /tmp/gpu-out), KVF_GPU_DIR (where to unpack,
 # default /tmp/kvf-gpu), KVF_GPU_ARCHIVE, KVF_GPU_SERVE_REQUESTS (default 160),
@@ -194,9 +196,9 @@ run_tests() {
     SUMMARY+=("tests: ctest exit $rc: ${line:-no ctest summary}; $skipped skipped; $(secs "$t"); $log")
     return "$rc"
 }
-# run_bench QUICK(0|1) ATTN_S TORCH_S
+# run_bench QUICK(0|1) ATTN_S TORCH_S CHUNK_S
 run_bench() {
-    local t=$SECONDS rc1 rc2 log=$OUT/bench-attn.log q=()
+    local t=$SECONDS rc1 rc2 rc3 log=$OUT/bench-attn.log q=()
     [ "$1" = 1 ] && q=(--quick)
     : >"$log"
     say "bench: kvfleet bench attn ${q[*]} (bounded $2 s)" | tee -a "$log"
@@ -205,11 +207,15 @@ run_bench() {
     say "bench: python3 bench/attn_torch.py ${q[*]} (bounded $3 s)" | tee -a "$log"
     LD_LIBRARY_PATH=$ORIG_LD PYTHONUNBUFFERED=1 timeout -k 10 "$3" python3 "$REPO/bench/attn_torch.py" "${q[@]}" 2>&1 | tee -a "$log"
     rc2=${PIPESTATUS[0]}
+    say "bench: kvfleet bench attn --chunk 512 --batches 1,4 ${q[*]} (bounded $4 s)" | tee -a "$log"
+    timeout -k 10 "$4" kvfleet bench attn --chunk 512 --batches 1,4 "${q[@]}" 2>&1 | tee -a "$log"
+    rc3=${PIPESTATUS[0]}
     local r
-    r=$(grep -E "^ratio_vs_d2d_copy_min_ctx4k=" "$log" | tr '\n' ' ')
-    SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2; ${r:-no ratio lines} (kvfleet first, torch second); $(secs "$t"); $log")
-    [ "$rc1" = 0 ] && return "$rc2"
-    return "$rc1"
+    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)=" "$log" | tr '\n' ' ')
+    SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2, --chunk 512 exit $rc3; ${r:-no ratio lines} (kvfleet, torch, then prefill tiles); $(secs "$t"); $log")
+    [ "$rc1" = 0 ] || return "$rc1"
+    [ "$rc2" = 0 ] || return "$rc2"
+    return "$rc3"
 }
 run_serve() {
     local t=$SECONDS rc=0 r log=$OUT/bench-serve.log m=/tmp/kvf-m1b logs=/tmp/kvf-serve-logs
@@ -248,11 +254,11 @@ run_serve() {
 
 case "$PHASE" in
 tests) run_tests 540; RC=$? ;;
-bench) run_bench 0 240 200; RC=$? ;;
+bench) run_bench 0 240 200 100; RC=$? ;;
 serve) run_serve; RC=$? ;;
 all)
-    run_tests 330; RC=$?
-    run_bench 1 90 90; rb=$?
+    run_tests 300; RC=$?
+    run_bench 1 90 90 60; rb=$?
     [ "$RC" = 0 ] && RC=$rb ;;
 esac
 echo
