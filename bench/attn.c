@@ -195,7 +195,8 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     size_t ws_bytes = 0; /* the largest any case needs (short partitions for small batches) */
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
-            size_t w = kvf_cuda_attention_workspace_bytes(batches[i] * tps, c->heads,
+            /* n_seqs 0: the partition kernel's split (what --chunk's baseline needs) */
+            size_t w = kvf_cuda_attention_workspace_bytes(batches[i] * tps, 0, c->heads,
                                                           l->head_dim, ctxs[j]);
             if ((double)batches[i] * ctxs[j] * tok_bytes <= (double)c->max_kv && w > ws_bytes)
                 ws_bytes = w;

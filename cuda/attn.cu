@@ -32,19 +32,21 @@ extern "C" {
  * lanes") load nothing, hold zeros and store nothing (48 idles 2 of 8 lanes per row, 80 idles
  * 6 of 16, 96 idles 4 of 16). For the powers of two 16..256 HD_PAD == HD and the pad tests
  * fold away at compile time.
- * Prefill chunks (a step with n_seqs < n_tokens): a token whose sequence has other tokens beside
- * it in the step belongs to a tile, and the tiled kernel serves it instead (the partition kernel
- * returns at once for it; one with a run of one token, a decode token, stays there):
- *  3. tile kernel, same grid: a tile is up to QT = 16 / GC consecutive tokens of one sequence at
- *     consecutive positions, aligned so that a position that is a multiple of QT starts one; the
- *     CTA of a tile's first token serves its QT x GC (token, query head) rows, every other CTA
- *     of the tile returns. For each pass of KT positions of its partition (the union of the rows'
+ * A step with prefill chunks (0 < n_seqs < n_tokens) runs the tile kernel instead, for every
+ * token, on its own split (kvf_cuda_attention_tile_part_len: partitions of 256 positions or
+ * more, only as many as the GPU needs to be busy, so a long prefill writes little or no
+ * workspace):
+ *  3. tile kernel, grid (n_tokens, n_kv_heads * head chunks, parts): a tile is up to
+ *     QT = 16 / GC consecutive tokens of one sequence at consecutive positions, aligned so that
+ *     a position that is a multiple of QT starts one (a decode token is a tile of one); the CTA
+ *     of a tile's first token serves its QT x GC (token, query head) rows, every other CTA of
+ *     the tile returns. For each pass of KT positions of its partition (the union of the rows'
  *     visible ranges) it loads K into shared memory once for all 16 rows, scores them (causal
- *     and window masks per row), updates each row's running max and sum (online softmax, base 2),
- *     loads V over K and accumulates; at the end it writes what the partition kernel writes for
- *     each row whose own range meets the partition (output / sum * v_scale, and m, l when split),
- *     so the reduce and the workspace are shared. Each K/V row is read once per tile instead of
- *     once per token. */
+ *     and window masks per row), updates each row's running max and sum (online softmax, base
+ *     2), loads V over K and accumulates; at the end it writes what the partition kernel writes
+ *     for each row whose own range meets the partition (output / sum * v_scale, and m, l when
+ *     split), so the reduce and the workspace layout are shared. Each K/V row is read once per
+ *     tile instead of once per token. */
 
 namespace {
 
@@ -72,7 +74,8 @@ struct attn_args {
     int64_t block_bytes, slab_bytes, layer_off;
     int32_t n_tokens, n_heads, n_kv_heads, group, chunks, max_blocks, max_ctx, parts, window;
     int32_t log2_bs, part_len;
-    int32_t tiled; /* the tile kernel runs too: runs of two or more tokens are its */
+    int32_t tiled; /* the tile kernel runs instead of the partition kernel (part_len, parts:
+                    * its split) */
     int32_t gc;    /* query heads per CTA: ng <= gc of them real (1, 2, 4 or 8) */
     float q_mul, v_mul;
 };
@@ -165,14 +168,6 @@ __device__ __forceinline__ int attn_lo(int pos, int window)
     return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
 }
 
-/* True when token t is the only token of its sequence beside it in the step (a decode token):
- * the partition kernel serves it; a token of a longer run belongs to a tile. */
-__device__ __forceinline__ bool attn_single(const attn_args &a, int t)
-{
-    const int s = a.tok_seq[t];
-    return (t == 0 || a.tok_seq[t - 1] != s) && (t + 1 == a.n_tokens || a.tok_seq[t + 1] != s);
-}
-
 /* Starts the loads of this thread's share of rows first, first + NG, ... (ATTN_UNROLL of them,
  * partition-relative) at byte offset off inside each position's block; rows at or past n, and
  * every row of a pad lane (live false: its columns are past head_dim), read nothing and
@@ -218,8 +213,6 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __shared__ float m_s[GC], l_s[GC];
 
     const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
-    if (a.tiled && !attn_single(a, t))
-        return; /* the tile kernel's */
     const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
     const int ng = min(GC, a.group - g0);
     const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0; /* first head row */
@@ -391,12 +384,13 @@ constexpr int attn_tile_kt(int hd)
     return hd <= 64 ? 64 : hd <= 128 ? 32 : 16;
 }
 
-/* Loads positions k0 .. k0 + kn - 1 (partition-relative block ids in blk_s, first block b0) of
- * one K or V slab (byte offset off in each block: layer, part, KV head) into rows of kv_s as
- * floats (row stride KS); rows kn .. KT - 1 become zeros, so nothing past the range is read. */
+/* Loads positions k0 .. k0 + kn - 1 of the sequence whose block table is bt, of one K or V
+ * slab (byte offset off in each block: layer, part, KV head), into rows of kv_s as floats (row
+ * stride KS); rows kn .. KT - 1 become zeros, so nothing past the range is read. A partition
+ * can be long, so block ids are read from the table per row (one int per 16 threads' loads). */
 template <int HD, kvf_dtype DT, int KT, int KS>
-__device__ __forceinline__ void attn_tile_load(const attn_args &a, const int32_t *blk_s, int b0,
-                                               int k0, int kn, int64_t off, float *kv_s)
+__device__ __forceinline__ void attn_tile_load(const attn_args &a, const int32_t *bt, int k0,
+                                               int kn, int64_t off, float *kv_s)
 {
     typedef attn_io<DT> io;
     constexpr int CPR = HD / ATTN_EPT; /* 8-element chunks per row */
@@ -407,7 +401,7 @@ __device__ __forceinline__ void attn_tile_load(const attn_args &a, const int32_t
         float f[ATTN_EPT];
         if (row < kn) {
             const int p = k0 + row;
-            const int64_t blk = blk_s[(p >> a.log2_bs) - b0];
+            const int64_t blk = __ldg(bt + (p >> a.log2_bs));
             io::cvt(io::load(a.pool + blk * a.block_bytes + off + (int64_t)(p & (bs - 1)) * ROW +
                              ch * ATTN_EPT * io::ES),
                     f);
@@ -447,17 +441,15 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     constexpr int OU = R * HD / ATTN_NT; /* output elements per thread */
     constexpr int TPR = ATTN_NT / R;     /* threads per row in the softmax update */
     static_assert(ATTN_NT % KT == 0 && KT % TPR == 0 && (R * HD) % ATTN_NT == 0, "tile shape");
-    static_assert((R * HD + KT * KS + R * KT + ATTN_PART_MAX + 1 + R) * 4 <= 48 * 1024,
+    static_assert(R == KVF_CUDA_ATTN_TILE_ROWS, "attn_ref.h's tile rows");
+    static_assert((R * HD + KT * KS + R * KT + R) * 4 <= 48 * 1024,
                   "static shared memory is capped at 48 KiB");
     __shared__ float q_s[R * HD];
-    __shared__ float kv_s[KT * KS];  /* K, then V, of one pass */
-    __shared__ float p_s[R * KT];    /* scores, then weights */
-    __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
-    __shared__ float c_s[R];         /* per row: the factor the pass rescales its output by */
+    __shared__ float kv_s[KT * KS]; /* K, then V, of one pass */
+    __shared__ float p_s[R * KT];   /* scores, then weights */
+    __shared__ float c_s[R];        /* per row: the factor the pass rescales its output by */
 
     const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
-    if (attn_single(a, t))
-        return; /* a decode token: the partition kernel's */
     const int gc = a.gc, qt = R / gc; /* tokens per tile: 16, 8, 4 or 2 */
     const int seq = a.tok_seq[t], pos0 = a.tok_pos[t];
     if (t > 0 && a.tok_seq[t - 1] == seq && a.tok_pos[t - 1] + 1 == pos0 && (pos0 & (qt - 1)) != 0)
@@ -485,10 +477,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     const int p1 = min((part + 1) * a.part_len, pos0 + ib + 1);
     if (p0 >= p1)
         return; /* no row sees this partition; the reduce skips it for each */
-    const int b0 = p0 >> a.log2_bs, nb = ((p1 - 1) >> a.log2_bs) - b0 + 1;
     const int32_t *bt = a.block_tables + (int64_t)seq * a.max_blocks;
-    for (int i = tid; i < nb; i += ATTN_NT)
-        blk_s[i] = bt[b0 + i];
     for (int i = tid; i < R * HD; i += ATTN_NT) {
         const int r = i / HD, ti = r / gc, g = r % gc;
         q_s[i] = (ti >= ia && ti <= ib && g < ng)
@@ -508,8 +497,8 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     const int64_t k_off = a.layer_off + (int64_t)kvh * (1 << a.log2_bs) * HD * attn_io<DT>::ES;
     for (int k0 = p0; k0 < p1; k0 += KT) {
         const int kn = min(KT, p1 - k0);
-        __syncthreads(); /* the last pass is done with kv_s and p_s (and q_s, blk_s are in) */
-        attn_tile_load<HD, DT, KT, KS>(a, blk_s, b0, k0, kn, k_off, kv_s);
+        __syncthreads(); /* the last pass is done with kv_s and p_s (and q_s is in) */
+        attn_tile_load<HD, DT, KT, KS>(a, bt, k0, kn, k_off, kv_s);
         __syncthreads();
         /* 1. scores, masked per row: position k0 + j is visible to token ti when
          * lo(pos) <= k0 + j <= pos */
@@ -562,7 +551,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
                 c_s[mr] = corr;
         }
         __syncthreads(); /* scores read: kv_s may take V */
-        attn_tile_load<HD, DT, KT, KS>(a, blk_s, b0, k0, kn, k_off + a.slab_bytes, kv_s);
+        attn_tile_load<HD, DT, KT, KS>(a, bt, k0, kn, k_off + a.slab_bytes, kv_s);
         __syncthreads();
         /* 3. o = o * c + sum_j w[j] * v[j]; when HD divides the CTA every element of a thread
          * is in one column, so each V element is loaded once for all of them */
@@ -604,7 +593,8 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     if (a.parts > 1 && tid % TPR == 0) {
         const int pos = pos0 + mt, g = mr % gc;
         if (mt >= ia && mt <= ib && g < ng &&
-            max(part * a.part_len, attn_lo(pos, a.window)) < min((part + 1) * a.part_len, pos + 1)) {
+            max(part * a.part_len, attn_lo(pos, a.window)) <
+                min((part + 1) * a.part_len, pos + 1)) {
             const int64_t th = th0 + (int64_t)mt * a.n_heads + g;
             a.ws_m[th * a.parts + part] = m_run;
             a.ws_l[th * a.parts + part] = l_run;
@@ -722,8 +712,8 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
     a.chunks = (a.group + ATTN_GMAX - 1) / ATTN_GMAX;
     a.max_blocks = p->max_blocks;
     a.max_ctx = p->max_ctx;
-    a.parts = kvf_cuda_attention_parts(p->n_tokens, p->n_heads, p->max_ctx);
-    a.part_len = kvf_cuda_attention_part_len(p->n_tokens, p->n_heads, p->max_ctx);
+    a.tiled = kvf_cuda_attention_tiled(p->n_tokens, p->n_seqs);
+    a.parts = kvf_cuda_attention_split(p->n_tokens, p->n_seqs, p->n_heads, p->max_ctx, &a.part_len);
     a.window = p->window;
     a.block_bytes = l->block_bytes;
     a.slab_bytes = kvf_kv_slab_bytes(l);
@@ -743,7 +733,6 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
     }
     const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
     a.gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
-    a.tiled = p->n_seqs > 0 && p->n_seqs < p->n_tokens;
     *gc_out = a.gc;
     return a;
 }
@@ -768,9 +757,10 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
                            l->head_dim, kvf_dtype_name(l->dtype));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     dim3 grid((unsigned)p->n_tokens, (unsigned)(l->n_kv_heads * a.chunks), (unsigned)a.parts);
-    fn<<<grid, ATTN_NT, 0, s>>>(a);
     if (a.tiled)
         tile_fn<<<grid, ATTN_NT, 0, s>>>(a);
+    else
+        fn<<<grid, ATTN_NT, 0, s>>>(a);
     if (a.parts > 1)
         attn_reduce_kernel<<<dim3((unsigned)p->n_tokens, (unsigned)p->n_heads),
                              (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);

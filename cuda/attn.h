@@ -24,11 +24,12 @@ typedef struct kvf_cuda_attn_params {
     int32_t layer;
     int32_t n_tokens, n_heads;    /* n_kv_heads and head_dim come from layout */
     int32_t n_seqs;               /* sequences in the step (rows of block_tables in use); 0 =
-                                   * not known, taken as n_tokens. Only picks kernels: with
-                                   * n_tokens > n_seqs some sequence has a run of several
-                                   * tokens (a prefill chunk), and runs of two or more go to the
-                                   * tiled kernel, which reads each K/V row once for a tile of
-                                   * up to 16 (token, head) rows; the answer never depends on it */
+                                   * not known. Picks the kernel and the split: with 0 < n_seqs <
+                                   * n_tokens (prefill chunks) the tile kernel serves every
+                                   * token, reading each K/V row once for a tile of up to 16
+                                   * (token, head) rows, over few long partitions; otherwise the
+                                   * partition kernel does, one token per CTA. The answer does
+                                   * not depend on it beyond rounding; the workspace size does */
     const int32_t *tok_seq;       /* [n_tokens] */
     const int32_t *tok_pos;       /* [n_tokens] */
     const int32_t *block_tables;  /* [n_seqs][max_blocks] */
@@ -44,9 +45,10 @@ typedef struct kvf_cuda_attn_params {
     size_t workspace_bytes;
 } kvf_cuda_attn_params;
 
-/* Bytes of workspace kvf_cuda_attention needs for these shapes (0 when it splits nothing). */
-size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_heads, int32_t head_dim,
-                                          int32_t max_ctx);
+/* Bytes of workspace kvf_cuda_attention needs for these shapes (0 when it splits nothing);
+ * n_seqs as in the parameters (0 gives the most any n_seqs needs). */
+size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,
+                                          int32_t head_dim, int32_t max_ctx);
 
 /* Checks a shape once (at model load): KVF_ERR_UNSUPPORTED naming head_dim, block_size or
  * dtype when no kernel exists for it, with the supported list. */

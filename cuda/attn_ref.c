@@ -38,10 +38,41 @@ int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_
     return (int32_t)(((int64_t)max_ctx + len - 1) / len);
 }
 
-size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_heads, int32_t head_dim,
-                                          int32_t max_ctx)
+int kvf_cuda_attention_tiled(int32_t n_tokens, int32_t n_seqs)
 {
-    int32_t parts = kvf_cuda_attention_parts(n_tokens, n_heads, max_ctx);
+    return n_seqs > 0 && n_seqs < n_tokens;
+}
+
+int32_t kvf_cuda_attention_tile_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx)
+{
+    int64_t rows = (int64_t)(n_tokens > 0 ? n_tokens : 1) * (n_heads > 0 ? n_heads : 1);
+    int64_t ctx = max_ctx > 0 ? max_ctx : 1, unit = KVF_CUDA_ATTN_PART_MAX;
+    int64_t ctas = (rows + KVF_CUDA_ATTN_TILE_ROWS - 1) / KVF_CUDA_ATTN_TILE_ROWS;
+    int64_t want = (KVF_CUDA_ATTN_TILE_CTA_TARGET + ctas - 1) / ctas;
+    int64_t most = (ctx + unit - 1) / unit;
+    if (want > most)
+        want = most;
+    if (want < 1)
+        want = 1;
+    int64_t len = (ctx + want - 1) / want;
+    return (int32_t)((len + unit - 1) / unit * unit);
+}
+
+int32_t kvf_cuda_attention_split(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,
+                                 int32_t max_ctx, int32_t *len_out)
+{
+    int64_t len = kvf_cuda_attention_tiled(n_tokens, n_seqs)
+                      ? kvf_cuda_attention_tile_part_len(n_tokens, n_heads, max_ctx)
+                      : kvf_cuda_attention_part_len(n_tokens, n_heads, max_ctx);
+    if (len_out)
+        *len_out = (int32_t)len;
+    return max_ctx <= 0 ? 1 : (int32_t)(((int64_t)max_ctx + len - 1) / len);
+}
+
+size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,
+                                          int32_t head_dim, int32_t max_ctx)
+{
+    int32_t parts = kvf_cuda_attention_split(n_tokens, n_seqs, n_heads, max_ctx, NULL);
     if (parts <= 1 || n_tokens <= 0 || n_heads <= 0 || head_dim <= 0)
         return 0;
     return (size_t)n_tokens * (size_t)n_heads * (size_t)parts * ((size_t)head_dim + 2) *
@@ -144,15 +175,18 @@ kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "attn: fp8 KV needs finite k_scale and v_scale > 0 (got %g and %g)",
                            (double)p->k_scale, (double)p->v_scale);
-    size_t need = kvf_cuda_attention_workspace_bytes(p->n_tokens, p->n_heads, l->head_dim,
-                                                     p->max_ctx);
+    if (p->n_seqs < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "attn: n_seqs %d is negative (0 = not known)",
+                           p->n_seqs);
+    size_t need = kvf_cuda_attention_workspace_bytes(p->n_tokens, p->n_seqs, p->n_heads,
+                                                     l->head_dim, p->max_ctx);
     if (need > 0 && (!p->workspace || p->workspace_bytes < need))
         return kvf_err_set(err, KVF_ERR_INVALID,
-                           "attn: workspace of %zu bytes%s is too small: %d tokens x %d heads at "
-                           "max_ctx %d need %zu (kvf_cuda_attention_workspace_bytes)",
+                           "attn: workspace of %zu bytes%s is too small: %d tokens (%d sequences) "
+                           "x %d heads at max_ctx %d need %zu (kvf_cuda_attention_workspace_bytes)",
                            p->workspace ? p->workspace_bytes : (size_t)0,
-                           p->workspace ? "" : " (NULL)", p->n_tokens, p->n_heads, p->max_ctx,
-                           need);
+                           p->workspace ? "" : " (NULL)", p->n_tokens, p->n_seqs, p->n_heads,
+                           p->max_ctx, need);
     return KVF_OK;
 }
 
@@ -236,8 +270,8 @@ kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err)
         return st;
     const kvf_kv_layout *l = &p->layout;
     int32_t hd = l->head_dim, group = p->n_heads / l->n_kv_heads;
-    int32_t parts = kvf_cuda_attention_parts(p->n_tokens, p->n_heads, p->max_ctx);
-    int32_t plen = kvf_cuda_attention_part_len(p->n_tokens, p->n_heads, p->max_ctx);
+    int32_t plen = 0;
+    int32_t parts = kvf_cuda_attention_split(p->n_tokens, p->n_seqs, p->n_heads, p->max_ctx, &plen);
     for (int32_t t = 0; t < p->n_tokens; t++)
         if (p->tok_pos[t] < 0 || p->tok_pos[t] >= p->max_ctx || p->tok_seq[t] < 0)
             return kvf_err_set(err, KVF_ERR_INVALID,
@@ -262,7 +296,7 @@ kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err)
             for (int32_t e = 0; e < hd; e++)
                 qs[e] = q[e] * qmul;
             int32_t pa = lo / plen, pb = pos / plen;
-            /* the partition kernel: every non-empty partition of this token */
+            /* the partition (or tile) kernel: every non-empty partition of this token */
             for (int32_t pp = pa; pp <= pb; pp++) {
                 int32_t p0 = pp * plen, p1 = p0 + plen;
                 if (p0 < lo)

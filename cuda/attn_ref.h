@@ -21,13 +21,31 @@
 #define KVF_CUDA_ATTN_SPLIT_TARGET 2048
 /* Query heads one CTA serves from one KV head's loads; a larger GQA group is cut into chunks. */
 #define KVF_CUDA_ATTN_HEADS_PER_CTA 8
+/* The tile kernel: (token, query head) rows per CTA, and about how many CTAs its split aims
+ * for (several per SM of a large GPU). */
+#define KVF_CUDA_ATTN_TILE_ROWS 16
+#define KVF_CUDA_ATTN_TILE_CTA_TARGET 1024
 
-/* The partition length for a call (64, 128 or 256). */
+/* The partition kernel's partition length for a call (64, 128 or 256). */
 int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
-/* Partitions of a call: ceil(max_ctx / part_len(...)) (1 when max_ctx <= 0). */
+/* The partition kernel's partitions: ceil(max_ctx / part_len(...)) (1 when max_ctx <= 0). */
 int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
 
-/* Workspace layout when parts > 1, N = n_tokens * n_heads * parts, index
+/* Whether a call runs the tile kernel (for every token) instead of the partition kernel: it
+ * has prefill chunks, 0 < n_seqs < n_tokens. */
+int kvf_cuda_attention_tiled(int32_t n_tokens, int32_t n_seqs);
+/* The tile kernel's partition length: a multiple of 256 (it loops over a partition in passes,
+ * so length costs no shared memory), long enough that a call makes about
+ * KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs counting one per 16 (token, head) rows per partition, and
+ * never shorter than 256: a 2048-token step at 32k is one partition (no workspace, no reduce),
+ * a 16-token chunk there is 32 partitions of 1024. */
+int32_t kvf_cuda_attention_tile_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
+/* The split a call uses, whichever kernel runs it: its partitions, and the length in *len_out. */
+int32_t kvf_cuda_attention_split(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,
+                                 int32_t max_ctx, int32_t *len_out);
+
+/* Workspace layout when the split (kvf_cuda_attention_split) has parts > 1,
+ * N = n_tokens * n_heads * parts, index
  * i = (token * n_heads + head) * parts + part:
  *   float o[N][head_dim]  (partition output, already divided by its own sum)
  *   float m[N]            (partition max of the scores, base-2 logits)
@@ -36,10 +54,10 @@ int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_
  *   M = max m_p;  w_p = l_p * 2^(m_p - M);  out = sum(w_p * o_p) / sum(w_p). */
 
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory
- * (including the workspace, with the same size rule): same partitions, same base-2 online
- * softmax per partition, same reduce order. It is the partition kernel's order for every token;
- * a prefill chunk's tokens on the tile kernel (p->n_seqs < p->n_tokens) rescale their running
- * sums pass by pass, so they agree with it to rounding, not bit for bit. Checks p as the launcher does, except that
+ * (including the workspace, with the same size rule): same partitions, same base-2 softmax per
+ * partition, same reduce order. Within a partition it is the partition kernel's order; the
+ * tile kernel (a call with prefill chunks) rescales its running sums pass by pass, so there
+ * the two agree to rounding, not bit for bit. Checks p as the launcher does, except that
  * per-token positions are also checked here (a token with tok_pos outside [0, max_ctx) gets
  * zeros on the GPU and KVF_ERR_INVALID here). */
 kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err);

@@ -541,7 +541,8 @@ static void cuda_attention(void *ctx, const float *q, const void *pool, const kv
         record_msg(c, KVF_ERR_INVALID, "cuda backend: attention needs max_ctx (a bound on every tok_pos + 1), got 0");
         return;
     }
-    size_t ws = kvf_cuda_attention_workspace_bytes(a->n_tokens, a->n_heads, a->head_dim, a->max_ctx);
+    size_t ws = kvf_cuda_attention_workspace_bytes(a->n_tokens, a->n_seqs, a->n_heads, a->head_dim,
+                                                   a->max_ctx);
     if (ws && !grow(c, &c->attn_ws, &c->attn_ws_bytes, ws, "cuda backend: attention workspace", true))
         return;
     kvf_cuda_attn_params p = {};

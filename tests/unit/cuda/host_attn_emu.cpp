@@ -61,9 +61,7 @@ static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
         return kvf_err_set(err, KVF_ERR_INTERNAL, "no kernel");
     const emu::idx3 grid = {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
                             (unsigned)a.parts};
-    emu_launch(fn, a, 0, grid, ATTN_NT);
-    if (a.tiled)
-        emu_launch(tile_fn, a, 0, grid, ATTN_NT);
+    emu_launch(a.tiled ? tile_fn : fn, a, 0, grid, ATTN_NT);
     if (a.parts > 1)
         emu_launch(nullptr, a, p->layout.head_dim,
                    {(unsigned)p->n_tokens, (unsigned)p->n_heads, 1}, (unsigned)p->layout.head_dim);
@@ -96,12 +94,14 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     float *cpu = (float *)malloc(n * sizeof(float)), *ref = (float *)malloc(n * sizeof(float));
     float *got = (float *)malloc(n * sizeof(float));
     assert_int_equal(attn_case_cpu(&c, s, cpu), 0);
-    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s->head_dim,
-                                                         c.max_ctx);
+    const int32_t n_seqs = tiles ? c.n_seqs : 0;
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, n_seqs, c.n_heads,
+                                                         s->head_dim, c.max_ctx);
     float *ws = ws_bytes ? (float *)malloc(ws_bytes) : nullptr;
     kvf_err err = {};
     kvf_cuda_attn_params p = attn_case_params(&c, s, c.q, ref, c.pool, c.tok_seq, c.tok_pos,
                                               c.block_tables, ws, ws_bytes);
+    p.n_seqs = n_seqs; /* the reference takes the same split */
     if (kvf_cuda_attn_ref(&p, &err) != KVF_OK)
         fail_msg("ref: %s", err.msg);
     for (size_t i = 0; i < n; i++)
@@ -112,10 +112,9 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     if (bad_pos >= 0)
         c.tok_pos[bad_pos] = c.max_ctx + 5;
     p.out = got;
-    p.n_seqs = tiles ? c.n_seqs : 0;
     if (emu_attention(&p, &err) != KVF_OK)
         fail_msg("emulated launch: %s", err.msg);
-    int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
+    int32_t parts = kvf_cuda_attention_split(c.n_tokens, n_seqs, c.n_heads, c.max_ctx, nullptr);
     for (int32_t t = 0; t < c.n_tokens; t++) {
         size_t wi;
         if (t == bad_pos) {
@@ -245,7 +244,8 @@ static void test_tiled_prefill(void **state)
             attn_case c;
             assert_int_equal(attn_case_build(&s, &c), 0);
             const bool chunk = c.n_tokens > c.n_seqs;
-            const int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
+            const int32_t parts = kvf_cuda_attention_split(c.n_tokens, c.n_seqs, c.n_heads,
+                                                           c.max_ctx, nullptr);
             attn_case_free(&c);
             if (!chunk)
                 continue; /* this seed drew no prefill chunk: the other tests cover decode */

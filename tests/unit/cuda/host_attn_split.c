@@ -31,8 +31,9 @@ static int32_t run_case(const attn_case_spec *s)
     size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim;
     float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
     assert_int_equal(attn_case_cpu(&c, s, want), 0);
-    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s->head_dim,
-                                                         c.max_ctx);
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_seqs, c.n_heads,
+                                                         s->head_dim, c.max_ctx);
+    int32_t parts = kvf_cuda_attention_split(c.n_tokens, c.n_seqs, c.n_heads, c.max_ctx, NULL);
     float *ws = ws_bytes ? malloc(ws_bytes) : NULL;
     for (size_t i = 0; i < n; i++)
         got[i] = NAN;
@@ -48,9 +49,7 @@ static int32_t run_case(const attn_case_spec *s)
         fail_msg("%s hd %d bs %d kv %d group %d window %d max_ctx %d (%d parts): element %zu "
                  "is %g, CPU backend %g (%.2fx the tolerance)",
                  kvf_dtype_name(s->dtype), s->head_dim, s->block_size, s->n_kv_heads, s->group,
-                 s->window, c.max_ctx, kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx),
-                 wi, (double)got[wi], (double)want[wi], r);
-    int32_t parts = kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx);
+                 s->window, c.max_ctx, parts, wi, (double)got[wi], (double)want[wi], r);
     free(ws);
     free(want);
     free(got);
@@ -81,7 +80,7 @@ static void test_single_partition(void **state)
                             .window = seed % 2 ? 0 : 20, .dtype = (kvf_dtype)(seed % 4),
                             .k_scale = 1.0f, .v_scale = 1.0f, .scale_mul = 1.0f, .n_seqs = 4,
                             .max_len = 200, .extra_ctx = 56, .seed = seed};
-        assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 8, 32, 256), 0);
+        assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 4, 8, 32, 256), 0);
         assert_int_equal(run_case(&s), 1);
     }
 }
@@ -136,9 +135,34 @@ static void test_workspace_size(void **state)
     assert_int_equal(kvf_cuda_attention_part_len(1, 32, 16384), 256);
     assert_int_equal(kvf_cuda_attention_part_len(64, 32, 4096), 256);
     assert_int_equal(kvf_cuda_attention_parts(64, 32, 32768), 128);
-    assert_int_equal(kvf_cuda_attention_workspace_bytes(3, 4, 64, 600),
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(3, 3, 4, 64, 600),
                      (size_t)3 * 4 * 10 * (64 + 2) * sizeof(float));
-    assert_int_equal(kvf_cuda_attention_workspace_bytes(0, 4, 64, 600), 0);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(3, 0, 4, 64, 600),
+                     (size_t)3 * 4 * 10 * (64 + 2) * sizeof(float));
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(0, 0, 4, 64, 600), 0);
+    /* prefill chunks (n_seqs < n_tokens) take the tile kernel's split: partitions of 256 or
+     * more, about KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs at 16 (token, head) rows each */
+    assert_true(kvf_cuda_attention_tiled(2, 1));
+    assert_false(kvf_cuda_attention_tiled(2, 2));
+    assert_false(kvf_cuda_attention_tiled(2, 0));
+    int32_t len = 0;
+    /* 2048 tokens x 32 heads = 4096 CTAs at 32k: one partition, no workspace (the partition
+     * kernel's split would be 128 partitions: 2048 x 32 x 128 x 130 floats = 4.4 GB) */
+    assert_int_equal(kvf_cuda_attention_split(2048, 1, 32, 32768, &len), 1);
+    assert_int_equal(len, 32768);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 1, 32, 128, 32768), 0);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 2048, 32, 128, 32768),
+                     (size_t)2048 * 32 * 128 * 130 * sizeof(float));
+    /* a 16-token chunk at 32k: 32 CTAs a partition, so 32 partitions of 1024 */
+    assert_int_equal(kvf_cuda_attention_split(16, 1, 32, 32768, &len), 32);
+    assert_int_equal(len, 1024);
+    /* never shorter than 256, whatever the target asks */
+    assert_int_equal(kvf_cuda_attention_split(2, 1, 1, 1000, &len), 4);
+    assert_int_equal(len, 256);
+    assert_int_equal(kvf_cuda_attention_tile_part_len(2, 1, 100), 256);
+    /* a partition length that is not a power of two: 4096 rows -> 256 CTAs, 4 wanted at 5000 */
+    assert_int_equal(kvf_cuda_attention_split(128, 1, 32, 5000, &len), 4);
+    assert_int_equal(len, 1280);
 }
 
 static void expect_err(kvf_status got, kvf_status want, const kvf_err *err, const char *a,

@@ -52,7 +52,8 @@ static void run_case(const attn_case_spec *s)
     float *cpu = malloc(n * sizeof(float)), *ref = malloc(n * sizeof(float));
     float *gpu = malloc(n * sizeof(float));
     assert_int_equal(attn_case_cpu(&c, s, cpu), 0);
-    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s->head_dim,
+    /* n_seqs 0: the partition kernel's split, the most either way needs */
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, 0, c.n_heads, s->head_dim,
                                                          c.max_ctx);
     float *ws = ws_bytes ? malloc(ws_bytes) : NULL;
     kvf_err err = {0};
@@ -91,7 +92,9 @@ static void run_case(const attn_case_spec *s)
                      "parts): element %zu (token %zu) is %g, CPU backend %g (%.2fx the tolerance)",
                      tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim,
                      s->block_size, s->n_kv_heads, s->group, s->window, c.max_ctx,
-                     kvf_cuda_attention_parts(c.n_tokens, c.n_heads, c.max_ctx), wi,
+                     kvf_cuda_attention_split(c.n_tokens, dp.n_seqs, c.n_heads, c.max_ctx,
+                                              NULL),
+                     wi,
                      wi / ((size_t)c.n_heads * s->head_dim), (double)gpu[wi], (double)cpu[wi], r);
         r = attn_close(gpu, ref, n, REF_ATOL, REF_RTOL, &wi);
         if (!(r <= 1.0))
@@ -245,7 +248,7 @@ static void test_bad_position_zeros(void **state)
     int32_t *pos = malloc((size_t)c.n_tokens * sizeof(int32_t));
     memcpy(pos, c.tok_pos, (size_t)c.n_tokens * sizeof(int32_t));
     pos[0] = c.max_ctx + 1000;
-    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, c.n_heads, s.head_dim,
+    size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, 0, c.n_heads, s.head_dim,
                                                          c.max_ctx);
     size_t nt = (size_t)c.n_tokens * sizeof(int32_t);
     void *d_pool = dev_copy(c.pool, c.pool_bytes), *d_q = dev_copy(c.q, n * sizeof(float));
