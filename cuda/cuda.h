@@ -47,7 +47,9 @@ typedef kvf_backend_sample_row kvf_cuda_sample_row; /* top_k >= vocab also means
  * logit is >= the k-th largest logit (all when top_k is 0 or >= vocab; ties at the cut are all
  * kept); w_i = exp((logit_i - max) / temperature); P = the tokens of K whose logit is >= the
  * largest threshold whose kept w-mass is >= top_p * (w-mass of K); then the token i of P, in id
- * order, at which the running sum of w first exceeds u * (w-mass of P). Rows that fail the
+ * order, at which the running sum of w first exceeds u * (w-mass of P); a row whose largest
+ * non-NaN logit is +inf, or whose 1/temperature overflows a float, takes the lowest id holding
+ * its largest logit instead (the weights would be NaN). Rows that fail the
  * parameter check (temperature <= 0, top_p outside (0, 1], u outside [0, 1), top_k < 0) are
  * refused with ERR_INVALID naming the row. The backend's `sample` op (model/backend.h), which
  * the engine uses for rows that draw with a temperature. */

@@ -55,7 +55,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
 {
     __shared__ float buf[SAMPLE_THREADS / 32];
     __shared__ float pre[SAMPLE_THREADS];
-    __shared__ int32_t pick;
+    __shared__ int32_t pick, neg_first;
     const float *r = logits + (int64_t)blockIdx.x * vocab;
     kvf_cuda_sample_row p = rows[blockIdx.x];
     float inv_t = 1.0f / p.temperature;
@@ -66,6 +66,20 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
         if (r[j] == r[j])
             m = fmaxf(m, r[j]);
     m = block_max(m, buf);
+    if (m == INFINITY || inv_t == INFINITY) { /* the rule's argmax case (the same in every thread) */
+        if (threadIdx.x == 0)
+            neg_first = -0x7fffffff - 1;
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
+            if (r[j] == m) {
+                atomicMax(&neg_first, (int32_t)-j); /* the lowest id, negated */
+                break;
+            }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            out[blockIdx.x] = -neg_first;
+        return;
+    }
 
     /* 2. top-k: the largest key K with count(key >= K) >= k (the k-th largest logit) */
     uint32_t kk = 0;

@@ -254,8 +254,10 @@ int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temp
     for (int32_t i = 0; i < v; i++)
         if (logits[i] == logits[i]) /* NaN is never kept */
             mx = logits[i] > mx ? logits[i] : mx;
-    if (mx == -INFINITY)
-        return kvf_engine_argmax(logits, v); /* nothing has weight */
+    /* nothing has weight (-inf), a +inf logit, or 1/temperature past a float: the weights
+     * would be NaN (0 * inf), so the rule takes the argmax (u was drawn all the same) */
+    if (mx == -INFINITY || mx == INFINITY || inv_t == INFINITY)
+        return kvf_engine_argmax(logits, v);
     /* the top-k cut: the k-th largest value, ties with it kept */
     float cut = top_k > 0 && top_k < v ? kth_largest(s, logits, top_k) : -INFINITY;
     /* the weights above it, and the top-p cut above that */

@@ -46,7 +46,9 @@ int32_t kvf_engine_argmax(const float *logits /* [vocab] */, int32_t vocab);
  * top_p cut keeps every logit >= the largest value whose kept mass (of
  * softmax(logits / temperature) over the top-k set) reaches top_p (1: all; ties kept); then
  * the kept token, in id order, at which the running mass first exceeds u times the kept mass.
- * A pure function of (logits, parameters, rng state). */
+ * A row whose largest logit is +inf or -inf, or a temperature so small that 1/temperature
+ * overflows a float (below about 2.9e-39), takes the argmax instead. A pure function of
+ * (logits, parameters, rng state). */
 int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits /* [vocab] */,
                           float temperature, int32_t top_k, float top_p, kvf_engine_rng *rng);
 

@@ -253,15 +253,18 @@ static void test_argmax(void **state)
 
 static void test_sample_rule(void **state)
 {
-    const int N = 6, V = 300;
+    const int N = 8, V = 300;
     static float x[N * V];
     for (int i = 0; i < N * V; i++)
         x[i] = rnd() * 4.0f;
+    /* row 6: two +inf logits (the lowest id wins); row 7: a temperature whose reciprocal
+     * overflows: both the argmax, whatever u says (their weights would be NaN) */
+    x[6 * V + 250] = INFINITY, x[6 * V + 17] = INFINITY, x[6 * V + 3] = -INFINITY;
     kvf_cuda_sample_row rows[N];
-    const int32_t ks[N] = {0, 1, 5, 40, 0, 299};
-    const float ps[N] = {1.0f, 1.0f, 0.7f, 0.9f, 0.5f, 1.0f};
+    const int32_t ks[N] = {0, 1, 5, 40, 0, 299, 0, 0};
+    const float ps[N] = {1.0f, 1.0f, 0.7f, 0.9f, 0.5f, 1.0f, 1.0f, 0.8f};
     for (int i = 0; i < N; i++) {
-        rows[i].temperature = i % 2 ? 0.7f : 1.3f;
+        rows[i].temperature = i == 7 ? 1e-40f : i % 2 ? 0.7f : 1.3f;
         rows[i].top_k = ks[i];
         rows[i].top_p = ps[i];
         rows[i].u = (rnd() + 1.0f) * 0.5f * 0.999f;
@@ -281,6 +284,9 @@ static void test_sample_rule(void **state)
     int32_t am[1];
     emu_launch({1, 1, 1}, ARGMAX_THREADS, [&] { argmax_kernel(x + V, V, am); });
     assert_int_equal(out[1], am[0]);
+    assert_int_equal(out[6], 17);
+    emu_launch({1, 1, 1}, ARGMAX_THREADS, [&] { argmax_kernel(x + 7 * V, V, am); });
+    assert_int_equal(out[7], am[0]);
 }
 
 int main(void)

@@ -30,6 +30,14 @@ static inline int32_t kvf_test_sample_ref(const float *r, int64_t vocab, const k
     float mx = -INFINITY;
     for (int64_t j = 0; j < vocab; j++)
         mx = fmaxf(mx, r[j]);
+    if (mx == INFINITY || 1.0f / p->temperature == INFINITY) { /* the argmax: the lowest id */
+        int64_t first = 0;
+        while (first < vocab && r[first] != mx)
+            first++;
+        for (int64_t j = 0; j < vocab; j++)
+            kept[j] = j == first;
+        return (int32_t)first;
+    }
     float kth = -INFINITY;
     if (p->top_k > 0 && p->top_k < vocab) { /* the k-th largest value */
         float *c = (float *)malloc((size_t)vocab * 4);

@@ -85,6 +85,16 @@ static void test_sampler_distribution(void **state)
     float none[4] = {NAN, -INFINITY, NAN, -INFINITY};
     int32_t t_none = kvf_engine_sample(&s, none, 1.0f, 0, 1.0f, &rng);
     assert_true(t_none >= 0 && t_none < 4);
+    /* a +inf logit, or a temperature whose reciprocal overflows a float (1e-40 passes the
+     * 0-to-10000 check): the weights would be NaN, so the argmax (it drew the last id before) */
+    float inf_row[5] = {1, INFINITY, 2, INFINITY, -INFINITY};
+    float plain[5] = {1, 5, 2, 3, 0};
+    for (int i = 0; i < 50; i++) {
+        assert_int_equal(kvf_engine_sample(&s, inf_row, 1.0f, 0, 1.0f, &rng), 1);
+        assert_int_equal(kvf_engine_sample(&s, inf_row, 1.0f, 0, 0.5f, &rng), 1);
+        assert_int_equal(kvf_engine_sample(&s, plain, 1e-40f, 0, 1.0f, &rng), 1);
+        assert_int_equal(kvf_engine_sample(&s, plain, 1e-40f, 3, 0.9f, &rng), 1);
+    }
     /* the same seed and stream give the same draws; another stream differs */
     kvf_engine_rng a, b, c;
     kvf_engine_rng_seed(&a, 9, 0);
