@@ -24,7 +24,7 @@
 
 typedef struct attn_bench_cfg {
     bool quick, l2_flush;
-    int32_t heads, kv_heads, head_dim, block_size, max_iters, chunk;
+    int32_t heads, kv_heads, head_dim, block_size, max_iters, chunk, decode_seqs;
     const char *dtype, *batches, *contexts;
     int64_t max_kv, copy_max, flush_bytes;
     double seconds;
@@ -35,6 +35,7 @@ static const kvf_cfg_opt attn_bench_opts[] = {
     {"batches", NULL, "batch sizes (comma-separated); default 1,2,4,...,256 (quick: 1,16,64)", offsetof(attn_bench_cfg, batches), KVF_CFG_STR},
     {"contexts", NULL, "context lengths (comma-separated); default 512,1024,...,32768 (quick: 1024,4096,16384)", offsetof(attn_bench_cfg, contexts), KVF_CFG_STR},
     {"chunk", "0", "prefill chunks: N query tokens per sequence at the end of its context, timed on the tile kernel and on the partition kernel (0: one decode token per sequence)", offsetof(attn_bench_cfg, chunk), KVF_CFG_INT},
+    {"decode-seqs", "0", "with --chunk: this many more sequences, one decode token each at the same context, in the same call (a decode worker's step while it prefills a prompt itself)", offsetof(attn_bench_cfg, decode_seqs), KVF_CFG_INT},
     {"heads", "32", "query heads (Llama-3-8B: 32)", offsetof(attn_bench_cfg, heads), KVF_CFG_INT},
     {"kv-heads", "8", "KV heads (Llama-3-8B: 8)", offsetof(attn_bench_cfg, kv_heads), KVF_CFG_INT},
     {"head-dim", "128", "head dimension (16, 32, 48, 64, 80, 96, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
@@ -122,9 +123,10 @@ static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
                                const attn_row *rows, int n_cases)
 {
     printf("shape: %d query heads, %d KV heads x %d, %s KV, block %d; a prefill chunk of %d "
-           "tokens per sequence at the end of its context; L2 %s before every call\n",
+           "tokens per sequence at the end of its context, plus %d decode sequences; L2 %s "
+           "before every call\n",
            c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
-           c->chunk, c->l2_flush ? "flushed" : "not flushed");
+           c->chunk, c->decode_seqs, c->l2_flush ? "flushed" : "not flushed");
     printf("tiled_us: chunks on the tile kernel; per_token_us: every token on the partition "
            "kernel (each reads its own K/V); TFLOP/s counts 4 * head_dim flops per visible "
            "(query head, position) pair of the tiled call\n\n");
@@ -134,17 +136,19 @@ static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
     for (int k = 0; k < n_cases; k++) {
         const attn_row *r = &rows[k];
         if (r->skipped) {
-            printf("%7d %7d %7d %10s %12s %9s %9s\n", r->batch, r->ctx, r->batch * c->chunk,
-                   "skipped", "-", "-", "-");
+            printf("%7d %7d %7d %10s %12s %9s %9s\n", r->batch, r->ctx,
+                   r->batch * c->chunk + c->decode_seqs, "skipped", "-", "-", "-");
             continue;
         }
-        /* visible pairs: each of the chunk's tokens sees ctx - chunk + 1 .. ctx positions */
+        /* visible pairs: each of the chunk's tokens sees ctx - chunk + 1 .. ctx positions, a
+         * decode token ctx */
         double pairs = (double)r->batch * c->heads *
-                       ((double)c->chunk * (r->ctx - c->chunk) + c->chunk * (c->chunk + 1) / 2.0);
+                           ((double)c->chunk * (r->ctx - c->chunk) + c->chunk * (c->chunk + 1) / 2.0) +
+                       (double)c->decode_seqs * c->heads * r->ctx;
         double tflops = 4.0 * l->head_dim * pairs / (r->attn_ms * 1e-3) / 1e12;
         double speedup = r->untiled_ms / r->attn_ms;
-        printf("%7d %7d %7d %10.1f %12.1f %9.2f %9.2f\n", r->batch, r->ctx, r->batch * c->chunk,
-               r->attn_ms * 1e3, r->untiled_ms * 1e3, speedup, tflops);
+        printf("%7d %7d %7d %10.1f %12.1f %9.2f %9.2f\n", r->batch, r->ctx,
+               r->batch * c->chunk + c->decode_seqs, r->attn_ms * 1e3, r->untiled_ms * 1e3, speedup, tflops);
         if (min_speedup < 0 || speedup < min_speedup)
             min_speedup = speedup;
     }
@@ -162,6 +166,7 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     int rc = 1;
     const double tok_bytes = (double)kvf_kv_bytes_per_token(l); /* one layer: K + V */
     const int32_t tps = c->chunk > 0 ? c->chunk : 1; /* query tokens per sequence */
+    const int32_t extra = c->chunk > 0 ? c->decode_seqs : 0; /* decode sequences beside chunks */
     char dev_name[256];
     size_t dev_free = 0, dev_total = 0;
     if (kvf_cuda_bench_device(dev_name, sizeof dev_name, &dev_free, &dev_total, &err) != KVF_OK) {
@@ -174,13 +179,14 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     int64_t pool_blocks = 0;
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
-            if ((double)batches[i] * ctxs[j] * tok_bytes > (double)c->max_kv)
+            if ((double)(batches[i] + extra) * ctxs[j] * tok_bytes > (double)c->max_kv)
                 continue;
-            int64_t blocks = (int64_t)batches[i] * kvf_kv_blocks_for(ctxs[j], l->block_size);
+            int64_t blocks =
+                (int64_t)(batches[i] + extra) * kvf_kv_blocks_for(ctxs[j], l->block_size);
             if (blocks > pool_blocks)
                 pool_blocks = blocks;
-            if (batches[i] > max_batch)
-                max_batch = batches[i];
+            if (batches[i] + extra > max_batch)
+                max_batch = batches[i] + extra; /* sequences */
             if (ctxs[j] > max_ctx)
                 max_ctx = ctxs[j];
         }
@@ -196,12 +202,13 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < nc; j++) {
             /* n_seqs 0: the partition kernel's split (what --chunk's baseline needs) */
-            size_t w = kvf_cuda_attention_workspace_bytes(batches[i] * tps, 0, c->heads,
+            size_t w = kvf_cuda_attention_workspace_bytes(batches[i] * tps + extra, 0, c->heads,
                                                           l->head_dim, ctxs[j]);
-            if ((double)batches[i] * ctxs[j] * tok_bytes <= (double)c->max_kv && w > ws_bytes)
+            if ((double)(batches[i] + extra) * ctxs[j] * tok_bytes <= (double)c->max_kv &&
+                w > ws_bytes)
                 ws_bytes = w;
         }
-    const int64_t max_tokens = (int64_t)max_batch * tps;
+    const int64_t max_tokens = (int64_t)(max_batch - extra) * tps + extra;
     size_t qo_bytes = (size_t)max_tokens * c->heads * l->head_dim * sizeof(float);
     size_t flush_bytes = c->l2_flush ? (size_t)c->flush_bytes : 0;
     size_t need = pool_bytes + 2 * copy_bytes + ws_bytes + 2 * qo_bytes + flush_bytes +
@@ -259,7 +266,7 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
             attn_row *r = &rows[k];
             r->batch = batches[i];
             r->ctx = ctxs[j];
-            r->kv_bytes = (double)r->batch * r->ctx * tok_bytes;
+            r->kv_bytes = (double)(r->batch + extra) * r->ctx * tok_bytes;
             if (r->ctx < tps) {
                 r->skipped = true;
                 fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: skipped (shorter than --chunk)\n",
@@ -273,22 +280,25 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
                 continue;
             }
             int32_t nbk = (int32_t)kvf_kv_blocks_for(r->ctx, l->block_size);
-            const int32_t n_tok = r->batch * tps;
-            for (int32_t s = 0; s < r->batch; s++) {
-                for (int32_t i = 0; i < tps; i++) { /* the last tps positions of the context */
-                    h_seq[s * tps + i] = s;
-                    h_pos[s * tps + i] = r->ctx - tps + i;
+            const int32_t n_seq = r->batch + extra, n_tok = r->batch * tps + extra;
+            for (int32_t s = 0; s < n_seq; s++) {
+                /* the last tps positions of the context; a decode sequence: the last one */
+                const int32_t first = s < r->batch ? s * tps : r->batch * tps + (s - r->batch);
+                const int32_t n = s < r->batch ? tps : 1;
+                for (int32_t i = 0; i < n; i++) {
+                    h_seq[first + i] = s;
+                    h_pos[first + i] = r->ctx - n + i;
                 }
                 for (int32_t b = 0; b < nbk; b++)
                     h_bt[(int64_t)s * nbk + b] = perm[(int64_t)s * nbk + b];
             }
             if ((st = kvf_cuda_bench_upload(d_seq, h_seq, (size_t)n_tok * 4, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_upload(d_pos, h_pos, (size_t)n_tok * 4, &err)) != KVF_OK ||
-                (st = kvf_cuda_bench_upload(d_bt, h_bt, (size_t)r->batch * nbk * 4, &err)) != KVF_OK)
+                (st = kvf_cuda_bench_upload(d_bt, h_bt, (size_t)n_seq * nbk * 4, &err)) != KVF_OK)
                 goto fail_alloc;
             kvf_cuda_attn_params p = {
                 .q = q, .out = out, .pool = pool, .layout = *l, .layer = 0,
-                .n_tokens = n_tok, .n_heads = c->heads, .n_seqs = r->batch,
+                .n_tokens = n_tok, .n_heads = c->heads, .n_seqs = n_seq,
                 .tok_seq = d_seq, .tok_pos = d_pos,
                 .block_tables = d_bt, .max_blocks = nbk, .max_ctx = r->ctx, .window = 0,
                 .scale = 1.0f / sqrtf((float)l->head_dim), .k_scale = 1.0f, .v_scale = 1.0f,
@@ -403,6 +413,12 @@ int kvf_bench_attn_main(int argc, char **argv)
     if (c.chunk < 0 || c.chunk > 8192) {
         fprintf(stderr, "kvfleet: bench attn: --chunk=%d is out of range (0..8192; 0 = decode)\n",
                 c.chunk);
+        return 2;
+    }
+    if (c.decode_seqs < 0 || c.decode_seqs > 4096 || (c.decode_seqs > 0 && c.chunk == 0)) {
+        fprintf(stderr, "kvfleet: bench attn: --decode-seqs=%d must be 0..4096 and goes with "
+                        "--chunk (without it every sequence is a decode one already)\n",
+                c.decode_seqs);
         return 2;
     }
     const char *bdef = c.chunk ? (c.quick ? "1,4" : "1,2,4,8")

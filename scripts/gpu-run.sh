@@ -11,7 +11,9 @@
 #          (never run yet); bounded at 540 s. Exit status: ctest's.
 #   bench  kvfleet bench attn (full grid, bounded 240 s) then bench/attn_torch.py (full grid,
 #          bounded 200 s), then prefill chunks of 512, tiled vs per token (kvfleet bench attn
-#          --chunk 512, batches 1 and 4, bounded 100 s) -> $OUT/bench-attn.log. Expected 2-5 min.
+#          --chunk 512, batches 1 and 4, bounded 100 s), then a decode worker's mixed step (one
+#          32-token chunk beside 64 decode sequences, bounded 60 s; not in `all`)
+#          -> $OUT/bench-attn.log. Expected 2-6 min.
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
 #          "GPU end to end"; bounded 360 s), single-stream generate (bounded 60 s)
@@ -210,6 +212,11 @@ run_bench() {
     say "bench: kvfleet bench attn --chunk 512 --batches 1,4 ${q[*]} (bounded $4 s)" | tee -a "$log"
     timeout -k 10 "$4" kvfleet bench attn --chunk 512 --batches 1,4 "${q[@]}" 2>&1 | tee -a "$log"
     rc3=${PIPESTATUS[0]}
+    if [ "$1" = 0 ]; then
+        say "bench: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 (bounded 60 s)" | tee -a "$log"
+        timeout -k 10 60 kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 2>&1 | tee -a "$log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc3=1
+    fi
     local r
     r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)=" "$log" | tr '\n' ' ')
     SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2, --chunk 512 exit $rc3; ${r:-no ratio lines} (kvfleet, torch, then prefill tiles); $(secs "$t"); $log")
