@@ -148,7 +148,8 @@ static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
         double tflops = 4.0 * l->head_dim * pairs / (r->attn_ms * 1e-3) / 1e12;
         double speedup = r->untiled_ms / r->attn_ms;
         printf("%7d %7d %7d %10.1f %12.1f %9.2f %9.2f\n", r->batch, r->ctx,
-               r->batch * c->chunk + c->decode_seqs, r->attn_ms * 1e3, r->untiled_ms * 1e3, speedup, tflops);
+               r->batch * c->chunk + c->decode_seqs, r->attn_ms * 1e3, r->untiled_ms * 1e3,
+               speedup, tflops);
         if (min_speedup < 0 || speedup < min_speedup)
             min_speedup = speedup;
     }
@@ -166,7 +167,7 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
     int rc = 1;
     const double tok_bytes = (double)kvf_kv_bytes_per_token(l); /* one layer: K + V */
     const int32_t tps = c->chunk > 0 ? c->chunk : 1; /* query tokens per sequence */
-    const int32_t extra = c->chunk > 0 ? c->decode_seqs : 0; /* decode sequences beside chunks */
+    const int32_t extra = c->decode_seqs; /* decode sequences beside chunks (only with --chunk) */
     char dev_name[256];
     size_t dev_free = 0, dev_total = 0;
     if (kvf_cuda_bench_device(dev_name, sizeof dev_name, &dev_free, &dev_total, &err) != KVF_OK) {

@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     }
 }
 
-constexpr int ATTN_TILE_ROWS = 16; /* (token, query head) rows of one tile */
+constexpr int ATTN_TILE_ROWS = KVF_CUDA_ATTN_TILE_ROWS; /* (token, query head) rows of a tile */
 
 /* K/V positions per pass of the tile kernel: about 4096 floats of shared memory */
 constexpr int attn_tile_kt(int hd)
@@ -429,6 +429,13 @@ template <int HD> __device__ __forceinline__ int attn_tile_col(int tid, int u)
     return ATTN_NT % HD == 0 ? tid % HD : (tid + u * ATTN_NT) % HD;
 }
 
+/* Whether the visible range of the token at pos meets partition part (the reduce reads the
+ * partitions that do, and a kernel writes exactly those). */
+__device__ __forceinline__ bool attn_meets(const attn_args &a, int part, int pos)
+{
+    return max(part * a.part_len, attn_lo(pos, a.window)) < min((part + 1) * a.part_len, pos + 1);
+}
+
 /* One CTA per tile (algorithm step 3): token blockIdx.x when it starts a tile, KV head and head
  * chunk blockIdx.y, partition blockIdx.z. Row r of the tile is (token r / gc, head r % gc). */
 template <int HD, kvf_dtype DT>
@@ -441,7 +448,6 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     constexpr int OU = R * HD / ATTN_NT; /* output elements per thread */
     constexpr int TPR = ATTN_NT / R;     /* threads per row in the softmax update */
     static_assert(ATTN_NT % KT == 0 && KT % TPR == 0 && (R * HD) % ATTN_NT == 0, "tile shape");
-    static_assert(R == KVF_CUDA_ATTN_TILE_ROWS, "attn_ref.h's tile rows");
     static_assert((R * HD + KT * KS + R * KT + R) * 4 <= 48 * 1024,
                   "static shared memory is capped at 48 KiB");
     __shared__ float q_s[R * HD];
@@ -580,8 +586,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
         const int r = attn_tile_row<HD>(tid, u), d = attn_tile_col<HD>(tid, u);
         const int ti = r / gc, g = r % gc;
         const int pos = pos0 + ti;
-        if (ti < ia || ti > ib || g >= ng ||
-            max(part * a.part_len, attn_lo(pos, a.window)) >= min((part + 1) * a.part_len, pos + 1))
+        if (ti < ia || ti > ib || g >= ng || !attn_meets(a, part, pos))
             continue;
         const int64_t th = th0 + (int64_t)ti * a.n_heads + g;
         const float v = o[u] * (a.v_mul / c_s[r]);
@@ -592,9 +597,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
     }
     if (a.parts > 1 && tid % TPR == 0) {
         const int pos = pos0 + mt, g = mr % gc;
-        if (mt >= ia && mt <= ib && g < ng &&
-            max(part * a.part_len, attn_lo(pos, a.window)) <
-                min((part + 1) * a.part_len, pos + 1)) {
+        if (mt >= ia && mt <= ib && g < ng && attn_meets(a, part, pos)) {
             const int64_t th = th0 + (int64_t)mt * a.n_heads + g;
             a.ws_m[th * a.parts + part] = m_run;
             a.ws_l[th * a.parts + part] = l_run;
@@ -693,9 +696,8 @@ attn_fn attn_pick(int hd, kvf_dtype dt, int gc, bool tile)
     return nullptr;
 }
 
-/* The kernels' arguments for checked parameters p, and the heads per CTA (1, 2, 4 or 8) the
- * partition kernel is instantiated for. */
-attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
+/* The kernels' arguments for checked parameters p. */
+attn_args attn_make_args(const kvf_cuda_attn_params *p)
 {
     const kvf_kv_layout *l = &p->layout;
     attn_args a = {};
@@ -733,7 +735,6 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p, int *gc_out)
     }
     const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
     a.gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
-    *gc_out = a.gc;
     return a;
 }
 
@@ -748,19 +749,14 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
     if (st != KVF_OK || p->n_tokens == 0)
         return st;
     const kvf_kv_layout *l = &p->layout;
-    int gc = 8;
-    const attn_args a = attn_make_args(p, &gc);
-    attn_fn fn = attn_pick(l->head_dim, l->dtype, gc, false);
-    attn_fn tile_fn = attn_pick(l->head_dim, l->dtype, gc, true);
-    if (!fn || !tile_fn) /* supports() passed, so this is a table out of step with it */
+    const attn_args a = attn_make_args(p);
+    attn_fn fn = attn_pick(l->head_dim, l->dtype, a.gc, a.tiled);
+    if (!fn) /* supports() passed, so this is a table out of step with it */
         return kvf_err_set(err, KVF_ERR_INTERNAL, "attn: no kernel for head_dim %d, dtype %s",
                            l->head_dim, kvf_dtype_name(l->dtype));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     dim3 grid((unsigned)p->n_tokens, (unsigned)(l->n_kv_heads * a.chunks), (unsigned)a.parts);
-    if (a.tiled)
-        tile_fn<<<grid, ATTN_NT, 0, s>>>(a);
-    else
-        fn<<<grid, ATTN_NT, 0, s>>>(a);
+    fn<<<grid, ATTN_NT, 0, s>>>(a);
     if (a.parts > 1)
         attn_reduce_kernel<<<dim3((unsigned)p->n_tokens, (unsigned)p->n_heads),
                              (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);

@@ -441,9 +441,10 @@ static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_
     if (p->max_tokens < 1)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: max_tokens %d must be at "
                            "least 1", (unsigned long long)r->id, p->max_tokens);
-    if (!(p->temperature >= 0) || p->temperature > 1e4f)
+    if (!(p->temperature >= 0) || p->temperature > KVF_ENGINE_MAX_TEMPERATURE)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: temperature %g is not "
-                           "allowed (0 to 10000)", (unsigned long long)r->id, (double)p->temperature);
+                           "allowed (0 to %g)", (unsigned long long)r->id, (double)p->temperature,
+                           (double)KVF_ENGINE_MAX_TEMPERATURE);
     if (!(p->top_p > 0 && p->top_p <= 1))
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: top_p %g is not allowed "
                            "(greater than 0, at most 1)", (unsigned long long)r->id, (double)p->top_p);

@@ -36,6 +36,7 @@ typedef struct kvf_engine kvf_engine;
 
 #define KVF_ENGINE_MAX_N 16    /* parallel samples per request */
 #define KVF_ENGINE_MAX_STOP 16 /* stop ids and eos ids per request (each) */
+#define KVF_ENGINE_MAX_TEMPERATURE 1e4f /* sampling temperatures allowed: 0 (greedy) to this */
 
 typedef enum kvf_engine_preempt {
     KVF_ENGINE_PREEMPT_AUTO = 0,      /* by the cost estimate (kvf_engine_preempt_cost) */

@@ -256,10 +256,11 @@ static kvf_status job_check(kvf_prefill *p, pjob *j, kvf_err *err)
                            "max_position_embeddings (%d)", id, n, m->cfg.max_pos);
     /* the engine's range: a first token drawn here must be one decode would accept */
     const Kvfleet__V1__SamplingParams *sp = rq->sampling;
-    if (sp && (!(sp->temperature >= 0) || sp->temperature > 1e4f || sp->top_k < 0))
+    if (sp && (!(sp->temperature >= 0) || sp->temperature > KVF_ENGINE_MAX_TEMPERATURE ||
+               sp->top_k < 0))
         return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: sampling temperature %g or "
-                           "top_k %d is not allowed (temperature 0 to 10000, top_k >= 0)", id,
-                           (double)sp->temperature, sp->top_k);
+                           "top_k %d is not allowed (temperature 0 to %g, top_k >= 0)", id,
+                           (double)sp->temperature, sp->top_k, (double)KVF_ENGINE_MAX_TEMPERATURE);
     j->n = n;
     j->nb = nb;
     return KVF_OK;

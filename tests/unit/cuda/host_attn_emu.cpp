@@ -53,15 +53,14 @@ static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
     kvf_status st = kvf_cuda_attn_check(p, err);
     if (st != KVF_OK || p->n_tokens == 0)
         return st;
-    int gc = 8;
-    const attn_args a = attn_make_args(p, &gc);
-    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc, false);
-    attn_fn tile_fn = attn_pick(p->layout.head_dim, p->layout.dtype, gc, true);
-    if (!fn || !tile_fn)
+    const attn_args a = attn_make_args(p);
+    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, a.gc, a.tiled);
+    if (!fn)
         return kvf_err_set(err, KVF_ERR_INTERNAL, "no kernel");
-    const emu::idx3 grid = {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
-                            (unsigned)a.parts};
-    emu_launch(a.tiled ? tile_fn : fn, a, 0, grid, ATTN_NT);
+    emu_launch(fn, a, 0,
+               {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
+                (unsigned)a.parts},
+               ATTN_NT);
     if (a.parts > 1)
         emu_launch(nullptr, a, p->layout.head_dim,
                    {(unsigned)p->n_tokens, (unsigned)p->n_heads, 1}, (unsigned)p->layout.head_dim);
@@ -73,18 +72,10 @@ static const double emu_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4};
 static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
- * reference. bad_pos >= 0 moves that token past max_ctx (it must get zeros). Rows no token may
- * read are NaN (attn_case_poison_unseen), so a read past a row or past a sequence shows. */
-static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles);
-
-/* Both ways: prefill chunks on the tile kernel (n_seqs given) and on the partition kernel. */
-static void emu_case(const attn_case_spec *s, int32_t bad_pos)
-{
-    emu_case_as(s, bad_pos, true);
-    emu_case_as(s, bad_pos, false);
-}
-
-/* tiles false: n_seqs 0, so every token goes to the partition kernel. */
+ * reference. tiles: n_seqs given, so a case with prefill chunks runs on the tile kernel and its
+ * split; otherwise n_seqs 0, the partition kernel. bad_pos >= 0 moves that token past max_ctx
+ * (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a read past
+ * a row or past a sequence shows. */
 static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
 {
     attn_case c;
@@ -144,6 +135,13 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     free(ref);
     free(got);
     attn_case_free(&c);
+}
+
+/* Both ways: on the tile kernel (n_seqs given) and on the partition kernel. */
+static void emu_case(const attn_case_spec *s, int32_t bad_pos)
+{
+    emu_case_as(s, bad_pos, true);
+    emu_case_as(s, bad_pos, false);
 }
 
 static attn_case_spec emu_spec(int32_t hd, int32_t bs, int32_t kv, int32_t group, kvf_dtype dt,
