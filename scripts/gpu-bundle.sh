@@ -52,24 +52,33 @@ SHARED_PATH=$(realpath -m "$SHARED_RAW")
 [ -d "$SHARED_PATH/fixtures/models" ] || die "KVF_SHARED_DIR ($SHARED_RAW) has no fixtures/models"
 
 # The gpu tests and what they run: executables under the build dir are targets of the same
-# name; kvfleet is always needed (KVF_BIN of every test, the e2e script, the benches).
-mapfile -t TESTS < <(ctest --test-dir "$BUILD_ABS" -N -L gpu --show-only=json-v1 2>/dev/null |
-    "$PY" -c '
+# name; kvfleet is always needed (KVF_BIN of every test, the e2e script, the benches). In a tree
+# not built yet ctest gives a test whose executable does not exist no command ("?" below): such
+# a test is a target named as the test (kvf_gpu_test), listed again after the build.
+list_gpu_tests() {
+    ctest --test-dir "$BUILD_ABS" -N -L gpu --show-only=json-v1 2>/dev/null |
+        "$PY" -c '
 import json, os, sys
 build = sys.argv[1]
 for t in json.load(sys.stdin)["tests"]:
-    cmd = t.get("command") or [""]
+    cmd = t.get("command")
+    if not cmd:
+        print(t["name"], "?")
+        continue
     exe = cmd[0] if cmd[0].startswith(build + "/") else ""
     print(t["name"], os.path.relpath(exe, build) if exe else "-")
-' "$BUILD_ABS")
+' "$BUILD_ABS"
+}
+mapfile -t TESTS < <(list_gpu_tests)
 [ "${#TESTS[@]}" -gt 0 ] || die "ctest -N -L gpu lists no test in $BUILD_DIR"
-EXES=(kvfleet)
 TARGETS=(kvfleet)
 for line in "${TESTS[@]}"; do
     exe=${line#* }
-    [ "$exe" = - ] && continue
-    EXES+=("$exe")
-    TARGETS+=("$(basename "$exe")")
+    case "$exe" in
+    -) ;;
+    \?) TARGETS+=("${line%% *}") ;;
+    *) TARGETS+=("$(basename "$exe")") ;;
+    esac
 done
 say "gpu tests: ${#TESTS[@]} (${TESTS[*]%% *}); targets: ${TARGETS[*]}"
 
@@ -78,6 +87,13 @@ if [ "${KVF_GPU_NO_BUILD:-0}" != 1 ]; then
     nice -n 19 cmake --build "$BUILD_ABS" -j2 --target "${TARGETS[@]}" >"$BUILD_ABS/gpu-bundle-build.log" 2>&1 ||
         { tail -40 "$BUILD_ABS/gpu-bundle-build.log"; die "build failed (log: $BUILD_DIR/gpu-bundle-build.log; if someone is mid-edit in a shared checkout, KVF_GPU_NO_BUILD=1 packs the last good build)"; }
 fi
+mapfile -t TESTS < <(list_gpu_tests)
+EXES=(kvfleet)
+for line in "${TESTS[@]}"; do
+    exe=${line#* }
+    [ "$exe" = "?" ] && die "gpu test ${line%% *} has no executable after the build"
+    [ "$exe" = - ] || EXES+=("$exe")
+done
 for e in "${EXES[@]}"; do [ -x "$BUILD_ABS/$e" ] || die "$BUILD_DIR/$e was not built"; done
 grep -q libcublas <<<"$(ldd "$BUILD_ABS/kvfleet")" || die "$BUILD_DIR/kvfleet has no CUDA (configured without nvcc?)"
 

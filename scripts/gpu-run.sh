@@ -7,20 +7,29 @@
 # Phases (each bounds its own steps with `timeout`, ends with SUMMARY lines; run `tests` first:
 # bench figures mean nothing before the kernels are known to be right):
 #   tests  ctest -L gpu (6 tests: cuda_{attn,device,models,ops}, transport_gpu_xfer,
-#          e2e_gpu_disagg) -> $OUT/gpu-tests.log, $OUT/ctest-LastTest.log. Expected 2-5 min
-#          (never run yet); bounded at 540 s. Exit status: ctest's.
+#          e2e_gpu_disagg) -> $OUT/gpu-tests.log, $OUT/ctest-LastTest.log. 31-36 s on an H200
+#          (2026-11-28); bounded at 540 s. Exit status: ctest's.
 #   bench  kvfleet bench attn (full grid, bounded 240 s) then bench/attn_torch.py (full grid,
 #          bounded 200 s), then prefill chunks of 512, tiled vs per token (kvfleet bench attn
 #          --chunk 512, batches 1 and 4, bounded 100 s), then a decode worker's mixed step (one
 #          32-token chunk beside 64 decode sequences, bounded 60 s; not in `all`)
-#          -> $OUT/bench-attn.log. Expected 2-6 min.
+#          -> $OUT/bench-attn.log. 30-37 s on an H200.
+#   tiles  only the prefill-chunk parts of bench (--chunk 512, then the mixed step): for a change
+#          to the tile kernels. Under a minute.
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
 #          "GPU end to end"; bounded 360 s), single-stream generate (bounded 60 s)
-#          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. Expected 5-9 min.
+#          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. About 100 s on an H200.
 #   all    tests (bounded 300 s) then bench with --quick grids (90 s + 90 s + 60 s): under
 #          10 min.
-# Set-up takes about 10-20 s (unpack, ldd). Exits 2 when the set-up fails (missing libraries,
+#   lease  everything in one call, for a 15-minute device lease (one machine start): tests
+#          (bounded 180 s, 100 s a test), bench with --quick grids (kvfleet 50 s, torch 45 s,
+#          prefill tiles 40 s, mixed step 25 s), then serve with KVF_GPU_SERVE_REQUESTS (default
+#          here 40) and bounds 60 s (gen-model), 150 s (bench serve), 25 s (generate): at most
+#          ~595 s with set-up; give the call timeout_s=600 (a cut-off call still returns $OUT).
+#          93 s on an H200, plus about 30 s to start the machine: with a 15-minute lease, run
+#          `lease` first, then `bench` and `serve` at full size in a second call.
+# Set-up takes 1-3 s (unpack, ldd). Exits 2 when the set-up fails (missing libraries,
 # a path in the way). Environment: OUT (default /tmp/gpu-out), KVF_GPU_DIR (where to unpack,
 # default /tmp/kvf-gpu), KVF_GPU_ARCHIVE, KVF_GPU_SERVE_REQUESTS (default 160),
 # KVF_GPU_SERVE_PRESET (gen-model preset, default 1b; tiny for a quick check of the phase),
@@ -29,9 +38,9 @@
 set -uo pipefail
 PHASE=${1:-}
 case "$PHASE" in
-tests | bench | serve | all) ;;
+tests | bench | tiles | serve | all | lease) ;;
 *)
-    echo "usage: scripts/gpu-run.sh tests|bench|serve|all (see the header of this script)" >&2
+    echo "usage: scripts/gpu-run.sh tests|bench|tiles|serve|all|lease (see the header of this script)" >&2
     exit 2 ;;
 esac
 cd "$(dirname "$0")/.." || exit 2
@@ -184,11 +193,11 @@ say "set-up done in $(secs "$T0")"
 
 # --- phases -----------------------------------------------------------------------------------
 SUMMARY=()
-# run_tests BUDGET_S
+# run_tests BUDGET_S [PER_TEST_S]
 run_tests() {
     local t=$SECONDS rc log=$OUT/gpu-tests.log
-    say "tests: $CTEST -L gpu in $KVF_BUILD_PATH (bounded $1 s)"
-    (cd "$KVF_BUILD_PATH" && timeout -k 10 "$1" "$CTEST" -L gpu --output-on-failure --timeout 300) 2>&1 | tee "$log"
+    say "tests: $CTEST -L gpu in $KVF_BUILD_PATH (bounded $1 s, ${2:-300} s a test)"
+    (cd "$KVF_BUILD_PATH" && timeout -k 10 "$1" "$CTEST" -L gpu --output-on-failure --timeout "${2:-300}") 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     cp "$KVF_BUILD_PATH/Testing/Temporary/LastTest.log" "$OUT/ctest-LastTest.log" 2>/dev/null
     local line skipped
@@ -198,7 +207,8 @@ run_tests() {
     SUMMARY+=("tests: ctest exit $rc: ${line:-no ctest summary}; $skipped skipped; $(secs "$t"); $log")
     return "$rc"
 }
-# run_bench QUICK(0|1) ATTN_S TORCH_S CHUNK_S
+# run_bench QUICK(0|1) ATTN_S TORCH_S CHUNK_S [MIXED_S]: the mixed step (--decode-seqs) runs
+# when MIXED_S is given, or without --quick (60 s).
 run_bench() {
     local t=$SECONDS rc1 rc2 rc3 log=$OUT/bench-attn.log q=()
     [ "$1" = 1 ] && q=(--quick)
@@ -212,9 +222,11 @@ run_bench() {
     say "bench: kvfleet bench attn --chunk 512 --batches 1,4 ${q[*]} (bounded $4 s)" | tee -a "$log"
     timeout -k 10 "$4" kvfleet bench attn --chunk 512 --batches 1,4 "${q[@]}" 2>&1 | tee -a "$log"
     rc3=${PIPESTATUS[0]}
-    if [ "$1" = 0 ]; then
-        say "bench: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 (bounded 60 s)" | tee -a "$log"
-        timeout -k 10 60 kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 2>&1 | tee -a "$log"
+    local mixed=${5:-}
+    [ -z "$mixed" ] && [ "$1" = 0 ] && mixed=60
+    if [ -n "$mixed" ]; then
+        say "bench: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 ${q[*]} (bounded $mixed s)" | tee -a "$log"
+        timeout -k 10 "$mixed" kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 "${q[@]}" 2>&1 | tee -a "$log"
         [ "${PIPESTATUS[0]}" = 0 ] || rc3=1
     fi
     local r
@@ -224,24 +236,41 @@ run_bench() {
     [ "$rc2" = 0 ] || return "$rc2"
     return "$rc3"
 }
+# run_tiles: bench's prefill-chunk runs alone
+run_tiles() {
+    local t=$SECONDS rc=0 r log=$OUT/bench-tiles.log
+    : >"$log"
+    say "tiles: kvfleet bench attn --chunk 512 --batches 1,4 (bounded 100 s)" | tee -a "$log"
+    timeout -k 10 100 kvfleet bench attn --chunk 512 --batches 1,4 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    say "tiles: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 (bounded 60 s)" | tee -a "$log"
+    timeout -k 10 60 kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    r=$(grep -E "^speedup_tiled_vs_per_token_min=" "$log" | tr '\n' ' ')
+    SUMMARY+=("tiles: exit $rc; ${r:-no ratio lines} (chunks of 512, then the mixed step); $(secs "$t"); $log")
+    return "$rc"
+}
+
+# run_serve [GEN_S SERVE_S GENERATE_S DEFAULT_REQUESTS]
 run_serve() {
     local t=$SECONDS rc=0 r log=$OUT/bench-serve.log m=/tmp/kvf-m1b logs=/tmp/kvf-serve-logs
-    local n=${KVF_GPU_SERVE_REQUESTS:-160} preset=${KVF_GPU_SERVE_PRESET:-1b}
+    local gen_s=${1:-100} serve_s=${2:-360} one_s=${3:-60}
+    local n=${KVF_GPU_SERVE_REQUESTS:-${4:-160}} preset=${KVF_GPU_SERVE_PRESET:-1b}
     [ "$preset" = 1b ] || m=/tmp/kvf-m-$preset
     : >"$log"
     if [ -f "$m/.complete" ]; then
         say "serve: $m already generated" | tee -a "$log"
     else
-        say "serve: kvfleet gen-model --preset $preset --dtype bf16 --out $m (bounded 100 s)" | tee -a "$log"
+        say "serve: kvfleet gen-model --preset $preset --dtype bf16 --out $m (bounded $gen_s s)" | tee -a "$log"
         rm -rf "$m"
-        timeout -k 10 100 kvfleet gen-model --preset "$preset" --dtype bf16 --out "$m" 2>&1 | tee -a "$log"
+        timeout -k 10 "$gen_s" kvfleet gen-model --preset "$preset" --dtype bf16 --out "$m" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
         [ "$rc" = 0 ] && touch "$m/.complete"
     fi
     if [ "$rc" = 0 ]; then
         rm -rf "$logs" && mkdir -p "$logs"
-        say "serve: kvfleet bench serve --device cuda, $n requests at 8/s per configuration (bounded 360 s)" | tee -a "$log"
-        timeout -k 10 360 kvfleet bench serve --device cuda --model "$m" \
+        say "serve: kvfleet bench serve --device cuda, $n requests at 8/s per configuration (bounded $serve_s s)" | tee -a "$log"
+        timeout -k 10 "$serve_s" kvfleet bench serve --device cuda --model "$m" \
             --fleet-flags "--kv-memory=16G --kv-dtype=bf16 --max-batch-tokens=2048 --max-seqs=64" \
             --rate 8 --requests "$n" --out-min 128 --out-max 256 --log-dir "$logs" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
@@ -249,8 +278,8 @@ run_serve() {
         if [ "$rc" != 0 ]; then # the fleets' own words, for the output tail
             for f in "$logs"/*.log; do [ -f "$f" ] && { echo "--- last lines of $f"; tail -n 15 "$f"; }; done | tee -a "$log"
         fi
-        say "serve: single-stream kvfleet generate --device cuda, 512 tokens (bounded 60 s)" | tee -a "$log"
-        timeout -k 10 60 kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
+        say "serve: single-stream kvfleet generate --device cuda, 512 tokens (bounded $one_s s)" | tee -a "$log"
+        timeout -k 10 "$one_s" kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
             --max-tokens 512 --ignore-eos --json 2>&1 >/dev/null | tee -a "$log"
         [ "${PIPESTATUS[0]}" = 0 ] || [ "$rc" != 0 ] || rc=1
     fi
@@ -262,10 +291,17 @@ run_serve() {
 case "$PHASE" in
 tests) run_tests 540; RC=$? ;;
 bench) run_bench 0 240 200 100; RC=$? ;;
+tiles) run_tiles; RC=$? ;;
 serve) run_serve; RC=$? ;;
 all)
     run_tests 300; RC=$?
     run_bench 1 90 90 60; rb=$?
+    [ "$RC" = 0 ] && RC=$rb ;;
+lease)
+    run_tests 180 100; RC=$?
+    run_bench 1 50 45 40 25; rb=$?
+    [ "$RC" = 0 ] && RC=$rb
+    run_serve 60 150 25 40; rb=$?
     [ "$RC" = 0 ] && RC=$rb ;;
 esac
 echo
