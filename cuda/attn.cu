@@ -1,8 +1,9 @@
 /* attn.cu: paged attention kernels over the block-major KV pool and their launcher
  * (cuda/attn.h). One CTA serves (token, KV head, up to 8 of its query heads, one context
  * partition of 64-256 positions); a prefill chunk's tokens are served in tiles of up to 16
- * (token, query head) rows that share each K/V row they load; a reduce kernel merges the
- * partitions. The host checks and a plain-C reference of the algorithm are in attn_ref.c. */
+ * (token, query head) rows (64 on the tensor cores) that share each K/V row they load; a reduce
+ * kernel merges the partitions. The host checks and a plain-C reference of the algorithm are in
+ * attn_ref.c. */
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -46,7 +47,8 @@ extern "C" {
  *     2), loads V over K and accumulates; at the end it writes what the partition kernel writes
  *     for each row whose own range meets the partition (output / sum * v_scale, and m, l when
  *     split), so the reduce and the workspace layout are shared. Each K/V row is read once per
- *     tile instead of once per token. */
+ *     tile instead of once per token. With f16/bf16 KV at head_dim 64 or 128 the mma tile kernel
+ *     does the same on the tensor cores, 64 rows per CTA (attn_mma_kernel, below). */
 
 namespace {
 
@@ -410,9 +412,9 @@ __device__ __forceinline__ void attn_tile_load(const attn_args &a, const int32_t
             for (int e = 0; e < ATTN_EPT; e++)
                 f[e] = 0.0f;
         }
-#pragma unroll
-        for (int e = 0; e < ATTN_EPT; e++)
-            kv_s[row * KS + ch * ATTN_EPT + e] = f[e];
+        float4 *dst = reinterpret_cast<float4 *>(kv_s + row * KS + ch * ATTN_EPT);
+        dst[0] = make_float4(f[0], f[1], f[2], f[3]);
+        dst[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
 }
 
@@ -436,39 +438,36 @@ __device__ __forceinline__ bool attn_meets(const attn_args &a, int part, int pos
     return max(part * a.part_len, attn_lo(pos, a.window)) < min((part + 1) * a.part_len, pos + 1);
 }
 
-/* One CTA per tile (algorithm step 3): token blockIdx.x when it starts a tile, KV head and head
- * chunk blockIdx.y, partition blockIdx.z. Row r of the tile is (token r / gc, head r % gc). */
-template <int HD, kvf_dtype DT>
-__global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
-{
-    constexpr int R = ATTN_TILE_ROWS;
-    constexpr int KT = attn_tile_kt(HD);
-    constexpr int KS = HD + 1;           /* odd row stride: a warp's 32 rows hit 32 banks */
-    constexpr int SU = R * KT / ATTN_NT; /* scores per thread, all at one position j */
-    constexpr int OU = R * HD / ATTN_NT; /* output elements per thread */
-    constexpr int TPR = ATTN_NT / R;     /* threads per row in the softmax update */
-    static_assert(ATTN_NT % KT == 0 && KT % TPR == 0 && (R * HD) % ATTN_NT == 0, "tile shape");
-    static_assert((R * HD + KT * KS + R * KT + R) * 4 <= 48 * 1024,
-                  "static shared memory is capped at 48 KiB");
-    __shared__ float q_s[R * HD];
-    __shared__ float kv_s[KT * KS]; /* K, then V, of one pass */
-    __shared__ float p_s[R * KT];   /* scores, then weights */
-    __shared__ float c_s[R];        /* per row: the factor the pass rescales its output by */
+/* A tile kernel's CTA: its tile, head chunk and partition (see attn_tile_begin). */
+struct attn_tile {
+    int pos0, nt;   /* the tile's tokens: t .. t + nt - 1, at positions pos0 .. pos0 + nt - 1 */
+    int ia, ib;     /* the run of them inside [0, max_ctx): the others get zeros, left out */
+    int kvh, ng;    /* KV head, and the chunk's real query heads (<= gc) */
+    int p0, p1;     /* the positions of this partition some row sees */
+    int64_t th0;    /* (token t, first head of the chunk) as a row of q and out */
+    const int32_t *bt; /* the sequence's block table */
+};
 
+/* The start of a tile kernel's CTA (token blockIdx.x, head chunk blockIdx.y, partition
+ * blockIdx.z) for tiles of `rows` (token, head) rows: false when it has nothing to do (the token
+ * is inside a tile an earlier CTA serves, every token is outside [0, max_ctx), or no row sees the
+ * partition; the reduce skips such partitions). When the call is not split it writes the zeros
+ * of the tile's tokens outside [0, max_ctx) (the reduce writes them when split). */
+template <int HD>
+__device__ __forceinline__ bool attn_tile_begin(const attn_args &a, int rows, attn_tile &tl)
+{
     const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
-    const int gc = a.gc, qt = R / gc; /* tokens per tile: 16, 8, 4 or 2 */
+    const int qt = rows / a.gc; /* tokens per tile */
     const int seq = a.tok_seq[t], pos0 = a.tok_pos[t];
     if (t > 0 && a.tok_seq[t - 1] == seq && a.tok_pos[t - 1] + 1 == pos0 && (pos0 & (qt - 1)) != 0)
-        return; /* inside a tile an earlier CTA serves */
-    int nt = 1; /* the tile's tokens: t .. t + nt - 1, at positions pos0 .. pos0 + nt - 1 */
+        return false;
+    int nt = 1;
     while (nt < qt && t + nt < a.n_tokens && a.tok_seq[t + nt] == seq &&
            a.tok_pos[t + nt] == pos0 + nt && ((pos0 + nt) & (qt - 1)) != 0)
         nt++;
     const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
-    const int ng = min(gc, a.group - g0);
+    const int ng = min(a.gc, a.group - g0);
     const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0;
-    /* tokens outside [0, max_ctx) get zeros (the reduce writes them when split) and are left
-     * out; the others are a contiguous run ia .. ib of the tile */
     const int ia = (int)max((int64_t)0, -(int64_t)pos0);
     const int ib = (int)min((int64_t)nt - 1, (int64_t)a.max_ctx - 1 - pos0);
     if (a.parts == 1)
@@ -478,12 +477,45 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
                 a.out[(th0 + (int64_t)ti * a.n_heads) * HD + i % (ng * HD)] = 0.0f;
         }
     if (ia > ib)
+        return false;
+    tl.p0 = max(part * a.part_len, attn_lo(pos0 + ia, a.window));
+    tl.p1 = min((part + 1) * a.part_len, pos0 + ib + 1);
+    if (tl.p0 >= tl.p1)
+        return false;
+    tl.pos0 = pos0, tl.nt = nt, tl.ia = ia, tl.ib = ib, tl.kvh = kvh, tl.ng = ng, tl.th0 = th0;
+    tl.bt = a.block_tables + (int64_t)seq * a.max_blocks;
+    return true;
+}
+
+/* One CTA per tile (algorithm step 3): token blockIdx.x when it starts a tile, KV head and head
+ * chunk blockIdx.y, partition blockIdx.z. Row r of the tile is (token r / gc, head r % gc). */
+template <int HD, kvf_dtype DT>
+__global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
+{
+    constexpr int R = ATTN_TILE_ROWS;
+    constexpr int KT = attn_tile_kt(HD);
+    /* row stride: float4 reads of 8 consecutive rows (a quarter warp) hit 32 distinct banks
+     * (KS % 32 is 4 or 20) */
+    constexpr int KS = HD + 4;
+    constexpr int SU = R * KT / ATTN_NT; /* scores per thread, all at one position j */
+    constexpr int OU = R * HD / ATTN_NT; /* output elements per thread */
+    constexpr int TPR = ATTN_NT / R;     /* threads per row in the softmax update */
+    static_assert(ATTN_NT % KT == 0 && KT % TPR == 0 && (R * HD) % ATTN_NT == 0 && KT % 4 == 0,
+                  "tile shape");
+    static_assert((R * HD + KT * KS + R * KT + R) * 4 <= 48 * 1024,
+                  "static shared memory is capped at 48 KiB");
+    __shared__ __align__(16) float q_s[R * HD];
+    __shared__ __align__(16) float kv_s[KT * KS]; /* K, then V, of one pass */
+    __shared__ __align__(16) float p_s[R * KT];   /* scores, then weights */
+    __shared__ float c_s[R];        /* per row: the factor the pass rescales its output by */
+
+    attn_tile tl;
+    if (!attn_tile_begin<HD>(a, R, tl))
         return;
-    const int p0 = max(part * a.part_len, attn_lo(pos0 + ia, a.window));
-    const int p1 = min((part + 1) * a.part_len, pos0 + ib + 1);
-    if (p0 >= p1)
-        return; /* no row sees this partition; the reduce skips it for each */
-    const int32_t *bt = a.block_tables + (int64_t)seq * a.max_blocks;
+    const int part = blockIdx.z, tid = threadIdx.x, gc = a.gc;
+    const int pos0 = tl.pos0, ia = tl.ia, ib = tl.ib, ng = tl.ng, p0 = tl.p0, p1 = tl.p1;
+    const int64_t th0 = tl.th0;
+    const int32_t *bt = tl.bt;
     for (int i = tid; i < R * HD; i += ATTN_NT) {
         const int r = i / HD, ti = r / gc, g = r % gc;
         q_s[i] = (ti >= ia && ti <= ib && g < ng)
@@ -500,7 +532,7 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
 #pragma unroll
     for (int u = 0; u < OU; u++)
         o[u] = 0.0f;
-    const int64_t k_off = a.layer_off + (int64_t)kvh * (1 << a.log2_bs) * HD * attn_io<DT>::ES;
+    const int64_t k_off = a.layer_off + (int64_t)tl.kvh * (1 << a.log2_bs) * HD * attn_io<DT>::ES;
     for (int k0 = p0; k0 < p1; k0 += KT) {
         const int kn = min(KT, p1 - k0);
         __syncthreads(); /* the last pass is done with kv_s and p_s (and q_s is in) */
@@ -513,12 +545,17 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
 #pragma unroll
             for (int u = 0; u < SU; u++)
                 acc[u] = 0.0f;
-#pragma unroll 8
-            for (int d = 0; d < HD; d++) {
-                const float k = kv_s[j * KS + d];
+            /* four columns per shared-memory read: the query rows are warp-uniform (a
+             * broadcast), the K rows 32 distinct ones */
+#pragma unroll 4
+            for (int d = 0; d < HD; d += 4) {
+                const float4 k = *reinterpret_cast<const float4 *>(kv_s + j * KS + d);
 #pragma unroll
-                for (int u = 0; u < SU; u++)
-                    acc[u] = fmaf(q_s[(sr0 + u * (ATTN_NT / KT)) * HD + d], k, acc[u]);
+                for (int u = 0; u < SU; u++) {
+                    const float *qrow = q_s + (sr0 + u * (ATTN_NT / KT)) * HD;
+                    const float4 q = *reinterpret_cast<const float4 *>(qrow + d);
+                    acc[u] = fmaf(q.w, k.w, fmaf(q.z, k.z, fmaf(q.y, k.y, fmaf(q.x, k.x, acc[u]))));
+                }
             }
 #pragma unroll
             for (int u = 0; u < SU; u++) {
@@ -564,13 +601,22 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
 #pragma unroll
         for (int u = 0; u < OU; u++)
             o[u] *= c_s[attn_tile_row<HD>(tid, u)];
-#pragma unroll 4
-        for (int jj = 0; jj < KT; jj++) {
-            const float v0 = kv_s[jj * KS + attn_tile_col<HD>(tid, 0)];
+        /* four positions per read of the weights (a broadcast: a warp's rows are one or two) */
+#pragma unroll 2
+        for (int jj = 0; jj < KT; jj += 4) {
+            const int c0 = attn_tile_col<HD>(tid, 0);
+            const float v00 = kv_s[jj * KS + c0], v01 = kv_s[(jj + 1) * KS + c0];
+            const float v02 = kv_s[(jj + 2) * KS + c0], v03 = kv_s[(jj + 3) * KS + c0];
 #pragma unroll
             for (int u = 0; u < OU; u++) {
-                const float v = ATTN_NT % HD == 0 ? v0 : kv_s[jj * KS + attn_tile_col<HD>(tid, u)];
-                o[u] = fmaf(p_s[attn_tile_row<HD>(tid, u) * KT + jj], v, o[u]);
+                const int c = attn_tile_col<HD>(tid, u);
+                const bool same = ATTN_NT % HD == 0; /* every u in column c0 */
+                const float *vc = kv_s + jj * KS + c;
+                const float v0 = same ? v00 : vc[0], v1 = same ? v01 : vc[KS];
+                const float v2 = same ? v02 : vc[2 * KS], v3 = same ? v03 : vc[3 * KS];
+                const float *wr = p_s + attn_tile_row<HD>(tid, u) * KT + jj;
+                const float4 w = *reinterpret_cast<const float4 *>(wr);
+                o[u] = fmaf(w.w, v3, fmaf(w.z, v2, fmaf(w.y, v1, fmaf(w.x, v0, o[u]))));
             }
         }
     }
@@ -601,6 +647,308 @@ __global__ void __launch_bounds__(ATTN_NT) attn_tile_kernel(const attn_args a)
             const int64_t th = th0 + (int64_t)mt * a.n_heads + g;
             a.ws_m[th * a.parts + part] = m_run;
             a.ws_l[th * a.parts + part] = l_run;
+        }
+    }
+}
+
+/* ---- step 3 on tensor cores: the mma tile kernel (f16 and bf16 KV, head_dim 64 and 128) ----
+ * The same tiles, partitions and outputs as the tile kernel above, with ATTN_MMA_ROWS = 64 rows
+ * per CTA: warp w serves rows 16w .. 16w + 15. Per pass of ATTN_MMA_KT = 64 positions the CTA
+ * copies K and V (as stored, 16 bytes per cp.async) into shared memory; each warp computes its
+ * 16 x 64 scores with mma.sync m16n8k16 (f32 accumulate), masks them, updates its rows' online
+ * softmax in registers, and accumulates P . V with the same instruction. The queries and the
+ * weights are f32 split into two 16-bit halves (x = hi + lo, each of the KV's type), both
+ * multiplied by the same K or V fragment: the products keep about 16 bits of the f32 operand
+ * (K and V are exact), so the result stays within the f32 kernels' tolerances at twice the
+ * tensor-core work, which is not what bounds this kernel. */
+constexpr int ATTN_MMA_ROWS = KVF_CUDA_ATTN_MMA_ROWS;
+constexpr int ATTN_MMA_KT = 64;
+
+/* whether the mma tile kernel serves (HD, DT) */
+template <int HD, kvf_dtype DT> constexpr bool attn_mma_ok()
+{
+    return (HD == 64 || HD == 128) && (DT == KVF_DTYPE_F16 || DT == KVF_DTYPE_BF16);
+}
+
+/* A 16-bit value of the KV's type (DT: f16 or bf16) nearest x, as bits, and its value. */
+template <kvf_dtype DT> __device__ __forceinline__ uint32_t attn_h16_bits(float x)
+{
+    if constexpr (DT == KVF_DTYPE_BF16) {
+        uint32_t u = __float_as_uint(x); /* round to nearest even; x is finite */
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return u >> 16;
+    } else {
+        return __half_as_ushort(__float2half_rn(x));
+    }
+}
+
+template <kvf_dtype DT> __device__ __forceinline__ float attn_h16_value(uint32_t h)
+{
+    if constexpr (DT == KVF_DTYPE_BF16)
+        return __uint_as_float(h << 16);
+    else
+        return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+/* x0, x1 (x0 in the low half) as a pair of hi halves and a pair of lo halves */
+template <kvf_dtype DT>
+__device__ __forceinline__ void attn_h16_split2(float x0, float x1, uint32_t &hi, uint32_t &lo)
+{
+    const uint32_t h0 = attn_h16_bits<DT>(x0), h1 = attn_h16_bits<DT>(x1);
+    const uint32_t l0 = attn_h16_bits<DT>(x0 - attn_h16_value<DT>(h0));
+    const uint32_t l1 = attn_h16_bits<DT>(x1 - attn_h16_value<DT>(h1));
+    hi = h0 | (h1 << 16);
+    lo = l0 | (l1 << 16);
+}
+
+/* d += A . B, m16n8k16, f32 accumulate (fragment layouts: the PTX ISA's, as cuda_emu.h's
+ * emulation spells out). KVF_CUDA_EMU_DEVICE: the host emulations (tests/unit/cuda/cuda_emu.h)
+ * compile this file as C++ and stand in for the PTX here and in the cp.async helpers below. */
+template <kvf_dtype DT>
+__device__ __forceinline__ void attn_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1)
+{
+#ifdef KVF_CUDA_EMU_DEVICE
+    const uint32_t b[2] = {b0, b1};
+    emu::mma_16816(d, a, b, DT == KVF_DTYPE_BF16);
+#else
+    if constexpr (DT == KVF_DTYPE_BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* zeros into N accumulator fragments */
+template <int N> __device__ __forceinline__ void attn_frag_zero(float (&f)[N][4])
+{
+#pragma unroll
+    for (int n = 0; n < N; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            f[n][i] = 0.0f;
+}
+
+/* 16 bytes global -> shared without passing through registers (cp.async; sm_80+), and waiting
+ * for all but the last `n` committed groups */
+__device__ __forceinline__ void attn_cp16(void *dst, const void *src)
+{
+#ifdef KVF_CUDA_EMU_DEVICE
+    memcpy(dst, src, 16);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void attn_cp_commit()
+{
+#ifndef KVF_CUDA_EMU_DEVICE
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N> __device__ __forceinline__ void attn_cp_wait()
+{
+#ifndef KVF_CUDA_EMU_DEVICE
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* Starts copying positions k0 .. k0 + kn - 1 of one K or V slab (byte offset off in each
+ * block) into rows of dst (row stride STR halves); rows kn .. KT - 1 become zeros, so a masked
+ * position's V is 0, never stale bits. */
+template <int HD, int STR>
+__device__ __forceinline__ void attn_mma_load(const attn_args &a, const int32_t *bt, int k0, int kn,
+                                              int64_t off, uint16_t *dst)
+{
+    constexpr int CPR = HD / 8; /* 16-byte chunks per row */
+    const int bs = 1 << a.log2_bs;
+    for (int c = threadIdx.x; c < ATTN_MMA_KT * CPR; c += ATTN_NT) {
+        const int row = c / CPR, ch = c % CPR;
+        uint16_t *d = dst + row * STR + ch * 8;
+        if (row < kn) {
+            const int p = k0 + row;
+            const int64_t blk = __ldg(bt + (p >> a.log2_bs));
+            attn_cp16(d, a.pool + blk * a.block_bytes + off + (int64_t)(p & (bs - 1)) * (HD * 2) +
+                             ch * 16);
+        } else {
+            *reinterpret_cast<uint4 *>(d) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+/* One CTA per tile of ATTN_MMA_ROWS rows (see above); grid as the tile kernel's. */
+template <int HD, kvf_dtype DT>
+__global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
+{
+    static_assert(attn_mma_ok<HD, DT>(), "the mma tile kernel serves f16/bf16 at head_dim 64, 128");
+    constexpr int KT = ATTN_MMA_KT;
+    constexpr int STR = HD + 8; /* halves per shared row: a warp's fragment reads hit 32 banks */
+    constexpr int NS = KT / 8;  /* score n-tiles per pass */
+    constexpr int NO = HD / 8;  /* output n-tiles */
+    constexpr int KQ = HD / 16; /* k-steps of q . k */
+    static_assert(ATTN_MMA_ROWS == 16 * ATTN_NW, "a warp serves 16 rows");
+    static_assert(2 * KT * STR * 2 <= 48 * 1024, "static shared memory is capped at 48 KiB");
+    __shared__ __align__(16) uint16_t k_s[KT * STR];
+    __shared__ __align__(16) uint16_t v_s[KT * STR];
+
+    attn_tile tl; /* tiles of 64, 32, 16 or 8 tokens */
+    if (!attn_tile_begin<HD>(a, ATTN_MMA_ROWS, tl))
+        return;
+    const int part = blockIdx.z, tid = threadIdx.x, gc = a.gc;
+    const int pos0 = tl.pos0, nt = tl.nt, ia = tl.ia, ib = tl.ib, ng = tl.ng;
+    const int p0 = tl.p0, p1 = tl.p1;
+    const int64_t th0 = tl.th0;
+    const int32_t *bt = tl.bt;
+
+    /* this thread's two rows (h = 0: g, h = 1: g + 8 of its warp's 16), whether each is real,
+     * its token's position and visible range start */
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+    bool rv[2];
+    int rpos[2], rlo[2];
+    int64_t rth[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = warp * 16 + g + 8 * h, ti = r / gc, gi = r % gc;
+        rv[h] = ti >= ia && ti <= ib && ti < nt && gi < ng;
+        rpos[h] = pos0 + ti;
+        rlo[h] = attn_lo(rpos[h], a.window);
+        rth[h] = th0 + (int64_t)ti * a.n_heads + gi;
+    }
+    /* whether any row of this warp is real (warp-uniform: the rows are 16w .. 16w + 15) */
+    bool wv = false;
+    for (int r = warp * 16; r < warp * 16 + 16; r++)
+        wv = wv || (r / gc >= ia && r / gc <= ib && r / gc < nt && r % gc < ng);
+
+    /* the scaled queries as A fragments, hi and lo: qh[ks][i] per the m16n8k16 layout */
+    uint32_t qh[KQ][4], ql[KQ][4];
+#pragma unroll
+    for (int ks = 0; ks < KQ; ks++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int h = i & 1, d = ks * 16 + 2 * tq + (i >= 2 ? 8 : 0);
+            float x0 = 0.0f, x1 = 0.0f;
+            if (rv[h]) {
+                const float *q = a.q + rth[h] * HD + d;
+                x0 = q[0] * a.q_mul, x1 = q[1] * a.q_mul;
+            }
+            attn_h16_split2<DT>(x0, x1, qh[ks][i], ql[ks][i]);
+        }
+
+    float o[NO][4];
+    attn_frag_zero(o);
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    const int64_t k_off = a.layer_off + (int64_t)tl.kvh * (1 << a.log2_bs) * HD * 2;
+
+    for (int k0 = p0; k0 < p1; k0 += KT) {
+        const int kn = min(KT, p1 - k0);
+        __syncthreads(); /* the last pass is done with k_s and v_s */
+        attn_mma_load<HD, STR>(a, bt, k0, kn, k_off, k_s);
+        attn_cp_commit();
+        attn_mma_load<HD, STR>(a, bt, k0, kn, k_off + a.slab_bytes, v_s);
+        attn_cp_commit();
+        attn_cp_wait<1>(); /* K is in (V may still be coming) */
+        __syncthreads();
+        float s[NS][4];
+        attn_frag_zero(s);
+        if (wv) {
+            /* 1. scores: s = q . k over the pass's 64 positions */
+#pragma unroll
+            for (int ks = 0; ks < KQ; ks++)
+#pragma unroll
+                for (int n = 0; n < NS; n++) {
+                    const uint16_t *kr = k_s + (n * 8 + g) * STR + ks * 16 + 2 * tq;
+                    const uint32_t b0 = *reinterpret_cast<const uint32_t *>(kr);
+                    const uint32_t b1 = *reinterpret_cast<const uint32_t *>(kr + 8);
+                    attn_mma<DT>(s[n], qh[ks], b0, b1);
+                    attn_mma<DT>(s[n], ql[ks], b0, b1);
+                }
+            /* 2. masks, then per row the online softmax update (a row lives in the 4 lanes
+             * of a quad: 16 of its 64 scores each) */
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int n = 0; n < NS; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int j = n * 8 + 2 * tq + e, kp = k0 + j;
+                        const bool vis = rv[h] && j < kn && kp <= rpos[h] && kp >= rlo[h];
+                        float &x = s[n][2 * h + e];
+                        x = vis ? x : -INFINITY;
+                        mx = fmaxf(mx, x);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(ATTN_FULL, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(ATTN_FULL, mx, 2));
+                const float m_new = fmaxf(m_run[h], mx);
+                const float corr = m_run[h] == -INFINITY ? 0.0f : exp2f(m_run[h] - m_new);
+                float sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NS; n++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float &x = s[n][2 * h + e];
+                        x = x == -INFINITY ? 0.0f : exp2f(x - m_new);
+                        sum += x;
+                    }
+                sum += __shfl_xor_sync(ATTN_FULL, sum, 1);
+                sum += __shfl_xor_sync(ATTN_FULL, sum, 2);
+                l_run[h] = l_run[h] * corr + sum;
+                m_run[h] = m_new;
+#pragma unroll
+                for (int n = 0; n < NO; n++)
+                    o[n][2 * h] *= corr, o[n][2 * h + 1] *= corr;
+            }
+        }
+        attn_cp_wait<0>(); /* V is in */
+        __syncthreads();
+        if (wv) {
+            /* 3. o += p . v: the scores' C fragments of n-tiles 2kk, 2kk + 1 are the A
+             * fragment of positions 16kk .. 16kk + 15 */
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; kk++) {
+                uint32_t ph[4], pl[4];
+                attn_h16_split2<DT>(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
+                attn_h16_split2<DT>(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
+                attn_h16_split2<DT>(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
+                attn_h16_split2<DT>(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+                const uint16_t *v0 = v_s + (kk * 16 + 2 * tq) * STR + g;
+#pragma unroll
+                for (int n = 0; n < NO; n++) {
+                    const uint16_t *v = v0 + n * 8;
+                    const uint32_t b0 = (uint32_t)v[0] | ((uint32_t)v[STR] << 16);
+                    const uint32_t b1 = (uint32_t)v[8 * STR] | ((uint32_t)v[9 * STR] << 16);
+                    attn_mma<DT>(o[n], ph, b0, b1);
+                    attn_mma<DT>(o[n], pl, b0, b1);
+                }
+            }
+        }
+    }
+
+    /* 4. for each real row whose own range meets this partition: output / sum * v_scale, and
+     * its max and sum when split */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (!rv[h] || !attn_meets(a, part, rpos[h]))
+            continue;
+        const float mul = a.v_mul / l_run[h];
+        float *dst = a.parts == 1 ? a.out + rth[h] * HD : a.ws_o + (rth[h] * a.parts + part) * HD;
+#pragma unroll
+        for (int n = 0; n < NO; n++) {
+            const int d = n * 8 + 2 * tq;
+            dst[d] = o[n][2 * h] * mul;
+            dst[d + 1] = o[n][2 * h + 1] * mul;
+        }
+        if (a.parts > 1 && tq == 0) {
+            a.ws_m[rth[h] * a.parts + part] = m_run[h];
+            a.ws_l[rth[h] * a.parts + part] = l_run[h];
         }
     }
 }
@@ -649,10 +997,16 @@ template <int HD, kvf_dtype DT> attn_fn attn_pick_gc(int gc)
     }
 }
 
-/* The partition kernel (tile false) or the tile kernel (tile true; it takes gc at run time). */
+/* The partition kernel (tile false) or a tile kernel (tile true; it takes gc at run time):
+ * the mma one where it serves (HD, DT), else the f32 one. */
 template <int HD, kvf_dtype DT> attn_fn attn_pick_kind(int gc, bool tile)
 {
-    return tile ? attn_tile_kernel<HD, DT> : attn_pick_gc<HD, DT>(gc);
+    if (!tile)
+        return attn_pick_gc<HD, DT>(gc);
+    if constexpr (attn_mma_ok<HD, DT>())
+        return attn_mma_kernel<HD, DT>;
+    else
+        return attn_tile_kernel<HD, DT>;
 }
 
 template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc, bool tile)

@@ -47,7 +47,7 @@ int32_t kvf_cuda_attention_tile_part_len(int32_t n_tokens, int32_t n_heads, int3
 {
     int64_t rows = (int64_t)(n_tokens > 0 ? n_tokens : 1) * (n_heads > 0 ? n_heads : 1);
     int64_t ctx = max_ctx > 0 ? max_ctx : 1, unit = KVF_CUDA_ATTN_PART_MAX;
-    int64_t ctas = (rows + KVF_CUDA_ATTN_TILE_ROWS - 1) / KVF_CUDA_ATTN_TILE_ROWS;
+    int64_t ctas = (rows + KVF_CUDA_ATTN_MMA_ROWS - 1) / KVF_CUDA_ATTN_MMA_ROWS;
     int64_t want = (KVF_CUDA_ATTN_TILE_CTA_TARGET + ctas - 1) / ctas;
     int64_t most = (ctx + unit - 1) / unit;
     if (want > most)

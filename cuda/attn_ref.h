@@ -21,9 +21,11 @@
 #define KVF_CUDA_ATTN_SPLIT_TARGET 2048
 /* Query heads one CTA serves from one KV head's loads; a larger GQA group is cut into chunks. */
 #define KVF_CUDA_ATTN_HEADS_PER_CTA 8
-/* The tile kernel: (token, query head) rows per CTA, and about how many CTAs its split aims
- * for (several per SM of a large GPU). */
+/* The tile kernels: (token, query head) rows per CTA of the f32 one and of the tensor-core
+ * (mma) one, and about how many CTAs of KVF_CUDA_ATTN_MMA_ROWS rows their split aims for
+ * (several per SM of a large GPU; the f32 kernel makes four times as many). */
 #define KVF_CUDA_ATTN_TILE_ROWS 16
+#define KVF_CUDA_ATTN_MMA_ROWS 64
 #define KVF_CUDA_ATTN_TILE_CTA_TARGET 1024
 
 /* The partition kernel's partition length for a call (64, 128 or 256). */
@@ -34,11 +36,11 @@ int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_
 /* Whether a call runs the tile kernel (for every token) instead of the partition kernel: it
  * has prefill chunks, 0 < n_seqs < n_tokens. */
 int kvf_cuda_attention_tiled(int32_t n_tokens, int32_t n_seqs);
-/* The tile kernel's partition length: a multiple of 256 (it loops over a partition in passes,
+/* The tile kernels' partition length: a multiple of 256 (they loop over a partition in passes,
  * so length costs no shared memory), long enough that a call makes about
- * KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs counting one per 16 (token, head) rows per partition, and
+ * KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs counting one per 64 (token, head) rows per partition, and
  * never shorter than 256: a 2048-token step at 32k is one partition (no workspace, no reduce),
- * a 16-token chunk there is 32 partitions of 1024. */
+ * a 16-token chunk there is 128 partitions of 256. */
 int32_t kvf_cuda_attention_tile_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
 /* The split a call uses, whichever kernel runs it: its partitions, and the length in *len_out. */
 int32_t kvf_cuda_attention_split(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,

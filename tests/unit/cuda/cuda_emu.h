@@ -8,7 +8,14 @@
 #ifndef KVF_TEST_CUDA_EMU_H
 #define KVF_TEST_CUDA_EMU_H
 
+/* Tells a .cu file compiled as host C++ to use the emulation's stand-ins (emu::mma_16816, a
+ * plain copy for cp.async) where it would write inline PTX (KVF_CUDA_HOST_EMU, which
+ * host_ops_emu.cpp defines, means something else: leave the launchers out). */
+#define KVF_CUDA_EMU_DEVICE 1
+
+#include <math.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -121,6 +128,66 @@ inline float shfl_xor(float v, int o)
     float r = xchg[w][l ^ (unsigned)o];
     pthread_barrier_wait(&warp_bar[w]);
     return r;
+}
+
+/* A 16-bit float's value: bf16 (the top half of an f32) or IEEE half. */
+inline float half_bits_value(uint32_t h, bool bf16)
+{
+    h &= 0xffffu;
+    if (bf16) {
+        uint32_t u = h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    const uint32_t sign = h >> 15, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    float v;
+    if (e == 0)
+        v = ldexpf((float)m, -24); /* subnormal (or zero) */
+    else if (e == 31)
+        v = m ? NAN : INFINITY;
+    else
+        v = ldexpf((float)(m | 0x400u), (int)e - 25);
+    return sign ? -v : v;
+}
+
+inline uint32_t mma_a[32][32][4], mma_b[32][32][2];
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d += A (16x16) * B (16x8), every lane of
+ * the warp calling it in the same order, each holding its fragments in the PTX ISA's layout
+ * (g = lane / 4, t = lane % 4): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..],
+ * a[3] = A[g+8][2t+8..]; b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g] (first element in the
+ * low half); d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]. Products are exact in f32;
+ * the sum runs over k in order. */
+inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2], bool bf16)
+{
+    unsigned t = lin_tid(), w = t / 32, l = t % 32;
+    memcpy(mma_a[w][l], a, sizeof mma_a[w][l]);
+    memcpy(mma_b[w][l], b, sizeof mma_b[w][l]);
+    if (in_fiber)
+        fiber_wait((int)w);
+    else
+        pthread_barrier_wait(&warp_bar[w]);
+    auto A = [&](unsigned row, unsigned k) {
+        uint32_t r = mma_a[w][(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+        return half_bits_value(k % 2 ? r >> 16 : r, bf16);
+    };
+    auto B = [&](unsigned k, unsigned n) {
+        uint32_t r = mma_b[w][n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0];
+        return half_bits_value(k % 2 ? r >> 16 : r, bf16);
+    };
+    const unsigned g = l / 4, tq = l % 4;
+    for (unsigned i = 0; i < 4; i++) {
+        const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * tq + (i % 2);
+        float acc = d[i];
+        for (unsigned k = 0; k < 16; k++)
+            acc = fmaf(A(row, k), B(k, col), acc);
+        d[i] = acc;
+    }
+    if (in_fiber)
+        fiber_wait((int)w);
+    else
+        pthread_barrier_wait(&warp_bar[w]);
 }
 
 inline float u2f(unsigned u)

@@ -141,28 +141,35 @@ static void test_workspace_size(void **state)
                      (size_t)3 * 4 * 10 * (64 + 2) * sizeof(float));
     assert_int_equal(kvf_cuda_attention_workspace_bytes(0, 0, 4, 64, 600), 0);
     /* prefill chunks (n_seqs < n_tokens) take the tile kernel's split: partitions of 256 or
-     * more, about KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs at 16 (token, head) rows each */
+     * more, about KVF_CUDA_ATTN_TILE_CTA_TARGET CTAs at 64 (token, head) rows each */
     assert_true(kvf_cuda_attention_tiled(2, 1));
     assert_false(kvf_cuda_attention_tiled(2, 2));
     assert_false(kvf_cuda_attention_tiled(2, 0));
     int32_t len = 0;
-    /* 2048 tokens x 32 heads = 4096 CTAs at 32k: one partition, no workspace (the partition
+    /* 2048 tokens x 32 heads = 1024 CTAs at 32k: one partition, no workspace (the partition
      * kernel's split would be 128 partitions: 2048 x 32 x 128 x 130 floats = 4.4 GB) */
     assert_int_equal(kvf_cuda_attention_split(2048, 1, 32, 32768, &len), 1);
     assert_int_equal(len, 32768);
     assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 1, 32, 128, 32768), 0);
     assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 2048, 32, 128, 32768),
                      (size_t)2048 * 32 * 128 * 130 * sizeof(float));
-    /* a 16-token chunk at 32k: 32 CTAs a partition, so 32 partitions of 1024 */
-    assert_int_equal(kvf_cuda_attention_split(16, 1, 32, 32768, &len), 32);
+    /* a 16-token chunk at 32k: 8 CTAs a partition, so 128 partitions of 256 */
+    assert_int_equal(kvf_cuda_attention_split(16, 1, 32, 32768, &len), 128);
+    assert_int_equal(len, 256);
+    /* 64 tokens there: 32 CTAs a partition, 32 partitions of 1024 */
+    assert_int_equal(kvf_cuda_attention_split(64, 1, 32, 32768, &len), 32);
     assert_int_equal(len, 1024);
     /* never shorter than 256, whatever the target asks */
     assert_int_equal(kvf_cuda_attention_split(2, 1, 1, 1000, &len), 4);
     assert_int_equal(len, 256);
     assert_int_equal(kvf_cuda_attention_tile_part_len(2, 1, 100), 256);
-    /* a partition length that is not a power of two: 4096 rows -> 256 CTAs, 4 wanted at 5000 */
-    assert_int_equal(kvf_cuda_attention_split(128, 1, 32, 5000, &len), 4);
-    assert_int_equal(len, 1280);
+    /* a partition length that is not a power of two: 1024 rows -> 16 CTAs, 64 partitions
+     * wanted, 20 at most at 5000 (ceil(5000 / 256)): 20 of 256 */
+    assert_int_equal(kvf_cuda_attention_split(16, 1, 64, 5000, &len), 20);
+    assert_int_equal(len, 256);
+    /* 8192 rows -> 128 CTAs, 8 wanted at 5000: 625 rounded up to 768, so 7 partitions */
+    assert_int_equal(kvf_cuda_attention_split(256, 1, 32, 5000, &len), 7);
+    assert_int_equal(len, 768);
 }
 
 static void expect_err(kvf_status got, kvf_status want, const kvf_err *err, const char *a,
