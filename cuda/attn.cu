@@ -80,7 +80,33 @@ struct attn_args {
                     * its split) */
     int32_t gc;    /* query heads per CTA: ng <= gc of them real (1, 2, 4 or 8) */
     float q_mul, v_mul;
+    /* a step with prefill chunks (attn_ref.h): 0 this launch serves every token; 1 the tokens
+     * alone in their sequence (the partition kernel and its reduce: blockIdx.x is a sequence,
+     * and so is the workspace row); 2 every other token (a tile kernel and its reduce) */
+    int32_t lone;
+    int32_t n_seqs;
+    int32_t *seq_count, *seq_tok; /* per sequence: its tokens in the step, and one of them */
 };
+
+/* Whether token t is alone in its sequence in a step with prefill chunks (a decode token). */
+__device__ __forceinline__ bool attn_alone(const attn_args &a, int t)
+{
+    const int s = a.tok_seq[t];
+    return s >= 0 && s < a.n_seqs && a.seq_count[s] == 1;
+}
+
+/* The token a CTA or reduce block of blockIdx.x serves, or -1: blockIdx.x itself, or with
+ * lone 1 the token of sequence blockIdx.x when that is its only one; with lone 2 a token alone
+ * in its sequence is left to the lone launch. */
+__device__ __forceinline__ int attn_token(const attn_args &a)
+{
+    const int x = blockIdx.x;
+    if (a.lone == 1)
+        return a.seq_count[x] == 1 ? a.seq_tok[x] : -1;
+    if (a.lone == 2 && attn_alone(a, x))
+        return -1;
+    return x;
+}
 
 /* Loading 8 elements of a row (one thread's share) and turning them into floats. */
 template <kvf_dtype DT> struct attn_io;
@@ -214,10 +240,14 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
     __shared__ float m_s[GC], l_s[GC];
 
-    const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
+    const int t = attn_token(a), part = blockIdx.z, tid = threadIdx.x;
+    if (t < 0)
+        return; /* another launch of this step serves it */
     const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
     const int ng = min(GC, a.group - g0);
     const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0; /* first head row */
+    /* its workspace rows: by token, or by sequence (lone 1): blockIdx.x either way */
+    const int64_t w0 = (int64_t)blockIdx.x * a.n_heads + (int64_t)kvh * a.group + g0;
     const int pos = a.tok_pos[t];
     if (pos < 0 || pos >= a.max_ctx) { /* outside the contract: zeros, never a wild read */
         if (a.parts == 1)
@@ -370,11 +400,11 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
         if (a.parts == 1)
             a.out[th0 * HD + i] = o;
         else
-            a.ws_o[((th0 + g) * a.parts + part) * HD + i % HD] = o;
+            a.ws_o[((w0 + g) * a.parts + part) * HD + i % HD] = o;
     }
     if (a.parts > 1 && tid < ng) {
-        a.ws_m[(th0 + tid) * a.parts + part] = m_s[tid];
-        a.ws_l[(th0 + tid) * a.parts + part] = l_s[tid];
+        a.ws_m[(w0 + tid) * a.parts + part] = m_s[tid];
+        a.ws_l[(w0 + tid) * a.parts + part] = l_s[tid];
     }
 }
 
@@ -450,13 +480,16 @@ struct attn_tile {
 
 /* The start of a tile kernel's CTA (token blockIdx.x, head chunk blockIdx.y, partition
  * blockIdx.z) for tiles of `rows` (token, head) rows: false when it has nothing to do (the token
- * is inside a tile an earlier CTA serves, every token is outside [0, max_ctx), or no row sees the
- * partition; the reduce skips such partitions). When the call is not split it writes the zeros
+ * is alone in its sequence and another launch serves it, or is inside a tile an earlier CTA
+ * serves, or every token is outside [0, max_ctx), or no row sees the partition; the reduce skips
+ * such partitions). When the call is not split it writes the zeros
  * of the tile's tokens outside [0, max_ctx) (the reduce writes them when split). */
 template <int HD>
 __device__ __forceinline__ bool attn_tile_begin(const attn_args &a, int rows, attn_tile &tl)
 {
-    const int t = blockIdx.x, part = blockIdx.z, tid = threadIdx.x;
+    const int t = attn_token(a), part = blockIdx.z, tid = threadIdx.x;
+    if (t < 0)
+        return false; /* a decode token beside chunks: the partition kernel serves it */
     const int qt = rows / a.gc; /* tokens per tile */
     const int seq = a.tok_seq[t], pos0 = a.tok_pos[t];
     if (t > 0 && a.tok_seq[t - 1] == seq && a.tok_pos[t - 1] + 1 == pos0 && (pos0 & (qt - 1)) != 0)
@@ -953,10 +986,13 @@ __global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
     }
 }
 
-/* Merges the partitions of (token blockIdx.x, head blockIdx.y); thread d writes column d. */
+/* Merges the partitions of (token blockIdx.x, head blockIdx.y) (with lone 1: the token of
+ * sequence blockIdx.x); thread d writes column d. */
 __global__ void attn_reduce_kernel(const attn_args a, int hd)
 {
-    const int t = blockIdx.x, h = blockIdx.y;
+    const int t = attn_token(a), h = blockIdx.y;
+    if (t < 0)
+        return;
     const int64_t th = (int64_t)t * a.n_heads + h;
     float *out = a.out + th * hd;
     const int pos = a.tok_pos[t];
@@ -966,7 +1002,7 @@ __global__ void attn_reduce_kernel(const attn_args a, int hd)
         return;
     }
     const int pa = attn_lo(pos, a.window) / a.part_len, pb = pos / a.part_len;
-    const int64_t base = th * a.parts;
+    const int64_t base = ((int64_t)blockIdx.x * a.n_heads + h) * a.parts; /* workspace row */
     float mx = -INFINITY;
     for (int p = pa; p <= pb; p++)
         mx = fmaxf(mx, a.ws_m[base + p]);
@@ -978,6 +1014,22 @@ __global__ void attn_reduce_kernel(const attn_args a, int hd)
             o += w * a.ws_o[(base + p) * hd + d];
         }
         out[d] = o / wsum;
+    }
+}
+
+/* A step with prefill chunks, first: per sequence, how many of the step's tokens are its and
+ * one of them (one CTA; a sequence has at most a few thousand tokens in a step). */
+__global__ void attn_count_kernel(const attn_args a)
+{
+    for (int s = threadIdx.x; s < a.n_seqs; s += blockDim.x)
+        a.seq_count[s] = 0;
+    __syncthreads();
+    for (int t = threadIdx.x; t < a.n_tokens; t += blockDim.x) {
+        const int s = a.tok_seq[t];
+        if (s >= 0 && s < a.n_seqs) {
+            atomicAdd(a.seq_count + s, 1);
+            a.seq_tok[s] = t; /* read only where the count is 1: then this is the one */
+        }
     }
 }
 
@@ -1050,7 +1102,16 @@ attn_fn attn_pick(int hd, kvf_dtype dt, int gc, bool tile)
     return nullptr;
 }
 
-/* The kernels' arguments for checked parameters p. */
+/* Points a's partials at ws: rows (tokens or sequences) x heads x a->parts (attn_ref.h). */
+void attn_set_ws(attn_args *a, float *ws, int32_t rows, int32_t hd)
+{
+    const size_t n_all = (size_t)rows * a->n_heads * a->parts;
+    a->ws_o = ws;
+    a->ws_m = ws + n_all * hd;
+    a->ws_l = a->ws_m + n_all;
+}
+
+/* The kernels' arguments for checked parameters p (every token; the split of the call). */
 attn_args attn_make_args(const kvf_cuda_attn_params *p)
 {
     const kvf_kv_layout *l = &p->layout;
@@ -1081,15 +1142,68 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p)
     const bool fp8 = l->dtype == KVF_DTYPE_FP8_E4M3;
     a.q_mul = p->scale * (fp8 ? p->k_scale : 1.0f) * 1.4426950408889634f;
     a.v_mul = fp8 ? p->v_scale : 1.0f;
-    if (a.parts > 1) {
-        size_t n_all = (size_t)p->n_tokens * p->n_heads * a.parts;
-        a.ws_o = p->workspace;
-        a.ws_m = a.ws_o + n_all * l->head_dim;
-        a.ws_l = a.ws_m + n_all;
-    }
+    if (a.parts > 1)
+        attn_set_ws(&a, p->workspace, p->n_tokens, l->head_dim);
     const int heads = a.group < ATTN_GMAX ? a.group : ATTN_GMAX;
     a.gc = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
     return a;
+}
+
+/* One launch of a call: kernel fn (a CTA per (token or sequence, head chunk, partition)), the
+ * reduce (fn NULL, reduce true), or the count (both NULL/false). */
+struct attn_launch {
+    attn_fn fn;
+    bool reduce;
+    attn_args a;
+    unsigned gx, gy, gz, block;
+};
+
+/* The launches of checked parameters p, in order, into L; returns how many (0: no kernel for
+ * the shape, a table out of step with kvf_cuda_attention_supports). A decode-only step: the
+ * partition kernel (and the reduce when split). A step with prefill chunks: the count, a tile
+ * kernel for the chunks' tokens (and its reduce), then the partition kernel for the tokens
+ * alone in their sequence, one CTA row per sequence (and its reduce). */
+int attn_plan(const kvf_cuda_attn_params *p, attn_launch (&L)[5])
+{
+    const kvf_kv_layout *l = &p->layout;
+    const int hd = l->head_dim;
+    attn_args a = attn_make_args(p);
+    const attn_fn part_fn = attn_pick(hd, l->dtype, a.gc, false);
+    const attn_fn tile_fn = a.tiled ? attn_pick(hd, l->dtype, a.gc, true) : nullptr;
+    if (!part_fn || (a.tiled && !tile_fn))
+        return 0;
+    const unsigned gy = (unsigned)(l->n_kv_heads * a.chunks), nh = (unsigned)p->n_heads;
+    const unsigned nt = (unsigned)p->n_tokens, bs = (unsigned)ATTN_NT, rb = (unsigned)hd;
+    int n = 0;
+    if (!a.tiled) {
+        L[n++] = {part_fn, false, a, nt, gy, (unsigned)a.parts, bs};
+        if (a.parts > 1)
+            L[n++] = {nullptr, true, a, nt, nh, 1u, rb};
+        return n;
+    }
+    kvf_cuda_attn_ws w;
+    kvf_cuda_attention_ws(p->n_tokens, p->n_seqs, p->n_heads, hd, p->max_ctx, &w);
+    a.n_seqs = p->n_seqs;
+    a.seq_count = reinterpret_cast<int32_t *>(p->workspace + w.count_off);
+    a.seq_tok = a.seq_count + p->n_seqs;
+    a.lone = 2;
+    attn_args d = a; /* the lone tokens: the partition kernel's split, rows by sequence */
+    d.lone = 1;
+    d.tiled = 0;
+    d.parts = w.lone_parts;
+    d.part_len = w.lone_part_len;
+    d.ws_o = d.ws_m = d.ws_l = nullptr;
+    if (d.parts > 1)
+        attn_set_ws(&d, p->workspace + w.lone_off, p->n_seqs, hd);
+    const unsigned ns = (unsigned)p->n_seqs;
+    L[n++] = {nullptr, false, a, 1u, 1u, 1u, 256u};
+    L[n++] = {tile_fn, false, a, nt, gy, (unsigned)a.parts, bs};
+    if (a.parts > 1)
+        L[n++] = {nullptr, true, a, nt, nh, 1u, rb};
+    L[n++] = {part_fn, false, d, ns, gy, (unsigned)d.parts, bs};
+    if (d.parts > 1)
+        L[n++] = {nullptr, true, d, ns, nh, 1u, rb};
+    return n;
 }
 
 } /* namespace */
@@ -1103,17 +1217,24 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
     if (st != KVF_OK || p->n_tokens == 0)
         return st;
     const kvf_kv_layout *l = &p->layout;
-    const attn_args a = attn_make_args(p);
-    attn_fn fn = attn_pick(l->head_dim, l->dtype, a.gc, a.tiled);
-    if (!fn) /* supports() passed, so this is a table out of step with it */
+    attn_launch L[5];
+    const int n = attn_plan(p, L);
+    if (n == 0) /* supports() passed, so this is a table out of step with it */
         return kvf_err_set(err, KVF_ERR_INTERNAL, "attn: no kernel for head_dim %d, dtype %s",
                            l->head_dim, kvf_dtype_name(l->dtype));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    dim3 grid((unsigned)p->n_tokens, (unsigned)(l->n_kv_heads * a.chunks), (unsigned)a.parts);
-    fn<<<grid, ATTN_NT, 0, s>>>(a);
-    if (a.parts > 1)
-        attn_reduce_kernel<<<dim3((unsigned)p->n_tokens, (unsigned)p->n_heads),
-                             (unsigned)l->head_dim, 0, s>>>(a, l->head_dim);
+    for (int i = 0; i < n; i++) {
+        const attn_args &a = L[i].a;
+        const attn_fn fn = L[i].fn;
+        const dim3 grid(L[i].gx, L[i].gy, L[i].gz);
+        const unsigned block = L[i].block;
+        if (fn)
+            fn<<<grid, block, 0, s>>>(a);
+        else if (L[i].reduce)
+            attn_reduce_kernel<<<grid, block, 0, s>>>(a, l->head_dim);
+        else
+            attn_count_kernel<<<grid, block, 0, s>>>(a);
+    }
     return kvf_cuda_status((int)cudaGetLastError(), "attn: kernel launch", err);
 }
 #endif /* KVF_ATTN_HOST_EMU */

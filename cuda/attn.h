@@ -24,12 +24,14 @@ typedef struct kvf_cuda_attn_params {
     int32_t layer;
     int32_t n_tokens, n_heads;    /* n_kv_heads and head_dim come from layout */
     int32_t n_seqs;               /* sequences in the step (rows of block_tables in use); 0 =
-                                   * not known. Picks the kernel and the split: with 0 < n_seqs <
-                                   * n_tokens (prefill chunks) the tile kernel serves every
-                                   * token, reading each K/V row once for a tile of up to 16
-                                   * (token, head) rows, over few long partitions; otherwise the
-                                   * partition kernel does, one token per CTA. The answer does
-                                   * not depend on it beyond rounding; the workspace size does */
+                                   * not known. Picks the kernels and the split: with 0 < n_seqs <
+                                   * n_tokens (prefill chunks) a tile kernel serves the chunks'
+                                   * tokens, reading each K/V row once for a tile of 16 or 64
+                                   * (token, head) rows, over few long partitions, and the
+                                   * partition kernel the tokens alone in their sequence (decode
+                                   * tokens); otherwise the partition kernel serves every token,
+                                   * one per CTA. The answer does not depend on it beyond
+                                   * rounding; the workspace size does */
     const int32_t *tok_seq;       /* [n_tokens] */
     const int32_t *tok_pos;       /* [n_tokens] */
     const int32_t *block_tables;  /* [n_seqs][max_blocks] */

@@ -69,14 +69,47 @@ int32_t kvf_cuda_attention_split(int32_t n_tokens, int32_t n_seqs, int32_t n_hea
     return max_ctx <= 0 ? 1 : (int32_t)(((int64_t)max_ctx + len - 1) / len);
 }
 
+/* floats of partials for rows (token or sequence) x heads x parts; 0 when not split */
+static size_t attn_partials(int32_t rows, int32_t n_heads, int32_t parts, int32_t head_dim)
+{
+    if (parts <= 1)
+        return 0;
+    return (size_t)rows * (size_t)n_heads * (size_t)parts * ((size_t)head_dim + 2);
+}
+
+void kvf_cuda_attention_ws(int32_t n_tokens, int32_t n_seqs, int32_t n_heads, int32_t head_dim,
+                           int32_t max_ctx, kvf_cuda_attn_ws *out)
+{
+    memset(out, 0, sizeof *out);
+    out->parts = kvf_cuda_attention_split(n_tokens, n_seqs, n_heads, max_ctx, &out->part_len);
+    if (n_tokens <= 0 || n_heads <= 0 || head_dim <= 0)
+        return;
+    size_t floats = attn_partials(n_tokens, n_heads, out->parts, head_dim);
+    if (kvf_cuda_attention_tiled(n_tokens, n_seqs)) {
+        out->lone_part_len = kvf_cuda_attention_part_len(n_tokens, n_heads, max_ctx);
+        out->lone_parts = kvf_cuda_attention_parts(n_tokens, n_heads, max_ctx);
+        out->lone_off = floats;
+        floats += attn_partials(n_seqs, n_heads, out->lone_parts, head_dim);
+        out->count_off = floats;
+        floats += 2 * (size_t)n_seqs; /* int32 counts and token ids, one float's room each */
+    }
+    out->bytes = floats * sizeof(float);
+}
+
 size_t kvf_cuda_attention_workspace_bytes(int32_t n_tokens, int32_t n_seqs, int32_t n_heads,
                                           int32_t head_dim, int32_t max_ctx)
 {
-    int32_t parts = kvf_cuda_attention_split(n_tokens, n_seqs, n_heads, max_ctx, NULL);
-    if (parts <= 1 || n_tokens <= 0 || n_heads <= 0 || head_dim <= 0)
-        return 0;
-    return (size_t)n_tokens * (size_t)n_heads * (size_t)parts * ((size_t)head_dim + 2) *
-           sizeof(float);
+    kvf_cuda_attn_ws w;
+    kvf_cuda_attention_ws(n_tokens, n_seqs, n_heads, head_dim, max_ctx, &w);
+    if (n_seqs == 0 && n_tokens > 1) { /* the most any n_seqs needs: the partition kernel's, or
+                                        * a step with chunks and n_tokens - 1 sequences (a mixed
+                                        * step's workspace grows with n_seqs) */
+        kvf_cuda_attn_ws m;
+        kvf_cuda_attention_ws(n_tokens, n_tokens - 1, n_heads, head_dim, max_ctx, &m);
+        if (m.bytes > w.bytes)
+            return m.bytes;
+    }
+    return w.bytes;
 }
 
 kvf_status kvf_cuda_attention_supports(const kvf_kv_layout *l, int32_t n_heads, kvf_err *err)

@@ -55,6 +55,23 @@ int32_t kvf_cuda_attention_split(int32_t n_tokens, int32_t n_seqs, int32_t n_hea
  * The reduce combines, for one (token, head), partitions lo/len .. pos/len in order:
  *   M = max m_p;  w_p = l_p * 2^(m_p - M);  out = sum(w_p * o_p) / sum(w_p). */
 
+/* A step with prefill chunks (kvf_cuda_attention_tiled) serves the tokens that are alone in
+ * their sequence (decode tokens) on the partition kernel, with the partition split of n_tokens
+ * (kvf_cuda_attention_part_len) and one workspace row per sequence instead of per token, and
+ * every other token on a tile kernel with the split above. Its workspace, in floats from the
+ * start: the tile kernel's partials (the layout above, when its parts > 1), at lone_off the
+ * lone tokens' partials (the same layout with sequence in place of token, when lone_parts > 1),
+ * and at count_off two int32 arrays of n_seqs: tokens per sequence and one token of each (a
+ * counting kernel fills them first). For other steps only the first part exists. */
+typedef struct kvf_cuda_attn_ws {
+    int32_t parts, part_len;           /* the call's split (kvf_cuda_attention_split) */
+    int32_t lone_parts, lone_part_len; /* the lone tokens' split (a step with prefill chunks) */
+    size_t lone_off, count_off;        /* in floats; 0 when absent */
+    size_t bytes;                      /* the whole workspace (0: none) */
+} kvf_cuda_attn_ws;
+void kvf_cuda_attention_ws(int32_t n_tokens, int32_t n_seqs, int32_t n_heads, int32_t head_dim,
+                           int32_t max_ctx, kvf_cuda_attn_ws *out);
+
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory
  * (including the workspace, with the same size rule): same partitions, same base-2 softmax per
  * partition, same reduce order. Within a partition it is the partition kernel's order; the

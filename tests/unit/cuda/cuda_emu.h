@@ -204,6 +204,11 @@ inline unsigned f2u(float f)
     return u;
 }
 
+inline int aadd(int *p, int v)
+{
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+
 inline int amax(int *p, int v)
 {
     int old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -396,5 +401,6 @@ inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
 #define __uint_as_float(u) emu::u2f(u)
 #define __float_as_uint(f) emu::f2u(f)
 #define atomicMax(p, v) emu::amax((p), (v))
+#define atomicAdd(p, v) emu::aadd((p), (v))
 
 #endif

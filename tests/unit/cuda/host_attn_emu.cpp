@@ -36,14 +36,16 @@ using std::min;
 #define KVF_ATTN_HOST_EMU 1
 #include "cuda/attn.cu"
 
-/* One kernel of attn.cu as a grid: the partition kernel part, or (part nullptr) the reduce. */
-static void emu_launch(attn_fn part, const attn_args &a, int hd, emu::idx3 grid, unsigned nt)
+/* One launch of attn.cu's plan as a grid: CTAs one after another, fibers for threads. */
+static void emu_launch(const attn_launch &x, int hd)
 {
-    emu::launch_fibers(grid, {nt, 1, 1}, 1 << 20, [&] {
-        if (part)
-            part(a);
+    emu::launch_fibers({x.gx, x.gy, x.gz}, {x.block, 1, 1}, 1 << 20, [&] {
+        if (x.fn)
+            x.fn(x.a);
+        else if (x.reduce)
+            attn_reduce_kernel(x.a, hd);
         else
-            attn_reduce_kernel(a, hd);
+            attn_count_kernel(x.a);
     });
 }
 
@@ -53,17 +55,12 @@ static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
     kvf_status st = kvf_cuda_attn_check(p, err);
     if (st != KVF_OK || p->n_tokens == 0)
         return st;
-    const attn_args a = attn_make_args(p);
-    attn_fn fn = attn_pick(p->layout.head_dim, p->layout.dtype, a.gc, a.tiled);
-    if (!fn)
+    attn_launch L[5];
+    const int n = attn_plan(p, L);
+    if (n == 0)
         return kvf_err_set(err, KVF_ERR_INTERNAL, "no kernel");
-    emu_launch(fn, a, 0,
-               {(unsigned)p->n_tokens, (unsigned)(p->layout.n_kv_heads * a.chunks),
-                (unsigned)a.parts},
-               ATTN_NT);
-    if (a.parts > 1)
-        emu_launch(nullptr, a, p->layout.head_dim,
-                   {(unsigned)p->n_tokens, (unsigned)p->n_heads, 1}, (unsigned)p->layout.head_dim);
+    for (int i = 0; i < n; i++)
+        emu_launch(L[i], p->layout.head_dim);
     return KVF_OK;
 }
 
@@ -72,8 +69,9 @@ static const double emu_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4};
 static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
- * reference. tiles: n_seqs given, so a case with prefill chunks runs on the tile kernel and its
- * split; otherwise n_seqs 0, the partition kernel. bad_pos >= 0 moves that token past max_ctx
+ * reference. tiles: n_seqs given, so a case with prefill chunks runs its chunks on a tile kernel
+ * and its split, and its decode tokens on the partition kernel by sequence (attn_plan);
+ * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past max_ctx
  * (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a read past
  * a row or past a sequence shows. */
 static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)

@@ -80,7 +80,10 @@ static void test_single_partition(void **state)
                             .window = seed % 2 ? 0 : 20, .dtype = (kvf_dtype)(seed % 4),
                             .k_scale = 1.0f, .v_scale = 1.0f, .scale_mul = 1.0f, .n_seqs = 4,
                             .max_len = 200, .extra_ctx = 56, .seed = seed};
-        assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 4, 8, 32, 256), 0);
+        /* one partition: no partials; with chunks (4 sequences, 10 tokens) only the
+         * per-sequence token counts and ids remain (2 x 4 int32) */
+        assert_int_equal(kvf_cuda_attention_workspace_bytes(10, 4, 8, 32, 256), 2 * 4 * 4);
+        assert_int_equal(kvf_cuda_attention_workspace_bytes(4, 4, 8, 32, 256), 0);
         assert_int_equal(run_case(&s), 1);
     }
 }
@@ -150,7 +153,31 @@ static void test_workspace_size(void **state)
      * kernel's split would be 128 partitions: 2048 x 32 x 128 x 130 floats = 4.4 GB) */
     assert_int_equal(kvf_cuda_attention_split(2048, 1, 32, 32768, &len), 1);
     assert_int_equal(len, 32768);
-    assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 1, 32, 128, 32768), 0);
+    /* what remains: the lone tokens' partials (none here, but sized for the one sequence: 128
+     * partitions of the partition kernel's split) and the counts */
+    kvf_cuda_attn_ws w;
+    kvf_cuda_attention_ws(2048, 1, 32, 128, 32768, &w);
+    assert_int_equal(w.parts, 1);
+    assert_int_equal(w.lone_parts, 128);
+    assert_int_equal(w.lone_off, 0);
+    assert_int_equal(w.count_off, (size_t)1 * 32 * 128 * 130);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 1, 32, 128, 32768),
+                     ((size_t)1 * 32 * 128 * 130 + 2) * sizeof(float));
+    /* a mixed step: 64 decode sequences and one 512-token chunk at 4k: the tile partials
+     * (576 tokens, 4 partitions of 1024), 64 sequences' partials (16 of 256), the counts */
+    kvf_cuda_attention_ws(576, 65, 32, 128, 4096, &w);
+    assert_int_equal(w.parts, 4);
+    assert_int_equal(w.part_len, 1024);
+    assert_int_equal(w.lone_parts, 16);
+    assert_int_equal(w.lone_part_len, 256);
+    assert_int_equal(w.lone_off, (size_t)576 * 32 * 4 * 130);
+    assert_int_equal(w.count_off, w.lone_off + (size_t)65 * 32 * 16 * 130);
+    assert_int_equal(w.bytes, (w.count_off + 2 * 65) * sizeof(float));
+    /* n_seqs 0 gives the most any n_seqs needs: here a mixed step with 575 sequences */
+    kvf_cuda_attn_ws most;
+    kvf_cuda_attention_ws(576, 575, 32, 128, 4096, &most);
+    assert_int_equal(kvf_cuda_attention_workspace_bytes(576, 0, 32, 128, 4096), most.bytes);
+    assert_true(most.bytes > kvf_cuda_attention_workspace_bytes(576, 576, 32, 128, 4096));
     assert_int_equal(kvf_cuda_attention_workspace_bytes(2048, 2048, 32, 128, 32768),
                      (size_t)2048 * 32 * 128 * 130 * sizeof(float));
     /* a 16-token chunk at 32k: 8 CTAs a partition, so 128 partitions of 256 */
