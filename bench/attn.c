@@ -329,10 +329,11 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
                         r->untiled_ms * 1e3);
             }
             r->copy_bytes = (double)cb;
-            fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: %.1f us, %.0f GB/s (copy %.0f GB/s)\n",
-                    k + 1, n_cases, r->batch, r->ctx, r->attn_ms * 1e3,
-                    r->kv_bytes / (r->attn_ms * 1e-3) / 1e9,
-                    2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+            if (c->chunk == 0) /* --chunk printed its own line above */
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: %.1f us, %.0f GB/s (copy %.0f GB/s)\n",
+                        k + 1, n_cases, r->batch, r->ctx, r->attn_ms * 1e3,
+                        r->kv_bytes / (r->attn_ms * 1e-3) / 1e9,
+                        2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
         }
 
     printf("device: %s\n", dev_name);

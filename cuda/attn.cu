@@ -33,13 +33,14 @@ extern "C" {
  * lanes") load nothing, hold zeros and store nothing (48 idles 2 of 8 lanes per row, 80 idles
  * 6 of 16, 96 idles 4 of 16). For the powers of two 16..256 HD_PAD == HD and the pad tests
  * fold away at compile time.
- * A step with prefill chunks (0 < n_seqs < n_tokens) runs the tile kernel instead, for every
- * token, on its own split (kvf_cuda_attention_tile_part_len: partitions of 256 positions or
- * more, only as many as the GPU needs to be busy, so a long prefill writes little or no
- * workspace):
+ * A step with prefill chunks (0 < n_seqs < n_tokens) runs the tile kernel instead for the
+ * chunks' tokens, on its own split (kvf_cuda_attention_tile_part_len: partitions of 256
+ * positions or more, only as many as the GPU needs to be busy, so a long prefill writes little
+ * or no workspace); its decode tokens (alone in their sequence) stay on the partition kernel,
+ * one CTA row and one workspace row per sequence (attn_plan):
  *  3. tile kernel, grid (n_tokens, n_kv_heads * head chunks, parts): a tile is up to
  *     QT = 16 / GC consecutive tokens of one sequence at consecutive positions, aligned so that
- *     a position that is a multiple of QT starts one (a decode token is a tile of one); the CTA
+ *     a position that is a multiple of QT starts one; the CTA
  *     of a tile's first token serves its QT x GC (token, query head) rows, every other CTA of
  *     the tile returns. For each pass of KT positions of its partition (the union of the rows'
  *     visible ranges) it loads K into shared memory once for all 16 rows, scores them (causal
@@ -76,8 +77,6 @@ struct attn_args {
     int64_t block_bytes, slab_bytes, layer_off;
     int32_t n_tokens, n_heads, n_kv_heads, group, chunks, max_blocks, max_ctx, parts, window;
     int32_t log2_bs, part_len;
-    int32_t tiled; /* the tile kernel runs instead of the partition kernel (part_len, parts:
-                    * its split) */
     int32_t gc;    /* query heads per CTA: ng <= gc of them real (1, 2, 4 or 8) */
     float q_mul, v_mul;
     /* a step with prefill chunks (attn_ref.h): 0 this launch serves every token; 1 the tokens
@@ -1111,8 +1110,8 @@ void attn_set_ws(attn_args *a, float *ws, int32_t rows, int32_t hd)
     a->ws_l = a->ws_m + n_all;
 }
 
-/* The kernels' arguments for checked parameters p (every token; the split of the call). */
-attn_args attn_make_args(const kvf_cuda_attn_params *p)
+/* The kernels' arguments for checked parameters p (every token; the call's split, from w). */
+attn_args attn_make_args(const kvf_cuda_attn_params *p, const kvf_cuda_attn_ws &w)
 {
     const kvf_kv_layout *l = &p->layout;
     attn_args a = {};
@@ -1129,8 +1128,8 @@ attn_args attn_make_args(const kvf_cuda_attn_params *p)
     a.chunks = (a.group + ATTN_GMAX - 1) / ATTN_GMAX;
     a.max_blocks = p->max_blocks;
     a.max_ctx = p->max_ctx;
-    a.tiled = kvf_cuda_attention_tiled(p->n_tokens, p->n_seqs);
-    a.parts = kvf_cuda_attention_split(p->n_tokens, p->n_seqs, p->n_heads, p->max_ctx, &a.part_len);
+    a.parts = w.parts;
+    a.part_len = w.part_len;
     a.window = p->window;
     a.block_bytes = l->block_bytes;
     a.slab_bytes = kvf_kv_slab_bytes(l);
@@ -1167,29 +1166,29 @@ int attn_plan(const kvf_cuda_attn_params *p, attn_launch (&L)[5])
 {
     const kvf_kv_layout *l = &p->layout;
     const int hd = l->head_dim;
-    attn_args a = attn_make_args(p);
+    kvf_cuda_attn_ws w;
+    kvf_cuda_attention_ws(p->n_tokens, p->n_seqs, p->n_heads, hd, p->max_ctx, &w);
+    const bool tiled = kvf_cuda_attention_tiled(p->n_tokens, p->n_seqs);
+    attn_args a = attn_make_args(p, w);
     const attn_fn part_fn = attn_pick(hd, l->dtype, a.gc, false);
-    const attn_fn tile_fn = a.tiled ? attn_pick(hd, l->dtype, a.gc, true) : nullptr;
-    if (!part_fn || (a.tiled && !tile_fn))
+    const attn_fn tile_fn = tiled ? attn_pick(hd, l->dtype, a.gc, true) : nullptr;
+    if (!part_fn || (tiled && !tile_fn))
         return 0;
     const unsigned gy = (unsigned)(l->n_kv_heads * a.chunks), nh = (unsigned)p->n_heads;
     const unsigned nt = (unsigned)p->n_tokens, bs = (unsigned)ATTN_NT, rb = (unsigned)hd;
     int n = 0;
-    if (!a.tiled) {
+    if (!tiled) {
         L[n++] = {part_fn, false, a, nt, gy, (unsigned)a.parts, bs};
         if (a.parts > 1)
             L[n++] = {nullptr, true, a, nt, nh, 1u, rb};
         return n;
     }
-    kvf_cuda_attn_ws w;
-    kvf_cuda_attention_ws(p->n_tokens, p->n_seqs, p->n_heads, hd, p->max_ctx, &w);
     a.n_seqs = p->n_seqs;
     a.seq_count = reinterpret_cast<int32_t *>(p->workspace + w.count_off);
     a.seq_tok = a.seq_count + p->n_seqs;
     a.lone = 2;
     attn_args d = a; /* the lone tokens: the partition kernel's split, rows by sequence */
     d.lone = 1;
-    d.tiled = 0;
     d.parts = w.lone_parts;
     d.part_len = w.lone_part_len;
     d.ws_o = d.ws_m = d.ws_l = nullptr;

@@ -33,8 +33,8 @@ int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t m
 /* The partition kernel's partitions: ceil(max_ctx / part_len(...)) (1 when max_ctx <= 0). */
 int32_t kvf_cuda_attention_parts(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);
 
-/* Whether a call runs the tile kernel (for every token) instead of the partition kernel: it
- * has prefill chunks, 0 < n_seqs < n_tokens. */
+/* Whether a call runs a tile kernel (for its prefill chunks' tokens; below) beside the
+ * partition kernel: it has prefill chunks, 0 < n_seqs < n_tokens. */
 int kvf_cuda_attention_tiled(int32_t n_tokens, int32_t n_seqs);
 /* The tile kernels' partition length: a multiple of 256 (they loop over a partition in passes,
  * so length costs no shared memory), long enough that a call makes about
@@ -73,10 +73,11 @@ void kvf_cuda_attention_ws(int32_t n_tokens, int32_t n_seqs, int32_t n_heads, in
                            int32_t max_ctx, kvf_cuda_attn_ws *out);
 
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory
- * (including the workspace, with the same size rule): same partitions, same base-2 softmax per
- * partition, same reduce order. Within a partition it is the partition kernel's order; the
- * tile kernel (a call with prefill chunks) rescales its running sums pass by pass, so there
- * the two agree to rounding, not bit for bit. Checks p as the launcher does, except that
+ * (including the workspace, with the same size rule): every token on the call's split
+ * (kvf_cuda_attention_split), base-2 softmax per partition, the same reduce order. Within a
+ * partition it is the partition kernel's order. A call with prefill chunks differs on the GPU:
+ * the tile kernels rescale their running sums pass by pass, and the decode tokens take the
+ * partition kernel's split; there the two agree to rounding, not bit for bit. Checks p as the launcher does, except that
  * per-token positions are also checked here (a token with tok_pos outside [0, max_ctx) gets
  * zeros on the GPU and KVF_ERR_INVALID here). */
 kvf_status kvf_cuda_attn_ref(const kvf_cuda_attn_params *p, kvf_err *err);

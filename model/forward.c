@@ -354,7 +354,8 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
             max_pos = f->h_tok_pos[i];
     for (int32_t s = 0; s < n_seqs; s++)
         decode_only = decode_only && seqs[s].n_tokens == 1;
-    kvf_backend_attn attn = {.n_tokens = T, .n_seqs = n_seqs, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads,
+    kvf_backend_attn attn = {.n_tokens = T, .n_seqs = n_seqs, .n_heads = c->n_heads,
+                             .n_kv_heads = c->n_kv_heads,
                              .head_dim = c->head_dim, .tok_seq = f->tok_seq, .tok_pos = f->tok_pos,
                              .block_tables = f->tables, .max_blocks = f->max_blocks,
                              .scale = (float)(1.0 / sqrt((double)c->head_dim)),

@@ -71,9 +71,9 @@ static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
  * reference. tiles: n_seqs given, so a case with prefill chunks runs its chunks on a tile kernel
  * and its split, and its decode tokens on the partition kernel by sequence (attn_plan);
- * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past max_ctx
- * (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a read past
- * a row or past a sequence shows. */
+ * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past
+ * max_ctx (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a
+ * read past a row or past a sequence shows. */
 static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
 {
     attn_case c;
@@ -135,7 +135,7 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     attn_case_free(&c);
 }
 
-/* Both ways: on the tile kernel (n_seqs given) and on the partition kernel. */
+/* Both ways: with n_seqs given (a tile kernel for chunks, if any) and on the partition kernel. */
 static void emu_case(const attn_case_spec *s, int32_t bad_pos)
 {
     emu_case_as(s, bad_pos, true);
@@ -221,10 +221,11 @@ static void test_padded_head_dims(void **state)
         }
 }
 
-/* Prefill chunks on the tile kernel beside decode tokens, over contexts of 2-4 partitions:
- * every head_dim x dtype, GQA 1/2/4/6/8/16 (tiles of 16, 8, 4 and 2 tokens; 16 in two head
- * chunks), block sizes 1 to 32, windows shorter and longer than a tile, chunks that start and
- * end off a tile's alignment. */
+/* Prefill chunks on a tile kernel beside decode tokens (on the partition kernel by sequence),
+ * over contexts of 2-4 partitions: every head_dim x dtype (the mma kernel at f16/bf16 x 64 and
+ * 128), GQA 1/2/4/6/8/16 (f32 tiles of 16, 8, 4 and 2 tokens, mma tiles of 64 to 8; 16 in two
+ * head chunks), block sizes 1 to 32, windows shorter and longer than a tile, chunks that start
+ * and end off a tile's alignment. */
 static void test_tiled_prefill(void **state)
 {
     (void)state;

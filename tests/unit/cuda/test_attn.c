@@ -52,7 +52,7 @@ static void run_case(const attn_case_spec *s)
     float *cpu = malloc(n * sizeof(float)), *ref = malloc(n * sizeof(float));
     float *gpu = malloc(n * sizeof(float));
     assert_int_equal(attn_case_cpu(&c, s, cpu), 0);
-    /* n_seqs 0: the partition kernel's split, the most either way needs */
+    /* n_seqs 0: the most any n_seqs needs (both ways below) */
     size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, 0, c.n_heads, s->head_dim,
                                                          c.max_ctx);
     float *ws = ws_bytes ? malloc(ws_bytes) : NULL;

@@ -278,7 +278,7 @@ static inline int attn_case_cpu(const attn_case *c, const attn_case_spec *s, flo
 }
 
 /* Parameters for the case with the given (host or device) pointers; n_seqs is given, so a case
- * with prefill chunks runs them on the tile kernel. */
+ * with prefill chunks runs them on a tile kernel (its decode tokens on the partition kernel). */
 static inline kvf_cuda_attn_params attn_case_params(const attn_case *c, const attn_case_spec *s,
                                                     const float *q, float *out, const void *pool,
                                                     const int32_t *tok_seq,
