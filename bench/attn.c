@@ -16,6 +16,7 @@
 #include "common/cfg.h"
 #include "common/dtype.h"
 #include "kv/layout.h"
+#include "model/backend.h" /* the decode kernel names */
 #ifdef KVF_HAVE_CUDA
 #include "cuda/attn.h"
 #include "cuda/attn_bench.h"
@@ -25,7 +26,7 @@
 typedef struct attn_bench_cfg {
     bool quick, l2_flush;
     int32_t heads, kv_heads, head_dim, block_size, max_iters, chunk, decode_seqs;
-    const char *dtype, *batches, *contexts;
+    const char *dtype, *batches, *contexts, *decode_kernel;
     int64_t max_kv, copy_max, flush_bytes;
     double seconds;
 } attn_bench_cfg;
@@ -36,6 +37,7 @@ static const kvf_cfg_opt attn_bench_opts[] = {
     {"contexts", NULL, "context lengths (comma-separated); default 512,1024,...,32768 (quick: 1024,4096,16384)", offsetof(attn_bench_cfg, contexts), KVF_CFG_STR},
     {"chunk", "0", "prefill chunks: N query tokens per sequence at the end of its context, timed on the tile kernel and on the partition kernel (0: one decode token per sequence)", offsetof(attn_bench_cfg, chunk), KVF_CFG_INT},
     {"decode-seqs", "0", "with --chunk: this many more sequences, one decode token each at the same context, in the same call (a decode worker's step while it prefills a prompt itself)", offsetof(attn_bench_cfg, decode_seqs), KVF_CFG_INT},
+    {"decode-kernel", "simt,mma", "decode kernels to time, each on every case (comma-separated: auto, simt, mma; mma falls back to simt where it does not serve the shape)", offsetof(attn_bench_cfg, decode_kernel), KVF_CFG_STR},
     {"heads", "32", "query heads (Llama-3-8B: 32)", offsetof(attn_bench_cfg, heads), KVF_CFG_INT},
     {"kv-heads", "8", "KV heads (Llama-3-8B: 8)", offsetof(attn_bench_cfg, kv_heads), KVF_CFG_INT},
     {"head-dim", "128", "head dimension (16, 32, 48, 64, 80, 96, 128, 256)", offsetof(attn_bench_cfg, head_dim), KVF_CFG_INT},
@@ -57,15 +59,18 @@ static const kvf_cfg_spec attn_bench_spec = {
                "achieved KV bandwidth = K+V bytes read / kernel time (CUDA events), beside a\n"
                "cudaMemcpy device-to-device copy of the same bytes (up to --copy-max) whose\n"
                "bandwidth counts bytes read + written. Ends with\n"
-               "ratio_vs_d2d_copy_min_ctx4k=<min attention/copy ratio over contexts >= 4096>.\n"
-               "With --chunk N (prefill): N tokens per sequence, each call timed with prefill\n"
-               "chunks on the tile kernel and with every token on the partition kernel; ends\n"
-               "with speedup_tiled_vs_per_token_min=<min over cases>.\n"
+               "ratio_vs_d2d_copy_min_ctx4k_<kernel>=<min attention/copy ratio over contexts\n"
+               ">= 4096> for each --decode-kernel, and ratio_vs_d2d_copy_min_ctx4k=<the best\n"
+               "kernel's>. With --chunk N (prefill): N tokens per sequence, each call timed\n"
+               "with prefill chunks on the tile kernel (decode tokens on each --decode-kernel)\n"
+               "and with every token on the SIMT partition kernel; ends with\n"
+               "speedup_tiled_vs_per_token_min=<min over cases, the best kernel's>.\n"
                "Needs a CUDA build and a GPU.",
     .opts = attn_bench_opts,
 };
 
 #define ATTN_BENCH_MAX_LIST 32
+#define ATTN_BENCH_MAX_KERNELS 3
 
 /* "1,2,4" -> values; 0 and a message on a bad list. */
 static int attn_parse_list(const char *s, const char *flag, int32_t *out, kvf_err *err)
@@ -91,14 +96,107 @@ static int attn_parse_list(const char *s, const char *flag, int32_t *out, kvf_er
     return n;
 }
 
+/* The kernels of one run: --decode-kernel parsed. */
+typedef struct attn_kernels {
+    int n;
+    int32_t k[ATTN_BENCH_MAX_KERNELS]; /* KVF_BACKEND_ATTN_DECODE_* */
+} attn_kernels;
+
+/* "simt,mma" -> kernels (no repeats); 0 and a message on a bad list. */
+static int attn_parse_kernels(const char *s, attn_kernels *out, kvf_err *err)
+{
+    out->n = 0;
+    const char *p = s;
+    while (*p) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        int k = kvf_backend_attn_decode_parse(p, len);
+        bool repeat = false;
+        for (int j = 0; j < out->n; j++)
+            repeat = repeat || out->k[j] == k;
+        if (k < 0 || repeat || out->n == ATTN_BENCH_MAX_KERNELS) {
+            kvf_err_set(err, KVF_ERR_INVALID,
+                        "bench attn: --decode-kernel=%s is not a comma-separated list of "
+                        "distinct kernels from auto, simt, mma (e.g. simt,mma)",
+                        s);
+            return 0;
+        }
+        out->k[out->n++] = k;
+        p = end ? end + 1 : p + len;
+    }
+    if (out->n == 0)
+        kvf_err_set(err, KVF_ERR_INVALID, "bench attn: --decode-kernel is empty");
+    return out->n;
+}
+
 #ifdef KVF_HAVE_CUDA
 
 typedef struct attn_row {
     int32_t batch, ctx;
-    double kv_bytes, attn_ms, copy_bytes, copy_ms;
+    double kv_bytes, copy_bytes, copy_ms;
+    double attn_ms[ATTN_BENCH_MAX_KERNELS]; /* per --decode-kernel */
     double untiled_ms; /* --chunk: the same call with every token on the partition kernel */
     bool skipped;
 } attn_row;
+
+
+/* The min over cases of each kernel's value (per case: f(row, kernel index); `keep` picks the
+ * cases), printed as <name>_<kernel>=, then <name>= for the kernel with the largest min, and
+ * best_decode_kernel=. Returns nothing; prints n/a where no case counted. */
+static void attn_print_mins(const char *name, const attn_kernels *ks, const attn_row *rows,
+                            int n_cases, double (*f)(const attn_row *, int, const void *),
+                            bool (*keep)(const attn_row *), const void *ctx)
+{
+    double best = -1;
+    int best_k = -1;
+    for (int j = 0; j < ks->n; j++) {
+        double m = -1;
+        for (int i = 0; i < n_cases; i++) {
+            if (rows[i].skipped || !keep(&rows[i]))
+                continue;
+            double v = f(&rows[i], j, ctx);
+            if (m < 0 || v < m)
+                m = v;
+        }
+        if (m < 0) {
+            printf("%s_%s=n/a (no case measured)\n", name, kvf_backend_attn_decode_name(ks->k[j]));
+            continue;
+        }
+        printf("%s_%s=%.3f\n", name, kvf_backend_attn_decode_name(ks->k[j]), m);
+        if (m > best)
+            best = m, best_k = j;
+    }
+    if (best_k < 0) {
+        printf("%s=n/a (no case measured)\n", name);
+        return;
+    }
+    printf("%s=%.3f\n", name, best);
+    printf("best_decode_kernel=%s\n", kvf_backend_attn_decode_name(ks->k[best_k]));
+}
+
+static bool attn_keep_all(const attn_row *r)
+{
+    (void)r;
+    return true;
+}
+
+static bool attn_keep_4k(const attn_row *r)
+{
+    return r->ctx >= 4096;
+}
+
+/* attention bandwidth / copy bandwidth */
+static double attn_ratio(const attn_row *r, int j, const void *ctx)
+{
+    (void)ctx;
+    return (r->kv_bytes / (r->attn_ms[j] * 1e-3)) / (2 * r->copy_bytes / (r->copy_ms * 1e-3));
+}
+
+static double attn_speedup(const attn_row *r, int j, const void *ctx)
+{
+    (void)ctx;
+    return r->untiled_ms / r->attn_ms[j];
+}
 
 static int32_t attn_iters(const attn_bench_cfg *c, double est_ms)
 {
@@ -120,24 +218,32 @@ static uint32_t attn_rng(uint32_t *s)
 
 /* --chunk: the prefill table (tiled vs every token on the partition kernel). */
 static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
-                               const attn_row *rows, int n_cases)
+                               const attn_kernels *ks, const attn_row *rows, int n_cases)
 {
     printf("shape: %d query heads, %d KV heads x %d, %s KV, block %d; a prefill chunk of %d "
            "tokens per sequence at the end of its context, plus %d decode sequences; L2 %s "
            "before every call\n",
            c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
            c->chunk, c->decode_seqs, c->l2_flush ? "flushed" : "not flushed");
-    printf("tiled_us: chunks on the tile kernel; per_token_us: every token on the partition "
-           "kernel (each reads its own K/V); TFLOP/s counts 4 * head_dim flops per visible "
-           "(query head, position) pair of the tiled call\n\n");
-    printf("%7s %7s %7s %10s %12s %9s %9s\n", "batch", "ctx", "tokens", "tiled_us",
-           "per_token_us", "speedup", "TFLOP/s");
-    double min_speedup = -1;
+    printf("tiled_<kernel>_us: chunks on the tile kernel, decode tokens on that decode kernel; "
+           "per_token_us: every token on the SIMT partition kernel (each reads its own K/V); "
+           "speedup = per_token / tiled; TFLOP/s counts 4 * head_dim flops per visible (query "
+           "head, position) pair of the tiled call\n\n");
+    printf("%7s %7s %7s %12s", "batch", "ctx", "tokens", "per_token_us");
+    for (int j = 0; j < ks->n; j++) {
+        char h[3][32];
+        const char *kn = kvf_backend_attn_decode_name(ks->k[j]);
+        snprintf(h[0], sizeof h[0], "tiled_%s_us", kn);
+        snprintf(h[1], sizeof h[1], "speedup_%s", kn);
+        snprintf(h[2], sizeof h[2], "TFLOP/s_%s", kn);
+        printf(" %14s %12s %12s", h[0], h[1], h[2]);
+    }
+    printf("\n");
     for (int k = 0; k < n_cases; k++) {
         const attn_row *r = &rows[k];
+        printf("%7d %7d %7d", r->batch, r->ctx, r->batch * c->chunk + c->decode_seqs);
         if (r->skipped) {
-            printf("%7d %7d %7d %10s %12s %9s %9s\n", r->batch, r->ctx,
-                   r->batch * c->chunk + c->decode_seqs, "skipped", "-", "-", "-");
+            printf(" %12s\n", "skipped");
             continue;
         }
         /* visible pairs: each of the chunk's tokens sees ctx - chunk + 1 .. ctx positions, a
@@ -145,22 +251,20 @@ static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
         double pairs = (double)r->batch * c->heads *
                            ((double)c->chunk * (r->ctx - c->chunk) + c->chunk * (c->chunk + 1) / 2.0) +
                        (double)c->decode_seqs * c->heads * r->ctx;
-        double tflops = 4.0 * l->head_dim * pairs / (r->attn_ms * 1e-3) / 1e12;
-        double speedup = r->untiled_ms / r->attn_ms;
-        printf("%7d %7d %7d %10.1f %12.1f %9.2f %9.2f\n", r->batch, r->ctx,
-               r->batch * c->chunk + c->decode_seqs, r->attn_ms * 1e3, r->untiled_ms * 1e3,
-               speedup, tflops);
-        if (min_speedup < 0 || speedup < min_speedup)
-            min_speedup = speedup;
+        printf(" %12.1f", r->untiled_ms * 1e3);
+        for (int j = 0; j < ks->n; j++)
+            printf(" %14.1f %12.2f %12.2f", r->attn_ms[j] * 1e3, r->untiled_ms / r->attn_ms[j],
+                   4.0 * l->head_dim * pairs / (r->attn_ms[j] * 1e-3) / 1e12);
+        printf("\n");
     }
-    if (min_speedup < 0)
-        printf("\nspeedup_tiled_vs_per_token_min=n/a (no case measured)\n");
-    else
-        printf("\nspeedup_tiled_vs_per_token_min=%.3f\n", min_speedup);
+    printf("\n");
+    attn_print_mins("speedup_tiled_vs_per_token_min", ks, rows, n_cases, attn_speedup,
+                    attn_keep_all, NULL);
 }
 
-static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const int32_t *batches,
-                          int nb, const int32_t *ctxs, int nc)
+static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
+                          const attn_kernels *ks, const int32_t *batches, int nb,
+                          const int32_t *ctxs, int nc)
 {
     kvf_err err = {0};
     kvf_status st = KVF_OK;
@@ -307,10 +411,14 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
             double est = 0;
             r->copy_bytes = r->kv_bytes < (double)copy_bytes ? r->kv_bytes : (double)copy_bytes;
             size_t cb = (size_t)r->copy_bytes / 256 * 256;
-            if ((st = kvf_cuda_bench_attn_ms(&p, NULL, 0, 2, &est, &err)) != KVF_OK ||
-                (st = kvf_cuda_bench_attn_ms(&p, flush, flush_bytes, attn_iters(c, est),
-                                             &r->attn_ms, &err)) != KVF_OK ||
-                (st = kvf_cuda_bench_copy_ms(dst, src, cb, NULL, 0, 2, &est, &err)) != KVF_OK ||
+            for (int j = 0; j < ks->n; j++) {
+                p.decode_kernel = ks->k[j];
+                if ((st = kvf_cuda_bench_attn_ms(&p, NULL, 0, 2, &est, &err)) != KVF_OK ||
+                    (st = kvf_cuda_bench_attn_ms(&p, flush, flush_bytes, attn_iters(c, est),
+                                                 &r->attn_ms[j], &err)) != KVF_OK)
+                    goto fail_alloc;
+            }
+            if ((st = kvf_cuda_bench_copy_ms(dst, src, cb, NULL, 0, 2, &est, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_copy_ms(dst, src, cb, flush, flush_bytes, attn_iters(c, est),
                                              &r->copy_ms, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
@@ -318,27 +426,31 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
             if (c->chunk > 0) { /* the baseline: the same call, no tiles */
                 kvf_cuda_attn_params u = p;
                 u.n_seqs = 0;
+                u.decode_kernel = KVF_BACKEND_ATTN_DECODE_SIMT;
                 if ((st = kvf_cuda_bench_attn_ms(&u, NULL, 0, 2, &est, &err)) != KVF_OK ||
                     (st = kvf_cuda_bench_attn_ms(&u, flush, flush_bytes, attn_iters(c, est),
                                                  &r->untiled_ms, &err)) != KVF_OK ||
                     (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
                     goto fail_alloc;
-                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d chunk %d: tiled %.1f us, "
-                                "per token %.1f us\n",
-                        k + 1, n_cases, r->batch, r->ctx, tps, r->attn_ms * 1e3,
-                        r->untiled_ms * 1e3);
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d chunk %d: tiled %.1f us (%s "
+                                "decode), per token %.1f us\n",
+                        k + 1, n_cases, r->batch, r->ctx, tps, r->attn_ms[0] * 1e3,
+                        kvf_backend_attn_decode_name(ks->k[0]), r->untiled_ms * 1e3);
             }
             r->copy_bytes = (double)cb;
-            if (c->chunk == 0) /* --chunk printed its own line above */
-                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d: %.1f us, %.0f GB/s (copy %.0f GB/s)\n",
-                        k + 1, n_cases, r->batch, r->ctx, r->attn_ms * 1e3,
-                        r->kv_bytes / (r->attn_ms * 1e-3) / 1e9,
-                        2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+            if (c->chunk == 0) { /* --chunk printed its own line above */
+                fprintf(stderr, "bench attn: [%d/%d] batch %d ctx %d:", k + 1, n_cases, r->batch,
+                        r->ctx);
+                for (int j = 0; j < ks->n; j++)
+                    fprintf(stderr, " %s %.1f us %.0f GB/s,", kvf_backend_attn_decode_name(ks->k[j]),
+                            r->attn_ms[j] * 1e3, r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9);
+                fprintf(stderr, " copy %.0f GB/s\n", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+            }
         }
 
     printf("device: %s\n", dev_name);
     if (c->chunk > 0) {
-        attn_prefill_table(c, l, rows, n_cases);
+        attn_prefill_table(c, l, ks, rows, n_cases);
         rc = 0;
         goto done;
     }
@@ -347,33 +459,36 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l, const
            "sequence; L2 %s before every call\n",
            c->heads, l->n_kv_heads, l->head_dim, kvf_dtype_name(l->dtype), l->block_size,
            c->l2_flush ? "flushed" : "not flushed");
-    printf("attn_GB/s = K+V bytes read / time; copy_GB/s = (read + written) / time of a "
-           "device-to-device copy of min(KV bytes, --copy-max)\n\n");
-    printf("%7s %7s %10s %10s %10s %10s %7s\n", "batch", "ctx", "kv_MiB", "attn_us", "attn_GB/s",
-           "copy_GB/s", "ratio");
-    double min_ratio = -1, min_ratio_all = -1;
+    printf("<kernel>_GB/s = K+V bytes read / time of that decode kernel; copy_GB/s = (read + "
+           "written) / time of a device-to-device copy of min(KV bytes, --copy-max); ratio = "
+           "attention / copy\n\n");
+    printf("%7s %7s %10s %10s", "batch", "ctx", "kv_MiB", "copy_GB/s");
+    for (int j = 0; j < ks->n; j++) {
+        char h[3][32];
+        const char *kn = kvf_backend_attn_decode_name(ks->k[j]);
+        snprintf(h[0], sizeof h[0], "%s_us", kn);
+        snprintf(h[1], sizeof h[1], "%s_GB/s", kn);
+        snprintf(h[2], sizeof h[2], "ratio_%s", kn);
+        printf(" %10s %10s %10s", h[0], h[1], h[2]);
+    }
+    printf("\n");
     for (k = 0; k < n_cases; k++) {
         attn_row *r = &rows[k];
+        printf("%7d %7d %10.1f", r->batch, r->ctx, r->kv_bytes / 1048576.0);
         if (r->skipped) {
-            printf("%7d %7d %10.0f %10s %10s %10s %7s\n", r->batch, r->ctx,
-                   r->kv_bytes / 1048576.0, "skipped", "-", "-", "-");
+            printf(" %10s\n", "skipped");
             continue;
         }
-        double abw = r->kv_bytes / (r->attn_ms * 1e-3) / 1e9;
-        double cbw = 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9;
-        double ratio = abw / cbw;
-        printf("%7d %7d %10.1f %10.1f %10.0f %10.0f %7.3f\n", r->batch, r->ctx,
-               r->kv_bytes / 1048576.0, r->attn_ms * 1e3, abw, cbw, ratio);
-        if (r->ctx >= 4096 && (min_ratio < 0 || ratio < min_ratio))
-            min_ratio = ratio;
-        if (min_ratio_all < 0 || ratio < min_ratio_all)
-            min_ratio_all = ratio;
+        printf(" %10.0f", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+        for (int j = 0; j < ks->n; j++)
+            printf(" %10.1f %10.0f %10.3f", r->attn_ms[j] * 1e3,
+                   r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9, attn_ratio(r, j, NULL));
+        printf("\n");
     }
-    printf("\nratio_vs_d2d_copy_min=%.3f\n", min_ratio_all);
-    if (min_ratio < 0)
-        printf("ratio_vs_d2d_copy_min_ctx4k=n/a (no context >= 4096 measured)\n");
-    else
-        printf("ratio_vs_d2d_copy_min_ctx4k=%.3f\n", min_ratio);
+    printf("\n");
+    attn_print_mins("ratio_vs_d2d_copy_min", ks, rows, n_cases, attn_ratio, attn_keep_all, NULL);
+    attn_print_mins("ratio_vs_d2d_copy_min_ctx4k", ks, rows, n_cases, attn_ratio, attn_keep_4k,
+                    NULL);
     rc = 0;
     goto done;
 
@@ -432,6 +547,11 @@ int kvf_bench_attn_main(int argc, char **argv)
         fprintf(stderr, "kvfleet: %s\n", err.msg);
         return 2;
     }
+    attn_kernels ks;
+    if (!attn_parse_kernels(c.decode_kernel, &ks, &err)) {
+        fprintf(stderr, "kvfleet: %s\n", err.msg);
+        return 2;
+    }
     int dt = kvf_dtype_parse(c.dtype);
     if (dt < 0) {
         fprintf(stderr, "kvfleet: bench attn: --dtype=%s is not a KV dtype (use f32, f16, bf16 or fp8-e4m3)\n",
@@ -461,6 +581,6 @@ int kvf_bench_attn_main(int argc, char **argv)
                 why);
         return 1;
     }
-    return attn_bench_run(&c, &l, batches, nb, ctxs, nc);
+    return attn_bench_run(&c, &l, &ks, batches, nb, ctxs, nc);
 #endif
 }

@@ -24,7 +24,7 @@
 #include "worker/worker.h"
 
 typedef struct gen_cfg {
-    const char *model, *prompt_ids, *prompt, *kv_dtype, *device;
+    const char *model, *prompt_ids, *prompt, *kv_dtype, *device, *attn_decode;
     int32_t max_tokens, block_size, threads, prefill_chunk, top_k;
     int64_t kv_memory, seed;
     double temperature, top_p, kv_k_scale, kv_v_scale;
@@ -46,6 +46,8 @@ static const kvf_cfg_opt gen_opts[] = {
     {"kv-k-scale", "1", "fp8-e4m3 KV: K is stored as fp8(K / scale)", offsetof(gen_cfg, kv_k_scale), KVF_CFG_DOUBLE},
     {"kv-v-scale", "1", "fp8-e4m3 KV: V is stored as fp8(V / scale)", offsetof(gen_cfg, kv_v_scale), KVF_CFG_DOUBLE},
     {"device", "cpu", "where the model runs: cpu or cuda (GPU 0)", offsetof(gen_cfg, device), KVF_CFG_STR},
+    {"attn-decode", "auto", "cuda: the kernel decode tokens' attention runs on: auto (simt for now), simt, or mma (tensor cores; f16/bf16 KV at head_dim 64 or 128, simt elsewhere)",
+     offsetof(gen_cfg, attn_decode), KVF_CFG_STR},
     {"no-cuda-graphs", NULL, "cuda: run every decode step kernel by kernel (no CUDA graph replay)",
      offsetof(gen_cfg, no_graphs), KVF_CFG_BOOL},
     {"kv-memory", "0", "KV pool bytes (K/M/G suffixes); 0: just enough for this request", offsetof(gen_cfg, kv_memory), KVF_CFG_SIZE},
@@ -102,6 +104,9 @@ int kvf_cli_generate(int argc, char **argv)
     if (!(c.kv_k_scale > 0 && c.kv_k_scale < 1e30) || !(c.kv_v_scale > 0 && c.kv_v_scale < 1e30))
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-k-scale (%g) and --kv-v-scale (%g) must be positive and finite",
                                         c.kv_k_scale, c.kv_v_scale), &err);
+    int32_t attn_decode;
+    if ((st = kvf_worker_attn_decode_pick(c.attn_decode, "generate", &attn_decode, &err)) != KVF_OK)
+        return kvf_cli_exit(st, &err);
     const kvf_backend *be = NULL;
     if ((st = kvf_worker_device_pick(c.device, "generate", &be, NULL, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
@@ -195,6 +200,7 @@ int kvf_cli_generate(int argc, char **argv)
     ec.kv_k_scale = (float)c.kv_k_scale;
     ec.kv_v_scale = (float)c.kv_v_scale;
     ec.no_graphs = c.no_graphs;
+    ec.attn_decode = attn_decode;
     ec.model_id = c.model;
     if ((st = kvf_engine_create(m, be, &ec, &eng, &err)) != KVF_OK)
         goto fail;

@@ -49,7 +49,9 @@ extern "C" {
  *     for each row whose own range meets the partition (output / sum * v_scale, and m, l when
  *     split), so the reduce and the workspace layout are shared. Each K/V row is read once per
  *     tile instead of once per token. With f16/bf16 KV at head_dim 64 or 128 the mma tile kernel
- *     does the same on the tensor cores, 64 rows per CTA (attn_mma_kernel, below). */
+ *     does the same on the tensor cores, 64 rows per CTA (attn_mma_kernel, below).
+ * With decode_kernel MMA (f16/bf16 KV at head_dim 64 or 128), attn_dec_kernel takes the
+ * partition kernel's place in step 1: same grid, split and outputs, on the tensor cores. */
 
 namespace {
 
@@ -218,6 +220,53 @@ __device__ __forceinline__ void attn_load_rows(const attn_args &a, const int32_t
     }
 }
 
+/* A partition kernel's CTA (token blockIdx.x, or with lone 1 the token of sequence
+ * blockIdx.x; KV head and head chunk blockIdx.y; partition blockIdx.z): see attn_part_begin. */
+struct attn_part {
+    int kvh, ng;     /* KV head, and the chunk's real query heads (<= gc) */
+    int p0, n;       /* the partition's visible positions: p0 .. p0 + n - 1 */
+    int b0;          /* the block of position p0 (blk_s[i] is block b0 + i) */
+    int64_t th0, w0; /* (token, first head of the chunk) as a row of q and out; as a workspace
+                      * row (by token, or by sequence with lone 1: blockIdx.x either way) */
+};
+
+/* The start of a partition kernel's CTA of gc heads and head_dim hd: false when it has nothing
+ * to do (another launch serves the token, the token is outside [0, max_ctx), or it sees nothing
+ * of the partition; the reduce skips such partitions). An unsplit call's token outside
+ * [0, max_ctx) gets its zeros here (the reduce writes them when split). Puts the partition's
+ * block ids in blk_s; the caller syncs before reading them. */
+__device__ __forceinline__ bool attn_part_begin(const attn_args &a, int gc, int hd, int32_t *blk_s,
+                                                attn_part &w)
+{
+    const int t = attn_token(a), part = blockIdx.z, tid = threadIdx.x;
+    if (t < 0)
+        return false; /* another launch of this step serves it */
+    w.kvh = blockIdx.y / a.chunks;
+    const int g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
+    w.ng = min(gc, a.group - g0);
+    w.th0 = (int64_t)t * a.n_heads + (int64_t)w.kvh * a.group + g0;
+    w.w0 = (int64_t)blockIdx.x * a.n_heads + (int64_t)w.kvh * a.group + g0;
+    const int pos = a.tok_pos[t];
+    if (pos < 0 || pos >= a.max_ctx) { /* outside the contract: zeros, never a wild read */
+        if (a.parts == 1)
+            for (int i = tid; i < w.ng * hd; i += ATTN_NT)
+                a.out[w.th0 * hd + i] = 0.0f;
+        return false;
+    }
+    const int lo = attn_lo(pos, a.window);
+    w.p0 = max(part * a.part_len, lo);
+    const int p1 = min((part + 1) * a.part_len, pos + 1);
+    if (w.p0 >= p1)
+        return false; /* nothing visible here */
+    w.n = p1 - w.p0;
+    w.b0 = w.p0 >> a.log2_bs;
+    const int nb = ((p1 - 1) >> a.log2_bs) - w.b0 + 1;
+    const int32_t *bt = a.block_tables + (int64_t)a.tok_seq[t] * a.max_blocks;
+    for (int i = tid; i < nb; i += ATTN_NT)
+        blk_s[i] = bt[w.b0 + i];
+    return true;
+}
+
 /* One CTA: token blockIdx.x, KV head and head chunk blockIdx.y, partition blockIdx.z; GC query
  * heads' worth of registers (the chunk's ng <= GC heads are real). */
 template <int HD, kvf_dtype DT, int GC>
@@ -239,32 +288,12 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
     __shared__ float m_s[GC], l_s[GC];
 
-    const int t = attn_token(a), part = blockIdx.z, tid = threadIdx.x;
-    if (t < 0)
-        return; /* another launch of this step serves it */
-    const int kvh = blockIdx.y / a.chunks, g0 = (blockIdx.y % a.chunks) * ATTN_GMAX;
-    const int ng = min(GC, a.group - g0);
-    const int64_t th0 = (int64_t)t * a.n_heads + (int64_t)kvh * a.group + g0; /* first head row */
-    /* its workspace rows: by token, or by sequence (lone 1): blockIdx.x either way */
-    const int64_t w0 = (int64_t)blockIdx.x * a.n_heads + (int64_t)kvh * a.group + g0;
-    const int pos = a.tok_pos[t];
-    if (pos < 0 || pos >= a.max_ctx) { /* outside the contract: zeros, never a wild read */
-        if (a.parts == 1)
-            for (int i = tid; i < ng * HD; i += ATTN_NT)
-                a.out[th0 * HD + i] = 0.0f;
-        return; /* the reduce writes the zeros when parts > 1 */
-    }
-    const int lo = attn_lo(pos, a.window);
-    const int p0 = max(part * a.part_len, lo), p1 = min((part + 1) * a.part_len, pos + 1);
-    if (p0 >= p1)
-        return; /* nothing visible here; the reduce skips this partition */
-    const int n = p1 - p0, bs = 1 << a.log2_bs, b0 = p0 >> a.log2_bs;
-    const int nb = ((p1 - 1) >> a.log2_bs) - b0 + 1;
-
-    /* the partition's block ids and the scaled queries, into shared memory */
-    const int32_t *bt = a.block_tables + (int64_t)a.tok_seq[t] * a.max_blocks;
-    for (int i = tid; i < nb; i += ATTN_NT)
-        blk_s[i] = bt[b0 + i];
+    attn_part c;
+    if (!attn_part_begin(a, GC, HD, blk_s, c))
+        return;
+    const int part = blockIdx.z, tid = threadIdx.x, ng = c.ng, n = c.n, p0 = c.p0, b0 = c.b0;
+    const int64_t th0 = c.th0, w0 = c.w0;
+    const int bs = 1 << a.log2_bs, kvh = c.kvh;
     for (int i = tid; i < GC * HD; i += ATTN_NT)
         q_s[i] = i / HD < ng ? a.q[th0 * HD + i] * a.q_mul : 0.0f;
     __syncthreads();
@@ -985,6 +1014,233 @@ __global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
     }
 }
 
+/* Decode on the tensor cores (attn_dec_kernel): the partition kernel's CTA, grid, split and
+ * outputs, for f16/bf16 KV at head_dim 64 or 128, with the work of a K or V row done by
+ * mma.sync instead of per-element FMAs and shuffle trees (the SIMT kernel spends about 37 warp
+ * instructions on a 256-byte K row, this one about 3, so the loads, not instruction issue,
+ * should bound it). Each warp takes groups of 16 positions of the partition (group i goes to
+ * warp i % 4) and keeps its own online softmax; the 4 warps merge through shared memory at the
+ * end. Per group, with g = lane / 4 and q = lane % 4:
+ *  - scores S = Q . K^T as two m16n8k16 tiles (rows: the chunk's <= 8 heads, rows 8..15 zero;
+ *    columns: 8 positions each). Lane (g, q) loads the K row of position 4(g/2) + 2j + g%2 of
+ *    tile j, 16-byte chunks 4i + q (i < HD/32): a warp's load covers 64 contiguous bytes of each
+ *    of 8 rows. The k index of the mma is a permutation of the head dims, the same for Q and K,
+ *    chosen so that each loaded word is a B fragment as it stands: k-step ks reads chunk ks/2,
+ *    words 2(ks%2) and 2(ks%2)+1. Queries are split hi + lo as in attn_mma_kernel. So lane
+ *    (g, q) ends with head g's scores at positions 4q .. 4q + 3 of the group.
+ *  - O^T += V^T . P^T as m16n8k16 tiles with rows = head dims (HD/16 tiles), columns = the 8
+ *    heads, k = the group's 16 positions. The B fragment (P^T: positions 2q, 2q+1 and 2q+8,
+ *    2q+9 of head g) is exactly the scores lane (g, q) holds, with the position order chosen
+ *    above; the A fragment wants pairs of positions for one dim, so lane (g, q) loads the V rows
+ *    of positions 4q .. 4q + 3, 16-byte chunks g and g + 8 (a warp's load: 128 contiguous bytes
+ *    of each of 4 rows), and pairs their halves up (word w of the lane's dims gives tile w's
+ *    rows g and g + 8: its low and high halves). Lane (g, q) ends with heads 2q and 2q + 1 over
+ *    its own 16 (HD 128) or 8 (HD 64) dims, so the running max correction reaches it by a
+ *    shuffle from the lanes of heads 2q and 2q + 1. */
+template <int HD, kvf_dtype DT> constexpr bool attn_dec_ok()
+{
+    return attn_mma_ok<HD, DT>();
+}
+
+/* word w (0..3) of a 16-byte load */
+__device__ __forceinline__ uint32_t attn_u4_word(const uint4 &v, int w)
+{
+    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+/* the low halves of x and y as a pair (x's first), and the high halves */
+__device__ __forceinline__ uint32_t attn_lo_pair(uint32_t x, uint32_t y)
+{
+    return (x & 0xffffu) | (y << 16);
+}
+
+__device__ __forceinline__ uint32_t attn_hi_pair(uint32_t x, uint32_t y)
+{
+    return (x >> 16) | (y & 0xffff0000u);
+}
+
+template <int HD, kvf_dtype DT>
+__global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
+{
+    static_assert(attn_dec_ok<HD, DT>(), "the mma decode kernel serves f16/bf16 at head_dim 64, 128");
+    constexpr int ROW = HD * 2;  /* bytes per K/V row */
+    constexpr int KC = HD / 32;  /* K chunks per lane per row */
+    constexpr int VC = HD / 64;  /* V chunks per lane per row */
+    constexpr int MB = HD / 16;  /* output tiles (head dims) */
+    constexpr int GRP = 16;      /* positions per group */
+    static_assert(MB == 2 * KC && MB == 4 * VC, "a K chunk is two k-steps, a V chunk 4 tiles");
+    __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
+    __shared__ __align__(16) uint4 q_s[2][KC][32]; /* hi, lo; chunk i; lane (g, q): its words */
+    __shared__ __align__(16) float o_s[ATTN_NW][ATTN_GMAX][HD]; /* each warp's output */
+    __shared__ float m_s[ATTN_NW][ATTN_GMAX], l_s[ATTN_NW][ATTN_GMAX];
+
+    attn_part c;
+    if (!attn_part_begin(a, ATTN_GMAX, HD, blk_s, c))
+        return;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
+    const int n = c.n, ng = c.ng, bs = 1 << a.log2_bs;
+
+    /* the scaled query of head g, chunks 4i + q, as lane (g, q)'s A fragment words, hi and lo
+     * (every warp's lane (g, q) reads the same: shared memory, not 32 registers a lane) */
+    for (int x = tid; x < KC * 32; x += ATTN_NT) {
+        const int i = x / 32, xg = (x % 32) / 4, xq = x % 4;
+        uint32_t h[4], l[4];
+#pragma unroll
+        for (int w = 0; w < 4; w++) {
+            float x0 = 0.0f, x1 = 0.0f;
+            if (xg < ng) {
+                const float *qp = a.q + (c.th0 + xg) * HD + (4 * i + xq) * 8 + 2 * w;
+                x0 = qp[0] * a.q_mul, x1 = qp[1] * a.q_mul;
+            }
+            attn_h16_split2<DT>(x0, x1, h[w], l[w]);
+        }
+        q_s[0][i][x % 32] = make_uint4(h[0], h[1], h[2], h[3]);
+        q_s[1][i][x % 32] = make_uint4(l[0], l[1], l[2], l[3]);
+    }
+    __syncthreads(); /* blk_s, q_s */
+
+    const int64_t k_off = a.layer_off + (int64_t)c.kvh * bs * ROW, v_off = k_off + a.slab_bytes;
+    float o[MB][4];
+    attn_frag_zero(o);
+    float m_run = -INFINITY, l_run = 0.0f;
+    const int n_grp = (n + GRP - 1) / GRP;
+    for (int gi = warp; gi < n_grp; gi += ATTN_NW) {
+        const int base = gi * GRP;
+        /* K rows 4(g/2) + 2j + g%2 and V rows 4q .. 4q + 3 of the group; zeros past n */
+        uint4 kr[2][KC], vr[4][VC];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int i = base + 4 * (g >> 1) + 2 * j + (g & 1), p = c.p0 + i;
+            const uint8_t *row = i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] *
+                                                      a.block_bytes +
+                                             k_off + (int64_t)(p & (bs - 1)) * ROW
+                                       : nullptr;
+#pragma unroll
+            for (int k = 0; k < KC; k++)
+                kr[j][k] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (4 * k + q) * 16))
+                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = base + 4 * q + r, p = c.p0 + i;
+            const uint8_t *row = i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] *
+                                                      a.block_bytes +
+                                             v_off + (int64_t)(p & (bs - 1)) * ROW
+                                       : nullptr;
+#pragma unroll
+            for (int k = 0; k < VC; k++)
+                vr[r][k] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (g + 8 * k) * 16))
+                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+
+        /* 1. scores of head g at positions 4q + 2j + e (s[j][e]; s[j][2..3] are rows 8..15) */
+        float s[2][4];
+        attn_frag_zero(s);
+#pragma unroll
+        for (int i = 0; i < KC; i++) {
+            const uint4 qh = q_s[0][i][lane], ql = q_s[1][i][lane];
+#pragma unroll
+            for (int h = 0; h < 2; h++) { /* k-step 2i + h: words 2h, 2h + 1 */
+                const int w = 2 * h;
+                const uint32_t ah[4] = {attn_u4_word(qh, w), 0u, attn_u4_word(qh, w + 1), 0u};
+                const uint32_t al[4] = {attn_u4_word(ql, w), 0u, attn_u4_word(ql, w + 1), 0u};
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const uint32_t b0 = attn_u4_word(kr[j][i], w);
+                    const uint32_t b1 = attn_u4_word(kr[j][i], w + 1);
+                    attn_mma<DT>(s[j], ah, b0, b1);
+                    attn_mma<DT>(s[j], al, b0, b1);
+                }
+            }
+        }
+
+        /* 2. the online softmax of head g (its 16 scores live in the lanes of quad g) */
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float &x = s[j][e];
+                x = base + 4 * q + 2 * j + e < n ? x : -INFINITY;
+                mx = fmaxf(mx, x);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(ATTN_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(ATTN_FULL, mx, 2)); /* finite: position base is in */
+        const float m_new = fmaxf(m_run, mx);
+        const float corr = m_run == -INFINITY ? 0.0f : exp2f(m_run - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float &x = s[j][e];
+                x = x == -INFINITY ? 0.0f : exp2f(x - m_new);
+                sum += x;
+            }
+        l_run = l_run * corr + sum; /* this lane's share; the quad adds them at the end */
+        m_run = m_new;
+        /* this lane's output columns are heads 2q and 2q + 1: their corrections */
+        const float ca = __shfl_sync(ATTN_FULL, corr, 8 * q);
+        const float cb = __shfl_sync(ATTN_FULL, corr, 8 * q + 4);
+#pragma unroll
+        for (int mb = 0; mb < MB; mb++)
+            o[mb][0] *= ca, o[mb][1] *= cb, o[mb][2] *= ca, o[mb][3] *= cb;
+
+        /* 3. O^T += V^T . P^T: tile mb's rows g, g + 8 are the halves of this lane's word mb */
+        uint32_t ph[2], pl[2];
+        attn_h16_split2<DT>(s[0][0], s[0][1], ph[0], pl[0]);
+        attn_h16_split2<DT>(s[1][0], s[1][1], ph[1], pl[1]);
+#pragma unroll
+        for (int mb = 0; mb < MB; mb++) {
+            const int k = mb / 4, w = mb % 4;
+            const uint32_t x0 = attn_u4_word(vr[0][k], w), x1 = attn_u4_word(vr[1][k], w);
+            const uint32_t x2 = attn_u4_word(vr[2][k], w), x3 = attn_u4_word(vr[3][k], w);
+            const uint32_t av[4] = {attn_lo_pair(x0, x1), attn_hi_pair(x0, x1),
+                                    attn_lo_pair(x2, x3), attn_hi_pair(x2, x3)};
+            attn_mma<DT>(o[mb], av, ph[0], ph[1]);
+            attn_mma<DT>(o[mb], av, pl[0], pl[1]);
+        }
+    }
+
+    /* 4. each warp's max, sum and output into shared memory (a warp without a group: -inf, 0,
+     * zeros), then every CTA thread merges columns */
+    l_run += __shfl_xor_sync(ATTN_FULL, l_run, 1);
+    l_run += __shfl_xor_sync(ATTN_FULL, l_run, 2);
+    if (q == 0)
+        m_s[warp][g] = m_run, l_s[warp][g] = l_run;
+#pragma unroll
+    for (int mb = 0; mb < MB; mb++) {
+        const int d = (g + 8 * (mb / 4)) * 8 + 2 * (mb % 4);
+        o_s[warp][2 * q][d] = o[mb][0], o_s[warp][2 * q][d + 1] = o[mb][2];
+        o_s[warp][2 * q + 1][d] = o[mb][1], o_s[warp][2 * q + 1][d + 1] = o[mb][3];
+    }
+    __syncthreads();
+    const int part = blockIdx.z;
+    for (int i = tid; i < ng * HD; i += ATTN_NT) {
+        const int h = i / HD, d = i % HD;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATTN_NW; w++)
+            mx = fmaxf(mx, m_s[w][h]);
+        float l = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_NW; w++) {
+            const float f = m_s[w][h] == -INFINITY ? 0.0f : exp2f(m_s[w][h] - mx);
+            l += l_s[w][h] * f;
+            acc += o_s[w][h][d] * f;
+        }
+        const float out = acc * (a.v_mul / l);
+        if (a.parts == 1)
+            a.out[(c.th0 + h) * HD + d] = out;
+        else
+            a.ws_o[((c.w0 + h) * a.parts + part) * HD + d] = out;
+        if (a.parts > 1 && d == 0) {
+            a.ws_m[(c.w0 + h) * a.parts + part] = mx;
+            a.ws_l[(c.w0 + h) * a.parts + part] = l;
+        }
+    }
+}
+
 /* Merges the partitions of (token blockIdx.x, head blockIdx.y) (with lone 1: the token of
  * sequence blockIdx.x); thread d writes column d. */
 __global__ void attn_reduce_kernel(const attn_args a, int hd)
@@ -1048,55 +1304,61 @@ template <int HD, kvf_dtype DT> attn_fn attn_pick_gc(int gc)
     }
 }
 
-/* The partition kernel (tile false) or a tile kernel (tile true; it takes gc at run time):
- * the mma one where it serves (HD, DT), else the f32 one. */
-template <int HD, kvf_dtype DT> attn_fn attn_pick_kind(int gc, bool tile)
+/* The partition kernel (tile false; the mma decode kernel instead when mma_dec and it serves
+ * (HD, DT)) or a tile kernel (tile true; it takes gc at run time): the mma one where it serves
+ * (HD, DT), else the f32 one. */
+template <int HD, kvf_dtype DT> attn_fn attn_pick_kind(int gc, bool tile, bool mma_dec)
 {
-    if (!tile)
+    if (!tile) {
+        if constexpr (attn_dec_ok<HD, DT>())
+            if (mma_dec)
+                return attn_dec_kernel<HD, DT>;
         return attn_pick_gc<HD, DT>(gc);
+    }
     if constexpr (attn_mma_ok<HD, DT>())
         return attn_mma_kernel<HD, DT>;
     else
         return attn_tile_kernel<HD, DT>;
 }
 
-template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc, bool tile)
+template <int HD> attn_fn attn_pick_dtype(kvf_dtype dt, int gc, bool tile, bool mma_dec)
 {
     switch (dt) {
     case KVF_DTYPE_F32:
-        return attn_pick_kind<HD, KVF_DTYPE_F32>(gc, tile);
+        return attn_pick_kind<HD, KVF_DTYPE_F32>(gc, tile, mma_dec);
     case KVF_DTYPE_F16:
-        return attn_pick_kind<HD, KVF_DTYPE_F16>(gc, tile);
+        return attn_pick_kind<HD, KVF_DTYPE_F16>(gc, tile, mma_dec);
     case KVF_DTYPE_BF16:
-        return attn_pick_kind<HD, KVF_DTYPE_BF16>(gc, tile);
+        return attn_pick_kind<HD, KVF_DTYPE_BF16>(gc, tile, mma_dec);
     case KVF_DTYPE_FP8_E4M3:
-        return attn_pick_kind<HD, KVF_DTYPE_FP8_E4M3>(gc, tile);
+        return attn_pick_kind<HD, KVF_DTYPE_FP8_E4M3>(gc, tile, mma_dec);
     }
     return nullptr;
 }
 
 /* The kernel for (head_dim, dtype, heads per CTA rounded up to 1, 2, 4 or 8), the partition
- * kernel or (tile) the tile kernel; NULL when none (kvf_cuda_attention_supports names the
- * lists: keep the head_dims here and there in step). */
-attn_fn attn_pick(int hd, kvf_dtype dt, int gc, bool tile)
+ * kernel or (tile) the tile kernel; mma_dec: the decode kernel on the tensor cores where it
+ * serves. NULL when none (kvf_cuda_attention_supports names the lists: keep the head_dims here
+ * and there in step). */
+attn_fn attn_pick(int hd, kvf_dtype dt, int gc, bool tile, bool mma_dec)
 {
     switch (hd) {
     case 16:
-        return attn_pick_dtype<16>(dt, gc, tile);
+        return attn_pick_dtype<16>(dt, gc, tile, mma_dec);
     case 32:
-        return attn_pick_dtype<32>(dt, gc, tile);
+        return attn_pick_dtype<32>(dt, gc, tile, mma_dec);
     case 48: /* padded to 64 */
-        return attn_pick_dtype<48>(dt, gc, tile);
+        return attn_pick_dtype<48>(dt, gc, tile, mma_dec);
     case 64:
-        return attn_pick_dtype<64>(dt, gc, tile);
+        return attn_pick_dtype<64>(dt, gc, tile, mma_dec);
     case 80: /* padded to 128 */
-        return attn_pick_dtype<80>(dt, gc, tile);
+        return attn_pick_dtype<80>(dt, gc, tile, mma_dec);
     case 96: /* padded to 128 */
-        return attn_pick_dtype<96>(dt, gc, tile);
+        return attn_pick_dtype<96>(dt, gc, tile, mma_dec);
     case 128:
-        return attn_pick_dtype<128>(dt, gc, tile);
+        return attn_pick_dtype<128>(dt, gc, tile, mma_dec);
     case 256:
-        return attn_pick_dtype<256>(dt, gc, tile);
+        return attn_pick_dtype<256>(dt, gc, tile, mma_dec);
     }
     return nullptr;
 }
@@ -1170,8 +1432,9 @@ int attn_plan(const kvf_cuda_attn_params *p, attn_launch (&L)[5])
     kvf_cuda_attention_ws(p->n_tokens, p->n_seqs, p->n_heads, hd, p->max_ctx, &w);
     const bool tiled = kvf_cuda_attention_tiled(p->n_tokens, p->n_seqs);
     attn_args a = attn_make_args(p, w);
-    const attn_fn part_fn = attn_pick(hd, l->dtype, a.gc, false);
-    const attn_fn tile_fn = tiled ? attn_pick(hd, l->dtype, a.gc, true) : nullptr;
+    const bool mma_dec = p->decode_kernel == KVF_BACKEND_ATTN_DECODE_MMA;
+    const attn_fn part_fn = attn_pick(hd, l->dtype, a.gc, false, mma_dec);
+    const attn_fn tile_fn = tiled ? attn_pick(hd, l->dtype, a.gc, true, false) : nullptr;
     if (!part_fn || (tiled && !tile_fn))
         return 0;
     const unsigned gy = (unsigned)(l->n_kv_heads * a.chunks), nh = (unsigned)p->n_heads;

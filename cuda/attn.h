@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "kv/layout.h"
+#include "model/backend.h" /* KVF_BACKEND_ATTN_DECODE_* */
 
 /* One attention call: every pointer is device memory. Token t belongs to the sequence whose
  * block table is row tok_seq[t] of block_tables and sits at position tok_pos[t]; it attends
@@ -45,7 +46,13 @@ typedef struct kvf_cuda_attn_params {
                                    * (treated as 1) for other dtypes */
     float *workspace;             /* split-context partials, kvf_cuda_attention_workspace_bytes */
     size_t workspace_bytes;
+    int32_t decode_kernel;        /* KVF_BACKEND_ATTN_DECODE_* (model/backend.h; 0: auto): the
+                                   * kernel of decode tokens; same split and workspace */
 } kvf_cuda_attn_params;
+
+/* Whether KVF_BACKEND_ATTN_DECODE_MMA runs the tensor-core kernel for this layout (1) or falls
+ * back to the SIMT one (0). */
+int kvf_cuda_attn_decode_mma_serves(const kvf_kv_layout *layout);
 
 /* Bytes of workspace kvf_cuda_attention needs for these shapes (0 when it splits nothing);
  * n_seqs as in the parameters (0 gives the most any n_seqs needs). */

@@ -162,6 +162,13 @@ static bool attn_finite_pos(float x)
     return isfinite(x) && x > 0.0f;
 }
 
+int kvf_cuda_attn_decode_mma_serves(const kvf_kv_layout *layout)
+{
+    /* attn.cu's attn_dec_ok */
+    return (layout->head_dim == 64 || layout->head_dim == 128) &&
+           (layout->dtype == KVF_DTYPE_F16 || layout->dtype == KVF_DTYPE_BF16);
+}
+
 kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err)
 {
     if (!p)
@@ -175,6 +182,10 @@ kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err)
                            p->layer, l->n_layers - 1);
     if (p->n_tokens < 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "attn: n_tokens %d is negative", p->n_tokens);
+    if (p->decode_kernel < 0 || p->decode_kernel >= KVF_BACKEND_ATTN_DECODE_COUNT)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "attn: decode_kernel %d is not one of 0 (auto), 1 (simt), 2 (mma)",
+                           p->decode_kernel);
     if (p->n_tokens == 0)
         return KVF_OK;
     if (!p->q || !p->out || !p->pool || !p->tok_seq || !p->tok_pos || !p->block_tables)

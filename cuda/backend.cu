@@ -29,6 +29,7 @@ typedef struct cuda_ctx {
     float k_scale, v_scale; /* fp8 KV */
     int32_t matrix_dtype;
     bool no_graphs;
+    int32_t attn_decode; /* KVF_BACKEND_ATTN_DECODE_* */
 
     /* the first error since the last sync */
     kvf_err first;
@@ -124,6 +125,10 @@ static kvf_status cuda_create(const kvf_backend_opts *opts, void **ctx_out, kvf_
     if (md < KVF_BACKEND_MATRIX_AUTO || md > KVF_BACKEND_MATRIX_F32)
         return kvf_err_set(err, KVF_ERR_INVALID, "cuda backend: matrix dtype %d is not known (auto 0, bf16 1, f16 2, f32 3)",
                            md);
+    int32_t ad = opts ? opts->attn_decode : KVF_BACKEND_ATTN_DECODE_AUTO;
+    if (ad < 0 || ad >= KVF_BACKEND_ATTN_DECODE_COUNT)
+        return kvf_err_set(err, KVF_ERR_INVALID, "cuda backend: decode attention kernel %d is not known (auto 0, simt 1, mma 2)",
+                           ad);
     cuda_ctx *c = (cuda_ctx *)calloc(1, sizeof *c);
     if (!c)
         return kvf_err_set(err, KVF_ERR_NOMEM, "cuda backend: out of memory");
@@ -131,6 +136,7 @@ static kvf_status cuda_create(const kvf_backend_opts *opts, void **ctx_out, kvf_
     c->v_scale = vs > 0.0f ? vs : 1.0f;
     c->matrix_dtype = md;
     c->no_graphs = opts && opts->no_graphs;
+    c->attn_decode = ad;
     c->device = 0;
     kvf_status st;
     cublasStatus_t bs;
@@ -558,6 +564,7 @@ static void cuda_attention(void *ctx, const float *q, const void *pool, const kv
     p.tok_pos = a->tok_pos;
     p.block_tables = a->block_tables;
     p.max_blocks = a->max_blocks;
+    p.decode_kernel = c->attn_decode;
     p.max_ctx = a->max_ctx;
     p.window = a->window;
     p.scale = a->scale;

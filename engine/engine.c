@@ -243,7 +243,8 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
      * a GPU), made through its kv_mem ops */
     kvf_backend_opts bo = {.n_threads = cfg->threads, .half_weights = cfg->half_weights,
                            .kv_k_scale = cfg->kv_k_scale, .kv_v_scale = cfg->kv_v_scale,
-                           .matrix_dtype = cfg->matrix_dtype, .no_graphs = cfg->no_graphs};
+                           .matrix_dtype = cfg->matrix_dtype, .no_graphs = cfg->no_graphs,
+                           .attn_decode = cfg->attn_decode};
     if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
         goto fail;
     kvf_kv_pool_cfg pc = {.layout = e->layout, .n_blocks = (int32_t)n_blocks,

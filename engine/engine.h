@@ -63,6 +63,7 @@ typedef struct kvf_engine_cfg {
     bool half_weights; /* keep F16/BF16 matrices as stored (half the memory, slower decode) */
     int32_t matrix_dtype; /* GPU: KVF_BACKEND_MATRIX_* (model/backend.h); 0: auto */
     bool no_graphs;       /* GPU: no CUDA graphs for decode steps */
+    int32_t attn_decode;  /* GPU: decode attention kernel, KVF_BACKEND_ATTN_DECODE_*; 0: auto */
     const char *model_id; /* for the block hash root (DESIGN.md s.3); NULL: "" */
     /* KV events of the pool (STORED/REMOVED), for a worker that publishes them; may be NULL. */
     kvf_kv_event_fn on_event;

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "common/dtype.h"
 #include "common/status.h"
@@ -54,7 +55,35 @@ typedef struct kvf_backend_opts {
      * F32 files converted to bf16. CPU ignores it (see half_weights). */
     int32_t matrix_dtype; /* KVF_BACKEND_MATRIX_* */
     bool no_graphs;       /* GPU: never capture decode steps as CUDA graphs */
+    int32_t attn_decode;  /* GPU: the kernel decode tokens' attention runs on,
+                           * KVF_BACKEND_ATTN_DECODE_*; CPU ignores it */
 } kvf_backend_opts;
+
+/* Which kernel serves decode tokens on a GPU (every token of a decode-only step, the tokens
+ * alone in their sequence of a step with prefill chunks). */
+#define KVF_BACKEND_ATTN_DECODE_AUTO 0 /* the default: SIMT until the tensor-core kernel is
+                                        * measured faster on a GPU (docs/BENCHMARKS.md) */
+#define KVF_BACKEND_ATTN_DECODE_SIMT 1 /* per-element FMAs and shuffle trees: every shape */
+#define KVF_BACKEND_ATTN_DECODE_MMA 2  /* mma.sync on the tensor cores where it serves (f16/bf16
+                                        * KV, head_dim 64 or 128), else the SIMT kernel */
+#define KVF_BACKEND_ATTN_DECODE_COUNT 3
+
+/* "auto", "simt", "mma" for a KVF_BACKEND_ATTN_DECODE_* value ("?" for anything else), and
+ * back from the len bytes at s (-1 for anything else). */
+static inline const char *kvf_backend_attn_decode_name(int32_t k)
+{
+    static const char *const names[KVF_BACKEND_ATTN_DECODE_COUNT] = {"auto", "simt", "mma"};
+    return k >= 0 && k < KVF_BACKEND_ATTN_DECODE_COUNT ? names[k] : "?";
+}
+
+static inline int kvf_backend_attn_decode_parse(const char *s, size_t len)
+{
+    for (int k = 0; s && k < KVF_BACKEND_ATTN_DECODE_COUNT; k++)
+        if (strlen(kvf_backend_attn_decode_name(k)) == len &&
+            strncmp(s, kvf_backend_attn_decode_name(k), len) == 0)
+            return k;
+    return -1;
+}
 
 #define KVF_BACKEND_MATRIX_AUTO 0
 #define KVF_BACKEND_MATRIX_BF16 1

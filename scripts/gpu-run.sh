@@ -9,7 +9,8 @@
 #   tests  ctest -L gpu (6 tests: cuda_{attn,device,models,ops}, transport_gpu_xfer,
 #          e2e_gpu_disagg) -> $OUT/gpu-tests.log, $OUT/ctest-LastTest.log. 31-36 s on an H200
 #          (2026-11-28); bounded at 540 s. Exit status: ctest's.
-#   bench  kvfleet bench attn (full grid, bounded 240 s) then bench/attn_torch.py (full grid,
+#   bench  kvfleet bench attn (full grid, every case on the simt and the mma decode kernel,
+#          bounded 240 s) then bench/attn_torch.py (full grid,
 #          bounded 200 s), then prefill chunks of 512, tiled vs per token (kvfleet bench attn
 #          --chunk 512, batches 1 and 4, bounded 100 s), then a decode worker's mixed step (one
 #          32-token chunk beside 64 decode sequences, bounded 60 s; not in `all`)
@@ -18,7 +19,8 @@
 #          to the tile kernels. Under a minute.
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
-#          "GPU end to end"; bounded 360 s), single-stream generate (bounded 60 s)
+#          "GPU end to end"; bounded 360 s), single-stream generate with bf16 KV on the simt
+#          and on the mma decode kernel (bounded 60 s each)
 #          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. About 100 s on an H200.
 #   all    tests (bounded 300 s) then bench with --quick grids (90 s + 90 s + 60 s): under
 #          10 min.
@@ -33,6 +35,8 @@
 # a path in the way). Environment: OUT (default /tmp/gpu-out), KVF_GPU_DIR (where to unpack,
 # default /tmp/kvf-gpu), KVF_GPU_ARCHIVE, KVF_GPU_SERVE_REQUESTS (default 160),
 # KVF_GPU_SERVE_PRESET (gen-model preset, default 1b; tiny for a quick check of the phase),
+# KVF_GPU_ATTN_DECODE (the fleet's --attn-decode in serve: auto (default), simt or mma; the
+# single-stream generate runs both simt and mma),
 # KVF_GPU_RUN_NO_LINK=1 (use existing /work/main/build-gpu and /work/shared as they are: on the
 # development machine, where they are real folders holding the same build).
 set -uo pipefail
@@ -230,7 +234,7 @@ run_bench() {
         [ "${PIPESTATUS[0]}" = 0 ] || rc3=1
     fi
     local r
-    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)=" "$log" | tr '\n' ' ')
+    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)(_[a-z]+)?=|^best_decode_kernel=" "$log" | tr '\n' ' ')
     SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2, --chunk 512 exit $rc3; ${r:-no ratio lines} (kvfleet, torch, then prefill tiles); $(secs "$t"); $log")
     [ "$rc1" = 0 ] || return "$rc1"
     [ "$rc2" = 0 ] || return "$rc2"
@@ -246,7 +250,7 @@ run_tiles() {
     say "tiles: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 (bounded 60 s)" | tee -a "$log"
     timeout -k 10 60 kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-    r=$(grep -E "^speedup_tiled_vs_per_token_min=" "$log" | tr '\n' ' ')
+    r=$(grep -E "^speedup_tiled_vs_per_token_min(_[a-z]+)?=|^best_decode_kernel=" "$log" | tr '\n' ' ')
     SUMMARY+=("tiles: exit $rc; ${r:-no ratio lines} (chunks of 512, then the mixed step); $(secs "$t"); $log")
     return "$rc"
 }
@@ -256,6 +260,7 @@ run_serve() {
     local t=$SECONDS rc=0 r log=$OUT/bench-serve.log m=/tmp/kvf-m1b logs=/tmp/kvf-serve-logs
     local gen_s=${1:-100} serve_s=${2:-360} one_s=${3:-60}
     local n=${KVF_GPU_SERVE_REQUESTS:-${4:-160}} preset=${KVF_GPU_SERVE_PRESET:-1b}
+    local dec=${KVF_GPU_ATTN_DECODE:-auto}
     [ "$preset" = 1b ] || m=/tmp/kvf-m-$preset
     : >"$log"
     if [ -f "$m/.complete" ]; then
@@ -269,19 +274,22 @@ run_serve() {
     fi
     if [ "$rc" = 0 ]; then
         rm -rf "$logs" && mkdir -p "$logs"
-        say "serve: kvfleet bench serve --device cuda, $n requests at 8/s per configuration (bounded $serve_s s)" | tee -a "$log"
+        say "serve: kvfleet bench serve --device cuda --attn-decode=$dec, $n requests at 8/s per configuration (bounded $serve_s s)" | tee -a "$log"
         timeout -k 10 "$serve_s" kvfleet bench serve --device cuda --model "$m" \
-            --fleet-flags "--kv-memory=16G --kv-dtype=bf16 --max-batch-tokens=2048 --max-seqs=64" \
+            --fleet-flags "--kv-memory=16G --kv-dtype=bf16 --max-batch-tokens=2048 --max-seqs=64 --attn-decode=$dec" \
             --rate 8 --requests "$n" --out-min 128 --out-max 256 --log-dir "$logs" 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
         tar -C /tmp -czf "$OUT/serve-fleet-logs.tar.gz" "$(basename "$logs")" 2>/dev/null
         if [ "$rc" != 0 ]; then # the fleets' own words, for the output tail
             for f in "$logs"/*.log; do [ -f "$f" ] && { echo "--- last lines of $f"; tail -n 15 "$f"; }; done | tee -a "$log"
         fi
-        say "serve: single-stream kvfleet generate --device cuda, 512 tokens (bounded $one_s s)" | tee -a "$log"
-        timeout -k 10 "$one_s" kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
-            --max-tokens 512 --ignore-eos --json 2>&1 >/dev/null | tee -a "$log"
-        [ "${PIPESTATUS[0]}" = 0 ] || [ "$rc" != 0 ] || rc=1
+        local k
+        for k in simt mma; do
+            say "serve: single-stream kvfleet generate --device cuda --kv-dtype bf16 --attn-decode $k, 512 tokens (bounded $one_s s)" | tee -a "$log"
+            timeout -k 10 "$one_s" kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
+                --kv-dtype bf16 --attn-decode "$k" --max-tokens 512 --ignore-eos --json 2>&1 >/dev/null | tee -a "$log"
+            [ "${PIPESTATUS[0]}" = 0 ] || [ "$rc" != 0 ] || rc=1
+        done
     fi
     r=$(grep -E "^serve:|tokens/s" "$log" | tr '\n' ' ')
     SUMMARY+=("serve: exit $rc; ${r:-no serve: lines}; $(secs "$t"); $log")

@@ -782,6 +782,18 @@ kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf
 #endif
 }
 
+kvf_status kvf_worker_attn_decode_pick(const char *name, const char *who, int32_t *out,
+                                       kvf_err *err)
+{
+    const char *n = name ? name : "auto";
+    int k = kvf_backend_attn_decode_parse(n, strlen(n));
+    if (k < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --attn-decode=%s is not known (use auto, "
+                           "simt or mma)", who, n);
+    *out = k;
+    return KVF_OK;
+}
+
 kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kvf_worker **out,
                              kvf_err *err)
 {
@@ -796,6 +808,10 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     if (dt != KVF_DTYPE_F32 && dt != KVF_DTYPE_F16 && dt != KVF_DTYPE_BF16)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-dtype=%s is not supported (use f32, f16 "
                            "or bf16)", rn, cfg->kv_dtype ? cfg->kv_dtype : "");
+    int32_t attn_decode;
+    kvf_status ast = kvf_worker_attn_decode_pick(cfg->attn_decode, rn, &attn_decode, err);
+    if (ast != KVF_OK)
+        return ast;
     char host[256];
     int port;
     kvf_status st;
@@ -866,6 +882,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         ec.max_batch_tokens = cfg->max_batch_tokens;
         ec.max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens;
         ec.threads = cfg->threads;
+        ec.attn_decode = attn_decode;
         ec.model_id = w->model_id;
         ec.on_event = on_kv_event;
         ec.event_ctx = w;
@@ -876,7 +893,9 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         w->pool = kvf_engine_pool(w->engine);
     } else {
         w->be = be;
-        if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads}, &w->be_ctx, err)) != KVF_OK)
+        if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads,
+                                                     .attn_decode = attn_decode},
+                                &w->be_ctx, err)) != KVF_OK)
             goto fail;
         /* prefill batches concurrent RemotePrefill calls: up to --max-seqs prompts per step */
         kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens,

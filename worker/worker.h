@@ -58,6 +58,7 @@ typedef struct kvf_worker_cfg {
     const char *xfer_backend; /* NULL: transport; else the same values (it wins) */
     bool xfer_gpu_staging;    /* ucx with a device pool: through a pinned host mirror */
     const char *xfer_tls;     /* ucx: auto, tcp, sm */
+    const char *attn_decode;  /* cuda: auto, simt, mma (kvf_worker_attn_decode_pick) */
     const char *xfer_notice_host; /* cuda_ipc, nccl: IPv4 of the notice channel; NULL: the
                                    * --listen host when it is one, else 127.0.0.1 */
     const char *log_level;
@@ -100,6 +101,9 @@ typedef struct kvf_worker_cfg {
     {"transport", "auto", "KV transport: auto (ucx for a host pool, cuda_ipc for --device cuda), " \
      "ucx, cuda_ipc (GPU pools on one node) or local (one process only, tests)",                 \
      offsetof(kvf_worker_cfg, transport), KVF_CFG_STR},                                          \
+    {"attn-decode", "auto", "with --device cuda: the kernel decode tokens' attention runs on: " \
+     "auto (simt for now), simt, or mma (tensor cores; f16/bf16 KV at head_dim 64 or 128, "   \
+     "simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR},                    \
     {"xfer-backend", NULL, "the KV transport, as --transport (this name wins when both are set)", \
      offsetof(kvf_worker_cfg, xfer_backend), KVF_CFG_STR},                                       \
     {"xfer-gpu-staging", NULL, "with --device cuda and ucx: move KV through a pinned host mirror " \
@@ -187,6 +191,11 @@ void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out);
  * for the transport (NULL on cpu). Errors start with who ("generate", "bench engine"). */
 kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
                                   const kvf_xfer_gpu **gpu_out, kvf_err *err);
+
+/* The KVF_BACKEND_ATTN_DECODE_* value an --attn-decode name selects (NULL: auto). Errors start
+ * with who. */
+kvf_status kvf_worker_attn_decode_pick(const char *name, const char *who, int32_t *out,
+                                       kvf_err *err);
 
 /* Reads a HOST:PORT; errors name the flag. */
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,

@@ -23,6 +23,8 @@ expect 2 "port \"99999\" is not 0..65535" -- "$BIN" decode --model "$M" --admin-
 expect 2 "--transport=nccl moves GPU pools: it needs --device cuda" -- "$BIN" decode --model "$M" --transport nccl
 expect 2 "holds 3 blocks" -- "$BIN" decode --model "$M" --kv-blocks 3
 expect 2 "--local-prefill-max-tokens (-1) must be >= 0" -- "$BIN" decode --model "$M" --local-prefill-max-tokens=-1
+expect 0 "--attn-decode" -- "$BIN" decode --help
+expect 2 "--attn-decode=fast is not known (use auto, simt or mma)" -- "$BIN" decode --model "$M" --attn-decode fast
 expect 2 "--log-level=loud is not one of" -- "$BIN" prefill --model "$M" --log-level loud
 expect 1 "no-such-model" -- "$BIN" decode --model /nonexistent/no-such-model
 # the environment sets flags too

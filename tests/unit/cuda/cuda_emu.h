@@ -130,6 +130,26 @@ inline float shfl_xor(float v, int o)
     return r;
 }
 
+/* __shfl_sync(mask, v, src) over the whole warp: lane src's v, every lane calling it in the
+ * same order */
+inline float shfl_idx(float v, int src)
+{
+    if (in_fiber) {
+        unsigned t = lin_tid(), w = t / 32, l = t % 32;
+        xchg[w][l] = v;
+        fiber_wait((int)w);
+        float r = xchg[w][(unsigned)src % 32];
+        fiber_wait((int)w);
+        return r;
+    }
+    unsigned w = tid.x / 32, l = tid.x % 32;
+    xchg[w][l] = v;
+    pthread_barrier_wait(&warp_bar[w]);
+    float r = xchg[w][(unsigned)src % 32];
+    pthread_barrier_wait(&warp_bar[w]);
+    return r;
+}
+
 /* A 16-bit float's value: bf16 (the top half of an f32) or IEEE half. */
 inline float half_bits_value(uint32_t h, bool bf16)
 {
@@ -142,16 +162,22 @@ inline float half_bits_value(uint32_t h, bool bf16)
     }
     const uint32_t sign = h >> 15, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     float v;
-    if (e == 0)
-        v = ldexpf((float)m, -24); /* subnormal (or zero) */
-    else if (e == 31)
+    if (e == 0) {
+        v = (float)m * 0x1p-24f; /* subnormal (or zero): exact */
+    } else if (e == 31) {
         v = m ? NAN : INFINITY;
-    else
-        v = ldexpf((float)(m | 0x400u), (int)e - 25);
+    } else { /* normal: the same value as an f32's bits */
+        const uint32_t u = ((e + 112u) << 23) | (m << 13);
+        memcpy(&v, &u, sizeof v);
+    }
     return sign ? -v : v;
 }
 
-inline uint32_t mma_a[32][32][4], mma_b[32][32][2];
+/* double-buffered by call parity (each lane counts its calls; the lanes of a warp make the
+ * same calls): a lane's next call writes the other buffer, and cannot start the one after
+ * before every lane has arrived at the next one, so one barrier per call is enough */
+inline float mma_a[2][32][32][8], mma_b[2][32][32][4]; /* each lane's halves, decoded */
+inline unsigned mma_calls[32][32];
 
 /* mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d += A (16x16) * B (16x8), every lane of
  * the warp calling it in the same order, each holding its fragments in the PTX ISA's layout
@@ -161,33 +187,38 @@ inline uint32_t mma_a[32][32][4], mma_b[32][32][2];
  * the sum runs over k in order. */
 inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2], bool bf16)
 {
-    unsigned t = lin_tid(), w = t / 32, l = t % 32;
-    memcpy(mma_a[w][l], a, sizeof mma_a[w][l]);
-    memcpy(mma_b[w][l], b, sizeof mma_b[w][l]);
+    unsigned t = lin_tid(), w = t / 32, l = t % 32, pb = mma_calls[w][l]++ & 1u;
+    for (unsigned i = 0; i < 8; i++) /* element 2r + h: the low (h 0) or high half of a[r] */
+        mma_a[pb][w][l][i] = half_bits_value(a[i / 2] >> (16 * (i % 2)), bf16);
+    for (unsigned i = 0; i < 4; i++)
+        mma_b[pb][w][l][i] = half_bits_value(b[i / 2] >> (16 * (i % 2)), bf16);
     if (in_fiber)
         fiber_wait((int)w);
     else
         pthread_barrier_wait(&warp_bar[w]);
     auto A = [&](unsigned row, unsigned k) {
-        uint32_t r = mma_a[w][(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
-        return half_bits_value(k % 2 ? r >> 16 : r, bf16);
+        return mma_a[pb][w][(row % 8) * 4 + (k % 8) / 2]
+                    [2 * ((row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)) + k % 2];
     };
     auto B = [&](unsigned k, unsigned n) {
-        uint32_t r = mma_b[w][n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0];
-        return half_bits_value(k % 2 ? r >> 16 : r, bf16);
+        return mma_b[pb][w][n * 4 + (k % 8) / 2][2 * (k >= 8 ? 1 : 0) + k % 2];
     };
     const unsigned g = l / 4, tq = l % 4;
+    /* this lane's two rows of A and two columns of B */
+    float ar[2][16], bc[2][16];
+    for (unsigned h = 0; h < 2; h++)
+        for (unsigned k = 0; k < 16; k++) {
+            ar[h][k] = A(g + 8 * h, k);
+            bc[h][k] = B(k, 2 * tq + h);
+        }
+    /* a product of two 16-bit floats is exact in f32, so a plain multiply and add is the
+     * fused one (and much cheaper than a libm fmaf call) */
     for (unsigned i = 0; i < 4; i++) {
-        const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * tq + (i % 2);
         float acc = d[i];
         for (unsigned k = 0; k < 16; k++)
-            acc = fmaf(A(row, k), B(k, col), acc);
+            acc += ar[i / 2][k] * bc[i % 2][k];
         d[i] = acc;
     }
-    if (in_fiber)
-        fiber_wait((int)w);
-    else
-        pthread_barrier_wait(&warp_bar[w]);
 }
 
 inline float u2f(unsigned u)
@@ -397,6 +428,7 @@ inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
 #define gridDim emu::gdim
 #define __syncthreads() emu::syncthreads()
 #define __shfl_xor_sync(mask, v, o) emu::shfl_xor((v), (o))
+#define __shfl_sync(mask, v, s) emu::shfl_idx((v), (s))
 #define __ldg(p) (*(p))
 #define __uint_as_float(u) emu::u2f(u)
 #define __float_as_uint(f) emu::f2u(f)

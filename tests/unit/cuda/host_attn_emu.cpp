@@ -74,7 +74,7 @@ static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
  * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past
  * max_ctx (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a
  * read past a row or past a sequence shows. */
-static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
+static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles, int32_t dec)
 {
     attn_case c;
     assert_int_equal(attn_case_build(s, &c), 0);
@@ -101,6 +101,7 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     if (bad_pos >= 0)
         c.tok_pos[bad_pos] = c.max_ctx + 5;
     p.out = got;
+    p.decode_kernel = dec;
     if (emu_attention(&p, &err) != KVF_OK)
         fail_msg("emulated launch: %s", err.msg);
     int32_t parts = kvf_cuda_attention_split(c.n_tokens, n_seqs, c.n_heads, c.max_ctx, nullptr);
@@ -116,16 +117,20 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
         double r = attn_close(got + t * row, cpu + t * row, row, emu_atol[s->dtype],
                               emu_rtol[s->dtype], &wi);
         if (!(r <= 1.0))
-            fail_msg("kernel vs CPU (%s): %s hd %d bs %d kv %d group %d window %d max_ctx %d "
-                     "(%d parts): token %d (pos %d) element %zu is %g, CPU backend %g (%.2fx)",
-                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim,
+            fail_msg("kernel vs CPU (%s, %s decode): %s hd %d bs %d kv %d group %d window %d "
+                     "max_ctx %d (%d parts): token %d (pos %d) element %zu is %g, CPU backend %g "
+                     "(%.2fx)",
+                     tiles ? "tiles" : "no tiles", kvf_backend_attn_decode_name(dec),
+                     kvf_dtype_name(s->dtype), s->head_dim,
                      s->block_size, s->n_kv_heads, s->group, s->window, c.max_ctx, parts, t,
                      c.tok_pos[t], wi,
                      (double)got[t * row + wi], (double)cpu[t * row + wi], r);
         r = attn_close(got + t * row, ref + t * row, row, 2e-5, 1e-4, &wi);
         if (!(r <= 1.0))
-            fail_msg("kernel vs reference (%s): token %d element %zu is %g, reference %g (%.2fx)",
-                     tiles ? "tiles" : "no tiles", t, wi, (double)got[t * row + wi],
+            fail_msg("kernel vs reference (%s, %s decode): token %d element %zu is %g, reference "
+                     "%g (%.2fx)",
+                     tiles ? "tiles" : "no tiles", kvf_backend_attn_decode_name(dec), t, wi,
+                     (double)got[t * row + wi],
                      (double)ref[t * row + wi], r);
     }
     free(ws);
@@ -135,11 +140,18 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles)
     attn_case_free(&c);
 }
 
-/* Both ways: with n_seqs given (a tile kernel for chunks, if any) and on the partition kernel. */
+/* Both ways: with n_seqs given (a tile kernel for chunks, if any) and on the partition kernel;
+ * decode tokens on the SIMT kernel, and again on the tensor cores where that kernel serves. */
 static void emu_case(const attn_case_spec *s, int32_t bad_pos)
 {
-    emu_case_as(s, bad_pos, true);
-    emu_case_as(s, bad_pos, false);
+    kvf_kv_layout l = {};
+    l.head_dim = s->head_dim, l.dtype = s->dtype;
+    for (int32_t dec : {(int32_t)KVF_BACKEND_ATTN_DECODE_SIMT, (int32_t)KVF_BACKEND_ATTN_DECODE_MMA}) {
+        if (dec == KVF_BACKEND_ATTN_DECODE_MMA && !kvf_cuda_attn_decode_mma_serves(&l))
+            continue;
+        emu_case_as(s, bad_pos, true, dec);
+        emu_case_as(s, bad_pos, false, dec);
+    }
 }
 
 static attn_case_spec emu_spec(int32_t hd, int32_t bs, int32_t kv, int32_t group, kvf_dtype dt,
@@ -251,6 +263,27 @@ static void test_tiled_prefill(void **state)
         }
 }
 
+/* The tensor-core decode kernel's own edges: GQA 1, 2, 3, 4, 8 and 16 (heads 8..15 of its
+ * tiles zero, a group of 16 in two chunks), block sizes 1 to 32, contexts shorter than one
+ * group of 16 positions (warps without a group), lengths off every multiple, windows shorter
+ * than a group, split and unsplit, beside prefill chunks. emu_case runs each on both decode
+ * kernels. */
+static void test_mma_decode(void **state)
+{
+    (void)state;
+    const attn_case_spec cases[] = {
+        emu_spec(128, 16, 2, 4, KVF_DTYPE_BF16, 0, 3, 700, true, 31),
+        emu_spec(64, 8, 2, 1, KVF_DTYPE_F16, 0, 3, 300, true, 32),
+        emu_spec(128, 1, 1, 8, KVF_DTYPE_F16, 45, 2, 500, true, 33),
+        emu_spec(64, 32, 2, 2, KVF_DTYPE_BF16, 0, 4, 40, true, 34),
+        emu_spec(128, 16, 1, 16, KVF_DTYPE_BF16, 0, 2, 270, true, 35),
+        emu_spec(64, 16, 1, 3, KVF_DTYPE_BF16, 7, 3, 100, false, 36),
+        emu_spec(128, 8, 2, 4, KVF_DTYPE_F16, 0, 3, 333, false, 37),
+    };
+    for (const attn_case_spec &s : cases)
+        emu_case(&s, -1);
+}
+
 /* A token past max_ctx gets zeros on both paths; the others are unaffected. */
 static void test_bad_position(void **state)
 {
@@ -281,6 +314,7 @@ int main(void)
         cmocka_unit_test(test_split_kernels),
         cmocka_unit_test(test_padded_head_dims),
         cmocka_unit_test(test_tiled_prefill),
+        cmocka_unit_test(test_mma_decode),
         cmocka_unit_test(test_bad_position),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -68,7 +68,13 @@ static void run_case(const attn_case_spec *s)
     void *d_seq = dev_copy(c.tok_seq, nt), *d_pos = dev_copy(c.tok_pos, nt);
     void *d_bt = dev_copy(c.block_tables, (size_t)c.n_seqs * c.max_blocks * sizeof(int32_t));
     void *d_ws = ws_bytes ? dev_copy(NULL, ws_bytes) : NULL;
-    for (int tiles = 1; tiles >= 0; tiles--) {
+    for (int way = 0; way < 4; way++) {
+        /* prefill chunks on a tile kernel or every token on the partition kernel; decode
+         * tokens on the SIMT kernel, then on the tensor cores where that kernel serves */
+        const int tiles = way % 2 == 0;
+        const int32_t dec = way < 2 ? KVF_BACKEND_ATTN_DECODE_SIMT : KVF_BACKEND_ATTN_DECODE_MMA;
+        if (dec == KVF_BACKEND_ATTN_DECODE_MMA && !kvf_cuda_attn_decode_mma_serves(&c.layout))
+            continue;
         /* poison the output: every element must be written */
         for (size_t i = 0; i < n; i++)
             gpu[i] = NAN;
@@ -78,6 +84,7 @@ static void run_case(const attn_case_spec *s)
                                                    d_ws, ws_bytes);
         if (!tiles)
             dp.n_seqs = 0;
+        dp.decode_kernel = dec;
         if (kvf_cuda_attention(&dp, NULL, &err) != KVF_OK)
             fail_msg("launch: %s", err.msg);
         if (kvf_cuda_bench_sync(&err) != KVF_OK)
@@ -88,9 +95,11 @@ static void run_case(const attn_case_spec *s)
         size_t wi;
         double r = attn_close(gpu, cpu, n, attn_atol[s->dtype], attn_rtol[s->dtype], &wi);
         if (!(r <= 1.0))
-            fail_msg("GPU vs CPU (%s): %s hd %d bs %d kv %d group %d window %d max_ctx %d (%d "
-                     "parts): element %zu (token %zu) is %g, CPU backend %g (%.2fx the tolerance)",
-                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim,
+            fail_msg("GPU vs CPU (%s, %s decode): %s hd %d bs %d kv %d group %d window %d "
+                     "max_ctx %d (%d parts): element %zu (token %zu) is %g, CPU backend %g (%.2fx "
+                     "the tolerance)",
+                     tiles ? "tiles" : "no tiles", kvf_backend_attn_decode_name(dec),
+                     kvf_dtype_name(s->dtype), s->head_dim,
                      s->block_size, s->n_kv_heads, s->group, s->window, c.max_ctx,
                      kvf_cuda_attention_split(c.n_tokens, dp.n_seqs, c.n_heads, c.max_ctx,
                                               NULL),
@@ -98,9 +107,10 @@ static void run_case(const attn_case_spec *s)
                      wi / ((size_t)c.n_heads * s->head_dim), (double)gpu[wi], (double)cpu[wi], r);
         r = attn_close(gpu, ref, n, REF_ATOL, REF_RTOL, &wi);
         if (!(r <= 1.0))
-            fail_msg("GPU vs reference (%s): %s hd %d group %d: element %zu is %g, reference %g "
-                     "(%.2fx)",
-                     tiles ? "tiles" : "no tiles", kvf_dtype_name(s->dtype), s->head_dim, s->group,
+            fail_msg("GPU vs reference (%s, %s decode): %s hd %d group %d: element %zu is %g, "
+                     "reference %g (%.2fx)",
+                     tiles ? "tiles" : "no tiles", kvf_backend_attn_decode_name(dec),
+                     kvf_dtype_name(s->dtype), s->head_dim, s->group,
                      wi, (double)gpu[wi], (double)ref[wi], r);
     }
 
