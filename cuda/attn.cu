@@ -50,7 +50,7 @@ extern "C" {
  *     split), so the reduce and the workspace layout are shared. Each K/V row is read once per
  *     tile instead of once per token. With f16/bf16 KV at head_dim 64 or 128 the mma tile kernel
  *     does the same on the tensor cores, 64 rows per CTA (attn_mma_kernel, below).
- * With decode_kernel MMA (f16/bf16 KV at head_dim 64 or 128), attn_dec_kernel takes the
+ * With decode_kernel MMA (f16, bf16 or fp8 KV at head_dim 64 or 128), attn_dec_kernel takes the
  * partition kernel's place in step 1: same grid, split and outputs, on the tensor cores. */
 
 namespace {
@@ -1015,31 +1015,35 @@ __global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
 }
 
 /* Decode on the tensor cores (attn_dec_kernel): the partition kernel's CTA, grid, split and
- * outputs, for f16/bf16 KV at head_dim 64 or 128, with the work of a K or V row done by
- * mma.sync instead of per-element FMAs and shuffle trees (the SIMT kernel spends about 37 warp
- * instructions on a 256-byte K row, this one about 3, so the loads, not instruction issue,
- * should bound it). Each warp takes groups of 16 positions of the partition (group i goes to
- * warp i % 4) and keeps its own online softmax; the 4 warps merge through shared memory at the
- * end. Per group, with g = lane / 4 and q = lane % 4:
+ * outputs, for f16, bf16 or fp8-e4m3 KV at head_dim 64 or 128, with the work of a K or V row
+ * done by mma.sync instead of per-element FMAs and shuffle trees (the SIMT kernel spends about
+ * 37 warp instructions on a 256-byte K row, this one about 3, so the loads, not instruction
+ * issue, should bound it). Each warp takes groups of 16 positions of the partition (group i
+ * goes to warp i % 4) and keeps its own online softmax; the 4 warps merge through shared memory
+ * at the end. Per group, with g = lane / 4 and q = lane % 4:
  *  - scores S = Q . K^T as two m16n8k16 tiles (rows: the chunk's <= 8 heads, rows 8..15 zero;
  *    columns: 8 positions each). Lane (g, q) loads the K row of position 4(g/2) + 2j + g%2 of
- *    tile j, 16-byte chunks 4i + q (i < HD/32): a warp's load covers 64 contiguous bytes of each
- *    of 8 rows. The k index of the mma is a permutation of the head dims, the same for Q and K,
- *    chosen so that each loaded word is a B fragment as it stands: k-step ks reads chunk ks/2,
- *    words 2(ks%2) and 2(ks%2)+1. Queries are split hi + lo as in attn_mma_kernel. So lane
- *    (g, q) ends with head g's scores at positions 4q .. 4q + 3 of the group.
+ *    tile j, 16-byte chunks 4i + q: a warp's load covers 64 contiguous bytes of each of 8 rows.
+ *    The k index of the mma is a permutation of the head dims, the same for Q and K, chosen so
+ *    that each loaded word (two 16-bit values; an fp8 pair becomes one, exactly) is a B
+ *    fragment as it stands: k-step ks reads the lane's words 2ks and 2ks + 1 (attn_dec_io).
+ *    Queries are split hi + lo as in attn_mma_kernel. So lane (g, q) ends with head g's scores
+ *    at positions 4q .. 4q + 3 of the group.
  *  - O^T += V^T . P^T as m16n8k16 tiles with rows = head dims (HD/16 tiles), columns = the 8
  *    heads, k = the group's 16 positions. The B fragment (P^T: positions 2q, 2q+1 and 2q+8,
  *    2q+9 of head g) is exactly the scores lane (g, q) holds, with the position order chosen
- *    above; the A fragment wants pairs of positions for one dim, so lane (g, q) loads the V rows
- *    of positions 4q .. 4q + 3, 16-byte chunks g and g + 8 (a warp's load: 128 contiguous bytes
- *    of each of 4 rows), and pairs their halves up (word w of the lane's dims gives tile w's
- *    rows g and g + 8: its low and high halves). Lane (g, q) ends with heads 2q and 2q + 1 over
- *    its own 16 (HD 128) or 8 (HD 64) dims, so the running max correction reaches it by a
- *    shuffle from the lanes of heads 2q and 2q + 1. */
+ *    above; the A fragment wants pairs of positions for one dim, so lane (g, q) loads its HD/8
+ *    dims of the V rows of positions 4q .. 4q + 3 (a warp's load: 128 contiguous bytes of each
+ *    of 4 rows, or all of an fp8 row) and pairs their halves up (word mb of the lane's dims gives
+ *    tile mb's rows g and g + 8: its low and high halves). Lane (g, q) ends with heads 2q and
+ *    2q + 1 over those dims, so the running max correction reaches it by a shuffle from the
+ *    lanes of heads 2q and 2q + 1.
+ * fp8 KV runs the f16 instruction: e4m3 converts to f16 exactly (k_scale is in the queries and
+ * v_scale in the output, as everywhere). */
 template <int HD, kvf_dtype DT> constexpr bool attn_dec_ok()
 {
-    return attn_mma_ok<HD, DT>();
+    return (HD == 64 || HD == 128) &&
+           (DT == KVF_DTYPE_F16 || DT == KVF_DTYPE_BF16 || DT == KVF_DTYPE_FP8_E4M3);
 }
 
 /* word w (0..3) of a 16-byte load */
@@ -1059,18 +1063,82 @@ __device__ __forceinline__ uint32_t attn_hi_pair(uint32_t x, uint32_t y)
     return (x >> 16) | (y & 0xffff0000u);
 }
 
+/* What one lane of attn_dec_kernel loads of a K or V row and how it turns into mma words (two
+ * 16-bit values of type MT, the first in the low half):
+ *  K: KR 16-byte chunks 4i + q (i < KR); word j (j < HD/8) holds dims kdim(q, j), + 1.
+ *  V: VR chunks (or, fp8 at head_dim 64, the 8 bytes at 8g); word mb (mb < HD/16) holds dims
+ *     vdim(g, mb), + 1. */
+template <int HD, kvf_dtype DT> struct attn_dec_io {
+    static constexpr bool FP8 = DT == KVF_DTYPE_FP8_E4M3;
+    static constexpr kvf_dtype MT = FP8 ? KVF_DTYPE_F16 : DT; /* the mma's input type */
+    static constexpr int ES = FP8 ? 1 : 2;                     /* bytes per element */
+    static constexpr int ROW = HD * ES;
+    static constexpr int WPC = 16 / (2 * ES);       /* words per 16-byte chunk: 4 or 8 */
+    static constexpr int KW = HD / 8, VW = HD / 16; /* words per lane per K, V row */
+    static constexpr int KR = KW / WPC;
+    static constexpr int VR = (VW + WPC - 1) / WPC;
+    static_assert(KR >= 1 && KW % WPC == 0, "head_dim 64 or 128");
+
+    /* two e4m3 bytes (the low one first) as two f16 */
+    static __device__ __forceinline__ uint32_t fp8_pair(uint32_t w)
+    {
+        const __half2_raw h =
+            __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+        return (uint32_t)h.x | ((uint32_t)h.y << 16);
+    }
+    /* word j of what raw[] holds (WPC words a chunk) */
+    static __device__ __forceinline__ uint32_t word(const uint4 *raw, int j)
+    {
+        if constexpr (FP8)
+            return fp8_pair(attn_u4_word(raw[j / 8], (j % 8) / 2) >> (16 * (j % 2)));
+        else
+            return attn_u4_word(raw[j / 4], j % 4);
+    }
+    static __device__ __forceinline__ int kdim(int q, int j)
+    {
+        return (4 * (j / WPC) + q) * 2 * WPC + 2 * (j % WPC);
+    }
+    static __device__ __forceinline__ int vdim(int g, int mb)
+    {
+        if constexpr (FP8)
+            return (HD / 8) * g + 2 * mb;
+        else
+            return 8 * (g + 8 * (mb / 4)) + 2 * (mb % 4);
+    }
+    /* K row at row (NULL: zeros), this lane's chunks */
+    static __device__ __forceinline__ void load_k(const uint8_t *row, int q, uint4 (&raw)[KR])
+    {
+#pragma unroll
+        for (int i = 0; i < KR; i++)
+            raw[i] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (4 * i + q) * 16))
+                         : make_uint4(0u, 0u, 0u, 0u);
+    }
+    static __device__ __forceinline__ void load_v(const uint8_t *row, int g, uint4 (&raw)[VR])
+    {
+        if constexpr (FP8 && HD == 64) {
+            const uint2 h = row ? __ldg(reinterpret_cast<const uint2 *>(row + 8 * g))
+                                : make_uint2(0u, 0u);
+            raw[0] = make_uint4(h.x, h.y, 0u, 0u);
+        } else {
+#pragma unroll
+            for (int i = 0; i < VR; i++) /* 16-bit: chunks g, g + 8; fp8: chunk g */
+                raw[i] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (g + 8 * i) * 16))
+                             : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+};
+
 template <int HD, kvf_dtype DT>
 __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
 {
-    static_assert(attn_dec_ok<HD, DT>(), "the mma decode kernel serves f16/bf16 at head_dim 64, 128");
-    constexpr int ROW = HD * 2;  /* bytes per K/V row */
-    constexpr int KC = HD / 32;  /* K chunks per lane per row */
-    constexpr int VC = HD / 64;  /* V chunks per lane per row */
-    constexpr int MB = HD / 16;  /* output tiles (head dims) */
-    constexpr int GRP = 16;      /* positions per group */
-    static_assert(MB == 2 * KC && MB == 4 * VC, "a K chunk is two k-steps, a V chunk 4 tiles");
+    static_assert(attn_dec_ok<HD, DT>(),
+                  "the mma decode kernel serves f16, bf16 and fp8 KV at head_dim 64, 128");
+    typedef attn_dec_io<HD, DT> io;
+    constexpr kvf_dtype MT = io::MT;
+    constexpr int ROW = io::ROW, KW = io::KW, MB = io::VW; /* MB: output tiles (head dims) */
+    constexpr int GRP = 16;                                /* positions per group */
     __shared__ int32_t blk_s[ATTN_PART_MAX + 1];
-    __shared__ __align__(16) uint4 q_s[2][KC][32]; /* hi, lo; chunk i; lane (g, q): its words */
+    __shared__ __align__(16) uint4 q_s[2][KW / 4][32]; /* hi, lo; lane: its words 4i .. 4i + 3 */
     __shared__ __align__(16) float o_s[ATTN_NW][ATTN_GMAX][HD]; /* each warp's output */
     __shared__ float m_s[ATTN_NW][ATTN_GMAX], l_s[ATTN_NW][ATTN_GMAX];
 
@@ -1080,19 +1148,19 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
     const int n = c.n, ng = c.ng, bs = 1 << a.log2_bs;
 
-    /* the scaled query of head g, chunks 4i + q, as lane (g, q)'s A fragment words, hi and lo
+    /* the scaled query of head g at lane (g, q)'s K dims, as its A fragment words, hi and lo
      * (every warp's lane (g, q) reads the same: shared memory, not 32 registers a lane) */
-    for (int x = tid; x < KC * 32; x += ATTN_NT) {
+    for (int x = tid; x < KW / 4 * 32; x += ATTN_NT) {
         const int i = x / 32, xg = (x % 32) / 4, xq = x % 4;
         uint32_t h[4], l[4];
 #pragma unroll
         for (int w = 0; w < 4; w++) {
             float x0 = 0.0f, x1 = 0.0f;
             if (xg < ng) {
-                const float *qp = a.q + (c.th0 + xg) * HD + (4 * i + xq) * 8 + 2 * w;
+                const float *qp = a.q + (c.th0 + xg) * HD + io::kdim(xq, 4 * i + w);
                 x0 = qp[0] * a.q_mul, x1 = qp[1] * a.q_mul;
             }
-            attn_h16_split2<DT>(x0, x1, h[w], l[w]);
+            attn_h16_split2<MT>(x0, x1, h[w], l[w]);
         }
         q_s[0][i][x % 32] = make_uint4(h[0], h[1], h[2], h[3]);
         q_s[1][i][x % 32] = make_uint4(l[0], l[1], l[2], l[3]);
@@ -1107,49 +1175,41 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
     for (int gi = warp; gi < n_grp; gi += ATTN_NW) {
         const int base = gi * GRP;
         /* K rows 4(g/2) + 2j + g%2 and V rows 4q .. 4q + 3 of the group; zeros past n */
-        uint4 kr[2][KC], vr[4][VC];
+        uint4 kr[2][io::KR], vr[4][io::VR];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int i = base + 4 * (g >> 1) + 2 * j + (g & 1), p = c.p0 + i;
-            const uint8_t *row = i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] *
-                                                      a.block_bytes +
-                                             k_off + (int64_t)(p & (bs - 1)) * ROW
-                                       : nullptr;
-#pragma unroll
-            for (int k = 0; k < KC; k++)
-                kr[j][k] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (4 * k + q) * 16))
-                               : make_uint4(0u, 0u, 0u, 0u);
+            io::load_k(i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes +
+                                   k_off + (int64_t)(p & (bs - 1)) * ROW
+                             : nullptr,
+                       q, kr[j]);
         }
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const int i = base + 4 * q + r, p = c.p0 + i;
-            const uint8_t *row = i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] *
-                                                      a.block_bytes +
-                                             v_off + (int64_t)(p & (bs - 1)) * ROW
-                                       : nullptr;
-#pragma unroll
-            for (int k = 0; k < VC; k++)
-                vr[r][k] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (g + 8 * k) * 16))
-                               : make_uint4(0u, 0u, 0u, 0u);
+            io::load_v(i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes +
+                                   v_off + (int64_t)(p & (bs - 1)) * ROW
+                             : nullptr,
+                       g, vr[r]);
         }
 
         /* 1. scores of head g at positions 4q + 2j + e (s[j][e]; s[j][2..3] are rows 8..15) */
         float s[2][4];
         attn_frag_zero(s);
 #pragma unroll
-        for (int i = 0; i < KC; i++) {
+        for (int i = 0; i < KW / 4; i++) {
             const uint4 qh = q_s[0][i][lane], ql = q_s[1][i][lane];
 #pragma unroll
-            for (int h = 0; h < 2; h++) { /* k-step 2i + h: words 2h, 2h + 1 */
+            for (int h = 0; h < 2; h++) { /* k-step 2i + h: words 4i + 2h, 4i + 2h + 1 */
                 const int w = 2 * h;
                 const uint32_t ah[4] = {attn_u4_word(qh, w), 0u, attn_u4_word(qh, w + 1), 0u};
                 const uint32_t al[4] = {attn_u4_word(ql, w), 0u, attn_u4_word(ql, w + 1), 0u};
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    const uint32_t b0 = attn_u4_word(kr[j][i], w);
-                    const uint32_t b1 = attn_u4_word(kr[j][i], w + 1);
-                    attn_mma<DT>(s[j], ah, b0, b1);
-                    attn_mma<DT>(s[j], al, b0, b1);
+                    const uint32_t b0 = io::word(kr[j], 4 * i + w);
+                    const uint32_t b1 = io::word(kr[j], 4 * i + w + 1);
+                    attn_mma<MT>(s[j], ah, b0, b1);
+                    attn_mma<MT>(s[j], al, b0, b1);
                 }
             }
         }
@@ -1188,17 +1248,16 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
 
         /* 3. O^T += V^T . P^T: tile mb's rows g, g + 8 are the halves of this lane's word mb */
         uint32_t ph[2], pl[2];
-        attn_h16_split2<DT>(s[0][0], s[0][1], ph[0], pl[0]);
-        attn_h16_split2<DT>(s[1][0], s[1][1], ph[1], pl[1]);
+        attn_h16_split2<MT>(s[0][0], s[0][1], ph[0], pl[0]);
+        attn_h16_split2<MT>(s[1][0], s[1][1], ph[1], pl[1]);
 #pragma unroll
         for (int mb = 0; mb < MB; mb++) {
-            const int k = mb / 4, w = mb % 4;
-            const uint32_t x0 = attn_u4_word(vr[0][k], w), x1 = attn_u4_word(vr[1][k], w);
-            const uint32_t x2 = attn_u4_word(vr[2][k], w), x3 = attn_u4_word(vr[3][k], w);
+            const uint32_t x0 = io::word(vr[0], mb), x1 = io::word(vr[1], mb);
+            const uint32_t x2 = io::word(vr[2], mb), x3 = io::word(vr[3], mb);
             const uint32_t av[4] = {attn_lo_pair(x0, x1), attn_hi_pair(x0, x1),
                                     attn_lo_pair(x2, x3), attn_hi_pair(x2, x3)};
-            attn_mma<DT>(o[mb], av, ph[0], ph[1]);
-            attn_mma<DT>(o[mb], av, pl[0], pl[1]);
+            attn_mma<MT>(o[mb], av, ph[0], ph[1]);
+            attn_mma<MT>(o[mb], av, pl[0], pl[1]);
         }
     }
 
@@ -1210,7 +1269,7 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
         m_s[warp][g] = m_run, l_s[warp][g] = l_run;
 #pragma unroll
     for (int mb = 0; mb < MB; mb++) {
-        const int d = (g + 8 * (mb / 4)) * 8 + 2 * (mb % 4);
+        const int d = io::vdim(g, mb);
         o_s[warp][2 * q][d] = o[mb][0], o_s[warp][2 * q][d + 1] = o[mb][2];
         o_s[warp][2 * q + 1][d] = o[mb][1], o_s[warp][2 * q + 1][d + 1] = o[mb][3];
     }

@@ -166,7 +166,8 @@ int kvf_cuda_attn_decode_mma_serves(const kvf_kv_layout *layout)
 {
     /* attn.cu's attn_dec_ok */
     return (layout->head_dim == 64 || layout->head_dim == 128) &&
-           (layout->dtype == KVF_DTYPE_F16 || layout->dtype == KVF_DTYPE_BF16);
+           (layout->dtype == KVF_DTYPE_F16 || layout->dtype == KVF_DTYPE_BF16 ||
+            layout->dtype == KVF_DTYPE_FP8_E4M3);
 }
 
 kvf_status kvf_cuda_attn_check(const kvf_cuda_attn_params *p, kvf_err *err)

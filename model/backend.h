@@ -64,8 +64,9 @@ typedef struct kvf_backend_opts {
 #define KVF_BACKEND_ATTN_DECODE_AUTO 0 /* the default: SIMT until the tensor-core kernel is
                                         * measured faster on a GPU (docs/BENCHMARKS.md) */
 #define KVF_BACKEND_ATTN_DECODE_SIMT 1 /* per-element FMAs and shuffle trees: every shape */
-#define KVF_BACKEND_ATTN_DECODE_MMA 2  /* mma.sync on the tensor cores where it serves (f16/bf16
-                                        * KV, head_dim 64 or 128), else the SIMT kernel */
+#define KVF_BACKEND_ATTN_DECODE_MMA 2  /* mma.sync on the tensor cores where it serves (f16,
+                                        * bf16 or fp8-e4m3 KV at head_dim 64 or 128), else the
+                                        * SIMT kernel */
 #define KVF_BACKEND_ATTN_DECODE_COUNT 3
 
 /* "auto", "simt", "mma" for a KVF_BACKEND_ATTN_DECODE_* value ("?" for anything else), and

@@ -263,7 +263,8 @@ static void test_tiled_prefill(void **state)
         }
 }
 
-/* The tensor-core decode kernel's own edges: GQA 1, 2, 3, 4, 8 and 16 (heads 8..15 of its
+/* The tensor-core decode kernel's own edges: f16, bf16 and fp8 (k/v scales 0.37, 2.5), GQA 1,
+ * 2, 3, 4, 8 and 16 (heads 8..15 of its
  * tiles zero, a group of 16 in two chunks), block sizes 1 to 32, contexts shorter than one
  * group of 16 positions (warps without a group), lengths off every multiple, windows shorter
  * than a group, split and unsplit, beside prefill chunks. emu_case runs each on both decode
@@ -279,6 +280,9 @@ static void test_mma_decode(void **state)
         emu_spec(128, 16, 1, 16, KVF_DTYPE_BF16, 0, 2, 270, true, 35),
         emu_spec(64, 16, 1, 3, KVF_DTYPE_BF16, 7, 3, 100, false, 36),
         emu_spec(128, 8, 2, 4, KVF_DTYPE_F16, 0, 3, 333, false, 37),
+        emu_spec(128, 16, 2, 4, KVF_DTYPE_FP8_E4M3, 0, 3, 420, true, 38),
+        emu_spec(64, 16, 1, 8, KVF_DTYPE_FP8_E4M3, 21, 3, 300, true, 39),
+        emu_spec(64, 32, 2, 2, KVF_DTYPE_FP8_E4M3, 0, 3, 150, false, 40),
     };
     for (const attn_case_spec &s : cases)
         emu_case(&s, -1);
