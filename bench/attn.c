@@ -141,8 +141,8 @@ typedef struct attn_row {
 
 
 /* The min over cases of each kernel's value (per case: f(row, kernel index); `keep` picks the
- * cases), printed as <name>_<kernel>=, then <name>= for the kernel with the largest min, and
- * best_decode_kernel=. Returns nothing; prints n/a where no case counted. */
+ * cases), printed as <name>_<kernel>=, then <name>=<the largest of those> (<its kernel>); n/a
+ * where no case counted. */
 static void attn_print_mins(const char *name, const attn_kernels *ks, const attn_row *rows,
                             int n_cases, double (*f)(const attn_row *, int, const void *),
                             bool (*keep)(const attn_row *), const void *ctx)
@@ -170,8 +170,22 @@ static void attn_print_mins(const char *name, const attn_kernels *ks, const attn
         printf("%s=n/a (no case measured)\n", name);
         return;
     }
-    printf("%s=%.3f\n", name, best);
-    printf("best_decode_kernel=%s\n", kvf_backend_attn_decode_name(ks->k[best_k]));
+    printf("%s=%.3f (%s)\n", name, best, kvf_backend_attn_decode_name(ks->k[best_k]));
+}
+
+/* The three column headers of each kernel, pre[i] + name + suf[i] right-aligned in w[i], then
+ * the end of the line. */
+static void attn_kernel_heads(const attn_kernels *ks, const char *const pre[3],
+                              const char *const suf[3], const int w[3])
+{
+    for (int j = 0; j < ks->n; j++)
+        for (int i = 0; i < 3; i++) {
+            char h[40];
+            snprintf(h, sizeof h, "%s%s%s", pre[i], kvf_backend_attn_decode_name(ks->k[j]),
+                     suf[i]);
+            printf(" %*s", w[i], h);
+        }
+    printf("\n");
 }
 
 static bool attn_keep_all(const attn_row *r)
@@ -230,15 +244,8 @@ static void attn_prefill_table(const attn_bench_cfg *c, const kvf_kv_layout *l,
            "speedup = per_token / tiled; TFLOP/s counts 4 * head_dim flops per visible (query "
            "head, position) pair of the tiled call\n\n");
     printf("%7s %7s %7s %12s", "batch", "ctx", "tokens", "per_token_us");
-    for (int j = 0; j < ks->n; j++) {
-        char h[3][32];
-        const char *kn = kvf_backend_attn_decode_name(ks->k[j]);
-        snprintf(h[0], sizeof h[0], "tiled_%s_us", kn);
-        snprintf(h[1], sizeof h[1], "speedup_%s", kn);
-        snprintf(h[2], sizeof h[2], "TFLOP/s_%s", kn);
-        printf(" %14s %12s %12s", h[0], h[1], h[2]);
-    }
-    printf("\n");
+    attn_kernel_heads(ks, (const char *[3]){"tiled_", "speedup_", "TFLOP/s_"},
+                      (const char *[3]){"_us", "", ""}, (const int[3]){14, 12, 12});
     for (int k = 0; k < n_cases; k++) {
         const attn_row *r = &rows[k];
         printf("%7d %7d %7d", r->batch, r->ctx, r->batch * c->chunk + c->decode_seqs);
@@ -463,15 +470,8 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
            "written) / time of a device-to-device copy of min(KV bytes, --copy-max); ratio = "
            "attention / copy\n\n");
     printf("%7s %7s %10s %10s", "batch", "ctx", "kv_MiB", "copy_GB/s");
-    for (int j = 0; j < ks->n; j++) {
-        char h[3][32];
-        const char *kn = kvf_backend_attn_decode_name(ks->k[j]);
-        snprintf(h[0], sizeof h[0], "%s_us", kn);
-        snprintf(h[1], sizeof h[1], "%s_GB/s", kn);
-        snprintf(h[2], sizeof h[2], "ratio_%s", kn);
-        printf(" %10s %10s %10s", h[0], h[1], h[2]);
-    }
-    printf("\n");
+    attn_kernel_heads(ks, (const char *[3]){"", "", "ratio_"},
+                      (const char *[3]){"_us", "_GB/s", ""}, (const int[3]){10, 10, 10});
     for (k = 0; k < n_cases; k++) {
         attn_row *r = &rows[k];
         printf("%7d %7d %10.1f", r->batch, r->ctx, r->kv_bytes / 1048576.0);

@@ -234,7 +234,7 @@ run_bench() {
         [ "${PIPESTATUS[0]}" = 0 ] || rc3=1
     fi
     local r
-    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)(_[a-z]+)?=|^best_decode_kernel=" "$log" | tr '\n' ' ')
+    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)(_[a-z]+)?=" "$log" | tr '\n' ' ')
     SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2, --chunk 512 exit $rc3; ${r:-no ratio lines} (kvfleet, torch, then prefill tiles); $(secs "$t"); $log")
     [ "$rc1" = 0 ] || return "$rc1"
     [ "$rc2" = 0 ] || return "$rc2"
@@ -250,7 +250,7 @@ run_tiles() {
     say "tiles: kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 (bounded 60 s)" | tee -a "$log"
     timeout -k 10 60 kvfleet bench attn --chunk 32 --decode-seqs 64 --batches 1 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-    r=$(grep -E "^speedup_tiled_vs_per_token_min(_[a-z]+)?=|^best_decode_kernel=" "$log" | tr '\n' ' ')
+    r=$(grep -E "^speedup_tiled_vs_per_token_min(_[a-z]+)?=" "$log" | tr '\n' ' ')
     SUMMARY+=("tiles: exit $rc; ${r:-no ratio lines} (chunks of 512, then the mixed step); $(secs "$t"); $log")
     return "$rc"
 }
