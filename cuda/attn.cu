@@ -4,6 +4,7 @@
  * (token, query head) rows (64 on the tensor cores) that share each K/V row they load; a reduce
  * kernel merges the partitions. The host checks and a plain-C reference of the algorithm are in
  * attn_ref.c. */
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -751,15 +752,30 @@ template <kvf_dtype DT> __device__ __forceinline__ float attn_h16_value(uint32_t
         return __half2float(__ushort_as_half((unsigned short)h));
 }
 
+/* attn_h16_bits of x0 and x1 as a pair (x0 in the low half): on the GPU one cvt.rn of both (the
+ * same rounding, to nearest even) */
+template <kvf_dtype DT> __device__ __forceinline__ uint32_t attn_h16_pack2(float x0, float x1)
+{
+#ifdef KVF_CUDA_EMU_DEVICE
+    return attn_h16_bits<DT>(x0) | (attn_h16_bits<DT>(x1) << 16);
+#else
+    if constexpr (DT == KVF_DTYPE_BF16) {
+        const __nv_bfloat162_raw r = __floats2bfloat162_rn(x0, x1);
+        return (uint32_t)r.x | ((uint32_t)r.y << 16);
+    } else {
+        const __half2_raw r = __floats2half2_rn(x0, x1);
+        return (uint32_t)r.x | ((uint32_t)r.y << 16);
+    }
+#endif
+}
+
 /* x0, x1 (x0 in the low half) as a pair of hi halves and a pair of lo halves */
 template <kvf_dtype DT>
 __device__ __forceinline__ void attn_h16_split2(float x0, float x1, uint32_t &hi, uint32_t &lo)
 {
-    const uint32_t h0 = attn_h16_bits<DT>(x0), h1 = attn_h16_bits<DT>(x1);
-    const uint32_t l0 = attn_h16_bits<DT>(x0 - attn_h16_value<DT>(h0));
-    const uint32_t l1 = attn_h16_bits<DT>(x1 - attn_h16_value<DT>(h1));
-    hi = h0 | (h1 << 16);
-    lo = l0 | (l1 << 16);
+    hi = attn_h16_pack2<DT>(x0, x1);
+    lo = attn_h16_pack2<DT>(x0 - attn_h16_value<DT>(hi & 0xffffu),
+                            x1 - attn_h16_value<DT>(hi >> 16));
 }
 
 /* d += A . B, m16n8k16, f32 accumulate (fragment layouts: the PTX ISA's, as cuda_emu.h's
@@ -1016,9 +1032,9 @@ __global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
 
 /* Decode on the tensor cores (attn_dec_kernel): the partition kernel's CTA, grid, split and
  * outputs, for f16, bf16 or fp8-e4m3 KV at head_dim 64 or 128, with the work of a K or V row
- * done by mma.sync instead of per-element FMAs and shuffle trees (the SIMT kernel spends about
- * 37 warp instructions on a 256-byte K row, this one about 3, so the loads, not instruction
- * issue, should bound it). Each warp takes groups of 16 positions of the partition (group i
+ * done by mma.sync instead of per-element FMAs and shuffle trees (per K+V row at head_dim 128,
+ * bf16, the SIMT loops issue about 93 PTX instructions a warp and this one about 20
+ * (bench/attn_ptx.py), so the loads, not instruction issue, should bound it). Each warp takes groups of 16 positions of the partition (group i
  * goes to warp i % 4) and keeps its own online softmax; the 4 warps merge through shared memory
  * at the end. Per group, with g = lane / 4 and q = lane % 4:
  *  - scores S = Q . K^T as two m16n8k16 tiles (rows: the chunk's <= 8 heads, rows 8..15 zero;
@@ -1052,15 +1068,23 @@ __device__ __forceinline__ uint32_t attn_u4_word(const uint4 &v, int w)
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
-/* the low halves of x and y as a pair (x's first), and the high halves */
+/* the low halves of x and y as a pair (x's first), and the high halves (one PRMT each) */
 __device__ __forceinline__ uint32_t attn_lo_pair(uint32_t x, uint32_t y)
 {
+#ifdef KVF_CUDA_EMU_DEVICE
     return (x & 0xffffu) | (y << 16);
+#else
+    return __byte_perm(x, y, 0x5410);
+#endif
 }
 
 __device__ __forceinline__ uint32_t attn_hi_pair(uint32_t x, uint32_t y)
 {
+#ifdef KVF_CUDA_EMU_DEVICE
     return (x >> 16) | (y & 0xffff0000u);
+#else
+    return __byte_perm(x, y, 0x7632);
+#endif
 }
 
 /* What one lane of attn_dec_kernel loads of a K or V row and how it turns into mma words (two
@@ -1105,25 +1129,22 @@ template <int HD, kvf_dtype DT> struct attn_dec_io {
         else
             return 8 * (g + 8 * (mb / 4)) + 2 * (mb % 4);
     }
-    /* K row at row (NULL: zeros), this lane's chunks */
+    /* this lane's chunks of the K or V row at row */
     static __device__ __forceinline__ void load_k(const uint8_t *row, int q, uint4 (&raw)[KR])
     {
 #pragma unroll
         for (int i = 0; i < KR; i++)
-            raw[i] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (4 * i + q) * 16))
-                         : make_uint4(0u, 0u, 0u, 0u);
+            raw[i] = __ldg(reinterpret_cast<const uint4 *>(row + (4 * i + q) * 16));
     }
     static __device__ __forceinline__ void load_v(const uint8_t *row, int g, uint4 (&raw)[VR])
     {
         if constexpr (FP8 && HD == 64) {
-            const uint2 h = row ? __ldg(reinterpret_cast<const uint2 *>(row + 8 * g))
-                                : make_uint2(0u, 0u);
+            const uint2 h = __ldg(reinterpret_cast<const uint2 *>(row + 8 * g));
             raw[0] = make_uint4(h.x, h.y, 0u, 0u);
         } else {
 #pragma unroll
             for (int i = 0; i < VR; i++) /* 16-bit: chunks g, g + 8; fp8: chunk g */
-                raw[i] = row ? __ldg(reinterpret_cast<const uint4 *>(row + (g + 8 * i) * 16))
-                             : make_uint4(0u, 0u, 0u, 0u);
+                raw[i] = __ldg(reinterpret_cast<const uint4 *>(row + (g + 8 * i) * 16));
         }
     }
 };
@@ -1174,22 +1195,21 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
     const int n_grp = (n + GRP - 1) / GRP;
     for (int gi = warp; gi < n_grp; gi += ATTN_NW) {
         const int base = gi * GRP;
-        /* K rows 4(g/2) + 2j + g%2 and V rows 4q .. 4q + 3 of the group; zeros past n */
+        /* K rows 4(g/2) + 2j + g%2 and V rows 4q .. 4q + 3 of the group; a position past n
+         * loads the last one instead (no branch; its score is masked, so its weight is 0) */
         uint4 kr[2][io::KR], vr[4][io::VR];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            const int i = base + 4 * (g >> 1) + 2 * j + (g & 1), p = c.p0 + i;
-            io::load_k(i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes +
-                                   k_off + (int64_t)(p & (bs - 1)) * ROW
-                             : nullptr,
+            const int p = c.p0 + min(base + 4 * (g >> 1) + 2 * j + (g & 1), n - 1);
+            io::load_k(a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes + k_off +
+                           (int64_t)(p & (bs - 1)) * ROW,
                        q, kr[j]);
         }
 #pragma unroll
         for (int r = 0; r < 4; r++) {
-            const int i = base + 4 * q + r, p = c.p0 + i;
-            io::load_v(i < n ? a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes +
-                                   v_off + (int64_t)(p & (bs - 1)) * ROW
-                             : nullptr,
+            const int p = c.p0 + min(base + 4 * q + r, n - 1);
+            io::load_v(a.pool + (int64_t)blk_s[(p >> a.log2_bs) - c.b0] * a.block_bytes + v_off +
+                           (int64_t)(p & (bs - 1)) * ROW,
                        g, vr[r]);
         }
 
