@@ -1034,9 +1034,10 @@ __global__ void __launch_bounds__(ATTN_NT) attn_mma_kernel(const attn_args a)
  * outputs, for f16, bf16 or fp8-e4m3 KV at head_dim 64 or 128, with the work of a K or V row
  * done by mma.sync instead of per-element FMAs and shuffle trees (per K+V row at head_dim 128,
  * bf16, the SIMT loops issue about 93 PTX instructions a warp and this one about 20
- * (bench/attn_ptx.py), so the loads, not instruction issue, should bound it). Each warp takes groups of 16 positions of the partition (group i
- * goes to warp i % 4) and keeps its own online softmax; the 4 warps merge through shared memory
- * at the end. Per group, with g = lane / 4 and q = lane % 4:
+ * (bench/attn_ptx.py), so the loads, not instruction issue, should bound it). Each warp takes
+ * groups of 16 positions of the partition (group i goes to warp i % 4) and keeps its own online
+ * softmax; the 4 warps merge through shared memory at the end. Per group, with g = lane / 4 and
+ * q = lane % 4:
  *  - scores S = Q . K^T as two m16n8k16 tiles (rows: the chunk's <= 8 heads, rows 8..15 zero;
  *    columns: 8 positions each). Lane (g, q) loads the K row of position 4(g/2) + 2j + g%2 of
  *    tile j, 16-byte chunks 4i + q: a warp's load covers 64 contiguous bytes of each of 8 rows.
@@ -1511,7 +1512,9 @@ int attn_plan(const kvf_cuda_attn_params *p, attn_launch (&L)[5])
     kvf_cuda_attention_ws(p->n_tokens, p->n_seqs, p->n_heads, hd, p->max_ctx, &w);
     const bool tiled = kvf_cuda_attention_tiled(p->n_tokens, p->n_seqs);
     attn_args a = attn_make_args(p, w);
-    const bool mma_dec = p->decode_kernel == KVF_BACKEND_ATTN_DECODE_MMA;
+    const int32_t dk = p->decode_kernel;
+    const bool mma_dec = dk == KVF_BACKEND_ATTN_DECODE_MMA ||
+                         (dk == KVF_BACKEND_ATTN_DECODE_AUTO && KVF_CUDA_ATTN_AUTO_MMA);
     const attn_fn part_fn = attn_pick(hd, l->dtype, a.gc, false, mma_dec);
     const attn_fn tile_fn = tiled ? attn_pick(hd, l->dtype, a.gc, true, false) : nullptr;
     if (!part_fn || (tiled && !tile_fn))

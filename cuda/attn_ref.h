@@ -27,6 +27,9 @@
 #define KVF_CUDA_ATTN_TILE_ROWS 16
 #define KVF_CUDA_ATTN_MMA_ROWS 64
 #define KVF_CUDA_ATTN_TILE_CTA_TARGET 1024
+/* What decode_kernel AUTO runs: 0 the SIMT partition kernel, 1 the tensor-core one where it
+ * serves. 0 until a GPU measures the tensor-core kernel faster (docs/BENCHMARKS.md). */
+#define KVF_CUDA_ATTN_AUTO_MMA 0
 
 /* The partition kernel's partition length for a call (64, 128 or 256). */
 int32_t kvf_cuda_attention_part_len(int32_t n_tokens, int32_t n_heads, int32_t max_ctx);

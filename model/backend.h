@@ -61,8 +61,9 @@ typedef struct kvf_backend_opts {
 
 /* Which kernel serves decode tokens on a GPU (every token of a decode-only step, the tokens
  * alone in their sequence of a step with prefill chunks). */
-#define KVF_BACKEND_ATTN_DECODE_AUTO 0 /* the default: SIMT until the tensor-core kernel is
-                                        * measured faster on a GPU (docs/BENCHMARKS.md) */
+#define KVF_BACKEND_ATTN_DECODE_AUTO 0 /* the default: the backend's choice (cuda: SIMT until
+                                        * the tensor-core kernel is measured faster on a GPU;
+                                        * KVF_CUDA_ATTN_AUTO_MMA in cuda/attn_ref.h) */
 #define KVF_BACKEND_ATTN_DECODE_SIMT 1 /* per-element FMAs and shuffle trees: every shape */
 #define KVF_BACKEND_ATTN_DECODE_MMA 2  /* mma.sync on the tensor cores where it serves (f16,
                                         * bf16 or fp8-e4m3 KV at head_dim 64 or 128), else the
