@@ -46,7 +46,7 @@ static const kvf_cfg_opt gen_opts[] = {
     {"kv-k-scale", "1", "fp8-e4m3 KV: K is stored as fp8(K / scale)", offsetof(gen_cfg, kv_k_scale), KVF_CFG_DOUBLE},
     {"kv-v-scale", "1", "fp8-e4m3 KV: V is stored as fp8(V / scale)", offsetof(gen_cfg, kv_v_scale), KVF_CFG_DOUBLE},
     {"device", "cpu", "where the model runs: cpu or cuda (GPU 0)", offsetof(gen_cfg, device), KVF_CFG_STR},
-    {"attn-decode", "auto", "cuda: the kernel decode tokens' attention runs on: auto (simt for now), simt, or mma (tensor cores; f16, bf16 or fp8 KV at head_dim 64 or 128, simt elsewhere)",
+    {"attn-decode", "auto", "cuda: the kernel decode tokens' attention runs on: auto (the build's default, simt today), simt, or mma (tensor cores; f16, bf16 or fp8 KV at head_dim 64 or 128, simt elsewhere)",
      offsetof(gen_cfg, attn_decode), KVF_CFG_STR},
     {"no-cuda-graphs", NULL, "cuda: run every decode step kernel by kernel (no CUDA graph replay)",
      offsetof(gen_cfg, no_graphs), KVF_CFG_BOOL},
