@@ -26,7 +26,8 @@ extern "C" {
  *     into shared memory, takes the partition's max m and sum l of 2^(s - m), then loads each
  *     V row once and accumulates; the output is divided by l and multiplied by v_scale.
  *  2. reduce kernel (only when parts > 1): out = sum_p w_p o_p / sum_p w_p,
- *     w_p = l_p * 2^(m_p - max m).
+ *     w_p = l_p * 2^(m_p - max m); a block of 256 threads per (token, head) takes all the
+ *     partitions at once (attn_reduce_kernel).
  * Threads: 128 per CTA; a row of head_dim elements is read by HD_PAD/8 adjacent threads, 8
  * elements each (16 bytes for f16/bf16, 2 x 16 for f32, 8 for fp8), 4 rows in flight per
  * thread. HD_PAD is head_dim rounded up to a power of two (48 -> 64, 80 and 96 -> 128) so the
@@ -1321,35 +1322,103 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
     }
 }
 
-/* Merges the partitions of (token blockIdx.x, head blockIdx.y) (with lone 1: the token of
- * sequence blockIdx.x); thread d writes column d. */
-__global__ void attn_reduce_kernel(const attn_args a, int hd)
+constexpr int ATTN_RED_NT = 256; /* the reduce's threads per block */
+constexpr int ATTN_RED_NW = ATTN_RED_NT / 32;
+
+/* v combined (max, or sum) over the reduce block; every thread gets the same result (the warps'
+ * values in warp order). sh: ATTN_RED_NW floats of shared memory not in use. */
+template <bool MAX> __device__ __forceinline__ float attn_red_all(float v, float *sh)
 {
-    const int t = attn_token(a), h = blockIdx.y;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float x = __shfl_xor_sync(ATTN_FULL, v, o);
+        v = MAX ? fmaxf(v, x) : v + x;
+    }
+    if (threadIdx.x % 32 == 0)
+        sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = sh[0];
+    for (int w = 1; w < ATTN_RED_NW; w++)
+        v = MAX ? fmaxf(v, sh[w]) : v + sh[w];
+    return v;
+}
+
+/* V floats of a partition output at p (V = 4: p is 16-byte aligned) */
+template <int V> __device__ __forceinline__ void attn_red_load(const float *p, float (&v)[V])
+{
+    if constexpr (V == 4) {
+        const float4 x = *reinterpret_cast<const float4 *>(p);
+        v[0] = x.x;
+        v[1] = x.y;
+        v[2] = x.z;
+        v[3] = x.w;
+    } else {
+        for (int e = 0; e < V; e++)
+            v[e] = p[e];
+    }
+}
+
+/* Merges the partitions of (token blockIdx.x, head blockIdx.y) (with lone 1: the token of
+ * sequence blockIdx.x). All partitions at once, so a long context's hundred partitions cost a
+ * few load latencies, not one per partition: the block takes the max of m and the sum of the
+ * weights w_p over its threads, then thread tid sums w_p * o_p over the columns
+ * [c V, c V + V), c = tid % (hd / V), of partitions pa + r, pa + r + R, ... (r = tid / (hd / V),
+ * R rows of threads), and the rows' sums meet in shared memory in row order. V = 4 where the
+ * partials and the output are 16-byte aligned (attn_reduce_fn), else 1. */
+template <int V> __global__ void __launch_bounds__(ATTN_RED_NT) attn_reduce_kernel(const attn_args a, int hd)
+{
+    __shared__ float red_s[2][ATTN_RED_NW];
+    __shared__ float red_o[ATTN_RED_NT * V];
+    const int t = attn_token(a), h = blockIdx.y, tid = threadIdx.x;
     if (t < 0)
         return;
     const int64_t th = (int64_t)t * a.n_heads + h;
     float *out = a.out + th * hd;
     const int pos = a.tok_pos[t];
     if (pos < 0 || pos >= a.max_ctx) {
-        for (int d = threadIdx.x; d < hd; d += blockDim.x)
+        for (int d = tid; d < hd; d += ATTN_RED_NT)
             out[d] = 0.0f;
         return;
     }
     const int pa = attn_lo(pos, a.window) / a.part_len, pb = pos / a.part_len;
     const int64_t base = ((int64_t)blockIdx.x * a.n_heads + h) * a.parts; /* workspace row */
     float mx = -INFINITY;
-    for (int p = pa; p <= pb; p++)
+    for (int p = pa + tid; p <= pb; p += ATTN_RED_NT)
         mx = fmaxf(mx, a.ws_m[base + p]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float wsum = 0.0f, o = 0.0f;
-        for (int p = pa; p <= pb; p++) {
+    mx = attn_red_all<true>(mx, red_s[0]);
+    float ws = 0.0f;
+    for (int p = pa + tid; p <= pb; p += ATTN_RED_NT)
+        ws += a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
+    const float wsum = attn_red_all<false>(ws, red_s[1]);
+    const int cols = hd / V, rows = ATTN_RED_NT / cols, r = tid / cols, c = tid % cols;
+    if (r < rows) {
+        float acc[V] = {};
+        for (int p = pa + r; p <= pb; p += rows) {
             const float w = a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
-            wsum += w;
-            o += w * a.ws_o[(base + p) * hd + d];
+            float v[V];
+            attn_red_load<V>(a.ws_o + (base + p) * hd + c * V, v);
+            for (int e = 0; e < V; e++)
+                acc[e] += w * v[e];
         }
+        for (int e = 0; e < V; e++)
+            red_o[tid * V + e] = acc[e];
+    }
+    __syncthreads();
+    for (int d = tid; d < hd; d += ATTN_RED_NT) {
+        float o = 0.0f;
+        for (int rr = 0; rr < rows; rr++)
+            o += red_o[rr * hd + d]; /* (rr * cols + d / V) * V + d % V */
         out[d] = o / wsum;
     }
+}
+
+typedef void (*attn_red_fn)(const attn_args, int);
+
+/* The reduce kernel for a's partials and output: 16-byte loads where everything lines up. */
+attn_red_fn attn_reduce_fn(const attn_args &a, int hd)
+{
+    const bool v4 = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.ws_o) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+    return v4 ? attn_reduce_kernel<4> : attn_reduce_kernel<1>;
 }
 
 /* A step with prefill chunks, first: per sequence, how many of the step's tokens are its and
@@ -1520,7 +1589,7 @@ int attn_plan(const kvf_cuda_attn_params *p, attn_launch (&L)[5])
     if (!part_fn || (tiled && !tile_fn))
         return 0;
     const unsigned gy = (unsigned)(l->n_kv_heads * a.chunks), nh = (unsigned)p->n_heads;
-    const unsigned nt = (unsigned)p->n_tokens, bs = (unsigned)ATTN_NT, rb = (unsigned)hd;
+    const unsigned nt = (unsigned)p->n_tokens, bs = (unsigned)ATTN_NT, rb = (unsigned)ATTN_RED_NT;
     int n = 0;
     if (!tiled) {
         L[n++] = {part_fn, false, a, nt, gy, (unsigned)a.parts, bs};
@@ -1574,8 +1643,10 @@ extern "C" kvf_status kvf_cuda_attention(const kvf_cuda_attn_params *p, void *st
         const unsigned block = L[i].block;
         if (fn)
             fn<<<grid, block, 0, s>>>(a);
-        else if (L[i].reduce)
-            attn_reduce_kernel<<<grid, block, 0, s>>>(a, l->head_dim);
+        else if (L[i].reduce) {
+            const attn_red_fn red = attn_reduce_fn(a, l->head_dim);
+            red<<<grid, block, 0, s>>>(a, l->head_dim);
+        }
         else
             attn_count_kernel<<<grid, block, 0, s>>>(a);
     }

@@ -88,6 +88,7 @@ void kvf_cuda_attention_ws(int32_t n_tokens, int32_t n_seqs, int32_t n_heads, in
     if (kvf_cuda_attention_tiled(n_tokens, n_seqs)) {
         out->lone_part_len = kvf_cuda_attention_part_len(n_tokens, n_heads, max_ctx);
         out->lone_parts = kvf_cuda_attention_parts(n_tokens, n_heads, max_ctx);
+        floats = (floats + 3) & ~(size_t)3; /* 16-byte aligned partials: the reduce's loads */
         out->lone_off = floats;
         floats += attn_partials(n_seqs, n_heads, out->lone_parts, head_dim);
         out->count_off = floats;

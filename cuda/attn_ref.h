@@ -77,8 +77,9 @@ void kvf_cuda_attention_ws(int32_t n_tokens, int32_t n_seqs, int32_t n_heads, in
 
 /* The same computation as kvf_cuda_attention with every pointer of p in host memory
  * (including the workspace, with the same size rule): every token on the call's split
- * (kvf_cuda_attention_split), base-2 softmax per partition, the same reduce order. Within a
- * partition it is the partition kernel's order. A call with prefill chunks differs on the GPU:
+ * (kvf_cuda_attention_split), base-2 softmax per partition, the same reduce formula (the
+ * reduce kernel sums the partitions in another order: by rows of threads, then across them).
+ * Within a partition it is the partition kernel's order. A call with prefill chunks differs on the GPU:
  * the tile kernels rescale their running sums pass by pass, and the decode tokens take the
  * partition kernel's split; there the two agree to rounding, not bit for bit. Checks p as the launcher does, except that
  * per-token positions are also checked here (a token with tok_pos outside [0, max_ctx) gets

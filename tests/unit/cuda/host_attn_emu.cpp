@@ -43,7 +43,7 @@ static void emu_launch(const attn_launch &x, int hd)
         if (x.fn)
             x.fn(x.a);
         else if (x.reduce)
-            attn_reduce_kernel(x.a, hd);
+            attn_reduce_fn(x.a, hd)(x.a, hd);
         else
             attn_count_kernel(x.a);
     });
@@ -74,6 +74,10 @@ static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
  * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past
  * max_ctx (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a
  * read past a row or past a sequence shows. */
+/* floats by which the emulated call's output is moved off the allocation's 16-byte alignment
+ * (1: the reduce takes its one-float loads, attn_reduce_fn) */
+static int emu_out_shift = 0;
+
 static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles, int32_t dec)
 {
     attn_case c;
@@ -81,7 +85,7 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles, in
     attn_case_poison_unseen(&c);
     size_t n = (size_t)c.n_tokens * c.n_heads * s->head_dim, row = (size_t)c.n_heads * s->head_dim;
     float *cpu = (float *)malloc(n * sizeof(float)), *ref = (float *)malloc(n * sizeof(float));
-    float *got = (float *)malloc(n * sizeof(float));
+    float *got_mem = (float *)malloc((n + 4) * sizeof(float)), *got = got_mem + emu_out_shift;
     assert_int_equal(attn_case_cpu(&c, s, cpu), 0);
     const int32_t n_seqs = tiles ? c.n_seqs : 0;
     size_t ws_bytes = kvf_cuda_attention_workspace_bytes(c.n_tokens, n_seqs, c.n_heads,
@@ -136,7 +140,7 @@ static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles, in
     free(ws);
     free(cpu);
     free(ref);
-    free(got);
+    free(got_mem);
     attn_case_free(&c);
 }
 
@@ -188,6 +192,21 @@ static void test_split_kernels(void **state)
         assert_true(kvf_cuda_attention_parts(s.n_seqs, th / s.n_seqs, s.max_len + s.extra_ctx) > 1);
         emu_case(&s, -1);
     }
+}
+
+/* The reduce over more partitions than its block has threads (a 17k context in 64-position
+ * partitions), and with an output that is not 16-byte aligned (its one-float loads). */
+static void test_reduce_many_parts(void **state)
+{
+    (void)state;
+    const attn_case_spec many = emu_spec(16, 16, 1, 1, KVF_DTYPE_F32, 0, 1, 17000, true, 21);
+    assert_true(kvf_cuda_attention_parts(1, 1, many.max_len + many.extra_ctx) > 256);
+    emu_case_as(&many, -1, false, KVF_BACKEND_ATTN_DECODE_SIMT);
+    const attn_case_spec s = emu_spec(64, 16, 2, 4, KVF_DTYPE_BF16, 0, 2, 600, true, 22);
+    emu_out_shift = 1;
+    emu_case_as(&s, -1, false, KVF_BACKEND_ATTN_DECODE_SIMT);
+    emu_case_as(&s, -1, false, KVF_BACKEND_ATTN_DECODE_MMA);
+    emu_out_shift = 0;
 }
 
 /* One partition (max_ctx <= 256): output written directly; prefill chunks mixed with decode
@@ -316,6 +335,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_single_partition_kernels),
         cmocka_unit_test(test_split_kernels),
+        cmocka_unit_test(test_reduce_many_parts),
         cmocka_unit_test(test_padded_head_dims),
         cmocka_unit_test(test_tiled_prefill),
         cmocka_unit_test(test_mma_decode),

@@ -25,7 +25,7 @@
  * scale * k_scale * log2(e) in one product. */
 static const double attn_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4}; /* f32 f16 bf16 fp8 */
 static const double attn_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
-/* GPU vs host reference (same partitions and reduce; only in-partition order differs). */
+/* GPU vs host reference (same partitions and reduce formula; only summation orders differ). */
 #define REF_ATOL 2e-5
 #define REF_RTOL 1e-4
 
