@@ -134,6 +134,7 @@ static int attn_parse_kernels(const char *s, attn_kernels *out, kvf_err *err)
 typedef struct attn_row {
     int32_t batch, ctx;
     double kv_bytes, copy_bytes, copy_ms;
+    double read_ms; /* the bare read of copy_bytes (kvf_cuda_bench_read_ms) */
     double attn_ms[ATTN_BENCH_MAX_KERNELS]; /* per --decode-kernel */
     double untiled_ms; /* --chunk: the same call with every token on the partition kernel */
     bool skipped;
@@ -204,6 +205,19 @@ static double attn_ratio(const attn_row *r, int j, const void *ctx)
 {
     (void)ctx;
     return (r->kv_bytes / (r->attn_ms[j] * 1e-3)) / (2 * r->copy_bytes / (r->copy_ms * 1e-3));
+}
+
+/* the bare read's bandwidth / copy bandwidth: the most a single kernel reading the KV gets */
+static double attn_read_ratio(const attn_row *r)
+{
+    return (r->copy_bytes / (r->read_ms * 1e-3)) / (2 * r->copy_bytes / (r->copy_ms * 1e-3));
+}
+
+/* attention bandwidth / the bare read's bandwidth */
+static double attn_vs_read(const attn_row *r, int j, const void *ctx)
+{
+    (void)ctx;
+    return (r->kv_bytes / (r->attn_ms[j] * 1e-3)) / (r->copy_bytes / (r->read_ms * 1e-3));
 }
 
 static double attn_speedup(const attn_row *r, int j, const void *ctx)
@@ -428,6 +442,10 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
             if ((st = kvf_cuda_bench_copy_ms(dst, src, cb, NULL, 0, 2, &est, &err)) != KVF_OK ||
                 (st = kvf_cuda_bench_copy_ms(dst, src, cb, flush, flush_bytes, attn_iters(c, est),
                                              &r->copy_ms, &err)) != KVF_OK ||
+                (c->chunk == 0 &&
+                 ((st = kvf_cuda_bench_read_ms(src, cb, dst, NULL, 0, 2, &est, &err)) != KVF_OK ||
+                  (st = kvf_cuda_bench_read_ms(src, cb, dst, flush, flush_bytes,
+                                               attn_iters(c, est), &r->read_ms, &err)) != KVF_OK)) ||
                 (st = kvf_cuda_bench_sync(&err)) != KVF_OK)
                 goto fail_alloc;
             if (c->chunk > 0) { /* the baseline: the same call, no tiles */
@@ -451,7 +469,9 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
                 for (int j = 0; j < ks->n; j++)
                     fprintf(stderr, " %s %.1f us %.0f GB/s,", kvf_backend_attn_decode_name(ks->k[j]),
                             r->attn_ms[j] * 1e3, r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9);
-                fprintf(stderr, " copy %.0f GB/s\n", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+                fprintf(stderr, " copy %.0f GB/s, read %.0f GB/s\n",
+                        2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9,
+                        r->copy_bytes / (r->read_ms * 1e-3) / 1e9);
             }
         }
 
@@ -468,8 +488,11 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
            c->l2_flush ? "flushed" : "not flushed");
     printf("<kernel>_GB/s = K+V bytes read / time of that decode kernel; copy_GB/s = (read + "
            "written) / time of a device-to-device copy of min(KV bytes, --copy-max); ratio = "
-           "attention / copy\n\n");
-    printf("%7s %7s %10s %10s", "batch", "ctx", "kv_MiB", "copy_GB/s");
+           "attention / copy; read_GB/s = bytes / time of one kernel that only reads those "
+           "bytes, read_ratio = read / copy (the most any single kernel reading the KV "
+           "reaches)\n\n");
+    printf("%7s %7s %10s %10s %10s %10s", "batch", "ctx", "kv_MiB", "copy_GB/s", "read_GB/s",
+           "read_ratio");
     attn_kernel_heads(ks, (const char *[3]){"", "", "ratio_"},
                       (const char *[3]){"_us", "_GB/s", ""}, (const int[3]){10, 10, 10});
     for (k = 0; k < n_cases; k++) {
@@ -479,7 +502,8 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
             printf(" %10s\n", "skipped");
             continue;
         }
-        printf(" %10.0f", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9);
+        printf(" %10.0f %10.0f %10.3f", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9,
+               r->copy_bytes / (r->read_ms * 1e-3) / 1e9, attn_read_ratio(r));
         for (int j = 0; j < ks->n; j++)
             printf(" %10.1f %10.0f %10.3f", r->attn_ms[j] * 1e3,
                    r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9, attn_ratio(r, j, NULL));
@@ -488,6 +512,19 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
     printf("\n");
     attn_print_mins("ratio_vs_d2d_copy_min", ks, rows, n_cases, attn_ratio, attn_keep_all, NULL);
     attn_print_mins("ratio_vs_d2d_copy_min_ctx4k", ks, rows, n_cases, attn_ratio, attn_keep_4k,
+                    NULL);
+    /* the ceiling: the bare read's own ratio, its smallest at 4k and up, and how close each
+     * kernel comes to it */
+    double read_min = -1;
+    for (k = 0; k < n_cases; k++)
+        if (!rows[k].skipped && attn_keep_4k(&rows[k]) &&
+            (read_min < 0 || attn_read_ratio(&rows[k]) < read_min))
+            read_min = attn_read_ratio(&rows[k]);
+    if (read_min < 0)
+        printf("read_vs_d2d_copy_min_ctx4k=n/a (no case measured)\n");
+    else
+        printf("read_vs_d2d_copy_min_ctx4k=%.3f\n", read_min);
+    attn_print_mins("ratio_vs_read_min_ctx4k", ks, rows, n_cases, attn_vs_read, attn_keep_4k,
                     NULL);
     rc = 0;
     goto done;

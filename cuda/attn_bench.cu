@@ -48,6 +48,30 @@ __global__ void bench_fill_kernel(uint8_t *dst, size_t n, int dt, uint32_t seed)
     }
 }
 
+/* Reads n 16-byte words at src, four per thread in flight, grid-stride; the XOR of everything
+ * goes to *sink only if it equals a constant (practically never), so the loads stay. The bare
+ * read the attention benchmark sets beside its kernels: one launch that reads the bytes and
+ * does nothing else. */
+__global__ void bench_read_kernel(const uint4 *src, size_t n, uint32_t *sink)
+{
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    uint32_t acc = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^
+               d.z ^ d.w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 a = src[i];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w;
+    }
+    if (acc == 0x9e3779b9u)
+        *sink = acc;
+}
+
+constexpr unsigned BENCH_READ_NT = 256;
+
 } /* namespace */
 
 extern "C" kvf_status kvf_cuda_bench_alloc(size_t bytes, void **out, kvf_err *err)
@@ -135,18 +159,28 @@ extern "C" kvf_status kvf_cuda_bench_device(char *name, size_t name_len, size_t 
     return KVF_OK;
 }
 
-/* One timed operation: attention (p) or a copy (dst, src, bytes). */
+/* One timed operation: attention (p), a copy (dst, src, bytes) or with read a bare read of
+ * src's bytes (dst: the read kernel's sink). */
 typedef struct bench_op {
     const kvf_cuda_attn_params *p;
     void *dst;
     const void *src;
     size_t bytes;
+    bool read;
 } bench_op;
 
 static kvf_status bench_op_run(const bench_op *op, cudaStream_t s, kvf_err *err)
 {
     if (op->p)
         return kvf_cuda_attention(op->p, s, err);
+    if (op->read) {
+        const size_t n = op->bytes / 16, per_cta = (size_t)BENCH_READ_NT * 4;
+        size_t blocks = (n + per_cta - 1) / per_cta;
+        blocks = blocks < 1 ? 1 : blocks > 8192 ? 8192 : blocks;
+        bench_read_kernel<<<(unsigned)blocks, BENCH_READ_NT, 0, s>>>(
+            static_cast<const uint4 *>(op->src), n, static_cast<uint32_t *>(op->dst));
+        return kvf_cuda_status((int)cudaGetLastError(), "cuda: read kernel launch", err);
+    }
     return kvf_cuda_status((int)cudaMemcpyAsync(op->dst, op->src, op->bytes,
                                                 cudaMemcpyDeviceToDevice, s),
                            "cuda: device-to-device copy", err);
@@ -213,7 +247,7 @@ extern "C" kvf_status kvf_cuda_bench_attn_ms(const kvf_cuda_attn_params *p, void
                                              size_t flush_bytes, int32_t iters, double *ms_out,
                                              kvf_err *err)
 {
-    bench_op op = {p, NULL, NULL, 0};
+    bench_op op = {p, NULL, NULL, 0, false};
     return bench_time(&op, flush, flush_bytes, iters, ms_out, err);
 }
 
@@ -221,6 +255,17 @@ extern "C" kvf_status kvf_cuda_bench_copy_ms(void *dst, const void *src, size_t 
                                              size_t flush_bytes, int32_t iters, double *ms_out,
                                              kvf_err *err)
 {
-    bench_op op = {NULL, dst, src, bytes};
+    bench_op op = {NULL, dst, src, bytes, false};
+    return bench_time(&op, flush, flush_bytes, iters, ms_out, err);
+}
+
+extern "C" kvf_status kvf_cuda_bench_read_ms(const void *src, size_t bytes, void *sink,
+                                             void *flush, size_t flush_bytes, int32_t iters,
+                                             double *ms_out, kvf_err *err)
+{
+    if ((reinterpret_cast<uintptr_t>(src) | bytes) % 16 != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "cuda: bench read: %zu bytes at %p: not in 16-byte words", bytes, src);
+    bench_op op = {NULL, sink, src, bytes, true};
     return bench_time(&op, flush, flush_bytes, iters, ms_out, err);
 }

@@ -1,6 +1,7 @@
 /* attn_bench.h: the device-side helpers `kvfleet bench attn` (bench/attn.c) and the GPU
  * attention test need, as plain C so neither includes a CUDA header: device buffers, a random
- * fill in a KV dtype, and CUDA-event timing of attention calls and of a device-to-device copy.
+ * fill in a KV dtype, and CUDA-event timing of attention calls, of a device-to-device copy and of
+ * a bare read.
  * Not for the serving path (the backend owns its memory and streams). */
 #ifndef KVF_CUDA_ATTN_BENCH_H
 #define KVF_CUDA_ATTN_BENCH_H
@@ -35,6 +36,11 @@ kvf_status kvf_cuda_bench_attn_ms(const kvf_cuda_attn_params *p, void *flush, si
                                   int32_t iters, double *ms_out, kvf_err *err);
 /* The same for cudaMemcpyAsync(dst, src, bytes, device to device). */
 kvf_status kvf_cuda_bench_copy_ms(void *dst, const void *src, size_t bytes, void *flush,
+                                  size_t flush_bytes, int32_t iters, double *ms_out, kvf_err *err);
+/* The same for one kernel that only reads bytes at src (16-byte aligned, a multiple of 16) and
+ * keeps nothing (sink: 4 bytes of device memory it practically never writes): the fastest any
+ * single kernel reading those bytes could be, timed like the rest. */
+kvf_status kvf_cuda_bench_read_ms(const void *src, size_t bytes, void *sink, void *flush,
                                   size_t flush_bytes, int32_t iters, double *ms_out, kvf_err *err);
 
 #endif

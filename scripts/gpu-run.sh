@@ -9,8 +9,8 @@
 #   tests  ctest -L gpu (6 tests: cuda_{attn,device,models,ops}, transport_gpu_xfer,
 #          e2e_gpu_disagg) -> $OUT/gpu-tests.log, $OUT/ctest-LastTest.log. 31-36 s on an H200
 #          (2026-11-28); bounded at 540 s. Exit status: ctest's.
-#   bench  kvfleet bench attn (full grid, every case on the simt and the mma decode kernel,
-#          bounded 240 s) then bench/attn_torch.py (full grid,
+#   bench  kvfleet bench attn (full grid, every case on the simt and the mma decode kernel and
+#          a bare read of the same bytes, bounded 240 s) then bench/attn_torch.py (full grid,
 #          bounded 200 s), then prefill chunks of 512, tiled vs per token (kvfleet bench attn
 #          --chunk 512, batches 1 and 4, bounded 100 s), then a decode worker's mixed step (one
 #          32-token chunk beside 64 decode sequences, bounded 60 s; not in `all`)
@@ -234,7 +234,7 @@ run_bench() {
         [ "${PIPESTATUS[0]}" = 0 ] || rc3=1
     fi
     local r
-    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|speedup_tiled_vs_per_token_min)(_[a-z]+)?=" "$log" | tr '\n' ' ')
+    r=$(grep -E "^(ratio_vs_d2d_copy_min_ctx4k|read_vs_d2d_copy_min_ctx4k|ratio_vs_read_min_ctx4k|speedup_tiled_vs_per_token_min)(_[a-z]+)?=" "$log" | tr '\n' ' ')
     SUMMARY+=("bench: kvfleet bench attn exit $rc1, attn_torch.py exit $rc2, --chunk 512 exit $rc3; ${r:-no ratio lines} (kvfleet, torch, then prefill tiles); $(secs "$t"); $log")
     [ "$rc1" = 0 ] || return "$rc1"
     [ "$rc2" = 0 ] || return "$rc2"
