@@ -28,7 +28,7 @@ typedef struct gen_cfg {
     int32_t max_tokens, block_size, threads, prefill_chunk, top_k;
     int64_t kv_memory, seed;
     double temperature, top_p, kv_k_scale, kv_v_scale;
-    bool json, ignore_eos, half_weights, no_graphs;
+    bool json, ignore_eos, half_weights, no_graphs, profile;
 } gen_cfg;
 
 static const kvf_cfg_opt gen_opts[] = {
@@ -50,6 +50,8 @@ static const kvf_cfg_opt gen_opts[] = {
      offsetof(gen_cfg, attn_decode), KVF_CFG_STR},
     {"no-cuda-graphs", NULL, "cuda: run every decode step kernel by kernel (no CUDA graph replay)",
      offsetof(gen_cfg, no_graphs), KVF_CFG_BOOL},
+    {"profile", NULL, "print where the forward steps' time went, by kind of op (stderr; steps run op by op, no CUDA graphs)",
+     offsetof(gen_cfg, profile), KVF_CFG_BOOL},
     {"kv-memory", "0", "KV pool bytes (K/M/G suffixes); 0: just enough for this request", offsetof(gen_cfg, kv_memory), KVF_CFG_SIZE},
     {"prefill-chunk", "512", "prompt tokens per forward step", offsetof(gen_cfg, prefill_chunk), KVF_CFG_INT},
     {"threads", "0", "CPU threads (0: one per CPU)", offsetof(gen_cfg, threads), KVF_CFG_INT},
@@ -67,6 +69,34 @@ static const kvf_cfg_spec gen_spec = {
                "Text streams to the terminal as it is generated; --json prints one object at the end.",
     .opts = gen_opts,
 };
+
+/* --profile's table on stderr: per kind of step, each kind of op's share of the step. */
+static void print_profile(const kvf_model_fwd_prof *p, const char *device)
+{
+    static const char *const kinds[2] = {"decode steps", "steps with prefill chunks"};
+    for (int k = 0; k < 2; k++) {
+        if (p->steps[k] == 0)
+            continue;
+        const double n = (double)p->steps[k];
+        const bool gpu = strcmp(device, "cpu") != 0;
+        fprintf(stderr,
+                "kvfleet: profile of %lld %s on %s, op by op%s: %.3f ms a step (%s clock), "
+                "%.3f ms from call to return (host clock)\n",
+                (long long)p->steps[k], kinds[k], device,
+                gpu ? " (no CUDA graph replay while profiling)" : "", p->step_ms[k] / n,
+                gpu ? "the GPU's queue" : "host", p->wall_ms[k] / n);
+        fprintf(stderr, "  %-14s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share",
+                "us/call");
+        for (int op = 0; op < KVF_FWD_OP_COUNT; op++) {
+            if (p->op_calls[k][op] == 0)
+                continue;
+            fprintf(stderr, "  %-14s %10.1f %10.4f %7.1f%% %10.2f\n", kvf_fwd_op_name(op),
+                    (double)p->op_calls[k][op] / n, p->op_ms[k][op] / n,
+                    p->step_ms[k] > 0 ? 100.0 * p->op_ms[k][op] / p->step_ms[k] : 0.0,
+                    1e3 * p->op_ms[k][op] / (double)p->op_calls[k][op]);
+        }
+    }
+}
 
 /* The model and the `plan` figures for the pool this command uses, on stderr. */
 static void print_capacity(const char *dir, const kvf_model *m, const kvf_kv_layout *l, int64_t n_blocks,
@@ -204,6 +234,9 @@ int kvf_cli_generate(int argc, char **argv)
     ec.model_id = c.model;
     if ((st = kvf_engine_create(m, be, &ec, &eng, &err)) != KVF_OK)
         goto fail;
+    kvf_model_fwd_prof prof = {0};
+    if (c.profile && (st = kvf_engine_set_prof(eng, &prof, &err)) != KVF_OK)
+        goto fail;
     kvf_engine_request req = {.id = 1, .prompt = prompt, .n_prompt = n_prompt};
     kvf_engine_sampling_default(&req.sampling);
     req.sampling.max_tokens = c.max_tokens;
@@ -283,6 +316,9 @@ int kvf_cli_generate(int argc, char **argv)
     fprintf(stderr, "kvfleet: prefill %d tokens in %.1f ms (%.1f tokens/s); decode %d tokens in %.1f ms (%.1f tokens/s); finish %s\n",
             n_prompt, (t_first - t0) * 1e3, n_prompt / (t_first - t0 > 0 ? t_first - t0 : 1e-9), n_out > 0 ? n_out - 1 : 0,
             (t_end - t_first) * 1e3, (n_out > 1 ? n_out - 1 : 0) / (t_end - t_first > 0 ? t_end - t_first : 1e-9), finish);
+
+    if (c.profile)
+        print_profile(&prof, c.device);
 
     char *text = NULL;
     if (c.json && tok && kvf_model_tokenizer_decode(tok, out, (size_t)n_out, true, &text, NULL, &err) != KVF_OK) {

@@ -49,6 +49,10 @@ typedef struct cuda_ctx {
     cuda_step_mode mode;
     int32_t replay_idx;
     kvf_cuda_stats stats;
+
+    /* step profile marks (prof_mark), created as marks are asked for */
+    cudaEvent_t *prof_ev;
+    int32_t n_prof_ev;
 } cuda_ctx;
 
 /* ---- errors: the first one wins until sync hands it out */
@@ -106,6 +110,9 @@ static void cuda_destroy(void *ctx)
     cudaFree(c->conv);
     cudaFree(c->attn_ws);
     cudaFree(c->small);
+    for (int32_t i = 0; i < c->n_prof_ev; i++)
+        cudaEventDestroy(c->prof_ev[i]);
+    free(c->prof_ev);
     if (c->stream)
         cudaStreamDestroy(c->stream);
     (void)cudaGetLastError();
@@ -747,6 +754,52 @@ extern "C" kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t
                     "cuda: sample", err);
 }
 
+/* ---- step profiles: an event per mark, recorded on the stream */
+
+static void cuda_prof_mark(void *ctx, int32_t i)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (i < 0 || c->mode == STEP_CAPTURE) {
+        record_msg(c, KVF_ERR_INVALID, "cuda backend: profile mark outside an unrecorded step");
+        return;
+    }
+    if (i >= c->n_prof_ev) {
+        int32_t n = i + 1 > 2 * c->n_prof_ev ? i + 1 : 2 * c->n_prof_ev;
+        cudaEvent_t *ev = (cudaEvent_t *)realloc(c->prof_ev, (size_t)n * sizeof *ev);
+        if (!ev) {
+            record_msg(c, KVF_ERR_NOMEM, "cuda backend: out of memory for profile marks");
+            return;
+        }
+        c->prof_ev = ev;
+        for (; c->n_prof_ev < n; c->n_prof_ev++) {
+            cudaError_t e = cudaEventCreate(&c->prof_ev[c->n_prof_ev]);
+            if (e != cudaSuccess) {
+                record_cuda(c, e, "cuda backend: profile mark event");
+                return;
+            }
+        }
+    }
+    record_cuda(c, cudaEventRecord(c->prof_ev[i], c->stream), "cuda backend: profile mark");
+}
+
+static kvf_status cuda_prof_read(void *ctx, int32_t n, double *ms_out, kvf_err *err)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (n > c->n_prof_ev)
+        return kvf_err_set(err, KVF_ERR_INVALID, "cuda backend: %d profile marks asked, %d made", n,
+                           c->n_prof_ev);
+    for (int32_t i = 0; i + 1 < n; i++) {
+        float ms = 0;
+        cudaError_t e = cudaEventElapsedTime(&ms, c->prof_ev[i], c->prof_ev[i + 1]);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return kvf_cuda_status((int)e, "cuda backend: profile mark times", err);
+        }
+        ms_out[i] = ms;
+    }
+    return KVF_OK;
+}
+
 static const kvf_backend kvf_cuda_backend_ops = {
     .name = "cuda",
     .create = cuda_create,
@@ -773,6 +826,8 @@ static const kvf_backend kvf_cuda_backend_ops = {
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
     .sample = kvf_cuda_sample,
+    .prof_mark = cuda_prof_mark,
+    .prof_read = cuda_prof_read,
 };
 
 extern "C" const kvf_backend *kvf_cuda_backend(void)

@@ -301,6 +301,11 @@ kvf_kv_pool *kvf_engine_pool(kvf_engine *e) { return e->pool; }
 
 void *kvf_engine_backend_ctx(kvf_engine *e) { return e->be_ctx; }
 
+kvf_status kvf_engine_set_prof(kvf_engine *e, kvf_model_fwd_prof *p, kvf_err *err)
+{
+    return kvf_model_fwd_set_prof(e->fwd, p, err);
+}
+
 /* ---- sequences --------------------------------------------------------------------------- */
 
 static eng_seq *slot_seq(kvf_engine *e, int32_t slot) { return &e->seqs[slot]; }

@@ -30,6 +30,7 @@
 #include "common/status.h"
 #include "kv/pool.h"
 #include "model/backend.h"
+#include "model/forward.h"
 #include "model/model.h"
 
 typedef struct kvf_engine kvf_engine;
@@ -175,6 +176,9 @@ kvf_kv_pool *kvf_engine_pool(kvf_engine *e);
 /* The backend context the engine created (for backend-specific calls such as
  * kvf_cuda_backend_stats). Borrowed. */
 void *kvf_engine_backend_ctx(kvf_engine *e);
+/* Adds the time of every later forward step, by kind of op, to *p; NULL stops
+ * (kvf_model_fwd_set_prof: while on, steps are not recorded as CUDA graphs). */
+kvf_status kvf_engine_set_prof(kvf_engine *e, kvf_model_fwd_prof *p, kvf_err *err);
 
 /* The cost estimate behind PREEMPT_AUTO, in seconds: recomputing n_tokens tokens vs copying
  * n_blocks blocks out and back. Swap wins when its cost is lower. */

@@ -189,6 +189,13 @@ typedef struct kvf_backend {
     kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
                          const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
                          kvf_err *err);
+    /* Step profiles (kvf_model_fwd_set_prof). prof_mark queues timestamp i behind every op
+     * issued before it (a failure is recorded, as for ops); after sync, prof_read writes the
+     * milliseconds from mark i to mark i + 1 into ms_out[i], i < n - 1. The forward pass
+     * records no step (step_begin) while it profiles. NULL: ops are finished when they return,
+     * and the forward pass reads the host clock instead. */
+    void (*prof_mark)(void *ctx, int32_t i);
+    kvf_status (*prof_read)(void *ctx, int32_t n, double *ms_out, kvf_err *err);
 } kvf_backend;
 
 /* The CPU backend (model/cpu_backend.c). */

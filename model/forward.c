@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/log.h"
+#include "common/time.h"
+
 typedef struct fwd_layer_w {
     kvf_backend_weight attn_norm, wq, wk, wv, wo, bq, bk, bv, bo;
     kvf_backend_weight ffn_norm, w_gate, w_up, w_down, b_gate, b_up, b_down;
@@ -40,6 +43,14 @@ struct kvf_model_fwd {
     int64_t *h_slots;
     float *h_cos_sin;
     kvf_backend_sample_row *h_draw; /* [max_seqs]: the rows of a step that samples */
+
+    /* profile (kvf_model_fwd_set_prof): the step's marks, each the kind of op it starts (or
+     * KVF_FWD_OP_COUNT: the end), and their host times when the backend has no prof_mark */
+    kvf_model_fwd_prof *prof;
+    int32_t n_marks, max_marks;
+    int8_t *mark_op;
+    int64_t *mark_ns;
+    double *mark_ms;
 };
 
 static void free_w(kvf_model_fwd *f, kvf_backend_weight *w)
@@ -52,6 +63,9 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f)
 {
     if (!f)
         return;
+    free(f->mark_op);
+    free(f->mark_ns);
+    free(f->mark_ms);
     if (f->layers) {
         for (int32_t i = 0; i < f->m->cfg.n_layers; i++) {
             fwd_layer_w *L = &f->layers[i];
@@ -330,6 +344,80 @@ static kvf_status prepare(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n
     return KVF_OK;
 }
 
+/* ---- profile */
+
+const char *kvf_fwd_op_name(int op)
+{
+    static const char *const names[KVF_FWD_OP_COUNT] = {
+        "upload", "embed", "rmsnorm", "qkv_proj", "rope", "kv_write", "attention",
+        "o_proj", "add", "gate_up_proj", "swiglu", "down_proj", "lm_head", "output"};
+    return op >= 0 && op < KVF_FWD_OP_COUNT ? names[op] : "?";
+}
+
+kvf_status kvf_model_fwd_set_prof(kvf_model_fwd *f, kvf_model_fwd_prof *p, kvf_err *err)
+{
+    if (p && !f->mark_op) {
+        /* per layer 12 marks; upload, embed, lm_head, output and the end */
+        int32_t n = f->m->cfg.n_layers * 12 + 5;
+        f->mark_op = malloc((size_t)n * sizeof *f->mark_op);
+        f->mark_ns = malloc((size_t)n * sizeof *f->mark_ns);
+        f->mark_ms = malloc((size_t)n * sizeof *f->mark_ms);
+        if (!f->mark_op || !f->mark_ns || !f->mark_ms) {
+            free(f->mark_op), free(f->mark_ns), free(f->mark_ms);
+            f->mark_op = NULL, f->mark_ns = NULL, f->mark_ms = NULL;
+            return kvf_err_set(err, KVF_ERR_NOMEM, "model: profile: out of memory for %d marks", n);
+        }
+        f->max_marks = n;
+    }
+    f->prof = p;
+    return KVF_OK;
+}
+
+/* Marks the start of an op of kind op (KVF_FWD_OP_COUNT: the step's end). */
+static void fwd_mark(kvf_model_fwd *f, int op)
+{
+    if (!f->prof || f->n_marks >= f->max_marks)
+        return;
+    f->mark_op[f->n_marks] = (int8_t)op;
+    if (f->be->prof_mark)
+        f->be->prof_mark(f->ctx, f->n_marks);
+    else
+        f->mark_ns[f->n_marks] = kvf_now_ns();
+    f->n_marks++;
+}
+
+/* After the step's sync: its marks' intervals into the profile (chunked: a step with prefill
+ * chunks). A backend that cannot read its marks leaves the step out, with a warning. */
+static void fwd_prof_add(kvf_model_fwd *f, bool chunked, int64_t wall_ns)
+{
+    kvf_model_fwd_prof *p = f->prof;
+    const int32_t n = f->n_marks;
+    f->n_marks = 0;
+    if (n < 2)
+        return;
+    if (f->be->prof_read) {
+        kvf_err e = {0};
+        if (f->be->prof_read(f->ctx, n, f->mark_ms, &e) != KVF_OK) {
+            kvf_log(KVF_LOG_WARN, "model: profile: step left out: %s", e.msg);
+            return;
+        }
+    } else {
+        for (int32_t i = 0; i + 1 < n; i++)
+            f->mark_ms[i] = (double)(f->mark_ns[i + 1] - f->mark_ns[i]) / 1e6;
+    }
+    const int k = chunked ? 1 : 0;
+    p->steps[k]++;
+    p->wall_ms[k] += (double)wall_ns / 1e6;
+    for (int32_t i = 0; i + 1 < n; i++) {
+        const int op = f->mark_op[i];
+        if (op < 0 || op >= KVF_FWD_OP_COUNT)
+            continue;
+        p->op_ms[k][op] += f->mark_ms[i];
+        p->op_calls[k][op]++;
+        p->step_ms[k] += f->mark_ms[i];
+    }
+}
+
 kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n_seqs,
                              void *kv_pool, int64_t n_pool_blocks, float *logits_out,
                              int32_t *next_out, kvf_err *err)
@@ -345,6 +433,9 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
         return st;
 
     /* 1. metadata to the backend: one copy (on a GPU each upload is a host wait) */
+    const int64_t t_step = f->prof ? kvf_now_ns() : 0;
+    f->n_marks = 0;
+    fwd_mark(f, KVF_FWD_OP_UPLOAD);
     be->upload(ctx, f->meta, f->h_meta, f->meta_bytes);
 
     int32_t max_pos = 0;
@@ -363,7 +454,7 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
 
     /* the ops from here to the LM head may be recorded and replayed by the backend (graphs) */
     bool replay = false;
-    if (be->step_begin) {
+    if (be->step_begin && !f->prof) {
         kvf_backend_step_key key = {.n_tokens = T, .n_seqs = n_seqs, .ctx_bucket = attn.max_ctx,
                                     .decode_only = decode_only, .kv_pool = kv_pool};
         if ((st = be->step_begin(ctx, &key, &replay, err)) != KVF_OK)
@@ -371,7 +462,7 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     }
     if (!replay)
         run_ops(f, kv_pool, T, n_seqs, &attn);
-    if (be->step_end) {
+    if (be->step_end && !f->prof) {
         bool rerun = false;
         if ((st = be->step_end(ctx, &rerun, err)) != KVF_OK) {
             if (be->sync)
@@ -385,6 +476,7 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     /* 6. outputs leave the backend: a step where some sequence draws asks the backend for
      * every next token (a greedy row as a draw among the ties at the largest logit: top_k 1,
      * u 0, the lowest such id, which is the argmax) */
+    fwd_mark(f, KVF_FWD_OP_OUTPUT);
     if (logits_out)
         be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
     bool draws = false;
@@ -403,7 +495,12 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     } else if (next_out) {
         be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
     }
-    return be->sync ? be->sync(ctx, err) : KVF_OK;
+    fwd_mark(f, KVF_FWD_OP_COUNT);
+    st = be->sync ? be->sync(ctx, err) : KVF_OK;
+    if (f->prof && st == KVF_OK)
+        fwd_prof_add(f, !decode_only, kvf_now_ns() - t_step);
+    f->n_marks = 0;
+    return st;
 }
 
 /* Issues a step's ops: embeddings, every layer, the final norm and LM head of each sequence's
@@ -418,32 +515,46 @@ static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
     int64_t dim = c->dim, hid = c->hidden_dim;
 
     /* 2. token embeddings */
+    fwd_mark(f, KVF_FWD_OP_EMBED);
     be->embed(ctx, &f->embed, f->tokens, T, f->x);
 
     for (int32_t l = 0; l < c->n_layers; l++) {
         const fwd_layer_w *L = &f->layers[l];
         /* 3. attention: norm, q/k/v, RoPE, K/V into the blocks, attention over them, o_proj */
+        fwd_mark(f, KVF_FWD_OP_NORM);
         be->rmsnorm(ctx, f->x, T, &L->attn_norm, c->norm_eps, f->xb);
+        fwd_mark(f, KVF_FWD_OP_QKV);
         be->matmul(ctx, f->xb, T, &L->wq, L->bq.data ? &L->bq : NULL, f->q);
         be->matmul(ctx, f->xb, T, &L->wk, L->bk.data ? &L->bk : NULL, f->k);
         be->matmul(ctx, f->xb, T, &L->wv, L->bv.data ? &L->bv : NULL, f->v);
+        fwd_mark(f, KVF_FWD_OP_ROPE);
         be->rope(ctx, f->q, T, c->n_heads, c->head_dim, f->cos_sin);
         be->rope(ctx, f->k, T, c->n_kv_heads, c->head_dim, f->cos_sin);
+        fwd_mark(f, KVF_FWD_OP_KV_WRITE);
         be->kv_write(ctx, kv_pool, &f->layout, l, f->k, f->v, f->slots, T);
         attn.window = kvf_model_config_window(c, l);
+        fwd_mark(f, KVF_FWD_OP_ATTENTION);
         be->attention(ctx, f->q, kv_pool, &f->layout, l, &attn, f->att);
+        fwd_mark(f, KVF_FWD_OP_O_PROJ);
         be->matmul(ctx, f->att, T, &L->wo, L->bo.data ? &L->bo : NULL, f->xb);
+        fwd_mark(f, KVF_FWD_OP_ADD);
         be->add(ctx, f->x, f->xb, T * dim);
         /* 4. MLP: norm, silu(gate) * up, down */
+        fwd_mark(f, KVF_FWD_OP_NORM);
         be->rmsnorm(ctx, f->x, T, &L->ffn_norm, c->norm_eps, f->xb);
+        fwd_mark(f, KVF_FWD_OP_GATE_UP);
         be->matmul(ctx, f->xb, T, &L->w_gate, L->b_gate.data ? &L->b_gate : NULL, f->hg);
         be->matmul(ctx, f->xb, T, &L->w_up, L->b_up.data ? &L->b_up : NULL, f->hu);
+        fwd_mark(f, KVF_FWD_OP_SWIGLU);
         be->swiglu(ctx, f->hg, f->hu, T * hid, f->hg);
+        fwd_mark(f, KVF_FWD_OP_DOWN);
         be->matmul(ctx, f->hg, T, &L->w_down, L->b_down.data ? &L->b_down : NULL, f->xb);
+        fwd_mark(f, KVF_FWD_OP_ADD);
         be->add(ctx, f->x, f->xb, T * dim);
     }
 
     /* 5. each sequence's last token: final norm, LM head, argmax */
+    fwd_mark(f, KVF_FWD_OP_LM_HEAD);
     be->gather(ctx, f->x, dim, f->last_rows, n_seqs, f->xs);
     be->rmsnorm(ctx, f->xs, n_seqs, &f->final_norm, c->norm_eps, f->xs);
     be->matmul(ctx, f->xs, n_seqs, f->lm_head, NULL, f->logits);

@@ -56,6 +56,45 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_s
                              int32_t n_seqs, void *kv_pool, int64_t n_pool_blocks,
                              float *logits_out, int32_t *next_out, kvf_err *err);
 
+/* Where steps' time goes, by kind of op. An op's time runs from its start to the next op's
+ * start, on the backend's own clock (a GPU's queue timestamps: the gaps between kernels count to
+ * the op before them); QKV is the three projections, ROPE both rotations, LM_HEAD the last
+ * tokens' gather, final norm and projection, OUTPUT the logits' download or the token choice
+ * (argmax or draw) with its wait. Decode-only steps ([0]) and steps with prefill chunks ([1])
+ * apart. */
+typedef enum kvf_fwd_op {
+    KVF_FWD_OP_UPLOAD, /* the step's metadata */
+    KVF_FWD_OP_EMBED,
+    KVF_FWD_OP_NORM, /* both RMSNorms of a layer */
+    KVF_FWD_OP_QKV,
+    KVF_FWD_OP_ROPE,
+    KVF_FWD_OP_KV_WRITE,
+    KVF_FWD_OP_ATTENTION,
+    KVF_FWD_OP_O_PROJ,
+    KVF_FWD_OP_ADD, /* both residual adds of a layer */
+    KVF_FWD_OP_GATE_UP,
+    KVF_FWD_OP_SWIGLU,
+    KVF_FWD_OP_DOWN,
+    KVF_FWD_OP_LM_HEAD,
+    KVF_FWD_OP_OUTPUT,
+    KVF_FWD_OP_COUNT
+} kvf_fwd_op;
+const char *kvf_fwd_op_name(int op);
+
+typedef struct kvf_model_fwd_prof {
+    int64_t steps[2];
+    double step_ms[2]; /* the sum of the ops' times */
+    double wall_ms[2]; /* kvf_model_forward's time on the host clock, call to return */
+    double op_ms[2][KVF_FWD_OP_COUNT];
+    int64_t op_calls[2][KVF_FWD_OP_COUNT];
+} kvf_model_fwd_prof;
+
+/* Adds every later step's times to *p (not zeroed here); NULL stops. While on, steps are not
+ * recorded as CUDA graphs (each runs op by op, so these are not graph replay's times) and each
+ * step has 12 more marks per layer in its queue. Refuses (ERR_NOMEM) only when the marks'
+ * table cannot be allocated. */
+kvf_status kvf_model_fwd_set_prof(kvf_model_fwd *f, kvf_model_fwd_prof *p, kvf_err *err);
+
 const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f);
 /* Whether kvf_model_seq.sample can be used: the backend draws tokens itself. */
 bool kvf_model_fwd_samples(const kvf_model_fwd *f);

@@ -20,14 +20,15 @@
 #   serve  gen-model --preset 1b --dtype bf16 (bounded 100 s), bench serve --device cuda:
 #          colocated vs disaggregated over cuda_ipc, short and long prompts (docs/BENCHMARKS.md
 #          "GPU end to end"; bounded 360 s), single-stream generate with bf16 KV on the simt
-#          and on the mma decode kernel (bounded 60 s each)
+#          and on the mma decode kernel (bounded 60 s each), then one with --profile (where a
+#          decode step's time goes, op by op; bounded 60 s)
 #          -> $OUT/bench-serve.log, $OUT/serve-fleet-logs.tar.gz. About 100 s on an H200.
 #   all    tests (bounded 300 s) then bench with --quick grids (90 s + 90 s + 60 s): under
 #          10 min.
 #   lease  everything in one call, for a 15-minute device lease (one machine start): tests
-#          (bounded 180 s, 100 s a test), bench with --quick grids (kvfleet 50 s, torch 45 s,
+#          (bounded 155 s, 100 s a test), bench with --quick grids (kvfleet 50 s, torch 45 s,
 #          prefill tiles 40 s, mixed step 25 s), then serve with KVF_GPU_SERVE_REQUESTS (default
-#          here 40) and bounds 60 s (gen-model), 150 s (bench serve), 25 s (generate): at most
+#          here 40) and bounds 60 s (gen-model), 150 s (bench serve), 25 s (each generate): at most
 #          ~595 s with set-up; give the call timeout_s=600 (a cut-off call still returns $OUT).
 #          93 s on an H200, plus about 30 s to start the machine: with a 15-minute lease, run
 #          `lease` first, then `bench` and `serve` at full size in a second call.
@@ -290,6 +291,10 @@ run_serve() {
                 --kv-dtype bf16 --attn-decode "$k" --max-tokens 512 --ignore-eos --json 2>&1 >/dev/null | tee -a "$log"
             [ "${PIPESTATUS[0]}" = 0 ] || [ "$rc" != 0 ] || rc=1
         done
+        say "serve: where a decode step's time goes: kvfleet generate --profile, bf16 KV, 128 tokens (bounded $one_s s)" | tee -a "$log"
+        timeout -k 10 "$one_s" kvfleet generate --device cuda --model "$m" --prompt-ids 1,2,3,4,5,6,7,8 \
+            --kv-dtype bf16 --attn-decode "$dec" --max-tokens 128 --ignore-eos --json --profile 2>&1 >/dev/null | tee -a "$log"
+        [ "${PIPESTATUS[0]}" = 0 ] || [ "$rc" != 0 ] || rc=1
     fi
     r=$(grep -E "^serve:|tokens/s" "$log" | tr '\n' ' ')
     SUMMARY+=("serve: exit $rc; ${r:-no serve: lines}; $(secs "$t"); $log")
@@ -306,7 +311,7 @@ all)
     run_bench 1 90 90 60; rb=$?
     [ "$RC" = 0 ] && RC=$rb ;;
 lease)
-    run_tests 180 100; RC=$?
+    run_tests 155 100; RC=$?
     run_bench 1 50 45 40 25; rb=$?
     [ "$RC" = 0 ] && RC=$rb
     run_serve 60 150 25 40; rb=$?

@@ -307,6 +307,80 @@ static void test_emu_fwd_recreated(void **state)
     fx_close(f);
 }
 
+/* A profiled forward pass on the CUDA backend: its marks are events on the stream, every kind of
+ * op gets its calls and a time, no step is captured or replayed while it profiles (and the
+ * steps after it stop do), and the logits equal those of a pass without it bit for bit. */
+static void test_emu_profile(void **state)
+{
+    fx *f = fx_open(models[0]);
+    const kvf_model *m = f->m;
+    const fx_case *k = &f->cases[1]; /* a 5-token prompt: one step with a chunk */
+    const int32_t vocab = m->cfg.vocab_size, L = m->cfg.n_layers;
+    int32_t table[16];
+    for (int32_t b = 0; b < 16; b++)
+        table[b] = N_POOL - 1 - 2 * b;
+    kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
+    side g, e;
+    side_open(&g, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
+    bo.no_graphs = true;
+    side_open(&e, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
+    kvf_emu_rt_stats rt0, rt1;
+    kvf_emu_rt_stats_get(&rt0);
+    kvf_model_fwd_prof p = {0};
+    kvf_err err = {0};
+    assert_int_equal(kvf_model_fwd_set_prof(g.fwd, &p, &err), KVF_OK);
+    enum { STEPS = 6 };
+    float *lg = malloc((size_t)vocab * sizeof *lg), *le = malloc((size_t)vocab * sizeof *le);
+    int32_t ng, ne, pos = k->n_prompt;
+    kvf_model_seq q = {.tokens = k->prompt, .n_tokens = k->n_prompt, .block_table = table, .n_blocks = 16};
+    for (int32_t i = 0; i < STEPS; i++) {
+        side_step(&g, &q, lg, &ng, "profiled");
+        side_step(&e, &q, le, &ne, "eager");
+        if (memcmp(lg, le, (size_t)vocab * sizeof *lg) != 0 || ng != ne)
+            fail_msg("step %d: profiled logits differ from the unprofiled pass's", i);
+        q = (kvf_model_seq){.tokens = &k->greedy[i], .n_tokens = 1, .start_pos = pos++,
+                            .block_table = table, .n_blocks = 16};
+    }
+    kvf_cuda_stats cs;
+    kvf_cuda_backend_stats(g.ctx, &cs);
+    assert_int_equal(cs.graphs_captured, 0);
+    assert_int_equal(cs.graph_replays, 0);
+    assert_int_equal(p.steps[1], 1);
+    assert_int_equal(p.steps[0], STEPS - 1);
+    for (int kk = 0; kk < 2; kk++) {
+        double sum = 0;
+        for (int op = 0; op < KVF_FWD_OP_COUNT; op++) {
+            const int64_t per = op == KVF_FWD_OP_NORM || op == KVF_FWD_OP_ADD ? 2 * L
+                                : op >= KVF_FWD_OP_QKV && op <= KVF_FWD_OP_DOWN ? L : 1;
+            assert_int_equal(p.op_calls[kk][op], per * p.steps[kk]);
+            assert_true(p.op_ms[kk][op] >= 0);
+            sum += p.op_ms[kk][op];
+        }
+        assert_true(p.step_ms[kk] > 0 && fabs(sum - p.step_ms[kk]) < 1e-6);
+    }
+    /* off again: decode steps are recorded and replayed once more */
+    assert_int_equal(kvf_model_fwd_set_prof(g.fwd, NULL, &err), KVF_OK);
+    for (int32_t i = STEPS; i < STEPS + 4; i++) {
+        side_step(&g, &q, lg, &ng, "after the profile");
+        q = (kvf_model_seq){.tokens = &k->greedy[i % f->n_new], .n_tokens = 1, .start_pos = pos++,
+                            .block_table = table, .n_blocks = 16};
+    }
+    kvf_cuda_backend_stats(g.ctx, &cs);
+    assert_true(cs.graph_replays > 0);
+    kvf_emu_rt_stats_get(&rt1);
+    if (rt1.first_problem[0] || rt1.misuses != rt0.misuses)
+        fail_msg("the emulated runtime saw a misuse: %s", rt1.first_problem);
+    print_message("profiled: %lld decode steps at %.3f ms, attention %.1f%% of them (emulated "
+                  "clock); graphs again after it: %lld replays\n", (long long)p.steps[0],
+                  p.step_ms[0] / p.steps[0], 100.0 * p.op_ms[0][KVF_FWD_OP_ATTENTION] / p.step_ms[0],
+                  (long long)cs.graph_replays);
+    free(lg);
+    free(le);
+    side_close(&g);
+    side_close(&e);
+    fx_close(f);
+}
+
 int main(void)
 {
     print_message("emulated CUDA backend: every case of every fixture model, its prefill and then "
@@ -319,6 +393,7 @@ int main(void)
         cmocka_unit_test(test_emu_fp8_scales),
         cmocka_unit_test(test_emu_failures),
         cmocka_unit_test(test_emu_fwd_recreated),
+        cmocka_unit_test(test_emu_profile),
         /* test_models.c's own GPU tests, on the emulated device */
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),

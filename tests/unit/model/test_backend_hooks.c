@@ -1,5 +1,6 @@
 /* test_backend_hooks.c: the optional parts of kvf_backend as the forward pass uses them (the
- * supports check at load, sync at the end of a step, step_begin/step_end around the ops), and
+ * supports check at load, sync at the end of a step, step_begin/step_end around the ops, step
+ * profile marks), and
  * the CPU backend's fp8-e4m3 KV with per-tensor scales (round trip, saturation, attention and a
  * fixture model against f32 KV). Host only: a wrapper over the CPU backend counts calls. */
 #include <setjmp.h>
@@ -21,6 +22,7 @@
 
 static struct {
     int supports, sync, begin, end, matmul;
+    int marks, next_mark, reads, bad_marks; /* prof_mark calls; the index due next; prof_read */
     kvf_status supports_st, sync_st;
     bool replay, rerun;
     kvf_backend_step_key last_key;
@@ -66,6 +68,25 @@ static void h_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_wei
     kvf_model_backend_cpu()->matmul(ctx, x, n, w, bias, y);
 }
 
+static void h_prof_mark(void *ctx, int32_t i)
+{
+    H.marks++;
+    if (i != H.next_mark++)
+        H.bad_marks++;
+}
+
+/* mark i to i + 1 took i + 1 ms */
+static kvf_status h_prof_read(void *ctx, int32_t n, double *ms, kvf_err *err)
+{
+    H.reads++;
+    if (n != H.next_mark)
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "test: %d marks read, %d made", n, H.next_mark);
+    for (int32_t i = 0; i + 1 < n; i++)
+        ms[i] = i + 1;
+    H.next_mark = 0;
+    return KVF_OK;
+}
+
 static const kvf_backend *hooked_backend(void)
 {
     hooked = *kvf_model_backend_cpu();
@@ -75,6 +96,8 @@ static const kvf_backend *hooked_backend(void)
     hooked.step_begin = h_begin;
     hooked.step_end = h_end;
     hooked.matmul = h_matmul;
+    hooked.prof_mark = h_prof_mark;
+    hooked.prof_read = h_prof_read;
     memset(&H, 0, sizeof H);
     return &hooked;
 }
@@ -178,6 +201,93 @@ static void test_step_hooks(void **state)
     assert_int_equal(st, KVF_ERR_INTERNAL);
     assert_non_null(strstr(err.msg, "a launch failed"));
     rig_close(&r);
+}
+
+/* A profile: marks in order, 12 per layer and 5 per step; each op kind's calls; the backend's
+ * times go to the kinds that start each interval; no step is recorded while it runs; the
+ * answer is the same. Without prof_mark (the plain CPU backend) the host clock times it. */
+static void test_profile(void **state)
+{
+    const kvf_backend *be = hooked_backend();
+    rig r;
+    kvf_err err = {0};
+    assert_int_equal(rig_open(&r, "tiny-gqa-f32", be, KVF_DTYPE_F32, 0, 0, &err), KVF_OK);
+    const int32_t L = r.m->cfg.n_layers, V = r.m->cfg.vocab_size;
+    int32_t table[5] = {3, 1, 2, 0, 4}, toks[5] = {5, 9, 11, 200, 7}, next = -1;
+    kvf_model_seq s = {.tokens = toks, .n_tokens = 5, .start_pos = 0, .block_table = table, .n_blocks = 4};
+    kvf_model_seq d = {.tokens = &toks[4], .n_tokens = 1, .start_pos = 5, .block_table = table, .n_blocks = 1};
+    float *plain = malloc((size_t)V * sizeof *plain), *prof_l = malloc((size_t)V * sizeof *prof_l);
+    assert_int_equal(kvf_model_forward(r.fwd, &s, 1, r.pool, RIG_POOL, NULL, &next, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(r.fwd, &d, 1, r.pool, RIG_POOL, plain, &next, &err), KVF_OK);
+    assert_int_equal(H.marks, 0);
+    assert_int_equal(H.begin, 2);
+
+    kvf_model_fwd_prof p = {0};
+    assert_int_equal(kvf_model_fwd_set_prof(r.fwd, &p, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(r.fwd, &s, 1, r.pool, RIG_POOL, NULL, &next, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(r.fwd, &d, 1, r.pool, RIG_POOL, prof_l, &next, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(r.fwd, &d, 1, r.pool, RIG_POOL, NULL, &next, &err), KVF_OK);
+    assert_memory_equal(plain, prof_l, (size_t)V * sizeof *plain);
+    assert_int_equal(H.begin, 2); /* nothing recorded while profiling */
+    assert_int_equal(H.end, 2);
+    const int n = 12 * L + 5;
+    assert_int_equal(H.marks, 3 * n);
+    assert_int_equal(H.bad_marks, 0);
+    assert_int_equal(H.reads, 3);
+    assert_int_equal(p.steps[1], 1); /* the 5-token prefill */
+    assert_int_equal(p.steps[0], 2);
+    for (int k = 0; k < 2; k++) {
+        const int64_t st = p.steps[k];
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_UPLOAD], st);
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_EMBED], st);
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_NORM], 2 * L * st);
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_ADD], 2 * L * st);
+        for (int op = KVF_FWD_OP_QKV; op <= KVF_FWD_OP_DOWN; op++)
+            if (op != KVF_FWD_OP_ADD)
+                assert_int_equal(p.op_calls[k][op], L * st);
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_LM_HEAD], st);
+        assert_int_equal(p.op_calls[k][KVF_FWD_OP_OUTPUT], st);
+        /* intervals 1 .. n-1 ms per step; upload is the first (1 ms), output the last */
+        double sum = 0;
+        for (int op = 0; op < KVF_FWD_OP_COUNT; op++)
+            sum += p.op_ms[k][op];
+        assert_true(fabs(p.step_ms[k] - st * (n - 1) * n / 2.0) < 1e-9);
+        assert_true(fabs(sum - p.step_ms[k]) < 1e-9);
+        assert_true(fabs(p.op_ms[k][KVF_FWD_OP_UPLOAD] - st * 1.0) < 1e-9);
+        assert_true(fabs(p.op_ms[k][KVF_FWD_OP_OUTPUT] - st * (n - 1.0)) < 1e-9);
+        assert_true(fabs(p.op_ms[k][KVF_FWD_OP_EMBED] - st * 2.0) < 1e-9);
+        assert_true(p.wall_ms[k] > 0);
+    }
+    assert_int_equal(kvf_model_fwd_set_prof(r.fwd, NULL, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(r.fwd, &d, 1, r.pool, RIG_POOL, NULL, &next, &err), KVF_OK);
+    assert_int_equal(H.marks, 3 * n);
+    assert_int_equal(H.begin, 3);
+    rig_close(&r);
+
+    /* the host clock: every op kind timed, the sum is the step */
+    rig c;
+    assert_int_equal(rig_open(&c, "tiny-gqa-f32", kvf_model_backend_cpu(), KVF_DTYPE_F32, 0, 0, &err), KVF_OK);
+    kvf_model_fwd_prof q = {0};
+    assert_int_equal(kvf_model_fwd_set_prof(c.fwd, &q, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(c.fwd, &s, 1, c.pool, RIG_POOL, NULL, &next, &err), KVF_OK);
+    assert_int_equal(kvf_model_forward(c.fwd, &d, 1, c.pool, RIG_POOL, prof_l, &next, &err), KVF_OK);
+    assert_memory_equal(plain, prof_l, (size_t)V * sizeof *plain);
+    for (int k = 0; k < 2; k++) {
+        double sum = 0;
+        assert_int_equal(q.steps[k], 1);
+        for (int op = 0; op < KVF_FWD_OP_COUNT; op++) {
+            assert_true(q.op_ms[k][op] >= 0);
+            assert_true(q.op_calls[k][op] > 0);
+            sum += q.op_ms[k][op];
+        }
+        assert_true(fabs(sum - q.step_ms[k]) < 1e-6);
+        assert_true(q.step_ms[k] > 0 && q.step_ms[k] <= q.wall_ms[k] + 1e-6);
+    }
+    assert_string_equal(kvf_fwd_op_name(KVF_FWD_OP_GATE_UP), "gate_up_proj");
+    assert_string_equal(kvf_fwd_op_name(KVF_FWD_OP_COUNT), "?");
+    rig_close(&c);
+    free(plain);
+    free(prof_l);
 }
 
 /* ---- fp8 KV with scales on the CPU backend */
@@ -329,6 +439,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_supports_refusal),
         cmocka_unit_test(test_step_hooks),
+        cmocka_unit_test(test_profile),
         cmocka_unit_test(test_fp8_scale_round_trip),
         cmocka_unit_test(test_fp8_attention),
         cmocka_unit_test(test_fp8_forward),
