@@ -228,17 +228,46 @@ struct attn_part {
     int kvh, ng;     /* KV head, and the chunk's real query heads (<= gc) */
     int p0, n;       /* the partition's visible positions: p0 .. p0 + n - 1 */
     int b0;          /* the block of position p0 (blk_s[i] is block b0 + i) */
+    int nb;          /* blocks the partition touches: b0 .. b0 + nb - 1 */
+    const int32_t *bt; /* the token's sequence's block table */
     int64_t th0, w0; /* (token, first head of the chunk) as a row of q and out; as a workspace
                       * row (by token, or by sequence with lone 1: blockIdx.x either way) */
 };
 
+/* A partition's block ids per thread: nb <= ATTN_PART_MAX + 1 over the CTA's threads. */
+constexpr int ATTN_BT_REGS = (ATTN_PART_MAX + 1 + ATTN_NT - 1) / ATTN_NT;
+
+/* Issues the loads of the partition's block ids into registers, so a kernel can issue its query
+ * loads before they arrive (both wait out one memory latency together, not one after the other);
+ * attn_part_blocks_store then puts them in blk_s (the caller syncs before reading it). */
+__device__ __forceinline__ void attn_part_blocks_load(const attn_part &w,
+                                                      int32_t (&bv)[ATTN_BT_REGS])
+{
+#pragma unroll
+    for (int k = 0; k < ATTN_BT_REGS; k++) {
+        const int i = threadIdx.x + k * ATTN_NT;
+        bv[k] = i < w.nb ? w.bt[w.b0 + i] : 0;
+    }
+}
+
+__device__ __forceinline__ void attn_part_blocks_store(const attn_part &w,
+                                                       const int32_t (&bv)[ATTN_BT_REGS],
+                                                       int32_t *blk_s)
+{
+#pragma unroll
+    for (int k = 0; k < ATTN_BT_REGS; k++) {
+        const int i = threadIdx.x + k * ATTN_NT;
+        if (i < w.nb)
+            blk_s[i] = bv[k];
+    }
+}
+
 /* The start of a partition kernel's CTA of gc heads and head_dim hd: false when it has nothing
  * to do (another launch serves the token, the token is outside [0, max_ctx), or it sees nothing
  * of the partition; the reduce skips such partitions). An unsplit call's token outside
- * [0, max_ctx) gets its zeros here (the reduce writes them when split). Puts the partition's
- * block ids in blk_s; the caller syncs before reading them. */
-__device__ __forceinline__ bool attn_part_begin(const attn_args &a, int gc, int hd, int32_t *blk_s,
-                                                attn_part &w)
+ * [0, max_ctx) gets its zeros here (the reduce writes them when split). The partition's
+ * block ids are the caller's to load (attn_part_blocks_load). */
+__device__ __forceinline__ bool attn_part_begin(const attn_args &a, int gc, int hd, attn_part &w)
 {
     const int t = attn_token(a), part = blockIdx.z, tid = threadIdx.x;
     if (t < 0)
@@ -249,6 +278,7 @@ __device__ __forceinline__ bool attn_part_begin(const attn_args &a, int gc, int 
     w.th0 = (int64_t)t * a.n_heads + (int64_t)w.kvh * a.group + g0;
     w.w0 = (int64_t)blockIdx.x * a.n_heads + (int64_t)w.kvh * a.group + g0;
     const int pos = a.tok_pos[t];
+    const int seq = a.tok_seq[t]; /* loaded beside pos (token t's entry exists either way) */
     if (pos < 0 || pos >= a.max_ctx) { /* outside the contract: zeros, never a wild read */
         if (a.parts == 1)
             for (int i = tid; i < w.ng * hd; i += ATTN_NT)
@@ -262,10 +292,8 @@ __device__ __forceinline__ bool attn_part_begin(const attn_args &a, int gc, int 
         return false; /* nothing visible here */
     w.n = p1 - w.p0;
     w.b0 = w.p0 >> a.log2_bs;
-    const int nb = ((p1 - 1) >> a.log2_bs) - w.b0 + 1;
-    const int32_t *bt = a.block_tables + (int64_t)a.tok_seq[t] * a.max_blocks;
-    for (int i = tid; i < nb; i += ATTN_NT)
-        blk_s[i] = bt[w.b0 + i];
+    w.nb = ((p1 - 1) >> a.log2_bs) - w.b0 + 1;
+    w.bt = a.block_tables + (int64_t)seq * a.max_blocks;
     return true;
 }
 
@@ -291,13 +319,16 @@ __global__ void __launch_bounds__(ATTN_NT) attn_part_kernel(const attn_args a)
     __shared__ float m_s[GC], l_s[GC];
 
     attn_part c;
-    if (!attn_part_begin(a, GC, HD, blk_s, c))
+    if (!attn_part_begin(a, GC, HD, c))
         return;
     const int part = blockIdx.z, tid = threadIdx.x, ng = c.ng, n = c.n, p0 = c.p0, b0 = c.b0;
     const int64_t th0 = c.th0, w0 = c.w0;
     const int bs = 1 << a.log2_bs, kvh = c.kvh;
+    int32_t bv[ATTN_BT_REGS];
+    attn_part_blocks_load(c, bv); /* in flight while the query loads below are */
     for (int i = tid; i < GC * HD; i += ATTN_NT)
         q_s[i] = i / HD < ng ? a.q[th0 * HD + i] * a.q_mul : 0.0f;
+    attn_part_blocks_store(c, bv, blk_s);
     __syncthreads();
 
     const int grp = tid / TG, r = tid % TG, warp = tid / 32, lane = tid % 32;
@@ -1166,10 +1197,12 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
     __shared__ float m_s[ATTN_NW][ATTN_GMAX], l_s[ATTN_NW][ATTN_GMAX];
 
     attn_part c;
-    if (!attn_part_begin(a, ATTN_GMAX, HD, blk_s, c))
+    if (!attn_part_begin(a, ATTN_GMAX, HD, c))
         return;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q = lane % 4;
     const int n = c.n, ng = c.ng, bs = 1 << a.log2_bs;
+    int32_t bv[ATTN_BT_REGS];
+    attn_part_blocks_load(c, bv); /* in flight while the query loads below are */
 
     /* the scaled query of head g at lane (g, q)'s K dims, as its A fragment words, hi and lo
      * (every warp's lane (g, q) reads the same: shared memory, not 32 registers a lane) */
@@ -1188,6 +1221,7 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
         q_s[0][i][x % 32] = make_uint4(h[0], h[1], h[2], h[3]);
         q_s[1][i][x % 32] = make_uint4(l[0], l[1], l[2], l[3]);
     }
+    attn_part_blocks_store(c, bv, blk_s);
     __syncthreads(); /* blk_s, q_s */
 
     const int64_t k_off = a.layer_off + (int64_t)c.kvh * bs * ROW, v_off = k_off + a.slab_bytes;
