@@ -1358,6 +1358,7 @@ __global__ void __launch_bounds__(ATTN_NT, 4) attn_dec_kernel(const attn_args a)
 
 constexpr int ATTN_RED_NT = 256; /* the reduce's threads per block */
 constexpr int ATTN_RED_NW = ATTN_RED_NT / 32;
+constexpr int ATTN_RED_PRE = 4; /* partitions a reduce thread loads ahead (see below) */
 
 /* v combined (max, or sum) over the reduce block; every thread gets the same result (the warps'
  * values in warp order). sh: ATTN_RED_NW floats of shared memory not in use. */
@@ -1396,8 +1397,9 @@ template <int V> __device__ __forceinline__ void attn_red_load(const float *p, f
  * few load latencies, not one per partition: the block takes the max of m and the sum of the
  * weights w_p over its threads, then thread tid sums w_p * o_p over the columns
  * [c V, c V + V), c = tid % (hd / V), of partitions pa + r, pa + r + R, ... (r = tid / (hd / V),
- * R rows of threads), and the rows' sums meet in shared memory in row order. V = 4 where the
- * partials and the output are 16-byte aligned (attn_reduce_fn), else 1. */
+ * R rows of threads; the first ATTN_RED_PRE of them loaded before the max), and the rows' sums
+ * meet in shared memory in row order. V = 4 where the partials and the output are 16-byte
+ * aligned (attn_reduce_fn), else 1. */
 template <int V> __global__ void __launch_bounds__(ATTN_RED_NT) attn_reduce_kernel(const attn_args a, int hd)
 {
     __shared__ float red_s[2][ATTN_RED_NW];
@@ -1415,18 +1417,45 @@ template <int V> __global__ void __launch_bounds__(ATTN_RED_NT) attn_reduce_kern
     }
     const int pa = attn_lo(pos, a.window) / a.part_len, pb = pos / a.part_len;
     const int64_t base = ((int64_t)blockIdx.x * a.n_heads + h) * a.parts; /* workspace row */
-    float mx = -INFINITY;
-    for (int p = pa + tid; p <= pb; p += ATTN_RED_NT)
+    const int cols = hd / V, rows = ATTN_RED_NT / cols, r = tid / cols, c = tid % cols;
+    /* the first ATTN_RED_PRE partitions of this thread's row, loaded before the max and the
+     * weights are known, so their latency is the max's */
+    float pre[ATTN_RED_PRE][V];
+#pragma unroll
+    for (int u = 0; u < ATTN_RED_PRE; u++) {
+        const int p = pa + r + u * rows;
+        if (r < rows && p <= pb) {
+            attn_red_load<V>(a.ws_o + (base + p) * hd + c * V, pre[u]);
+        } else {
+            for (int e = 0; e < V; e++)
+                pre[u][e] = 0.0f;
+        }
+    }
+    /* the max, then the sum of the weights (the first ATTN_RED_NT partitions' m and l loaded
+     * together) */
+    const bool own = pa + tid <= pb;
+    const float m0 = own ? a.ws_m[base + pa + tid] : -INFINITY;
+    const float l0 = own ? a.ws_l[base + pa + tid] : 0.0f;
+    float mx = m0;
+    for (int p = pa + tid + ATTN_RED_NT; p <= pb; p += ATTN_RED_NT)
         mx = fmaxf(mx, a.ws_m[base + p]);
     mx = attn_red_all<true>(mx, red_s[0]);
-    float ws = 0.0f;
-    for (int p = pa + tid; p <= pb; p += ATTN_RED_NT)
+    float ws = own ? l0 * exp2f(m0 - mx) : 0.0f;
+    for (int p = pa + tid + ATTN_RED_NT; p <= pb; p += ATTN_RED_NT)
         ws += a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
     const float wsum = attn_red_all<false>(ws, red_s[1]);
-    const int cols = hd / V, rows = ATTN_RED_NT / cols, r = tid / cols, c = tid % cols;
     if (r < rows) {
         float acc[V] = {};
-        for (int p = pa + r; p <= pb; p += rows) {
+#pragma unroll
+        for (int u = 0; u < ATTN_RED_PRE; u++) {
+            const int p = pa + r + u * rows;
+            if (p <= pb) {
+                const float w = a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
+                for (int e = 0; e < V; e++)
+                    acc[e] += w * pre[u][e];
+            }
+        }
+        for (int p = pa + r + ATTN_RED_PRE * rows; p <= pb; p += rows) {
             const float w = a.ws_l[base + p] * exp2f(a.ws_m[base + p] - mx);
             float v[V];
             attn_red_load<V>(a.ws_o + (base + p) * hd + c * V, v);
