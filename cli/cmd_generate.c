@@ -80,11 +80,11 @@ static void print_profile(const kvf_model_fwd_prof *p, const char *device)
         const double n = (double)p->steps[k];
         const bool gpu = strcmp(device, "cpu") != 0;
         fprintf(stderr,
-                "kvfleet: profile of %lld %s on %s, op by op%s: %.3f ms a step (%s clock), "
+                "kvfleet: profile of %lld %s on %s, op by op%s: %.3f ms a step in its ops (%s), "
                 "%.3f ms from call to return (host clock)\n",
                 (long long)p->steps[k], kinds[k], device,
                 gpu ? " (no CUDA graph replay while profiling)" : "", p->step_ms[k] / n,
-                gpu ? "the GPU's queue" : "host", p->wall_ms[k] / n);
+                gpu ? "the GPU's queue clock" : "host clock", p->wall_ms[k] / n);
         fprintf(stderr, "  %-14s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share",
                 "us/call");
         for (int op = 0; op < KVF_FWD_OP_COUNT; op++) {
