@@ -413,37 +413,36 @@ static cudaDataType_t blas_type(kvf_dtype d)
     return d == KVF_DTYPE_BF16 ? CUDA_R_16BF : d == KVF_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
-/* y[n][rows] = x[n][cols] @ W^T. Row-major W[rows][cols] is column-major W^T, so cuBLAS
- * computes Y^T (rows x n) = op_T(W as cols x rows) * X^T (cols x n), f32 accumulate. */
-static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
+/* x[n][cols] as the GEMM's input for weights of dtype dt: x itself for f32 weights, else x
+ * converted into c->conv; NULL after recording a failure. */
+static const void *matmul_input(cuda_ctx *c, const float *x, int64_t n, int64_t cols, kvf_dtype dt)
+{
+    if (dt == KVF_DTYPE_F32)
+        return x;
+    size_t need = (size_t)n * (size_t)cols * kvf_dtype_size(dt);
+    if (!grow(c, &c->conv, &c->conv_bytes, need, "cuda backend: matmul conversion", true))
+        return NULL;
+    kvf_cuda_convert_params cp = {};
+    cp.src = x;
+    cp.src_dtype = KVF_DTYPE_F32;
+    cp.dst = c->conv;
+    cp.dst_dtype = dt;
+    cp.n = n * cols;
+    kvf_err e = {};
+    kvf_status st = kvf_cuda_convert(&cp, c->stream, &e);
+    if (st != KVF_OK) {
+        record(c, st, &e);
+        return NULL;
+    }
+    return c->conv;
+}
+
+/* y[n][rows] = b[n][cols] @ W^T (+ bias), b already in W's dtype (matmul_input). Row-major
+ * W[rows][cols] is column-major W^T, so cuBLAS computes Y^T (rows x n) = op_T(W as cols x rows)
+ * * B^T (cols x n), f32 accumulate. */
+static void matmul_gemm(cuda_ctx *c, const void *b, int64_t n, const kvf_backend_weight *w,
                         const kvf_backend_weight *bias, float *y)
 {
-    cuda_ctx *c = (cuda_ctx *)ctx;
-    if (n <= 0)
-        return;
-    if (n > 0x7fffffff || w->rows > 0x7fffffff || w->cols > 0x7fffffff) {
-        record_msg(c, KVF_ERR_INVALID, "cuda backend: matmul: a dimension exceeds 2^31-1");
-        return;
-    }
-    const void *b = x;
-    if (w->dtype != KVF_DTYPE_F32) {
-        size_t need = (size_t)n * (size_t)w->cols * kvf_dtype_size(w->dtype);
-        if (!grow(c, &c->conv, &c->conv_bytes, need, "cuda backend: matmul conversion", true))
-            return;
-        kvf_cuda_convert_params cp = {};
-        cp.src = x;
-        cp.src_dtype = KVF_DTYPE_F32;
-        cp.dst = c->conv;
-        cp.dst_dtype = w->dtype;
-        cp.n = n * w->cols;
-        kvf_err e = {};
-        kvf_status st = kvf_cuda_convert(&cp, c->stream, &e);
-        if (st != KVF_OK) {
-            record(c, st, &e);
-            return;
-        }
-        b = c->conv;
-    }
     const float alpha = 1.0f, beta = 0.0f;
     cudaDataType_t t = blas_type(w->dtype);
     cublasStatus_t s = cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)w->rows, (int)n,
@@ -462,6 +461,48 @@ static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_
         bp.n = n;
         bp.rows = w->rows;
         LAUNCH(c, kvf_cuda_bias_add(&bp, c->stream, &e_));
+    }
+}
+
+static bool matmul_dims_ok(cuda_ctx *c, int64_t n, const kvf_backend_weight *w)
+{
+    if (n > 0x7fffffff || w->rows > 0x7fffffff || w->cols > 0x7fffffff) {
+        record_msg(c, KVF_ERR_INVALID, "cuda backend: matmul: a dimension exceeds 2^31-1");
+        return false;
+    }
+    return true;
+}
+
+/* y[n][rows] = x[n][cols] @ W^T: x converted to W's dtype when W is half precision. */
+static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
+                        const kvf_backend_weight *bias, float *y)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (n <= 0 || !matmul_dims_ok(c, n, w))
+        return;
+    const void *b = matmul_input(c, x, n, w->cols, w->dtype);
+    if (b)
+        matmul_gemm(c, b, n, w, bias, y);
+}
+
+/* Several weights on one x: x converted once per run of weights that share a dtype and width
+ * (in a model: all of them), then a GEMM each. */
+static void cuda_matmul_multi(void *ctx, const float *x, int64_t n, int32_t count,
+                              const kvf_backend_weight *const *w,
+                              const kvf_backend_weight *const *bias, float *const *y)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (n <= 0)
+        return;
+    const void *b = NULL;
+    for (int32_t i = 0; i < count; i++) {
+        if (!matmul_dims_ok(c, n, w[i]))
+            return;
+        if (i == 0 || w[i]->dtype != w[i - 1]->dtype || w[i]->cols != w[i - 1]->cols)
+            b = matmul_input(c, x, n, w[i]->cols, w[i]->dtype);
+        if (!b)
+            return;
+        matmul_gemm(c, b, n, w[i], bias[i], y[i]);
     }
 }
 
@@ -826,6 +867,7 @@ static const kvf_backend kvf_cuda_backend_ops = {
     .step_begin = cuda_step_begin,
     .step_end = cuda_step_end,
     .sample = kvf_cuda_sample,
+    .matmul_multi = cuda_matmul_multi,
     .prof_mark = cuda_prof_mark,
     .prof_read = cuda_prof_read,
 };

@@ -189,6 +189,13 @@ typedef struct kvf_backend {
     kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
                          const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
                          kvf_err *err);
+    /* y[i] = x @ w[i]^T (+ bias[i], which may be NULL) for i < count: the same as count matmul
+     * calls, bit for bit, with the work on x shared (a GPU converts x to the weights' dtype once
+     * instead of count times); no y[i] overlaps x. The forward pass uses it for q/k/v and for
+     * gate/up. NULL: count matmul calls. */
+    void (*matmul_multi)(void *ctx, const float *x, int64_t n, int32_t count,
+                         const kvf_backend_weight *const *w, const kvf_backend_weight *const *bias,
+                         float *const *y);
     /* Step profiles (kvf_model_fwd_set_prof). prof_mark queues timestamp i behind every op
      * issued before it (a failure is recorded, as for ops); after sync, prof_read writes the
      * milliseconds from mark i to mark i + 1 into ms_out[i], i < n - 1. The forward pass

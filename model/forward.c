@@ -503,6 +503,19 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     return st;
 }
 
+/* y[i] = x @ w[i]^T (+ b[i]) for i < count: one matmul_multi where the backend has it. */
+static void fwd_matmuls(kvf_model_fwd *f, const float *x, int64_t n, int32_t count,
+                        const kvf_backend_weight *const *w, const kvf_backend_weight *const *b,
+                        float *const *y)
+{
+    if (f->be->matmul_multi) {
+        f->be->matmul_multi(f->ctx, x, n, count, w, b, y);
+        return;
+    }
+    for (int32_t i = 0; i < count; i++)
+        f->be->matmul(f->ctx, x, n, w[i], b[i], y[i]);
+}
+
 /* Issues a step's ops: embeddings, every layer, the final norm and LM head of each sequence's
  * last token into f->logits. No upload, download or host wait (a backend may record them). */
 static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
@@ -524,9 +537,11 @@ static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
         fwd_mark(f, KVF_FWD_OP_NORM);
         be->rmsnorm(ctx, f->x, T, &L->attn_norm, c->norm_eps, f->xb);
         fwd_mark(f, KVF_FWD_OP_QKV);
-        be->matmul(ctx, f->xb, T, &L->wq, L->bq.data ? &L->bq : NULL, f->q);
-        be->matmul(ctx, f->xb, T, &L->wk, L->bk.data ? &L->bk : NULL, f->k);
-        be->matmul(ctx, f->xb, T, &L->wv, L->bv.data ? &L->bv : NULL, f->v);
+        fwd_matmuls(f, f->xb, T, 3, (const kvf_backend_weight *const[]){&L->wq, &L->wk, &L->wv},
+                    (const kvf_backend_weight *const[]){L->bq.data ? &L->bq : NULL,
+                                                        L->bk.data ? &L->bk : NULL,
+                                                        L->bv.data ? &L->bv : NULL},
+                    (float *const[]){f->q, f->k, f->v});
         fwd_mark(f, KVF_FWD_OP_ROPE);
         be->rope(ctx, f->q, T, c->n_heads, c->head_dim, f->cos_sin);
         be->rope(ctx, f->k, T, c->n_kv_heads, c->head_dim, f->cos_sin);
@@ -543,8 +558,10 @@ static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
         fwd_mark(f, KVF_FWD_OP_NORM);
         be->rmsnorm(ctx, f->x, T, &L->ffn_norm, c->norm_eps, f->xb);
         fwd_mark(f, KVF_FWD_OP_GATE_UP);
-        be->matmul(ctx, f->xb, T, &L->w_gate, L->b_gate.data ? &L->b_gate : NULL, f->hg);
-        be->matmul(ctx, f->xb, T, &L->w_up, L->b_up.data ? &L->b_up : NULL, f->hu);
+        fwd_matmuls(f, f->xb, T, 2, (const kvf_backend_weight *const[]){&L->w_gate, &L->w_up},
+                    (const kvf_backend_weight *const[]){L->b_gate.data ? &L->b_gate : NULL,
+                                                        L->b_up.data ? &L->b_up : NULL},
+                    (float *const[]){f->hg, f->hu});
         fwd_mark(f, KVF_FWD_OP_SWIGLU);
         be->swiglu(ctx, f->hg, f->hu, T * hid, f->hg);
         fwd_mark(f, KVF_FWD_OP_DOWN);

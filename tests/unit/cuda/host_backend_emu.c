@@ -381,6 +381,49 @@ static void test_emu_profile(void **state)
     fx_close(f);
 }
 
+/* matmul_multi on the CUDA backend: with bf16 matrices a step converts each layer's input to
+ * q/k/v and to gate/up once (3 conversion launches fewer a layer than matmul by matmul), runs the
+ * same GEMMs, and gives the same logits bit for bit. */
+static void test_emu_matmul_multi(void **state)
+{
+    fx *f = fx_open(models[0]);
+    const kvf_model *m = f->m;
+    const fx_case *k = &f->cases[1];
+    const int32_t vocab = m->cfg.vocab_size, L = m->cfg.n_layers;
+    int32_t table[16];
+    for (int32_t b = 0; b < 16; b++)
+        table[b] = N_POOL - 1 - 2 * b;
+    static kvf_backend single; /* the CUDA backend without matmul_multi */
+    single = *kvf_cuda_backend();
+    single.matmul_multi = NULL;
+    kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_BF16, .no_graphs = true};
+    side g, s1;
+    side_open(&g, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
+    side_open(&s1, &single, m, &bo, KVF_DTYPE_F32);
+    float *lg = malloc((size_t)vocab * sizeof *lg), *ls = malloc((size_t)vocab * sizeof *ls);
+    int32_t ng, ns, pos = k->n_prompt;
+    kvf_model_seq q = {.tokens = k->prompt, .n_tokens = k->n_prompt, .block_table = table, .n_blocks = 16};
+    for (int32_t i = 0; i < 3; i++) {
+        kvf_emu_rt_stats a0, a1, b1;
+        kvf_emu_rt_stats_get(&a0);
+        side_step(&g, &q, lg, &ng, "matmul_multi");
+        kvf_emu_rt_stats_get(&a1);
+        side_step(&s1, &q, ls, &ns, "matmul by matmul");
+        kvf_emu_rt_stats_get(&b1);
+        if (memcmp(lg, ls, (size_t)vocab * sizeof *lg) != 0 || ng != ns)
+            fail_msg("step %d: matmul_multi's logits differ from matmul by matmul's", i);
+        assert_int_equal(a1.gemms - a0.gemms, b1.gemms - a1.gemms);
+        assert_int_equal((b1.launches - a1.launches) - (a1.launches - a0.launches), 3 * L);
+        q = (kvf_model_seq){.tokens = &k->greedy[i], .n_tokens = 1, .start_pos = pos++,
+                            .block_table = table, .n_blocks = 16};
+    }
+    free(lg);
+    free(ls);
+    side_close(&g);
+    side_close(&s1);
+    fx_close(f);
+}
+
 int main(void)
 {
     print_message("emulated CUDA backend: every case of every fixture model, its prefill and then "
@@ -394,6 +437,7 @@ int main(void)
         cmocka_unit_test(test_emu_failures),
         cmocka_unit_test(test_emu_fwd_recreated),
         cmocka_unit_test(test_emu_profile),
+        cmocka_unit_test(test_emu_matmul_multi),
         /* test_models.c's own GPU tests, on the emulated device */
         cmocka_unit_test(test_forward_f32_weights),
         cmocka_unit_test(test_forward_bf16),

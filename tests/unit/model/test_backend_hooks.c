@@ -23,6 +23,7 @@
 static struct {
     int supports, sync, begin, end, matmul;
     int marks, next_mark, reads, bad_marks; /* prof_mark calls; the index due next; prof_read */
+    int multi, multi_mats;                  /* matmul_multi calls and their matrices */
     kvf_status supports_st, sync_st;
     bool replay, rerun;
     kvf_backend_step_key last_key;
@@ -66,6 +67,16 @@ static void h_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_wei
 {
     H.matmul++;
     kvf_model_backend_cpu()->matmul(ctx, x, n, w, bias, y);
+}
+
+static void h_matmul_multi(void *ctx, const float *x, int64_t n, int32_t count,
+                           const kvf_backend_weight *const *w, const kvf_backend_weight *const *b,
+                           float *const *y)
+{
+    H.multi++;
+    H.multi_mats += count;
+    for (int32_t i = 0; i < count; i++)
+        kvf_model_backend_cpu()->matmul(ctx, x, n, w[i], b[i], y[i]);
 }
 
 static void h_prof_mark(void *ctx, int32_t i)
@@ -290,6 +301,33 @@ static void test_profile(void **state)
     free(prof_l);
 }
 
+/* With matmul_multi the forward pass hands it q/k/v and gate/up (2 calls, 5 matrices a layer)
+ * and the rest to matmul; the logits are the same as without it. */
+static void test_matmul_multi(void **state)
+{
+    const kvf_backend *be = hooked_backend();
+    rig r;
+    kvf_err err = {0};
+    assert_int_equal(rig_open(&r, "tiny-gqa-f32", be, KVF_DTYPE_F32, 0, 0, &err), KVF_OK);
+    const int32_t L = r.m->cfg.n_layers, V = r.m->cfg.vocab_size;
+    int32_t table[4] = {3, 1, 2, 0}, toks[5] = {5, 9, 11, 200, 7}, next = -1;
+    kvf_model_seq s = {.tokens = toks, .n_tokens = 5, .start_pos = 0, .block_table = table, .n_blocks = 4};
+    float *with = malloc((size_t)V * sizeof *with), *without = malloc((size_t)V * sizeof *without);
+    hooked.matmul_multi = h_matmul_multi;
+    assert_int_equal(kvf_model_forward(r.fwd, &s, 1, r.pool, RIG_POOL, with, &next, &err), KVF_OK);
+    assert_int_equal(H.multi, 2 * L);
+    assert_int_equal(H.multi_mats, 5 * L);
+    assert_int_equal(H.matmul, 2 * L + 1); /* o_proj, down_proj, the LM head */
+    hooked.matmul_multi = NULL;
+    assert_int_equal(kvf_model_forward(r.fwd, &s, 1, r.pool, RIG_POOL, without, &next, &err), KVF_OK);
+    assert_int_equal(H.multi, 2 * L);
+    assert_int_equal(H.matmul, 2 * L + 1 + 7 * L + 1);
+    assert_memory_equal(with, without, (size_t)V * sizeof *with);
+    free(with);
+    free(without);
+    rig_close(&r);
+}
+
 /* ---- fp8 KV with scales on the CPU backend */
 
 static float rnd(uint64_t *s)
@@ -440,6 +478,7 @@ int main(void)
         cmocka_unit_test(test_supports_refusal),
         cmocka_unit_test(test_step_hooks),
         cmocka_unit_test(test_profile),
+        cmocka_unit_test(test_matmul_multi),
         cmocka_unit_test(test_fp8_scale_round_trip),
         cmocka_unit_test(test_fp8_attention),
         cmocka_unit_test(test_fp8_forward),
