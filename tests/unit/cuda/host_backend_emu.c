@@ -19,6 +19,13 @@ static const char *mname(int32_t md)
     return md == KVF_BACKEND_MATRIX_F32 ? "f32" : md == KVF_BACKEND_MATRIX_F16 ? "f16" : "bf16";
 }
 
+/* a block table scattered over the pool: reversed, every other block */
+static void scatter_table(int32_t table[16])
+{
+    for (int32_t b = 0; b < 16; b++)
+        table[b] = N_POOL - 1 - 2 * b;
+}
+
 static void side_step(side *s, const kvf_model_seq *q, float *logits, int32_t *next, const char *what)
 {
     kvf_err err = {0};
@@ -52,8 +59,7 @@ static void check_model(const char *name, int32_t matrix_dtype, kvf_dtype kv, fl
     float *lg = malloc((size_t)vocab * sizeof *lg), *le = malloc((size_t)vocab * sizeof *le),
           *lc = malloc((size_t)vocab * sizeof *lc);
     int32_t table[16];
-    for (int32_t b = 0; b < 16; b++) /* scattered: reversed, every other block */
-        table[b] = N_POOL - 1 - 2 * b;
+    scatter_table(table);
     double worst_cpu = 0, worst_fx = 0, worst_cpu_fx = 0;
     int tokens_equal = 0, tokens_skipped = 0, steps = 0;
     for (int32_t ci = 0; ci < f->n_cases; ci++) {
@@ -192,8 +198,7 @@ static void test_emu_failures(void **state)
     const kvf_model *m = f->m;
     const fx_case *k = &f->cases[1];
     int32_t vocab = m->cfg.vocab_size, table[16];
-    for (int32_t b = 0; b < 16; b++)
-        table[b] = N_POOL - 1 - 2 * b;
+    scatter_table(table);
     kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
     kvf_backend_opts bo_cpu = {0};
     side g, cpu;
@@ -258,8 +263,7 @@ static void test_emu_fwd_recreated(void **state)
     const kvf_model *m = f->m;
     const fx_case *k = &f->cases[1];
     int32_t vocab = m->cfg.vocab_size, table[16];
-    for (int32_t b = 0; b < 16; b++)
-        table[b] = N_POOL - 1 - 2 * b;
+    scatter_table(table);
     kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
     kvf_backend_opts bo_cpu = {0};
     side g, cpu;
@@ -317,8 +321,7 @@ static void test_emu_profile(void **state)
     const fx_case *k = &f->cases[1]; /* a 5-token prompt: one step with a chunk */
     const int32_t vocab = m->cfg.vocab_size, L = m->cfg.n_layers;
     int32_t table[16];
-    for (int32_t b = 0; b < 16; b++)
-        table[b] = N_POOL - 1 - 2 * b;
+    scatter_table(table);
     kvf_backend_opts bo = {.matrix_dtype = KVF_BACKEND_MATRIX_F32};
     side g, e;
     side_open(&g, kvf_cuda_backend(), m, &bo, KVF_DTYPE_F32);
@@ -391,8 +394,7 @@ static void test_emu_matmul_multi(void **state)
     const fx_case *k = &f->cases[1];
     const int32_t vocab = m->cfg.vocab_size, L = m->cfg.n_layers;
     int32_t table[16];
-    for (int32_t b = 0; b < 16; b++)
-        table[b] = N_POOL - 1 - 2 * b;
+    scatter_table(table);
     static kvf_backend single; /* the CUDA backend without matmul_multi */
     single = *kvf_cuda_backend();
     single.matmul_multi = NULL;
