@@ -26,7 +26,7 @@
 #   all    tests (bounded 300 s) then bench with --quick grids (90 s + 90 s + 60 s): under
 #          10 min.
 #   lease  everything in one call, for a 15-minute device lease (one machine start): tests
-#          (bounded 155 s, 100 s a test), bench with --quick grids (kvfleet 50 s, torch 45 s,
+#          (bounded 150 s, 100 s a test), bench with --quick grids (kvfleet 50 s, torch 45 s,
 #          prefill tiles 40 s, mixed step 25 s), then serve with KVF_GPU_SERVE_REQUESTS (default
 #          here 40) and bounds 60 s (gen-model), 150 s (bench serve), 25 s (each generate): at most
 #          ~595 s with set-up; give the call timeout_s=600 (a cut-off call still returns $OUT).
@@ -311,7 +311,7 @@ all)
     run_bench 1 90 90 60; rb=$?
     [ "$RC" = 0 ] && RC=$rb ;;
 lease)
-    run_tests 155 100; RC=$?
+    run_tests 150 100; RC=$?
     run_bench 1 50 45 40 25; rb=$?
     [ "$RC" = 0 ] && RC=$rb
     run_serve 60 150 25 40; rb=$?
