@@ -73,7 +73,8 @@ static const kvf_cfg_spec gen_spec = {
 /* --profile's table on stderr: per kind of step, each kind of op's share of the step. */
 static void print_profile(const kvf_model_fwd_prof *p, const char *device)
 {
-    static const char *const kinds[2] = {"decode steps", "steps with prefill chunks"};
+    static const char *const kinds[2][2] = {{"decode step", "decode steps"},
+                                            {"step with prefill chunks", "steps with prefill chunks"}};
     for (int k = 0; k < 2; k++) {
         if (p->steps[k] == 0)
             continue;
@@ -82,7 +83,7 @@ static void print_profile(const kvf_model_fwd_prof *p, const char *device)
         fprintf(stderr,
                 "kvfleet: profile of %lld %s on %s, op by op%s: %.3f ms a step in its ops (%s), "
                 "%.3f ms from call to return (host clock)\n",
-                (long long)p->steps[k], kinds[k], device,
+                (long long)p->steps[k], kinds[k][p->steps[k] != 1], device,
                 gpu ? " (no CUDA graph replay while profiling)" : "", p->step_ms[k] / n,
                 gpu ? "the GPU's queue clock" : "host clock", p->wall_ms[k] / n);
         fprintf(stderr, "  %-14s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share",

@@ -29,7 +29,7 @@ prof=$("$KVF_BIN" generate --model "$fx" --prompt-ids "$ids1" --max-tokens "$n" 
 expect_eq "profiled greedy equals the fixture" "$(json_get "$prof" "j['output_ids']")" "$want1"
 perr=$(cat "$tmp/prof.err")
 expect_contains "profile of the decode steps" "$perr" "kvfleet: profile of $((n - 1)) decode steps on cpu, op by op"
-expect_contains "profile of the prefill" "$perr" "kvfleet: profile of 1 steps with prefill chunks on cpu"
+expect_contains "profile of the prefill" "$perr" "kvfleet: profile of 1 step with prefill chunks on cpu"
 grep -Eq "^  attention +2\.0 +[0-9.]+ +[0-9.]+% +[0-9.]+$" "$tmp/prof.err" || fail "profile: an attention row, 2 calls a step (2 layers)"
 pass "profile: an attention row"
 
