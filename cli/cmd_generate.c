@@ -78,13 +78,13 @@ static void print_profile(const kvf_model_fwd_prof *p, const char *device)
     for (int k = 0; k < 2; k++) {
         if (p->steps[k] == 0)
             continue;
-        const double n = (double)p->steps[k];
+        const double n = (double)p->steps[k], step_ms = kvf_model_fwd_prof_ms(p, k);
         const bool gpu = strcmp(device, "cpu") != 0;
         fprintf(stderr,
                 "kvfleet: profile of %lld %s on %s, op by op%s: %.3f ms a step in its ops (%s), "
                 "%.3f ms from call to return (host clock)\n",
                 (long long)p->steps[k], kinds[k][p->steps[k] != 1], device,
-                gpu ? " (no CUDA graph replay while profiling)" : "", p->step_ms[k] / n,
+                gpu ? " (no CUDA graph replay while profiling)" : "", step_ms / n,
                 gpu ? "the GPU's queue clock" : "host clock", p->wall_ms[k] / n);
         fprintf(stderr, "  %-14s %10s %10s %8s %10s\n", "op", "calls/step", "ms/step", "share",
                 "us/call");
@@ -93,7 +93,7 @@ static void print_profile(const kvf_model_fwd_prof *p, const char *device)
                 continue;
             fprintf(stderr, "  %-14s %10.1f %10.4f %7.1f%% %10.2f\n", kvf_fwd_op_name(op),
                     (double)p->op_calls[k][op] / n, p->op_ms[k][op] / n,
-                    p->step_ms[k] > 0 ? 100.0 * p->op_ms[k][op] / p->step_ms[k] : 0.0,
+                    step_ms > 0 ? 100.0 * p->op_ms[k][op] / step_ms : 0.0,
                     1e3 * p->op_ms[k][op] / (double)p->op_calls[k][op]);
         }
     }

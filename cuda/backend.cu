@@ -464,29 +464,8 @@ static void matmul_gemm(cuda_ctx *c, const void *b, int64_t n, const kvf_backend
     }
 }
 
-static bool matmul_dims_ok(cuda_ctx *c, int64_t n, const kvf_backend_weight *w)
-{
-    if (n > 0x7fffffff || w->rows > 0x7fffffff || w->cols > 0x7fffffff) {
-        record_msg(c, KVF_ERR_INVALID, "cuda backend: matmul: a dimension exceeds 2^31-1");
-        return false;
-    }
-    return true;
-}
-
-/* y[n][rows] = x[n][cols] @ W^T: x converted to W's dtype when W is half precision. */
-static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
-                        const kvf_backend_weight *bias, float *y)
-{
-    cuda_ctx *c = (cuda_ctx *)ctx;
-    if (n <= 0 || !matmul_dims_ok(c, n, w))
-        return;
-    const void *b = matmul_input(c, x, n, w->cols, w->dtype);
-    if (b)
-        matmul_gemm(c, b, n, w, bias, y);
-}
-
-/* Several weights on one x: x converted once per run of weights that share a dtype and width
- * (in a model: all of them), then a GEMM each. */
+/* Several weights on one x: x converted to their dtype once per run of weights that share a
+ * dtype and width (in a model: all of them), then a GEMM each. */
 static void cuda_matmul_multi(void *ctx, const float *x, int64_t n, int32_t count,
                               const kvf_backend_weight *const *w,
                               const kvf_backend_weight *const *bias, float *const *y)
@@ -496,14 +475,23 @@ static void cuda_matmul_multi(void *ctx, const float *x, int64_t n, int32_t coun
         return;
     const void *b = NULL;
     for (int32_t i = 0; i < count; i++) {
-        if (!matmul_dims_ok(c, n, w[i]))
+        if (n > 0x7fffffff || w[i]->rows > 0x7fffffff || w[i]->cols > 0x7fffffff) {
+            record_msg(c, KVF_ERR_INVALID, "cuda backend: matmul: a dimension exceeds 2^31-1");
             return;
+        }
         if (i == 0 || w[i]->dtype != w[i - 1]->dtype || w[i]->cols != w[i - 1]->cols)
             b = matmul_input(c, x, n, w[i]->cols, w[i]->dtype);
         if (!b)
             return;
         matmul_gemm(c, b, n, w[i], bias[i], y[i]);
     }
+}
+
+/* y[n][rows] = x[n][cols] @ W^T: x converted to W's dtype when W is half precision. */
+static void cuda_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
+                        const kvf_backend_weight *bias, float *y)
+{
+    cuda_matmul_multi(ctx, x, n, 1, &w, &bias, &y);
 }
 
 static void cuda_rmsnorm(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,

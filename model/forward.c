@@ -408,14 +408,18 @@ static void fwd_prof_add(kvf_model_fwd *f, bool chunked, int64_t wall_ns)
     const int k = chunked ? 1 : 0;
     p->steps[k]++;
     p->wall_ms[k] += (double)wall_ns / 1e6;
-    for (int32_t i = 0; i + 1 < n; i++) {
-        const int op = f->mark_op[i];
-        if (op < 0 || op >= KVF_FWD_OP_COUNT)
-            continue;
-        p->op_ms[k][op] += f->mark_ms[i];
-        p->op_calls[k][op]++;
-        p->step_ms[k] += f->mark_ms[i];
+    for (int32_t i = 0; i + 1 < n; i++) { /* mark n - 1, the end, starts no op */
+        p->op_ms[k][f->mark_op[i]] += f->mark_ms[i];
+        p->op_calls[k][f->mark_op[i]]++;
     }
+}
+
+double kvf_model_fwd_prof_ms(const kvf_model_fwd_prof *p, int k)
+{
+    double ms = 0;
+    for (int op = 0; op < KVF_FWD_OP_COUNT; op++)
+        ms += p->op_ms[k][op];
+    return ms;
 }
 
 kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_t n_seqs,

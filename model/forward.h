@@ -83,7 +83,6 @@ const char *kvf_fwd_op_name(int op);
 
 typedef struct kvf_model_fwd_prof {
     int64_t steps[2];
-    double step_ms[2]; /* the sum of the ops' times */
     double wall_ms[2]; /* kvf_model_forward's time on the host clock, call to return */
     double op_ms[2][KVF_FWD_OP_COUNT];
     int64_t op_calls[2][KVF_FWD_OP_COUNT];
@@ -94,6 +93,8 @@ typedef struct kvf_model_fwd_prof {
  * step has 12 more marks per layer in its queue. Refuses (ERR_NOMEM) only when the marks'
  * table cannot be allocated. */
 kvf_status kvf_model_fwd_set_prof(kvf_model_fwd *f, kvf_model_fwd_prof *p, kvf_err *err);
+/* The ops' milliseconds summed over kind of op, for steps of kind k (0 or 1). */
+double kvf_model_fwd_prof_ms(const kvf_model_fwd_prof *p, int k);
 
 const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f);
 /* Whether kvf_model_seq.sample can be used: the backend draws tokens itself. */
