@@ -200,24 +200,26 @@ static bool attn_keep_4k(const attn_row *r)
     return r->ctx >= 4096;
 }
 
+/* bytes per second: decode kernel j (K+V read), the copy (read + written), the bare read */
+static double attn_bw(const attn_row *r, int j) { return r->kv_bytes / (r->attn_ms[j] * 1e-3); }
+static double attn_copy_bw(const attn_row *r) { return 2 * r->copy_bytes / (r->copy_ms * 1e-3); }
+static double attn_read_bw(const attn_row *r) { return r->copy_bytes / (r->read_ms * 1e-3); }
+
 /* attention bandwidth / copy bandwidth */
 static double attn_ratio(const attn_row *r, int j, const void *ctx)
 {
     (void)ctx;
-    return (r->kv_bytes / (r->attn_ms[j] * 1e-3)) / (2 * r->copy_bytes / (r->copy_ms * 1e-3));
+    return attn_bw(r, j) / attn_copy_bw(r);
 }
 
 /* the bare read's bandwidth / copy bandwidth: the most a single kernel reading the KV gets */
-static double attn_read_ratio(const attn_row *r)
-{
-    return (r->copy_bytes / (r->read_ms * 1e-3)) / (2 * r->copy_bytes / (r->copy_ms * 1e-3));
-}
+static double attn_read_ratio(const attn_row *r) { return attn_read_bw(r) / attn_copy_bw(r); }
 
 /* attention bandwidth / the bare read's bandwidth */
 static double attn_vs_read(const attn_row *r, int j, const void *ctx)
 {
     (void)ctx;
-    return (r->kv_bytes / (r->attn_ms[j] * 1e-3)) / (r->copy_bytes / (r->read_ms * 1e-3));
+    return attn_bw(r, j) / attn_read_bw(r);
 }
 
 static double attn_speedup(const attn_row *r, int j, const void *ctx)
@@ -468,10 +470,9 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
                         r->ctx);
                 for (int j = 0; j < ks->n; j++)
                     fprintf(stderr, " %s %.1f us %.0f GB/s,", kvf_backend_attn_decode_name(ks->k[j]),
-                            r->attn_ms[j] * 1e3, r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9);
-                fprintf(stderr, " copy %.0f GB/s, read %.0f GB/s\n",
-                        2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9,
-                        r->copy_bytes / (r->read_ms * 1e-3) / 1e9);
+                            r->attn_ms[j] * 1e3, attn_bw(r, j) / 1e9);
+                fprintf(stderr, " copy %.0f GB/s, read %.0f GB/s\n", attn_copy_bw(r) / 1e9,
+                        attn_read_bw(r) / 1e9);
             }
         }
 
@@ -502,11 +503,11 @@ static int attn_bench_run(const attn_bench_cfg *c, const kvf_kv_layout *l,
             printf(" %10s\n", "skipped");
             continue;
         }
-        printf(" %10.0f %10.0f %10.3f", 2 * r->copy_bytes / (r->copy_ms * 1e-3) / 1e9,
-               r->copy_bytes / (r->read_ms * 1e-3) / 1e9, attn_read_ratio(r));
+        printf(" %10.0f %10.0f %10.3f", attn_copy_bw(r) / 1e9, attn_read_bw(r) / 1e9,
+               attn_read_ratio(r));
         for (int j = 0; j < ks->n; j++)
-            printf(" %10.1f %10.0f %10.3f", r->attn_ms[j] * 1e3,
-                   r->kv_bytes / (r->attn_ms[j] * 1e-3) / 1e9, attn_ratio(r, j, NULL));
+            printf(" %10.1f %10.0f %10.3f", r->attn_ms[j] * 1e3, attn_bw(r, j) / 1e9,
+                   attn_ratio(r, j, NULL));
         printf("\n");
     }
     printf("\n");
