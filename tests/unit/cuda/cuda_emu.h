@@ -16,6 +16,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -248,6 +249,39 @@ inline int amax(int *p, int v)
     return old;
 }
 
+/* __ldg(p): *p, and where p is not aligned to its type (a 16-byte float4 or uint4 load at an
+ * address off 16, say: "misaligned address" on the GPU, where x86 just loads it) the first such
+ * load of a launch is noted, and the launch fails the test once its grid has run (not from
+ * inside a fiber, whose stack a longjmp would leave). */
+inline char ldg_fault[160];
+
+template <typename T> inline T ldg(const T *p)
+{
+    if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0) {
+        char expect = 0;
+        char msg[sizeof ldg_fault];
+        snprintf(msg, sizeof msg, "__ldg of %zu bytes at %p: not %zu-byte aligned (block %u,%u,%u thread %u)",
+                 sizeof(T), static_cast<const void *>(p), alignof(T), bid.x, bid.y, bid.z, lin_tid());
+        if (__atomic_compare_exchange_n(&ldg_fault[0], &expect, 'x', false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            memcpy(ldg_fault, msg, sizeof msg);
+        T v;
+        memcpy(&v, p, sizeof v);
+        return v;
+    }
+    return *p;
+}
+
+/* fails the test with the launch's first misaligned __ldg, if any (outside every fiber) */
+inline void ldg_fault_check(const char *who)
+{
+    if (ldg_fault[0]) {
+        char msg[sizeof ldg_fault];
+        memcpy(msg, ldg_fault, sizeof msg);
+        ldg_fault[0] = 0;
+        fail_msg("%s: %s", who, msg);
+    }
+}
+
 /* ---- launching a grid: CTAs one after another, each CTA's threads at once */
 struct launch_arg {
     const std::function<void()> *body;
@@ -293,6 +327,7 @@ inline void launch(idx3 grid, unsigned nt, size_t stack_bytes, const std::functi
     pthread_attr_destroy(&attr);
     delete[] th;
     delete[] args;
+    ldg_fault_check("launch");
 }
 /* a fiber's first frame: run the body, then say so and go back to the scheduler for good */
 inline void fiber_entry()
@@ -409,6 +444,7 @@ inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
                 }
                 in_fiber = false;
             }
+    ldg_fault_check("launch_fibers");
 }
 } /* namespace emu */
 
@@ -429,7 +465,7 @@ inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
 #define __syncthreads() emu::syncthreads()
 #define __shfl_xor_sync(mask, v, o) emu::shfl_xor((v), (o))
 #define __shfl_sync(mask, v, s) emu::shfl_idx((v), (s))
-#define __ldg(p) (*(p))
+#define __ldg(p) emu::ldg(p)
 #define __uint_as_float(u) emu::u2f(u)
 #define __float_as_uint(f) emu::f2u(f)
 #define atomicMax(p, v) emu::amax((p), (v))
