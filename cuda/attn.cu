@@ -849,7 +849,7 @@ template <int N> __device__ __forceinline__ void attn_frag_zero(float (&f)[N][4]
 __device__ __forceinline__ void attn_cp16(void *dst, const void *src)
 {
 #ifdef KVF_CUDA_EMU_DEVICE
-    memcpy(dst, src, 16);
+    emu::cp16(dst, src);
 #else
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
@@ -1381,7 +1381,7 @@ template <bool MAX> __device__ __forceinline__ float attn_red_all(float v, float
 template <int V> __device__ __forceinline__ void attn_red_load(const float *p, float (&v)[V])
 {
     if constexpr (V == 4) {
-        const float4 x = *reinterpret_cast<const float4 *>(p);
+        const float4 x = __ldg(reinterpret_cast<const float4 *>(p));
         v[0] = x.x;
         v[1] = x.y;
         v[2] = x.z;

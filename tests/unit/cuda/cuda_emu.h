@@ -249,21 +249,30 @@ inline int amax(int *p, int v)
     return old;
 }
 
-/* __ldg(p): *p, and where p is not aligned to its type (a 16-byte float4 or uint4 load at an
- * address off 16, say: "misaligned address" on the GPU, where x86 just loads it) the first such
- * load of a launch is noted, and the launch fails the test once its grid has run (not from
- * inside a fiber, whose stack a longjmp would leave). */
-inline char ldg_fault[160];
+/* Vector accesses the GPU wants aligned (a 16-byte float4 or uint4 __ldg, a cp.async of 16
+ * bytes: "misaligned address" on the GPU, where x86 just does it): the first misaligned one of
+ * a launch is noted, and the launch fails the test once its grid has run (not from inside a
+ * fiber, whose stack a longjmp would leave). */
+inline char align_fault[160];
 
+/* whether p is aligned to `align`; if not, notes it (what: the access) */
+inline bool aligned_or_note(const void *p, size_t align, size_t bytes, const char *what)
+{
+    if (reinterpret_cast<uintptr_t>(p) % align == 0)
+        return true;
+    char expect = 0;
+    char msg[sizeof align_fault];
+    snprintf(msg, sizeof msg, "%s of %zu bytes at %p: not %zu-byte aligned (block %u,%u,%u thread %u)",
+             what, bytes, p, align, bid.x, bid.y, bid.z, lin_tid());
+    if (__atomic_compare_exchange_n(&align_fault[0], &expect, 'x', false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+        memcpy(align_fault, msg, sizeof msg);
+    return false;
+}
+
+/* __ldg(p): *p, checked for alignment to T */
 template <typename T> inline T ldg(const T *p)
 {
-    if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0) {
-        char expect = 0;
-        char msg[sizeof ldg_fault];
-        snprintf(msg, sizeof msg, "__ldg of %zu bytes at %p: not %zu-byte aligned (block %u,%u,%u thread %u)",
-                 sizeof(T), static_cast<const void *>(p), alignof(T), bid.x, bid.y, bid.z, lin_tid());
-        if (__atomic_compare_exchange_n(&ldg_fault[0], &expect, 'x', false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-            memcpy(ldg_fault, msg, sizeof msg);
+    if (!aligned_or_note(p, alignof(T), sizeof(T), "__ldg")) {
         T v;
         memcpy(&v, p, sizeof v);
         return v;
@@ -271,13 +280,21 @@ template <typename T> inline T ldg(const T *p)
     return *p;
 }
 
-/* fails the test with the launch's first misaligned __ldg, if any (outside every fiber) */
-inline void ldg_fault_check(const char *who)
+/* cp.async of 16 bytes global -> shared: a copy, both ends checked */
+inline void cp16(void *dst, const void *src)
 {
-    if (ldg_fault[0]) {
-        char msg[sizeof ldg_fault];
-        memcpy(msg, ldg_fault, sizeof msg);
-        ldg_fault[0] = 0;
+    aligned_or_note(src, 16, 16, "cp.async source");
+    aligned_or_note(dst, 16, 16, "cp.async destination");
+    memcpy(dst, src, 16);
+}
+
+/* fails the test with the launch's first misaligned access, if any (outside every fiber) */
+inline void align_fault_check(const char *who)
+{
+    if (align_fault[0]) {
+        char msg[sizeof align_fault];
+        memcpy(msg, align_fault, sizeof msg);
+        align_fault[0] = 0;
         fail_msg("%s: %s", who, msg);
     }
 }
@@ -327,7 +344,7 @@ inline void launch(idx3 grid, unsigned nt, size_t stack_bytes, const std::functi
     pthread_attr_destroy(&attr);
     delete[] th;
     delete[] args;
-    ldg_fault_check("launch");
+    align_fault_check("launch");
 }
 /* a fiber's first frame: run the body, then say so and go back to the scheduler for good */
 inline void fiber_entry()
@@ -444,7 +461,7 @@ inline void launch_fibers(idx3 grid, idx3 block, size_t stack_bytes,
                 }
                 in_fiber = false;
             }
-    ldg_fault_check("launch_fibers");
+    align_fault_check("launch_fibers");
 }
 } /* namespace emu */
 
