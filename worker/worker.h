@@ -102,8 +102,8 @@ typedef struct kvf_worker_cfg {
      "ucx, cuda_ipc (GPU pools on one node) or local (one process only, tests)",                 \
      offsetof(kvf_worker_cfg, transport), KVF_CFG_STR},                                          \
     {"attn-decode", "auto", "with --device cuda: the kernel decode tokens' attention runs on: " \
-     "auto (the build's default, simt today), simt, or mma (tensor cores; f16 or bf16 KV at "  \
-     "head_dim 64 or 128, simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR}, \
+     "auto (the build's default, simt today), simt, or mma (tensor cores; f16, bf16 or fp8 KV " \
+     "at head_dim 64 or 128, simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR}, \
     {"xfer-backend", NULL, "the KV transport, as --transport (this name wins when both are set)", \
      offsetof(kvf_worker_cfg, xfer_backend), KVF_CFG_STR},                                       \
     {"xfer-gpu-staging", NULL, "with --device cuda and ucx: move KV through a pinned host mirror " \

@@ -68,16 +68,16 @@ static kvf_status emu_attention(const kvf_cuda_attn_params *p, kvf_err *err)
 static const double emu_atol[KVF_DTYPE_COUNT] = {5e-5, 5e-5, 5e-5, 1e-4};
 static const double emu_rtol[KVF_DTYPE_COUNT] = {2e-4, 2e-4, 2e-4, 5e-4};
 
+/* floats by which the emulated call's output is moved off the allocation's 16-byte alignment
+ * (1: the reduce takes its one-float loads, attn_reduce_fn) */
+static int emu_out_shift = 0;
+
 /* Runs one case through the emulated kernels; compares with the CPU backend and the
  * reference. tiles: n_seqs given, so a case with prefill chunks runs its chunks on a tile kernel
  * and its split, and its decode tokens on the partition kernel by sequence (attn_plan);
  * otherwise n_seqs 0, the partition kernel for every token. bad_pos >= 0 moves that token past
  * max_ctx (it must get zeros). Rows no token may read are NaN (attn_case_poison_unseen), so a
  * read past a row or past a sequence shows. */
-/* floats by which the emulated call's output is moved off the allocation's 16-byte alignment
- * (1: the reduce takes its one-float loads, attn_reduce_fn) */
-static int emu_out_shift = 0;
-
 static void emu_case_as(const attn_case_spec *s, int32_t bad_pos, bool tiles, int32_t dec)
 {
     attn_case c;
@@ -209,6 +209,33 @@ static void test_reduce_many_parts(void **state)
     emu_out_shift = 0;
 }
 
+/* The emulation's own alignment check (cuda_emu.h): an aligned 16-byte __ldg passes unnoted, a
+ * misaligned one is noted (and still reads the right bytes), and so is a cp.async with a
+ * misaligned end (a launch fails its test with the note: align_fault_check). */
+static void test_emu_align_check(void **state)
+{
+    (void)state;
+    alignas(16) static uint8_t buf[64];
+    for (int i = 0; i < 64; i++)
+        buf[i] = (uint8_t)i;
+    emu::align_fault[0] = 0;
+    const uint4 a = __ldg(reinterpret_cast<const uint4 *>(buf + 16));
+    assert_int_equal(emu::align_fault[0], 0);
+    assert_int_equal(a.x, 0x13121110u);
+    const uint4 b = __ldg(reinterpret_cast<const uint4 *>(buf + 8));
+    assert_int_equal(b.x, 0x0b0a0908u);
+    assert_non_null(strstr(emu::align_fault, "__ldg of 16 bytes"));
+    assert_non_null(strstr(emu::align_fault, "not 16-byte aligned"));
+    emu::align_fault[0] = 0;
+    alignas(16) uint8_t dst[32];
+    emu::cp16(dst, buf + 32);
+    assert_int_equal(emu::align_fault[0], 0);
+    emu::cp16(dst + 4, buf + 32);
+    assert_non_null(strstr(emu::align_fault, "cp.async destination"));
+    assert_int_equal(dst[4], 32);
+    emu::align_fault[0] = 0;
+}
+
 /* One partition (max_ctx <= 256): output written directly; prefill chunks mixed with decode
  * tokens over shared and scattered blocks. */
 static void test_single_partition_kernels(void **state)
@@ -333,6 +360,7 @@ static void test_bad_position(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_emu_align_check),
         cmocka_unit_test(test_single_partition_kernels),
         cmocka_unit_test(test_split_kernels),
         cmocka_unit_test(test_reduce_many_parts),
