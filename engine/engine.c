@@ -29,6 +29,8 @@ typedef enum seq_state {
     SEQ_REMOTE,    /* holds the prompt's blocks while another process writes them */
     SEQ_HELD,      /* a given-up remote prefill whose writer may still write: its blocks stay
                     * referenced (never handed out, never registered) until released */
+    SEQ_KEPT,      /* a prefill-only request, prefilled: its blocks stay referenced until
+                    * kvf_engine_release_kept (its full ones are registered already) */
     SEQ_FINISHED,  /* released; its last output is pending or just reported */
 } seq_state;
 
@@ -50,6 +52,9 @@ typedef struct eng_seq {
     bool pending; /* an output made outside a step, reported by the next step */
     int32_t pend_token;
     int32_t n_hit_blocks;  /* remote: leading blocks that were prefix-cache hits */
+    bool prefill_only;     /* kvf_engine_request.prefill_only: KEPT after its first token */
+    int64_t n_cached;      /* prompt tokens served by the prefix cache at the last admission */
+    int64_t admitted_ns;   /* first admission (kvf_now_ns), 0 before */
     int64_t hold_until_ns; /* HELD: released at this kvf_now_ns() time at the latest */
 } eng_seq;
 
@@ -132,6 +137,7 @@ const char *kvf_engine_finish_name(kvf_engine_finish f)
     case KVF_ENGINE_FINISH_LENGTH: return "length";
     case KVF_ENGINE_FINISH_CANCELLED: return "cancelled";
     case KVF_ENGINE_FINISH_ERROR: return "error";
+    case KVF_ENGINE_FINISH_PREFILLED: return "prefilled";
     }
     return "?";
 }
@@ -360,9 +366,19 @@ static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool wi
     }
 }
 
-/* Appends a sampled token, checks the finish conditions and reports it. */
+/* Appends a sampled token, checks the finish conditions and reports it. A prefill-only
+ * request's first token is reported and its blocks kept instead. */
 static void take_token(kvf_engine *e, eng_seq *s, int32_t tok)
 {
+    if (s->prefill_only) {
+        s->n_generated++;
+        s->state = SEQ_KEPT;
+        emit(e, s, tok, KVF_ENGINE_FINISH_PREFILLED);
+        kvf_log(KVF_LOG_DEBUG, "engine: req %llu: prefilled (%d tokens, %lld cached); %d blocks "
+                "kept", (unsigned long long)s->id, s->n_prompt, (long long)s->n_cached,
+                s->kv.n_blocks);
+        return;
+    }
     s->tokens[s->n_tokens++] = tok;
     s->n_generated++;
     kvf_engine_finish fin = KVF_ENGINE_FINISH_NONE;
@@ -466,6 +482,9 @@ static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: %d stop ids and %d eos ids "
                            "(0 to %d of each allowed)", (unsigned long long)r->id, p->n_stop,
                            p->n_eos, KVF_ENGINE_MAX_STOP);
+    if (r->prefill_only && p->n != 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n %d with prefill_only is not "
+                           "allowed (use 1)", (unsigned long long)r->id, p->n);
     if (find_live(e, r->id))
         return kvf_err_set(err, KVF_ERR_EXISTS, "engine: req %llu is already live",
                            (unsigned long long)r->id);
@@ -500,6 +519,7 @@ static kvf_status enqueue(kvf_engine *e, const kvf_engine_request *r, eng_seq **
         s->parent = got == 0 ? -1 : first;
         s->arrival = arrival;
         s->sp = r->sampling;
+        s->prefill_only = r->prefill_only;
         s->root = root;
         kvf_engine_rng_seed(&s->rng, r->sampling.seed, (uint64_t)got);
         s->n_prompt = r->n_prompt;
@@ -547,8 +567,8 @@ kvf_status kvf_engine_cancel(kvf_engine *e, uint64_t id, kvf_err *err)
         if (s->id != id || s->state == SEQ_FREE || s->state == SEQ_HELD)
             continue; /* a held request leaves only through a release (kvf_engine_hold) */
         found = true;
-        if (s->state != SEQ_FINISHED)
-            finish_seq(e, s, KVF_ENGINE_FINISH_CANCELLED, true);
+        if (s->state != SEQ_FINISHED) /* a kept request reported its last output already */
+            finish_seq(e, s, KVF_ENGINE_FINISH_CANCELLED, s->state != SEQ_KEPT);
     }
     if (!found)
         return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: cancel: req %llu is not live",
@@ -693,6 +713,53 @@ int32_t kvf_engine_release_expired(kvf_engine *e, int64_t now_ns)
     if (n > 0 && !e->in_step)
         reclaim(e);
     return n;
+}
+
+kvf_status kvf_engine_release_kept(kvf_engine *e, uint64_t id, int32_t *n_blocks_out,
+                                   kvf_err *err)
+{
+    eng_seq *s = e ? find_live(e, id) : NULL;
+    if (!s || s->state != SEQ_KEPT)
+        return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: release_kept: req %llu is not kept",
+                           (unsigned long long)id);
+    if (n_blocks_out)
+        *n_blocks_out = s->kv.n_blocks;
+    kv_release(s);
+    s->state = SEQ_FINISHED;
+    s->finish = KVF_ENGINE_FINISH_PREFILLED;
+    e->st.finished++;
+    if (!e->in_step)
+        reclaim(e);
+    return KVF_OK;
+}
+
+kvf_status kvf_engine_req_info_get(const kvf_engine *e, uint64_t id, kvf_engine_req_info *out,
+                                   kvf_err *err)
+{
+    const eng_seq *s = NULL;
+    for (int32_t i = 0; i < e->n_order && !s; i++) {
+        const eng_seq *c = &e->seqs[e->order[i]];
+        if (c->id == id && c->index == 0 && c->state != SEQ_FREE)
+            s = c;
+    }
+    if (!s)
+        return kvf_err_set(err, KVF_ERR_NOT_FOUND, "engine: req %llu is not live",
+                           (unsigned long long)id);
+    kvf_engine_req_state st = KVF_ENGINE_REQ_QUEUED;
+    switch (s->state) {
+    case SEQ_RUNNING: st = KVF_ENGINE_REQ_RUNNING; break;
+    case SEQ_REMOTE: st = KVF_ENGINE_REQ_REMOTE; break;
+    case SEQ_KEPT: st = KVF_ENGINE_REQ_KEPT; break;
+    case SEQ_HELD: st = KVF_ENGINE_REQ_HELD; break;
+    case SEQ_FINISHED: st = KVF_ENGINE_REQ_FINISHED; break;
+    default: break;
+    }
+    bool kv = s->kv_live;
+    *out = (kvf_engine_req_info){.state = st, .n_computed = s->n_computed,
+                                 .n_cached = s->n_cached, .admitted_ns = s->admitted_ns,
+                                 .blocks = kv ? s->kv.blocks : NULL,
+                                 .n_blocks = kv ? s->kv.n_blocks : 0};
+    return KVF_OK;
 }
 
 /* ---- preemption -------------------------------------------------------------------------- */
@@ -914,6 +981,9 @@ static void schedule(kvf_engine *e)
             hit = 0;
         }
         s->n_computed = (int32_t)hit;
+        s->n_cached = hit;
+        if (!s->admitted_ns)
+            s->admitted_ns = kvf_now_ns();
         e->st.prefix_hit_tokens += hit;
         c = s->n_tokens - hit < budget ? s->n_tokens - hit : budget;
         s->state = SEQ_RUNNING;
@@ -957,12 +1027,13 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     flush_pending(e);
     release_expired(e, t_step);
     schedule(e);
+    e->st.last_step_seqs = 0;
     kvf_status st = KVF_OK;
     if (e->n_set == 0) {
         /* nothing runs: a lone sequence that cannot be admitted would wait forever */
-        /* (held blocks come back by their deadline at the latest: wait for them) */
+        /* (held and kept blocks come back when released: wait for them) */
         if (count_state(e, SEQ_RUNNING) == 0 && count_state(e, SEQ_REMOTE) == 0 &&
-            count_state(e, SEQ_HELD) == 0) {
+            count_state(e, SEQ_HELD) == 0 && count_state(e, SEQ_KEPT) == 0) {
             for (int32_t i = 0; i < e->n_order; i++) {
                 eng_seq *s = slot_seq(e, e->order[i]);
                 if (s->state == SEQ_WAITING || s->state == SEQ_SWAPPED) {
@@ -1024,6 +1095,7 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     if (st != KVF_OK)
         goto fail;
     e->st.steps++;
+    e->st.last_step_seqs = e->n_set;
     for (int32_t i = 0; i < e->n_set; i++) {
         eng_seq *s = slot_seq(e, e->set[i]);
         if (e->set_n[i] == 1 && s->n_generated > 0)
@@ -1070,8 +1142,9 @@ bool kvf_engine_busy(const kvf_engine *e)
         const eng_seq *s = &e->seqs[e->order[i]];
         if (s->pending)
             return true;
-        /* a held sequence has nothing to compute: it waits for a release, not for steps */
-        if (s->state != SEQ_FREE && s->state != SEQ_FINISHED && s->state != SEQ_HELD)
+        /* a held or kept sequence has nothing to compute: it waits for a release */
+        if (s->state != SEQ_FREE && s->state != SEQ_FINISHED && s->state != SEQ_HELD &&
+            s->state != SEQ_KEPT)
             return true;
     }
     return false;
@@ -1084,13 +1157,15 @@ void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out)
     out->waiting = count_state(e, SEQ_WAITING);
     out->swapped = count_state(e, SEQ_SWAPPED);
     out->remote = count_state(e, SEQ_REMOTE);
-    out->held = 0;
-    out->held_blocks = 0;
+    out->held = out->held_blocks = out->kept = out->kept_blocks = 0;
     for (int32_t i = 0; i < e->n_order; i++) {
         const eng_seq *s = &e->seqs[e->order[i]];
         if (s->state == SEQ_HELD) {
             out->held++;
             out->held_blocks += s->kv.n_blocks;
+        } else if (s->state == SEQ_KEPT) {
+            out->kept++;
+            out->kept_blocks += s->kv.n_blocks;
         }
     }
     kvf_kv_pool_stats ps;
@@ -1123,6 +1198,10 @@ kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err)
         else if (s->state == SEQ_HELD && (!s->kv_live || s->kv.state != KVF_KV_SEQ_ACTIVE))
             st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: held but its blocks "
                              "were released", (unsigned long long)s->id);
+        else if (s->state == SEQ_KEPT && (!s->kv_live || s->kv.n_tokens != s->n_prompt))
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: kept with %lld positions "
+                             "in its table for a prompt of %d", (unsigned long long)s->id,
+                             s->kv_live ? (long long)s->kv.n_tokens : -1LL, s->n_prompt);
         else if (s->state == SEQ_HELD && s->kv.n_hashed != s->n_hit_blocks)
             st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: held with %d registered "
                              "blocks but only %d were prefix-cache hits", (unsigned long long)s->id,

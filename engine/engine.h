@@ -2,8 +2,10 @@
  * and leave the running batch every step, a token budget per step with chunked prefill,
  * admission only when a step's blocks can all be allocated, preemption of the newest sequence
  * (recompute or swap, chosen by cost), sampling, n > 1 through copy-on-write forks, and the
- * prefix cache. It owns one KV pool (kv/pool.h) and one forward pass (model/forward.h); the
- * transport, RPCs and tokenizer are the workers'. Single-threaded: one thread calls everything.
+ * prefix cache, for every role: a decode (or colocated) worker's Generate, and a prefill
+ * worker's prefill-only requests (kvf_engine_request.prefill_only). It owns one KV pool
+ * (kv/pool.h) and one forward pass (model/forward.h); the transport, RPCs and tokenizer are the
+ * workers'. Single-threaded: one thread calls everything.
  *
  * The life of a request: kvf_engine_add queues it (WAITING); a step admits it (RUNNING) once
  * its first chunk's blocks fit, reusing every full cached block of its prefix; each step runs
@@ -13,7 +15,9 @@
  * memory (SWAPPED); either way it resumes with exactly the tokens an undisturbed run gives,
  * because it keeps its tokens and its own random generator. A finished or cancelled sequence
  * frees its blocks at once (registered ones stay cached for later prompts), except a remote
- * prefill given up while its writer may still write (kvf_engine_hold: held until released).
+ * prefill given up while its writer may still write (kvf_engine_hold: held until released) and
+ * a prefill-only request, which keeps its blocks (the partial last one too) after its first
+ * token until kvf_engine_release_kept: a prefill worker ships them first.
  *
  * The prefix cache serves every full cached block of a prompt except that at least one token
  * is always computed (its logits give the first new token): a prompt of exactly k full blocks
@@ -101,6 +105,11 @@ typedef struct kvf_engine_request {
     int32_t n_prompt;      /* >= 1 */
     const char *cache_salt; /* NULL: none; requests with different salts never share KV */
     kvf_engine_sampling sampling;
+    /* Compute the prompt and sample its first token (one output, FINISH_PREFILLED), then keep
+     * every block of the prompt, the partial last one included, until kvf_engine_release_kept
+     * (a prefill worker ships them to a decode worker first). n must be 1; max_tokens, stop and
+     * eos ids are not used. Such requests batch with every other request of the engine. */
+    bool prefill_only;
 } kvf_engine_request;
 
 typedef enum kvf_engine_finish {
@@ -109,6 +118,8 @@ typedef enum kvf_engine_finish {
     KVF_ENGINE_FINISH_LENGTH = 2, /* max_tokens, max_ctx, or the sequence outgrew the pool */
     KVF_ENGINE_FINISH_CANCELLED = 3,
     KVF_ENGINE_FINISH_ERROR = 4,  /* the step failed for it (logged) */
+    KVF_ENGINE_FINISH_PREFILLED = 5, /* a prefill-only request's first token: its blocks are
+                                      * kept (KEPT) until kvf_engine_release_kept */
 } kvf_engine_finish;
 
 const char *kvf_engine_finish_name(kvf_engine_finish f); /* "stop", "length", ... */
@@ -125,9 +136,11 @@ typedef struct kvf_engine_output {
 typedef struct kvf_engine_stats {
     int32_t running, waiting, swapped, remote; /* sequences in each state */
     int32_t held, held_blocks; /* given-up remote prefills holding blocks (kvf_engine_hold) */
+    int32_t kept, kept_blocks; /* prefilled prefill-only requests keeping their blocks */
     int32_t free_blocks, cached_blocks, total_blocks;
     int32_t swap_slots_free;
     int64_t steps, prefill_tokens, decode_tokens; /* tokens computed by the forward pass */
+    int32_t last_step_seqs; /* sequences the last step computed (0 when it ran none) */
     int64_t prefix_hit_tokens;                    /* prompt tokens served from the cache */
     int64_t preempt_recompute, preempt_swap;
     int64_t finished;
@@ -221,6 +234,37 @@ kvf_status kvf_engine_release_held(kvf_engine *e, uint64_t id, int32_t *n_blocks
 /* Releases every hold whose until_ns is <= now_ns (INT64_MAX: all, as at shutdown); returns
  * how many. */
 int32_t kvf_engine_release_expired(kvf_engine *e, int64_t now_ns);
+
+/* ---- prefill-only requests and per-request state ----------------------------------------- */
+
+typedef enum kvf_engine_req_state {
+    KVF_ENGINE_REQ_QUEUED = 0,  /* waiting for admission (or swapped out, or a fork) */
+    KVF_ENGINE_REQ_RUNNING = 1, /* admitted: its chunks or tokens run in the steps */
+    KVF_ENGINE_REQ_REMOTE = 2,  /* waiting for a remote prefill (kvf_engine_add_remote) */
+    KVF_ENGINE_REQ_KEPT = 3,    /* prefill-only, prefilled: blocks kept until released */
+    KVF_ENGINE_REQ_HELD = 4,    /* a given-up remote prefill holding its blocks */
+    KVF_ENGINE_REQ_FINISHED = 5,
+} kvf_engine_req_state;
+
+/* What the engine knows of request id (its sample 0). */
+typedef struct kvf_engine_req_info {
+    kvf_engine_req_state state;
+    int64_t n_computed; /* positions whose KV is in its blocks */
+    int64_t n_cached;   /* prompt tokens the prefix cache served at its last admission */
+    int64_t admitted_ns; /* kvf_now_ns() of its first admission; 0 before */
+    const int32_t *blocks; /* [n_blocks] its block table, borrowed until the next engine call */
+    int32_t n_blocks;
+} kvf_engine_req_info;
+
+/* ERR_NOT_FOUND when id is not live. */
+kvf_status kvf_engine_req_info_get(const kvf_engine *e, uint64_t id, kvf_engine_req_info *out,
+                                   kvf_err *err);
+
+/* A prefill-only request that was prefilled (KEPT) gives its blocks back: full ones stay cached
+ * for later prompts, the partial last one goes to the free list. *n_blocks_out (may be NULL)
+ * gets how many. ERR_NOT_FOUND when id is not kept. */
+kvf_status kvf_engine_release_kept(kvf_engine *e, uint64_t id, int32_t *n_blocks_out,
+                                   kvf_err *err);
 
 /* ---- run to completion ------------------------------------------------------------------ */
 
