@@ -19,7 +19,7 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/weights.h"
-#include "worker/worker.h"
+#include "engine/backends.h"
 
 typedef struct engine_bench_cfg {
     const char *presets, *batches, *dir, *weights, *device;
@@ -227,7 +227,7 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 2;
     }
     const kvf_backend *be = NULL;
-    if ((st = kvf_worker_device_pick(bc.device, "bench engine", &be, NULL, &err)) != KVF_OK) {
+    if ((st = kvf_engine_backend_by_name(bc.device, "bench engine", &be, &err)) != KVF_OK) {
         fprintf(stderr, "kvfleet: %s\n", err.msg);
         return 2;
     }

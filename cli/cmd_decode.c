@@ -8,7 +8,6 @@
 #include "worker/worker.h"
 
 static const kvf_cfg_opt decode_opts[] = {
-    KVF_WORKER_CFG_OPTS,
     {"local-prefill-max-tokens", "32",
      "prompts with at most this many uncached tokens are prefilled here; 0: every prompt goes to "
      "the prefill worker the router names, when it is reachable",
@@ -30,6 +29,7 @@ static const kvf_cfg_spec decode_spec = {
                "are held until its RemotePrefill answer arrives or the transfer's deadline plus\n"
                "--late-write-grace-ms passes (gauge kvfleet_decode_held_blocks).",
     .opts = decode_opts,
+    .tables = kvf_worker_cfg_tables,
 };
 
 static kvf_status decode_check(const kvf_worker_cfg *c, kvf_err *err)

@@ -21,7 +21,7 @@
 #include "engine/engine.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
-#include "worker/worker.h"
+#include "engine/backends.h"
 
 typedef struct gen_cfg {
     const char *model, *prompt_ids, *prompt, *kv_dtype, *device, *attn_decode;
@@ -136,10 +136,10 @@ int kvf_cli_generate(int argc, char **argv)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --kv-k-scale (%g) and --kv-v-scale (%g) must be positive and finite",
                                         c.kv_k_scale, c.kv_v_scale), &err);
     int32_t attn_decode;
-    if ((st = kvf_worker_attn_decode_pick(c.attn_decode, "generate", &attn_decode, &err)) != KVF_OK)
+    if ((st = kvf_engine_attn_decode_pick(c.attn_decode, "generate", &attn_decode, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
     const kvf_backend *be = NULL;
-    if ((st = kvf_worker_device_pick(c.device, "generate", &be, NULL, &err)) != KVF_OK)
+    if ((st = kvf_engine_backend_by_name(c.device, "generate", &be, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
 
     if (c.temperature < 0 || c.top_p <= 0 || c.top_p > 1 || c.top_k < 0)

@@ -8,7 +8,6 @@
 #include "worker/worker.h"
 
 static const kvf_cfg_opt prefill_opts[] = {
-    KVF_WORKER_CFG_OPTS,
     {"fault-delay-ms", "0", "sleep this long before each prefill (fault tests only)",
      offsetof(kvf_worker_cfg, fault_delay_ms), KVF_CFG_INT},
     {NULL},
@@ -21,6 +20,7 @@ static const kvf_cfg_spec prefill_spec = {
                "prompt's KV (reusing this worker's prefix cache) and writes the blocks the decode\n"
                "worker lacks straight into its pool through the transport.",
     .opts = prefill_opts,
+    .tables = kvf_worker_cfg_tables,
 };
 
 static kvf_status prefill_create(kvf_worker *w, const kvf_worker_cfg *c, void **svc_out, kvf_err *err)

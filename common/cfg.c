@@ -86,6 +86,7 @@ kvf_status kvf_cfg_parse_size(const char *s, int64_t *out)
 static const char *type_hint(kvf_cfg_type t)
 {
     switch (t) {
+    case KVF_CFG_RENAMED: return "nothing: it was renamed";
     case KVF_CFG_INT:
     case KVF_CFG_INT64: return "an integer";
     case KVF_CFG_SIZE: return "a size such as 512M or 40G";
@@ -96,9 +97,56 @@ static const char *type_hint(kvf_cfg_type t)
     return "?";
 }
 
+/* Walks every flag of a spec: the program's own table, then each of spec->tables. */
+typedef struct opt_iter {
+    const kvf_cfg_spec *spec;
+    int table;            /* -1: the program's own; i >= 0: spec->tables[i]; start at -2 */
+    const kvf_cfg_opt *o; /* the current flag */
+    size_t base;          /* where its struct sits in the program's cfg */
+} opt_iter;
+
+static opt_iter opt_first(const kvf_cfg_spec *spec)
+{
+    return (opt_iter){.spec = spec, .table = -2};
+}
+
+static bool opt_next(opt_iter *it)
+{
+    if (it->o && it->o[1].name) {
+        it->o++;
+        return true;
+    }
+    for (;;) {
+        it->table++;
+        const kvf_cfg_opt *first;
+        if (it->table == -1) {
+            first = it->spec->opts;
+            it->base = 0;
+        } else if (it->spec->tables && it->spec->tables[it->table].opts) {
+            first = it->spec->tables[it->table].opts;
+            it->base = it->spec->tables[it->table].base;
+        } else {
+            return false;
+        }
+        if (first && first->name) {
+            it->o = first;
+            return true;
+        }
+    }
+}
+
 static kvf_status set_value(const kvf_cfg_spec *spec, const kvf_cfg_opt *o, void *cfg,
                             const char *val, const char *source, kvf_err *err)
 {
+    if (o->type == KVF_CFG_RENAMED) {
+        char env[128];
+        kvf_cfg_env_name(o->def, env, sizeof env);
+        if (strcmp(source, "flag") == 0)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s was renamed: use --%s", spec->prog,
+                               o->name, o->def);
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: %s (--%s) was renamed: use %s (--%s)",
+                           spec->prog, source, o->name, env, o->def);
+    }
     char *field = (char *)cfg + o->offset;
     kvf_status st = KVF_OK;
     int64_t i64 = 0;
@@ -135,6 +183,8 @@ static kvf_status set_value(const kvf_cfg_spec *spec, const kvf_cfg_opt *o, void
         if (st == KVF_OK)
             *(bool *)field = b != 0;
         break;
+    case KVF_CFG_RENAMED:
+        break;
     }
     if (st != KVF_OK)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: %s --%s='%s' is not valid (expected %s)",
@@ -142,21 +192,26 @@ static kvf_status set_value(const kvf_cfg_spec *spec, const kvf_cfg_opt *o, void
     return KVF_OK;
 }
 
-static const kvf_cfg_opt *find_opt(const kvf_cfg_opt *opts, const char *name, size_t len)
+/* The flag called name[0..len) (its iterator: the entry and its struct's base), or false. */
+static bool find_opt(const kvf_cfg_spec *spec, const char *name, size_t len, opt_iter *out)
 {
-    for (const kvf_cfg_opt *o = opts; o->name; o++)
-        if (strlen(o->name) == len && strncmp(o->name, name, len) == 0)
-            return o;
-    return NULL;
+    for (opt_iter it = opt_first(spec); opt_next(&it);)
+        if (strlen(it.o->name) == len && strncmp(it.o->name, name, len) == 0) {
+            *out = it;
+            return true;
+        }
+    return false;
 }
 
 kvf_status kvf_cfg_parse(const kvf_cfg_spec *spec, void *cfg, int argc, char **argv,
                          int *n_pos_out, kvf_err *err)
 {
     /* 1. defaults, 2. environment */
-    for (const kvf_cfg_opt *o = spec->opts; o->name; o++) {
-        if (o->def) {
-            kvf_status st = set_value(spec, o, cfg, o->def, "default", err);
+    for (opt_iter it = opt_first(spec); opt_next(&it);) {
+        const kvf_cfg_opt *o = it.o;
+        char *base = (char *)cfg + it.base;
+        if (o->def && o->type != KVF_CFG_RENAMED) {
+            kvf_status st = set_value(spec, o, base, o->def, "default", err);
             if (st != KVF_OK)
                 return st;
         }
@@ -164,7 +219,7 @@ kvf_status kvf_cfg_parse(const kvf_cfg_spec *spec, void *cfg, int argc, char **a
         kvf_cfg_env_name(o->name, env, sizeof env);
         const char *v = getenv(env);
         if (v) {
-            kvf_status st = set_value(spec, o, cfg, v, env, err);
+            kvf_status st = set_value(spec, o, base, v, env, err);
             if (st != KVF_OK)
                 return st;
         }
@@ -189,10 +244,11 @@ kvf_status kvf_cfg_parse(const kvf_cfg_spec *spec, void *cfg, int argc, char **a
         const char *name = a + (a[1] == '-' ? 2 : 1);
         const char *eq = strchr(name, '=');
         size_t len = eq ? (size_t)(eq - name) : strlen(name);
-        const kvf_cfg_opt *o = find_opt(spec->opts, name, len);
+        opt_iter it;
+        const kvf_cfg_opt *o = find_opt(spec, name, len, &it) ? it.o : NULL;
         const char *val = eq ? eq + 1 : NULL;
         if (!o && !eq && strncmp(name, "no-", 3) == 0) {
-            o = find_opt(spec->opts, name + 3, len - 3);
+            o = find_opt(spec, name + 3, len - 3, &it) ? it.o : NULL;
             if (o && o->type == KVF_CFG_BOOL)
                 val = "false";
             else
@@ -201,6 +257,8 @@ kvf_status kvf_cfg_parse(const kvf_cfg_spec *spec, void *cfg, int argc, char **a
         if (!o)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: unknown flag '%s' (see %s --help)",
                                spec->prog, a, spec->prog);
+        if (!val && o->type == KVF_CFG_RENAMED)
+            val = "";
         if (!val) {
             if (o->type == KVF_CFG_BOOL)
                 val = "true";
@@ -210,7 +268,7 @@ kvf_status kvf_cfg_parse(const kvf_cfg_spec *spec, void *cfg, int argc, char **a
                 return kvf_err_set(err, KVF_ERR_INVALID, "%s: flag --%s needs a value (%s)",
                                    spec->prog, o->name, type_hint(o->type));
         }
-        kvf_status st = set_value(spec, o, cfg, val, "flag", err);
+        kvf_status st = set_value(spec, o, (char *)cfg + it.base, val, "flag", err);
         if (st != KVF_OK)
             return st;
     }
@@ -230,7 +288,10 @@ void kvf_cfg_help(const kvf_cfg_spec *spec, FILE *out)
         fprintf(out, "%s\n\n", spec->summary);
     fprintf(out, "flags (each also read from KVFLEET_<FLAG>, e.g. --block-size as "
                  "KVFLEET_BLOCK_SIZE):\n");
-    for (const kvf_cfg_opt *o = spec->opts; o->name; o++) {
+    for (opt_iter it = opt_first(spec); opt_next(&it);) {
+        const kvf_cfg_opt *o = it.o;
+        if (o->type == KVF_CFG_RENAMED)
+            continue;
         char left[64];
         snprintf(left, sizeof left, "--%s%s", o->name,
                  o->type == KVF_CFG_BOOL ? "" : "=VALUE");

@@ -2,6 +2,9 @@
  * --help. Precedence: the table's default < environment < command line.
  *   {"block-size", "16", "tokens per KV block (8, 16, 32)",
  *    offsetof(kvf_decode_cfg, block_size), KVF_CFG_INT}
+ * A library that owns a cfg struct exports its flags as a table of its own (offsets within its
+ * struct, e.g. kvf_xfer_cfg_opts); a program includes it through kvf_cfg_spec.tables with the
+ * struct's offset inside the program's cfg, so every flag is written once, as data.
  * The environment name is KVFLEET_ + the flag upper-cased with '-' as '_' (KVFLEET_BLOCK_SIZE).
  * String fields point into argv, the environment or the table: they live as long as the process. */
 #ifndef KVF_COMMON_CFG_H
@@ -20,6 +23,8 @@ typedef enum kvf_cfg_type {
     KVF_CFG_DOUBLE, /* double */
     KVF_CFG_STR,    /* const char *, NULL when unset with no default */
     KVF_CFG_BOOL,   /* bool; --name, --no-name, --name=true|false|1|0 */
+    KVF_CFG_RENAMED, /* a former name: using it (flag or environment) is an error naming the
+                      * flag it became (def); not listed in --help */
 } kvf_cfg_type;
 
 typedef struct kvf_cfg_opt {
@@ -30,11 +35,18 @@ typedef struct kvf_cfg_opt {
     kvf_cfg_type type;
 } kvf_cfg_opt;
 
+/* Another table of a program: opts' offsets are within a struct found at base in its cfg. */
+typedef struct kvf_cfg_table {
+    const kvf_cfg_opt *opts; /* ends with {NULL}; NULL ends a list of tables */
+    size_t base;
+} kvf_cfg_table;
+
 typedef struct kvf_cfg_spec {
     const char *prog;       /* "kvfleet plan" */
     const char *args;       /* positional arguments for the usage line, or NULL */
     const char *summary;    /* one paragraph for --help */
-    const kvf_cfg_opt *opts; /* ends with {NULL} */
+    const kvf_cfg_opt *opts; /* the program's own flags; ends with {NULL} */
+    const kvf_cfg_table *tables; /* more flags after them (libraries'), or NULL; ends with {0} */
 } kvf_cfg_spec;
 
 /* Fills cfg from defaults, the environment and argv[1..argc). argv[0] is the program or

@@ -27,7 +27,7 @@ typedef struct dreq {
     char *salt;
     char hint[256];
     kvf_engine_sampling samp;
-    float top_p;
+    kvf_rpc_sampling wire_samp; /* as it came: passed on to the prefill worker */
     int n_done;
     int32_t completion_tokens, cached_tokens, remote_tokens;
     /* remote prefill in flight */
@@ -99,14 +99,14 @@ static void unlink_req(kvf_decode *d, dreq *q)
         }
 }
 
-static Kvfleet__V1__FinishReason finish_msg(kvf_engine_finish f)
+static kvf_rpc_finish finish_msg(kvf_engine_finish f)
 {
     switch (f) {
-    case KVF_ENGINE_FINISH_STOP: return KVFLEET__V1__FINISH_REASON__FINISH_STOP;
-    case KVF_ENGINE_FINISH_LENGTH: return KVFLEET__V1__FINISH_REASON__FINISH_LENGTH;
-    case KVF_ENGINE_FINISH_CANCELLED: return KVFLEET__V1__FINISH_REASON__FINISH_CANCELLED;
-    case KVF_ENGINE_FINISH_ERROR: return KVFLEET__V1__FINISH_REASON__FINISH_ERROR;
-    default: return KVFLEET__V1__FINISH_REASON__FINISH_NONE;
+    case KVF_ENGINE_FINISH_STOP: return KVF_RPC_FINISH_STOP;
+    case KVF_ENGINE_FINISH_LENGTH: return KVF_RPC_FINISH_LENGTH;
+    case KVF_ENGINE_FINISH_CANCELLED: return KVF_RPC_FINISH_CANCELLED;
+    case KVF_ENGINE_FINISH_ERROR: return KVF_RPC_FINISH_ERROR;
+    default: return KVF_RPC_FINISH_NONE;
     }
 }
 
@@ -334,12 +334,12 @@ static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, 
      * status gRPC made (deadline, lost connection, cancel) proves nothing of the write */
     r->answered = by_server;
     if (st == KVF_OK) {
-        Kvfleet__V1__RemotePrefillResponse *m = NULL;
+        kvf_rpc_remote_prefill_resp *m = NULL;
         kvf_err err = {0};
-        if (kvf_rpc_remote_prefill_response_decode(resp, len, &m, &err) == KVF_OK) {
+        if (kvf_rpc_remote_prefill_resp_decode(resp, len, &m, &err) == KVF_OK) {
             r->first_token = m->first_token;
-            r->bytes_sent = m->stats ? m->stats->bytes_sent : 0;
-            kvf_rpc_msg_free(m);
+            r->bytes_sent = m->has_stats ? m->stats.bytes_sent : 0;
+            free(m);
         } else {
             r->st = err.status ? err.status : KVF_ERR_PARSE;
             snprintf(r->msg, sizeof r->msg, "%.200s", err.msg);
@@ -402,38 +402,17 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
     /* the RemotePrefill request */
     size_t desc_len;
     const uint8_t *desc = kvf_worker_xfer_desc(w, &desc_len);
-    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
-    td.backend = (char *)kvf_xfer_backend_name(kvf_worker_xfer(w));
-    td.blob.data = (uint8_t *)desc;
-    td.blob.len = desc_len;
-    Kvfleet__V1__KvLayout kl = KVFLEET__V1__KV_LAYOUT__INIT;
-    kl.n_layers = l->n_layers;
-    kl.n_kv_heads = l->n_kv_heads;
-    kl.head_dim = l->head_dim;
-    kl.block_size = l->block_size;
-    kl.dtype = kvf_rpc_dtype_to_msg(l->dtype);
-    kl.block_bytes = l->block_bytes;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = q->samp.max_tokens;
-    sp.temperature = q->samp.temperature;
-    sp.top_p = q->samp.top_p;
-    sp.top_k = q->samp.top_k;
-    sp.seed = q->samp.seed;
-    Kvfleet__V1__RemotePrefillRequest rq = KVFLEET__V1__REMOTE_PREFILL_REQUEST__INIT;
-    rq.request_id = q->id;
-    rq.n_token_ids = (size_t)q->n_prompt;
-    rq.token_ids = q->prompt;
-    rq.n_dst_block_ids = (size_t)nb;
-    rq.dst_block_ids = blocks;
-    rq.dst_cached_blocks = q->n_cached_blocks;
-    rq.dst = &td;
-    rq.transfer_id = q->tid;
-    rq.cache_salt = q->salt ? q->salt : "";
-    rq.sampling = &sp;
-    rq.deadline_unix_ms = kvf_wall_ms() + cfg->prefill_timeout_ms;
-    rq.dst_layout = &kl;
+    kvf_rpc_remote_prefill_req rq = {
+        .request_id = q->id, .token_ids = q->prompt, .n_token_ids = (size_t)q->n_prompt,
+        .dst_block_ids = blocks, .n_dst_block_ids = (size_t)nb,
+        .dst_cached_blocks = q->n_cached_blocks,
+        .dst = {.backend = kvf_xfer_backend_name(kvf_worker_xfer(w)), .blob = desc,
+                .blob_len = desc_len},
+        .transfer_id = q->tid, .cache_salt = q->salt ? q->salt : "", .sampling = q->wire_samp,
+        .deadline_unix_ms = kvf_wall_ms() + cfg->prefill_timeout_ms, .has_dst_layout = true,
+        .dst_layout = *l};
     kvf_rpc_buf buf = {0};
-    st = kvf_rpc_msg_encode(&rq, &buf, &err);
+    st = kvf_rpc_remote_prefill_req_encode(&rq, &buf, &err);
     free(blocks);
     reply *r = calloc(1, sizeof *r);
     if (st == KVF_OK && r) {
@@ -538,8 +517,7 @@ static void on_output(void *ctx, const kvf_engine_output *o)
         }
     if (!q)
         return; /* a cancelled or abandoned engine id */
-    Kvfleet__V1__GenerateResponse r = KVFLEET__V1__GENERATE_RESPONSE__INIT;
-    Kvfleet__V1__Usage u = KVFLEET__V1__USAGE__INIT;
+    kvf_rpc_generate_resp r = {.index = o->index, .finish = finish_msg(o->finish)};
     int32_t tok = o->token;
     if (tok >= 0) {
         r.n_token_ids = 1;
@@ -547,24 +525,18 @@ static void on_output(void *ctx, const kvf_engine_output *o)
         q->completion_tokens++;
         kvf_metric_add(d->m_tokens, 1);
     }
-    r.index = o->index;
-    r.finish_reason = finish_msg(o->finish);
     bool last = false;
     if (o->finish != KVF_ENGINE_FINISH_NONE) {
         q->n_done++;
         last = q->n_done >= q->samp.n;
-        u.prompt_tokens = q->n_prompt;
-        u.completion_tokens = q->completion_tokens;
-        u.cached_prompt_tokens = q->cached_tokens;
-        u.remote_prefill_tokens = q->remote_tokens;
-        r.usage = &u;
+        r.has_usage = true;
+        r.usage = (kvf_rpc_usage){.prompt_tokens = q->n_prompt,
+                                  .completion_tokens = q->completion_tokens,
+                                  .cached_prompt_tokens = q->cached_tokens,
+                                  .remote_prefill_tokens = q->remote_tokens};
     }
-    kvf_rpc_buf buf = {0};
     kvf_err err = {0};
-    kvf_status st = kvf_rpc_msg_encode(&r, &buf, &err);
-    if (st == KVF_OK)
-        st = kvf_rpc_call_send(q->call, buf.data, buf.len, &err);
-    kvf_rpc_buf_free(&buf);
+    kvf_status st = kvf_rpc_call_send_generate(q->call, &r, &err);
     if (st != KVF_OK) {
         kvf_metric_add(d->m_cancelled, 1);
         end_req(d, q, st == KVF_ERR_CANCELLED ? KVF_ERR_CANCELLED : st, err.msg);
@@ -645,59 +617,28 @@ static void on_shutdown(void *ctx)
 
 /* ---- handlers ------------------------------------------------------------------------------ */
 
-static void h_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+static void h_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *m)
 {
     kvf_decode *d = ctx;
-    Kvfleet__V1__GenerateRequest *m = NULL;
-    kvf_err err = {0};
-    kvf_status st = kvf_rpc_generate_request_decode(req, len, &m, &err);
-    if (st != KVF_OK) {
-        kvf_rpc_call_finish(call, st, err.msg);
-        return;
-    }
-    const kvf_model *model = kvf_worker_model(d->w);
     dreq *q = calloc(1, sizeof *q);
-    if (!q || m->n_token_ids == 0 || m->n_token_ids > INT32_MAX) {
-        kvf_rpc_call_finish(call, q ? KVF_ERR_INVALID : KVF_ERR_NOMEM,
-                            q ? "decode: GenerateRequest.token_ids is empty (give the prompt's ids)"
-                              : "decode: out of memory");
-        free(q);
-        kvf_rpc_msg_free(m);
+    if (!q || !(q->prompt = malloc(m->n_token_ids * sizeof *q->prompt)) ||
+        (m->cache_salt[0] && !(q->salt = strdup(m->cache_salt)))) {
+        kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "decode: out of memory");
+        if (q)
+            dreq_free(q);
+        free(m);
         return;
     }
     q->key = atomic_fetch_add(&d->next_key, 1) + 1;
     q->call = call;
-    snprintf(q->id, sizeof q->id, "%s", m->request_id && *m->request_id ? m->request_id : "-");
+    snprintf(q->id, sizeof q->id, "%s", m->request_id);
     q->n_prompt = (int32_t)m->n_token_ids;
     q->deadline_wall_ms = m->deadline_unix_ms;
-    q->prompt = malloc(m->n_token_ids * sizeof *q->prompt);
-    if (m->cache_salt && *m->cache_salt)
-        q->salt = strdup(m->cache_salt);
-    if (m->prefill && m->prefill->address)
-        snprintf(q->hint, sizeof q->hint, "%s", m->prefill->address);
-    kvf_engine_sampling_default(&q->samp);
-    const Kvfleet__V1__SamplingParams *s = m->sampling;
-    if (s) {
-        if (s->max_tokens > 0)
-            q->samp.max_tokens = s->max_tokens;
-        q->samp.temperature = s->temperature;
-        q->samp.top_k = s->top_k;
-        q->samp.top_p = s->top_p > 0 && s->top_p < 1 ? s->top_p : 1.0f;
-        q->samp.seed = s->seed;
-        q->samp.n = s->n > 0 ? s->n : 1;
-        for (size_t i = 0; i < s->n_stop_token_ids && q->samp.n_stop < KVF_ENGINE_MAX_STOP; i++)
-            q->samp.stop_ids[q->samp.n_stop++] = s->stop_token_ids[i];
-    }
-    if (!s || !s->ignore_eos)
-        kvf_engine_sampling_model_eos(&q->samp, model);
-    if (!q->prompt) {
-        kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "decode: out of memory");
-        kvf_rpc_msg_free(m);
-        dreq_free(q);
-        return;
-    }
     memcpy(q->prompt, m->token_ids, m->n_token_ids * sizeof *q->prompt);
-    kvf_rpc_msg_free(m);
+    snprintf(q->hint, sizeof q->hint, "%s", m->prefill_addr);
+    q->wire_samp = m->sampling;
+    kvf_worker_sampling(d->w, &m->sampling, &q->samp);
+    free(m);
     if (q->samp.n > KVF_ENGINE_MAX_N) {
         char msg[400];
         snprintf(msg, sizeof msg, "decode: req %s: sampling.n %d is above %d", q->id, q->samp.n,
@@ -726,9 +667,6 @@ static void h_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t
     }
 }
 
-static kvf_status h_cancel(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                           kvf_rpc_buf *resp, kvf_err *err);
-
 typedef struct cancel_rpc {
     kvf_decode *d;
     const char *id;
@@ -748,23 +686,16 @@ static void cancel_rpc_job(kvf_worker *w, void *arg)
     (void)w;
 }
 
-static kvf_status h_cancel(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                           kvf_rpc_buf *resp, kvf_err *err)
+static kvf_status h_cancel(void *ctx, kvf_rpc_call *call, const kvf_rpc_cancel_req *m,
+                           kvf_rpc_cancel_resp *resp, kvf_err *err)
 {
     kvf_decode *d = ctx;
-    Kvfleet__V1__CancelRequest *m = NULL;
-    kvf_status st = kvf_rpc_cancel_request_decode(req, len, &m, err);
-    if (st != KVF_OK)
-        return st;
-    cancel_rpc c = {.d = d, .id = m->request_id ? m->request_id : ""};
-    st = kvf_worker_call(d->w, cancel_rpc_job, &c);
-    kvf_rpc_msg_free(m);
-    if (st != KVF_OK)
+    cancel_rpc c = {.d = d, .id = m->request_id};
+    if (kvf_worker_call(d->w, cancel_rpc_job, &c) != KVF_OK)
         return kvf_err_set(err, KVF_ERR_CANCELLED, "decode: shutting down");
-    Kvfleet__V1__CancelResponse r = KVFLEET__V1__CANCEL_RESPONSE__INIT;
-    r.found = c.found;
+    resp->found = c.found;
     (void)call;
-    return kvf_rpc_msg_encode(&r, resp, err);
+    return KVF_OK;
 }
 
 kvf_status kvf_decode_create(kvf_worker *w, kvf_decode **out, kvf_err *err)
@@ -805,8 +736,8 @@ kvf_status kvf_decode_create(kvf_worker *w, kvf_decode **out, kvf_err *err)
         return st;
     }
     kvf_rpc_server *s = kvf_worker_rpc_server(w);
-    if ((st = kvf_rpc_server_add_stream(s, KVF_RPC_WORKER_GENERATE, h_generate, d, err)) != KVF_OK ||
-        (st = kvf_rpc_server_add_unary(s, KVF_RPC_WORKER_CANCEL, h_cancel, d, err)) != KVF_OK) {
+    if ((st = kvf_rpc_serve_generate(s, h_generate, d, err)) != KVF_OK ||
+        (st = kvf_rpc_serve_cancel(s, h_cancel, d, err)) != KVF_OK) {
         free(d);
         return st;
     }

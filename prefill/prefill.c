@@ -1,10 +1,11 @@
-/* prefill.c: the prefill role's RemotePrefill, batched. gRPC threads only decode a call and hand
- * it to the worker's loop thread; there, every pass admits queued calls (FIFO, up to the forward
- * pass's max_seqs, waiting while the pool cannot hold a prompt), runs one kvf_model_forward step
- * over all admitted prompts (chunked to max_tokens), and as each prompt completes registers its
- * full blocks (KV events), writes the blocks the decode worker lacks through the transport and
- * answers the call when that write is acknowledged. Full blocks stay cached after release. */
-#include <math.h>
+/* prefill.c: the prefill role's RemotePrefill, as a handler over the worker's engine. gRPC
+ * threads only hand a decoded call to the worker's loop thread; there each call is checked and
+ * handed to the engine as a prefill-only request (kvf_engine_request.prefill_only), so
+ * concurrent calls share the engine's steps, chunked to its token budget, with its prefix cache,
+ * admission and sampler. When the engine reports a call prefilled (its first token, its blocks
+ * kept), this file writes the blocks the decode worker lacks through the transport and answers
+ * the call once that write is acknowledged; then the engine releases the blocks (full ones stay
+ * cached). Deadlines, cancellation, the late-write rules and the queue metrics are kept here. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,10 +13,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
-#include "engine/sample.h"
-#include "kv/hash.h"
 #include "prefill/prefill.h"
-#include "proto/worker.h"
 
 typedef struct ppeer {
     uint8_t *desc;
@@ -25,9 +23,10 @@ typedef struct ppeer {
 } ppeer;
 
 typedef enum pjob_state {
-    PJ_QUEUED = 0,  /* waiting for admission (a seat in the batch, and blocks) */
-    PJ_COMPUTE = 1, /* admitted: its blocks are held, chunks run in the shared steps */
-    PJ_ID_WAIT = 2, /* computed; another write with its transfer id is still in flight */
+    PJ_BACKLOG = 0, /* not in the engine yet (its checks and fault delay to run, or the engine
+                     * holds max_queued requests already) */
+    PJ_ENGINE = 1,  /* in the engine: queued there or computing */
+    PJ_ID_WAIT = 2, /* prefilled; another write with its transfer id is still in flight */
     PJ_SENDING = 3, /* kvf_xfer_write accepted; waiting for the SENT event */
 } pjob_state;
 
@@ -35,21 +34,18 @@ typedef enum pjob_state {
 typedef struct pjob {
     kvf_prefill *p;
     kvf_rpc_call *call;
-    Kvfleet__V1__RemotePrefillRequest *rq;
-    const char *id;          /* request id for logs ("-" when none) */
+    kvf_rpc_remote_prefill_req *rq;
+    const char *id;          /* request id for logs */
     pjob_state state;
-    bool delayed;            /* the fault delay ran */
-    bool has_seq;            /* seq holds blocks of our pool */
-    int64_t t_enqueue_ns, t_start_ns, t_computed_ns, deadline_ns;
+    bool checked;            /* the fault delay and the checks ran */
+    uint64_t eng_id;         /* its engine request while state >= PJ_ENGINE, else 0 */
+    int64_t t_enqueue_ns, t_computed_ns, deadline_ns;
     int32_t n;               /* prompt tokens */
     int64_t nb;              /* blocks of the prompt */
-    int64_t hit, pos;        /* tokens found in our cache; tokens whose KV is computed */
-    int32_t take;            /* tokens of this job in the current step */
     int32_t first_token;
     int32_t n_pairs;
     kvf_xfer_peer *peer;     /* NULL when decode holds every block already */
-    kvf_kv_seq seq;
-    Kvfleet__V1__PrefillStats stats;
+    kvf_rpc_prefill_stats stats;
     struct pjob *next;
 } pjob;
 
@@ -59,22 +55,16 @@ struct kvf_prefill {
     atomic_int_fast64_t queued_tokens; /* prompt tokens of calls not yet answered; any thread */
     /* loop thread from here on */
     pjob *jobs, *jobs_tail;  /* every live call, in arrival order */
-    int32_t n_queued, n_compute, n_sending; /* n_sending counts PJ_ID_WAIT too */
-    bool pool_changed;       /* blocks were released since admission last failed */
-    bool blocked;            /* the head of the queue did not fit in the pool */
+    int32_t n_backlog, n_engine, n_sending; /* n_sending counts PJ_ID_WAIT too */
     bool shut;
+    uint64_t next_eng_id;
+    int64_t seen_steps, max_step_seqs;
     ppeer *peers;
-    int32_t max_seqs, max_tokens, vocab;
-    kvf_model_seq *step_seqs; /* [max_seqs] */
-    pjob **step_jobs;         /* [max_seqs] */
-    int32_t *next;            /* [max_seqs] greedy ids */
-    float *logits;            /* [max_seqs][vocab] */
-    kvf_backend_sample_row *draw; /* [max_seqs]: first tokens drawn on the backend */
-    kvf_engine_sampler sampler;
-    int64_t max_step_seqs;
     kvf_metric *m_requests, *m_failed, *m_tokens, *m_cached, *m_bytes, *m_expired_queued,
         *m_steps, *m_step_seqs, *m_step_seqs_max, *m_queue_ms;
 };
+
+static kvf_engine *engine_of(kvf_prefill *p) { return kvf_worker_engine(p->w); }
 
 static kvf_xfer_peer *peer_get(kvf_prefill *p, const uint8_t *desc, size_t len, kvf_err *err)
 {
@@ -119,16 +109,19 @@ static kvf_xfer_peer *peer_get(kvf_prefill *p, const uint8_t *desc, size_t len, 
 
 /* ---- answering a call ------------------------------------------------------------------- */
 
-static void job_release_blocks(kvf_prefill *p, pjob *j)
+/* Gives j's engine request up: a kept one's blocks go back (full ones stay cached), a queued or
+ * computing one is cancelled. */
+static void job_release_engine(kvf_prefill *p, pjob *j)
 {
-    if (!j->has_seq)
+    if (!j->eng_id)
         return;
-    kvf_err ferr = {0};
-    if (kvf_kv_seq_free(&j->seq, &ferr) != KVF_OK)
-        kvf_log(KVF_LOG_ERROR, "prefill: req %s: releasing its blocks: %s", j->id, ferr.msg);
-    kvf_kv_seq_fini(&j->seq);
-    j->has_seq = false;
-    p->pool_changed = true;
+    kvf_err err = {0};
+    kvf_status st = kvf_engine_release_kept(engine_of(p), j->eng_id, NULL, &err);
+    if (st == KVF_ERR_NOT_FOUND)
+        st = kvf_engine_cancel(engine_of(p), j->eng_id, &err);
+    if (st != KVF_OK && st != KVF_ERR_NOT_FOUND)
+        kvf_log(KVF_LOG_ERROR, "prefill: req %s: releasing its blocks: %s", j->id, err.msg);
+    j->eng_id = 0;
 }
 
 static void job_unlink(kvf_prefill *p, pjob *j)
@@ -145,8 +138,8 @@ static void job_unlink(kvf_prefill *p, pjob *j)
             break;
         }
     switch (j->state) {
-    case PJ_QUEUED: p->n_queued--; break;
-    case PJ_COMPUTE: p->n_compute--; break;
+    case PJ_BACKLOG: p->n_backlog--; break;
+    case PJ_ENGINE: p->n_engine--; break;
     case PJ_ID_WAIT:
     case PJ_SENDING: p->n_sending--; break;
     }
@@ -155,9 +148,15 @@ static void job_unlink(kvf_prefill *p, pjob *j)
 /* Takes j out of the worker: its blocks back to the pool, out of the list and the queue count. */
 static void job_leave(kvf_prefill *p, pjob *j)
 {
-    job_release_blocks(p, j);
+    job_release_engine(p, j);
     job_unlink(p, j);
     atomic_fetch_sub(&p->queued_tokens, (int64_t)j->rq->n_token_ids);
+}
+
+static void job_free(pjob *j)
+{
+    free(j->rq);
+    free(j);
 }
 
 /* Ends j without an answer: its write may still land, and only an answer from this worker tells
@@ -168,8 +167,7 @@ static void job_abandon(kvf_prefill *p, pjob *j, const char *msg)
     kvf_log(KVF_LOG_WARN, "prefill: req %s: %s", j->id, msg);
     kvf_metric_add(p->m_failed, 1);
     kvf_rpc_call_abandon(j->call, msg);
-    kvf_rpc_msg_free(j->rq);
-    free(j);
+    job_free(j);
 }
 
 /* Ends a call: releases its blocks, answers (first token and stats, or st and msg), frees it. */
@@ -178,39 +176,33 @@ static void job_finish(kvf_prefill *p, pjob *j, kvf_status st, const char *msg)
     job_leave(p, j);
     if (st == KVF_OK) {
         const kvf_kv_layout *l = kvf_worker_layout(p->w);
-        j->stats.prompt_tokens = j->n;
-        j->stats.cached_tokens = (int32_t)j->hit;
-        j->stats.computed_tokens = j->n - (int32_t)j->hit;
-        j->stats.blocks_sent = j->n_pairs;
-        j->stats.bytes_sent = (int64_t)j->n_pairs * l->block_bytes;
-        j->stats.transfer_ms = (double)(kvf_now_ns() - j->t_computed_ns) / 1e6;
-        kvf_metric_add(p->m_tokens, (double)(j->n - j->hit));
-        kvf_metric_add(p->m_cached, (double)j->hit);
-        kvf_metric_add(p->m_bytes, (double)j->stats.bytes_sent);
-        kvf_log(KVF_LOG_DEBUG, "prefill: req %s: %d tokens (%lld cached here), %d blocks sent; "
+        kvf_rpc_prefill_stats *s = &j->stats;
+        s->prompt_tokens = j->n;
+        s->computed_tokens = j->n - s->cached_tokens;
+        s->blocks_sent = j->n_pairs;
+        s->bytes_sent = (int64_t)j->n_pairs * l->block_bytes;
+        s->transfer_ms = (double)(kvf_now_ns() - j->t_computed_ns) / 1e6;
+        kvf_metric_add(p->m_tokens, (double)s->computed_tokens);
+        kvf_metric_add(p->m_cached, (double)s->cached_tokens);
+        kvf_metric_add(p->m_bytes, (double)s->bytes_sent);
+        kvf_log(KVF_LOG_DEBUG, "prefill: req %s: %d tokens (%d cached here), %d blocks sent; "
                 "queued %.1f ms, prefill %.1f ms, transfer %.1f ms", j->id, j->n,
-                (long long)j->hit, j->n_pairs, j->stats.queue_ms, j->stats.prefill_ms,
-                j->stats.transfer_ms);
-        Kvfleet__V1__RemotePrefillResponse r = KVFLEET__V1__REMOTE_PREFILL_RESPONSE__INIT;
-        r.first_token = j->first_token;
-        r.stats = &j->stats;
-        kvf_rpc_buf buf = {0};
+                s->cached_tokens, j->n_pairs, s->queue_ms, s->prefill_ms, s->transfer_ms);
+        kvf_rpc_remote_prefill_resp r = {.first_token = j->first_token, .has_stats = true,
+                                         .stats = *s};
         kvf_err err = {0};
-        if ((st = kvf_rpc_msg_encode(&r, &buf, &err)) == KVF_OK &&
-            (st = kvf_rpc_call_send(j->call, buf.data, buf.len, &err)) == KVF_OK) {
+        if ((st = kvf_rpc_call_send_remote_prefill(j->call, &r, &err)) == KVF_OK) {
             kvf_rpc_call_finish(j->call, KVF_OK, NULL);
         } else {
             kvf_log(KVF_LOG_WARN, "prefill: req %s: answering: %s", j->id, err.msg);
             kvf_rpc_call_finish(j->call, st, err.msg);
         }
-        kvf_rpc_buf_free(&buf);
     } else {
         kvf_log(KVF_LOG_WARN, "%s", msg);
         kvf_metric_add(p->m_failed, 1);
         kvf_rpc_call_finish(j->call, st, msg);
     }
-    kvf_rpc_msg_free(j->rq);
-    free(j);
+    job_free(j);
 }
 
 static void job_fail(kvf_prefill *p, pjob *j, const kvf_err *err)
@@ -218,132 +210,103 @@ static void job_fail(kvf_prefill *p, pjob *j, const kvf_err *err)
     job_finish(p, j, err->status != KVF_OK ? err->status : KVF_ERR_INTERNAL, err->msg);
 }
 
-/* ---- admission -------------------------------------------------------------------------- */
+static pjob *find_eng(kvf_prefill *p, uint64_t eng_id)
+{
+    for (pjob *j = p->jobs; j; j = j->next)
+        if (j->eng_id == eng_id)
+            return j;
+    return NULL;
+}
 
-/* Checks what decode asks for against this worker and fills n, nb and the deadline. */
+/* ---- into the engine ---------------------------------------------------------------------- */
+
+/* Checks what decode asks for against this worker and fills n and nb. The prompt's own checks
+ * (ids in the vocabulary, its length, the sampling range) are the engine's. */
 static kvf_status job_check(kvf_prefill *p, pjob *j, kvf_err *err)
 {
-    kvf_worker *w = p->w;
-    const Kvfleet__V1__RemotePrefillRequest *rq = j->rq;
-    const kvf_kv_layout *l = kvf_worker_layout(w);
-    const kvf_model *m = kvf_worker_model(w);
+    const kvf_rpc_remote_prefill_req *rq = j->rq;
+    const kvf_kv_layout *l = kvf_worker_layout(p->w);
     const char *id = j->id;
-    kvf_status st;
-    if (!rq->dst_layout || !rq->dst || rq->dst->blob.len == 0)
+    if (!rq->has_dst_layout || rq->dst.blob_len == 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: dst_layout and dst are required", id);
-    kvf_dtype dt;
-    if ((st = kvf_rpc_dtype_from_msg(rq->dst_layout->dtype, &dt, err)) != KVF_OK)
-        return kvf_err_prefix(err, "prefill: req %s: dst_layout", id);
-    kvf_kv_layout dl = {.n_layers = rq->dst_layout->n_layers, .n_kv_heads = rq->dst_layout->n_kv_heads,
-                        .head_dim = rq->dst_layout->head_dim, .block_size = rq->dst_layout->block_size,
-                        .dtype = dt, .block_bytes = rq->dst_layout->block_bytes};
-    if ((st = kvf_kv_layout_check_same(l, "here", &dl, "at the decode worker", err)) != KVF_OK)
+    if (kvf_kv_layout_check_same(l, "here", &rq->dst_layout, "at the decode worker", err) != KVF_OK)
         return kvf_err_prefix(err, "prefill: req %s", id);
     int32_t n = (int32_t)rq->n_token_ids;
     int64_t nb = kvf_kv_blocks_for(n, l->block_size);
-    if (n < 1 || (int64_t)rq->n_dst_block_ids != nb || rq->dst_cached_blocks < 0 ||
-        rq->dst_cached_blocks > nb)
+    if ((int64_t)rq->n_dst_block_ids != nb)
         return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: %d tokens take %lld blocks of %d "
                            "but dst_block_ids has %zu and dst_cached_blocks is %d", id, n,
                            (long long)nb, l->block_size, rq->n_dst_block_ids, rq->dst_cached_blocks);
-    for (int32_t i = 0; i < n; i++)
-        if (rq->token_ids[i] < 0 || rq->token_ids[i] >= m->cfg.vocab_size)
-            return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: token %d at index %d is "
-                               "outside the vocabulary (0 to %d)", id, rq->token_ids[i], i,
-                               m->cfg.vocab_size - 1);
-    if (n > m->cfg.max_pos)
-        return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: %d tokens exceed the model's "
-                           "max_position_embeddings (%d)", id, n, m->cfg.max_pos);
-    /* the engine's range: a first token drawn here must be one decode would accept */
-    const Kvfleet__V1__SamplingParams *sp = rq->sampling;
-    if (sp && (!(sp->temperature >= 0) || sp->temperature > KVF_ENGINE_MAX_TEMPERATURE ||
-               sp->top_k < 0))
-        return kvf_err_set(err, KVF_ERR_INVALID, "prefill: req %s: sampling temperature %g or "
-                           "top_k %d is not allowed (temperature 0 to %g, top_k >= 0)", id,
-                           (double)sp->temperature, sp->top_k, (double)KVF_ENGINE_MAX_TEMPERATURE);
     j->n = n;
     j->nb = nb;
     return KVF_OK;
 }
 
-/* Tries to admit the queued job j: checks, connects to decode's transport, takes its cached
- * prefix and blocks for the rest. KVF_ERR_FULL: the pool cannot hold it now (nothing held;
- * it stays queued). Any other error: the caller fails the call. */
-static kvf_status job_admit(kvf_prefill *p, pjob *j, kvf_err *err)
+/* Hands the backlogged job j to the engine: the fault delay and checks (once), decode's
+ * transport, then a prefill-only request. KVF_ERR_FULL: the engine holds as many requests as it
+ * may (j stays in the backlog). Any other error: the caller fails the call. */
+static kvf_status job_enter(kvf_prefill *p, pjob *j, kvf_err *err)
 {
-    kvf_worker *w = p->w;
-    const Kvfleet__V1__RemotePrefillRequest *rq = j->rq;
+    const kvf_rpc_remote_prefill_req *rq = j->rq;
     kvf_status st;
-    if (!j->delayed) {
-        j->delayed = true;
+    if (!j->checked) {
+        j->checked = true;
         if (p->fault_delay_ms > 0)
             kvf_sleep_ms(p->fault_delay_ms);
         if ((st = job_check(p, j, err)) != KVF_OK)
             return st;
         if (rq->dst_cached_blocks < j->nb &&
-            !(j->peer = peer_get(p, rq->dst->blob.data, rq->dst->blob.len, err)))
+            !(j->peer = peer_get(p, rq->dst.blob, rq->dst.blob_len, err)))
             return kvf_err_prefix(err, "prefill: req %s: decode's transport", j->id);
     }
     if (kvf_now_ns() >= j->deadline_ns)
         return kvf_err_set(err, KVF_ERR_TIMEOUT, "prefill: req %s: its deadline passed while it was "
                            "queued (%.1f ms)", j->id, (double)(kvf_now_ns() - j->t_enqueue_ns) / 1e6);
-
-    /* own prefix cache, then blocks for the rest (all or nothing) */
-    const char *salt = rq->cache_salt && *rq->cache_salt ? rq->cache_salt : NULL;
-    kvf_kv_seq_init(&j->seq, kvf_worker_pool(w),
-                    kvf_kv_hash_root(kvf_worker_model_id(w), salt, salt ? strlen(salt) : 0));
-    j->has_seq = true;
-    int64_t hit = 0;
-    if ((st = kvf_kv_prefix_lookup(&j->seq, rq->token_ids, j->n - 1, &hit, err)) != KVF_OK ||
-        (st = kvf_kv_seq_prepare_write(&j->seq, j->n - hit, err)) != KVF_OK) {
-        kvf_err_prefix(err, "prefill: req %s", j->id);
-        job_release_blocks(p, j);
-        return st;
-    }
-    j->hit = j->pos = hit;
-    j->t_start_ns = kvf_now_ns();
-    j->stats.queue_ms = (double)(j->t_start_ns - j->t_enqueue_ns) / 1e6;
-    kvf_metric_observe(p->m_queue_ms, j->stats.queue_ms);
+    kvf_engine_request er = {.id = ++p->next_eng_id, .prompt = rq->token_ids, .n_prompt = j->n,
+                             .cache_salt = rq->cache_salt[0] ? rq->cache_salt : NULL,
+                             .prefill_only = true};
+    kvf_worker_sampling(p->w, &rq->sampling, &er.sampling);
+    er.sampling.max_tokens = 1;
+    er.sampling.n = 1; /* one first token, whatever n decode will run */
+    if ((st = kvf_engine_add(engine_of(p), &er, err)) != KVF_OK)
+        return st == KVF_ERR_FULL ? st : kvf_err_prefix(err, "prefill: req %s", j->id);
+    j->eng_id = er.id;
     return KVF_OK;
 }
 
-/* Admits queued calls in arrival order while the batch has seats and the pool has blocks. */
-static void admit_pass(kvf_prefill *p)
+/* Hands backlogged calls to the engine in arrival order while it takes them. True when one
+ * went in. */
+static bool enter_pass(kvf_prefill *p)
 {
-    if (p->blocked && !p->pool_changed && p->n_compute + p->n_sending > 0)
-        return; /* nothing was released since the head did not fit: it still does not */
-    p->blocked = false;
-    p->pool_changed = false;
-    for (pjob *j = p->jobs, *nx; j && p->n_compute < p->max_seqs; j = nx) {
+    bool entered = false;
+    for (pjob *j = p->jobs, *nx; j && p->n_backlog > 0; j = nx) {
         nx = j->next;
-        if (j->state != PJ_QUEUED)
+        if (j->state != PJ_BACKLOG)
             continue;
         kvf_err err = {0};
-        kvf_status st = job_admit(p, j, &err);
-        if (st == KVF_ERR_FULL && p->n_compute + p->n_sending > 0) {
-            /* wait for blocks to come back; later calls wait behind it (no overtaking) */
-            kvf_log(KVF_LOG_DEBUG, "prefill: req %s waits for blocks: %s", j->id, err.msg);
-            p->blocked = true;
-            return;
-        }
+        kvf_status st = job_enter(p, j, &err);
+        if (st == KVF_ERR_FULL)
+            break; /* in order: the calls behind it wait too */
         if (st != KVF_OK) {
             if (st == KVF_ERR_TIMEOUT)
                 kvf_metric_add(p->m_expired_queued, 1);
             job_fail(p, j, &err);
             continue;
         }
-        p->n_queued--;
-        p->n_compute++;
-        j->state = PJ_COMPUTE;
+        p->n_backlog--;
+        p->n_engine++;
+        j->state = PJ_ENGINE;
+        entered = true;
     }
+    return entered;
 }
 
 /* ---- sending ---------------------------------------------------------------------------- */
 
-/* A computed job: writes the blocks decode lacks (or answers at once when it lacks none). */
+/* A prefilled job: writes the blocks decode lacks (or answers at once when it lacks none). */
 static void job_send(kvf_prefill *p, pjob *j)
 {
-    const Kvfleet__V1__RemotePrefillRequest *rq = j->rq;
+    const kvf_rpc_remote_prefill_req *rq = j->rq;
     kvf_err err = {0};
     if (rq->dst_cached_blocks >= j->nb) {
         job_finish(p, j, KVF_OK, NULL);
@@ -364,8 +327,17 @@ static void job_send(kvf_prefill *p, pjob *j)
         job_fail(p, j, &err);
         return;
     }
-    if (!j->peer && !(j->peer = peer_get(p, rq->dst->blob.data, rq->dst->blob.len, &err))) {
+    if (!j->peer && !(j->peer = peer_get(p, rq->dst.blob, rq->dst.blob_len, &err))) {
         kvf_err_prefix(&err, "prefill: req %s: decode's transport", j->id);
+        job_fail(p, j, &err);
+        return;
+    }
+    kvf_engine_req_info info;
+    if (kvf_engine_req_info_get(engine_of(p), j->eng_id, &info, &err) != KVF_OK ||
+        info.n_blocks != j->nb) {
+        if (err.status == KVF_OK)
+            kvf_err_set(&err, KVF_ERR_INTERNAL, "prefill: req %s: %d blocks kept for a prompt of "
+                        "%lld", j->id, info.n_blocks, (long long)j->nb);
         job_fail(p, j, &err);
         return;
     }
@@ -377,7 +349,7 @@ static void job_send(kvf_prefill *p, pjob *j)
     }
     int32_t n_pairs = 0;
     for (int64_t i = rq->dst_cached_blocks; i < j->nb; i++)
-        pairs[n_pairs++] = (kvf_xfer_pair){.src = j->seq.blocks[i], .dst = rq->dst_block_ids[i]};
+        pairs[n_pairs++] = (kvf_xfer_pair){.src = info.blocks[i], .dst = rq->dst_block_ids[i]};
     kvf_status st = kvf_xfer_write(kvf_worker_xfer(p->w), j->peer, rq->transfer_id, pairs,
                                    (size_t)n_pairs, j->deadline_ns, &err);
     free(pairs);
@@ -391,21 +363,44 @@ static void job_send(kvf_prefill *p, pjob *j)
     j->state = PJ_SENDING;
 }
 
-/* A computed job leaves the batch: registers its blocks and starts its write. */
-static void job_computed(kvf_prefill *p, pjob *j)
+/* The engine prefilled j (its blocks are kept, the full ones registered): its write starts. */
+static void job_prefilled(kvf_prefill *p, pjob *j, int32_t first_token)
 {
+    kvf_engine_req_info info = {0};
     kvf_err err = {0};
+    (void)kvf_engine_req_info_get(engine_of(p), j->eng_id, &info, &err);
     j->t_computed_ns = kvf_now_ns();
-    j->stats.prefill_ms = (double)(j->t_computed_ns - j->t_start_ns) / 1e6;
-    p->n_compute--;
+    j->first_token = first_token;
+    j->stats.cached_tokens = (int32_t)info.n_cached;
+    if (info.admitted_ns) {
+        j->stats.queue_ms = (double)(info.admitted_ns - j->t_enqueue_ns) / 1e6;
+        j->stats.prefill_ms = (double)(j->t_computed_ns - info.admitted_ns) / 1e6;
+        kvf_metric_observe(p->m_queue_ms, j->stats.queue_ms);
+    }
+    p->n_engine--;
     p->n_sending++;
     j->state = PJ_ID_WAIT;
-    if (kvf_kv_seq_commit(&j->seq, j->rq->token_ids, j->n, &err) != KVF_OK) { /* STORED events */
-        kvf_err_prefix(&err, "prefill: req %s", j->id);
-        job_fail(p, j, &err);
+    job_send(p, j);
+}
+
+/* Engine outputs: a call's first token (PREFILLED), or its end inside the engine. */
+static void on_output(void *ctx, const kvf_engine_output *o)
+{
+    kvf_prefill *p = ctx;
+    pjob *j = find_eng(p, o->id);
+    if (!j || j->state != PJ_ENGINE)
+        return; /* a call that left already (its cancellation being reported) */
+    if (o->finish == KVF_ENGINE_FINISH_PREFILLED) {
+        job_prefilled(p, j, o->token);
         return;
     }
-    job_send(p, j);
+    kvf_err err = {0};
+    kvf_err_set(&err, o->finish == KVF_ENGINE_FINISH_LENGTH ? KVF_ERR_LIMIT : KVF_ERR_INTERNAL,
+                "prefill: req %s: the engine ended it (%s)%s", j->id,
+                kvf_engine_finish_name(o->finish),
+                o->finish == KVF_ENGINE_FINISH_LENGTH ? ": its blocks cannot fit in this pool" : "");
+    j->eng_id = 0; /* finished in the engine: nothing to release */
+    job_fail(p, j, &err);
 }
 
 static void on_xfer_event(void *ctx, const kvf_xfer_event *ev)
@@ -435,91 +430,6 @@ static void on_xfer_event(void *ctx, const kvf_xfer_event *ev)
     kvf_log(KVF_LOG_DEBUG, "prefill: transfer %llu: event for no call", (unsigned long long)ev->id);
 }
 
-/* ---- the shared step -------------------------------------------------------------------- */
-
-/* One forward step over the admitted prompts: in arrival order, each takes as many of its
- * remaining tokens as the step's token budget has left (chunked prefill). */
-static void step_pass(kvf_prefill *p)
-{
-    kvf_worker *w = p->w;
-    kvf_kv_pool *pool = kvf_worker_pool(w);
-    const kvf_kv_layout *l = kvf_worker_layout(w);
-    int32_t ns = 0, budget = p->max_tokens;
-    bool want_logits = false;
-    for (pjob *j = p->jobs; j && ns < p->max_seqs && budget > 0; j = j->next) {
-        if (j->state != PJ_COMPUTE)
-            continue;
-        int64_t left = j->n - j->pos;
-        j->take = (int32_t)(left < budget ? left : budget);
-        budget -= j->take;
-        const Kvfleet__V1__SamplingParams *sp = j->rq->sampling;
-        p->step_seqs[ns] = (kvf_model_seq){.tokens = j->rq->token_ids + j->pos, .n_tokens = j->take,
-                                           .start_pos = (int32_t)j->pos,
-                                           .block_table = j->seq.blocks, .n_blocks = j->seq.n_blocks};
-        if (j->pos + j->take == j->n && sp && sp->temperature > 0) {
-            /* the first token: drawn on the backend when it can (the logits stay there), with
-             * the uniform the host sampler would take from the same generator */
-            if (kvf_model_fwd_samples(kvf_worker_fwd(w))) {
-                kvf_engine_rng rng;
-                kvf_engine_rng_seed(&rng, sp->seed, 0);
-                float u = (float)kvf_engine_rng_uniform(&rng);
-                p->draw[ns] = (kvf_backend_sample_row){
-                    .temperature = sp->temperature, .top_k = sp->top_k > 0 ? sp->top_k : 0,
-                    .top_p = sp->top_p > 0 && sp->top_p < 1 ? sp->top_p : 1.0f,
-                    .u = u < 1.0f ? u : nextafterf(1.0f, 0.0f)};
-                p->step_seqs[ns].sample = &p->draw[ns];
-            } else {
-                want_logits = true;
-            }
-        }
-        p->step_jobs[ns++] = j;
-    }
-    if (ns == 0)
-        return;
-    kvf_err err = {0};
-    kvf_status st = kvf_model_forward(kvf_worker_fwd(w), p->step_seqs, ns, kvf_kv_pool_base(pool),
-                                      l->block_bytes ? kvf_kv_pool_bytes(pool) / l->block_bytes : 0,
-                                      want_logits ? p->logits : NULL, p->next, &err);
-    kvf_metric_add(p->m_steps, 1);
-    kvf_metric_observe(p->m_step_seqs, ns);
-    if (ns > p->max_step_seqs) {
-        p->max_step_seqs = ns;
-        kvf_metric_set(p->m_step_seqs_max, ns);
-    }
-    for (int32_t i = 0; i < ns; i++) {
-        pjob *j = p->step_jobs[i];
-        if (st != KVF_OK) {
-            kvf_err e = err;
-            kvf_err_prefix(&e, "prefill: req %s", j->id);
-            job_fail(p, j, &e);
-            continue;
-        }
-        j->pos += j->take;
-        kvf_err cerr = {0};
-        if (j->pos < j->n) {
-            /* the chunk's full blocks are final: later calls may reuse them already */
-            if (kvf_kv_seq_commit(&j->seq, j->rq->token_ids, j->pos, &cerr) != KVF_OK) {
-                kvf_err_prefix(&cerr, "prefill: req %s", j->id);
-                job_fail(p, j, &cerr);
-            }
-            continue;
-        }
-        const Kvfleet__V1__SamplingParams *sp = j->rq->sampling;
-        if (p->step_seqs[i].sample) {
-            j->first_token = p->next[i];
-        } else if (sp && sp->temperature > 0) {
-            kvf_engine_rng rng;
-            kvf_engine_rng_seed(&rng, sp->seed, 0);
-            j->first_token = kvf_engine_sample(&p->sampler, p->logits + (size_t)i * (size_t)p->vocab,
-                                               sp->temperature, sp->top_k,
-                                               sp->top_p > 0 && sp->top_p < 1 ? sp->top_p : 1.0f, &rng);
-        } else {
-            j->first_token = p->next[i];
-        }
-        job_computed(p, j);
-    }
-}
-
 /* Drives the writes in flight to their SENT events before the next step. Bytes (over tcp) and
  * the decode worker's acknowledgement move only while this process progresses the transport,
  * which a forward step does not: a prompt that is computed would otherwise wait for the next
@@ -547,42 +457,62 @@ static void drain_sends(kvf_prefill *p)
     }
 }
 
-/* Every loop pass: cancelled and expired calls leave, queued calls join, one step runs. */
+/* The engine's step since the last pass, in the prefill metrics. */
+static void step_metrics(kvf_prefill *p)
+{
+    kvf_engine_stats es;
+    kvf_engine_get_stats(engine_of(p), &es);
+    if (es.steps == p->seen_steps)
+        return;
+    p->seen_steps = es.steps;
+    kvf_metric_add(p->m_steps, 1);
+    kvf_metric_observe(p->m_step_seqs, es.last_step_seqs);
+    if (es.last_step_seqs > p->max_step_seqs) {
+        p->max_step_seqs = es.last_step_seqs;
+        kvf_metric_set(p->m_step_seqs_max, es.last_step_seqs);
+    }
+}
+
+/* Every loop pass, after the engine's step: cancelled and expired calls leave, backlogged calls
+ * go into the engine, and writes in flight are driven while the engine still computes. */
 static void on_tick(void *ctx)
 {
     kvf_prefill *p = ctx;
     if (p->shut)
         return;
+    step_metrics(p);
     int64_t now = kvf_now_ns();
     for (pjob *j = p->jobs, *nx; j; j = nx) {
         nx = j->next;
-        if (j->state != PJ_QUEUED && j->state != PJ_COMPUTE)
+        if (j->state != PJ_BACKLOG && j->state != PJ_ENGINE)
             continue; /* a write in flight ends with its event, never later than its deadline */
+        kvf_engine_req_info info = {.state = KVF_ENGINE_REQ_QUEUED};
         kvf_err err = {0};
+        if (j->state == PJ_ENGINE)
+            (void)kvf_engine_req_info_get(engine_of(p), j->eng_id, &info, &err);
+        bool queued = info.state == KVF_ENGINE_REQ_QUEUED;
         if (now >= j->deadline_ns) {
-            if (j->state == PJ_QUEUED) {
+            if (queued) {
                 kvf_metric_add(p->m_expired_queued, 1);
                 kvf_err_set(&err, KVF_ERR_TIMEOUT, "prefill: req %s: its deadline passed while it "
                             "was queued (%.1f ms)", j->id, (double)(now - j->t_enqueue_ns) / 1e6);
             } else {
                 kvf_err_set(&err, KVF_ERR_TIMEOUT, "prefill: req %s: the deadline passed during "
                             "the prefill (%lld of %d tokens computed); nothing was written",
-                            j->id, (long long)j->pos, j->n);
+                            j->id, (long long)info.n_computed, j->n);
             }
         } else if (kvf_rpc_call_is_cancelled(j->call)) {
             kvf_err_set(&err, KVF_ERR_CANCELLED, "prefill: req %s: the caller cancelled it (%s)",
-                        j->id, j->state == PJ_QUEUED ? "queued" : "computing");
+                        j->id, queued ? "queued" : "computing");
         } else {
             continue;
         }
         job_fail(p, j, &err);
     }
-    admit_pass(p);
-    if (p->n_compute > 0 && p->n_sending > 0)
+    if (enter_pass(p))
+        kvf_worker_wake(p->w); /* the engine has new work: no sleep before the next pass */
+    if (p->n_engine > 0 && p->n_sending > 0)
         drain_sends(p); /* with no step to run, the loop's idle wait progresses them */
-    step_pass(p);
-    if (p->n_compute > 0 || (p->n_queued > 0 && p->n_compute < p->max_seqs && !p->blocked))
-        kvf_worker_wake(p->w); /* more to compute: no sleep before the next pass */
 }
 
 /* ---- the handler ------------------------------------------------------------------------ */
@@ -596,7 +526,7 @@ static void enqueue_job(kvf_worker *w, void *arg)
 {
     pjob *j = arg;
     kvf_prefill *p = j->p;
-    p->n_queued++;
+    p->n_backlog++;
     if (p->jobs_tail)
         p->jobs_tail->next = j;
     else
@@ -612,29 +542,21 @@ static void enqueue_job(kvf_worker *w, void *arg)
 /* RemotePrefill is registered as a server-streaming method that sends exactly one message:
  * on the wire that is a unary answer, and the call can be answered later by the loop thread
  * instead of holding a gRPC handler thread for the whole prefill. */
-static void h_remote_prefill(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+static void h_remote_prefill(void *ctx, kvf_rpc_call *call, kvf_rpc_remote_prefill_req *rq)
 {
     kvf_prefill *p = ctx;
-    Kvfleet__V1__RemotePrefillRequest *rq = NULL;
-    kvf_err err = {0};
-    kvf_status st = kvf_rpc_remote_prefill_request_decode(req, len, &rq, &err);
-    if (st != KVF_OK) {
-        kvf_rpc_call_finish(call, st, err.msg);
-        return;
-    }
     kvf_metric_add(p->m_requests, 1);
     pjob *j = calloc(1, sizeof *j);
     if (!j) {
-        kvf_rpc_msg_free(rq);
+        free(rq);
         kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "prefill: out of memory");
         return;
     }
-    Kvfleet__V1__PrefillStats init = KVFLEET__V1__PREFILL_STATS__INIT;
-    j->stats = init;
     j->p = p;
     j->call = call;
     j->rq = rq;
-    j->id = rq->request_id && *rq->request_id ? rq->request_id : "-";
+    j->id = rq->request_id;
+    j->n = (int32_t)rq->n_token_ids;
     j->t_enqueue_ns = kvf_now_ns();
     int64_t now_wall = kvf_wall_ms();
     j->deadline_ns = j->t_enqueue_ns + (rq->deadline_unix_ms > 0
@@ -643,8 +565,7 @@ static void h_remote_prefill(void *ctx, kvf_rpc_call *call, const uint8_t *req, 
     atomic_fetch_add(&p->queued_tokens, (int64_t)rq->n_token_ids);
     if (kvf_worker_post(p->w, enqueue_job, j) != KVF_OK) {
         atomic_fetch_sub(&p->queued_tokens, (int64_t)rq->n_token_ids);
-        kvf_rpc_msg_free(rq);
-        free(j);
+        job_free(j);
         kvf_rpc_call_finish(call, KVF_ERR_CANCELLED, "prefill: shutting down");
     }
 }
@@ -655,12 +576,15 @@ static int64_t queued_tokens(void *ctx)
     return atomic_load(&p->queued_tokens);
 }
 
-/* Load: running = calls admitted to the batch or writing their KV; waiting = calls queued. */
+/* Load: running = calls the engine computes or whose KV is being written; waiting = calls
+ * queued in the engine or in the backlog. */
 static void fill_load(void *ctx, kvf_worker_load *l)
 {
     kvf_prefill *p = ctx;
-    l->running = p->n_compute + p->n_sending;
-    l->waiting = p->n_queued;
+    kvf_engine_stats es;
+    kvf_engine_get_stats(engine_of(p), &es);
+    l->running = es.running + p->n_sending;
+    l->waiting = es.waiting + es.swapped + p->n_backlog;
 }
 
 /* The loop's last pass: every call is answered and every block returns to the pool. */
@@ -709,26 +633,7 @@ kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill
         return kvf_err_set(err, KVF_ERR_NOMEM, "prefill: out of memory");
     p->w = w;
     p->fault_delay_ms = fault_delay_ms;
-    const kvf_model_fwd_opts *lim = kvf_model_fwd_limits(kvf_worker_fwd(w));
-    p->max_seqs = lim->max_seqs > 0 ? lim->max_seqs : 1;
-    p->max_tokens = lim->max_tokens > 0 ? lim->max_tokens : 1;
-    p->vocab = kvf_worker_model(w)->cfg.vocab_size;
     kvf_status st;
-    p->step_seqs = calloc((size_t)p->max_seqs, sizeof *p->step_seqs);
-    p->step_jobs = calloc((size_t)p->max_seqs, sizeof *p->step_jobs);
-    p->next = calloc((size_t)p->max_seqs, sizeof *p->next);
-    p->logits = malloc((size_t)p->max_seqs * (size_t)p->vocab * sizeof *p->logits);
-    p->draw = malloc((size_t)p->max_seqs * sizeof *p->draw);
-    if (!p->step_seqs || !p->step_jobs || !p->next || !p->logits || !p->draw) {
-        int32_t ms = p->max_seqs;
-        kvf_prefill_destroy(p);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "prefill: out of memory for a batch of %d "
-                           "sequences (--max-seqs)", ms);
-    }
-    if ((st = kvf_engine_sampler_init(&p->sampler, p->vocab, err)) != KVF_OK) {
-        kvf_prefill_destroy(p);
-        return st;
-    }
     static const double seq_bounds[] = {1, 2, 4, 8, 16, 32, 64};
     static const double ms_bounds[] = {1, 5, 10, 50, 100, 500, 1000, 5000};
     kvf_metrics *m = kvf_worker_metrics(w);
@@ -739,18 +644,17 @@ kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill
         (st = kvf_metrics_counter(m, "kvfleet_prefill_cached_tokens_total", lb, "prompt tokens found in this worker's cache", &p->m_cached, err)) ||
         (st = kvf_metrics_counter(m, "kvfleet_prefill_kv_bytes_sent_total", lb, "KV bytes written to decode workers", &p->m_bytes, err)) ||
         (st = kvf_metrics_counter(m, "kvfleet_prefill_expired_queued_total", lb, "RemotePrefill calls whose deadline passed before they were admitted", &p->m_expired_queued, err)) ||
-        (st = kvf_metrics_counter(m, "kvfleet_prefill_steps_total", lb, "forward steps of the prefill batch", &p->m_steps, err)) ||
-        (st = kvf_metrics_histogram(m, "kvfleet_prefill_step_seqs", lb, "prompts computed together in one forward step", seq_bounds, sizeof seq_bounds / sizeof seq_bounds[0], &p->m_step_seqs, err)) ||
-        (st = kvf_metrics_gauge(m, "kvfleet_prefill_step_seqs_max", lb, "most prompts computed together in one forward step so far", &p->m_step_seqs_max, err)) ||
+        (st = kvf_metrics_counter(m, "kvfleet_prefill_steps_total", lb, "engine steps that computed prompts", &p->m_steps, err)) ||
+        (st = kvf_metrics_histogram(m, "kvfleet_prefill_step_seqs", lb, "prompts computed together in one engine step", seq_bounds, sizeof seq_bounds / sizeof seq_bounds[0], &p->m_step_seqs, err)) ||
+        (st = kvf_metrics_gauge(m, "kvfleet_prefill_step_seqs_max", lb, "most prompts computed together in one engine step so far", &p->m_step_seqs_max, err)) ||
         (st = kvf_metrics_histogram(m, "kvfleet_prefill_queue_ms", lb, "time a RemotePrefill call waited for admission", ms_bounds, sizeof ms_bounds / sizeof ms_bounds[0], &p->m_queue_ms, err)) ||
-        (st = kvf_rpc_server_add_stream(kvf_worker_rpc_server(w), KVF_RPC_WORKER_REMOTE_PREFILL,
-                                        h_remote_prefill, p, err))) {
+        (st = kvf_rpc_serve_remote_prefill(kvf_worker_rpc_server(w), h_remote_prefill, p, err))) {
         kvf_prefill_destroy(p);
         return st;
     }
-    kvf_worker_hooks h = {.ctx = p, .on_shutdown = on_shutdown, .on_tick = on_tick,
-                          .on_xfer_event = on_xfer_event, .queued_prefill_tokens = queued_tokens,
-                          .fill_load = fill_load};
+    kvf_worker_hooks h = {.ctx = p, .on_output = on_output, .on_shutdown = on_shutdown,
+                          .on_tick = on_tick, .on_xfer_event = on_xfer_event,
+                          .queued_prefill_tokens = queued_tokens, .fill_load = fill_load};
     kvf_worker_set_hooks(w, &h);
     *out = p;
     return KVF_OK;
@@ -758,14 +662,6 @@ kvf_status kvf_prefill_create(kvf_worker *w, int32_t fault_delay_ms, kvf_prefill
 
 void kvf_prefill_destroy(kvf_prefill *p)
 {
-    if (!p)
-        return;
     /* calls the loop never saw end with the worker; anything left here was answered */
-    kvf_engine_sampler_fini(&p->sampler);
-    free(p->step_seqs);
-    free(p->step_jobs);
-    free(p->next);
-    free(p->logits);
-    free(p->draw);
     free(p);
 }

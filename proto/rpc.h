@@ -3,9 +3,8 @@
  * client (unary and server-streaming calls with deadlines and cancel). Messages are bytes; the
  * Worker service's messages and their checks are in proto/worker.h.
  *
- * Which foreign headers leak: none from here. proto/worker.h includes the generated
- * "kvfleet.pb-c.h" (and through it <protobuf-c/protobuf-c.h>) on purpose, so roles can fill and
- * read the generated message structs; nothing outside proto/ includes grpc headers.
+ * Which foreign headers leak: none. The Worker messages reach the roles as kvfleet structs
+ * (proto/worker.h); nothing outside proto/ includes grpc or protobuf-c headers.
  *
  * Thread-safety: every function here may be called from any thread, except that one object is
  * destroyed once, by one thread, after the calls on it have returned. Handlers and callbacks run
@@ -51,16 +50,6 @@ typedef struct kvf_rpc_tls {
     const char *ca_file;     /* client: roots that signed the server's certificate */
     const char *server_name; /* client: name to check instead of the target's host (tests) */
 } kvf_rpc_tls;
-
-/* Three lines for a role's kvf_cfg_opt table, for a kvf_rpc_tls member `field` of `type`:
- * --tls-cert, --tls-key (serving) and --tls-ca (calling peers). */
-#define KVF_RPC_TLS_CFG_OPTS(type, field)                                                        \
-    {"tls-cert", NULL, "PEM certificate chain to serve gRPC with TLS (with --tls-key)",          \
-     offsetof(type, field.cert_file), KVF_CFG_STR},                                              \
-    {"tls-key", NULL, "PEM private key of --tls-cert", offsetof(type, field.key_file),           \
-     KVF_CFG_STR},                                                                               \
-    {"tls-ca", NULL, "PEM CA roots: call peers over TLS and check their certificate",            \
-     offsetof(type, field.ca_file), KVF_CFG_STR}
 
 /* The one place kvf_status and gRPC status codes (the wire numbers, 0..16) meet. The server
  * also sends the exact kvf_status in trailing metadata, so a client gets back the code the

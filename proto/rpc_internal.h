@@ -54,6 +54,13 @@ int64_t kvf_rpc_keepalive_ms(int64_t v);
 /* Reads a whole PEM file into a NUL-terminated malloc()ed string. what names the flag. */
 kvf_status kvf_rpc_pem_read(const char *path, const char *what, char **out, kvf_err *err);
 
+/* Registers a unary (u) or streaming (f, when not NULL) handler whose ctx the server owns:
+ * ctx_free(ctx) runs when the server is destroyed, or at once when the registration fails. For
+ * proto/worker.c's typed handlers, whose adapters live as long as the server. */
+kvf_status kvf_rpc_server_add_owned(kvf_rpc_server *s, const char *method, kvf_rpc_unary_fn u,
+                                    kvf_rpc_stream_fn f, void *ctx, void (*ctx_free)(void *),
+                                    kvf_err *err);
+
 /* The key of the trailing metadata that carries the exact kvf_status. */
 #define RPC_KVF_STATUS_KEY "kvf-status"
 

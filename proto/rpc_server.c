@@ -26,6 +26,7 @@ typedef struct rpc_method {
     kvf_rpc_unary_fn unary;
     kvf_rpc_stream_fn stream;
     void *ctx;
+    void (*ctx_free)(void *ctx); /* kvf_rpc_server_add_owned: frees ctx with the server */
     void *handle; /* grpc_server_register_method */
 } rpc_method;
 
@@ -316,13 +317,13 @@ static kvf_status call_send(kvf_rpc_call *c, const void *msg, size_t len, uint64
 
 kvf_status kvf_rpc_call_send(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
 {
-    uint64_t seq;
+    uint64_t seq = 0;
     return call_send(c, msg, len, &seq, err);
 }
 
 kvf_status kvf_rpc_call_write(kvf_rpc_call *c, const void *msg, size_t len, kvf_err *err)
 {
-    uint64_t seq;
+    uint64_t seq = 0;
     kvf_status st = call_send(c, msg, len, &seq, err);
     if (st != KVF_OK)
         return st;
@@ -703,7 +704,8 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
 int kvf_rpc_server_port(const kvf_rpc_server *s) { return s->port; }
 
 static kvf_status add_method(kvf_rpc_server *s, const char *method, bool streaming,
-                             kvf_rpc_unary_fn u, kvf_rpc_stream_fn f, void *ctx, kvf_err *err)
+                             kvf_rpc_unary_fn u, kvf_rpc_stream_fn f, void *ctx,
+                             void (*ctx_free)(void *), kvf_err *err)
 {
     if (!method || method[0] != '/' || !strchr(method + 1, '/'))
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: method name \"%s\" is not of the form "
@@ -735,6 +737,7 @@ static kvf_status add_method(kvf_rpc_server *s, const char *method, bool streami
     m->unary = u;
     m->stream = f;
     m->ctx = ctx;
+    m->ctx_free = ctx_free;
     s->n_methods++;
     return KVF_OK;
 }
@@ -742,13 +745,23 @@ static kvf_status add_method(kvf_rpc_server *s, const char *method, bool streami
 kvf_status kvf_rpc_server_add_unary(kvf_rpc_server *s, const char *method, kvf_rpc_unary_fn fn,
                                     void *ctx, kvf_err *err)
 {
-    return add_method(s, method, false, fn, NULL, ctx, err);
+    return add_method(s, method, false, fn, NULL, ctx, NULL, err);
 }
 
 kvf_status kvf_rpc_server_add_stream(kvf_rpc_server *s, const char *method,
                                      kvf_rpc_stream_fn fn, void *ctx, kvf_err *err)
 {
-    return add_method(s, method, true, NULL, fn, ctx, err);
+    return add_method(s, method, true, NULL, fn, ctx, NULL, err);
+}
+
+kvf_status kvf_rpc_server_add_owned(kvf_rpc_server *s, const char *method, kvf_rpc_unary_fn u,
+                                    kvf_rpc_stream_fn f, void *ctx, void (*ctx_free)(void *),
+                                    kvf_err *err)
+{
+    kvf_status st = add_method(s, method, f != NULL, u, f, ctx, ctx_free, err);
+    if (st != KVF_OK)
+        ctx_free(ctx);
+    return st;
 }
 
 kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err)
@@ -860,8 +873,11 @@ void kvf_rpc_server_destroy(kvf_rpc_server *s)
     else
         kvf_rpc_cq_poll(s->cq); /* drain: nothing was ever requested */
     grpc_completion_queue_destroy(s->cq);
-    for (int i = 0; i < s->n_methods; i++)
+    for (int i = 0; i < s->n_methods; i++) {
         free(s->methods[i].name);
+        if (s->methods[i].ctx_free)
+            s->methods[i].ctx_free(s->methods[i].ctx);
+    }
     free(s->workers);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);

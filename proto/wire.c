@@ -1,22 +1,23 @@
-/* worker.c: encoding and checked decoding of the Worker service's messages. protobuf-c only
- * checks the wire format; the checks here are the ones a worker relies on before it indexes
- * arrays or allocates blocks with what a peer sent. Semantics (does the model exist, is the
- * pool big enough) stay with the roles. */
-#include "proto/worker.h"
-
+/* wire.c: the Worker messages between kvfleet's structs (proto/worker.h) and their bytes. The
+ * only file that reads or fills protobuf-c's generated structs. protobuf-c checks the wire
+ * format; the checks here are the ones a worker relies on before it indexes arrays or allocates
+ * blocks with what a peer sent. Semantics (does the model exist, is the pool big enough) stay
+ * with the roles. A decoded message is copied into one malloc()ed block (struct, then its
+ * strings and arrays), so its owner frees it with free(). */
 #include <math.h>
+#include <stdalign.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <string.h>
 
-void kvf_rpc_msg_free(void *msg)
-{
-    if (msg)
-        protobuf_c_message_free_unpacked(msg, NULL);
-}
+#include "proto/kvfleet.pb-c.h"
+#include "proto/worker.h"
+#include "proto/worker_pb.h"
 
-kvf_status kvf_rpc_msg_encode(const void *msg, kvf_rpc_buf *out, kvf_err *err)
+/* ---- bytes <-> protobuf-c ------------------------------------------------------------------- */
+
+static kvf_status pack(const ProtobufCMessage *m, kvf_rpc_buf *out, kvf_err *err)
 {
-    const ProtobufCMessage *m = msg;
     size_t n = protobuf_c_message_get_packed_size(m);
     uint8_t *data = malloc(n ? n : 1);
     if (!data)
@@ -67,7 +68,7 @@ static bool has_field_zero(const ProtobufCMessage *m, int depth)
 }
 
 static kvf_status unpack(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
-                         ProtobufCMessage **out, kvf_err *err)
+                         void **out, kvf_err *err)
 {
     ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, len, len ? data : NULL);
     if (!m)
@@ -81,6 +82,62 @@ static kvf_status unpack(const ProtobufCMessageDescriptor *d, const uint8_t *dat
     *out = m;
     return KVF_OK;
 }
+
+static void pb_free(void *m)
+{
+    if (m)
+        protobuf_c_message_free_unpacked(m, NULL);
+}
+
+/* ---- one-block copies ----------------------------------------------------------------------- */
+
+#define AL(n) (((n) + alignof(max_align_t) - 1) & ~(alignof(max_align_t) - 1))
+
+static size_t str_size(const char *s) { return AL((s ? strlen(s) : 0) + 1); }
+
+/* A decoded message's block, carved front to back (sizes computed before with str_size/AL). */
+typedef struct carve {
+    uint8_t *p;
+} carve;
+
+static void *carve_take(carve *c, size_t n)
+{
+    void *r = c->p;
+    c->p += AL(n);
+    return r;
+}
+
+static const char *carve_str(carve *c, const char *s)
+{
+    size_t n = s ? strlen(s) : 0;
+    char *d = carve_take(c, n + 1);
+    if (n)
+        memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
+static const void *carve_copy(carve *c, const void *src, size_t n)
+{
+    void *d = carve_take(c, n ? n : 1);
+    if (n)
+        memcpy(d, src, n);
+    return d;
+}
+
+/* Allocates the block for a struct of sz bytes plus extra; the struct comes first, zeroed. */
+static void *block_new(size_t sz, size_t extra, carve *c, const char *what, kvf_err *err)
+{
+    uint8_t *b = calloc(1, AL(sz) + extra);
+    if (!b) {
+        kvf_err_set(err, KVF_ERR_NOMEM, "rpc: no memory for a decoded %s", what);
+        return NULL;
+    }
+    c->p = b + AL(sz);
+    return b;
+}
+
+/* ---- checks ---------------------------------------------------------------------------------- */
 
 /* An id must be bounded and printable ASCII: it ends up in logs and metric labels. */
 static kvf_status check_id(const char *msg, const char *field, const char *s, bool required,
@@ -138,119 +195,170 @@ static kvf_status check_sampling(const char *msg, const Kvfleet__V1__SamplingPar
                         err);
 }
 
-static kvf_status check_layout(const char *msg, const char *field, const Kvfleet__V1__KvLayout *l,
-                               kvf_err *err)
+/* ---- the shared pieces: dtype, layout, sampling, transport (each converted here only) -------- */
+
+static Kvfleet__V1__DType dtype_to_msg(kvf_dtype t)
 {
-    if (!l)
-        return KVF_OK;
+    switch (t) {
+    case KVF_DTYPE_F32: return KVFLEET__V1__DTYPE__DTYPE_F32;
+    case KVF_DTYPE_F16: return KVFLEET__V1__DTYPE__DTYPE_F16;
+    case KVF_DTYPE_BF16: return KVFLEET__V1__DTYPE__DTYPE_BF16;
+    case KVF_DTYPE_FP8_E4M3: return KVFLEET__V1__DTYPE__DTYPE_FP8_E4M3;
+    }
+    return KVFLEET__V1__DTYPE__DTYPE_UNSPECIFIED;
+}
+
+static kvf_status dtype_from_msg(Kvfleet__V1__DType d, kvf_dtype *out, kvf_err *err)
+{
+    switch (d) {
+    case KVFLEET__V1__DTYPE__DTYPE_F32: *out = KVF_DTYPE_F32; return KVF_OK;
+    case KVFLEET__V1__DTYPE__DTYPE_F16: *out = KVF_DTYPE_F16; return KVF_OK;
+    case KVFLEET__V1__DTYPE__DTYPE_BF16: *out = KVF_DTYPE_BF16; return KVF_OK;
+    case KVFLEET__V1__DTYPE__DTYPE_FP8_E4M3: *out = KVF_DTYPE_FP8_E4M3; return KVF_OK;
+    default: break;
+    }
+    return kvf_err_set(err, KVF_ERR_INVALID, "dtype %d is not one of f32 (1), f16 (2), bf16 (3), "
+                       "fp8-e4m3 (4)", (int)d);
+}
+
+static void layout_to_msg(const kvf_kv_layout *l, Kvfleet__V1__KvLayout *m)
+{
+    kvfleet__v1__kv_layout__init(m);
+    m->n_layers = l->n_layers;
+    m->n_kv_heads = l->n_kv_heads;
+    m->head_dim = l->head_dim;
+    m->block_size = l->block_size;
+    m->dtype = dtype_to_msg(l->dtype);
+    m->block_bytes = l->block_bytes;
+}
+
+/* Checks a layout a peer sent (every shape positive, a known dtype) and converts it. */
+static kvf_status layout_from_msg(const char *msg, const char *field,
+                                  const Kvfleet__V1__KvLayout *l, kvf_kv_layout *out,
+                                  kvf_err *err)
+{
     if (l->n_layers <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || l->block_size <= 0 ||
         l->block_bytes <= 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.%s has a non-positive shape (layers "
                            "%d, kv heads %d, head_dim %d, block_size %d, block_bytes %lld)", msg,
                            field, (int)l->n_layers, (int)l->n_kv_heads, (int)l->head_dim,
                            (int)l->block_size, (long long)l->block_bytes);
-    kvf_dtype t;
-    kvf_status st = kvf_rpc_dtype_from_msg(l->dtype, &t, err);
-    if (st != KVF_OK)
+    kvf_dtype t = KVF_DTYPE_F32;
+    if (dtype_from_msg(l->dtype, &t, err) != KVF_OK)
         return kvf_err_prefix(err, "rpc: %s.%s", msg, field);
+    *out = (kvf_kv_layout){.n_layers = l->n_layers, .n_kv_heads = l->n_kv_heads,
+                           .head_dim = l->head_dim, .block_size = l->block_size, .dtype = t,
+                           .block_bytes = l->block_bytes};
     return KVF_OK;
 }
 
-/* Unpacks, runs check on the message, and hands it out only when both pass. */
-typedef kvf_status (*check_fn)(const void *msg, kvf_err *err);
-
-static kvf_status decode(const ProtobufCMessageDescriptor *d, check_fn check, const uint8_t *data,
-                         size_t len, void **out, kvf_err *err)
+void kvf_rpc_sampling_default(kvf_rpc_sampling *s)
 {
-    ProtobufCMessage *m = NULL;
-    kvf_status st = unpack(d, data, len, &m, err);
-    if (st != KVF_OK)
-        return st;
-    if ((st = check(m, err)) != KVF_OK) {
-        kvf_rpc_msg_free(m);
-        return st;
-    }
-    *out = m;
+    memset(s, 0, sizeof *s);
+    s->top_p = 1.0f;
+    s->n = 1;
+}
+
+/* Refuses what the struct cannot hold (n_stop beyond its array) before anything reads it. */
+static kvf_status sampling_to_msg(const char *msg, const kvf_rpc_sampling *s,
+                                  Kvfleet__V1__SamplingParams *m, kvf_err *err)
+{
+    if (s->n_stop < 0 || s->n_stop > KVF_RPC_MAX_STOP_TOKENS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.n_stop is %d (allowed 0..%d)",
+                           msg, (int)s->n_stop, KVF_RPC_MAX_STOP_TOKENS);
+    kvfleet__v1__sampling_params__init(m);
+    m->max_tokens = s->max_tokens;
+    m->temperature = s->temperature;
+    m->top_p = s->top_p;
+    m->top_k = s->top_k;
+    m->seed = s->seed;
+    m->n = s->n;
+    m->ignore_eos = s->ignore_eos;
+    m->n_stop_token_ids = (size_t)s->n_stop;
+    m->stop_token_ids = (int32_t *)s->stop_ids;
     return KVF_OK;
 }
 
-static kvf_status check_none(const void *m, kvf_err *err) { return KVF_OK; }
-
-static kvf_status check_generate(const void *msg, kvf_err *err)
+/* A checked sampling block (check_sampling ran), or the defaults when there is none: top_p 0
+ * and n 0 are the wire's "off". */
+static void sampling_from_msg(const Kvfleet__V1__SamplingParams *m, kvf_rpc_sampling *s)
 {
-    const Kvfleet__V1__GenerateRequest *m = msg;
-    const char *w = "GenerateRequest";
-    kvf_status st;
-    if ((st = check_id(w, "request_id", m->request_id, true, err)) != KVF_OK ||
-        (st = check_id(w, "cache_salt", m->cache_salt, false, err)) != KVF_OK)
-        return st;
-    if (m->n_token_ids == 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateRequest %s: token_ids is empty",
-                           m->request_id);
-    if ((st = check_nonneg(w, "token_ids", m->token_ids, m->n_token_ids, err)) != KVF_OK)
-        return st;
-    if (m->n_prior_output_tokens < 0 || (size_t)m->n_prior_output_tokens >= m->n_token_ids)
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateRequest %s: n_prior_output_tokens "
-                           "is %d (allowed 0..%zu: fewer than token_ids)", m->request_id,
-                           (int)m->n_prior_output_tokens, m->n_token_ids - 1);
-    if (m->prefill && m->prefill->address && m->prefill->address[0] &&
-        (st = check_id(w, "prefill.address", m->prefill->address, false, err)) != KVF_OK)
-        return st;
-    return check_sampling(w, m->sampling, err);
+    kvf_rpc_sampling_default(s);
+    if (!m)
+        return;
+    s->max_tokens = m->max_tokens;
+    s->temperature = m->temperature;
+    s->top_p = m->top_p > 0 && m->top_p < 1 ? m->top_p : 1.0f;
+    s->top_k = m->top_k;
+    s->seed = m->seed;
+    s->n = m->n > 0 ? m->n : 1;
+    s->ignore_eos = m->ignore_eos;
+    s->n_stop = (int32_t)m->n_stop_token_ids;
+    if (m->n_stop_token_ids)
+        memcpy(s->stop_ids, m->stop_token_ids, m->n_stop_token_ids * sizeof *s->stop_ids);
 }
 
-static kvf_status check_remote_prefill(const void *msg, kvf_err *err)
+static void transport_to_msg(const kvf_rpc_transport *t, Kvfleet__V1__TransportDescriptor *m)
 {
-    const Kvfleet__V1__RemotePrefillRequest *m = msg;
-    const char *w = "RemotePrefillRequest";
-    kvf_status st;
-    if ((st = check_id(w, "request_id", m->request_id, true, err)) != KVF_OK ||
-        (st = check_id(w, "cache_salt", m->cache_salt, false, err)) != KVF_OK)
-        return st;
-    if (m->n_token_ids == 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: token_ids is "
-                           "empty", m->request_id);
-    if ((st = check_nonneg(w, "token_ids", m->token_ids, m->n_token_ids, err)) != KVF_OK ||
-        (st = check_nonneg(w, "dst_block_ids", m->dst_block_ids, m->n_dst_block_ids, err)) !=
-            KVF_OK)
-        return st;
-    if (m->dst_cached_blocks < 0 || (size_t)m->dst_cached_blocks > m->n_dst_block_ids)
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: "
-                           "dst_cached_blocks is %d (allowed 0..%zu, the number of "
-                           "dst_block_ids)", m->request_id, (int)m->dst_cached_blocks,
-                           m->n_dst_block_ids);
-    if (!m->dst || !m->dst->backend || !m->dst->backend[0])
-        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: dst (the "
-                           "destination's transport descriptor) is missing", m->request_id);
-    if ((st = check_id(w, "dst.backend", m->dst->backend, true, err)) != KVF_OK ||
-        (st = check_layout(w, "dst_layout", m->dst_layout, err)) != KVF_OK)
-        return st;
-    if (m->dst_layout) {
-        size_t bs = (size_t)m->dst_layout->block_size;
-        size_t need = (m->n_token_ids + bs - 1) / bs;
-        if (m->n_dst_block_ids < need)
-            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: %zu "
-                               "dst_block_ids for %zu tokens at block_size %zu (need %zu)",
-                               m->request_id, m->n_dst_block_ids, m->n_token_ids, bs, need);
+    kvfleet__v1__transport_descriptor__init(m);
+    m->backend = (char *)(t->backend ? t->backend : "");
+    m->blob.data = (uint8_t *)t->blob;
+    m->blob.len = t->blob ? t->blob_len : 0;
+}
+
+static size_t transport_size(const Kvfleet__V1__TransportDescriptor *m)
+{
+    return m ? str_size(m->backend) + AL(m->blob.len ? m->blob.len : 1) : str_size("") + AL(1);
+}
+
+static void transport_from_msg(const Kvfleet__V1__TransportDescriptor *m, carve *c,
+                               kvf_rpc_transport *t)
+{
+    t->backend = carve_str(c, m ? m->backend : "");
+    t->blob_len = m ? m->blob.len : 0;
+    t->blob = carve_copy(c, m ? m->blob.data : NULL, t->blob_len);
+}
+
+/* ---- Info ------------------------------------------------------------------------------------ */
+
+kvf_status kvf_rpc_info_req_encode(kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__InfoRequest m = KVFLEET__V1__INFO_REQUEST__INIT;
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_info_req_decode(const uint8_t *data, size_t len, kvf_err *err)
+{
+    void *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__info_request__descriptor, data, len, &m, err);
+    pb_free(m);
+    return st;
+}
+
+kvf_status kvf_rpc_info_encode(const kvf_rpc_info *i, kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__KvLayout kl;
+    Kvfleet__V1__TransportDescriptor td;
+    Kvfleet__V1__InfoResponse m = KVFLEET__V1__INFO_RESPONSE__INIT;
+    m.protocol_version = i->protocol_version;
+    m.role = (Kvfleet__V1__Role)i->role;
+    m.model_id = (char *)(i->model_id ? i->model_id : "");
+    m.block_size = i->block_size;
+    if (i->has_kv_layout) {
+        layout_to_msg(&i->kv_layout, &kl);
+        m.kv_layout = &kl;
     }
-    return check_sampling(w, m->sampling, err);
+    m.capacity_blocks = i->capacity_blocks;
+    transport_to_msg(&i->transport, &td);
+    m.transport = &td;
+    m.worker_id = (char *)(i->worker_id ? i->worker_id : "");
+    m.software_version = (char *)(i->software_version ? i->software_version : "");
+    return pack(&m.base, out, err);
 }
 
-static kvf_status check_watch(const void *msg, kvf_err *err)
+static kvf_status check_info(const Kvfleet__V1__InfoResponse *m, kvf_kv_layout *layout,
+                             kvf_err *err)
 {
-    const Kvfleet__V1__WatchKvRequest *m = msg;
-    return check_id("WatchKvRequest", "router_id", m->router_id, false, err);
-}
-
-static kvf_status check_cancel(const void *msg, kvf_err *err)
-{
-    const Kvfleet__V1__CancelRequest *m = msg;
-    return check_id("CancelRequest", "request_id", m->request_id, true, err);
-}
-
-static kvf_status check_info_response(const void *msg, kvf_err *err)
-{
-    const Kvfleet__V1__InfoResponse *m = msg;
     if (m->protocol_version != KVF_RPC_PROTOCOL_VERSION)
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "rpc: worker %s speaks protocol version %u; "
                            "this build speaks %u", m->worker_id, (unsigned)m->protocol_version,
@@ -268,17 +376,427 @@ static kvf_status check_info_response(const void *msg, kvf_err *err)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: worker %s: kv_layout.block_size %d "
                            "differs from block_size %d", m->worker_id,
                            (int)m->kv_layout->block_size, (int)m->block_size);
-    return check_layout("InfoResponse", "kv_layout", m->kv_layout, err);
+    if (m->role < KVFLEET__V1__ROLE__ROLE_UNSPECIFIED || m->role > KVFLEET__V1__ROLE__ROLE_COLOCATED)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: worker %s: InfoResponse.role is %d "
+                           "(allowed 0..3)", m->worker_id, (int)m->role);
+    return m->kv_layout ? layout_from_msg("InfoResponse", "kv_layout", m->kv_layout, layout, err)
+                        : KVF_OK;
 }
 
-static kvf_status check_watch_response(const void *msg, kvf_err *err)
+kvf_status kvf_rpc_info_decode(const uint8_t *data, size_t len, kvf_rpc_info **out,
+                               kvf_err *err)
 {
-    const Kvfleet__V1__WatchKvResponse *m = msg;
-    const Kvfleet__V1__KvEvent *e = m->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT
-                                        ? m->event
-                                        : NULL;
-    if (!e)
-        return KVF_OK;
+    Kvfleet__V1__InfoResponse *m = NULL;
+    kvf_kv_layout layout = {0};
+    kvf_status st = unpack(&kvfleet__v1__info_response__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_info(m, &layout, err)) != KVF_OK)
+        goto done;
+    carve c;
+    kvf_rpc_info *i = block_new(sizeof *i, str_size(m->model_id) + str_size(m->worker_id) +
+                                               str_size(m->software_version) +
+                                               transport_size(m->transport),
+                                &c, "InfoResponse", err);
+    if (!i) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    i->protocol_version = m->protocol_version;
+    i->role = (kvf_rpc_role)m->role;
+    i->model_id = carve_str(&c, m->model_id);
+    i->block_size = m->block_size;
+    i->has_kv_layout = m->kv_layout != NULL;
+    i->kv_layout = layout;
+    i->capacity_blocks = m->capacity_blocks;
+    transport_from_msg(m->transport, &c, &i->transport);
+    i->worker_id = carve_str(&c, m->worker_id);
+    i->software_version = carve_str(&c, m->software_version);
+    *out = i;
+done:
+    pb_free(m);
+    return st;
+}
+
+/* ---- Generate -------------------------------------------------------------------------------- */
+
+kvf_status kvf_rpc_generate_req_encode(const kvf_rpc_generate_req *r, kvf_rpc_buf *out,
+                                       kvf_err *err)
+{
+    Kvfleet__V1__SamplingParams sp;
+    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
+    Kvfleet__V1__GenerateRequest m = KVFLEET__V1__GENERATE_REQUEST__INIT;
+    m.request_id = (char *)(r->request_id ? r->request_id : "");
+    m.n_token_ids = r->n_token_ids;
+    m.token_ids = (int32_t *)r->token_ids;
+    kvf_status st = sampling_to_msg("GenerateRequest", &r->sampling, &sp, err);
+    if (st != KVF_OK)
+        return st;
+    m.sampling = &sp;
+    m.cache_salt = (char *)(r->cache_salt ? r->cache_salt : "");
+    if (r->prefill_addr && r->prefill_addr[0]) {
+        ph.address = (char *)r->prefill_addr;
+        m.prefill = &ph;
+    }
+    m.deadline_unix_ms = r->deadline_unix_ms;
+    m.n_prior_output_tokens = r->n_prior_output_tokens;
+    return pack(&m.base, out, err);
+}
+
+static kvf_status check_generate(const Kvfleet__V1__GenerateRequest *m, kvf_err *err)
+{
+    const char *w = "GenerateRequest";
+    kvf_status st;
+    if ((st = check_id(w, "request_id", m->request_id, true, err)) != KVF_OK ||
+        (st = check_id(w, "cache_salt", m->cache_salt, false, err)) != KVF_OK)
+        return st;
+    if (m->n_token_ids == 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateRequest %s: token_ids is empty",
+                           m->request_id);
+    if (m->n_token_ids > INT32_MAX)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateRequest %s: %zu token_ids (at "
+                           "most %d)", m->request_id, m->n_token_ids, INT32_MAX);
+    if ((st = check_nonneg(w, "token_ids", m->token_ids, m->n_token_ids, err)) != KVF_OK)
+        return st;
+    if (m->n_prior_output_tokens < 0 || (size_t)m->n_prior_output_tokens >= m->n_token_ids)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateRequest %s: n_prior_output_tokens "
+                           "is %d (allowed 0..%zu: fewer than token_ids)", m->request_id,
+                           (int)m->n_prior_output_tokens, m->n_token_ids - 1);
+    if (m->prefill && m->prefill->address && m->prefill->address[0] &&
+        (st = check_id(w, "prefill.address", m->prefill->address, false, err)) != KVF_OK)
+        return st;
+    return check_sampling(w, m->sampling, err);
+}
+
+kvf_status kvf_rpc_generate_req_decode(const uint8_t *data, size_t len,
+                                       kvf_rpc_generate_req **out, kvf_err *err)
+{
+    Kvfleet__V1__GenerateRequest *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__generate_request__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_generate(m, err)) != KVF_OK)
+        goto done;
+    const char *addr = m->prefill && m->prefill->address ? m->prefill->address : "";
+    carve c;
+    kvf_rpc_generate_req *r =
+        block_new(sizeof *r, str_size(m->request_id) + str_size(m->cache_salt) + str_size(addr) +
+                                 AL(m->n_token_ids * sizeof *m->token_ids),
+                  &c, "GenerateRequest", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->request_id = carve_str(&c, m->request_id);
+    r->n_token_ids = m->n_token_ids;
+    r->token_ids = carve_copy(&c, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    sampling_from_msg(m->sampling, &r->sampling);
+    r->cache_salt = carve_str(&c, m->cache_salt);
+    r->prefill_addr = carve_str(&c, addr);
+    r->deadline_unix_ms = m->deadline_unix_ms;
+    r->n_prior_output_tokens = m->n_prior_output_tokens;
+    *out = r;
+done:
+    pb_free(m);
+    return st;
+}
+
+kvf_status kvf_rpc_generate_resp_encode(const kvf_rpc_generate_resp *r, kvf_rpc_buf *out,
+                                        kvf_err *err)
+{
+    Kvfleet__V1__Usage u = KVFLEET__V1__USAGE__INIT;
+    Kvfleet__V1__GenerateResponse m = KVFLEET__V1__GENERATE_RESPONSE__INIT;
+    m.n_token_ids = r->n_token_ids;
+    m.token_ids = (int32_t *)r->token_ids;
+    m.finish_reason = (Kvfleet__V1__FinishReason)r->finish;
+    if (r->has_usage) {
+        u.prompt_tokens = r->usage.prompt_tokens;
+        u.completion_tokens = r->usage.completion_tokens;
+        u.cached_prompt_tokens = r->usage.cached_prompt_tokens;
+        u.remote_prefill_tokens = r->usage.remote_prefill_tokens;
+        m.usage = &u;
+    }
+    m.index = r->index;
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_generate_resp_decode(const uint8_t *data, size_t len,
+                                        kvf_rpc_generate_resp **out, kvf_err *err)
+{
+    Kvfleet__V1__GenerateResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__generate_response__descriptor, data, len, (void **)&m,
+                           err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_nonneg("GenerateResponse", "token_ids", m->token_ids, m->n_token_ids, err)) !=
+        KVF_OK)
+        goto done;
+    if (m->finish_reason < KVFLEET__V1__FINISH_REASON__FINISH_NONE ||
+        m->finish_reason > KVFLEET__V1__FINISH_REASON__FINISH_ERROR) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateResponse.finish_reason is %d "
+                         "(allowed 0..4)", (int)m->finish_reason);
+        goto done;
+    }
+    carve c;
+    kvf_rpc_generate_resp *r = block_new(sizeof *r, AL(m->n_token_ids * sizeof *m->token_ids), &c,
+                                         "GenerateResponse", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->n_token_ids = m->n_token_ids;
+    r->token_ids = carve_copy(&c, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    r->finish = (kvf_rpc_finish)m->finish_reason;
+    r->has_usage = m->usage != NULL;
+    if (m->usage)
+        r->usage = (kvf_rpc_usage){.prompt_tokens = m->usage->prompt_tokens,
+                                   .completion_tokens = m->usage->completion_tokens,
+                                   .cached_prompt_tokens = m->usage->cached_prompt_tokens,
+                                   .remote_prefill_tokens = m->usage->remote_prefill_tokens};
+    r->index = m->index;
+    *out = r;
+done:
+    pb_free(m);
+    return st;
+}
+
+/* ---- RemotePrefill --------------------------------------------------------------------------- */
+
+kvf_status kvf_rpc_remote_prefill_req_encode(const kvf_rpc_remote_prefill_req *r,
+                                             kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__TransportDescriptor td;
+    Kvfleet__V1__KvLayout kl;
+    Kvfleet__V1__SamplingParams sp;
+    Kvfleet__V1__RemotePrefillRequest m = KVFLEET__V1__REMOTE_PREFILL_REQUEST__INIT;
+    m.request_id = (char *)(r->request_id ? r->request_id : "");
+    m.n_token_ids = r->n_token_ids;
+    m.token_ids = (int32_t *)r->token_ids;
+    m.n_dst_block_ids = r->n_dst_block_ids;
+    m.dst_block_ids = (int32_t *)r->dst_block_ids;
+    m.dst_cached_blocks = r->dst_cached_blocks;
+    transport_to_msg(&r->dst, &td);
+    m.dst = &td;
+    m.transfer_id = r->transfer_id;
+    m.cache_salt = (char *)(r->cache_salt ? r->cache_salt : "");
+    kvf_status st = sampling_to_msg("RemotePrefillRequest", &r->sampling, &sp, err);
+    if (st != KVF_OK)
+        return st;
+    m.sampling = &sp;
+    m.deadline_unix_ms = r->deadline_unix_ms;
+    if (r->has_dst_layout) {
+        layout_to_msg(&r->dst_layout, &kl);
+        m.dst_layout = &kl;
+    }
+    return pack(&m.base, out, err);
+}
+
+static kvf_status check_remote_prefill(const Kvfleet__V1__RemotePrefillRequest *m,
+                                       kvf_kv_layout *layout, kvf_err *err)
+{
+    const char *w = "RemotePrefillRequest";
+    kvf_status st;
+    if ((st = check_id(w, "request_id", m->request_id, true, err)) != KVF_OK ||
+        (st = check_id(w, "cache_salt", m->cache_salt, false, err)) != KVF_OK)
+        return st;
+    if (m->n_token_ids == 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: token_ids is "
+                           "empty", m->request_id);
+    if (m->n_token_ids > INT32_MAX)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: %zu token_ids "
+                           "(at most %d)", m->request_id, m->n_token_ids, INT32_MAX);
+    if ((st = check_nonneg(w, "token_ids", m->token_ids, m->n_token_ids, err)) != KVF_OK ||
+        (st = check_nonneg(w, "dst_block_ids", m->dst_block_ids, m->n_dst_block_ids, err)) !=
+            KVF_OK)
+        return st;
+    if (m->dst_cached_blocks < 0 || (size_t)m->dst_cached_blocks > m->n_dst_block_ids)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: "
+                           "dst_cached_blocks is %d (allowed 0..%zu, the number of "
+                           "dst_block_ids)", m->request_id, (int)m->dst_cached_blocks,
+                           m->n_dst_block_ids);
+    if (!m->dst || !m->dst->backend || !m->dst->backend[0])
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: dst (the "
+                           "destination's transport descriptor) is missing", m->request_id);
+    if ((st = check_id(w, "dst.backend", m->dst->backend, true, err)) != KVF_OK)
+        return st;
+    if (m->dst_layout) {
+        if ((st = layout_from_msg(w, "dst_layout", m->dst_layout, layout, err)) != KVF_OK)
+            return st;
+        size_t bs = (size_t)m->dst_layout->block_size;
+        size_t need = (m->n_token_ids + bs - 1) / bs;
+        if (m->n_dst_block_ids < need)
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: %zu "
+                               "dst_block_ids for %zu tokens at block_size %zu (need %zu)",
+                               m->request_id, m->n_dst_block_ids, m->n_token_ids, bs, need);
+    }
+    return check_sampling(w, m->sampling, err);
+}
+
+kvf_status kvf_rpc_remote_prefill_req_decode(const uint8_t *data, size_t len,
+                                             kvf_rpc_remote_prefill_req **out, kvf_err *err)
+{
+    Kvfleet__V1__RemotePrefillRequest *m = NULL;
+    kvf_kv_layout layout = {0};
+    kvf_status st = unpack(&kvfleet__v1__remote_prefill_request__descriptor, data, len,
+                           (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_remote_prefill(m, &layout, err)) != KVF_OK)
+        goto done;
+    carve c;
+    kvf_rpc_remote_prefill_req *r =
+        block_new(sizeof *r, str_size(m->request_id) + str_size(m->cache_salt) +
+                                 AL(m->n_token_ids * sizeof *m->token_ids) +
+                                 AL((m->n_dst_block_ids ? m->n_dst_block_ids : 1) *
+                                    sizeof *m->dst_block_ids) +
+                                 transport_size(m->dst),
+                  &c, "RemotePrefillRequest", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->request_id = carve_str(&c, m->request_id);
+    r->n_token_ids = m->n_token_ids;
+    r->token_ids = carve_copy(&c, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    r->n_dst_block_ids = m->n_dst_block_ids;
+    r->dst_block_ids = carve_copy(&c, m->dst_block_ids,
+                                  m->n_dst_block_ids * sizeof *m->dst_block_ids);
+    r->dst_cached_blocks = m->dst_cached_blocks;
+    transport_from_msg(m->dst, &c, &r->dst);
+    r->transfer_id = m->transfer_id;
+    r->cache_salt = carve_str(&c, m->cache_salt);
+    sampling_from_msg(m->sampling, &r->sampling);
+    r->deadline_unix_ms = m->deadline_unix_ms;
+    r->has_dst_layout = m->dst_layout != NULL;
+    r->dst_layout = layout;
+    *out = r;
+done:
+    pb_free(m);
+    return st;
+}
+
+kvf_status kvf_rpc_remote_prefill_resp_encode(const kvf_rpc_remote_prefill_resp *r,
+                                              kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__PrefillStats ps = KVFLEET__V1__PREFILL_STATS__INIT;
+    Kvfleet__V1__RemotePrefillResponse m = KVFLEET__V1__REMOTE_PREFILL_RESPONSE__INIT;
+    m.first_token = r->first_token;
+    if (r->has_stats) {
+        const kvf_rpc_prefill_stats *s = &r->stats;
+        ps.prompt_tokens = s->prompt_tokens;
+        ps.cached_tokens = s->cached_tokens;
+        ps.computed_tokens = s->computed_tokens;
+        ps.blocks_sent = s->blocks_sent;
+        ps.bytes_sent = s->bytes_sent;
+        ps.queue_ms = s->queue_ms;
+        ps.prefill_ms = s->prefill_ms;
+        ps.transfer_ms = s->transfer_ms;
+        m.stats = &ps;
+    }
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_remote_prefill_resp_decode(const uint8_t *data, size_t len,
+                                              kvf_rpc_remote_prefill_resp **out, kvf_err *err)
+{
+    Kvfleet__V1__RemotePrefillResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__remote_prefill_response__descriptor, data, len,
+                           (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    carve c;
+    kvf_rpc_remote_prefill_resp *r = block_new(sizeof *r, 0, &c, "RemotePrefillResponse", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->first_token = m->first_token;
+    r->has_stats = m->stats != NULL;
+    if (m->stats) {
+        const Kvfleet__V1__PrefillStats *s = m->stats;
+        r->stats = (kvf_rpc_prefill_stats){
+            .prompt_tokens = s->prompt_tokens, .cached_tokens = s->cached_tokens,
+            .computed_tokens = s->computed_tokens, .blocks_sent = s->blocks_sent,
+            .bytes_sent = s->bytes_sent, .queue_ms = s->queue_ms, .prefill_ms = s->prefill_ms,
+            .transfer_ms = s->transfer_ms};
+    }
+    *out = r;
+done:
+    pb_free(m);
+    return st;
+}
+
+/* ---- WatchKv --------------------------------------------------------------------------------- */
+
+kvf_status kvf_rpc_watch_req_encode(const kvf_rpc_watch_req *r, kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__WatchKvRequest m = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
+    m.router_id = (char *)(r->router_id ? r->router_id : "");
+    m.load_interval_ms = r->load_interval_ms;
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_watch_req_decode(const uint8_t *data, size_t len, kvf_rpc_watch_req **out,
+                                    kvf_err *err)
+{
+    Kvfleet__V1__WatchKvRequest *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__watch_kv_request__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_id("WatchKvRequest", "router_id", m->router_id, false, err)) != KVF_OK)
+        goto done;
+    carve c;
+    kvf_rpc_watch_req *r = block_new(sizeof *r, str_size(m->router_id), &c, "WatchKvRequest", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->router_id = carve_str(&c, m->router_id);
+    r->load_interval_ms = m->load_interval_ms;
+    *out = r;
+done:
+    pb_free(m);
+    return st;
+}
+
+kvf_status kvf_rpc_watch_msg_encode(const kvf_rpc_watch_msg *w, kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__KvEvent ev = KVFLEET__V1__KV_EVENT__INIT;
+    Kvfleet__V1__LoadReport lr = KVFLEET__V1__LOAD_REPORT__INIT;
+    Kvfleet__V1__WatchKvResponse m = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
+    if (w->is_load) {
+        const kvf_rpc_load *l = &w->load;
+        lr.running = l->running;
+        lr.waiting = l->waiting;
+        lr.active_blocks = l->active_blocks;
+        lr.free_blocks = l->free_blocks;
+        lr.total_blocks = l->total_blocks;
+        lr.queued_prefill_tokens = l->queued_prefill_tokens;
+        lr.prefill_ms_mean = l->prefill_ms_mean;
+        lr.prefill_ms_p90 = l->prefill_ms_p90;
+        lr.prefill_tokens_per_s = l->prefill_tokens_per_s;
+        lr.unix_ms = l->unix_ms;
+        m.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD;
+        m.load = &lr;
+    } else {
+        const kvf_rpc_kv_event *e = &w->event;
+        ev.seq = e->seq;
+        ev.kind = (Kvfleet__V1__KvEvent__Kind)e->kind;
+        ev.n_block_hashes = e->n;
+        ev.block_hashes = (uint64_t *)e->block_hashes;
+        ev.n_parent_hashes = e->parent_hashes ? e->n : 0;
+        ev.parent_hashes = (uint64_t *)e->parent_hashes;
+        ev.block_size = e->block_size;
+        ev.model_id = (char *)(e->model_id ? e->model_id : "");
+        ev.snapshot_done = e->snapshot_done;
+        m.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT;
+        m.event = &ev;
+    }
+    return pack(&m.base, out, err);
+}
+
+static kvf_status check_event(const Kvfleet__V1__KvEvent *e, kvf_err *err)
+{
     if (e->n_parent_hashes != 0 && e->n_parent_hashes != e->n_block_hashes)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: KvEvent %llu: %zu parent_hashes for %zu "
                            "block_hashes (want equal, or none)", (unsigned long long)e->seq,
@@ -286,89 +804,200 @@ static kvf_status check_watch_response(const void *msg, kvf_err *err)
     if (e->block_size < 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: KvEvent %llu: block_size is %d",
                            (unsigned long long)e->seq, (int)e->block_size);
+    if (e->kind < KVFLEET__V1__KV_EVENT__KIND__KIND_UNSPECIFIED ||
+        e->kind > KVFLEET__V1__KV_EVENT__KIND__KIND_CLEARED)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: KvEvent %llu: kind is %d (allowed 0..4)",
+                           (unsigned long long)e->seq, (int)e->kind);
     return KVF_OK;
 }
 
-static kvf_status check_generate_response(const void *msg, kvf_err *err)
+kvf_status kvf_rpc_watch_msg_decode(const uint8_t *data, size_t len, kvf_rpc_watch_msg **out,
+                                    kvf_err *err)
 {
-    const Kvfleet__V1__GenerateResponse *m = msg;
-    return check_nonneg("GenerateResponse", "token_ids", m->token_ids, m->n_token_ids, err);
-}
-
-kvf_status kvf_rpc_info_request_decode(const uint8_t *data, size_t len,
-                                       Kvfleet__V1__InfoRequest **out, kvf_err *err)
-{
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__info_request__descriptor, check_none, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
+    Kvfleet__V1__WatchKvResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__watch_kv_response__descriptor, data, len, (void **)&m,
+                           err);
+    if (st != KVF_OK)
+        return st;
+    const Kvfleet__V1__KvEvent *e =
+        m->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT ? m->event : NULL;
+    const Kvfleet__V1__LoadReport *l =
+        m->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD ? m->load : NULL;
+    if (!e && !l) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: WatchKvResponse carries neither an event "
+                         "nor a load report");
+        goto done;
+    }
+    if (e && (st = check_event(e, err)) != KVF_OK)
+        goto done;
+    size_t hb = e ? AL((e->n_block_hashes ? e->n_block_hashes : 1) * sizeof(uint64_t)) : 0;
+    carve c;
+    kvf_rpc_watch_msg *w = block_new(sizeof *w, e ? 2 * hb + str_size(e->model_id) : 0, &c,
+                                     "WatchKvResponse", err);
+    if (!w) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    if (l) {
+        w->is_load = true;
+        w->load = (kvf_rpc_load){.running = l->running, .waiting = l->waiting,
+                                 .active_blocks = l->active_blocks, .free_blocks = l->free_blocks,
+                                 .total_blocks = l->total_blocks,
+                                 .queued_prefill_tokens = l->queued_prefill_tokens,
+                                 .prefill_ms_mean = l->prefill_ms_mean,
+                                 .prefill_ms_p90 = l->prefill_ms_p90,
+                                 .prefill_tokens_per_s = l->prefill_tokens_per_s,
+                                 .unix_ms = l->unix_ms};
+    } else {
+        kvf_rpc_kv_event *o = &w->event;
+        o->seq = e->seq;
+        o->kind = (kvf_rpc_kv_event_kind)e->kind;
+        o->n = e->n_block_hashes;
+        o->block_hashes = carve_copy(&c, e->block_hashes, e->n_block_hashes * sizeof(uint64_t));
+        o->parent_hashes = e->n_parent_hashes
+                               ? carve_copy(&c, e->parent_hashes,
+                                            e->n_parent_hashes * sizeof(uint64_t))
+                               : NULL;
+        o->block_size = e->block_size;
+        o->model_id = carve_str(&c, e->model_id);
+        o->snapshot_done = e->snapshot_done;
+    }
+    *out = w;
+done:
+    pb_free(m);
     return st;
 }
 
-kvf_status kvf_rpc_generate_request_decode(const uint8_t *data, size_t len,
-                                           Kvfleet__V1__GenerateRequest **out, kvf_err *err)
+/* ---- Cancel, Health -------------------------------------------------------------------------- */
+
+kvf_status kvf_rpc_cancel_req_encode(const kvf_rpc_cancel_req *r, kvf_rpc_buf *out,
+                                     kvf_err *err)
 {
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__generate_request__descriptor, check_generate, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
+    Kvfleet__V1__CancelRequest m = KVFLEET__V1__CANCEL_REQUEST__INIT;
+    m.request_id = (char *)(r->request_id ? r->request_id : "");
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_cancel_req_decode(const uint8_t *data, size_t len, kvf_rpc_cancel_req **out,
+                                     kvf_err *err)
+{
+    Kvfleet__V1__CancelRequest *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__cancel_request__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_id("CancelRequest", "request_id", m->request_id, true, err)) != KVF_OK)
+        goto done;
+    carve c;
+    kvf_rpc_cancel_req *r = block_new(sizeof *r, str_size(m->request_id), &c, "CancelRequest", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->request_id = carve_str(&c, m->request_id);
+    *out = r;
+done:
+    pb_free(m);
     return st;
 }
 
-kvf_status kvf_rpc_remote_prefill_request_decode(const uint8_t *data, size_t len,
-                                                 Kvfleet__V1__RemotePrefillRequest **out,
-                                                 kvf_err *err)
+kvf_status kvf_rpc_cancel_resp_encode(const kvf_rpc_cancel_resp *r, kvf_rpc_buf *out,
+                                      kvf_err *err)
 {
-    void *m = NULL;
-    kvf_status st = decode(&kvfleet__v1__remote_prefill_request__descriptor, check_remote_prefill,
-                           data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
+    Kvfleet__V1__CancelResponse m = KVFLEET__V1__CANCEL_RESPONSE__INIT;
+    m.found = r->found;
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_cancel_resp_decode(const uint8_t *data, size_t len,
+                                      kvf_rpc_cancel_resp **out, kvf_err *err)
+{
+    Kvfleet__V1__CancelResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__cancel_response__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    carve c;
+    kvf_rpc_cancel_resp *r = block_new(sizeof *r, 0, &c, "CancelResponse", err);
+    if (!r) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    r->found = m->found;
+    *out = r;
+done:
+    pb_free(m);
     return st;
 }
 
-kvf_status kvf_rpc_watch_kv_request_decode(const uint8_t *data, size_t len,
-                                           Kvfleet__V1__WatchKvRequest **out, kvf_err *err)
+kvf_status kvf_rpc_health_req_encode(kvf_rpc_buf *out, kvf_err *err)
+{
+    Kvfleet__V1__HealthRequest m = KVFLEET__V1__HEALTH_REQUEST__INIT;
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_health_req_decode(const uint8_t *data, size_t len, kvf_err *err)
 {
     void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__watch_kv_request__descriptor, check_watch, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
+    kvf_status st = unpack(&kvfleet__v1__health_request__descriptor, data, len, &m, err);
+    pb_free(m);
     return st;
 }
 
-kvf_status kvf_rpc_cancel_request_decode(const uint8_t *data, size_t len,
-                                         Kvfleet__V1__CancelRequest **out, kvf_err *err)
+kvf_status kvf_rpc_health_encode(const kvf_rpc_health *h, kvf_rpc_buf *out, kvf_err *err)
 {
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__cancel_request__descriptor, check_cancel, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
+    Kvfleet__V1__HealthResponse m = KVFLEET__V1__HEALTH_RESPONSE__INIT;
+    m.status = (Kvfleet__V1__HealthResponse__ServingStatus)h->status;
+    m.detail = (char *)(h->detail ? h->detail : "");
+    return pack(&m.base, out, err);
+}
+
+kvf_status kvf_rpc_health_decode(const uint8_t *data, size_t len, kvf_rpc_health **out,
+                                 kvf_err *err)
+{
+    Kvfleet__V1__HealthResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__health_response__descriptor, data, len, (void **)&m, err);
+    if (st != KVF_OK)
+        return st;
+    if (m->status < KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING_UNSPECIFIED ||
+        m->status > KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__DRAINING) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: HealthResponse.status is %d (allowed 0..3)",
+                         (int)m->status);
+        goto done;
+    }
+    carve c;
+    kvf_rpc_health *h = block_new(sizeof *h, str_size(m->detail), &c, "HealthResponse", err);
+    if (!h) {
+        st = KVF_ERR_NOMEM;
+        goto done;
+    }
+    h->status = (kvf_rpc_serving)m->status;
+    h->detail = carve_str(&c, m->detail);
+    *out = h;
+done:
+    pb_free(m);
     return st;
 }
 
-kvf_status kvf_rpc_health_request_decode(const uint8_t *data, size_t len,
-                                         Kvfleet__V1__HealthRequest **out, kvf_err *err)
+/* ---- TRANSITIONAL (proto/worker_pb.h): protobuf-c structs for the router's files ---------------- */
+
+void kvf_rpc_msg_free(void *msg)
 {
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__health_request__descriptor, check_none, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
-    return st;
+    pb_free(msg);
+}
+
+kvf_status kvf_rpc_msg_encode(const void *msg, kvf_rpc_buf *out, kvf_err *err)
+{
+    return pack(msg, out, err);
 }
 
 kvf_status kvf_rpc_info_response_decode(const uint8_t *data, size_t len,
                                         Kvfleet__V1__InfoResponse **out, kvf_err *err)
 {
+    kvf_kv_layout l;
     void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__info_response__descriptor, check_info_response, data, len, &m, err);
-    if (st == KVF_OK)
+    kvf_status st = unpack(&kvfleet__v1__info_response__descriptor, data, len, &m, err);
+    if (st == KVF_OK && (st = check_info(m, &l, err)) != KVF_OK)
+        pb_free(m);
+    else if (st == KVF_OK)
         *out = m;
     return st;
 }
@@ -376,23 +1005,14 @@ kvf_status kvf_rpc_info_response_decode(const uint8_t *data, size_t len,
 kvf_status kvf_rpc_generate_response_decode(const uint8_t *data, size_t len,
                                             Kvfleet__V1__GenerateResponse **out, kvf_err *err)
 {
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__generate_response__descriptor, check_generate_response, data, len, &m,
-               err);
-    if (st == KVF_OK)
-        *out = m;
-    return st;
-}
-
-kvf_status kvf_rpc_remote_prefill_response_decode(const uint8_t *data, size_t len,
-                                                  Kvfleet__V1__RemotePrefillResponse **out,
-                                                  kvf_err *err)
-{
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__remote_prefill_response__descriptor, check_none, data, len, &m, err);
-    if (st == KVF_OK)
+    Kvfleet__V1__GenerateResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__generate_response__descriptor, data, len, (void **)&m,
+                           err);
+    if (st == KVF_OK &&
+        (st = check_nonneg("GenerateResponse", "token_ids", m->token_ids, m->n_token_ids, err)) !=
+            KVF_OK)
+        pb_free(m);
+    else if (st == KVF_OK)
         *out = m;
     return st;
 }
@@ -400,22 +1020,13 @@ kvf_status kvf_rpc_remote_prefill_response_decode(const uint8_t *data, size_t le
 kvf_status kvf_rpc_watch_kv_response_decode(const uint8_t *data, size_t len,
                                             Kvfleet__V1__WatchKvResponse **out, kvf_err *err)
 {
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__watch_kv_response__descriptor, check_watch_response, data, len, &m,
-               err);
-    if (st == KVF_OK)
-        *out = m;
-    return st;
-}
-
-kvf_status kvf_rpc_cancel_response_decode(const uint8_t *data, size_t len,
-                                          Kvfleet__V1__CancelResponse **out, kvf_err *err)
-{
-    void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__cancel_response__descriptor, check_none, data, len, &m, err);
-    if (st == KVF_OK)
+    Kvfleet__V1__WatchKvResponse *m = NULL;
+    kvf_status st = unpack(&kvfleet__v1__watch_kv_response__descriptor, data, len, (void **)&m,
+                           err);
+    if (st == KVF_OK && m->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT &&
+        (st = check_event(m->event, err)) != KVF_OK)
+        pb_free(m);
+    else if (st == KVF_OK)
         *out = m;
     return st;
 }
@@ -424,33 +1035,8 @@ kvf_status kvf_rpc_health_response_decode(const uint8_t *data, size_t len,
                                           Kvfleet__V1__HealthResponse **out, kvf_err *err)
 {
     void *m = NULL;
-    kvf_status st =
-        decode(&kvfleet__v1__health_response__descriptor, check_none, data, len, &m, err);
+    kvf_status st = unpack(&kvfleet__v1__health_response__descriptor, data, len, &m, err);
     if (st == KVF_OK)
         *out = m;
     return st;
-}
-
-Kvfleet__V1__DType kvf_rpc_dtype_to_msg(kvf_dtype t)
-{
-    switch (t) {
-    case KVF_DTYPE_F32: return KVFLEET__V1__DTYPE__DTYPE_F32;
-    case KVF_DTYPE_F16: return KVFLEET__V1__DTYPE__DTYPE_F16;
-    case KVF_DTYPE_BF16: return KVFLEET__V1__DTYPE__DTYPE_BF16;
-    case KVF_DTYPE_FP8_E4M3: return KVFLEET__V1__DTYPE__DTYPE_FP8_E4M3;
-    }
-    return KVFLEET__V1__DTYPE__DTYPE_UNSPECIFIED;
-}
-
-kvf_status kvf_rpc_dtype_from_msg(Kvfleet__V1__DType d, kvf_dtype *out, kvf_err *err)
-{
-    switch (d) {
-    case KVFLEET__V1__DTYPE__DTYPE_F32: *out = KVF_DTYPE_F32; return KVF_OK;
-    case KVFLEET__V1__DTYPE__DTYPE_F16: *out = KVF_DTYPE_F16; return KVF_OK;
-    case KVFLEET__V1__DTYPE__DTYPE_BF16: *out = KVF_DTYPE_BF16; return KVF_OK;
-    case KVFLEET__V1__DTYPE__DTYPE_FP8_E4M3: *out = KVF_DTYPE_FP8_E4M3; return KVF_OK;
-    default: break;
-    }
-    return kvf_err_set(err, KVF_ERR_INVALID, "dtype %d is not one of f32 (1), f16 (2), bf16 (3), "
-                       "fp8-e4m3 (4)", (int)d);
 }

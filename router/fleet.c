@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "proto/worker.h"
+#include "proto/worker_pb.h" /* TRANSITIONAL: until this file reads proto/worker.h structs */
 
 typedef struct fleet_slot {
     kvf_router_worker w;

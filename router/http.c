@@ -31,6 +31,7 @@
 #include "model/config.h"
 #include "model/tokenizer.h"
 #include "proto/worker.h"
+#include "proto/worker_pb.h" /* TRANSITIONAL: until this file reads proto/worker.h structs */
 #include "router/openai.h"
 #include "router/policy.h"
 

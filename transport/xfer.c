@@ -98,13 +98,42 @@ static kvf_status gpu_cfg_check(const kvf_xfer_ops *ops, const kvf_xfer_cfg *cfg
     return KVF_OK;
 }
 
+const kvf_cfg_opt kvf_xfer_cfg_opts[] = {
+    {"xfer-backend", "auto", "KV transfer backend: auto (cuda_ipc for a GPU pool, ucx for a host "
+     "one), ucx, cuda_ipc or nccl (GPU pools), or local (one process, tests)",
+     offsetof(kvf_xfer_cfg, backend), KVF_CFG_STR},
+    {"xfer-transport", "auto", "ucx: its transport layers: auto (UCX_TLS honoured), tcp (between "
+     "hosts or namespaces) or sm (shared memory, one host)",
+     offsetof(kvf_xfer_cfg, transport), KVF_CFG_STR},
+    {"xfer-net-devices", NULL, "ucx: network devices for tcp (UCX_NET_DEVICES), e.g. eth0",
+     offsetof(kvf_xfer_cfg, net_devices), KVF_CFG_STR},
+    {"xfer-data-path", "auto", "ucx: data path: auto (am over tcp, put otherwise), put, am",
+     offsetof(kvf_xfer_cfg, data_path), KVF_CFG_STR},
+    {"xfer-gpu-staging", NULL, "ucx with a GPU pool: move KV through a pinned host mirror of the "
+     "pool (the path between nodes: this UCX has no CUDA transports)",
+     offsetof(kvf_xfer_cfg, gpu_staging), KVF_CFG_BOOL},
+    {"xfer-notice-host", NULL, "cuda_ipc, nccl: IPv4 address the transfer notice channel listens "
+     "on and peers connect to (programs may default it; nccl between nodes needs this node's "
+     "address)", offsetof(kvf_xfer_cfg, notice_host), KVF_CFG_STR},
+    {"transport", "xfer-backend", NULL, 0, KVF_CFG_RENAMED},
+    {NULL},
+};
+
+const char *kvf_xfer_backend_pick(const char *backend, bool gpu_pool, bool gpu_staging)
+{
+    const char *b = backend && *backend ? backend : "auto";
+    if (strcmp(b, "auto") == 0)
+        return gpu_pool && !gpu_staging ? "cuda_ipc" : "ucx";
+    return b;
+}
+
 kvf_status kvf_xfer_create(const kvf_xfer_cfg *cfg, const kvf_xfer_pool *pool, kvf_xfer **out,
                            kvf_err *err)
 {
     static const kvf_xfer_cfg defaults = {0};
     if (!cfg)
         cfg = &defaults;
-    const char *name = cfg->backend && *cfg->backend ? cfg->backend : "ucx";
+    const char *name = kvf_xfer_backend_pick(cfg->backend, cfg->gpu != NULL, cfg->gpu_staging);
     const kvf_xfer_ops *ops = NULL;
     for (size_t i = 0; i < N_BACKENDS; i++)
         if (strcmp(backends[i]->name, name) == 0)

@@ -47,6 +47,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/cfg.h"
 #include "common/status.h"
 #include "kv/layout.h"
 
@@ -63,10 +64,6 @@ typedef struct kvf_xfer_pool {
     int64_t n_blocks;
 } kvf_xfer_pool;
 
-/* Transport choice. Programs expose it as flags and environment through their cfg tables with
- * KVF_XFER_CFG_OPTS below: --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport /
- * KVFLEET_XFER_TRANSPORT, --xfer-net-devices / KVFLEET_XFER_NET_DEVICES, --xfer-data-path /
- * KVFLEET_XFER_DATA_PATH. Zeroed fields take the defaults. */
 /* ---- GPU memory: what the GPU backends and the staging path need, as plain C ----------------
  * Implemented for CUDA by kvf_cuda_xfer_gpu() (cuda/xfer_gpu.h); tests use a host-memory double.
  * Every op returns a status with a message; none aborts. Copies and allocations marked "async"
@@ -106,8 +103,13 @@ typedef struct kvf_xfer_gpu {
     void *(*stream)(void *ctx);
 } kvf_xfer_gpu;
 
+/* Transport choice. Programs expose it as flags and environment through kvf_xfer_cfg_opts
+ * below: --xfer-backend / KVFLEET_XFER_BACKEND, --xfer-transport / KVFLEET_XFER_TRANSPORT,
+ * --xfer-net-devices, --xfer-data-path, --xfer-gpu-staging, --xfer-notice-host. Zeroed fields
+ * take the defaults. */
 typedef struct kvf_xfer_cfg {
-    const char *backend;     /* "ucx" (default), "cuda_ipc", "nccl" or "local" */
+    const char *backend;     /* "auto" (default: kvf_xfer_backend_pick), "ucx", "cuda_ipc",
+                              * "nccl" or "local" */
     const char *transport;   /* ucx: "auto" (default: UCX decides, UCX_TLS is honoured), "tcp"
                               * (needed between network namespaces), "sm" (shared memory, one host) */
     const char *net_devices; /* ucx: UCX_NET_DEVICES value, e.g. "lo" or "eth0"; NULL: all */
@@ -129,18 +131,13 @@ typedef struct kvf_xfer_cfg {
     const char *notice_host;
 } kvf_xfer_cfg;
 
-/* The cfg-table lines (include common/cfg.h) for a kvf_xfer_cfg named `member` inside a
- * program's cfg struct `type`:
- *   static const kvf_cfg_opt decode_opts[] = { ..., KVF_XFER_CFG_OPTS(decode_cfg, xfer), {NULL} }; */
-#define KVF_XFER_CFG_OPTS(type, member)                                                          \
-    {"xfer-backend", "ucx", "KV transfer backend: ucx, cuda_ipc or nccl (GPU pools), or local (one process, tests)",            \
-     offsetof(type, member.backend), KVF_CFG_STR},                                                \
-    {"xfer-transport", "auto", "UCX transport: auto, tcp (between hosts/namespaces), sm "        \
-     "(shared memory)", offsetof(type, member.transport), KVF_CFG_STR},                          \
-    {"xfer-net-devices", NULL, "UCX network devices for tcp (UCX_NET_DEVICES), e.g. eth0",       \
-     offsetof(type, member.net_devices), KVF_CFG_STR},                                            \
-    {"xfer-data-path", "auto", "UCX data path: auto (am over tcp, put otherwise), put, am",      \
-     offsetof(type, member.data_path), KVF_CFG_STR}
+/* The flags of a kvf_xfer_cfg, as a cfg table (offsets within kvf_xfer_cfg): a program includes
+ * it in its kvf_cfg_spec.tables at the offset of its kvf_xfer_cfg member. */
+extern const kvf_cfg_opt kvf_xfer_cfg_opts[];
+
+/* The backend a cfg's backend name selects, "auto" (or none) resolved: cuda_ipc for a GPU pool
+ * without gpu_staging, ucx otherwise. */
+const char *kvf_xfer_backend_pick(const char *backend, bool gpu_pool, bool gpu_staging);
 
 typedef struct kvf_xfer_pair {
     int32_t src; /* block in the sender's pool */

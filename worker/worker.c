@@ -17,6 +17,7 @@
 #include "common/cfg.h"
 #include "common/log.h"
 #include "common/time.h"
+#include "engine/backends.h"
 #include "kv/hash.h"
 #include "proto/worker.h"
 #include "worker/worker.h"
@@ -57,15 +58,8 @@ struct kvf_worker {
     kvf_model *model;
     kvf_kv_layout layout;
     int32_t n_blocks;
-    /* decode */
-    kvf_engine *engine;
-    /* prefill */
-    const kvf_backend *be;
-    void *be_ctx;
-    kvf_model_fwd *fwd;
-    kvf_kv_pool *own_pool;
-    /* both */
-    kvf_kv_pool *pool;
+    kvf_engine *engine; /* the one scheduler, for both roles */
+    kvf_kv_pool *pool;  /* the engine's */
     kvf_xfer *xfer;
     uint8_t *desc;
     size_t desc_len;
@@ -97,10 +91,56 @@ struct kvf_worker {
     int64_t steps;
 };
 
+static const kvf_cfg_opt worker_opts[] = {
+    {"model", NULL, "model directory (config.json, model.safetensors)",
+     offsetof(kvf_worker_cfg, model), KVF_CFG_STR},
+    {"model-id", NULL, "model id for block hashes (default: the model directory's name)",
+     offsetof(kvf_worker_cfg, model_id), KVF_CFG_STR},
+    {"worker-id", NULL, "this worker's name in Info (default: <role>-<pid>)",
+     offsetof(kvf_worker_cfg, worker_id), KVF_CFG_STR},
+    {"listen", "127.0.0.1:0", "gRPC Worker service HOST:PORT (port 0: any free port)",
+     offsetof(kvf_worker_cfg, listen), KVF_CFG_STR},
+    {"admin-listen", "127.0.0.1:0", "admin HTTP (/metrics, /health) HOST:PORT",
+     offsetof(kvf_worker_cfg, admin_listen), KVF_CFG_STR},
+    {"kv-memory", "64M", "KV pool bytes (K/M/G suffixes) when --kv-blocks is 0",
+     offsetof(kvf_worker_cfg, kv_memory), KVF_CFG_SIZE},
+    {"kv-blocks", "0", "KV pool blocks (overrides --kv-memory)",
+     offsetof(kvf_worker_cfg, kv_blocks), KVF_CFG_INT},
+    {"block-size", "16", "tokens per KV block (a power of two; the same across the fleet)",
+     offsetof(kvf_worker_cfg, block_size), KVF_CFG_INT},
+    {"kv-dtype", "f32", "KV cache dtype: f32, f16 or bf16", offsetof(kvf_worker_cfg, kv_dtype),
+     KVF_CFG_STR},
+    {"max-batch-tokens", "512", "token budget of one engine step",
+     offsetof(kvf_worker_cfg, max_batch_tokens), KVF_CFG_INT},
+    {"max-seqs", "32", "running sequences at once", offsetof(kvf_worker_cfg, max_seqs),
+     KVF_CFG_INT},
+    {"threads", "0", "backend CPU threads (0: one per CPU)", offsetof(kvf_worker_cfg, threads),
+     KVF_CFG_INT},
+    {"rpc-threads", "4", "gRPC handler threads", offsetof(kvf_worker_cfg, rpc_threads),
+     KVF_CFG_INT},
+    {"prefill-timeout-ms", "10000", "remote prefill deadline before the local fallback",
+     offsetof(kvf_worker_cfg, prefill_timeout_ms), KVF_CFG_INT},
+    {"load-interval-ms", "1000", "WatchKv load report period when the watcher sets none",
+     offsetof(kvf_worker_cfg, load_interval_ms), KVF_CFG_INT},
+    {"device", "cpu", "where the model runs and the KV pool lives: cpu or cuda (GPU 0)",
+     offsetof(kvf_worker_cfg, device), KVF_CFG_STR},
+    {"attn-decode", "auto", "with --device cuda: the kernel decode tokens' attention runs on: "
+     "auto (the build's default, simt today), simt, or mma (tensor cores; f16, bf16 or fp8 KV "
+     "at head_dim 64 or 128, simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR},
+    {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level),
+     KVF_CFG_STR},
+    {NULL},
+};
+
+const kvf_cfg_table kvf_worker_cfg_tables[] = {
+    {worker_opts, 0},
+    {kvf_xfer_cfg_opts, offsetof(kvf_worker_cfg, xfer)},
+    {NULL, 0},
+};
+
 void kvf_worker_cfg_default(kvf_worker_cfg *cfg)
 {
-    static const kvf_cfg_opt opts[] = {KVF_WORKER_CFG_OPTS, {NULL}};
-    static const kvf_cfg_spec spec = {.prog = "worker", .opts = opts};
+    static const kvf_cfg_spec spec = {.prog = "worker", .tables = kvf_worker_cfg_tables};
     memset(cfg, 0, sizeof *cfg);
     char *argv[] = {"worker", NULL};
     kvf_err err;
@@ -108,6 +148,22 @@ void kvf_worker_cfg_default(kvf_worker_cfg *cfg)
     (void)kvf_cfg_parse(&spec, cfg, 1, argv, NULL, &err);
     cfg->prefill_timeout_ms = cfg->prefill_timeout_ms > 0 ? cfg->prefill_timeout_ms : 10000;
     cfg->late_write_grace_ms = 5000; /* a decode flag (cli/cmd_decode.c): its default */
+}
+
+void kvf_worker_sampling(const kvf_worker *w, const kvf_rpc_sampling *s, kvf_engine_sampling *out)
+{
+    kvf_engine_sampling_default(out);
+    if (s->max_tokens > 0)
+        out->max_tokens = s->max_tokens;
+    out->temperature = s->temperature;
+    out->top_k = s->top_k;
+    out->top_p = s->top_p;
+    out->seed = s->seed;
+    out->n = s->n;
+    for (int32_t i = 0; i < s->n_stop && out->n_stop < KVF_ENGINE_MAX_STOP; i++)
+        out->stop_ids[out->n_stop++] = s->stop_ids[i];
+    if (!s->ignore_eos)
+        kvf_engine_sampling_model_eos(out, w->model);
 }
 
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,
@@ -156,41 +212,29 @@ static kvf_status ev_push(ev_buf *b, uint64_t h, uint64_t parent)
     return KVF_OK;
 }
 
-static void watcher_send(kvf_worker *w, watcher *wt, const Kvfleet__V1__WatchKvResponse *r)
+static void watcher_send(kvf_worker *w, watcher *wt, const kvf_rpc_watch_msg *m)
 {
     if (wt->dead)
         return;
-    kvf_rpc_buf buf = {0};
     kvf_err err = {0};
-    if (kvf_rpc_msg_encode(r, &buf, &err) != KVF_OK ||
-        kvf_rpc_call_send(wt->call, buf.data, buf.len, &err) != KVF_OK) {
+    if (kvf_rpc_call_send_watch(wt->call, m, &err) != KVF_OK) {
         kvf_log(KVF_LOG_INFO, "worker: watcher %llu (%s) dropped: %s", (unsigned long long)wt->key,
                 kvf_rpc_call_peer(wt->call), err.msg);
         wt->dead = true;
     }
-    kvf_rpc_buf_free(&buf);
     (void)w;
 }
 
-static void send_event(kvf_worker *w, watcher *only, Kvfleet__V1__KvEvent__Kind kind,
-                       uint64_t seq, const uint64_t *h, const uint64_t *p, size_t n, bool done)
+static void send_event(kvf_worker *w, watcher *only, kvf_rpc_kv_event_kind kind, uint64_t seq,
+                       const uint64_t *h, const uint64_t *p, size_t n, bool done)
 {
-    Kvfleet__V1__KvEvent ev = KVFLEET__V1__KV_EVENT__INIT;
-    ev.seq = seq;
-    ev.kind = kind;
-    ev.n_block_hashes = n;
-    ev.block_hashes = (uint64_t *)h;
-    ev.n_parent_hashes = p ? n : 0;
-    ev.parent_hashes = (uint64_t *)p;
-    ev.block_size = w->layout.block_size;
-    ev.model_id = w->model_id;
-    ev.snapshot_done = done;
-    Kvfleet__V1__WatchKvResponse r = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
-    r.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT;
-    r.event = &ev;
+    kvf_rpc_watch_msg m = {.event = {.seq = seq, .kind = kind, .block_hashes = h,
+                                     .parent_hashes = p, .n = n,
+                                     .block_size = w->layout.block_size, .model_id = w->model_id,
+                                     .snapshot_done = done}};
     for (watcher *wt = w->watchers; wt; wt = wt->next)
         if (!only || wt == only)
-            watcher_send(w, wt, &r);
+            watcher_send(w, wt, &m);
 }
 
 void kvf_worker_flush_events(kvf_worker *w)
@@ -203,8 +247,7 @@ void kvf_worker_flush_events(kvf_worker *w)
         size_t n = b->n - off < WATCH_BATCH ? b->n - off : WATCH_BATCH;
         w->ev_seq++;
         if (w->watchers)
-            send_event(w, NULL, stored ? KVFLEET__V1__KV_EVENT__KIND__KIND_STORED
-                                       : KVFLEET__V1__KV_EVENT__KIND__KIND_REMOVED,
+            send_event(w, NULL, stored ? KVF_RPC_KV_STORED : KVF_RPC_KV_REMOVED,
                        w->ev_seq, b->hashes + off, stored ? b->parents + off : NULL, n, false);
         if (w->m_events)
             kvf_metric_add(w->m_events, 1);
@@ -238,7 +281,7 @@ static void snap_cb(void *ctx, const kvf_kv_event *ev)
     s->h[s->n] = ev->hash;
     s->p[s->n] = ev->parent_hash;
     if (++s->n == WATCH_BATCH) {
-        send_event(s->w, s->wt, KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT, s->w->ev_seq, s->h,
+        send_event(s->w, s->wt, KVF_RPC_KV_SNAPSHOT, s->w->ev_seq, s->h,
                    s->p, s->n, false);
         s->n = 0;
     }
@@ -246,18 +289,14 @@ static void snap_cb(void *ctx, const kvf_kv_event *ev)
 
 static void send_load(kvf_worker *w, watcher *wt, const kvf_worker_load *l)
 {
-    Kvfleet__V1__LoadReport lr = KVFLEET__V1__LOAD_REPORT__INIT;
-    lr.running = l->running;
-    lr.waiting = l->waiting;
-    lr.active_blocks = l->used_blocks;
-    lr.free_blocks = l->free_blocks + l->cached_blocks;
-    lr.total_blocks = l->total_blocks;
-    lr.queued_prefill_tokens = w->hooks.queued_prefill_tokens ? w->hooks.queued_prefill_tokens(w->hooks.ctx) : 0;
-    lr.unix_ms = kvf_wall_ms();
-    Kvfleet__V1__WatchKvResponse r = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
-    r.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD;
-    r.load = &lr;
-    watcher_send(w, wt, &r);
+    kvf_rpc_watch_msg m = {.is_load = true};
+    m.load = (kvf_rpc_load){
+        .running = l->running, .waiting = l->waiting, .active_blocks = l->used_blocks,
+        .free_blocks = l->free_blocks + l->cached_blocks, .total_blocks = l->total_blocks,
+        .queued_prefill_tokens = w->hooks.queued_prefill_tokens
+                                     ? w->hooks.queued_prefill_tokens(w->hooks.ctx) : 0,
+        .unix_ms = kvf_wall_ms()};
+    watcher_send(w, wt, &m);
     wt->last = *l;
     wt->last_load_ns = kvf_now_ns();
     wt->next_load_ns = wt->last_load_ns + wt->interval_ns;
@@ -289,7 +328,7 @@ static void watch_start_job(kvf_worker *w, void *arg)
         s->w = w;
         s->wt = wt;
         kvf_kv_prefix_snapshot(w->pool, snap_cb, s);
-        send_event(w, wt, KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT, w->ev_seq, s->h, s->p, s->n,
+        send_event(w, wt, KVF_RPC_KV_SNAPSHOT, w->ev_seq, s->h, s->p, s->n,
                    true);
         free(s);
     }
@@ -329,25 +368,18 @@ static void watchers_pass(kvf_worker *w)
     kvf_metric_set(w->m_watchers, n);
 }
 
-static void h_watch_kv(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+static void h_watch_kv(void *ctx, kvf_rpc_call *call, kvf_rpc_watch_req *r)
 {
     kvf_worker *w = ctx;
-    Kvfleet__V1__WatchKvRequest *r = NULL;
-    kvf_err err = {0};
-    kvf_status st = kvf_rpc_watch_kv_request_decode(req, len, &r, &err);
-    if (st != KVF_OK) {
-        kvf_rpc_call_finish(call, st, err.msg);
-        return;
-    }
     watch_job *j = calloc(1, sizeof *j);
     if (!j) {
-        kvf_rpc_msg_free(r);
+        free(r);
         kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "worker: out of memory");
         return;
     }
     j->call = call;
     j->interval_ms = r->load_interval_ms;
-    kvf_rpc_msg_free(r);
+    free(r);
     /* a cancelled watch is noticed by the loop's next pass (kvf_rpc_call_is_cancelled) */
     if (kvf_worker_post(w, watch_start_job, j) != KVF_OK) {
         free(j);
@@ -357,64 +389,42 @@ static void h_watch_kv(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t
 
 /* ---- Info, Health ------------------------------------------------------------------------ */
 
-static kvf_status h_info(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                         kvf_rpc_buf *resp, kvf_err *err)
+static kvf_status h_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *ir, kvf_err *err)
 {
     kvf_worker *w = ctx;
-    Kvfleet__V1__InfoRequest *r = NULL;
-    kvf_status st = kvf_rpc_info_request_decode(req, len, &r, err);
-    if (st != KVF_OK)
-        return st;
-    kvf_rpc_msg_free(r);
-    Kvfleet__V1__KvLayout kl = KVFLEET__V1__KV_LAYOUT__INIT;
-    kl.n_layers = w->layout.n_layers;
-    kl.n_kv_heads = w->layout.n_kv_heads;
-    kl.head_dim = w->layout.head_dim;
-    kl.block_size = w->layout.block_size;
-    kl.dtype = kvf_rpc_dtype_to_msg(w->layout.dtype);
-    kl.block_bytes = w->layout.block_bytes;
-    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
-    td.backend = (char *)kvf_xfer_backend_name(w->xfer);
-    td.blob.data = w->desc;
-    td.blob.len = w->desc_len;
-    Kvfleet__V1__InfoResponse ir = KVFLEET__V1__INFO_RESPONSE__INIT;
-    ir.protocol_version = KVF_RPC_PROTOCOL_VERSION;
-    ir.role = w->role == KVF_WORKER_PREFILL ? KVFLEET__V1__ROLE__ROLE_PREFILL : KVFLEET__V1__ROLE__ROLE_DECODE;
-    ir.model_id = w->model_id;
-    ir.block_size = w->layout.block_size;
-    ir.kv_layout = &kl;
-    ir.capacity_blocks = w->n_blocks;
-    ir.transport = &td;
-    ir.worker_id = w->worker_id;
-    ir.software_version = "0.1.0";
+    *ir = (kvf_rpc_info){
+        .protocol_version = KVF_RPC_PROTOCOL_VERSION,
+        .role = w->role == KVF_WORKER_PREFILL ? KVF_RPC_ROLE_PREFILL : KVF_RPC_ROLE_DECODE,
+        .model_id = w->model_id, .block_size = w->layout.block_size, .has_kv_layout = true,
+        .kv_layout = w->layout, .capacity_blocks = w->n_blocks,
+        .transport = {.backend = kvf_xfer_backend_name(w->xfer), .blob = w->desc,
+                      .blob_len = w->desc_len},
+        .worker_id = w->worker_id, .software_version = "0.1.0"};
     (void)call;
-    return kvf_rpc_msg_encode(&ir, resp, err);
+    (void)err;
+    return KVF_OK;
 }
 
-static kvf_status h_health(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                           kvf_rpc_buf *resp, kvf_err *err)
+/* The detail string lives here until the layer has encoded the answer (one handler thread per
+ * call: a thread-local buffer). */
+static _Thread_local char health_detail[256];
+
+static kvf_status h_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *hr, kvf_err *err)
 {
     kvf_worker *w = ctx;
-    Kvfleet__V1__HealthRequest *r = NULL;
-    kvf_status st = kvf_rpc_health_request_decode(req, len, &r, err);
-    if (st != KVF_OK)
-        return st;
-    kvf_rpc_msg_free(r);
     kvf_worker_load l;
     kvf_worker_load_get(w, &l);
-    char detail[256];
-    snprintf(detail, sizeof detail,
+    snprintf(health_detail, sizeof health_detail,
              "running=%d waiting=%d total_blocks=%d free_blocks=%d cached_blocks=%d used_blocks=%d",
              l.running, l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
     pthread_mutex_lock(&w->mu);
     bool stopping = w->stopping;
     pthread_mutex_unlock(&w->mu);
-    Kvfleet__V1__HealthResponse hr = KVFLEET__V1__HEALTH_RESPONSE__INIT;
-    hr.status = stopping ? KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__DRAINING
-                         : KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING;
-    hr.detail = detail;
+    hr->status = stopping ? KVF_RPC_DRAINING : KVF_RPC_SERVING;
+    hr->detail = health_detail;
     (void)call;
-    return kvf_rpc_msg_encode(&hr, resp, err);
+    (void)err;
+    return KVF_OK;
 }
 
 /* ---- admin HTTP ---------------------------------------------------------------------------- */
@@ -454,19 +464,17 @@ static void publish_load(kvf_worker *w)
     kvf_worker_load l = {0};
     kvf_kv_pool_stats ps;
     kvf_kv_pool_get_stats(w->pool, &ps);
-    if (w->engine) {
-        kvf_engine_stats es;
-        kvf_engine_get_stats(w->engine, &es);
-        l.running = es.running + es.remote;
-        l.waiting = es.waiting + es.swapped;
-        kvf_metric_set(w->m_prefix_hit, es.prefix_hit_tokens);
-        kvf_metric_set(w->m_draws, es.backend_draws);
-    }
+    kvf_engine_stats es;
+    kvf_engine_get_stats(w->engine, &es);
+    l.running = es.running + es.remote + es.kept;
+    l.waiting = es.waiting + es.swapped;
+    kvf_metric_set(w->m_prefix_hit, es.prefix_hit_tokens);
+    kvf_metric_set(w->m_draws, es.backend_draws);
 #ifdef KVF_HAVE_CUDA
     int64_t now = kvf_now_ns();
     if (w->m_gpu_used && now - w->gpu_stats_ns >= 500 * 1000000LL) { /* cudaMemGetInfo: not per pass */
         kvf_cuda_stats cs;
-        kvf_cuda_backend_stats(w->engine ? kvf_engine_backend_ctx(w->engine) : w->be_ctx, &cs);
+        kvf_cuda_backend_stats(kvf_engine_backend_ctx(w->engine), &cs);
         kvf_metric_set(w->m_gpu_used, cs.device_bytes);
         kvf_metric_set(w->m_graph_replays, cs.graph_replays);
         kvf_metric_set(w->m_graph_captures, cs.graphs_captured);
@@ -603,7 +611,7 @@ static void *loop_main(void *arg)
             break;
         int work = run_jobs(w);
         bool engine_work = false;
-        if (w->engine && kvf_engine_busy(w->engine)) {
+        if (kvf_engine_busy(w->engine)) {
             const kvf_engine_output *outs = NULL;
             int32_t n_out = 0;
             kvf_status st = kvf_engine_step(w->engine, &outs, &n_out, &err);
@@ -655,13 +663,11 @@ static void *loop_main(void *arg)
     w->stopped = true;
     pthread_mutex_unlock(&w->mu);
     run_jobs(w); /* jobs posted before stopped was set */
-    if (w->engine) {
-        /* report the cancellations so every sequence is gone from the pool */
-        for (int i = 0; i < 4 && kvf_engine_busy(w->engine); i++) {
-            const kvf_engine_output *outs = NULL;
-            int32_t n_out = 0;
-            kvf_engine_step(w->engine, &outs, &n_out, &err);
-        }
+    /* report the cancellations so every sequence is gone from the pool */
+    for (int i = 0; i < 4 && kvf_engine_busy(w->engine); i++) {
+        const kvf_engine_output *outs = NULL;
+        int32_t n_out = 0;
+        kvf_engine_step(w->engine, &outs, &n_out, &err);
     }
     for (watcher *wt = w->watchers; wt; wt = wt->next)
         wt->dead = true;
@@ -681,18 +687,16 @@ static kvf_status add_metric(kvf_worker *w, int gauge, const char *name, const c
                  : kvf_metrics_counter(w->metrics, name, labels, help, out, err);
 }
 
-/* The transport the flags name (--xfer-backend wins over --transport; auto: cuda_ipc for a
- * device pool, ucx for a host one), checked against --device from the flags alone, so a
- * mismatch is refused before any model or GPU is touched. */
+/* The transport --xfer-backend names (auto: cuda_ipc for a device pool, ucx for a host one),
+ * checked against --device from the flags alone, so a mismatch is refused before any model or
+ * GPU is touched. */
 static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, const char **out,
                                  kvf_err *err)
 {
-    const char *flag = cfg->xfer_backend ? "xfer-backend" : "transport";
-    const char *b = cfg->xfer_backend ? cfg->xfer_backend : cfg->transport ? cfg->transport : "auto";
+    const char *flag = "xfer-backend";
     bool gpu_pool = cfg->device && strcmp(cfg->device, "cuda") == 0;
-    bool staging = cfg->xfer_gpu_staging;
-    if (strcmp(b, "auto") == 0)
-        b = gpu_pool && !staging ? "cuda_ipc" : "ucx";
+    bool staging = cfg->xfer.gpu_staging;
+    const char *b = kvf_xfer_backend_pick(cfg->xfer.backend, gpu_pool, staging);
     if (strcmp(b, "ucx") != 0 && strcmp(b, "local") != 0 && strcmp(b, "cuda_ipc") != 0 &&
         strcmp(b, "nccl") != 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s=%s is not supported (use auto, ucx, "
@@ -725,15 +729,15 @@ static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, cons
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-gpu-staging needs --device cuda "
                                "(a host pool goes over ucx directly)", rn);
     }
-    if (cfg->xfer_notice_host) {
+    if (cfg->xfer.notice_host) {
         struct in_addr a;
         if (!gpu_to_gpu)
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-notice-host is for cuda_ipc and "
                                "nccl (the transport is %s)", rn, b);
-        if (inet_pton(AF_INET, cfg->xfer_notice_host, &a) != 1 || a.s_addr == htonl(INADDR_ANY))
+        if (inet_pton(AF_INET, cfg->xfer.notice_host, &a) != 1 || a.s_addr == htonl(INADDR_ANY))
             return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-notice-host=%s is not an IPv4 "
                                "address peers can connect to (e.g. this node's 10.0.0.7)", rn,
-                               cfg->xfer_notice_host);
+                               cfg->xfer.notice_host);
     }
     *out = b;
     return KVF_OK;
@@ -745,8 +749,8 @@ static const char *notice_host(const kvf_worker_cfg *cfg, const char *listen_hos
                                const char *backend)
 {
     struct in_addr a;
-    if (cfg->xfer_notice_host)
-        return cfg->xfer_notice_host;
+    if (cfg->xfer.notice_host)
+        return cfg->xfer.notice_host;
     if (inet_pton(AF_INET, listen_host, &a) == 1 && a.s_addr != htonl(INADDR_ANY))
         return listen_host;
     if (strcmp(backend, "nccl") == 0)
@@ -756,42 +760,17 @@ static const char *notice_host(const kvf_worker_cfg *cfg, const char *listen_hos
     return "127.0.0.1";
 }
 
-kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
-                                  const kvf_xfer_gpu **gpu_out, kvf_err *err)
+/* The backend --device names (the engine's table) and, for a GPU, the transport's GPU ops. */
+static kvf_status device_pick(const char *device, const char *who, const kvf_backend **be_out,
+                              const kvf_xfer_gpu **gpu_out, kvf_err *err)
 {
-    const char *d = device ? device : "cpu";
-    if (gpu_out)
-        *gpu_out = NULL;
-    if (strcmp(d, "cpu") == 0) {
-        *be_out = kvf_model_backend_cpu();
-        return KVF_OK;
-    }
-    if (strcmp(d, "cuda") != 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --device=%s is not known (use cpu or cuda)", who, d);
+    kvf_status st = kvf_engine_backend_by_name(device, who, be_out, err);
+    *gpu_out = NULL;
 #ifdef KVF_HAVE_CUDA
-    char why[256] = "";
-    if (!kvf_cuda_available(why, sizeof why))
-        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: %s", who, why);
-    *be_out = kvf_cuda_backend();
-    if (gpu_out)
+    if (st == KVF_OK && *be_out == kvf_cuda_backend())
         *gpu_out = kvf_cuda_xfer_gpu();
-    return KVF_OK;
-#else
-    return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "%s: --device cuda: this kvfleet was built without "
-                       "CUDA (nvcc was not found when it was configured)", who);
 #endif
-}
-
-kvf_status kvf_worker_attn_decode_pick(const char *name, const char *who, int32_t *out,
-                                       kvf_err *err)
-{
-    const char *n = name ? name : "auto";
-    int k = kvf_backend_attn_decode_parse(n, strlen(n));
-    if (k < 0)
-        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --attn-decode=%s is not known (use auto, "
-                           "simt or mma)", who, n);
-    *out = k;
-    return KVF_OK;
+    return st;
 }
 
 kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kvf_worker **out,
@@ -809,7 +788,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-dtype=%s is not supported (use f32, f16 "
                            "or bf16)", rn, cfg->kv_dtype ? cfg->kv_dtype : "");
     int32_t attn_decode;
-    kvf_status ast = kvf_worker_attn_decode_pick(cfg->attn_decode, rn, &attn_decode, err);
+    kvf_status ast = kvf_engine_attn_decode_pick(cfg->attn_decode, rn, &attn_decode, err);
     if (ast != KVF_OK)
         return ast;
     char host[256];
@@ -821,7 +800,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         return st;
     const kvf_backend *be = NULL;
     const kvf_xfer_gpu *gpu = NULL;
-    if ((st = kvf_worker_device_pick(cfg->device, rn, &be, &gpu, err)) != KVF_OK)
+    if ((st = device_pick(cfg->device, rn, &be, &gpu, err)) != KVF_OK)
         return st;
     if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
         (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
@@ -872,46 +851,25 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     kvf_log(KVF_LOG_INFO, "%s: model %s (id %s): %s", rn, cfg->model, w->model_id,
             kvf_model_capacity_str(&w->layout, nb, w->model->cfg.max_pos, capb, sizeof capb));
 
-    /* engine (decode) or pool + forward pass (prefill) */
-    if (role == KVF_WORKER_DECODE) {
-        kvf_engine_cfg ec;
-        kvf_engine_cfg_default(&ec);
-        ec.n_blocks = w->n_blocks;
-        ec.block_size = cfg->block_size;
-        ec.kv_dtype = (kvf_dtype)dt;
-        ec.max_batch_tokens = cfg->max_batch_tokens;
-        ec.max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens;
-        ec.threads = cfg->threads;
-        ec.attn_decode = attn_decode;
-        ec.model_id = w->model_id;
-        ec.on_event = on_kv_event;
-        ec.event_ctx = w;
-        /* the engine makes the backend, then its pool through the backend's kv_mem ops: one
-         * device allocation with --device cuda */
-        if ((st = kvf_engine_create(w->model, be, &ec, &w->engine, err)) != KVF_OK)
-            goto fail;
-        w->pool = kvf_engine_pool(w->engine);
-    } else {
-        w->be = be;
-        if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads,
-                                                     .attn_decode = attn_decode},
-                                &w->be_ctx, err)) != KVF_OK)
-            goto fail;
-        /* prefill batches concurrent RemotePrefill calls: up to --max-seqs prompts per step */
-        kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens,
-                                 .max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens,
-                                 .max_ctx = 0};
-        if ((st = kvf_model_fwd_create(w->model, w->be, w->be_ctx, &w->layout, &fo, &w->fwd, err)) != KVF_OK)
-            goto fail;
-        /* the pool where the backend wants it (device memory on a GPU: one allocation, which
-         * the transport registers and CUDA IPC exports whole) */
-        kvf_kv_pool_cfg pc = {.layout = w->layout, .n_blocks = w->n_blocks, .on_event = on_kv_event,
-                              .event_ctx = w, .mem = be->kv_mem ? be->kv_mem(w->be_ctx) : NULL,
-                              .mem_ctx = w->be_ctx};
-        if ((st = kvf_kv_pool_create(&pc, &w->own_pool, err)) != KVF_OK)
-            goto fail;
-        w->pool = w->own_pool;
-    }
+    /* the engine, for both roles (prefill's RemotePrefill calls are its prefill-only
+     * requests): it makes the backend, then its pool through the backend's kv_mem ops, one
+     * device allocation with --device cuda, which the transport registers and CUDA IPC exports
+     * whole */
+    kvf_engine_cfg ec;
+    kvf_engine_cfg_default(&ec);
+    ec.n_blocks = w->n_blocks;
+    ec.block_size = cfg->block_size;
+    ec.kv_dtype = (kvf_dtype)dt;
+    ec.max_batch_tokens = cfg->max_batch_tokens;
+    ec.max_seqs = cfg->max_seqs < cfg->max_batch_tokens ? cfg->max_seqs : cfg->max_batch_tokens;
+    ec.threads = cfg->threads;
+    ec.attn_decode = attn_decode;
+    ec.model_id = w->model_id;
+    ec.on_event = on_kv_event;
+    ec.event_ctx = w;
+    if ((st = kvf_engine_create(w->model, be, &ec, &w->engine, err)) != KVF_OK)
+        goto fail;
+    w->pool = kvf_engine_pool(w->engine);
 
     /* transport: the pool's memory, registered once (a device pool through the GPU ops) */
     char listen_host[256];
@@ -919,13 +877,13 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     if ((st = kvf_worker_parse_hostport("listen", cfg->listen, listen_host, sizeof listen_host,
                                         &listen_port, err)) != KVF_OK)
         goto fail;
-    kvf_xfer_cfg xc = {.backend = xfer_backend,
-                       .transport = cfg->xfer_tls ? cfg->xfer_tls : "auto",
-                       .gpu = gpu, .gpu_staging = cfg->xfer_gpu_staging,
-                       .notice_host = notice_host(cfg, listen_host, rn, xfer_backend)};
+    kvf_xfer_cfg xc = cfg->xfer;
+    xc.backend = xfer_backend;
+    xc.gpu = gpu;
+    xc.notice_host = notice_host(cfg, listen_host, rn, xfer_backend);
     kvf_xfer_pool xp = {.base = kvf_kv_pool_base(w->pool), .layout = w->layout, .n_blocks = w->n_blocks};
     if ((st = kvf_xfer_create(&xc, &xp, &w->xfer, err)) != KVF_OK) {
-        kvf_err_prefix(err, "%s: --transport=%s%s", rn, xc.backend,
+        kvf_err_prefix(err, "%s: --xfer-backend=%s%s", rn, xc.backend,
                        xc.gpu_staging ? " --xfer-gpu-staging" : "");
         goto fail;
     }
@@ -962,9 +920,9 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     kvf_rpc_server_opts so = {.address = cfg->listen, .n_threads = cfg->rpc_threads > 0 ? cfg->rpc_threads : 4};
     if ((st = kvf_rpc_server_create(&so, &w->server, err)) != KVF_OK)
         goto fail;
-    if ((st = kvf_rpc_server_add_unary(w->server, KVF_RPC_WORKER_INFO, h_info, w, err)) != KVF_OK ||
-        (st = kvf_rpc_server_add_unary(w->server, KVF_RPC_WORKER_HEALTH, h_health, w, err)) != KVF_OK ||
-        (st = kvf_rpc_server_add_stream(w->server, KVF_RPC_WORKER_WATCH_KV, h_watch_kv, w, err)) != KVF_OK)
+    if ((st = kvf_rpc_serve_info(w->server, h_info, w, err)) != KVF_OK ||
+        (st = kvf_rpc_serve_health(w->server, h_health, w, err)) != KVF_OK ||
+        (st = kvf_rpc_serve_watch(w->server, h_watch_kv, w, err)) != KVF_OK)
         goto fail;
 
     int pfd[2];
@@ -1063,10 +1021,6 @@ void kvf_worker_destroy(kvf_worker *w)
     kvf_xfer_destroy(w->xfer);
     free(w->desc);
     kvf_engine_destroy(w->engine);
-    kvf_kv_pool_destroy(w->own_pool);
-    kvf_model_fwd_destroy(w->fwd);
-    if (w->be && w->be_ctx)
-        w->be->destroy(w->be_ctx);
     kvf_model_destroy(w->model);
     kvf_metrics_destroy(w->metrics);
     free(w->evs.hashes);
@@ -1087,7 +1041,6 @@ const char *kvf_worker_model_id(const kvf_worker *w) { return w->model_id; }
 const kvf_kv_layout *kvf_worker_layout(const kvf_worker *w) { return &w->layout; }
 kvf_engine *kvf_worker_engine(kvf_worker *w) { return w->engine; }
 kvf_kv_pool *kvf_worker_pool(kvf_worker *w) { return w->pool; }
-kvf_model_fwd *kvf_worker_fwd(kvf_worker *w) { return w->fwd; }
 kvf_xfer *kvf_worker_xfer(kvf_worker *w) { return w->xfer; }
 kvf_metrics *kvf_worker_metrics(kvf_worker *w) { return w->metrics; }
 

@@ -1,9 +1,9 @@
-/* worker.h: what the decode and prefill roles share: the model, KV pool (with the engine on
- * decode, a bare forward pass on prefill), the one loop thread that owns them, a job queue into
- * it, the transport, the Worker gRPC service (Info, Health, Cancel, WatchKv here; Generate and
+/* worker.h: what the decode and prefill roles share: the model, the engine (the one scheduler of
+ * both roles) with its KV pool, the one loop thread that owns them, a job queue into it, the
+ * transport, the Worker gRPC service (Info, Health, Cancel, WatchKv here; Generate and
  * RemotePrefill are the roles' handlers) and the admin HTTP port (/metrics, /health).
  *
- * Threads: the loop thread owns the engine, pool, forward pass and kvf_xfer; everything that
+ * Threads: the loop thread owns the engine, its pool and kvf_xfer; everything that
  * touches them runs there, as a job (kvf_worker_post) or a hook. gRPC handler threads post jobs
  * and never touch the engine. Ownership: kvf_worker_create returns a worker the caller destroys
  * with kvf_worker_destroy (which shuts down servers and the loop and frees every block). */
@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/cfg.h"
 #include "common/metrics.h"
 #include "common/status.h"
 #include "engine/engine.h"
@@ -23,16 +24,17 @@
 #include "model/forward.h"
 #include "model/model.h"
 #include "proto/rpc.h"
+#include "proto/worker.h"
 #include "transport/xfer.h"
 
 typedef struct kvf_worker kvf_worker;
 
 typedef enum kvf_worker_role {
-    KVF_WORKER_DECODE = 0,  /* engine + Generate (colocated when no prefill worker is named) */
-    KVF_WORKER_PREFILL = 1, /* pool + forward pass + RemotePrefill */
+    KVF_WORKER_DECODE = 0,  /* Generate (colocated when no prefill worker is named) */
+    KVF_WORKER_PREFILL = 1, /* RemotePrefill: prefill-only engine requests */
 } kvf_worker_role;
 
-/* Every flag of both roles (cli/cmd_decode.c, cli/cmd_prefill.c share KVF_WORKER_CFG_OPTS). */
+/* Every flag both roles share (kvf_worker_cfg_tables); each role's program adds its own. */
 typedef struct kvf_worker_cfg {
     const char *model;        /* model directory */
     const char *model_id;     /* block-hash root; NULL: the directory's base name */
@@ -54,69 +56,18 @@ typedef struct kvf_worker_cfg {
                                        * until its answer or its deadline plus this (skew) */
     int32_t load_interval_ms;         /* WatchKv load report period (default for watchers) */
     const char *device;       /* cpu or cuda: where the model runs and the KV pool lives */
-    const char *transport;    /* auto, ucx, cuda_ipc or local (the older name of xfer_backend) */
-    const char *xfer_backend; /* NULL: transport; else the same values (it wins) */
-    bool xfer_gpu_staging;    /* ucx with a device pool: through a pinned host mirror */
-    const char *xfer_tls;     /* ucx: auto, tcp, sm */
-    const char *attn_decode;  /* cuda: auto, simt, mma (kvf_worker_attn_decode_pick) */
-    const char *xfer_notice_host; /* cuda_ipc, nccl: IPv4 of the notice channel; NULL: the
-                                   * --listen host when it is one, else 127.0.0.1 */
+    const char *attn_decode;  /* cuda: auto, simt, mma (kvf_engine_attn_decode_pick) */
+    /* The KV transport (transport/xfer.h's flags: --xfer-backend, --xfer-transport, ...). Its
+     * gpu table is the worker's to fill; notice_host NULL means the --listen host when it is an
+     * IPv4 address, else 127.0.0.1. */
+    kvf_xfer_cfg xfer;
     const char *log_level;
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;
 
-#define KVF_WORKER_CFG_OPTS                                                                      \
-    {"model", NULL, "model directory (config.json, model.safetensors)",                         \
-     offsetof(kvf_worker_cfg, model), KVF_CFG_STR},                                              \
-    {"model-id", NULL, "model id for block hashes (default: the model directory's name)",       \
-     offsetof(kvf_worker_cfg, model_id), KVF_CFG_STR},                                           \
-    {"worker-id", NULL, "this worker's name in Info (default: <role>-<pid>)",                   \
-     offsetof(kvf_worker_cfg, worker_id), KVF_CFG_STR},                                          \
-    {"listen", "127.0.0.1:0", "gRPC Worker service HOST:PORT (port 0: any free port)",           \
-     offsetof(kvf_worker_cfg, listen), KVF_CFG_STR},                                             \
-    {"admin-listen", "127.0.0.1:0", "admin HTTP (/metrics, /health) HOST:PORT",                 \
-     offsetof(kvf_worker_cfg, admin_listen), KVF_CFG_STR},                                       \
-    {"kv-memory", "64M", "KV pool bytes (K/M/G suffixes) when --kv-blocks is 0",                \
-     offsetof(kvf_worker_cfg, kv_memory), KVF_CFG_SIZE},                                         \
-    {"kv-blocks", "0", "KV pool blocks (overrides --kv-memory)",                                \
-     offsetof(kvf_worker_cfg, kv_blocks), KVF_CFG_INT},                                          \
-    {"block-size", "16", "tokens per KV block (a power of two; the same across the fleet)",     \
-     offsetof(kvf_worker_cfg, block_size), KVF_CFG_INT},                                         \
-    {"kv-dtype", "f32", "KV cache dtype: f32, f16 or bf16", offsetof(kvf_worker_cfg, kv_dtype), \
-     KVF_CFG_STR},                                                                               \
-    {"max-batch-tokens", "512", "token budget of one engine step",                               \
-     offsetof(kvf_worker_cfg, max_batch_tokens), KVF_CFG_INT},                                   \
-    {"max-seqs", "32", "running sequences at once", offsetof(kvf_worker_cfg, max_seqs),         \
-     KVF_CFG_INT},                                                                               \
-    {"threads", "0", "backend CPU threads (0: one per CPU)", offsetof(kvf_worker_cfg, threads), \
-     KVF_CFG_INT},                                                                               \
-    {"rpc-threads", "4", "gRPC handler threads", offsetof(kvf_worker_cfg, rpc_threads),         \
-     KVF_CFG_INT},                                                                               \
-    {"prefill-timeout-ms", "10000", "remote prefill deadline before the local fallback",        \
-     offsetof(kvf_worker_cfg, prefill_timeout_ms), KVF_CFG_INT},                                 \
-    {"load-interval-ms", "1000", "WatchKv load report period when the watcher sets none",       \
-     offsetof(kvf_worker_cfg, load_interval_ms), KVF_CFG_INT},                                   \
-    {"device", "cpu", "where the model runs and the KV pool lives: cpu or cuda (GPU 0)",         \
-     offsetof(kvf_worker_cfg, device), KVF_CFG_STR},                                             \
-    {"transport", "auto", "KV transport: auto (ucx for a host pool, cuda_ipc for --device cuda), " \
-     "ucx, cuda_ipc (GPU pools on one node) or local (one process only, tests)",                 \
-     offsetof(kvf_worker_cfg, transport), KVF_CFG_STR},                                          \
-    {"attn-decode", "auto", "with --device cuda: the kernel decode tokens' attention runs on: " \
-     "auto (the build's default, simt today), simt, or mma (tensor cores; f16, bf16 or fp8 KV " \
-     "at head_dim 64 or 128, simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR}, \
-    {"xfer-backend", NULL, "the KV transport, as --transport (this name wins when both are set)", \
-     offsetof(kvf_worker_cfg, xfer_backend), KVF_CFG_STR},                                       \
-    {"xfer-gpu-staging", NULL, "with --device cuda and ucx: move KV through a pinned host mirror " \
-     "of the pool (the path between nodes: this UCX has no CUDA transports)",                    \
-     offsetof(kvf_worker_cfg, xfer_gpu_staging), KVF_CFG_BOOL},                                  \
-    {"xfer-transport", "auto", "ucx: auto (UCX_TLS honoured), tcp or sm",                       \
-     offsetof(kvf_worker_cfg, xfer_tls), KVF_CFG_STR},                                           \
-    {"xfer-notice-host", NULL, "cuda_ipc, nccl: IPv4 address the transfer notice channel "      \
-     "listens on and peers connect to (default: the --listen host when it is an IPv4 address, "  \
-     "else 127.0.0.1; nccl between nodes needs this node's address)",                            \
-     offsetof(kvf_worker_cfg, xfer_notice_host), KVF_CFG_STR},                                   \
-    {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level), \
-     KVF_CFG_STR}
+/* The flags of kvf_worker_cfg as data: this worker table, then transport's, for a role's
+ * kvf_cfg_spec.tables (ends with {0}). */
+extern const kvf_cfg_table kvf_worker_cfg_tables[];
 
 /* The table defaults, for code that builds a cfg without parsing flags. */
 void kvf_worker_cfg_default(kvf_worker_cfg *cfg);
@@ -126,7 +77,7 @@ struct kvf_worker_load;
 /* Hooks a role installs before kvf_worker_start; each runs on the loop thread. */
 typedef struct kvf_worker_hooks {
     void *ctx;
-    void (*on_output)(void *ctx, const kvf_engine_output *o);    /* decode: engine outputs */
+    void (*on_output)(void *ctx, const kvf_engine_output *o);    /* engine outputs */
     void (*on_xfer_event)(void *ctx, const kvf_xfer_event *ev);  /* transfer completions */
     void (*on_tick)(void *ctx);     /* every loop pass (at least every 10 ms): deadlines */
     void (*on_shutdown)(void *ctx); /* last pass: cancel what is live, finish its calls */
@@ -136,8 +87,7 @@ typedef struct kvf_worker_hooks {
     void (*fill_load)(void *ctx, struct kvf_worker_load *l);
 } kvf_worker_hooks;
 
-/* Loads the model, sizes the pool (errors name the flag), creates the engine (decode) or the
- * forward pass (prefill), the transport, the gRPC server (Info, Health, Cancel, WatchKv
+/* Loads the model, sizes the pool (errors name the flag), creates the engine, the transport, the gRPC server (Info, Health, Cancel, WatchKv
  * registered) and the metrics registry. Nothing runs until kvf_worker_start. */
 kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kvf_worker **out,
                              kvf_err *err);
@@ -161,7 +111,7 @@ kvf_status kvf_worker_post(kvf_worker *w, kvf_worker_job_fn fn, void *arg);
 /* Posts fn and waits for it to have run. ERR_STATE when the loop has stopped. */
 kvf_status kvf_worker_call(kvf_worker *w, kvf_worker_job_fn fn, void *arg);
 
-/* Loop-thread accessors (borrowed). engine is NULL on prefill; fwd is NULL on decode. */
+/* Loop-thread accessors (borrowed). */
 const kvf_worker_cfg *kvf_worker_config(const kvf_worker *w);
 kvf_worker_role kvf_worker_role_of(const kvf_worker *w);
 const kvf_model *kvf_worker_model(const kvf_worker *w);
@@ -169,7 +119,6 @@ const char *kvf_worker_model_id(const kvf_worker *w);
 const kvf_kv_layout *kvf_worker_layout(const kvf_worker *w);
 kvf_engine *kvf_worker_engine(kvf_worker *w);
 kvf_kv_pool *kvf_worker_pool(kvf_worker *w);
-kvf_model_fwd *kvf_worker_fwd(kvf_worker *w);
 kvf_xfer *kvf_worker_xfer(kvf_worker *w);
 /* This worker's transport descriptor (for RemotePrefillRequest.dst). Borrowed. */
 const uint8_t *kvf_worker_xfer_desc(const kvf_worker *w, size_t *len_out);
@@ -186,16 +135,11 @@ typedef struct kvf_worker_load {
 } kvf_worker_load;
 void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out);
 
-/* The backend a --device name selects (NULL or "cpu": the CPU backend; "cuda": the GPU, which
- * needs a build with CUDA and a usable device) and, when gpu_out is not NULL, the GPU ops table
- * for the transport (NULL on cpu). Errors start with who ("generate", "bench engine"). */
-kvf_status kvf_worker_device_pick(const char *device, const char *who, const kvf_backend **be_out,
-                                  const kvf_xfer_gpu **gpu_out, kvf_err *err);
-
-/* The KVF_BACKEND_ATTN_DECODE_* value an --attn-decode name selects (NULL: auto). Errors start
- * with who. */
-kvf_status kvf_worker_attn_decode_pick(const char *name, const char *who, int32_t *out,
-                                       kvf_err *err);
+/* The engine's sampling for what a request carried (both roles: decode's Generate, prefill's
+ * first token): max_tokens 0 becomes the engine's default, the model's EOS ids stop it unless
+ * ignore_eos, stop ids beyond KVF_ENGINE_MAX_STOP are dropped. n is copied as it is (the engine
+ * refuses more than it allows). */
+void kvf_worker_sampling(const kvf_worker *w, const kvf_rpc_sampling *s, kvf_engine_sampling *out);
 
 /* Reads a HOST:PORT; errors name the flag. */
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,

@@ -30,16 +30,16 @@ expect 0 "--device" -- "$BIN" up --help
 expect 0 "--device" -- "$BIN" bench serve --help
 
 # a device pool needs a transport that reaches GPU memory (refused from the flags alone)
-expect 2 "--device cuda keeps the KV pool in GPU memory and --transport=ucx moves host memory only" -- \
-    "$BIN" decode --model "$M" --device cuda --transport ucx
-expect 2 "--xfer-gpu-staging" -- "$BIN" decode --model "$M" --device cuda --transport ucx
+expect 2 "--device cuda keeps the KV pool in GPU memory and --xfer-backend=ucx moves host memory only" -- \
+    "$BIN" decode --model "$M" --device cuda --xfer-backend ucx
+expect 2 "--xfer-gpu-staging" -- "$BIN" decode --model "$M" --device cuda --xfer-backend ucx
 expect 2 "--xfer-backend=local copies host memory (use cuda_ipc" -- \
     "$BIN" prefill --model "$M" --device cuda --xfer-backend local
 expect 2 "--xfer-backend=cuda_ipc moves GPU pools: it needs --device cuda" -- \
     "$BIN" decode --model "$M" --xfer-backend cuda_ipc
 expect 2 "--xfer-gpu-staging needs --device cuda" -- "$BIN" prefill --model "$M" --xfer-gpu-staging
-expect 2 "--xfer-gpu-staging is for --transport=ucx" -- \
-    "$BIN" decode --model "$M" --device cuda --transport cuda_ipc --xfer-gpu-staging
+expect 2 "--xfer-gpu-staging is for --xfer-backend=ucx" -- \
+    "$BIN" decode --model "$M" --device cuda --xfer-backend cuda_ipc --xfer-gpu-staging
 expect 2 "--xfer-backend=nccl moves GPU pools: it needs --device cuda (NCCL sends and receives device memory only" -- \
     "$BIN" decode --model "$M" --xfer-backend nccl
 expect 2 "--xfer-gpu-staging is for --xfer-backend=ucx (nccl moves GPU to GPU)" -- \
@@ -51,11 +51,11 @@ expect 2 "--xfer-notice-host=0.0.0.0 is not an IPv4 address" -- \
     "$BIN" decode --model "$M" --device cuda --xfer-notice-host 0.0.0.0
 expect 2 "--xfer-notice-host is for cuda_ipc and nccl (the transport is ucx)" -- \
     "$BIN" decode --model "$M" --xfer-notice-host 10.0.0.7
-expect 2 "--transport=tcp is not supported (use auto, ucx, cuda_ipc, nccl or local)" -- \
-    "$BIN" decode --model "$M" --transport tcp
+expect 2 "--xfer-backend=tcp is not supported (use auto, ucx, cuda_ipc, nccl or local)" -- \
+    "$BIN" decode --model "$M" --xfer-backend tcp
 expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" decode --model "$M" --device tpu
 # the environment sets them too
-KVFLEET_DEVICE=cuda KVFLEET_TRANSPORT=ucx expect 2 "moves host memory only" -- "$BIN" prefill --model "$M"
+KVFLEET_DEVICE=cuda KVFLEET_XFER_BACKEND=ucx expect 2 "moves host memory only" -- "$BIN" prefill --model "$M"
 expect 2 "up: --device=tpu is not known (use cpu or cuda)" -- "$BIN" up --device tpu
 expect 2 "--device=tpu is not known (use cpu or cuda)" -- "$BIN" bench serve --device tpu
 
@@ -67,7 +67,7 @@ else
     expect nz "prefill: --device cuda: " -- "$BIN" prefill --model "$M" --device cuda --xfer-backend cuda_ipc
     # nccl with a device pool passes the flag checks and then needs the GPU like the others
     expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --xfer-backend nccl
-    expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --transport ucx --xfer-gpu-staging
+    expect nz "decode: --device cuda: " -- "$BIN" decode --model "$M" --device cuda --xfer-backend ucx --xfer-gpu-staging
     # up passes --device to every worker and stops the fleet when they refuse it
     expect nz "died before it was ready" -- "$BIN" up --device cuda --model "$M" --port 0
 fi

@@ -212,20 +212,14 @@ static kvf_status open_generate(kvf_rpc_channel *ch, const char *req_id, const i
                                 size_t n, int32_t max_tokens, const char *hint,
                                 int64_t deadline_unix_ms, kvf_rpc_stream **s_out, kvf_err *e)
 {
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = max_tokens;
-    sp.ignore_eos = true;
-    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
-    ph.address = (char *)(hint ? hint : "");
-    Kvfleet__V1__GenerateRequest rq = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    rq.request_id = (char *)req_id;
-    rq.n_token_ids = n;
-    rq.token_ids = (int32_t *)prompt;
-    rq.sampling = &sp;
-    rq.prefill = hint ? &ph : NULL;
-    rq.deadline_unix_ms = deadline_unix_ms;
+    kvf_rpc_generate_req rq = {.request_id = req_id, .token_ids = prompt, .n_token_ids = n,
+                               .prefill_addr = hint ? hint : "",
+                               .deadline_unix_ms = deadline_unix_ms};
+    kvf_rpc_sampling_default(&rq.sampling);
+    rq.sampling.max_tokens = max_tokens;
+    rq.sampling.ignore_eos = true;
     kvf_rpc_buf b = {0};
-    kvf_status st = kvf_rpc_msg_encode(&rq, &b, e);
+    kvf_status st = kvf_rpc_generate_req_encode(&rq, &b, e);
     if (st == KVF_OK)
         st = kvf_rpc_stream_open(ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 60000, s_out, e);
     kvf_rpc_buf_free(&b);
@@ -273,11 +267,11 @@ static kvf_status generate(const char *target, const char *req_id, const int32_t
         if (done)
             break;
         assert_int_equal(st, KVF_OK);
-        Kvfleet__V1__GenerateResponse *r = NULL;
-        assert_int_equal(kvf_rpc_generate_response_decode(m.data, m.len, &r, &e), KVF_OK);
+        kvf_rpc_generate_resp *r = NULL;
+        assert_int_equal(kvf_rpc_generate_resp_decode(m.data, m.len, &r, &e), KVF_OK);
         for (size_t i = 0; i < r->n_token_ids && *n_out < cap; i++)
             out[(*n_out)++] = r->token_ids[i];
-        kvf_rpc_msg_free(r);
+        free(r);
         kvf_rpc_buf_free(&m);
     }
     if (st != KVF_OK)
@@ -452,10 +446,10 @@ static void test_cancel_mid_stream_frees_blocks(void **state)
         kvf_rpc_buf m = {0};
         assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
         assert_false(done);
-        Kvfleet__V1__GenerateResponse *r = NULL;
-        assert_int_equal(kvf_rpc_generate_response_decode(m.data, m.len, &r, &e), KVF_OK);
-        assert_int_equal(r->finish_reason, KVFLEET__V1__FINISH_REASON__FINISH_NONE);
-        kvf_rpc_msg_free(r);
+        kvf_rpc_generate_resp *r = NULL;
+        assert_int_equal(kvf_rpc_generate_resp_decode(m.data, m.len, &r, &e), KVF_OK);
+        assert_int_equal(r->finish, KVF_RPC_FINISH_NONE);
+        free(r);
         kvf_rpc_buf_free(&m);
     }
     kvf_rpc_stream_cancel(s);
@@ -534,11 +528,9 @@ static void watch_open(watch *w, const char *target)
     memset(w, 0, sizeof *w);
     kvf_err e = {0};
     assert_int_equal(kvf_rpc_channel_create(target, NULL, &w->ch, &e), KVF_OK);
-    Kvfleet__V1__WatchKvRequest rq = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
-    rq.router_id = "test";
-    rq.load_interval_ms = 100;
+    kvf_rpc_watch_req rq = {.router_id = "test", .load_interval_ms = 100};
     kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&rq, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_watch_req_encode(&rq, &b, &e), KVF_OK);
     assert_int_equal(kvf_rpc_stream_open(w->ch, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
                                          KVF_RPC_NO_DEADLINE, &w->s, &e), KVF_OK);
     kvf_rpc_buf_free(&b);
@@ -559,32 +551,33 @@ static void watch_read(watch *w, size_t want_stored, int64_t ms)
             continue;
         assert_int_equal(st, KVF_OK);
         assert_false(done);
-        Kvfleet__V1__WatchKvResponse *r = NULL;
-        assert_int_equal(kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &e), KVF_OK);
-        if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD) {
+        kvf_rpc_watch_msg *r = NULL;
+        assert_int_equal(kvf_rpc_watch_msg_decode(m.data, m.len, &r, &e), KVF_OK);
+        if (r->is_load) {
             w->n_loads++;
-            w->total_blocks = r->load->total_blocks;
+            w->total_blocks = r->load.total_blocks;
         } else {
-            Kvfleet__V1__KvEvent *ev = r->event;
-            if (ev->kind == KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT) {
+            const kvf_rpc_kv_event *ev = &r->event;
+            if (ev->kind == KVF_RPC_KV_SNAPSHOT) {
                 assert_false(w->snapshot_done);
                 w->last_seq = ev->seq; /* a snapshot carries the seq of the last delta in it */
-                w->n_snapshot += ev->n_block_hashes;
+                w->n_snapshot += ev->n;
                 w->snapshot_done = ev->snapshot_done;
             } else {
                 assert_true(w->snapshot_done);
                 assert_int_equal(ev->seq, w->last_seq + 1); /* no gap, no repeat */
                 w->last_seq = ev->seq;
-                if (ev->kind == KVFLEET__V1__KV_EVENT__KIND__KIND_STORED) {
-                    assert_int_equal(ev->n_parent_hashes, ev->n_block_hashes);
-                    for (size_t i = 0; i < ev->n_block_hashes && w->n_stored < 4096; i++) {
+                if (ev->kind == KVF_RPC_KV_STORED) {
+                    /* parents parallel to the blocks (the decoder checked the counts match) */
+                    assert_true(ev->n == 0 || ev->parent_hashes != NULL);
+                    for (size_t i = 0; i < ev->n && w->n_stored < 4096; i++) {
                         w->parents[w->n_stored] = ev->parent_hashes[i];
                         w->stored[w->n_stored++] = ev->block_hashes[i];
                     }
                 }
             }
         }
-        kvf_rpc_msg_free(r);
+        free(r);
         kvf_rpc_buf_free(&m);
     }
 }
@@ -702,16 +695,16 @@ static void test_shutdown_mid_stream(void **state)
     kvf_rpc_channel_destroy(ch);
 }
 
-/* A unary Worker call; returns the status, response bytes in *out. */
-static kvf_status unary(const char *target, const char *method, const void *msg, kvf_rpc_buf *out)
+/* A unary Worker call with an encoded request (freed here); returns the status, response bytes
+ * in *out. */
+static kvf_status unary(const char *target, const char *method, kvf_rpc_buf *req,
+                        kvf_rpc_buf *out)
 {
     kvf_rpc_channel *ch = NULL;
     kvf_err e = {0};
     assert_int_equal(kvf_rpc_channel_create(target, NULL, &ch, &e), KVF_OK);
-    kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(msg, &b, &e), KVF_OK);
-    kvf_status st = kvf_rpc_unary(ch, method, b.data, b.len, 10000, out, &e);
-    kvf_rpc_buf_free(&b);
+    kvf_status st = kvf_rpc_unary(ch, method, req->data, req->len, 10000, out, &e);
+    kvf_rpc_buf_free(req);
     kvf_rpc_channel_destroy(ch);
     return st;
 }
@@ -722,19 +715,19 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     proc dec = {0};
     proc_start(&dec, "decode", "small-gqa-bf16-theta5e5", NULL);
     /* Info and Health */
-    Kvfleet__V1__InfoRequest ir = KVFLEET__V1__INFO_REQUEST__INIT;
-    kvf_rpc_buf r = {0};
+    kvf_rpc_buf q = {0}, r = {0};
     kvf_err e = {0};
-    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_INFO, &ir, &r), KVF_OK);
-    Kvfleet__V1__InfoResponse *info = NULL;
-    assert_int_equal(kvf_rpc_info_response_decode(r.data, r.len, &info, &e), KVF_OK);
-    assert_int_equal(info->role, KVFLEET__V1__ROLE__ROLE_DECODE);
+    assert_int_equal(kvf_rpc_info_req_encode(&q, &e), KVF_OK);
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_INFO, &q, &r), KVF_OK);
+    kvf_rpc_info *info = NULL;
+    assert_int_equal(kvf_rpc_info_decode(r.data, r.len, &info, &e), KVF_OK);
+    assert_int_equal(info->role, KVF_RPC_ROLE_DECODE);
     assert_string_equal(info->model_id, "small-gqa-bf16-theta5e5");
     assert_int_equal(info->block_size, 16);
     assert_true(info->capacity_blocks > 0);
-    assert_string_equal(info->transport->backend, "ucx");
-    assert_true(info->transport->blob.len > 0);
-    kvf_rpc_msg_free(info);
+    assert_string_equal(info->transport.backend, "ucx");
+    assert_true(info->transport.blob_len > 0);
+    free(info);
     kvf_rpc_buf_free(&r);
 
     /* a long stream, cancelled by request id from another connection */
@@ -749,13 +742,13 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     kvf_rpc_buf m = {0};
     assert_int_equal(kvf_rpc_stream_read(s, 30000, &m, &done, &e), KVF_OK);
     kvf_rpc_buf_free(&m);
-    Kvfleet__V1__CancelRequest cr = KVFLEET__V1__CANCEL_REQUEST__INIT;
-    cr.request_id = "cancel-by-id";
-    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &cr, &r), KVF_OK);
-    Kvfleet__V1__CancelResponse *cresp = NULL;
-    assert_int_equal(kvf_rpc_cancel_response_decode(r.data, r.len, &cresp, &e), KVF_OK);
+    kvf_rpc_cancel_req cr = {.request_id = "cancel-by-id"};
+    assert_int_equal(kvf_rpc_cancel_req_encode(&cr, &q, &e), KVF_OK);
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &q, &r), KVF_OK);
+    kvf_rpc_cancel_resp *cresp = NULL;
+    assert_int_equal(kvf_rpc_cancel_resp_decode(r.data, r.len, &cresp, &e), KVF_OK);
     assert_true(cresp->found);
-    kvf_rpc_msg_free(cresp);
+    free(cresp);
     kvf_rpc_buf_free(&r);
     int n = 0;
     kvf_status st = drain_stream(s, false, &n);
@@ -763,10 +756,11 @@ static void test_cancel_rpc_health_and_deadline(void **state)
     assert_true(n < 449);
     kvf_rpc_stream_destroy(s);
     /* again: nothing by that id any more */
-    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &cr, &r), KVF_OK);
-    assert_int_equal(kvf_rpc_cancel_response_decode(r.data, r.len, &cresp, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_cancel_req_encode(&cr, &q, &e), KVF_OK);
+    assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_CANCEL, &q, &r), KVF_OK);
+    assert_int_equal(kvf_rpc_cancel_resp_decode(r.data, r.len, &cresp, &e), KVF_OK);
     assert_false(cresp->found);
-    kvf_rpc_msg_free(cresp);
+    free(cresp);
     kvf_rpc_buf_free(&r);
 
     /* a request whose deadline_unix_ms passes mid-stream ends with TIMEOUT */
@@ -779,15 +773,15 @@ static void test_cancel_rpc_health_and_deadline(void **state)
         assert_int_equal(st, KVF_ERR_TIMEOUT);
 
     /* Health says serving, and the pool is idle again */
-    Kvfleet__V1__HealthRequest hq = KVFLEET__V1__HEALTH_REQUEST__INIT;
-    Kvfleet__V1__HealthResponse *hr = NULL;
+    kvf_rpc_health *hr = NULL;
     bool idle = false;
     for (int i = 0; i < 300 && !idle; i++) {
-        assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_HEALTH, &hq, &r), KVF_OK);
-        assert_int_equal(kvf_rpc_health_response_decode(r.data, r.len, &hr, &e), KVF_OK);
-        assert_int_equal(hr->status, KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING);
+        assert_int_equal(kvf_rpc_health_req_encode(&q, &e), KVF_OK);
+        assert_int_equal(unary(dec.grpc, KVF_RPC_WORKER_HEALTH, &q, &r), KVF_OK);
+        assert_int_equal(kvf_rpc_health_decode(r.data, r.len, &hr, &e), KVF_OK);
+        assert_int_equal(hr->status, KVF_RPC_SERVING);
         idle = strstr(hr->detail, " used_blocks=0") != NULL;
-        kvf_rpc_msg_free(hr);
+        free(hr);
         kvf_rpc_buf_free(&r);
         if (!idle)
             kvf_sleep_ms(10);
@@ -822,11 +816,11 @@ static void *gen_thread(void *arg)
         g->st = kvf_rpc_stream_read(s, 60000, &m, &done, &e);
         if (done || g->st != KVF_OK)
             break;
-        Kvfleet__V1__GenerateResponse *r = NULL;
-        if ((g->st = kvf_rpc_generate_response_decode(m.data, m.len, &r, &e)) == KVF_OK) {
+        kvf_rpc_generate_resp *r = NULL;
+        if ((g->st = kvf_rpc_generate_resp_decode(m.data, m.len, &r, &e)) == KVF_OK) {
             for (size_t i = 0; i < r->n_token_ids && g->n_got < 64; i++)
                 g->got[g->n_got++] = r->token_ids[i];
-            kvf_rpc_msg_free(r);
+            free(r);
         }
         kvf_rpc_buf_free(&m);
     }

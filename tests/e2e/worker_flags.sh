@@ -20,7 +20,11 @@ expect 2 "--model DIR is required" -- "$BIN" decode
 expect 2 "--kv-dtype=f8 is not supported (use f32, f16 or bf16)" -- "$BIN" decode --model "$M" --kv-dtype=f8
 expect 2 "--listen=nowhere is not HOST:PORT" -- "$BIN" prefill --model "$M" --listen nowhere
 expect 2 "port \"99999\" is not 0..65535" -- "$BIN" decode --model "$M" --admin-listen 127.0.0.1:99999
-expect 2 "--transport=nccl moves GPU pools: it needs --device cuda" -- "$BIN" decode --model "$M" --transport nccl
+expect 2 "--xfer-backend=nccl moves GPU pools: it needs --device cuda" -- "$BIN" decode --model "$M" --xfer-backend nccl
+# one name per concept: the old --transport (flag or environment) says what it became
+expect 2 "--transport was renamed: use --xfer-backend" -- "$BIN" decode --model "$M" --transport ucx
+KVFLEET_TRANSPORT=ucx expect 2 "KVFLEET_TRANSPORT (--transport) was renamed: use KVFLEET_XFER_BACKEND" -- "$BIN" prefill --model "$M"
+expect 0 "--xfer-net-devices" -- "$BIN" prefill --help
 expect 2 "holds 3 blocks" -- "$BIN" decode --model "$M" --kv-blocks 3
 expect 2 "--local-prefill-max-tokens (-1) must be >= 0" -- "$BIN" decode --model "$M" --local-prefill-max-tokens=-1
 expect 0 "--attn-decode" -- "$BIN" decode --help

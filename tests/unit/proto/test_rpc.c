@@ -171,28 +171,21 @@ static void h_forever(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t 
     kvf_rpc_call_finish(call, st, st == KVF_OK ? NULL : e.msg);
 }
 
-/* The Worker's Generate, decoding its request as a worker would. */
-static void h_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+/* The Worker's Generate as a worker serves it: a typed handler (proto/worker.h), which the
+ * layer calls only with a request that passed its checks. */
+static void h_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g)
 {
     fixture *f = ctx;
-    Kvfleet__V1__GenerateRequest *g;
     kvf_err e;
-    kvf_status st = kvf_rpc_generate_request_decode(req, len, &g, &e);
-    if (st != KVF_OK) {
-        kvf_rpc_call_finish(call, st, e.msg);
-        return;
-    }
-    Kvfleet__V1__GenerateResponse r = KVFLEET__V1__GENERATE_RESPONSE__INIT;
     int32_t tok = g->token_ids[0] + 1;
-    r.token_ids = &tok;
-    r.n_token_ids = 1;
-    r.finish_reason = KVFLEET__V1__FINISH_REASON__FINISH_LENGTH;
+    kvf_rpc_generate_resp r = {.token_ids = &tok, .n_token_ids = 1,
+                               .finish = KVF_RPC_FINISH_LENGTH};
     kvf_rpc_buf b = {0};
-    st = kvf_rpc_msg_encode(&r, &b, &e);
+    kvf_status st = kvf_rpc_generate_resp_encode(&r, &b, &e);
     if (st == KVF_OK)
         st = kvf_rpc_call_write(call, b.data, b.len, &e);
     kvf_rpc_buf_free(&b);
-    kvf_rpc_msg_free(g);
+    free(g);
     atomic_fetch_add(&f->generate_ok, 1);
     kvf_rpc_call_finish(call, st, st == KVF_OK ? NULL : e.msg);
 }
@@ -218,8 +211,7 @@ static int setup(void **state)
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FOREVER, h_forever, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_QUEUE, h_queue, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_add_stream(f->srv, M_FLOOD, h_flood, f, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_add_stream(f->srv, KVF_RPC_WORKER_GENERATE, h_generate, f, &e),
-                     KVF_OK);
+    assert_int_equal(kvf_rpc_serve_generate(f->srv, h_generate, f, &e), KVF_OK);
     /* The same name twice is refused. */
     assert_int_equal(kvf_rpc_server_add_unary(f->srv, M_ECHO, h_echo, f, &e), KVF_ERR_EXISTS);
     assert_int_equal(kvf_rpc_server_add_unary(f->srv, "NoSlash", h_echo, f, &e), KVF_ERR_INVALID);
@@ -706,13 +698,11 @@ static void test_malformed_protobuf(void **state)
     kvf_rpc_stream_destroy(s);
 
     /* Well-formed bytes with a bad field: refused, naming it. */
-    Kvfleet__V1__GenerateRequest g = KVFLEET__V1__GENERATE_REQUEST__INIT;
     int32_t toks[2] = {5, -3};
-    g.request_id = "req-1";
-    g.token_ids = toks;
-    g.n_token_ids = 2;
+    kvf_rpc_generate_req g = {.request_id = "req-1", .token_ids = toks, .n_token_ids = 2};
+    kvf_rpc_sampling_default(&g.sampling);
     kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(&g, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_req_encode(&g, &b, &e), KVF_OK);
     assert_int_equal(kvf_rpc_stream_open(f->ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 5000, &s,
                                          &e),
                      KVF_OK);
@@ -720,24 +710,27 @@ static void test_malformed_protobuf(void **state)
     assert_non_null(strstr(e.msg, "token_ids[1] is -3"));
     kvf_rpc_stream_destroy(s);
     kvf_rpc_buf_free(&b);
+    /* Neither refusal reached the handler. */
+    assert_int_equal(atomic_load(&f->generate_ok), 0);
 
     /* And a good one goes through. */
     toks[1] = 9;
-    assert_int_equal(kvf_rpc_msg_encode(&g, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_req_encode(&g, &b, &e), KVF_OK);
     assert_int_equal(kvf_rpc_stream_open(f->ch, KVF_RPC_WORKER_GENERATE, b.data, b.len, 5000, &s,
                                          &e),
                      KVF_OK);
     assert_int_equal(kvf_rpc_stream_read(s, 5000, &m, &done, &e), KVF_OK);
     assert_false(done);
-    Kvfleet__V1__GenerateResponse *r;
-    assert_int_equal(kvf_rpc_generate_response_decode(m.data, m.len, &r, &e), KVF_OK);
+    kvf_rpc_generate_resp *r;
+    assert_int_equal(kvf_rpc_generate_resp_decode(m.data, m.len, &r, &e), KVF_OK);
     assert_int_equal(r->n_token_ids, 1);
     assert_int_equal(r->token_ids[0], 6);
-    assert_int_equal(r->finish_reason, KVFLEET__V1__FINISH_REASON__FINISH_LENGTH);
-    kvf_rpc_msg_free(r);
+    assert_int_equal(r->finish, KVF_RPC_FINISH_LENGTH);
+    free(r);
     kvf_rpc_buf_free(&m);
     assert_int_equal(kvf_rpc_stream_read(s, 5000, &m, &done, &e), KVF_OK);
     assert_true(done);
+    assert_int_equal(atomic_load(&f->generate_ok), 1);
     kvf_rpc_stream_destroy(s);
     kvf_rpc_buf_free(&b);
 }

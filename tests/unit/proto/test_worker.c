@@ -1,6 +1,9 @@
-/* test_worker.c: the Worker service's messages: every message survives encode/decode; the
- * checked decoders refuse malformed bytes and bad fields with messages naming the field and the
- * value; Info's protocol version and layout checks; the dtype mapping. */
+/* test_worker.c: the Worker service's messages through proto/worker.h's typed API: every message
+ * survives encode/decode; the checked decoders refuse malformed bytes, bad fields and enum
+ * values outside the proto with messages naming the field and the value; Info's protocol version
+ * and layout checks; the KV layout round trip with each dtype; the wire's "off" values (no
+ * sampling block, top_p 0, n 0) read as the defaults. What the typed encoders cannot say (a
+ * missing block, a wire value no kvfleet struct holds) is built here as raw protobuf bytes. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -12,127 +15,262 @@
 
 #include "proto/worker.h"
 
-static Kvfleet__V1__KvLayout layout(void)
+/* ---- raw protobuf bytes, written by hand ---------------------------------------------------- */
+
+typedef struct pbw {
+    uint8_t b[512];
+    size_t n;
+} pbw;
+
+static void pb_raw(pbw *w, const void *p, size_t n)
 {
-    Kvfleet__V1__KvLayout l = KVFLEET__V1__KV_LAYOUT__INIT;
-    l.n_layers = 2;
-    l.n_kv_heads = 2;
-    l.head_dim = 64;
-    l.block_size = 16;
-    l.dtype = kvf_rpc_dtype_to_msg(KVF_DTYPE_F16);
-    l.block_bytes = 2LL * 2 * 2 * 16 * 64 * 2;
+    assert_true(w->n + n <= sizeof w->b);
+    memcpy(w->b + w->n, p, n);
+    w->n += n;
+}
+
+static void pb_varint(pbw *w, uint64_t v)
+{
+    uint8_t t[10];
+    size_t n = 0;
+    for (; v >= 0x80; v >>= 7)
+        t[n++] = (uint8_t)(v | 0x80);
+    t[n++] = (uint8_t)v;
+    pb_raw(w, t, n);
+}
+
+static void pb_tag(pbw *w, uint32_t field, unsigned wire_type)
+{
+    pb_varint(w, (uint64_t)field << 3 | wire_type);
+}
+
+/* A varint field (int32 and enums are sign-extended to 64 bits, as protobuf writes them). */
+static void pb_int(pbw *w, uint32_t field, int64_t v)
+{
+    pb_tag(w, field, 0);
+    pb_varint(w, (uint64_t)v);
+}
+
+static void pb_bytes(pbw *w, uint32_t field, const void *p, size_t n)
+{
+    pb_tag(w, field, 2);
+    pb_varint(w, n);
+    pb_raw(w, p, n);
+}
+
+static void pb_str(pbw *w, uint32_t field, const char *s) { pb_bytes(w, field, s, strlen(s)); }
+
+static void pb_msg(pbw *w, uint32_t field, const pbw *sub) { pb_bytes(w, field, sub->b, sub->n); }
+
+static void pb_packed_i32(pbw *w, uint32_t field, const int32_t *v /* [n] */, size_t n)
+{
+    pbw p = {0};
+    for (size_t i = 0; i < n; i++)
+        pb_varint(&p, (uint64_t)(int64_t)v[i]);
+    pb_msg(w, field, &p);
+}
+
+static void pb_packed_fixed64(pbw *w, uint32_t field, const uint64_t *v /* [n] */, size_t n)
+{
+    pbw p = {0};
+    for (size_t i = 0; i < n; i++)
+        for (int k = 0; k < 8; k++) {
+            uint8_t byte = (uint8_t)(v[i] >> (8 * k));
+            pb_raw(&p, &byte, 1);
+        }
+    pb_msg(w, field, &p);
+}
+
+static void assert_msg_has(const kvf_err *e, const char *part)
+{
+    if (!strstr(e->msg, part))
+        fail_msg("message \"%s\" lacks \"%s\"", e->msg, part);
+}
+
+/* ---- fixtures ---------------------------------------------------------------------------------- */
+
+static kvf_kv_layout layout_of(kvf_dtype t)
+{
+    kvf_kv_layout l = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 64, .block_size = 16,
+                       .dtype = t};
+    l.block_bytes = 2LL * l.n_layers * l.n_kv_heads * l.block_size * l.head_dim *
+                    (int64_t)kvf_dtype_size(t);
     return l;
 }
 
+static void assert_layout_equal(const kvf_kv_layout *a, const kvf_kv_layout *b)
+{
+    assert_int_equal(a->n_layers, b->n_layers);
+    assert_int_equal(a->n_kv_heads, b->n_kv_heads);
+    assert_int_equal(a->head_dim, b->head_dim);
+    assert_int_equal(a->block_size, b->block_size);
+    assert_int_equal(a->dtype, b->dtype);
+    assert_int_equal(a->block_bytes, b->block_bytes);
+}
+
+static void assert_sampling_equal(const kvf_rpc_sampling *a, const kvf_rpc_sampling *b)
+{
+    assert_int_equal(a->max_tokens, b->max_tokens);
+    assert_true(a->temperature == b->temperature);
+    assert_true(a->top_p == b->top_p);
+    assert_int_equal(a->top_k, b->top_k);
+    assert_int_equal(a->seed, b->seed);
+    assert_int_equal(a->n, b->n);
+    assert_int_equal(a->ignore_eos, b->ignore_eos);
+    assert_int_equal(a->n_stop, b->n_stop);
+    for (int32_t i = 0; i < a->n_stop; i++)
+        assert_int_equal(a->stop_ids[i], b->stop_ids[i]);
+}
+
+static kvf_rpc_info info_fixture(const uint8_t *blob, size_t blob_len)
+{
+    return (kvf_rpc_info){
+        .protocol_version = KVF_RPC_PROTOCOL_VERSION, .role = KVF_RPC_ROLE_DECODE,
+        .model_id = "tiny-llama", .block_size = 16, .has_kv_layout = true,
+        .kv_layout = layout_of(KVF_DTYPE_F16), .capacity_blocks = 4096,
+        .transport = {.backend = "ucx", .blob = blob, .blob_len = blob_len},
+        .worker_id = "decode-0", .software_version = "0.9.1"};
+}
+
+/* Encodes in and runs the Info decoder: *out on KVF_OK, else the refusal (out untouched). */
+static kvf_status info_decode(const kvf_rpc_info *in, kvf_rpc_info **out, kvf_err *e)
+{
+    kvf_rpc_buf b = {0};
+    assert_int_equal(kvf_rpc_info_encode(in, &b, e), KVF_OK);
+    kvf_rpc_info *o = (void *)1;
+    kvf_status st = kvf_rpc_info_decode(b.data, b.len, &o, e);
+    kvf_rpc_buf_free(&b);
+    if (st != KVF_OK) {
+        assert_ptr_equal(o, (void *)1); /* a refusal hands nothing out */
+        assert_true(e->msg[0] != '\0');
+        o = NULL;
+    }
+    *out = o;
+    return st;
+}
+
+/* ---- Info ---------------------------------------------------------------------------------- */
+
 static void test_info_roundtrip(void **state)
 {
-    Kvfleet__V1__KvLayout l = layout();
-    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
+    (void)state;
     uint8_t blob[3] = {1, 0, 255};
-    td.backend = "ucx";
-    td.blob.data = blob;
-    td.blob.len = 3;
-    Kvfleet__V1__InfoResponse in = KVFLEET__V1__INFO_RESPONSE__INIT;
-    in.protocol_version = KVF_RPC_PROTOCOL_VERSION;
-    in.role = KVFLEET__V1__ROLE__ROLE_DECODE;
-    in.model_id = "tiny-llama";
-    in.block_size = 16;
-    in.kv_layout = &l;
-    in.capacity_blocks = 4096;
-    in.transport = &td;
-    in.worker_id = "decode-0";
-    kvf_rpc_buf b = {0};
+    kvf_rpc_info in = info_fixture(blob, 3);
+    kvf_rpc_info *out;
     kvf_err e;
-    assert_int_equal(kvf_rpc_msg_encode(&in, &b, &e), KVF_OK);
-    Kvfleet__V1__InfoResponse *out;
-    assert_int_equal(kvf_rpc_info_response_decode(b.data, b.len, &out, &e), KVF_OK);
-    assert_int_equal(out->role, KVFLEET__V1__ROLE__ROLE_DECODE);
+    assert_int_equal(info_decode(&in, &out, &e), KVF_OK);
+    assert_int_equal(out->protocol_version, KVF_RPC_PROTOCOL_VERSION);
+    assert_int_equal(out->role, KVF_RPC_ROLE_DECODE);
     assert_string_equal(out->model_id, "tiny-llama");
+    assert_int_equal(out->block_size, 16);
     assert_int_equal(out->capacity_blocks, 4096);
-    assert_int_equal(out->kv_layout->head_dim, 64);
-    assert_int_equal(out->kv_layout->block_bytes, l.block_bytes);
-    kvf_dtype t;
-    assert_int_equal(kvf_rpc_dtype_from_msg(out->kv_layout->dtype, &t, &e), KVF_OK);
-    assert_int_equal(t, KVF_DTYPE_F16);
-    assert_string_equal(out->transport->backend, "ucx");
-    assert_int_equal(out->transport->blob.len, 3);
-    assert_memory_equal(out->transport->blob.data, blob, 3);
-    kvf_rpc_msg_free(out);
-    kvf_rpc_buf_free(&b);
+    assert_true(out->has_kv_layout);
+    assert_int_equal(out->kv_layout.head_dim, 64);
+    assert_int_equal(out->kv_layout.block_bytes, in.kv_layout.block_bytes);
+    assert_int_equal(out->kv_layout.dtype, KVF_DTYPE_F16);
+    assert_string_equal(out->transport.backend, "ucx");
+    assert_int_equal(out->transport.blob_len, 3);
+    assert_memory_equal(out->transport.blob, blob, 3);
+    assert_string_equal(out->worker_id, "decode-0");
+    assert_string_equal(out->software_version, "0.9.1");
+    free(out);
+
+    /* Without a layout: has_kv_layout stays false. */
+    in.has_kv_layout = false;
+    assert_int_equal(info_decode(&in, &out, &e), KVF_OK);
+    assert_false(out->has_kv_layout);
+    assert_int_equal(out->block_size, 16);
+    free(out);
+    in.has_kv_layout = true;
 
     /* Another protocol version is refused, naming both. */
     in.protocol_version = KVF_RPC_PROTOCOL_VERSION + 1;
-    assert_int_equal(kvf_rpc_msg_encode(&in, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_info_response_decode(b.data, b.len, &out, &e), KVF_ERR_UNSUPPORTED);
-    assert_non_null(
-        strstr(e.msg, "worker decode-0 speaks protocol version 2; this build speaks 1"));
-    kvf_rpc_buf_free(&b);
-    /* A layout whose block size disagrees with the worker's. */
+    assert_int_equal(info_decode(&in, &out, &e), KVF_ERR_UNSUPPORTED);
+    assert_msg_has(&e, "worker decode-0 speaks protocol version 2; this build speaks 1");
     in.protocol_version = KVF_RPC_PROTOCOL_VERSION;
-    l.block_size = 32;
-    assert_int_equal(kvf_rpc_msg_encode(&in, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_info_response_decode(b.data, b.len, &out, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "kv_layout.block_size 32 differs from block_size 16"));
-    kvf_rpc_buf_free(&b);
-    /* An unknown dtype. */
-    l.block_size = 16;
-    l.dtype = KVFLEET__V1__DTYPE__DTYPE_UNSPECIFIED;
-    assert_int_equal(kvf_rpc_msg_encode(&in, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_info_response_decode(b.data, b.len, &out, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "kv_layout: dtype 0 is not one of"));
-    kvf_rpc_buf_free(&b);
+    /* A layout whose block size disagrees with the worker's. */
+    in.kv_layout.block_size = 32;
+    assert_int_equal(info_decode(&in, &out, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "kv_layout.block_size 32 differs from block_size 16");
+    in.kv_layout.block_size = 16;
+    /* A block size that is not positive. */
+    in.block_size = 0;
+    in.has_kv_layout = false;
+    assert_int_equal(info_decode(&in, &out, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "InfoResponse.block_size is 0 (must be > 0)");
+    in.block_size = 16;
+    in.has_kv_layout = true;
+    /* An unknown dtype: a kvf_dtype outside the enum goes out as the proto's "unspecified" (0)
+     * and the decoder refuses it, naming the field. */
+    in.kv_layout.dtype = (kvf_dtype)99;
+    assert_int_equal(info_decode(&in, &out, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "InfoResponse.kv_layout: dtype 0 is not one of");
 }
 
-static Kvfleet__V1__GenerateRequest *generate_roundtrip(const Kvfleet__V1__GenerateRequest *g,
-                                                       kvf_status want, const char *msg_part)
+/* ---- Generate ------------------------------------------------------------------------------ */
+
+/* Encodes g, runs the checked decoder and expects want (and msg_part in the refusal). */
+static kvf_rpc_generate_req *generate_roundtrip(const kvf_rpc_generate_req *g, kvf_status want,
+                                                const char *msg_part)
 {
     kvf_rpc_buf b = {0};
     kvf_err e;
-    assert_int_equal(kvf_rpc_msg_encode(g, &b, &e), KVF_OK);
-    Kvfleet__V1__GenerateRequest *out = NULL;
-    kvf_status st = kvf_rpc_generate_request_decode(b.data, b.len, &out, &e);
+    assert_int_equal(kvf_rpc_generate_req_encode(g, &b, &e), KVF_OK);
+    kvf_rpc_generate_req *out = (void *)1;
+    kvf_status st = kvf_rpc_generate_req_decode(b.data, b.len, &out, &e);
     kvf_rpc_buf_free(&b);
     assert_int_equal(st, want);
     if (st != KVF_OK) {
-        assert_null(out);
-        if (!strstr(e.msg, msg_part))
-            fail_msg("message \"%s\" lacks \"%s\"", e.msg, msg_part);
+        assert_ptr_equal(out, (void *)1); /* untouched */
+        assert_msg_has(&e, msg_part);
+        return NULL;
     }
     return out;
 }
 
 static void test_generate_checks(void **state)
 {
+    (void)state;
     int32_t toks[4] = {1, 2, 3, 4};
-    int32_t stops[2] = {2, 7};
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    sp.max_tokens = 32;
-    sp.temperature = 0.7f;
-    sp.top_p = 0.9f;
-    sp.top_k = 40;
-    sp.seed = 1234;
-    sp.stop_token_ids = stops;
-    sp.n_stop_token_ids = 2;
-    Kvfleet__V1__PrefillHint hint = KVFLEET__V1__PREFILL_HINT__INIT;
-    hint.address = "10.0.0.7:7001";
-    Kvfleet__V1__GenerateRequest g = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    g.request_id = "req-42";
-    g.token_ids = toks;
-    g.n_token_ids = 4;
-    g.sampling = &sp;
-    g.cache_salt = "tenant-a";
-    g.prefill = &hint;
-    g.deadline_unix_ms = 1700000000000;
+    kvf_rpc_generate_req g = {.request_id = "req-42", .token_ids = toks, .n_token_ids = 4,
+                              .cache_salt = "tenant-a", .prefill_addr = "10.0.0.7:7001",
+                              .deadline_unix_ms = 1700000000000, .n_prior_output_tokens = 1};
+    kvf_rpc_sampling *sp = &g.sampling;
+    kvf_rpc_sampling_default(sp);
+    sp->max_tokens = 32;
+    sp->temperature = 0.7f;
+    sp->top_p = 0.9f;
+    sp->top_k = 40;
+    sp->seed = 1234;
+    sp->n = 3;
+    sp->ignore_eos = true;
+    sp->n_stop = 2;
+    sp->stop_ids[0] = 2;
+    sp->stop_ids[1] = 7;
 
-    Kvfleet__V1__GenerateRequest *out = generate_roundtrip(&g, KVF_OK, NULL);
+    kvf_rpc_generate_req *out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_string_equal(out->request_id, "req-42");
     assert_int_equal(out->n_token_ids, 4);
-    assert_int_equal(out->token_ids[3], 4);
-    assert_int_equal(out->sampling->top_k, 40);
-    assert_int_equal(out->sampling->seed, 1234);
-    assert_int_equal(out->sampling->n_stop_token_ids, 2);
-    assert_string_equal(out->prefill->address, "10.0.0.7:7001");
+    assert_memory_equal(out->token_ids, toks, sizeof toks);
+    assert_sampling_equal(&out->sampling, sp);
+    assert_int_equal(out->sampling.top_k, 40);
+    assert_int_equal(out->sampling.seed, 1234);
+    assert_int_equal(out->sampling.n_stop, 2);
+    assert_string_equal(out->prefill_addr, "10.0.0.7:7001");
     assert_string_equal(out->cache_salt, "tenant-a");
-    kvf_rpc_msg_free(out);
+    assert_int_equal(out->deadline_unix_ms, 1700000000000);
+    assert_int_equal(out->n_prior_output_tokens, 1);
+    free(out);
+    /* No prefill worker and no salt read back as "". */
+    g.prefill_addr = NULL;
+    g.cache_salt = NULL;
+    out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_string_equal(out->prefill_addr, "");
+    assert_string_equal(out->cache_salt, "");
+    free(out);
+    g.prefill_addr = "10.0.0.7:7001";
+    g.cache_salt = "tenant-a";
+    g.n_prior_output_tokens = 0;
 
     g.request_id = "";
     generate_roundtrip(&g, KVF_ERR_INVALID, "GenerateRequest.request_id is empty");
@@ -145,145 +283,487 @@ static void test_generate_checks(void **state)
     g.n_prior_output_tokens = 4;
     generate_roundtrip(&g, KVF_ERR_INVALID, "n_prior_output_tokens is 4 (allowed 0..3");
     g.n_prior_output_tokens = 0;
-    sp.top_p = 1.5f;
+    sp->top_p = 1.5f;
     generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.top_p is 1.5 (allowed 0..1)");
-    sp.top_p = 0.9f;
-    sp.temperature = -1;
+    sp->top_p = 0.9f;
+    sp->temperature = -1;
     generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.temperature is -1");
-    sp.temperature = 0;
-    stops[1] = -2;
+    sp->temperature = 0;
+    sp->stop_ids[1] = -2;
     generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.stop_token_ids[1] is -2");
-    stops[1] = 7;
-    sp.n = KVF_RPC_MAX_N + 1;
+    sp->stop_ids[1] = 7;
+    sp->n = KVF_RPC_MAX_N + 1;
     generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.n is 65");
-    sp.n = 0;
+    sp->n = 0;
     out = generate_roundtrip(&g, KVF_OK, NULL);
-    kvf_rpc_msg_free(out);
+    assert_int_equal(out->sampling.n, 1);
+    free(out);
 }
 
-static kvf_status prefill_decode(const Kvfleet__V1__RemotePrefillRequest *r, kvf_err *e)
+/* ---- RemotePrefill --------------------------------------------------------------------------- */
+
+/* Encodes r and runs the checked decoder; on KVF_OK compares what came back. */
+static kvf_status prefill_decode(const kvf_rpc_remote_prefill_req *r, kvf_err *e)
 {
     kvf_rpc_buf b = {0};
-    assert_int_equal(kvf_rpc_msg_encode(r, &b, e), KVF_OK);
-    Kvfleet__V1__RemotePrefillRequest *out = NULL;
-    kvf_status st = kvf_rpc_remote_prefill_request_decode(b.data, b.len, &out, e);
+    assert_int_equal(kvf_rpc_remote_prefill_req_encode(r, &b, e), KVF_OK);
+    kvf_rpc_remote_prefill_req *out = (void *)1;
+    kvf_status st = kvf_rpc_remote_prefill_req_decode(b.data, b.len, &out, e);
     kvf_rpc_buf_free(&b);
-    if (st == KVF_OK) {
-        assert_int_equal(out->n_dst_block_ids, r->n_dst_block_ids);
-        assert_int_equal(out->transfer_id, r->transfer_id);
-        assert_int_equal(out->dst->blob.len, r->dst->blob.len);
+    if (st != KVF_OK) {
+        assert_ptr_equal(out, (void *)1);
+        assert_true(e->msg[0] != '\0');
+        return st;
     }
-    kvf_rpc_msg_free(out);
+    assert_string_equal(out->request_id, r->request_id);
+    assert_int_equal(out->n_token_ids, r->n_token_ids);
+    assert_memory_equal(out->token_ids, r->token_ids, r->n_token_ids * sizeof *r->token_ids);
+    assert_int_equal(out->n_dst_block_ids, r->n_dst_block_ids);
+    if (r->n_dst_block_ids)
+        assert_memory_equal(out->dst_block_ids, r->dst_block_ids,
+                            r->n_dst_block_ids * sizeof *r->dst_block_ids);
+    assert_int_equal(out->dst_cached_blocks, r->dst_cached_blocks);
+    assert_string_equal(out->dst.backend, r->dst.backend);
+    assert_int_equal(out->dst.blob_len, r->dst.blob_len);
+    if (r->dst.blob_len)
+        assert_memory_equal(out->dst.blob, r->dst.blob, r->dst.blob_len);
+    assert_int_equal(out->transfer_id, r->transfer_id);
+    assert_string_equal(out->cache_salt, r->cache_salt ? r->cache_salt : "");
+    assert_int_equal(out->deadline_unix_ms, r->deadline_unix_ms);
+    assert_int_equal(out->has_dst_layout, r->has_dst_layout);
+    if (r->has_dst_layout)
+        assert_layout_equal(&out->dst_layout, &r->dst_layout);
+    free(out);
     return st;
 }
 
 static void test_remote_prefill_checks(void **state)
 {
+    (void)state;
     int32_t toks[33];
     for (int i = 0; i < 33; i++)
         toks[i] = i + 1;
     int32_t blocks[3] = {10, 11, 12};
-    Kvfleet__V1__KvLayout l = layout();
-    Kvfleet__V1__TransportDescriptor td = KVFLEET__V1__TRANSPORT_DESCRIPTOR__INIT;
     uint8_t blob[2] = {9, 9};
-    td.backend = "local";
-    td.blob.data = blob;
-    td.blob.len = 2;
-    Kvfleet__V1__RemotePrefillRequest r = KVFLEET__V1__REMOTE_PREFILL_REQUEST__INIT;
-    r.request_id = "req-7";
-    r.token_ids = toks;
-    r.n_token_ids = 33; /* 3 blocks of 16 */
-    r.dst_block_ids = blocks;
-    r.n_dst_block_ids = 3;
-    r.dst_cached_blocks = 1;
-    r.dst = &td;
-    r.transfer_id = 77;
-    r.dst_layout = &l;
+    kvf_rpc_remote_prefill_req r = {
+        .request_id = "req-7", .token_ids = toks, .n_token_ids = 33, /* 3 blocks of 16 */
+        .dst_block_ids = blocks, .n_dst_block_ids = 3, .dst_cached_blocks = 1,
+        .dst = {.backend = "local", .blob = blob, .blob_len = 2}, .transfer_id = 77,
+        .cache_salt = "tenant-b", .deadline_unix_ms = 1700000000123, .has_dst_layout = true,
+        .dst_layout = layout_of(KVF_DTYPE_F16)};
+    kvf_rpc_sampling_default(&r.sampling);
     kvf_err e;
     assert_int_equal(prefill_decode(&r, &e), KVF_OK);
 
     r.dst_cached_blocks = 4;
     assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "dst_cached_blocks is 4 (allowed 0..3"));
+    assert_msg_has(&e, "dst_cached_blocks is 4 (allowed 0..3");
     r.dst_cached_blocks = 0;
     r.n_dst_block_ids = 2;
     assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "2 dst_block_ids for 33 tokens at block_size 16 (need 3)"));
+    assert_msg_has(&e, "2 dst_block_ids for 33 tokens at block_size 16 (need 3)");
     r.n_dst_block_ids = 3;
     blocks[2] = -1;
     assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "dst_block_ids[2] is -1"));
+    assert_msg_has(&e, "dst_block_ids[2] is -1");
     blocks[2] = 12;
-    r.dst = NULL;
+    /* No destination: the typed struct's empty backend ... */
+    r.dst = (kvf_rpc_transport){0};
     assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "dst (the destination's transport descriptor) is missing"));
-    r.dst = &td;
-    l.n_layers = 0;
+    assert_msg_has(&e, "dst (the destination's transport descriptor) is missing");
+    r.dst = (kvf_rpc_transport){.backend = "local", .blob = blob, .blob_len = 2};
+    /* ... and a message with no dst field at all. */
+    pbw w = {0};
+    pb_str(&w, 1, "req-7");
+    pb_packed_i32(&w, 2, toks, 1);
+    kvf_rpc_remote_prefill_req *out = (void *)1;
+    assert_int_equal(kvf_rpc_remote_prefill_req_decode(w.b, w.n, &out, &e), KVF_ERR_INVALID);
+    assert_ptr_equal(out, (void *)1);
+    assert_msg_has(&e, "req-7: dst (the destination's transport descriptor) is missing");
+    r.dst_layout.n_layers = 0;
     assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "dst_layout has a non-positive shape (layers 0"));
+    assert_msg_has(&e, "dst_layout has a non-positive shape (layers 0");
+    r.dst_layout.n_layers = 2;
+    /* Without a layout, the block count is the prefill worker's to check. */
+    r.has_dst_layout = false;
+    r.n_dst_block_ids = 1;
+    assert_int_equal(prefill_decode(&r, &e), KVF_OK);
+}
+
+/* ---- the KV layout with each dtype (the dtype mapping lives in proto/wire.c) --------------- */
+
+static void test_layout_each_dtype(void **state)
+{
+    (void)state;
+    kvf_err e;
+    int32_t toks[20], blocks[2] = {0, 1};
+    for (int i = 0; i < 20; i++)
+        toks[i] = i;
+    for (int t = 0; t < KVF_DTYPE_COUNT; t++) {
+        kvf_kv_layout l = layout_of((kvf_dtype)t);
+        /* through Info ... */
+        kvf_rpc_info in = info_fixture(NULL, 0);
+        in.kv_layout = l;
+        kvf_rpc_info *info;
+        assert_int_equal(info_decode(&in, &info, &e), KVF_OK);
+        assert_true(info->has_kv_layout);
+        assert_layout_equal(&info->kv_layout, &l);
+        free(info);
+        /* ... and through RemotePrefill */
+        kvf_rpc_remote_prefill_req r = {.request_id = "req-l", .token_ids = toks,
+                                        .n_token_ids = 20, .dst_block_ids = blocks,
+                                        .n_dst_block_ids = 2, .dst = {.backend = "local"},
+                                        .has_dst_layout = true, .dst_layout = l};
+        kvf_rpc_sampling_default(&r.sampling);
+        assert_int_equal(prefill_decode(&r, &e), KVF_OK);
+    }
+
+    /* A kvf_dtype outside the enum goes out as "unspecified" and is refused, naming the field. */
+    kvf_rpc_remote_prefill_req r = {.request_id = "req-l", .token_ids = toks, .n_token_ids = 20,
+                                    .dst_block_ids = blocks, .n_dst_block_ids = 2,
+                                    .dst = {.backend = "local"}, .has_dst_layout = true,
+                                    .dst_layout = layout_of(KVF_DTYPE_F32)};
+    kvf_rpc_sampling_default(&r.sampling);
+    r.dst_layout.dtype = (kvf_dtype)99;
+    assert_int_equal(prefill_decode(&r, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "RemotePrefillRequest.dst_layout: dtype 0 is not one of f32 (1), f16 (2), "
+                       "bf16 (3), fp8-e4m3 (4)");
+
+    /* A wire value past the proto's DType (only raw bytes can carry one). */
+    pbw kl = {0}, w = {0};
+    pb_int(&kl, 1, 2);  /* n_layers */
+    pb_int(&kl, 2, 2);  /* n_kv_heads */
+    pb_int(&kl, 3, 64); /* head_dim */
+    pb_int(&kl, 4, 16); /* block_size */
+    pb_int(&kl, 5, 9);  /* dtype */
+    pb_int(&kl, 6, 16384);
+    pb_int(&w, 1, KVF_RPC_PROTOCOL_VERSION);
+    pb_int(&w, 4, 16);
+    pb_msg(&w, 5, &kl);
+    kvf_rpc_info *info = (void *)1;
+    assert_int_equal(kvf_rpc_info_decode(w.b, w.n, &info, &e), KVF_ERR_INVALID);
+    assert_ptr_equal(info, (void *)1);
+    assert_msg_has(&e, "InfoResponse.kv_layout: dtype 9 is not one of");
+}
+
+/* ---- the wire's "off" values --------------------------------------------------------------- */
+
+static void test_sampling_off_values(void **state)
+{
+    (void)state;
+    kvf_err e;
+    kvf_rpc_buf b = {0};
+    kvf_rpc_sampling def;
+    kvf_rpc_sampling_default(&def);
+    assert_true(def.top_p == 1.0f);
+    assert_int_equal(def.n, 1);
+    int32_t toks[3] = {5, 6, 7}, blocks[1] = {4};
+
+    /* top_p 0 and n 0 read as 1 and 1, in both requests that carry sampling. */
+    kvf_rpc_generate_req g = {.request_id = "req-s", .token_ids = toks, .n_token_ids = 3};
+    kvf_rpc_sampling_default(&g.sampling);
+    g.sampling.top_p = 0;
+    g.sampling.n = 0;
+    g.sampling.temperature = 0.5f;
+    kvf_rpc_generate_req *gout = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_true(gout->sampling.top_p == 1.0f);
+    assert_int_equal(gout->sampling.n, 1);
+    assert_true(gout->sampling.temperature == 0.5f);
+    free(gout);
+    kvf_rpc_remote_prefill_req r = {.request_id = "req-s", .token_ids = toks, .n_token_ids = 3,
+                                    .dst_block_ids = blocks, .n_dst_block_ids = 1,
+                                    .dst = {.backend = "local"}};
+    kvf_rpc_sampling_default(&r.sampling);
+    r.sampling.top_p = 0;
+    r.sampling.n = 0;
+    r.sampling.top_k = 8;
+    assert_int_equal(kvf_rpc_remote_prefill_req_encode(&r, &b, &e), KVF_OK);
+    kvf_rpc_remote_prefill_req *rout = NULL;
+    assert_int_equal(kvf_rpc_remote_prefill_req_decode(b.data, b.len, &rout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_true(rout->sampling.top_p == 1.0f);
+    assert_int_equal(rout->sampling.n, 1);
+    assert_int_equal(rout->sampling.top_k, 8);
+    free(rout);
+
+    /* No sampling block at all (the typed encoders always write one): the defaults. */
+    pbw w = {0};
+    pb_str(&w, 1, "req-s");
+    pb_packed_i32(&w, 2, toks, 3);
+    gout = NULL;
+    assert_int_equal(kvf_rpc_generate_req_decode(w.b, w.n, &gout, &e), KVF_OK);
+    assert_int_equal(gout->n_token_ids, 3);
+    assert_sampling_equal(&gout->sampling, &def);
+    free(gout);
+    pbw dst = {0};
+    w = (pbw){0};
+    pb_str(&dst, 1, "local");
+    pb_str(&w, 1, "req-s");
+    pb_packed_i32(&w, 2, toks, 3);
+    pb_packed_i32(&w, 3, blocks, 1);
+    pb_msg(&w, 5, &dst);
+    rout = NULL;
+    assert_int_equal(kvf_rpc_remote_prefill_req_decode(w.b, w.n, &rout, &e), KVF_OK);
+    assert_string_equal(rout->dst.backend, "local");
+    assert_false(rout->has_dst_layout);
+    assert_sampling_equal(&rout->sampling, &def);
+    free(rout);
+}
+
+/* ---- WatchKv, Cancel, Health and the responses ------------------------------------------------ */
+
+static kvf_rpc_watch_msg *watch_roundtrip(const kvf_rpc_watch_msg *w)
+{
+    kvf_rpc_buf b = {0};
+    kvf_err e;
+    assert_int_equal(kvf_rpc_watch_msg_encode(w, &b, &e), KVF_OK);
+    kvf_rpc_watch_msg *out = NULL;
+    assert_int_equal(kvf_rpc_watch_msg_decode(b.data, b.len, &out, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    return out;
 }
 
 static void test_watch_and_small_messages(void **state)
 {
+    (void)state;
     uint64_t hashes[2] = {0x1111, 0x2222}, parents[2] = {0, 0x1111};
-    Kvfleet__V1__KvEvent ev = KVFLEET__V1__KV_EVENT__INIT;
-    ev.seq = 9;
-    ev.kind = KVFLEET__V1__KV_EVENT__KIND__KIND_STORED;
-    ev.block_hashes = hashes;
-    ev.n_block_hashes = 2;
-    ev.parent_hashes = parents;
-    ev.n_parent_hashes = 2;
-    ev.block_size = 16;
-    ev.model_id = "tiny";
-    Kvfleet__V1__WatchKvResponse w = KVFLEET__V1__WATCH_KV_RESPONSE__INIT;
-    w.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT;
-    w.event = &ev;
-    kvf_rpc_buf b = {0};
+    kvf_rpc_watch_msg w = {.event = {.seq = 9, .kind = KVF_RPC_KV_STORED, .block_hashes = hashes,
+                                     .parent_hashes = parents, .n = 2, .block_size = 16,
+                                     .model_id = "tiny", .snapshot_done = false}};
+    kvf_rpc_watch_msg *out = watch_roundtrip(&w);
+    assert_false(out->is_load);
+    assert_int_equal(out->event.seq, 9);
+    assert_int_equal(out->event.kind, KVF_RPC_KV_STORED);
+    assert_int_equal(out->event.n, 2);
+    assert_int_equal(out->event.block_hashes[1], 0x2222);
+    assert_non_null(out->event.parent_hashes);
+    assert_int_equal(out->event.parent_hashes[1], 0x1111);
+    assert_int_equal(out->event.block_size, 16);
+    assert_string_equal(out->event.model_id, "tiny");
+    free(out);
+    /* A removal carries no parents; a snapshot's last event says so. */
+    w.event.kind = KVF_RPC_KV_REMOVED;
+    w.event.parent_hashes = NULL;
+    w.event.snapshot_done = true;
+    out = watch_roundtrip(&w);
+    assert_int_equal(out->event.kind, KVF_RPC_KV_REMOVED);
+    assert_int_equal(out->event.n, 2);
+    assert_null(out->event.parent_hashes);
+    assert_true(out->event.snapshot_done);
+    free(out);
+
+    /* Parents that do not match the blocks (one count in the typed struct: raw bytes). */
     kvf_err e;
-    assert_int_equal(kvf_rpc_msg_encode(&w, &b, &e), KVF_OK);
-    Kvfleet__V1__WatchKvResponse *out;
-    assert_int_equal(kvf_rpc_watch_kv_response_decode(b.data, b.len, &out, &e), KVF_OK);
-    assert_int_equal(out->body_case, KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT);
-    assert_int_equal(out->event->seq, 9);
-    assert_int_equal(out->event->block_hashes[1], 0x2222);
-    assert_int_equal(out->event->parent_hashes[1], 0x1111);
-    kvf_rpc_msg_free(out);
+    pbw ev = {0}, msg = {0};
+    pb_int(&ev, 1, 9);
+    pb_int(&ev, 2, 2); /* STORED */
+    pb_packed_fixed64(&ev, 3, hashes, 2);
+    pb_packed_fixed64(&ev, 4, parents, 1);
+    pb_msg(&msg, 1, &ev);
+    kvf_rpc_watch_msg *wout = (void *)1;
+    assert_int_equal(kvf_rpc_watch_msg_decode(msg.b, msg.n, &wout, &e), KVF_ERR_INVALID);
+    assert_ptr_equal(wout, (void *)1);
+    assert_msg_has(&e, "1 parent_hashes for 2 block_hashes");
+    /* Neither an event nor a load report. */
+    assert_int_equal(kvf_rpc_watch_msg_decode(NULL, 0, &wout, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "WatchKvResponse carries neither an event nor a load report");
+
+    kvf_rpc_watch_msg lw = {.is_load = true,
+                            .load = {.running = 3, .waiting = 1, .active_blocks = 28,
+                                     .free_blocks = 900, .total_blocks = 928,
+                                     .queued_prefill_tokens = 77, .prefill_ms_mean = 8.25,
+                                     .prefill_ms_p90 = 12.5, .prefill_tokens_per_s = 5000,
+                                     .unix_ms = 1700000000999}};
+    out = watch_roundtrip(&lw);
+    assert_true(out->is_load);
+    assert_int_equal(out->load.running, 3);
+    assert_int_equal(out->load.waiting, 1);
+    assert_int_equal(out->load.active_blocks, 28);
+    assert_int_equal(out->load.free_blocks, 900);
+    assert_int_equal(out->load.total_blocks, 928);
+    assert_int_equal(out->load.queued_prefill_tokens, 77);
+    assert_true(out->load.prefill_ms_mean == 8.25);
+    assert_true(out->load.prefill_ms_p90 == 12.5);
+    assert_true(out->load.prefill_tokens_per_s == 5000);
+    assert_int_equal(out->load.unix_ms, 1700000000999);
+    free(out);
+
+    /* WatchKvRequest */
+    kvf_rpc_buf b = {0};
+    kvf_rpc_watch_req wr = {.router_id = "router-a", .load_interval_ms = 250};
+    assert_int_equal(kvf_rpc_watch_req_encode(&wr, &b, &e), KVF_OK);
+    kvf_rpc_watch_req *wrout = NULL;
+    assert_int_equal(kvf_rpc_watch_req_decode(b.data, b.len, &wrout, &e), KVF_OK);
     kvf_rpc_buf_free(&b);
-    ev.n_parent_hashes = 1;
-    assert_int_equal(kvf_rpc_msg_encode(&w, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_watch_kv_response_decode(b.data, b.len, &out, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "1 parent_hashes for 2 block_hashes"));
+    assert_string_equal(wrout->router_id, "router-a");
+    assert_int_equal(wrout->load_interval_ms, 250);
+    free(wrout);
+    wr.router_id = "router a";
+    assert_int_equal(kvf_rpc_watch_req_encode(&wr, &b, &e), KVF_OK);
+    wrout = (void *)1;
+    assert_int_equal(kvf_rpc_watch_req_decode(b.data, b.len, &wrout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(wrout, (void *)1);
+    assert_msg_has(&e, "WatchKvRequest.router_id has byte 0x20 at 6");
+
+    /* Cancel: a request id is required. */
+    kvf_rpc_cancel_req c = {0};
+    kvf_rpc_cancel_req *cout = (void *)1;
+    assert_int_equal(kvf_rpc_cancel_req_encode(&c, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_cancel_req_decode(b.data, b.len, &cout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(cout, (void *)1);
+    assert_msg_has(&e, "CancelRequest.request_id is empty");
+    c.request_id = "req-1";
+    assert_int_equal(kvf_rpc_cancel_req_encode(&c, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_cancel_req_decode(b.data, b.len, &cout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_string_equal(cout->request_id, "req-1");
+    free(cout);
+    for (int found = 0; found < 2; found++) {
+        kvf_rpc_cancel_resp cr = {.found = found};
+        kvf_rpc_cancel_resp *crout = NULL;
+        assert_int_equal(kvf_rpc_cancel_resp_encode(&cr, &b, &e), KVF_OK);
+        assert_int_equal(kvf_rpc_cancel_resp_decode(b.data, b.len, &crout, &e), KVF_OK);
+        kvf_rpc_buf_free(&b);
+        assert_int_equal(crout->found, found);
+        free(crout);
+    }
+
+    /* Info and Health requests: empty bytes are a valid empty message, and what the encoders
+     * write decodes. */
+    assert_int_equal(kvf_rpc_health_req_decode(NULL, 0, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_info_req_decode(NULL, 0, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_health_req_encode(&b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_health_req_decode(b.data, b.len, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_int_equal(kvf_rpc_info_req_encode(&b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_info_req_decode(b.data, b.len, &e), KVF_OK);
     kvf_rpc_buf_free(&b);
 
-    Kvfleet__V1__LoadReport lr = KVFLEET__V1__LOAD_REPORT__INIT;
-    lr.running = 3;
-    lr.free_blocks = 900;
-    lr.prefill_ms_p90 = 12.5;
-    w.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD;
-    w.load = &lr;
-    assert_int_equal(kvf_rpc_msg_encode(&w, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_watch_kv_response_decode(b.data, b.len, &out, &e), KVF_OK);
-    assert_int_equal(out->body_case, KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD);
-    assert_int_equal(out->load->free_blocks, 900);
-    assert_true(out->load->prefill_ms_p90 == 12.5);
-    kvf_rpc_msg_free(out);
+    /* HealthResponse */
+    kvf_rpc_health h = {.status = KVF_RPC_DRAINING, .detail = "draining: 3 running"};
+    kvf_rpc_health *hout = NULL;
+    assert_int_equal(kvf_rpc_health_encode(&h, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_health_decode(b.data, b.len, &hout, &e), KVF_OK);
     kvf_rpc_buf_free(&b);
+    assert_int_equal(hout->status, KVF_RPC_DRAINING);
+    assert_string_equal(hout->detail, "draining: 3 running");
+    free(hout);
 
-    Kvfleet__V1__CancelRequest c = KVFLEET__V1__CANCEL_REQUEST__INIT;
-    Kvfleet__V1__CancelRequest *cout;
-    assert_int_equal(kvf_rpc_msg_encode(&c, &b, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_cancel_request_decode(b.data, b.len, &cout, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "CancelRequest.request_id is empty"));
+    /* GenerateResponse, with and without usage */
+    int32_t gt[2] = {100, 101};
+    kvf_rpc_generate_resp gr = {.token_ids = gt, .n_token_ids = 2, .finish = KVF_RPC_FINISH_STOP,
+                                .has_usage = true,
+                                .usage = {.prompt_tokens = 20, .completion_tokens = 7,
+                                          .cached_prompt_tokens = 16,
+                                          .remote_prefill_tokens = 4},
+                                .index = 2};
+    kvf_rpc_generate_resp *grout = NULL;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_OK);
     kvf_rpc_buf_free(&b);
+    assert_int_equal(grout->n_token_ids, 2);
+    assert_memory_equal(grout->token_ids, gt, sizeof gt);
+    assert_int_equal(grout->finish, KVF_RPC_FINISH_STOP);
+    assert_true(grout->has_usage);
+    assert_int_equal(grout->usage.prompt_tokens, 20);
+    assert_int_equal(grout->usage.completion_tokens, 7);
+    assert_int_equal(grout->usage.cached_prompt_tokens, 16);
+    assert_int_equal(grout->usage.remote_prefill_tokens, 4);
+    assert_int_equal(grout->index, 2);
+    free(grout);
+    gr.has_usage = false;
+    gr.finish = KVF_RPC_FINISH_NONE;
+    gt[1] = -5;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    grout = (void *)1;
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(grout, (void *)1);
+    assert_msg_has(&e, "GenerateResponse.token_ids[1] is -5");
+    gt[1] = 101;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_false(grout->has_usage);
+    assert_int_equal(grout->finish, KVF_RPC_FINISH_NONE);
+    free(grout);
 
-    /* Empty bytes are a valid empty message. */
-    Kvfleet__V1__HealthRequest *h;
-    assert_int_equal(kvf_rpc_health_request_decode(NULL, 0, &h, &e), KVF_OK);
-    kvf_rpc_msg_free(h);
+    /* RemotePrefillResponse, with and without stats */
+    kvf_rpc_remote_prefill_resp pr = {
+        .first_token = 42, .has_stats = true,
+        .stats = {.prompt_tokens = 33, .cached_tokens = 16, .computed_tokens = 17,
+                  .blocks_sent = 2, .bytes_sent = 65536, .queue_ms = 0.5, .prefill_ms = 3.25,
+                  .transfer_ms = 1.125}};
+    kvf_rpc_remote_prefill_resp *prout = NULL;
+    assert_int_equal(kvf_rpc_remote_prefill_resp_encode(&pr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_remote_prefill_resp_decode(b.data, b.len, &prout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_int_equal(prout->first_token, 42);
+    assert_true(prout->has_stats);
+    assert_int_equal(prout->stats.prompt_tokens, 33);
+    assert_int_equal(prout->stats.cached_tokens, 16);
+    assert_int_equal(prout->stats.computed_tokens, 17);
+    assert_int_equal(prout->stats.blocks_sent, 2);
+    assert_int_equal(prout->stats.bytes_sent, 65536);
+    assert_true(prout->stats.queue_ms == 0.5);
+    assert_true(prout->stats.prefill_ms == 3.25);
+    assert_true(prout->stats.transfer_ms == 1.125);
+    free(prout);
+    pr.has_stats = false;
+    assert_int_equal(kvf_rpc_remote_prefill_resp_encode(&pr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_remote_prefill_resp_decode(b.data, b.len, &prout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_int_equal(prout->first_token, 42);
+    assert_false(prout->has_stats);
+    free(prout);
 }
+
+/* ---- enum values outside the proto ------------------------------------------------------------ */
+
+static void test_enum_out_of_range(void **state)
+{
+    (void)state;
+    kvf_err e;
+    kvf_rpc_buf b = {0};
+
+    kvf_rpc_info in = info_fixture(NULL, 0);
+    in.role = (kvf_rpc_role)7;
+    kvf_rpc_info *iout;
+    assert_int_equal(info_decode(&in, &iout, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "InfoResponse.role is 7 (allowed 0..3)");
+
+    kvf_rpc_generate_resp gr = {.finish = (kvf_rpc_finish)9};
+    kvf_rpc_generate_resp *grout = (void *)1;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(grout, (void *)1);
+    assert_msg_has(&e, "GenerateResponse.finish_reason is 9 (allowed 0..4)");
+
+    kvf_rpc_health h = {.status = (kvf_rpc_serving)5, .detail = "?"};
+    kvf_rpc_health *hout = (void *)1;
+    assert_int_equal(kvf_rpc_health_encode(&h, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_health_decode(b.data, b.len, &hout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(hout, (void *)1);
+    assert_msg_has(&e, "HealthResponse.status is 5 (allowed 0..3)");
+
+    kvf_rpc_watch_msg w = {.event = {.seq = 3, .kind = (kvf_rpc_kv_event_kind)5}};
+    kvf_rpc_watch_msg *wout = (void *)1;
+    assert_int_equal(kvf_rpc_watch_msg_encode(&w, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_watch_msg_decode(b.data, b.len, &wout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+    assert_ptr_equal(wout, (void *)1);
+    assert_msg_has(&e, "KvEvent 3: kind is 5 (allowed 0..4)");
+}
+
+/* ---- bytes that are not the message -------------------------------------------------------------- */
 
 static void test_malformed_bytes(void **state)
 {
+    (void)state;
     kvf_err e;
     /* A length running past the end, a truncated varint, a bad wire type, field number 0. */
     static const uint8_t cases[][6] = {
@@ -292,32 +772,20 @@ static void test_malformed_bytes(void **state)
     };
     static const size_t lens[] = {4, 4, 2, 4};
     for (size_t i = 0; i < 4; i++) {
-        Kvfleet__V1__GenerateRequest *g = (void *)1;
-        assert_int_equal(kvf_rpc_generate_request_decode(cases[i], lens[i], &g, &e),
-                         KVF_ERR_PARSE);
+        kvf_rpc_generate_req *g = (void *)1;
+        assert_int_equal(kvf_rpc_generate_req_decode(cases[i], lens[i], &g, &e), KVF_ERR_PARSE);
         assert_ptr_equal(g, (void *)1); /* untouched */
-        assert_non_null(strstr(e.msg, "not a valid GenerateRequest"));
-        Kvfleet__V1__InfoRequest *in;
-        assert_int_equal(kvf_rpc_info_request_decode(cases[i], lens[i], &in, &e), KVF_ERR_PARSE);
-        Kvfleet__V1__WatchKvRequest *wk;
-        assert_int_equal(kvf_rpc_watch_kv_request_decode(cases[i], lens[i], &wk, &e),
-                         KVF_ERR_PARSE);
+        assert_msg_has(&e, "not a valid GenerateRequest");
+        assert_int_equal(kvf_rpc_info_req_decode(cases[i], lens[i], &e), KVF_ERR_PARSE);
+        assert_msg_has(&e, "not a valid InfoRequest");
+        kvf_rpc_watch_req *wk = (void *)1;
+        assert_int_equal(kvf_rpc_watch_req_decode(cases[i], lens[i], &wk, &e), KVF_ERR_PARSE);
+        assert_ptr_equal(wk, (void *)1);
+        kvf_rpc_info *info = (void *)1;
+        assert_int_equal(kvf_rpc_info_decode(cases[i], lens[i], &info, &e), KVF_ERR_PARSE);
+        assert_ptr_equal(info, (void *)1);
+        assert_msg_has(&e, "not a valid InfoResponse");
     }
-}
-
-static void test_dtype_mapping(void **state)
-{
-    kvf_err e;
-    for (int t = 0; t < KVF_DTYPE_COUNT; t++) {
-        Kvfleet__V1__DType d = kvf_rpc_dtype_to_msg((kvf_dtype)t);
-        assert_int_not_equal(d, KVFLEET__V1__DTYPE__DTYPE_UNSPECIFIED);
-        kvf_dtype back;
-        assert_int_equal(kvf_rpc_dtype_from_msg(d, &back, &e), KVF_OK);
-        assert_int_equal(back, t);
-    }
-    kvf_dtype back;
-    assert_int_equal(kvf_rpc_dtype_from_msg((Kvfleet__V1__DType)9, &back, &e), KVF_ERR_INVALID);
-    assert_non_null(strstr(e.msg, "dtype 9"));
 }
 
 int main(void)
@@ -326,9 +794,11 @@ int main(void)
         cmocka_unit_test(test_info_roundtrip),
         cmocka_unit_test(test_generate_checks),
         cmocka_unit_test(test_remote_prefill_checks),
+        cmocka_unit_test(test_layout_each_dtype),
+        cmocka_unit_test(test_sampling_off_values),
         cmocka_unit_test(test_watch_and_small_messages),
+        cmocka_unit_test(test_enum_out_of_range),
         cmocka_unit_test(test_malformed_bytes),
-        cmocka_unit_test(test_dtype_mapping),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -50,77 +50,57 @@ static int32_t fake_token(int32_t last, int32_t k, int32_t i)
     return (last + 1 + k + 7 * i) % 320;
 }
 
-static kvf_status fake_info(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                            kvf_rpc_buf *out, kvf_err *err)
+static kvf_status fake_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *r, kvf_err *err)
 {
-    (void)ctx, (void)call, (void)req, (void)len;
-    Kvfleet__V1__InfoResponse r = KVFLEET__V1__INFO_RESPONSE__INIT;
-    Kvfleet__V1__KvLayout l = KVFLEET__V1__KV_LAYOUT__INIT;
-    l.n_layers = 2, l.n_kv_heads = 2, l.head_dim = 16, l.block_size = 16;
-    l.dtype = KVFLEET__V1__DTYPE__DTYPE_F32, l.block_bytes = 2 * 2 * 2 * 16 * 16 * 4;
-    r.protocol_version = KVF_RPC_PROTOCOL_VERSION;
-    r.role = KVFLEET__V1__ROLE__ROLE_DECODE;
-    r.model_id = "tiny-gqa-f32";
-    r.block_size = 16;
-    r.kv_layout = &l;
-    r.capacity_blocks = 100;
-    r.worker_id = "fake";
-    return kvf_rpc_msg_encode(&r, out, err);
+    (void)ctx, (void)call, (void)err;
+    kvf_kv_layout l = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .block_size = 16,
+                       .dtype = KVF_DTYPE_F32, .block_bytes = 2 * 2 * 2 * 16 * 16 * 4};
+    *r = (kvf_rpc_info){.protocol_version = KVF_RPC_PROTOCOL_VERSION, .role = KVF_RPC_ROLE_DECODE,
+                        .model_id = "tiny-gqa-f32", .block_size = 16, .has_kv_layout = true,
+                        .kv_layout = l, .capacity_blocks = 100, .worker_id = "fake"};
+    return KVF_OK;
 }
 
-static kvf_status fake_health(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len,
-                              kvf_rpc_buf *out, kvf_err *err)
+static kvf_status fake_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *r, kvf_err *err)
 {
-    (void)ctx, (void)call, (void)req, (void)len;
-    Kvfleet__V1__HealthResponse r = KVFLEET__V1__HEALTH_RESPONSE__INIT;
-    r.status = KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING;
-    return kvf_rpc_msg_encode(&r, out, err);
+    (void)ctx, (void)call, (void)err;
+    r->status = KVF_RPC_SERVING;
+    return KVF_OK;
 }
 
 static void send_tokens(kvf_rpc_call *call, int32_t idx, const int32_t *ids, size_t n,
-                        Kvfleet__V1__FinishReason fin, int32_t prompt, int32_t done)
+                        kvf_rpc_finish fin, int32_t prompt, int32_t done)
 {
-    Kvfleet__V1__GenerateResponse g = KVFLEET__V1__GENERATE_RESPONSE__INIT;
-    Kvfleet__V1__Usage u = KVFLEET__V1__USAGE__INIT;
-    g.index = idx;
-    g.n_token_ids = n;
-    g.token_ids = (int32_t *)ids;
-    g.finish_reason = fin;
-    if (fin != KVFLEET__V1__FINISH_REASON__FINISH_NONE) {
-        u.prompt_tokens = prompt;
-        u.completion_tokens = done;
-        g.usage = &u;
+    kvf_rpc_generate_resp g = {.index = idx, .n_token_ids = n, .token_ids = ids, .finish = fin};
+    if (fin != KVF_RPC_FINISH_NONE) {
+        g.has_usage = true;
+        g.usage.prompt_tokens = prompt;
+        g.usage.completion_tokens = done;
     }
     kvf_rpc_buf b = {0};
     kvf_err e = {0};
-    if (kvf_rpc_msg_encode(&g, &b, &e) == KVF_OK)
+    if (kvf_rpc_generate_resp_encode(&g, &b, &e) == KVF_OK)
         kvf_rpc_call_write(call, b.data, b.len, &e);
     kvf_rpc_buf_free(&b);
 }
 
-static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, size_t len)
+static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g)
 {
     fake *f = ctx;
-    Kvfleet__V1__GenerateRequest *g = NULL;
-    kvf_err e = {0};
     atomic_fetch_add(&f->n_generate, 1);
-    if (kvf_rpc_generate_request_decode(req, len, &g, &e) != KVF_OK) {
-        kvf_rpc_call_finish(call, KVF_ERR_INVALID, e.msg);
-        return;
-    }
     pthread_mutex_lock(&f->mu);
     snprintf(f->last_id, sizeof f->last_id, "%s", g->request_id);
     pthread_mutex_unlock(&f->mu);
     int mode = atomic_load(&f->mode);
     if (mode == FAKE_FAIL) {
-        kvf_rpc_msg_free(g);
+        free(g);
         kvf_rpc_call_finish(call, KVF_ERR_PEER_LOST, "fake: lost before the first token");
         return;
     }
     atomic_store(&f->last_prior, g->n_prior_output_tokens);
     atomic_store(&f->last_n_tokens, (int)g->n_token_ids);
     if (mode == FAKE_HOLD) {
-        kvf_rpc_msg_free(g);
+        free(g);
         for (int i = 0; i < 2000 && !kvf_rpc_call_is_cancelled(call); i++)
             kvf_sleep_ms(5);
         bool cancelled = kvf_rpc_call_is_cancelled(call);
@@ -129,15 +109,14 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, const uint8_t *req, siz
         kvf_rpc_call_finish(call, cancelled ? KVF_ERR_CANCELLED : KVF_OK, NULL);
         return;
     }
-    int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling->max_tokens;
-    int32_t n = g->sampling->n ? g->sampling->n : 1;
+    int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling.max_tokens;
+    int32_t n = g->sampling.n;
     int32_t np = (int32_t)g->n_token_ids;
-    kvf_rpc_msg_free(g);
+    free(g);
     for (int32_t k = 0; k < max; k++) {
         for (int32_t i = 0; i < n; i++) {
             int32_t t = fake_token(last, k, i);
-            send_tokens(call, i, &t, 1,
-                        k + 1 == max ? KVFLEET__V1__FINISH_REASON__FINISH_LENGTH : KVFLEET__V1__FINISH_REASON__FINISH_NONE,
+            send_tokens(call, i, &t, 1, k + 1 == max ? KVF_RPC_FINISH_LENGTH : KVF_RPC_FINISH_NONE,
                         np, k + 1);
         }
         if (mode == FAKE_MID && k == 2) {
@@ -164,9 +143,9 @@ static void fake_start(fake *f, int mode)
     kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 4};
     kvf_err e = {0};
     assert_int_equal(kvf_rpc_server_create(&o, &f->srv, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_add_unary(f->srv, KVF_RPC_WORKER_INFO, fake_info, f, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_add_unary(f->srv, KVF_RPC_WORKER_HEALTH, fake_health, f, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_add_stream(f->srv, KVF_RPC_WORKER_GENERATE, fake_generate, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_serve_info(f->srv, fake_info, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_serve_health(f->srv, fake_health, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_serve_generate(f->srv, fake_generate, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_start(f->srv, &e), KVF_OK);
     f->port = kvf_rpc_server_port(f->srv);
 }

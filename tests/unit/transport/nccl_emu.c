@@ -1009,8 +1009,10 @@ ncclResult_t ncclGroupEnd(void)
         } else if (!s.enqueue(s.ctx, p->stream, o)) {
             set_error(c, ncclUnhandledCudaError, "the stream owner could not enqueue an operation");
             pthread_mutex_lock(&c->mu);
+            /* the stream's ref goes first (the finish drops ours; the comm keeps its handle
+             * ref), so o is touched only while a ref remains */
+            o->refs--;
             op_finish_locked(c, o, true);
-            op_unref_locked(o); /* the stream's ref too; the comm keeps its handle ref */
             pthread_mutex_unlock(&c->mu);
         }
         wake(c);

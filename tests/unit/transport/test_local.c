@@ -221,7 +221,9 @@ static void test_layout_mismatch_refused_at_connect(void **state)
     side_close(&u);
 }
 
-/* The cfg-table lines a role embeds: flags and KVFLEET_XFER_* variables reach kvf_xfer_cfg. */
+/* The transport's cfg table, included by a role at its kvf_xfer_cfg member: flags and
+ * KVFLEET_XFER_* variables reach kvf_xfer_cfg; the role's own flags still work; the old
+ * --transport says what it became. */
 typedef struct role_cfg {
     int32_t other;
     kvf_xfer_cfg xfer;
@@ -229,20 +231,28 @@ typedef struct role_cfg {
 
 static const kvf_cfg_opt role_opts[] = {
     {"other", "1", "something else", offsetof(role_cfg, other), KVF_CFG_INT},
-    KVF_XFER_CFG_OPTS(role_cfg, xfer),
     {NULL},
+};
+
+static const kvf_cfg_table role_tables[] = {
+    {kvf_xfer_cfg_opts, offsetof(role_cfg, xfer)},
+    {NULL, 0},
 };
 
 static void test_cfg_table_lines(void **state)
 {
-    kvf_cfg_spec spec = {.prog = "role", .opts = role_opts};
+    kvf_cfg_spec spec = {.prog = "role", .opts = role_opts, .tables = role_tables};
     role_cfg c = {0};
     kvf_err err = {0};
     setenv("KVFLEET_XFER_TRANSPORT", "sm", 1);
     char *argv[] = {"role", "--xfer-net-devices=lo", NULL};
     assert_int_equal(kvf_cfg_parse(&spec, &c, 2, argv, NULL, &err), KVF_OK);
     unsetenv("KVFLEET_XFER_TRANSPORT");
-    assert_string_equal(c.xfer.backend, "ucx");
+    assert_string_equal(c.xfer.backend, "auto");
+    assert_string_equal(kvf_xfer_backend_pick(c.xfer.backend, false, false), "ucx");
+    assert_string_equal(kvf_xfer_backend_pick(c.xfer.backend, true, false), "cuda_ipc");
+    assert_string_equal(kvf_xfer_backend_pick(c.xfer.backend, true, true), "ucx");
+    assert_int_equal(c.other, 1);
     assert_string_equal(c.xfer.transport, "sm");
     assert_string_equal(c.xfer.net_devices, "lo");
     assert_string_equal(c.xfer.data_path, "auto");
@@ -250,6 +260,14 @@ static void test_cfg_table_lines(void **state)
     assert_int_equal(kvf_cfg_parse(&spec, &c, 4, argv2, NULL, &err), KVF_OK);
     assert_string_equal(c.xfer.transport, "tcp");
     assert_string_equal(c.xfer.backend, "local");
+    char *argv3[] = {"role", "--other=7", "--xfer-gpu-staging", "--xfer-notice-host", "10.0.0.7", NULL};
+    assert_int_equal(kvf_cfg_parse(&spec, &c, 5, argv3, NULL, &err), KVF_OK);
+    assert_int_equal(c.other, 7);
+    assert_true(c.xfer.gpu_staging);
+    assert_string_equal(c.xfer.notice_host, "10.0.0.7");
+    char *argv4[] = {"role", "--transport", "ucx", NULL};
+    assert_int_equal(kvf_cfg_parse(&spec, &c, 3, argv4, NULL, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "--transport was renamed: use --xfer-backend"));
 }
 
 static void test_bad_cfg_refused(void **state)
