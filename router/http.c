@@ -376,6 +376,7 @@ static void watches_drain(kvf_router_http *h, bool all)
 static void sync_pools(kvf_router_http *h)
 {
     double now = kvf_now_s();
+    int32_t bs = kvf_router_fleet_block_size(h->fleet); /* set: a worker is healthy */
     for (int role = 0; role < 2; role++) {
         kvf_router_worker ws[KVF_ROUTER_MAX_WORKERS];
         int32_t n = kvf_router_fleet_snapshot(h->fleet, (kvf_router_role)role, ws);
@@ -392,7 +393,7 @@ static void sync_pools(kvf_router_http *h)
                 kvf_router_pool_cfg_default(&pc);
                 pc.policy = h->policy;
                 pc.index.model = w->model_id;
-                pc.index.block_size = w->block_size;
+                pc.index.block_size = bs;
                 pc.approx = false; /* the kv policy follows the workers' WatchKv events */
                 kvf_err err = {0};
                 if (kvf_router_pool_create(&pc, &h->pool[role], &err) != KVF_OK) {
@@ -405,8 +406,8 @@ static void sync_pools(kvf_router_http *h)
             if (!h->in_pool[role][w->id]) {
                 kvf_err err = {0};
                 bool kv = h->policy == KVF_ROUTER_POLICY_KV;
-                if (kvf_router_pool_worker_add(h->pool[role], w->id, w->model_id, w->block_size,
-                                               kv, now, &err) != KVF_OK) {
+                if (kvf_router_pool_worker_add(h->pool[role], w->id, w->model_id, bs, kv, now,
+                                               &err) != KVF_OK) {
                     want[w->id] = false;
                     continue;
                 }
@@ -1157,15 +1158,12 @@ static void handle_generate(kvf_router_http *h, struct evhttp_request *ev, kvf_r
 
     /* Block hashes for the kv policy (cheap: one pass over the prompt). */
     sync_pools(h);
-    if (h->pool[0] && h->policy != KVF_ROUTER_POLICY_ROUND_ROBIN) {
-        int32_t bs = h->workers[0][0].block_size;
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS && bs <= 0; i++)
-            bs = h->workers[0][i].block_size;
-        if (bs > 0 && (r->hashes = malloc((r->n_prompt / (size_t)bs + 1) * sizeof *r->hashes))) {
-            const char *salt = r->oai.cache_salt ? r->oai.cache_salt : "";
-            uint64_t root = kvf_kv_hash_root(h->workers[0][0].model_id, salt, strlen(salt));
-            r->n_blocks = kvf_kv_hash_blocks(root, r->prompt, r->n_prompt, bs, r->hashes);
-        }
+    int32_t bs = kvf_router_fleet_block_size(h->fleet);
+    if (h->pool[0] && h->policy != KVF_ROUTER_POLICY_ROUND_ROBIN && bs > 0 &&
+        (r->hashes = malloc((r->n_prompt / (size_t)bs + 1) * sizeof *r->hashes))) {
+        const char *salt = r->oai.cache_salt ? r->oai.cache_salt : "";
+        uint64_t root = kvf_kv_hash_root(h->workers[0][0].model_id, salt, strlen(salt));
+        r->n_blocks = kvf_kv_hash_blocks(root, r->prompt, r->n_prompt, bs, r->hashes);
     }
     if (pick_workers(h, r, &e, &retry_after) != KVF_OK)
         goto fail;
