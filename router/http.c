@@ -31,15 +31,10 @@
 #include "model/config.h"
 #include "model/tokenizer.h"
 #include "proto/worker.h"
+#include "router/http_int.h"
 #include "router/openai.h"
 #include "router/policy.h"
-
-/* One stream's wake-up: set on a completion-queue thread when the stream has something to read
- * (on_stream_ready), taken on the loop thread. */
-typedef struct wake_src {
-    struct kvf_router_http *h;
-    atomic_bool ready;
-} wake_src;
+#include "router/watch.h"
 
 typedef struct seq_state {
     kvf_model_detok *detok;
@@ -63,7 +58,7 @@ typedef struct rq {
     int32_t max_tokens;
     seq_state *seqs;
     kvf_rpc_stream *stream;
-    wake_src wake;
+    kvf_router_wake wake;
     int32_t worker, prefill;
     int64_t prefill_tokens; /* queued on the prefill worker until the first token */
     int attempts;
@@ -76,19 +71,6 @@ typedef struct rq {
     size_t max_stop;
     struct rq *prev, *next;
 } rq;
-
-/* The kv policy's view of one worker: its WatchKv stream, a snapshot being gathered (it may
- * span several events) and its last load report. */
-typedef struct kv_watch {
-    kvf_rpc_stream *stream;
-    wake_src wake;
-    uint64_t *snap_h, *snap_p;
-    size_t snap_n, snap_cap;
-    bool have_load;
-    bool synced; /* a snapshot was applied since the stream opened: the index knows this worker */
-    kvf_router_worker_state last_state; /* for logging state changes (stale, resync, live) */
-    kvf_router_load load;
-} kv_watch;
 
 struct kvf_router_http {
     kvf_router_http_cfg cfg;
@@ -111,11 +93,8 @@ struct kvf_router_http {
 
     kvf_router_fleet *fleet;
     kvf_router_policy policy;
-    kvf_router_pool *pool[2];
-    bool in_pool[2][KVF_ROUTER_MAX_WORKERS];
-    kvf_router_worker workers[2][KVF_ROUTER_MAX_WORKERS]; /* by id, from the last sync */
-    int32_t inflight[KVF_ROUTER_MAX_WORKERS];             /* decode requests we hold open */
-    kv_watch watch[2][KVF_ROUTER_MAX_WORKERS];            /* kv policy: WatchKv per worker */
+    kvf_router_watch *watch;                  /* the pools, fed by WatchKv (watch.c) */
+    int32_t inflight[KVF_ROUTER_MAX_WORKERS]; /* decode requests we hold open */
     int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];
     uint64_t next_id;
     rq *reqs;
@@ -123,11 +102,9 @@ struct kvf_router_http {
 
     kvf_metrics *metrics;
     kvf_metric *m_requests, *m_2xx, *m_4xx, *m_5xx, *m_inflight, *m_retries, *m_disconnects,
-        *m_gen_tokens, *m_prompt_tokens, *m_ttft, *m_e2e, *m_decode_up, *m_prefill_up;
+        *m_gen_tokens, *m_prompt_tokens, *m_ttft, *m_e2e;
     kvf_metric *m_wake_stream, *m_wake_timer; /* loop passes by cause */
-    kvf_metric *m_idx_state[2][3]; /* kv policy: workers live / stale / resync, per role */
-    kvf_metric *m_idx_blocks[2];   /* kv policy: blocks in each role's index */
-    double last_index_health;      /* when index_health last ran from the safety timer */
+    double last_index_health;      /* when the index health last ran from the safety timer */
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -213,289 +190,48 @@ static void request_id(kvf_router_http *h, struct evhttp_request *ev, char *out,
  * while its worker sends nothing. Streams never wait for it. */
 #define SAFETY_MS 100
 
-/* kvf_rpc_stream_notify's callback, on a completion-queue thread with the stream's lock held:
- * marks the stream ready and wakes the loop (event_active is thread-safe once
- * evthread_use_pthreads ran). It touches nothing else of the router. */
-static void on_stream_ready(void *arg)
+/* event_active is thread-safe once evthread_use_pthreads ran. */
+void kvf_router_wake_notify(void *wake)
 {
-    wake_src *w = arg;
+    kvf_router_wake *w = wake;
     atomic_store_explicit(&w->ready, true, memory_order_release);
     event_active(w->h->wake_ev, EV_READ, 0);
 }
 
-/* Marks a stream ready from the loop thread (a client left, or a drain stopped early). */
-static void wake_again(wake_src *w)
+bool kvf_router_wake_take(kvf_router_wake *w)
 {
-    atomic_store_explicit(&w->ready, true, memory_order_release);
-    event_active(w->h->wake_ev, EV_READ, 0);
+    return atomic_exchange_explicit(&w->ready, false, memory_order_acquire);
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* Worker pools                                                                              */
 
-static void watch_close(kv_watch *w)
-{
-    kvf_rpc_stream_destroy(w->stream);
-    w->stream = NULL;
-    w->snap_n = 0;
-    w->have_load = false;
-    w->synced = false;
-}
-
-/* Opens WatchKv on a worker (the worker answers with a snapshot, then deltas and load). */
-static void watch_open(kvf_router_http *h, int role, int32_t id)
-{
-    kv_watch *w = &h->watch[role][id];
-    watch_close(w);
-    Kvfleet__V1__WatchKvRequest q = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
-    char rid[64];
-    snprintf(rid, sizeof rid, "router-%d", (int)getpid());
-    q.router_id = rid;
-    q.load_interval_ms = 500;
-    kvf_rpc_buf b = {0};
-    kvf_err err = {0};
-    if (kvf_rpc_msg_encode(&q, &b, &err) != KVF_OK ||
-        kvf_rpc_stream_open(h->workers[role][id].channel, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
-                            KVF_RPC_NO_DEADLINE, &w->stream, &err) != KVF_OK)
-        kvf_log(KVF_LOG_WARN, "router: WatchKv on %s: %s", h->workers[role][id].address, err.msg);
-    else
-        kvf_rpc_stream_notify(w->stream, on_stream_ready, &w->wake);
-    kvf_rpc_buf_free(&b);
-}
-
-/* Applies one KV event of a worker to its pool's index. Returns false when the stream must be
- * reopened (a sequence gap: the index waits for a new snapshot). */
-static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet__V1__KvEvent *e)
-{
-    kv_watch *w = &h->watch[role][id];
-    kvf_router_event ev = {.worker = id, .seq = e->seq, .model = e->model_id, .block_size = e->block_size,
-                           .hashes = e->block_hashes, .parents = e->n_parent_hashes ? e->parent_hashes : NULL,
-                           .n = e->n_block_hashes};
-    switch (e->kind) {
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT:
-        /* gather the parts, apply once at snapshot_done */
-        if (w->snap_n + e->n_block_hashes > w->snap_cap) {
-            size_t cap = (w->snap_n + e->n_block_hashes) * 2 + 64;
-            uint64_t *hh = realloc(w->snap_h, cap * sizeof *hh), *pp = hh ? realloc(w->snap_p, cap * sizeof *pp) : NULL;
-            if (hh)
-                w->snap_h = hh;
-            if (!pp)
-                return false;
-            w->snap_p = pp;
-            w->snap_cap = cap;
-        }
-        if (e->n_block_hashes)
-            memcpy(w->snap_h + w->snap_n, e->block_hashes, e->n_block_hashes * sizeof *w->snap_h);
-        for (size_t i = 0; i < e->n_block_hashes; i++)
-            w->snap_p[w->snap_n + i] = i < e->n_parent_hashes ? e->parent_hashes[i] : 0;
-        w->snap_n += e->n_block_hashes;
-        if (!e->snapshot_done)
-            return true;
-        ev.kind = KVF_ROUTER_EV_SNAPSHOT;
-        ev.hashes = w->snap_h;
-        ev.parents = w->snap_p;
-        ev.n = w->snap_n;
-        w->snap_n = 0;
-        break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_STORED: ev.kind = KVF_ROUTER_EV_STORED; break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_REMOVED: ev.kind = KVF_ROUTER_EV_REMOVED; break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_CLEARED:
-        ev.kind = KVF_ROUTER_EV_SNAPSHOT; /* an empty snapshot */
-        ev.n = 0;
-        break;
-    default: return true;
-    }
-    kvf_err err = {0};
-    kvf_status st = kvf_router_index_apply(kvf_router_pool_index(h->pool[role]), &ev, kvf_now_s(), &err);
-    if (st != KVF_OK)
-        kvf_log(KVF_LOG_DEBUG, "router: %s", err.msg);
-    else if (ev.kind == KVF_ROUTER_EV_SNAPSHOT)
-        w->synced = true;
-    return st != KVF_ERR_STATE;
-}
-
-static int32_t index_health(kvf_router_http *h);
-
-/* Reads what one WatchKv stream has (kv policy): events into the index, load reports into the
- * pool. At most 256 messages a pass, then the stream is marked ready again so HTTP gets a turn. */
-static void watch_drain(kvf_router_http *h, int role, int32_t id, double now)
-{
-    kv_watch *w = &h->watch[role][id];
-    for (int n = 0; w->stream; n++) {
-        if (n == 256) {
-            wake_again(&w->wake);
-            return;
-        }
-        kvf_rpc_buf m = {0};
-        bool done = false;
-        kvf_err err = {0};
-        kvf_status st = kvf_rpc_stream_read(w->stream, 0, &m, &done, &err);
-        if (done) {
-            kvf_log(KVF_LOG_INFO, "router: WatchKv on %s ended: %s", h->workers[role][id].address,
-                    st == KVF_OK ? "ok" : err.msg);
-            watch_close(w); /* reopened at the next sync while the worker is healthy */
-            return;
-        }
-        if (st != KVF_OK)
-            return;
-        Kvfleet__V1__WatchKvResponse *r = NULL;
-        bool keep = true;
-        if (kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &err) == KVF_OK) {
-            if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT && h->pool[role])
-                keep = watch_event(h, role, id, r->event);
-            else if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD && h->pool[role]) {
-                w->load.queued_prefill_tokens = r->load->queued_prefill_tokens;
-                w->load.decode_load = (double)r->load->running + (double)r->load->waiting;
-                w->have_load = true;
-                kvf_router_pool_load_set(h->pool[role], id, &w->load, now);
-            }
-        }
-        kvf_rpc_msg_free(r);
-        kvf_rpc_buf_free(&m);
-        if (!keep) {
-            watch_open(h, role, id); /* a gap: a new watch starts with a snapshot */
-            return;
-        }
-    }
-}
-
-/* Drains the WatchKv streams that said they have something (all of them when `all`). */
-static void watches_drain(kvf_router_http *h, bool all)
-{
-    double now = kvf_now_s();
-    for (int role = 0; role < 2; role++)
-        for (int32_t id = 0; id < KVF_ROUTER_MAX_WORKERS; id++) {
-            kv_watch *w = &h->watch[role][id];
-            bool ready = atomic_exchange_explicit(&w->wake.ready, false, memory_order_acquire);
-            if (w->stream && (ready || all))
-                watch_drain(h, role, id, now);
-        }
-}
-
-/* Brings the policy pools in line with the fleet's health. Loop thread. */
-static void sync_pools(kvf_router_http *h)
-{
-    double now = kvf_now_s();
-    int32_t bs = kvf_router_fleet_block_size(h->fleet); /* set: a worker is healthy */
-    for (int role = 0; role < 2; role++) {
-        kvf_router_worker ws[KVF_ROUTER_MAX_WORKERS];
-        int32_t n = kvf_router_fleet_snapshot(h->fleet, (kvf_router_role)role, ws);
-        bool want[KVF_ROUTER_MAX_WORKERS] = {0};
-        int32_t up = 0;
-        for (int32_t i = 0; i < n; i++) {
-            kvf_router_worker *w = &ws[i];
-            h->workers[role][w->id] = *w;
-            want[w->id] = w->healthy && !w->gone;
-            if (!want[w->id])
-                continue;
-            if (!h->pool[role]) {
-                kvf_router_pool_cfg pc;
-                kvf_router_pool_cfg_default(&pc);
-                pc.policy = h->policy;
-                pc.index.model = w->model_id;
-                pc.index.block_size = bs;
-                pc.approx = false; /* the kv policy follows the workers' WatchKv events */
-                kvf_err err = {0};
-                if (kvf_router_pool_create(&pc, &h->pool[role], &err) != KVF_OK) {
-                    kvf_log(KVF_LOG_ERROR, "router: %s", err.msg);
-                    continue;
-                }
-            }
-            if (h->in_pool[role][w->id] && h->policy == KVF_ROUTER_POLICY_KV && !h->watch[role][w->id].stream)
-                watch_open(h, role, w->id);
-            if (!h->in_pool[role][w->id]) {
-                kvf_err err = {0};
-                bool kv = h->policy == KVF_ROUTER_POLICY_KV;
-                if (kvf_router_pool_worker_add(h->pool[role], w->id, w->model_id, bs, kv, now,
-                                               &err) != KVF_OK) {
-                    want[w->id] = false;
-                    continue;
-                }
-                h->in_pool[role][w->id] = true;
-                if (kv)
-                    watch_open(h, role, w->id);
-            }
-            up++;
-        }
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            if (h->in_pool[role][i] && !want[i]) {
-                kvf_router_pool_worker_remove(h->pool[role], i);
-                h->in_pool[role][i] = false;
-                watch_close(&h->watch[role][i]);
-            }
-        kvf_metric_set(role ? h->m_prefill_up : h->m_decode_up, up);
-    }
-}
-
-/* kv policy: counts the index state of every worker in the pools into /metrics, logs each change
- * of state (a worker whose events and load reports stop goes stale: its entries decay), and
- * returns how many workers have no snapshot applied yet. Loop thread. */
-static int32_t index_health(kvf_router_http *h)
-{
-    int32_t unsynced = 0;
-    double now = kvf_now_s();
-    for (int role = 0; role < 2; role++) {
-        int32_t count[3] = {0};
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS && h->pool[role]; i++) {
-            if (!h->in_pool[role][i])
-                continue;
-            kv_watch *w = &h->watch[role][i];
-            kvf_router_worker_state stt = kvf_router_index_worker_state(kvf_router_pool_index(h->pool[role]), i, now);
-            if (stt != w->last_state && stt != KVF_ROUTER_WORKER_ABSENT)
-                kvf_log(stt == KVF_ROUTER_WORKER_LIVE ? KVF_LOG_INFO : KVF_LOG_WARN,
-                        "router: %s worker %s: KV index %s%s", role ? "prefill" : "decode", h->workers[role][i].address,
-                        kvf_router_worker_state_name(stt),
-                        stt == KVF_ROUTER_WORKER_STALE ? " (no KV event or load report lately; its entries decay)"
-                        : stt == KVF_ROUTER_WORKER_RESYNC ? " (sequence gap; waiting for a fresh snapshot)" : "");
-            w->last_state = stt;
-            count[stt == KVF_ROUTER_WORKER_STALE ? 1 : stt == KVF_ROUTER_WORKER_RESYNC ? 2 : 0] +=
-                stt != KVF_ROUTER_WORKER_ABSENT;
-            unsynced += !w->synced;
-        }
-        for (int k = 0; k < 3; k++)
-            if (h->m_idx_state[role][k])
-                kvf_metric_set(h->m_idx_state[role][k], count[k]);
-        if (h->pool[role] && h->m_idx_blocks[role]) {
-            kvf_router_index_stats is;
-            kvf_router_index_stats_get(kvf_router_pool_index(h->pool[role]), &is);
-            kvf_metric_set(h->m_idx_blocks[role], (double)is.n_blocks);
-        }
-    }
-    return unsynced;
-}
-
-static int32_t n_in_pool(kvf_router_http *h, int role)
-{
-    int32_t n = 0;
-    for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-        n += h->in_pool[role][i];
-    return n;
-}
-
 /* Picks a decode worker (and a prefill worker when there are any) for r. Fills e with 503 (none
  * healthy) or 429 (all saturated) and returns its retry-after in *retry_out. */
 static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *e, int *retry_out)
 {
-    sync_pools(h);
+    kvf_router_watch *wt = h->watch;
+    kvf_router_watch_sync(wt);
     double now = kvf_now_s();
-    if (!h->pool[0] || n_in_pool(h, 0) == 0) {
+    kvf_router_pool *dpool = kvf_router_watch_pool(wt, KVF_ROUTER_ROLE_DECODE);
+    kvf_router_pool *ppool = kvf_router_watch_pool(wt, KVF_ROUTER_ROLE_PREFILL);
+    if (!dpool || kvf_router_watch_n_in_pool(wt, KVF_ROUTER_ROLE_DECODE) == 0) {
         *retry_out = 5;
         return kvf_router_oai_error_set(e, 503, "server_error", NULL, "no_worker",
                                         "no decode worker is ready; retry later");
     }
     bool free_one = false;
     for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
-        if (!h->in_pool[0][i])
+        if (!kvf_router_watch_in_pool(wt, KVF_ROUTER_ROLE_DECODE, i))
             continue;
-        kvf_router_load l = {0, (double)h->inflight[i]};
-        const kv_watch *w = &h->watch[0][i];
-        if (w->have_load) {
-            l.queued_prefill_tokens = w->load.queued_prefill_tokens;
-            if (w->load.decode_load > l.decode_load)
-                l.decode_load = w->load.decode_load;
+        kvf_router_load l = {0, (double)h->inflight[i]}, rep;
+        if (kvf_router_watch_load(wt, KVF_ROUTER_ROLE_DECODE, i, &rep)) {
+            l.queued_prefill_tokens = rep.queued_prefill_tokens;
+            if (rep.decode_load > l.decode_load)
+                l.decode_load = rep.decode_load;
         }
-        kvf_router_pool_load_set(h->pool[0], i, &l, now);
-        kvf_router_pool_worker_limits(h->pool[0], i, 0, (double)h->cfg.max_inflight);
+        kvf_router_pool_load_set(dpool, i, &l, now);
+        kvf_router_pool_worker_limits(dpool, i, 0, (double)h->cfg.max_inflight);
         free_one |= h->inflight[i] < h->cfg.max_inflight;
     }
     if (!free_one) {
@@ -508,7 +244,7 @@ static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *
                               .n_tokens = (int64_t)r->n_prompt, .session_key = NULL};
     kvf_router_decision d;
     kvf_err err = {0};
-    if (kvf_router_pool_pick(h->pool[0], &req, now, &d, &err) != KVF_OK ||
+    if (kvf_router_pool_pick(dpool, &req, now, &d, &err) != KVF_OK ||
         h->inflight[d.worker] >= h->cfg.max_inflight) {
         *retry_out = 1;
         return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
@@ -517,16 +253,17 @@ static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *
     r->worker = d.worker;
     r->overlap = d.overlap_blocks;
     r->prefill = -1;
-    if (h->pool[1] && n_in_pool(h, 1) > 0) {
+    if (ppool && kvf_router_watch_n_in_pool(wt, KVF_ROUTER_ROLE_PREFILL) > 0) {
         for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            if (h->in_pool[1][i]) {
-                kvf_router_load l = {h->prefill_queued[i], 0};
-                if (h->watch[1][i].have_load && h->watch[1][i].load.queued_prefill_tokens > l.queued_prefill_tokens)
-                    l.queued_prefill_tokens = h->watch[1][i].load.queued_prefill_tokens;
-                kvf_router_pool_load_set(h->pool[1], i, &l, now);
+            if (kvf_router_watch_in_pool(wt, KVF_ROUTER_ROLE_PREFILL, i)) {
+                kvf_router_load l = {h->prefill_queued[i], 0}, rep;
+                if (kvf_router_watch_load(wt, KVF_ROUTER_ROLE_PREFILL, i, &rep) &&
+                    rep.queued_prefill_tokens > l.queued_prefill_tokens)
+                    l.queued_prefill_tokens = rep.queued_prefill_tokens;
+                kvf_router_pool_load_set(ppool, i, &l, now);
             }
         kvf_router_decision p;
-        if (kvf_router_pool_pick(h->pool[1], &req, now, &p, &err) == KVF_OK)
+        if (kvf_router_pool_pick(ppool, &req, now, &p, &err) == KVF_OK)
             r->prefill = p.worker;
     }
     return KVF_OK;
@@ -582,7 +319,7 @@ static void on_close(struct evhttp_connection *c, void *arg)
     r->client_gone = true;
     if (r->stream)
         kvf_rpc_stream_cancel(r->stream);
-    wake_again(&r->wake); /* pump answers it on the loop's next pass */
+    kvf_router_wake_notify(&r->wake); /* pump answers it on the loop's next pass */
 }
 
 /* Opens Generate on r->worker. */
@@ -623,7 +360,7 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
     g.sampling = &sp;
     g.cache_salt = r->oai.cache_salt ? r->oai.cache_salt : "";
     if (r->prefill >= 0) {
-        ph.address = h->workers[1][r->prefill].address;
+        ph.address = (char *)kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_PREFILL, r->prefill)->address;
         g.prefill = &ph;
     }
     if (h->cfg.request_timeout_ms > 0)
@@ -634,12 +371,12 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
     if (st != KVF_OK)
         return st;
     int64_t to = h->cfg.request_timeout_ms > 0 ? h->cfg.request_timeout_ms : KVF_RPC_NO_DEADLINE;
-    st = kvf_rpc_stream_open(h->workers[0][r->worker].channel, KVF_RPC_WORKER_GENERATE, b.data,
+    st = kvf_rpc_stream_open(kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_DECODE, r->worker)->channel, KVF_RPC_WORKER_GENERATE, b.data,
                              b.len, to, &r->stream, err);
     kvf_rpc_buf_free(&b);
     if (st != KVF_OK)
         return st;
-    kvf_rpc_stream_notify(r->stream, on_stream_ready, &r->wake);
+    kvf_rpc_stream_notify(r->stream, kvf_router_wake_notify, &r->wake);
     r->attempts++;
     r->started = true;
     h->inflight[r->worker]++;
@@ -648,8 +385,8 @@ static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
         h->prefill_queued[r->prefill] += r->prefill_tokens;
     }
     kvf_log(KVF_LOG_INFO, "router: req %s: %zu prompt tokens -> decode %s (%u blocks cached there)%s%s (attempt %d)",
-            r->id, r->n_prompt, h->workers[0][r->worker].address, r->overlap,
-            r->prefill >= 0 ? ", prefill " : "", r->prefill >= 0 ? h->workers[1][r->prefill].address : "",
+            r->id, r->n_prompt, kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_DECODE, r->worker)->address, r->overlap,
+            r->prefill >= 0 ? ", prefill " : "", r->prefill >= 0 ? kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_PREFILL, r->prefill)->address : "",
             r->attempts);
     return KVF_OK;
 }
@@ -892,7 +629,7 @@ static bool retryable(kvf_status st)
 static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
 {
     kvf_log(KVF_LOG_WARN, "router: req %s: decode %s failed after %zu tokens (%s: %s)", r->id,
-            h->workers[0][r->worker].address, r->seqs[0].n_ids, kvf_status_name(why), msg);
+            kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_DECODE, r->worker)->address, r->seqs[0].n_ids, kvf_status_name(why), msg);
     kvf_rpc_stream_destroy(r->stream);
     r->stream = NULL;
     h->inflight[r->worker]--;
@@ -900,10 +637,7 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
     if (why == KVF_ERR_PEER_LOST) {
         kvf_router_fleet_mark_failed(h->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
     }
-    if (h->pool[0] && h->in_pool[0][r->worker]) {
-        kvf_router_pool_worker_remove(h->pool[0], r->worker);
-        h->in_pool[0][r->worker] = false;
-    }
+    kvf_router_watch_drop(h->watch, KVF_ROUTER_ROLE_DECODE, r->worker);
     kvf_router_oai_error e;
     int ra = 0;
     if (r->attempts >= h->cfg.max_attempts) {
@@ -924,7 +658,7 @@ static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
             finish_err(h, r, &e, ra);
             return false;
         }
-        if (r->worker != failed || n_in_pool(h, 0) <= 1)
+        if (r->worker != failed || kvf_router_watch_n_in_pool(h->watch, KVF_ROUTER_ROLE_DECODE) <= 1)
             break;
     }
     kvf_metric_add(h->m_retries, 1);
@@ -1000,7 +734,7 @@ static void pump(kvf_router_http *h, rq *r)
         kvf_router_oai_error e;
         int code = st == KVF_ERR_INVALID || st == KVF_ERR_LIMIT ? 400 : st == KVF_ERR_TIMEOUT ? 504 : 502;
         kvf_router_oai_error_set(&e, code, code == 400 ? "invalid_request_error" : "server_error", NULL,
-                                 NULL, "decode worker %s: %s", h->workers[0][r->worker].address,
+                                 NULL, "decode worker %s: %s", kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_DECODE, r->worker)->address,
                                  err.msg[0] ? err.msg : kvf_status_str(st));
         finish_err(h, r, &e, 0);
         return;
@@ -1013,11 +747,11 @@ static void drain(kvf_router_http *h, bool all)
 {
     for (rq *r = h->reqs, *next; r; r = next) {
         next = r->next; /* pump frees r at most, never another request */
-        bool ready = atomic_exchange_explicit(&r->wake.ready, false, memory_order_acquire);
+        bool ready = kvf_router_wake_take(&r->wake);
         if (ready || all)
             pump(h, r);
     }
-    watches_drain(h, all);
+    kvf_router_watch_drain(h->watch, all);
 }
 
 /* A stream has a message or its end, or a client left (on_stream_ready, wake_again). */
@@ -1041,7 +775,7 @@ static void on_safety(evutil_socket_t fd, short what, void *arg)
     double now = kvf_now_s();
     if (h->policy == KVF_ROUTER_POLICY_KV && now - h->last_index_health >= 1.0) {
         h->last_index_health = now;
-        index_health(h);
+        kvf_router_watch_health(h->watch);
     }
 }
 
@@ -1157,12 +891,12 @@ static void handle_generate(kvf_router_http *h, struct evhttp_request *ev, kvf_r
     kvf_metric_add(h->m_prompt_tokens, (double)r->n_prompt);
 
     /* Block hashes for the kv policy (cheap: one pass over the prompt). */
-    sync_pools(h);
+    kvf_router_watch_sync(h->watch);
     int32_t bs = kvf_router_fleet_block_size(h->fleet);
-    if (h->pool[0] && h->policy != KVF_ROUTER_POLICY_ROUND_ROBIN && bs > 0 &&
+    if (kvf_router_watch_pool(h->watch, KVF_ROUTER_ROLE_DECODE) && h->policy != KVF_ROUTER_POLICY_ROUND_ROBIN && bs > 0 &&
         (r->hashes = malloc((r->n_prompt / (size_t)bs + 1) * sizeof *r->hashes))) {
         const char *salt = r->oai.cache_salt ? r->oai.cache_salt : "";
-        uint64_t root = kvf_kv_hash_root(h->workers[0][0].model_id, salt, strlen(salt));
+        uint64_t root = kvf_kv_hash_root(kvf_router_watch_worker(h->watch, KVF_ROUTER_ROLE_DECODE, 0)->model_id, salt, strlen(salt));
         r->n_blocks = kvf_kv_hash_blocks(root, r->prompt, r->n_prompt, bs, r->hashes);
     }
     if (pick_workers(h, r, &e, &retry_after) != KVF_OK)
@@ -1263,8 +997,8 @@ static void on_request(struct evhttp_request *ev, void *arg)
         int32_t n_up = kvf_router_fleet_n_healthy(h->fleet, KVF_ROUTER_ROLE_DECODE);
         int32_t unsynced = 0;
         if (h->policy == KVF_ROUTER_POLICY_KV) {
-            sync_pools(h);
-            unsynced = index_health(h);
+            kvf_router_watch_sync(h->watch);
+            unsynced = kvf_router_watch_health(h->watch);
         }
         char b[128];
         int len = !n_up ? snprintf(b, sizeof b, "not ready: no decode worker answers\n")
@@ -1272,9 +1006,9 @@ static void on_request(struct evhttp_request *ev, void *arg)
                              : snprintf(b, sizeof b, "ready: %d decode workers\n", n_up);
         send_text(h, ev, n_up && !unsynced ? 200 : 503, "text/plain", b, (size_t)len);
     } else if (strcmp(path, "/metrics") == 0) {
-        sync_pools(h);
+        kvf_router_watch_sync(h->watch);
         if (h->policy == KVF_ROUTER_POLICY_KV)
-            index_health(h);
+            kvf_router_watch_health(h->watch);
         kvf_sbuf b;
         kvf_sbuf_init(&b);
         kvf_metrics_render(h->metrics, &b);
@@ -1334,26 +1068,8 @@ static kvf_status add_metrics(kvf_router_http *h, kvf_err *err)
       "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
     C(m_wake_timer, "kvfleet_router_loop_wakeups_total", "cause=\"timer\"",
       "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
-    G(m_decode_up, "kvfleet_router_healthy_workers", "role=\"decode\"", "workers passing health checks")
-    G(m_prefill_up, "kvfleet_router_healthy_workers", "role=\"prefill\"", "workers passing health checks")
 #undef C
 #undef G
-    static const char *const roles[2] = {"decode", "prefill"}, *const states[3] = {"live", "stale", "resync"};
-    for (int r = 0; r < 2; r++) {
-        char labels[64];
-        for (int k = 0; k < 3; k++) {
-            snprintf(labels, sizeof labels, "role=\"%s\",state=\"%s\"", roles[r], states[k]);
-            if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_workers", labels,
-                                        "kv policy: workers by the state of their KV events (stale: events and load "
-                                        "reports stopped, entries decaying; resync: waiting for a snapshot)",
-                                        &h->m_idx_state[r][k], err)) != KVF_OK)
-                return st;
-        }
-        snprintf(labels, sizeof labels, "role=\"%s\"", roles[r]);
-        if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_blocks", labels, "kv policy: blocks in the index",
-                                    &h->m_idx_blocks[r], err)) != KVF_OK)
-            return st;
-    }
     if ((st = kvf_metrics_histogram(h->metrics, "kvfleet_router_ttft_seconds", NULL, "time to first token",
                                     lat, sizeof lat / sizeof lat[0], &h->m_ttft, err)) != KVF_OK ||
         (st = kvf_metrics_histogram(h->metrics, "kvfleet_router_request_seconds", NULL, "whole request time",
@@ -1450,16 +1166,14 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         st = kvf_err_set(err, KVF_ERR_NOMEM, "router: cannot create the loop's events");
         goto fail;
     }
-    for (int r = 0; r < 2; r++)
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            h->watch[r][i].wake.h = h;
     if (cfg->handle_signals) {
         h->sig_int = evsignal_new(h->base, SIGINT, on_stop, h);
         h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
         evsignal_add(h->sig_int, NULL);
         evsignal_add(h->sig_term, NULL);
     }
-    if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK)
+    if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK ||
+        (st = kvf_router_watch_create(h->fleet, h->policy, h->metrics, h, &h->watch, err)) != KVF_OK)
         goto fail;
     *out = h;
     return KVF_OK;
@@ -1506,12 +1220,7 @@ void kvf_router_http_destroy(kvf_router_http *h)
         r->ev = NULL;
         rq_free(r);
     }
-    for (int r = 0; r < 2; r++)
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
-            watch_close(&h->watch[r][i]);
-            free(h->watch[r][i].snap_h);
-            free(h->watch[r][i].snap_p);
-        }
+    kvf_router_watch_destroy(h->watch); /* its streams go before the fleet's channels */
     if (h->http)
         evhttp_free(h->http);
     if (h->wake_ev)
@@ -1527,8 +1236,6 @@ void kvf_router_http_destroy(kvf_router_http *h)
     if (h->base)
         event_base_free(h->base);
     kvf_router_fleet_destroy(h->fleet);
-    for (int r = 0; r < 2; r++)
-        kvf_router_pool_destroy(h->pool[r]);
     kvf_model_chat_template_destroy(h->tmpl);
     kvf_model_tokenizer_destroy(h->tok);
     kvf_metrics_destroy(h->metrics);
