@@ -1,6 +1,6 @@
 /* cmd_router.c: `kvfleet router`: the OpenAI HTTP front end over a fleet of decode (and
  * prefill) workers given as address lists or DNS names. Prints one "ready" line on stdout when
- * it listens; the serving itself is router/http.c's. */
+ * it listens; the serving itself is router/http.h's. */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>

@@ -12,7 +12,6 @@
 
 #include "proto/kvfleet.pb-c.h"
 #include "proto/worker.h"
-#include "proto/worker_pb.h"
 
 /* ---- bytes <-> protobuf-c ------------------------------------------------------------------- */
 
@@ -974,69 +973,5 @@ kvf_status kvf_rpc_health_decode(const uint8_t *data, size_t len, kvf_rpc_health
     *out = h;
 done:
     pb_free(m);
-    return st;
-}
-
-/* ---- TRANSITIONAL (proto/worker_pb.h): protobuf-c structs for the router's files ---------------- */
-
-void kvf_rpc_msg_free(void *msg)
-{
-    pb_free(msg);
-}
-
-kvf_status kvf_rpc_msg_encode(const void *msg, kvf_rpc_buf *out, kvf_err *err)
-{
-    return pack(msg, out, err);
-}
-
-kvf_status kvf_rpc_info_response_decode(const uint8_t *data, size_t len,
-                                        Kvfleet__V1__InfoResponse **out, kvf_err *err)
-{
-    kvf_kv_layout l;
-    void *m = NULL;
-    kvf_status st = unpack(&kvfleet__v1__info_response__descriptor, data, len, &m, err);
-    if (st == KVF_OK && (st = check_info(m, &l, err)) != KVF_OK)
-        pb_free(m);
-    else if (st == KVF_OK)
-        *out = m;
-    return st;
-}
-
-kvf_status kvf_rpc_generate_response_decode(const uint8_t *data, size_t len,
-                                            Kvfleet__V1__GenerateResponse **out, kvf_err *err)
-{
-    Kvfleet__V1__GenerateResponse *m = NULL;
-    kvf_status st = unpack(&kvfleet__v1__generate_response__descriptor, data, len, (void **)&m,
-                           err);
-    if (st == KVF_OK &&
-        (st = check_nonneg("GenerateResponse", "token_ids", m->token_ids, m->n_token_ids, err)) !=
-            KVF_OK)
-        pb_free(m);
-    else if (st == KVF_OK)
-        *out = m;
-    return st;
-}
-
-kvf_status kvf_rpc_watch_kv_response_decode(const uint8_t *data, size_t len,
-                                            Kvfleet__V1__WatchKvResponse **out, kvf_err *err)
-{
-    Kvfleet__V1__WatchKvResponse *m = NULL;
-    kvf_status st = unpack(&kvfleet__v1__watch_kv_response__descriptor, data, len, (void **)&m,
-                           err);
-    if (st == KVF_OK && m->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT &&
-        (st = check_event(m->event, err)) != KVF_OK)
-        pb_free(m);
-    else if (st == KVF_OK)
-        *out = m;
-    return st;
-}
-
-kvf_status kvf_rpc_health_response_decode(const uint8_t *data, size_t len,
-                                          Kvfleet__V1__HealthResponse **out, kvf_err *err)
-{
-    void *m = NULL;
-    kvf_status st = unpack(&kvfleet__v1__health_response__descriptor, data, len, &m, err);
-    if (st == KVF_OK)
-        *out = m;
     return st;
 }

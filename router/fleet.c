@@ -1,6 +1,7 @@
 /* fleet.c: worker membership and health for the router: address lists and DNS re-resolution,
- * one channel per worker, Info once and Health every interval on a thread of its own. The state
- * is read by copies (kvf_router_fleet_snapshot) under one mutex. */
+ * one channel per worker, Info once and Health every interval on a thread of its own, and the
+ * fleet's one KV block size, checked at Info. The state is read by copies
+ * (kvf_router_fleet_snapshot) under one mutex. */
 #include "router/fleet.h"
 
 #include <netdb.h>
@@ -14,12 +15,13 @@
 
 #include "common/log.h"
 #include "proto/worker.h"
-#include "proto/worker_pb.h" /* TRANSITIONAL: until this file reads proto/worker.h structs */
 
 typedef struct fleet_slot {
     kvf_router_worker w;
     bool used, info_ok;
     bool from_dns;
+    bool refused;               /* its last Info had another block size (logged once a value) */
+    int32_t refused_block_size;
 } fleet_slot;
 
 struct kvf_router_fleet {
@@ -27,6 +29,8 @@ struct kvf_router_fleet {
     kvf_rpc_channel_opts chopts;
     char *dns[2];
     fleet_slot slots[2][KVF_ROUTER_MAX_WORKERS];
+    int32_t block_size;         /* the fleet's; 0 until the first accepted Info */
+    char block_size_from[200];  /* where it came from, for the refusal message */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stop;
@@ -128,6 +132,31 @@ static void resolve(kvf_router_fleet *f, int role)
     freeaddrinfo(res);
 }
 
+/* Admits a worker's block size (positive: the Info decoder checks it) into the fleet; the
+ * caller holds mu. The first accepted Info sets the fleet's when it is not configured; a worker
+ * with another one would hash prompts into other blocks than the index and its peers, so it is
+ * refused, logged once per value it reports. */
+static bool block_size_admit(kvf_router_fleet *f, int role, fleet_slot *s, const char *addr,
+                             int32_t bs)
+{
+    if (f->block_size == 0 || bs == f->block_size) {
+        if (f->block_size == 0) {
+            f->block_size = bs;
+            snprintf(f->block_size_from, sizeof f->block_size_from, "set by %s worker %s's Info",
+                     role ? "prefill" : "decode", addr);
+        }
+        s->refused = false;
+        return true;
+    }
+    if (!s->refused || s->refused_block_size != bs)
+        kvf_log(KVF_LOG_WARN, "router: %s worker %s: KV block size %d, but the fleet's is %d (%s); "
+                "refused until it matches", role ? "prefill" : "decode", addr, bs, f->block_size,
+                f->block_size_from);
+    s->refused = true;
+    s->refused_block_size = bs;
+    return false;
+}
+
 /* One Info (until accepted) and one Health call to a worker; updates its slot. */
 static void check_one(kvf_router_fleet *f, int role, int32_t i)
 {
@@ -143,40 +172,43 @@ static void check_one(kvf_router_fleet *f, int role, int32_t i)
     int64_t to = f->cfg.rpc_timeout_ms > 0 ? f->cfg.rpc_timeout_ms : 1000;
     kvf_err err = {0};
     kvf_rpc_buf resp = {0};
-    Kvfleet__V1__InfoResponse *info = NULL;
+    kvf_rpc_info *info = NULL;
     bool healthy = false;
     if (!info_ok) {
-        Kvfleet__V1__InfoRequest ireq = KVFLEET__V1__INFO_REQUEST__INIT;
         kvf_rpc_buf rq = {0};
-        if (kvf_rpc_msg_encode(&ireq, &rq, &err) != KVF_OK)
+        if (kvf_rpc_info_req_encode(&rq, &err) != KVF_OK)
             goto done;
         kvf_status st = kvf_rpc_unary(ch, KVF_RPC_WORKER_INFO, rq.data, rq.len, to, &resp, &err);
         kvf_rpc_buf_free(&rq);
-        if (st != KVF_OK || kvf_rpc_info_response_decode(resp.data, resp.len, &info, &err) != KVF_OK) {
+        if (st != KVF_OK || kvf_rpc_info_decode(resp.data, resp.len, &info, &err) != KVF_OK) {
             kvf_log(KVF_LOG_DEBUG, "router: Info from %s: %s", addr, err.msg);
             goto done;
         }
         kvf_rpc_buf_free(&resp);
-        bool role_ok = info->role == KVFLEET__V1__ROLE__ROLE_COLOCATED ||
-                       info->role == (role == KVF_ROUTER_ROLE_DECODE ? KVFLEET__V1__ROLE__ROLE_DECODE
-                                                                      : KVFLEET__V1__ROLE__ROLE_PREFILL);
+        bool role_ok = info->role == KVF_RPC_ROLE_COLOCATED ||
+                       info->role == (role == KVF_ROUTER_ROLE_DECODE ? KVF_RPC_ROLE_DECODE
+                                                                      : KVF_RPC_ROLE_PREFILL);
         if (!role_ok) {
             kvf_log(KVF_LOG_WARN, "router: worker %s has role %d; listed as a %s worker", addr,
                     (int)info->role, role ? "prefill" : "decode");
             goto done;
         }
+        pthread_mutex_lock(&f->mu);
+        bool bs_ok = block_size_admit(f, role, s, addr, info->block_size);
+        pthread_mutex_unlock(&f->mu);
+        if (!bs_ok)
+            goto done; /* not healthy: counted down, never in a pool */
     }
     {
-        Kvfleet__V1__HealthRequest hreq = KVFLEET__V1__HEALTH_REQUEST__INIT;
         kvf_rpc_buf rq = {0};
-        Kvfleet__V1__HealthResponse *h = NULL;
-        if (kvf_rpc_msg_encode(&hreq, &rq, &err) != KVF_OK)
+        kvf_rpc_health *h = NULL;
+        if (kvf_rpc_health_req_encode(&rq, &err) != KVF_OK)
             goto done;
         kvf_status st = kvf_rpc_unary(ch, KVF_RPC_WORKER_HEALTH, rq.data, rq.len, to, &resp, &err);
         kvf_rpc_buf_free(&rq);
-        if (st == KVF_OK && kvf_rpc_health_response_decode(resp.data, resp.len, &h, &err) == KVF_OK)
-            healthy = h->status == KVFLEET__V1__HEALTH_RESPONSE__SERVING_STATUS__SERVING;
-        kvf_rpc_msg_free(h);
+        if (st == KVF_OK && kvf_rpc_health_decode(resp.data, resp.len, &h, &err) == KVF_OK)
+            healthy = h->status == KVF_RPC_SERVING;
+        free(h);
     }
 done:
     kvf_rpc_buf_free(&resp);
@@ -196,7 +228,7 @@ done:
     if (!healthy)
         s->info_ok = false; /* a restarted worker may come back with another model */
     pthread_mutex_unlock(&f->mu);
-    kvf_rpc_msg_free(info);
+    free(info);
 }
 
 static void *health_main(void *arg)
@@ -242,6 +274,13 @@ kvf_status kvf_router_fleet_create(const kvf_router_fleet_cfg *cfg, kvf_router_f
     pthread_mutex_init(&f->mu, NULL);
     pthread_cond_init(&f->cv, NULL);
     kvf_status st;
+    if (cfg->block_size < 0) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "router: block size %d is not a number of tokens (> 0; 0: "
+                         "the first worker's Info sets it)", (int)cfg->block_size);
+        goto fail;
+    }
+    f->block_size = cfg->block_size;
+    snprintf(f->block_size_from, sizeof f->block_size_from, "configured");
     if ((st = add_list(f, KVF_ROUTER_ROLE_DECODE, cfg->decode, err)) != KVF_OK ||
         (st = add_list(f, KVF_ROUTER_ROLE_PREFILL, cfg->prefill, err)) != KVF_OK)
         goto fail;
@@ -324,4 +363,12 @@ int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role)
         n += f->slots[role][i].used && f->slots[role][i].w.healthy;
     pthread_mutex_unlock(&f->mu);
     return n;
+}
+
+int32_t kvf_router_fleet_block_size(kvf_router_fleet *f)
+{
+    pthread_mutex_lock(&f->mu);
+    int32_t bs = f->block_size;
+    pthread_mutex_unlock(&f->mu);
+    return bs;
 }

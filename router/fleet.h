@@ -1,6 +1,7 @@
 /* fleet.h: the router's view of its workers: a static list of host:port or a DNS name (a
  * Kubernetes headless service) re-resolved periodically, one gRPC channel each, and a health
- * thread that asks Info once and Health every interval. Routing decisions live in policy.h. */
+ * thread that asks Info once and Health every interval. Info admits a worker only when it has
+ * the fleet's one KV block size. Routing decisions live in policy.h. */
 #ifndef KVF_ROUTER_FLEET_H
 #define KVF_ROUTER_FLEET_H
 
@@ -24,6 +25,8 @@ typedef struct kvf_router_fleet_cfg {
     int64_t health_interval_ms; /* Health every this often (0: 1000) */
     int64_t resolve_interval_ms; /* DNS every this often (0: 5000) */
     int64_t rpc_timeout_ms;   /* Info/Health deadline (0: 1000) */
+    int32_t block_size;       /* tokens per KV block, one for the whole fleet (0: the first
+                                 worker whose Info is accepted sets it) */
     const kvf_rpc_tls *tls;   /* NULL: plaintext */
 } kvf_router_fleet_cfg;
 
@@ -57,5 +60,10 @@ int32_t kvf_router_fleet_snapshot(kvf_router_fleet *f, kvf_router_role role,
 void kvf_router_fleet_mark_failed(kvf_router_fleet *f, kvf_router_role role, int32_t id);
 /* Healthy workers of a role right now. */
 int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role);
+/* Tokens per KV block of every admitted worker, prefill and decode alike (DESIGN section 3):
+ * the configured size, else the first accepted Info's; 0 until then. Once set it never changes,
+ * and a worker whose Info says otherwise is refused (never healthy), so every healthy worker in
+ * a snapshot has it. Any thread. */
+int32_t kvf_router_fleet_block_size(kvf_router_fleet *f);
 
 #endif

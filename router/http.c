@@ -1,8 +1,10 @@
-/* http.c: the router's HTTP server on one libevent loop. Every evhttp call and every routing
- * decision happens on the loop thread, so no lock guards the requests. Generate and WatchKv
- * streams wake the loop when a message or their end arrives (an atomic flag per stream and one
- * libevent user event); a 100 ms safety timer notices clients that left plain requests and
- * logs index health. Membership and health checks are fleet.c's. */
+/* http.c: the router's HTTP glue on one libevent loop: the routes (/v1/completions and
+ * /v1/chat/completions handed to request.c; /health, /ready, /metrics, /v1/models answered
+ * here), the bytes of every answer, and the loop's wake-ups: Generate and WatchKv streams wake
+ * it when a message or their end arrives (an atomic flag per stream and one libevent user
+ * event), and a 100 ms safety timer notices clients that left plain requests and logs index
+ * health. Everything runs on the loop thread, so no lock guards the requests. One request's
+ * life is request.c's, the pools and WatchKv watch.c's, membership and health fleet.c's. */
 #include "router/http.h"
 
 #include <ctype.h>
@@ -19,77 +21,19 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/sbuf.h"
 #include "common/time.h"
-#include "kv/hash.h"
 #include "model/chat_template.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
-#include "proto/worker.h"
-#include "proto/worker_pb.h" /* TRANSITIONAL: until this file reads proto/worker.h structs */
+#include "router/http_int.h"
 #include "router/openai.h"
 #include "router/policy.h"
-
-/* One stream's wake-up: set on a completion-queue thread when the stream has something to read
- * (on_stream_ready), taken on the loop thread. */
-typedef struct wake_src {
-    struct kvf_router_http *h;
-    atomic_bool ready;
-} wake_src;
-
-typedef struct seq_state {
-    kvf_model_detok *detok;
-    kvf_sbuf text;
-    size_t emitted;      /* text bytes already sent (streaming) */
-    int32_t *ids;
-    size_t n_ids, cap, ids_emitted;
-    kvf_router_oai_finish finish;
-    bool done, first_sent;
-} seq_state;
-
-typedef struct rq {
-    struct kvf_router_http *h;
-    struct evhttp_request *ev;
-    char id[80];
-    kvf_router_oai_req oai;
-    int32_t *prompt;
-    size_t n_prompt;
-    uint64_t *hashes;
-    size_t n_blocks;
-    int32_t max_tokens;
-    seq_state *seqs;
-    kvf_rpc_stream *stream;
-    wake_src wake;
-    int32_t worker, prefill;
-    int64_t prefill_tokens; /* queued on the prefill worker until the first token */
-    int attempts;
-    bool got_token, client_gone, started;
-    int64_t created;
-    double t0;
-    int64_t cached_tokens;
-    uint32_t overlap; /* prompt blocks the index says the decode worker holds */
-    int64_t next_peek_ns;
-    size_t max_stop;
-    struct rq *prev, *next;
-} rq;
-
-/* The kv policy's view of one worker: its WatchKv stream, a snapshot being gathered (it may
- * span several events) and its last load report. */
-typedef struct kv_watch {
-    kvf_rpc_stream *stream;
-    wake_src wake;
-    uint64_t *snap_h, *snap_p;
-    size_t snap_n, snap_cap;
-    bool have_load;
-    bool synced; /* a snapshot was applied since the stream opened: the index knows this worker */
-    kvf_router_worker_state last_state; /* for logging state changes (stale, resync, live) */
-    kvf_router_load load;
-} kv_watch;
+#include "router/request.h"
+#include "router/watch.h"
 
 struct kvf_router_http {
     kvf_router_http_cfg cfg;
@@ -99,8 +43,6 @@ struct kvf_router_http {
     kvf_model_tokenizer *tok;
     kvf_model_chat_template *tmpl;
     char tmpl_err[KVF_ERR_MSG_MAX];
-    const int32_t *eos_ids;
-    size_t n_eos;
 
     struct event_base *base;
     struct evhttp *http;
@@ -112,50 +54,26 @@ struct kvf_router_http {
 
     kvf_router_fleet *fleet;
     kvf_router_policy policy;
-    kvf_router_pool *pool[2];
-    bool in_pool[2][KVF_ROUTER_MAX_WORKERS];
-    kvf_router_worker workers[2][KVF_ROUTER_MAX_WORKERS]; /* by id, from the last sync */
-    int32_t inflight[KVF_ROUTER_MAX_WORKERS];             /* decode requests we hold open */
-    kv_watch watch[2][KVF_ROUTER_MAX_WORKERS];            /* kv policy: WatchKv per worker */
-    int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];
+    kvf_router_watch *watch;  /* the pools, fed by WatchKv (watch.c) */
+    kvf_router_reqs *reqs;    /* the generation requests in flight (request.c) */
     uint64_t next_id;
-    rq *reqs;
-    int64_t n_reqs;
 
     kvf_metrics *metrics;
-    kvf_metric *m_requests, *m_2xx, *m_4xx, *m_5xx, *m_inflight, *m_retries, *m_disconnects,
-        *m_gen_tokens, *m_prompt_tokens, *m_ttft, *m_e2e, *m_decode_up, *m_prefill_up;
+    kvf_metric *m_requests, *m_2xx, *m_4xx, *m_5xx;
     kvf_metric *m_wake_stream, *m_wake_timer; /* loop passes by cause */
-    kvf_metric *m_idx_state[2][3]; /* kv policy: workers live / stale / resync, per role */
-    kvf_metric *m_idx_blocks[2];   /* kv policy: blocks in each role's index */
-    double last_index_health;      /* when index_health last ran from the safety timer */
+    double last_index_health;                  /* when the safety timer last ran index health */
 };
 
-/* ---------------------------------------------------------------------------------------- */
-/* Small helpers                                                                             */
+/* The safety timer's period: the longest a plain request's vanished client goes unnoticed
+ * while its worker sends nothing. Streams never wait for it. */
+#define SAFETY_MS 100
 
-static double wall_s(void)
-{
-    return (double)kvf_wall_ms() / 1000.0;
-}
+/* ---------------------------------------------------------------------------------------- */
+/* Answers                                                                                   */
 
 static void count_status(kvf_router_http *h, int code)
 {
     kvf_metric_add(code < 300 ? h->m_2xx : code < 500 ? h->m_4xx : h->m_5xx, 1);
-}
-
-static void send_json(kvf_router_http *h, struct evhttp_request *ev, int code, const char *reason,
-                      const char *req_id, const char *body, size_t len)
-{
-    struct evkeyvalq *oh = evhttp_request_get_output_headers(ev);
-    evhttp_add_header(oh, "Content-Type", "application/json");
-    if (req_id && *req_id)
-        evhttp_add_header(oh, "x-request-id", req_id);
-    struct evbuffer *b = evbuffer_new();
-    evbuffer_add(b, body, len);
-    evhttp_send_reply(ev, code, reason, b);
-    evbuffer_free(b);
-    count_status(h, code);
 }
 
 static const char *reason_of(int code)
@@ -173,8 +91,28 @@ static const char *reason_of(int code)
     }
 }
 
-static void send_error(kvf_router_http *h, struct evhttp_request *ev, const char *req_id,
-                       const kvf_router_oai_error *e, int retry_after_s)
+static void send_body(kvf_router_http *h, struct evhttp_request *ev, int code, const char *ctype,
+                      const char *req_id, const char *body, size_t len)
+{
+    struct evkeyvalq *oh = evhttp_request_get_output_headers(ev);
+    evhttp_add_header(oh, "Content-Type", ctype);
+    if (req_id && *req_id)
+        evhttp_add_header(oh, "x-request-id", req_id);
+    struct evbuffer *b = evbuffer_new();
+    evbuffer_add(b, body, len);
+    evhttp_send_reply(ev, code, reason_of(code), b);
+    evbuffer_free(b);
+    count_status(h, code);
+}
+
+void kvf_router_http_send_json(kvf_router_http *h, kvf_router_client *c, int code,
+                               const char *req_id, const char *body, size_t len)
+{
+    send_body(h, c, code, "application/json", req_id, body, len);
+}
+
+void kvf_router_http_send_error(kvf_router_http *h, kvf_router_client *c, const char *req_id,
+                                const kvf_router_oai_error *e, int retry_after_s)
 {
     kvf_sbuf b;
     kvf_sbuf_init(&b);
@@ -182,845 +120,101 @@ static void send_error(kvf_router_http *h, struct evhttp_request *ev, const char
     if (retry_after_s > 0) {
         char ra[16];
         snprintf(ra, sizeof ra, "%d", retry_after_s);
-        evhttp_add_header(evhttp_request_get_output_headers(ev), "Retry-After", ra);
+        evhttp_add_header(evhttp_request_get_output_headers(c), "Retry-After", ra);
     }
     kvf_log(e->http_status >= 500 ? KVF_LOG_WARN : KVF_LOG_INFO, "router: req %s: %d %s",
             req_id ? req_id : "-", e->http_status, e->message);
-    send_json(h, ev, e->http_status, reason_of(e->http_status), req_id, b.data ? b.data : "{}",
-              b.len);
+    kvf_router_http_send_json(h, c, e->http_status, req_id, b.data ? b.data : "{}", b.len);
     kvf_sbuf_fini(&b);
 }
 
-/* The request id: the client's x-request-id when it is sane, else a new one. */
-static void request_id(kvf_router_http *h, struct evhttp_request *ev, char *out, size_t cap)
+void kvf_router_client_sse_start(kvf_router_client *c, const char *req_id)
 {
-    const char *given = evhttp_find_header(evhttp_request_get_input_headers(ev), "x-request-id");
-    if (given) {
-        size_t n = strlen(given);
-        bool ok = n > 0 && n < 65;
-        for (size_t i = 0; ok && i < n; i++)
-            ok = isalnum((unsigned char)given[i]) || strchr("-_.:", given[i]);
-        if (ok) {
-            snprintf(out, cap, "%s", given);
-            return;
-        }
-    }
-    uint64_t x = (uint64_t)kvf_now_ns() ^ (++h->next_id * 0x9E3779B97F4A7C15ull);
-    x ^= x >> 31;
-    snprintf(out, cap, "%016llx", (unsigned long long)x);
+    struct evkeyvalq *oh = evhttp_request_get_output_headers(c);
+    evhttp_add_header(oh, "Content-Type", "text/event-stream");
+    evhttp_add_header(oh, "Cache-Control", "no-cache");
+    evhttp_add_header(oh, "x-request-id", req_id);
+    evhttp_send_reply_start(c, 200, "OK");
 }
 
-/* The safety timer's period: the longest a plain request's vanished client goes unnoticed
- * while its worker sends nothing. Streams never wait for it. */
-#define SAFETY_MS 100
-
-/* kvf_rpc_stream_notify's callback, on a completion-queue thread with the stream's lock held:
- * marks the stream ready and wakes the loop (event_active is thread-safe once
- * evthread_use_pthreads ran). It touches nothing else of the router. */
-static void on_stream_ready(void *arg)
+void kvf_router_client_sse_send(kvf_router_client *c, const char *data, size_t len)
 {
-    wake_src *w = arg;
-    atomic_store_explicit(&w->ready, true, memory_order_release);
-    event_active(w->h->wake_ev, EV_READ, 0);
-}
-
-/* Marks a stream ready from the loop thread (a client left, or a drain stopped early). */
-static void wake_again(wake_src *w)
-{
-    atomic_store_explicit(&w->ready, true, memory_order_release);
-    event_active(w->h->wake_ev, EV_READ, 0);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Worker pools                                                                              */
-
-static void watch_close(kv_watch *w)
-{
-    kvf_rpc_stream_destroy(w->stream);
-    w->stream = NULL;
-    w->snap_n = 0;
-    w->have_load = false;
-    w->synced = false;
-}
-
-/* Opens WatchKv on a worker (the worker answers with a snapshot, then deltas and load). */
-static void watch_open(kvf_router_http *h, int role, int32_t id)
-{
-    kv_watch *w = &h->watch[role][id];
-    watch_close(w);
-    Kvfleet__V1__WatchKvRequest q = KVFLEET__V1__WATCH_KV_REQUEST__INIT;
-    char rid[64];
-    snprintf(rid, sizeof rid, "router-%d", (int)getpid());
-    q.router_id = rid;
-    q.load_interval_ms = 500;
-    kvf_rpc_buf b = {0};
-    kvf_err err = {0};
-    if (kvf_rpc_msg_encode(&q, &b, &err) != KVF_OK ||
-        kvf_rpc_stream_open(h->workers[role][id].channel, KVF_RPC_WORKER_WATCH_KV, b.data, b.len,
-                            KVF_RPC_NO_DEADLINE, &w->stream, &err) != KVF_OK)
-        kvf_log(KVF_LOG_WARN, "router: WatchKv on %s: %s", h->workers[role][id].address, err.msg);
-    else
-        kvf_rpc_stream_notify(w->stream, on_stream_ready, &w->wake);
-    kvf_rpc_buf_free(&b);
-}
-
-/* Applies one KV event of a worker to its pool's index. Returns false when the stream must be
- * reopened (a sequence gap: the index waits for a new snapshot). */
-static bool watch_event(kvf_router_http *h, int role, int32_t id, const Kvfleet__V1__KvEvent *e)
-{
-    kv_watch *w = &h->watch[role][id];
-    kvf_router_event ev = {.worker = id, .seq = e->seq, .model = e->model_id, .block_size = e->block_size,
-                           .hashes = e->block_hashes, .parents = e->n_parent_hashes ? e->parent_hashes : NULL,
-                           .n = e->n_block_hashes};
-    switch (e->kind) {
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_SNAPSHOT:
-        /* gather the parts, apply once at snapshot_done */
-        if (w->snap_n + e->n_block_hashes > w->snap_cap) {
-            size_t cap = (w->snap_n + e->n_block_hashes) * 2 + 64;
-            uint64_t *hh = realloc(w->snap_h, cap * sizeof *hh), *pp = hh ? realloc(w->snap_p, cap * sizeof *pp) : NULL;
-            if (hh)
-                w->snap_h = hh;
-            if (!pp)
-                return false;
-            w->snap_p = pp;
-            w->snap_cap = cap;
-        }
-        if (e->n_block_hashes)
-            memcpy(w->snap_h + w->snap_n, e->block_hashes, e->n_block_hashes * sizeof *w->snap_h);
-        for (size_t i = 0; i < e->n_block_hashes; i++)
-            w->snap_p[w->snap_n + i] = i < e->n_parent_hashes ? e->parent_hashes[i] : 0;
-        w->snap_n += e->n_block_hashes;
-        if (!e->snapshot_done)
-            return true;
-        ev.kind = KVF_ROUTER_EV_SNAPSHOT;
-        ev.hashes = w->snap_h;
-        ev.parents = w->snap_p;
-        ev.n = w->snap_n;
-        w->snap_n = 0;
-        break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_STORED: ev.kind = KVF_ROUTER_EV_STORED; break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_REMOVED: ev.kind = KVF_ROUTER_EV_REMOVED; break;
-    case KVFLEET__V1__KV_EVENT__KIND__KIND_CLEARED:
-        ev.kind = KVF_ROUTER_EV_SNAPSHOT; /* an empty snapshot */
-        ev.n = 0;
-        break;
-    default: return true;
-    }
-    kvf_err err = {0};
-    kvf_status st = kvf_router_index_apply(kvf_router_pool_index(h->pool[role]), &ev, kvf_now_s(), &err);
-    if (st != KVF_OK)
-        kvf_log(KVF_LOG_DEBUG, "router: %s", err.msg);
-    else if (ev.kind == KVF_ROUTER_EV_SNAPSHOT)
-        w->synced = true;
-    return st != KVF_ERR_STATE;
-}
-
-static int32_t index_health(kvf_router_http *h);
-
-/* Reads what one WatchKv stream has (kv policy): events into the index, load reports into the
- * pool. At most 256 messages a pass, then the stream is marked ready again so HTTP gets a turn. */
-static void watch_drain(kvf_router_http *h, int role, int32_t id, double now)
-{
-    kv_watch *w = &h->watch[role][id];
-    for (int n = 0; w->stream; n++) {
-        if (n == 256) {
-            wake_again(&w->wake);
-            return;
-        }
-        kvf_rpc_buf m = {0};
-        bool done = false;
-        kvf_err err = {0};
-        kvf_status st = kvf_rpc_stream_read(w->stream, 0, &m, &done, &err);
-        if (done) {
-            kvf_log(KVF_LOG_INFO, "router: WatchKv on %s ended: %s", h->workers[role][id].address,
-                    st == KVF_OK ? "ok" : err.msg);
-            watch_close(w); /* reopened at the next sync while the worker is healthy */
-            return;
-        }
-        if (st != KVF_OK)
-            return;
-        Kvfleet__V1__WatchKvResponse *r = NULL;
-        bool keep = true;
-        if (kvf_rpc_watch_kv_response_decode(m.data, m.len, &r, &err) == KVF_OK) {
-            if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT && h->pool[role])
-                keep = watch_event(h, role, id, r->event);
-            else if (r->body_case == KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD && h->pool[role]) {
-                w->load.queued_prefill_tokens = r->load->queued_prefill_tokens;
-                w->load.decode_load = (double)r->load->running + (double)r->load->waiting;
-                w->have_load = true;
-                kvf_router_pool_load_set(h->pool[role], id, &w->load, now);
-            }
-        }
-        kvf_rpc_msg_free(r);
-        kvf_rpc_buf_free(&m);
-        if (!keep) {
-            watch_open(h, role, id); /* a gap: a new watch starts with a snapshot */
-            return;
-        }
-    }
-}
-
-/* Drains the WatchKv streams that said they have something (all of them when `all`). */
-static void watches_drain(kvf_router_http *h, bool all)
-{
-    double now = kvf_now_s();
-    for (int role = 0; role < 2; role++)
-        for (int32_t id = 0; id < KVF_ROUTER_MAX_WORKERS; id++) {
-            kv_watch *w = &h->watch[role][id];
-            bool ready = atomic_exchange_explicit(&w->wake.ready, false, memory_order_acquire);
-            if (w->stream && (ready || all))
-                watch_drain(h, role, id, now);
-        }
-}
-
-/* Brings the policy pools in line with the fleet's health. Loop thread. */
-static void sync_pools(kvf_router_http *h)
-{
-    double now = kvf_now_s();
-    for (int role = 0; role < 2; role++) {
-        kvf_router_worker ws[KVF_ROUTER_MAX_WORKERS];
-        int32_t n = kvf_router_fleet_snapshot(h->fleet, (kvf_router_role)role, ws);
-        bool want[KVF_ROUTER_MAX_WORKERS] = {0};
-        int32_t up = 0;
-        for (int32_t i = 0; i < n; i++) {
-            kvf_router_worker *w = &ws[i];
-            h->workers[role][w->id] = *w;
-            want[w->id] = w->healthy && !w->gone;
-            if (!want[w->id])
-                continue;
-            if (!h->pool[role]) {
-                kvf_router_pool_cfg pc;
-                kvf_router_pool_cfg_default(&pc);
-                pc.policy = h->policy;
-                pc.index.model = w->model_id;
-                pc.index.block_size = w->block_size;
-                pc.approx = false; /* the kv policy follows the workers' WatchKv events */
-                kvf_err err = {0};
-                if (kvf_router_pool_create(&pc, &h->pool[role], &err) != KVF_OK) {
-                    kvf_log(KVF_LOG_ERROR, "router: %s", err.msg);
-                    continue;
-                }
-            }
-            if (h->in_pool[role][w->id] && h->policy == KVF_ROUTER_POLICY_KV && !h->watch[role][w->id].stream)
-                watch_open(h, role, w->id);
-            if (!h->in_pool[role][w->id]) {
-                kvf_err err = {0};
-                bool kv = h->policy == KVF_ROUTER_POLICY_KV;
-                if (kvf_router_pool_worker_add(h->pool[role], w->id, w->model_id, w->block_size,
-                                               kv, now, &err) != KVF_OK) {
-                    want[w->id] = false;
-                    continue;
-                }
-                h->in_pool[role][w->id] = true;
-                if (kv)
-                    watch_open(h, role, w->id);
-            }
-            up++;
-        }
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            if (h->in_pool[role][i] && !want[i]) {
-                kvf_router_pool_worker_remove(h->pool[role], i);
-                h->in_pool[role][i] = false;
-                watch_close(&h->watch[role][i]);
-            }
-        kvf_metric_set(role ? h->m_prefill_up : h->m_decode_up, up);
-    }
-}
-
-/* kv policy: counts the index state of every worker in the pools into /metrics, logs each change
- * of state (a worker whose events and load reports stop goes stale: its entries decay), and
- * returns how many workers have no snapshot applied yet. Loop thread. */
-static int32_t index_health(kvf_router_http *h)
-{
-    int32_t unsynced = 0;
-    double now = kvf_now_s();
-    for (int role = 0; role < 2; role++) {
-        int32_t count[3] = {0};
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS && h->pool[role]; i++) {
-            if (!h->in_pool[role][i])
-                continue;
-            kv_watch *w = &h->watch[role][i];
-            kvf_router_worker_state stt = kvf_router_index_worker_state(kvf_router_pool_index(h->pool[role]), i, now);
-            if (stt != w->last_state && stt != KVF_ROUTER_WORKER_ABSENT)
-                kvf_log(stt == KVF_ROUTER_WORKER_LIVE ? KVF_LOG_INFO : KVF_LOG_WARN,
-                        "router: %s worker %s: KV index %s%s", role ? "prefill" : "decode", h->workers[role][i].address,
-                        kvf_router_worker_state_name(stt),
-                        stt == KVF_ROUTER_WORKER_STALE ? " (no KV event or load report lately; its entries decay)"
-                        : stt == KVF_ROUTER_WORKER_RESYNC ? " (sequence gap; waiting for a fresh snapshot)" : "");
-            w->last_state = stt;
-            count[stt == KVF_ROUTER_WORKER_STALE ? 1 : stt == KVF_ROUTER_WORKER_RESYNC ? 2 : 0] +=
-                stt != KVF_ROUTER_WORKER_ABSENT;
-            unsynced += !w->synced;
-        }
-        for (int k = 0; k < 3; k++)
-            if (h->m_idx_state[role][k])
-                kvf_metric_set(h->m_idx_state[role][k], count[k]);
-        if (h->pool[role] && h->m_idx_blocks[role]) {
-            kvf_router_index_stats is;
-            kvf_router_index_stats_get(kvf_router_pool_index(h->pool[role]), &is);
-            kvf_metric_set(h->m_idx_blocks[role], (double)is.n_blocks);
-        }
-    }
-    return unsynced;
-}
-
-static int32_t n_in_pool(kvf_router_http *h, int role)
-{
-    int32_t n = 0;
-    for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-        n += h->in_pool[role][i];
-    return n;
-}
-
-/* Picks a decode worker (and a prefill worker when there are any) for r. Fills e with 503 (none
- * healthy) or 429 (all saturated) and returns its retry-after in *retry_out. */
-static kvf_status pick_workers(kvf_router_http *h, rq *r, kvf_router_oai_error *e, int *retry_out)
-{
-    sync_pools(h);
-    double now = kvf_now_s();
-    if (!h->pool[0] || n_in_pool(h, 0) == 0) {
-        *retry_out = 5;
-        return kvf_router_oai_error_set(e, 503, "server_error", NULL, "no_worker",
-                                        "no decode worker is ready; retry later");
-    }
-    bool free_one = false;
-    for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
-        if (!h->in_pool[0][i])
-            continue;
-        kvf_router_load l = {0, (double)h->inflight[i]};
-        const kv_watch *w = &h->watch[0][i];
-        if (w->have_load) {
-            l.queued_prefill_tokens = w->load.queued_prefill_tokens;
-            if (w->load.decode_load > l.decode_load)
-                l.decode_load = w->load.decode_load;
-        }
-        kvf_router_pool_load_set(h->pool[0], i, &l, now);
-        kvf_router_pool_worker_limits(h->pool[0], i, 0, (double)h->cfg.max_inflight);
-        free_one |= h->inflight[i] < h->cfg.max_inflight;
-    }
-    if (!free_one) {
-        *retry_out = 1;
-        return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
-                                        "every decode worker has %d requests in flight; retry later",
-                                        h->cfg.max_inflight);
-    }
-    kvf_router_request req = {.hashes = r->hashes, .n_blocks = r->n_blocks,
-                              .n_tokens = (int64_t)r->n_prompt, .session_key = NULL};
-    kvf_router_decision d;
-    kvf_err err = {0};
-    if (kvf_router_pool_pick(h->pool[0], &req, now, &d, &err) != KVF_OK ||
-        h->inflight[d.worker] >= h->cfg.max_inflight) {
-        *retry_out = 1;
-        return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
-                                        "no decode worker can take the request: %s", err.msg[0] ? err.msg : "all saturated");
-    }
-    r->worker = d.worker;
-    r->overlap = d.overlap_blocks;
-    r->prefill = -1;
-    if (h->pool[1] && n_in_pool(h, 1) > 0) {
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            if (h->in_pool[1][i]) {
-                kvf_router_load l = {h->prefill_queued[i], 0};
-                if (h->watch[1][i].have_load && h->watch[1][i].load.queued_prefill_tokens > l.queued_prefill_tokens)
-                    l.queued_prefill_tokens = h->watch[1][i].load.queued_prefill_tokens;
-                kvf_router_pool_load_set(h->pool[1], i, &l, now);
-            }
-        kvf_router_decision p;
-        if (kvf_router_pool_pick(h->pool[1], &req, now, &p, &err) == KVF_OK)
-            r->prefill = p.worker;
-    }
-    return KVF_OK;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Requests                                                                                  */
-
-static void rq_free(rq *r)
-{
-    kvf_router_http *h = r->h;
-    if (r->stream)
-        kvf_rpc_stream_destroy(r->stream);
-    if (r->worker >= 0 && r->started)
-        h->inflight[r->worker]--;
-    if (r->prefill >= 0 && r->prefill_tokens)
-        h->prefill_queued[r->prefill] -= r->prefill_tokens;
-    if (r->seqs)
-        for (int32_t i = 0; i < r->oai.n; i++) {
-            kvf_model_detok_destroy(r->seqs[i].detok);
-            kvf_sbuf_fini(&r->seqs[i].text);
-            free(r->seqs[i].ids);
-        }
-    free(r->seqs);
-    free(r->prompt);
-    free(r->hashes);
-    kvf_router_oai_req_fini(&r->oai);
-    if (r->prev)
-        r->prev->next = r->next;
-    else if (h->reqs == r)
-        h->reqs = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    h->n_reqs--;
-    kvf_metric_set(h->m_inflight, (double)h->n_reqs);
-    free(r);
-}
-
-/* Forgets the close callback before the request is answered (the connection may live on). */
-static void detach(rq *r)
-{
-    struct evhttp_connection *c = r->ev ? evhttp_request_get_connection(r->ev) : NULL;
-    if (c)
-        evhttp_connection_set_closecb(c, NULL, NULL);
-}
-
-static void on_close(struct evhttp_connection *c, void *arg)
-{
-    rq *r = arg;
-    (void)c;
-    if (!r || r->client_gone)
-        return;
-    r->client_gone = true;
-    if (r->stream)
-        kvf_rpc_stream_cancel(r->stream);
-    wake_again(&r->wake); /* pump answers it on the loop's next pass */
-}
-
-/* Opens Generate on r->worker. */
-static kvf_status open_stream(kvf_router_http *h, rq *r, kvf_err *err)
-{
-    Kvfleet__V1__GenerateRequest g = KVFLEET__V1__GENERATE_REQUEST__INIT;
-    Kvfleet__V1__SamplingParams sp = KVFLEET__V1__SAMPLING_PARAMS__INIT;
-    Kvfleet__V1__PrefillHint ph = KVFLEET__V1__PREFILL_HINT__INIT;
-    g.request_id = r->id;
-    g.n_token_ids = r->n_prompt;
-    g.token_ids = r->prompt;
-    sp.max_tokens = r->max_tokens;
-    /* A resubmission after tokens were streamed (one sequence): prompt + those tokens, and the
-     * rest of the budget, so the client's stream goes on where it stopped. */
-    int32_t *joined = NULL;
-    size_t prior = r->seqs && r->oai.n == 1 ? r->seqs[0].n_ids : 0;
-    if (prior) {
-        joined = malloc((r->n_prompt + prior) * sizeof *joined);
-        if (!joined)
-            return kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
-        memcpy(joined, r->prompt, r->n_prompt * sizeof *joined);
-        memcpy(joined + r->n_prompt, r->seqs[0].ids, prior * sizeof *joined);
-        g.token_ids = joined;
-        g.n_token_ids = r->n_prompt + prior;
-        g.n_prior_output_tokens = (int32_t)prior;
-        sp.max_tokens = r->max_tokens - (int32_t)prior;
-    }
-    sp.temperature = (float)r->oai.temperature;
-    sp.top_p = (float)r->oai.top_p;
-    sp.top_k = r->oai.top_k;
-    sp.seed = r->oai.has_seed ? r->oai.seed : (uint64_t)kvf_now_ns() ^ h->next_id++;
-    sp.n = r->oai.n;
-    sp.ignore_eos = r->oai.ignore_eos;
-    if (!r->oai.ignore_eos && h->n_eos) {
-        sp.n_stop_token_ids = h->n_eos;
-        sp.stop_token_ids = (int32_t *)h->eos_ids;
-    }
-    g.sampling = &sp;
-    g.cache_salt = r->oai.cache_salt ? r->oai.cache_salt : "";
-    if (r->prefill >= 0) {
-        ph.address = h->workers[1][r->prefill].address;
-        g.prefill = &ph;
-    }
-    if (h->cfg.request_timeout_ms > 0)
-        g.deadline_unix_ms = kvf_wall_ms() + h->cfg.request_timeout_ms;
-    kvf_rpc_buf b = {0};
-    kvf_status st = kvf_rpc_msg_encode(&g, &b, err);
-    free(joined);
-    if (st != KVF_OK)
-        return st;
-    int64_t to = h->cfg.request_timeout_ms > 0 ? h->cfg.request_timeout_ms : KVF_RPC_NO_DEADLINE;
-    st = kvf_rpc_stream_open(h->workers[0][r->worker].channel, KVF_RPC_WORKER_GENERATE, b.data,
-                             b.len, to, &r->stream, err);
-    kvf_rpc_buf_free(&b);
-    if (st != KVF_OK)
-        return st;
-    kvf_rpc_stream_notify(r->stream, on_stream_ready, &r->wake);
-    r->attempts++;
-    r->started = true;
-    h->inflight[r->worker]++;
-    if (r->prefill >= 0 && !r->prefill_tokens) {
-        r->prefill_tokens = (int64_t)r->n_prompt;
-        h->prefill_queued[r->prefill] += r->prefill_tokens;
-    }
-    kvf_log(KVF_LOG_INFO, "router: req %s: %zu prompt tokens -> decode %s (%u blocks cached there)%s%s (attempt %d)",
-            r->id, r->n_prompt, h->workers[0][r->worker].address, r->overlap,
-            r->prefill >= 0 ? ", prefill " : "", r->prefill >= 0 ? h->workers[1][r->prefill].address : "",
-            r->attempts);
-    return KVF_OK;
-}
-
-/* The end of the text that is safe to send: not inside a possible stop string's start and not
- * inside a UTF-8 character. */
-static size_t safe_end(const rq *r, const seq_state *s)
-{
-    size_t end = s->text.len;
-    if (s->done)
-        return end;
-    if (r->max_stop > 1)
-        end = end > r->max_stop - 1 ? end - (r->max_stop - 1) : 0;
-    while (end > s->emitted && end < s->text.len && ((unsigned char)s->text.data[end] & 0xC0) == 0x80)
-        end--;
-    return end < s->emitted ? s->emitted : end;
-}
-
-static void send_chunk(kvf_router_http *h, rq *r, const kvf_router_oai_choice *c, size_t n,
-                       const kvf_router_oai_usage *u)
-{
-    kvf_sbuf b;
-    kvf_sbuf_init(&b);
-    char id[96];
-    snprintf(id, sizeof id, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r->id);
-    kvf_router_oai_chunk_sse(r->oai.kind, id, h->served, r->created, c, n, u,
-                             r->oai.include_usage, &b);
     struct evbuffer *eb = evbuffer_new();
-    evbuffer_add(eb, b.data, b.len);
-    evhttp_send_reply_chunk(r->ev, eb);
+    evbuffer_add(eb, data, len);
+    evhttp_send_reply_chunk(c, eb);
     evbuffer_free(eb);
-    kvf_sbuf_fini(&b);
 }
 
-static void emit_seq(kvf_router_http *h, rq *r, int32_t idx)
+void kvf_router_http_sse_end(kvf_router_http *h, kvf_router_client *c, int code)
 {
-    seq_state *s = &r->seqs[idx];
-    size_t end = safe_end(r, s);
-    if (end == s->emitted && s->ids_emitted == s->n_ids && !s->done)
-        return;
-    kvf_router_oai_choice c = {
-        .index = idx,
-        .text = s->text.data ? s->text.data + s->emitted : "",
-        .text_len = end - s->emitted,
-        .token_ids = s->ids ? s->ids + s->ids_emitted : NULL,
-        .n_ids = s->n_ids - s->ids_emitted,
-        .finish = s->done ? s->finish : KVF_ROUTER_OAI_FINISH_NONE,
-        .first_chunk = !s->first_sent,
-    };
-    send_chunk(h, r, &c, 1, NULL);
-    s->first_sent = true;
-    s->emitted = end;
-    s->ids_emitted = s->n_ids;
+    evhttp_send_reply_end(c);
+    count_status(h, code);
 }
 
-static void seq_finish(kvf_router_http *h, rq *r, int32_t idx, kvf_router_oai_finish f)
+void kvf_router_client_send_gone(kvf_router_client *c, bool streaming)
 {
-    seq_state *s = &r->seqs[idx];
-    if (s->done)
-        return;
-    size_t prev = s->text.len;
-    if (s->detok) {
-        kvf_err err = {0};
-        kvf_model_detok_finish(s->detok, &s->text, &err);
-    }
-    if (r->oai.n_stop && s->text.len > prev) {
-        size_t from = prev > r->max_stop ? prev - r->max_stop : 0;
-        int64_t pos = kvf_router_oai_find_stop(s->text.data, s->text.len, from, r->oai.stop, r->oai.n_stop);
-        if (pos >= 0) {
-            s->text.len = (size_t)pos;
-            s->text.data[pos] = 0;
-            f = KVF_ROUTER_OAI_FINISH_STOP;
-        }
-    }
-    s->finish = f;
-    s->done = true;
-    if (r->oai.stream && !r->client_gone)
-        emit_seq(h, r, idx);
-}
-
-static bool all_done(const rq *r)
-{
-    for (int32_t i = 0; i < r->oai.n; i++)
-        if (!r->seqs[i].done)
-            return false;
-    return true;
-}
-
-/* Applies one GenerateResponse. */
-static void handle_msg(kvf_router_http *h, rq *r, const Kvfleet__V1__GenerateResponse *m)
-{
-    if (m->usage && m->usage->cached_prompt_tokens > r->cached_tokens)
-        r->cached_tokens = m->usage->cached_prompt_tokens;
-    if (m->index < 0 || m->index >= r->oai.n) {
-        kvf_log(KVF_LOG_WARN, "router: req %s: decode sent sequence index %d of %d", r->id, m->index, r->oai.n);
-        return;
-    }
-    seq_state *s = &r->seqs[m->index];
-    if (m->n_token_ids && !r->got_token) {
-        r->got_token = true;
-        kvf_metric_observe(h->m_ttft, kvf_now_s() - r->t0);
-        if (r->prefill >= 0 && r->prefill_tokens) {
-            h->prefill_queued[r->prefill] -= r->prefill_tokens;
-            r->prefill_tokens = 0;
-        }
-    }
-    if (s->done)
-        return;
-    if (s->n_ids + m->n_token_ids > s->cap) {
-        size_t cap = (s->n_ids + m->n_token_ids) * 2 + 16;
-        int32_t *ids = realloc(s->ids, cap * sizeof *ids);
-        if (!ids)
-            return;
-        s->ids = ids;
-        s->cap = cap;
-    }
-    if (m->n_token_ids)
-        memcpy(s->ids + s->n_ids, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
-    s->n_ids += m->n_token_ids;
-    kvf_metric_add(h->m_gen_tokens, (double)m->n_token_ids);
-    size_t prev = s->text.len;
-    if (s->detok && m->n_token_ids) {
-        kvf_err err = {0};
-        if (kvf_model_detok_feed(s->detok, m->token_ids, m->n_token_ids, &s->text, &err) != KVF_OK)
-            kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
-    }
-    if (r->oai.n_stop && s->text.len > prev) {
-        size_t from = prev > r->max_stop ? prev - r->max_stop : 0;
-        int64_t pos = kvf_router_oai_find_stop(s->text.data, s->text.len, from, r->oai.stop, r->oai.n_stop);
-        if (pos >= 0) {
-            s->text.len = (size_t)pos;
-            s->text.data[pos] = 0;
-            s->finish = KVF_ROUTER_OAI_FINISH_STOP;
-            s->done = true;
-        }
-    }
-    if (!s->done && m->finish_reason != KVFLEET__V1__FINISH_REASON__FINISH_NONE) {
-        kvf_router_oai_finish f = m->finish_reason == KVFLEET__V1__FINISH_REASON__FINISH_STOP ? KVF_ROUTER_OAI_FINISH_STOP
-                                  : m->finish_reason == KVFLEET__V1__FINISH_REASON__FINISH_LENGTH ? KVF_ROUTER_OAI_FINISH_LENGTH
-                                                                                                 : KVF_ROUTER_OAI_FINISH_ABORT;
-        seq_finish(h, r, m->index, f);
-        return;
-    }
-    if (r->oai.stream && !r->client_gone)
-        emit_seq(h, r, m->index);
-}
-
-static kvf_router_oai_usage usage_of(const rq *r)
-{
-    kvf_router_oai_usage u = {.prompt_tokens = (int64_t)r->n_prompt, .cached_tokens = r->cached_tokens};
-    for (int32_t i = 0; i < r->oai.n; i++)
-        u.completion_tokens += (int64_t)r->seqs[i].n_ids;
-    return u;
-}
-
-/* Sends the end of a successful request and frees it. */
-static void finish_ok(kvf_router_http *h, rq *r)
-{
-    detach(r);
-    kvf_router_oai_usage u = usage_of(r);
-    if (r->oai.stream) {
-        if (r->oai.include_usage)
-            send_chunk(h, r, NULL, 0, &u);
-        struct evbuffer *eb = evbuffer_new();
-        evbuffer_add_printf(eb, "data: [DONE]\n\n");
-        evhttp_send_reply_chunk(r->ev, eb);
-        evbuffer_free(eb);
-        evhttp_send_reply_end(r->ev);
-        count_status(h, 200);
-    } else {
-        kvf_router_oai_choice *cs = calloc((size_t)r->oai.n, sizeof *cs);
-        kvf_sbuf b;
-        kvf_sbuf_init(&b);
-        for (int32_t i = 0; cs && i < r->oai.n; i++) {
-            seq_state *s = &r->seqs[i];
-            cs[i] = (kvf_router_oai_choice){.index = i, .text = s->text.data, .text_len = s->text.len,
-                                            .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish};
-        }
-        char id[96];
-        snprintf(id, sizeof id, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r->id);
-        kvf_router_oai_answer_json(r->oai.kind, id, h->served, r->created, cs, cs ? (size_t)r->oai.n : 0, &u, &b);
-        send_json(h, r->ev, 200, "OK", r->id, b.data ? b.data : "{}", b.len);
-        kvf_sbuf_fini(&b);
-        free(cs);
-    }
-    kvf_metric_observe(h->m_e2e, kvf_now_s() - r->t0);
-    kvf_log(KVF_LOG_INFO, "router: req %s: done, %lld prompt + %lld completion tokens in %.1f ms",
-            r->id, (long long)u.prompt_tokens, (long long)u.completion_tokens, (kvf_now_s() - r->t0) * 1e3);
-    r->ev = NULL;
-    rq_free(r);
-}
-
-static void finish_err(kvf_router_http *h, rq *r, const kvf_router_oai_error *e, int retry_after)
-{
-    detach(r);
-    if (r->oai.stream) {
-        kvf_sbuf b;
-        kvf_sbuf_init(&b);
-        kvf_sbuf_puts(&b, "data: ");
-        kvf_router_oai_error_json(e, &b);
-        kvf_sbuf_puts(&b, "\n\ndata: [DONE]\n\n");
-        struct evbuffer *eb = evbuffer_new();
-        evbuffer_add(eb, b.data, b.len);
-        evhttp_send_reply_chunk(r->ev, eb);
-        evbuffer_free(eb);
-        evhttp_send_reply_end(r->ev);
-        kvf_sbuf_fini(&b);
-        kvf_log(KVF_LOG_WARN, "router: req %s: failed mid-stream: %s", r->id, e->message);
-        count_status(h, e->http_status);
-    } else {
-        send_error(h, r->ev, r->id, e, retry_after);
-    }
-    r->ev = NULL;
-    rq_free(r);
-}
-
-static void finish_gone(kvf_router_http *h, rq *r)
-{
-    detach(r);
-    kvf_log(KVF_LOG_INFO, "router: req %s: client went away; Generate cancelled", r->id);
-    kvf_metric_add(h->m_disconnects, 1);
-    if (r->stream)
-        kvf_rpc_stream_cancel(r->stream);
-    if (r->oai.stream)
-        evhttp_send_reply_end(r->ev); /* frees the request when the connection is gone */
+    if (streaming)
+        evhttp_send_reply_end(c); /* frees the request when the connection is gone */
     else
-        evhttp_send_reply(r->ev, 499, "Client Closed Request", NULL);
-    r->ev = NULL;
-    rq_free(r);
+        evhttp_send_reply(c, 499, "Client Closed Request", NULL);
 }
 
-static bool retryable(kvf_status st)
+/* ---------------------------------------------------------------------------------------- */
+/* Clients that leave                                                                        */
+
+static void on_close(struct evhttp_connection *conn, void *arg)
 {
-    return st == KVF_ERR_PEER_LOST || st == KVF_ERR_BUSY || st == KVF_ERR_FULL ||
-           st == KVF_ERR_CANCELLED || st == KVF_ERR_INTERNAL;
+    (void)conn;
+    kvf_router_req_client_left(arg);
 }
 
-/* The decode worker failed before the first token, or mid-stream with one sequence: go on with
- * another one. Returns false when the request was answered (and freed) instead. */
-static bool retry(kvf_router_http *h, rq *r, kvf_status why, const char *msg)
+void kvf_router_client_on_close(kvf_router_client *c, kvf_router_req *r)
 {
-    kvf_log(KVF_LOG_WARN, "router: req %s: decode %s failed after %zu tokens (%s: %s)", r->id,
-            h->workers[0][r->worker].address, r->seqs[0].n_ids, kvf_status_name(why), msg);
-    kvf_rpc_stream_destroy(r->stream);
-    r->stream = NULL;
-    h->inflight[r->worker]--;
-    r->started = false;
-    if (why == KVF_ERR_PEER_LOST) {
-        kvf_router_fleet_mark_failed(h->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
-    }
-    if (h->pool[0] && h->in_pool[0][r->worker]) {
-        kvf_router_pool_worker_remove(h->pool[0], r->worker);
-        h->in_pool[0][r->worker] = false;
-    }
-    kvf_router_oai_error e;
-    int ra = 0;
-    if (r->attempts >= h->cfg.max_attempts) {
-        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
-                                 "decode workers failed %d times; last: %s",
-                                 r->attempts, msg);
-        finish_err(h, r, &e, 1);
-        return false;
-    }
-    if (r->prefill >= 0 && r->prefill_tokens) {
-        h->prefill_queued[r->prefill] -= r->prefill_tokens;
-        r->prefill_tokens = 0;
-    }
-    /* The pool may re-add the failed worker when the fleet still thinks it healthy: skip it. */
-    int32_t failed = r->worker;
-    for (int tries = 0; tries < 4; tries++) {
-        if (pick_workers(h, r, &e, &ra) != KVF_OK) {
-            finish_err(h, r, &e, ra);
-            return false;
-        }
-        if (r->worker != failed || n_in_pool(h, 0) <= 1)
-            break;
-    }
-    kvf_metric_add(h->m_retries, 1);
-    kvf_err err = {0};
-    if (open_stream(h, r, &err) != KVF_OK) {
-        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
-        finish_err(h, r, &e, 1);
-        return false;
-    }
-    return true;
+    struct evhttp_connection *conn = c ? evhttp_request_get_connection(c) : NULL;
+    if (conn)
+        evhttp_connection_set_closecb(conn, r ? on_close : NULL, r);
 }
 
-/* libevent does not always watch a connection for EOF while its request waits for an answer:
- * every 20 ms a waiting plain request peeks at its socket (0 bytes readable = the client left). */
-static void peek_gone(rq *r)
+bool kvf_router_client_left(kvf_router_client *c)
 {
-    int64_t now = kvf_now_ns();
-    if (r->client_gone || r->oai.stream || now < r->next_peek_ns)
-        return;
-    r->next_peek_ns = now + 20000000;
-    struct evhttp_connection *c = evhttp_request_get_connection(r->ev);
-    struct bufferevent *bev = c ? evhttp_connection_get_bufferevent(c) : NULL;
+    struct evhttp_connection *conn = evhttp_request_get_connection(c);
+    struct bufferevent *bev = conn ? evhttp_connection_get_bufferevent(conn) : NULL;
     evutil_socket_t fd = bev ? bufferevent_getfd(bev) : -1;
     char b;
-    if (fd >= 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
-        on_close(c, r);
+    return fd >= 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
-/* Reads what the request's stream has; returns after the request is answered or idle. */
-static void pump(kvf_router_http *h, rq *r)
+void kvf_router_client_abandon(kvf_router_client *c)
 {
-    peek_gone(r);
-    for (;;) {
-        if (r->client_gone) {
-            finish_gone(h, r);
-            return;
-        }
-        kvf_rpc_buf m = {0};
-        bool done = false;
-        kvf_err err = {0};
-        kvf_status st = kvf_rpc_stream_read(r->stream, 0, &m, &done, &err);
-        if (!done && st == KVF_ERR_TIMEOUT)
-            return;
-        if (!done && st == KVF_OK) {
-            Kvfleet__V1__GenerateResponse *g = NULL;
-            if (kvf_rpc_generate_response_decode(m.data, m.len, &g, &err) != KVF_OK) {
-                kvf_log(KVF_LOG_WARN, "router: req %s: bad Generate message: %s", r->id, err.msg);
-            } else {
-                handle_msg(h, r, g);
-            }
-            kvf_rpc_msg_free(g);
-            kvf_rpc_buf_free(&m);
-            if (all_done(r)) {
-                kvf_rpc_stream_cancel(r->stream); /* stop strings may end it before the worker */
-                finish_ok(h, r);
-                return;
-            }
-            continue;
-        }
-        /* The call is over. */
-        if (st == KVF_OK) {
-            for (int32_t i = 0; i < r->oai.n; i++)
-                seq_finish(h, r, i, KVF_ROUTER_OAI_FINISH_LENGTH);
-            finish_ok(h, r);
-            return;
-        }
-        bool resumable = !r->got_token || (r->oai.n == 1 && !r->seqs[0].done);
-        if (resumable && retryable(st)) {
-            if (!retry(h, r, st, err.msg))
-                return;
-            continue;
-        }
-        kvf_router_oai_error e;
-        int code = st == KVF_ERR_INVALID || st == KVF_ERR_LIMIT ? 400 : st == KVF_ERR_TIMEOUT ? 504 : 502;
-        kvf_router_oai_error_set(&e, code, code == 400 ? "invalid_request_error" : "server_error", NULL,
-                                 NULL, "decode worker %s: %s", h->workers[0][r->worker].address,
-                                 err.msg[0] ? err.msg : kvf_status_str(st));
-        finish_err(h, r, &e, 0);
-        return;
-    }
+    if (c && !evhttp_request_get_connection(c))
+        evhttp_request_free(c);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Wake-ups                                                                                  */
+
+/* event_active is thread-safe once evthread_use_pthreads ran. */
+void kvf_router_wake_notify(void *wake)
+{
+    kvf_router_wake *w = wake;
+    atomic_store_explicit(&w->ready, true, memory_order_release);
+    event_active(w->h->wake_ev, EV_READ, 0);
+}
+
+bool kvf_router_wake_take(kvf_router_wake *w)
+{
+    return atomic_exchange_explicit(&w->ready, false, memory_order_acquire);
 }
 
 /* Pumps the requests and drains the watches whose stream said it has something (all of them
- * when `all`). Loop thread. */
+ * when `all`). */
 static void drain(kvf_router_http *h, bool all)
 {
-    for (rq *r = h->reqs, *next; r; r = next) {
-        next = r->next; /* pump frees r at most, never another request */
-        bool ready = atomic_exchange_explicit(&r->wake.ready, false, memory_order_acquire);
-        if (ready || all)
-            pump(h, r);
-    }
-    watches_drain(h, all);
+    kvf_router_reqs_pump(h->reqs, all);
+    kvf_router_watch_drain(h->watch, all);
 }
 
-/* A stream has a message or its end, or a client left (on_stream_ready, wake_again). */
+/* A stream has a message or its end, or a client left (kvf_router_wake_notify). */
 static void on_wake(evutil_socket_t fd, short what, void *arg)
 {
     kvf_router_http *h = arg;
@@ -1041,267 +235,9 @@ static void on_safety(evutil_socket_t fd, short what, void *arg)
     double now = kvf_now_s();
     if (h->policy == KVF_ROUTER_POLICY_KV && now - h->last_index_health >= 1.0) {
         h->last_index_health = now;
-        index_health(h);
+        kvf_router_watch_health(h->watch);
     }
 }
-
-/* Tokenizes the prompt of a parsed request into r->prompt. */
-static kvf_status build_prompt(kvf_router_http *h, rq *r, kvf_router_oai_error *e)
-{
-    kvf_err err = {0};
-    if (r->oai.prompt_ids) {
-        int32_t vocab = h->tok ? kvf_model_tokenizer_vocab_size(h->tok) : h->mcfg.vocab_size;
-        if (vocab < h->mcfg.vocab_size)
-            vocab = h->mcfg.vocab_size;
-        for (size_t i = 0; i < r->oai.n_prompt_ids; i++)
-            if (r->oai.prompt_ids[i] >= vocab)
-                return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
-                                                "'prompt'[%zu] is token id %d; this model's ids are 0 to %d",
-                                                i, r->oai.prompt_ids[i], vocab - 1);
-        r->prompt = r->oai.prompt_ids;
-        r->n_prompt = r->oai.n_prompt_ids;
-        r->oai.prompt_ids = NULL;
-        return KVF_OK;
-    }
-    if (!h->tok)
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
-                                        r->oai.kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", "no_tokenizer",
-                                        "model '%s' has no tokenizer: send 'prompt' to /v1/completions as an array of token ids",
-                                        h->served);
-    char *text = NULL;
-    size_t len = 0;
-    bool add_special = true;
-    if (r->oai.kind == KVF_ROUTER_OAI_CHAT) {
-        if (!h->tmpl)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "no_chat_template",
-                                            "model '%s' has no chat template: %s", h->served, h->tmpl_err);
-        kvf_model_chat_request cr = {.messages = r->oai.messages, .add_generation_prompt = true,
-                                     .extra = r->oai.chat_extra};
-        bool raised = false;
-        if (kvf_model_chat_template_render(h->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err.msg);
-        add_special = false; /* the template writes BOS itself */
-    }
-    const char *src = text ? text : r->oai.prompt_text;
-    kvf_status st = kvf_model_tokenizer_encode(h->tok, src, text ? len : strlen(src), add_special,
-                                               &r->prompt, &r->n_prompt, &err);
-    free(text);
-    if (st != KVF_OK)
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
-                                        r->oai.kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", NULL, "%s", err.msg);
-    return KVF_OK;
-}
-
-static void handle_generate(kvf_router_http *h, struct evhttp_request *ev, kvf_router_oai_kind kind)
-{
-    char id[80];
-    request_id(h, ev, id, sizeof id);
-    kvf_metric_add(h->m_requests, 1);
-    kvf_router_oai_error e;
-    int retry_after = 0;
-    if (evhttp_request_get_command(ev) != EVHTTP_REQ_POST) {
-        kvf_router_oai_error_set(&e, 405, "invalid_request_error", NULL, "method_not_allowed",
-                                 "%s takes POST", evhttp_request_get_uri(ev));
-        send_error(h, ev, id, &e, 0);
-        return;
-    }
-    rq *r = calloc(1, sizeof *r);
-    if (!r) {
-        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        send_error(h, ev, id, &e, 0);
-        return;
-    }
-    r->h = h;
-    r->wake.h = h;
-    r->worker = r->prefill = -1;
-    r->t0 = kvf_now_s();
-    r->created = (int64_t)wall_s();
-    snprintf(r->id, sizeof r->id, "%s", id);
-    struct evbuffer *in = evhttp_request_get_input_buffer(ev);
-    size_t len = evbuffer_get_length(in);
-    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
-    if (kvf_router_oai_parse(kind, body, len, &r->oai, &e) != KVF_OK)
-        goto fail;
-    if (strcmp(r->oai.model, h->served) != 0) {
-        kvf_router_oai_error_set(&e, 404, "invalid_request_error", "model", "model_not_found",
-                                 "The model '%s' does not exist; this server serves '%s'", r->oai.model,
-                                 h->served);
-        goto fail;
-    }
-    if (r->oai.n_stop && !h->tok) {
-        kvf_router_oai_error_set(&e, 400, "invalid_request_error", "stop", "no_tokenizer",
-                                 "'stop' strings need a tokenizer and model '%s' has none", h->served);
-        goto fail;
-    }
-    if (build_prompt(h, r, &e) != KVF_OK)
-        goto fail;
-    if (r->n_prompt == 0) {
-        kvf_router_oai_error_set(&e, 400, "invalid_request_error", "prompt", "invalid_value",
-                                 "the prompt is empty after tokenization");
-        goto fail;
-    }
-    int64_t room = (int64_t)h->max_len - (int64_t)r->n_prompt;
-    r->max_tokens = r->oai.max_tokens ? r->oai.max_tokens
-                    : kind == KVF_ROUTER_OAI_COMPLETIONS ? 16 : (int32_t)(room > 0 ? room : 1);
-    if ((int64_t)r->n_prompt + r->max_tokens > h->max_len) {
-        kvf_router_oai_error_set(&e, 400, "invalid_request_error",
-                                 kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", "context_length_exceeded",
-                                 "This model's maximum context length is %d tokens. However, you requested %lld tokens "
-                                 "(%zu in the prompt, %d in the completion). Please reduce the prompt or max_tokens.",
-                                 h->max_len, (long long)r->n_prompt + r->max_tokens, r->n_prompt, r->max_tokens);
-        goto fail;
-    }
-    for (size_t i = 0; i < r->oai.n_stop; i++)
-        if (strlen(r->oai.stop[i]) > r->max_stop)
-            r->max_stop = strlen(r->oai.stop[i]);
-    kvf_metric_add(h->m_prompt_tokens, (double)r->n_prompt);
-
-    /* Block hashes for the kv policy (cheap: one pass over the prompt). */
-    sync_pools(h);
-    if (h->pool[0] && h->policy != KVF_ROUTER_POLICY_ROUND_ROBIN) {
-        int32_t bs = h->workers[0][0].block_size;
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS && bs <= 0; i++)
-            bs = h->workers[0][i].block_size;
-        if (bs > 0 && (r->hashes = malloc((r->n_prompt / (size_t)bs + 1) * sizeof *r->hashes))) {
-            const char *salt = r->oai.cache_salt ? r->oai.cache_salt : "";
-            uint64_t root = kvf_kv_hash_root(h->workers[0][0].model_id, salt, strlen(salt));
-            r->n_blocks = kvf_kv_hash_blocks(root, r->prompt, r->n_prompt, bs, r->hashes);
-        }
-    }
-    if (pick_workers(h, r, &e, &retry_after) != KVF_OK)
-        goto fail;
-
-    r->seqs = calloc((size_t)r->oai.n, sizeof *r->seqs);
-    if (!r->seqs) {
-        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto fail;
-    }
-    kvf_err err = {0};
-    for (int32_t i = 0; i < r->oai.n; i++) {
-        kvf_sbuf_init(&r->seqs[i].text);
-        if (h->tok && kvf_model_detok_create(h->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK) {
-            kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
-            goto fail;
-        }
-    }
-    /* Open Generate, trying other decode workers when one cannot even start the call. */
-    for (;;) {
-        if (open_stream(h, r, &err) == KVF_OK)
-            break;
-        kvf_router_fleet_mark_failed(h->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
-        if (++r->attempts >= h->cfg.max_attempts || pick_workers(h, r, &e, &retry_after) != KVF_OK) {
-            if (r->attempts >= h->cfg.max_attempts)
-                kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
-            retry_after = 1;
-            goto fail;
-        }
-    }
-    r->ev = ev;
-    r->next = h->reqs;
-    if (h->reqs)
-        h->reqs->prev = r;
-    h->reqs = r;
-    h->n_reqs++;
-    kvf_metric_set(h->m_inflight, (double)h->n_reqs);
-    struct evhttp_connection *c = evhttp_request_get_connection(ev);
-    if (c)
-        evhttp_connection_set_closecb(c, on_close, r);
-    if (r->oai.stream) {
-        struct evkeyvalq *oh = evhttp_request_get_output_headers(ev);
-        evhttp_add_header(oh, "Content-Type", "text/event-stream");
-        evhttp_add_header(oh, "Cache-Control", "no-cache");
-        evhttp_add_header(oh, "x-request-id", r->id);
-        evhttp_send_reply_start(ev, 200, "OK");
-    }
-    return;
-fail:
-    send_error(h, ev, r->id, &e, retry_after);
-    r->ev = NULL;
-    r->worker = -1;
-    r->h->n_reqs++; /* rq_free counts it down */
-    rq_free(r);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* The other endpoints                                                                       */
-
-static void send_text(kvf_router_http *h, struct evhttp_request *ev, int code, const char *ctype,
-                      const char *text, size_t len)
-{
-    evhttp_add_header(evhttp_request_get_output_headers(ev), "Content-Type", ctype);
-    struct evbuffer *b = evbuffer_new();
-    evbuffer_add(b, text, len);
-    evhttp_send_reply(ev, code, reason_of(code), b);
-    evbuffer_free(b);
-    count_status(h, code);
-}
-
-static void on_request(struct evhttp_request *ev, void *arg)
-{
-    kvf_router_http *h = arg;
-    const char *uri = evhttp_request_get_uri(ev);
-    if (!uri) {
-        /* libevent calls back again, without a URI, when a connection fails with a buffer
-         * error: a request of ours is answered when its turn comes; others get a 400 */
-        for (rq *r = h->reqs; r; r = r->next)
-            if (r->ev == ev) {
-                on_close(NULL, r);
-                return;
-            }
-        evhttp_send_error(ev, 400, NULL);
-        return;
-    }
-    char path[256];
-    size_t n = strcspn(uri, "?");
-    snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
-    if (strcmp(path, "/v1/completions") == 0) {
-        handle_generate(h, ev, KVF_ROUTER_OAI_COMPLETIONS);
-    } else if (strcmp(path, "/v1/chat/completions") == 0) {
-        handle_generate(h, ev, KVF_ROUTER_OAI_CHAT);
-    } else if (strcmp(path, "/health") == 0) {
-        send_text(h, ev, 200, "text/plain", "ok\n", 3);
-    } else if (strcmp(path, "/ready") == 0) {
-        /* Ready when a decode worker answers and, under the kv policy, every worker's snapshot
-         * is in the index: a restarted router does not route blind. */
-        int32_t n_up = kvf_router_fleet_n_healthy(h->fleet, KVF_ROUTER_ROLE_DECODE);
-        int32_t unsynced = 0;
-        if (h->policy == KVF_ROUTER_POLICY_KV) {
-            sync_pools(h);
-            unsynced = index_health(h);
-        }
-        char b[128];
-        int len = !n_up ? snprintf(b, sizeof b, "not ready: no decode worker answers\n")
-                  : unsynced ? snprintf(b, sizeof b, "not ready: waiting for KV snapshots from %d workers\n", unsynced)
-                             : snprintf(b, sizeof b, "ready: %d decode workers\n", n_up);
-        send_text(h, ev, n_up && !unsynced ? 200 : 503, "text/plain", b, (size_t)len);
-    } else if (strcmp(path, "/metrics") == 0) {
-        sync_pools(h);
-        if (h->policy == KVF_ROUTER_POLICY_KV)
-            index_health(h);
-        kvf_sbuf b;
-        kvf_sbuf_init(&b);
-        kvf_metrics_render(h->metrics, &b);
-        send_text(h, ev, 200, "text/plain; version=0.0.4", b.data ? b.data : "", b.len);
-        kvf_sbuf_fini(&b);
-    } else if (strcmp(path, "/v1/models") == 0) {
-        json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", h->served, "object", "model", "created",
-                              (json_int_t)wall_s(), "owned_by", "kvfleet", "max_model_len", h->max_len);
-        json_t *o = json_pack("{s:s,s:[o]}", "object", "list", "data", m);
-        char *s = json_dumps(o, JSON_COMPACT);
-        json_decref(o);
-        send_json(h, ev, 200, "OK", NULL, s ? s : "{}", s ? strlen(s) : 2);
-        free(s);
-    } else {
-        kvf_router_oai_error e;
-        kvf_router_oai_error_set(&e, 404, "invalid_request_error", NULL, "not_found",
-                                 "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics)",
-                                 path);
-        send_error(h, ev, NULL, &e, 0);
-    }
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Life cycle                                                                                */
 
 static void on_stop(evutil_socket_t fd, short what, void *arg)
 {
@@ -1312,55 +248,161 @@ static void on_stop(evutil_socket_t fd, short what, void *arg)
     event_base_loopbreak(h->base);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Routes                                                                                    */
+
+/* The request id: the client's x-request-id when it is sane, else a new one. */
+static void request_id(kvf_router_http *h, struct evhttp_request *ev, char *out, size_t cap)
+{
+    const char *given = evhttp_find_header(evhttp_request_get_input_headers(ev), "x-request-id");
+    if (given) {
+        size_t n = strlen(given);
+        bool ok = n > 0 && n < 65;
+        for (size_t i = 0; ok && i < n; i++)
+            ok = isalnum((unsigned char)given[i]) || strchr("-_.:", given[i]);
+        if (ok) {
+            snprintf(out, cap, "%s", given);
+            return;
+        }
+    }
+    uint64_t x = (uint64_t)kvf_now_ns() ^ (++h->next_id * 0x9E3779B97F4A7C15ull);
+    x ^= x >> 31;
+    snprintf(out, cap, "%016llx", (unsigned long long)x);
+}
+
+/* POST /v1/completions and /v1/chat/completions: the request's life is request.c's. */
+static void generate(kvf_router_http *h, struct evhttp_request *ev, kvf_router_oai_kind kind)
+{
+    char id[80];
+    request_id(h, ev, id, sizeof id);
+    kvf_metric_add(h->m_requests, 1);
+    if (evhttp_request_get_command(ev) != EVHTTP_REQ_POST) {
+        kvf_router_oai_error e;
+        kvf_router_oai_error_set(&e, 405, "invalid_request_error", NULL, "method_not_allowed",
+                                 "%s takes POST", evhttp_request_get_uri(ev));
+        kvf_router_http_send_error(h, ev, id, &e, 0);
+        return;
+    }
+    struct evbuffer *in = evhttp_request_get_input_buffer(ev);
+    size_t len = evbuffer_get_length(in);
+    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
+    kvf_router_reqs_start(h->reqs, ev, kind, id, body, len);
+}
+
+static void on_completions(kvf_router_http *h, struct evhttp_request *ev)
+{
+    generate(h, ev, KVF_ROUTER_OAI_COMPLETIONS);
+}
+
+static void on_chat(kvf_router_http *h, struct evhttp_request *ev)
+{
+    generate(h, ev, KVF_ROUTER_OAI_CHAT);
+}
+
+static void on_health(kvf_router_http *h, struct evhttp_request *ev)
+{
+    send_body(h, ev, 200, "text/plain", NULL, "ok\n", 3);
+}
+
+/* Ready when a decode worker answers and, under the kv policy, every worker's snapshot is in
+ * the index: a restarted router does not route blind. */
+static void on_ready(kvf_router_http *h, struct evhttp_request *ev)
+{
+    int32_t n_up = kvf_router_fleet_n_healthy(h->fleet, KVF_ROUTER_ROLE_DECODE);
+    int32_t unsynced = 0;
+    if (h->policy == KVF_ROUTER_POLICY_KV) {
+        kvf_router_watch_sync(h->watch);
+        unsynced = kvf_router_watch_health(h->watch);
+    }
+    char b[128];
+    int len = !n_up ? snprintf(b, sizeof b, "not ready: no decode worker answers\n")
+              : unsynced ? snprintf(b, sizeof b, "not ready: waiting for KV snapshots from %d workers\n", unsynced)
+                         : snprintf(b, sizeof b, "ready: %d decode workers\n", n_up);
+    send_body(h, ev, n_up && !unsynced ? 200 : 503, "text/plain", NULL, b, (size_t)len);
+}
+
+static void on_metrics(kvf_router_http *h, struct evhttp_request *ev)
+{
+    kvf_router_watch_sync(h->watch);
+    if (h->policy == KVF_ROUTER_POLICY_KV)
+        kvf_router_watch_health(h->watch);
+    kvf_sbuf b;
+    kvf_sbuf_init(&b);
+    kvf_metrics_render(h->metrics, &b);
+    send_body(h, ev, 200, "text/plain; version=0.0.4", NULL, b.data ? b.data : "", b.len);
+    kvf_sbuf_fini(&b);
+}
+
+static void on_models(kvf_router_http *h, struct evhttp_request *ev)
+{
+    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", h->served, "object", "model", "created",
+                          (json_int_t)(kvf_wall_ms() / 1000), "owned_by", "kvfleet", "max_model_len", h->max_len);
+    json_t *o = json_pack("{s:s,s:[o]}", "object", "list", "data", m);
+    char *s = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    kvf_router_http_send_json(h, ev, 200, NULL, s ? s : "{}", s ? strlen(s) : 2);
+    free(s);
+}
+
+static const struct route {
+    const char *path;
+    void (*fn)(kvf_router_http *h, struct evhttp_request *ev);
+} routes[] = {
+    {"/v1/completions", on_completions}, {"/v1/chat/completions", on_chat}, {"/health", on_health},
+    {"/ready", on_ready},                {"/metrics", on_metrics},          {"/v1/models", on_models},
+};
+
+static void on_request(struct evhttp_request *ev, void *arg)
+{
+    kvf_router_http *h = arg;
+    const char *uri = evhttp_request_get_uri(ev);
+    if (!uri) {
+        /* libevent calls back again, without a URI, when a connection fails with a buffer
+         * error: a request of ours is answered when its turn comes; others get a 400 */
+        kvf_router_req *r = kvf_router_reqs_find(h->reqs, ev);
+        if (r)
+            kvf_router_req_client_left(r);
+        else
+            evhttp_send_error(ev, 400, NULL);
+        return;
+    }
+    char path[256];
+    size_t n = strcspn(uri, "?");
+    snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
+        if (strcmp(path, routes[i].path) == 0) {
+            routes[i].fn(h, ev);
+            return;
+        }
+    kvf_router_oai_error e;
+    kvf_router_oai_error_set(&e, 404, "invalid_request_error", NULL, "not_found",
+                             "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics)",
+                             path);
+    kvf_router_http_send_error(h, ev, NULL, &e, 0);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Life cycle                                                                                */
+
 static kvf_status add_metrics(kvf_router_http *h, kvf_err *err)
 {
-    static const double lat[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
     kvf_status st;
     if ((st = kvf_metrics_create(&h->metrics)) != KVF_OK)
         return kvf_err_set(err, st, "router: metrics: out of memory");
-#define C(var, name, labels, help)                                                                 \
-    if ((st = kvf_metrics_counter(h->metrics, name, labels, help, &h->var, err)) != KVF_OK)        \
-        return st;
-#define G(var, name, labels, help)                                                                 \
-    if ((st = kvf_metrics_gauge(h->metrics, name, labels, help, &h->var, err)) != KVF_OK)          \
-        return st;
-    C(m_requests, "kvfleet_router_requests_total", NULL, "generation requests received")
-    C(m_2xx, "kvfleet_router_responses_total", "code=\"2xx\"", "answers by status class")
-    C(m_4xx, "kvfleet_router_responses_total", "code=\"4xx\"", "answers by status class")
-    C(m_5xx, "kvfleet_router_responses_total", "code=\"5xx\"", "answers by status class")
-    C(m_retries, "kvfleet_router_retries_total", NULL, "requests moved to another decode worker (before the first token, or mid-stream with n = 1)")
-    C(m_disconnects, "kvfleet_router_client_disconnects_total", NULL, "requests cancelled because the client went away")
-    C(m_gen_tokens, "kvfleet_router_generated_tokens_total", NULL, "tokens streamed from decode workers")
-    C(m_prompt_tokens, "kvfleet_router_prompt_tokens_total", NULL, "prompt tokens routed")
-    G(m_inflight, "kvfleet_router_requests_in_flight", NULL, "generation requests in flight")
-    C(m_wake_stream, "kvfleet_router_loop_wakeups_total", "cause=\"stream\"",
-      "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
-    C(m_wake_timer, "kvfleet_router_loop_wakeups_total", "cause=\"timer\"",
-      "event-loop passes over the streams: woken by a stream (a message or its end arrived, or a client left) or by the safety timer")
-    G(m_decode_up, "kvfleet_router_healthy_workers", "role=\"decode\"", "workers passing health checks")
-    G(m_prefill_up, "kvfleet_router_healthy_workers", "role=\"prefill\"", "workers passing health checks")
-#undef C
-#undef G
-    static const char *const roles[2] = {"decode", "prefill"}, *const states[3] = {"live", "stale", "resync"};
-    for (int r = 0; r < 2; r++) {
-        char labels[64];
-        for (int k = 0; k < 3; k++) {
-            snprintf(labels, sizeof labels, "role=\"%s\",state=\"%s\"", roles[r], states[k]);
-            if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_workers", labels,
-                                        "kv policy: workers by the state of their KV events (stale: events and load "
-                                        "reports stopped, entries decaying; resync: waiting for a snapshot)",
-                                        &h->m_idx_state[r][k], err)) != KVF_OK)
-                return st;
-        }
-        snprintf(labels, sizeof labels, "role=\"%s\"", roles[r]);
-        if ((st = kvf_metrics_gauge(h->metrics, "kvfleet_router_index_blocks", labels, "kv policy: blocks in the index",
-                                    &h->m_idx_blocks[r], err)) != KVF_OK)
-            return st;
-    }
-    if ((st = kvf_metrics_histogram(h->metrics, "kvfleet_router_ttft_seconds", NULL, "time to first token",
-                                    lat, sizeof lat / sizeof lat[0], &h->m_ttft, err)) != KVF_OK ||
-        (st = kvf_metrics_histogram(h->metrics, "kvfleet_router_request_seconds", NULL, "whole request time",
-                                    lat, sizeof lat / sizeof lat[0], &h->m_e2e, err)) != KVF_OK)
+    static const char wakes[] = "event-loop passes over the streams: woken by a stream (a message or its end "
+                                "arrived, or a client left) or by the safety timer";
+    if ((st = kvf_metrics_counter(h->metrics, "kvfleet_router_requests_total", NULL, "generation requests received",
+                                  &h->m_requests, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(h->metrics, "kvfleet_router_responses_total", "code=\"2xx\"", "answers by status class",
+                                  &h->m_2xx, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(h->metrics, "kvfleet_router_responses_total", "code=\"4xx\"", "answers by status class",
+                                  &h->m_4xx, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(h->metrics, "kvfleet_router_responses_total", "code=\"5xx\"", "answers by status class",
+                                  &h->m_5xx, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(h->metrics, "kvfleet_router_loop_wakeups_total", "cause=\"stream\"", wakes,
+                                  &h->m_wake_stream, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(h->metrics, "kvfleet_router_loop_wakeups_total", "cause=\"timer\"", wakes,
+                                  &h->m_wake_timer, err)) != KVF_OK)
         return st;
     return KVF_OK;
 }
@@ -1380,7 +422,6 @@ static kvf_status load_model(kvf_router_http *h, kvf_err *err)
         fclose(f);
         if ((st = kvf_model_tokenizer_load(h->cfg.model, &h->tok, err)) != KVF_OK)
             return kvf_err_prefix(err, "router");
-        h->eos_ids = kvf_model_tokenizer_eos_ids(h->tok, &h->n_eos);
         kvf_err terr = {0};
         if (kvf_model_chat_template_load(h->cfg.model, h->cfg.chat_family, false, NULL, &h->tmpl, &terr) != KVF_OK) {
             snprintf(h->tmpl_err, sizeof h->tmpl_err, "%s", terr.msg);
@@ -1453,16 +494,26 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         st = kvf_err_set(err, KVF_ERR_NOMEM, "router: cannot create the loop's events");
         goto fail;
     }
-    for (int r = 0; r < 2; r++)
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
-            h->watch[r][i].wake.h = h;
     if (cfg->handle_signals) {
         h->sig_int = evsignal_new(h->base, SIGINT, on_stop, h);
         h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
         evsignal_add(h->sig_int, NULL);
         evsignal_add(h->sig_term, NULL);
     }
-    if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK)
+    if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK ||
+        (st = kvf_router_watch_create(h->fleet, h->policy, h->metrics, h, &h->watch, err)) != KVF_OK)
+        goto fail;
+    /* The requests borrow the model's pieces, the limits and the pools. */
+    kvf_router_reqs_cfg rc = {
+        .h = h, .fleet = h->fleet, .watch = h->watch, .policy = h->policy, .metrics = h->metrics,
+        .served = h->served, .max_len = h->max_len, .vocab_size = h->mcfg.vocab_size,
+        .tok = h->tok, .tmpl = h->tmpl, .tmpl_err = h->tmpl_err,
+        .max_inflight = h->cfg.max_inflight, .max_attempts = h->cfg.max_attempts,
+        .request_timeout_ms = h->cfg.request_timeout_ms,
+    };
+    if (h->tok)
+        rc.eos_ids = kvf_model_tokenizer_eos_ids(h->tok, &rc.n_eos);
+    if ((st = kvf_router_reqs_create(&rc, &h->reqs, err)) != KVF_OK)
         goto fail;
     *out = h;
     return KVF_OK;
@@ -1498,23 +549,8 @@ void kvf_router_http_destroy(kvf_router_http *h)
 {
     if (!h)
         return;
-    while (h->reqs) {
-        rq *r = h->reqs;
-        detach(r);
-        /* evhttp_free frees the requests still on a connection. One whose client left (the loop
-         * stopped between on_close and the pass that would have answered it) is no longer on
-         * any: libevent handed it to us, so it is ours to free. */
-        if (r->ev && !evhttp_request_get_connection(r->ev))
-            evhttp_request_free(r->ev);
-        r->ev = NULL;
-        rq_free(r);
-    }
-    for (int r = 0; r < 2; r++)
-        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
-            watch_close(&h->watch[r][i]);
-            free(h->watch[r][i].snap_h);
-            free(h->watch[r][i].snap_p);
-        }
+    kvf_router_reqs_destroy(h->reqs);   /* before evhttp_free (kvf_router_client_abandon) */
+    kvf_router_watch_destroy(h->watch); /* its streams go before the fleet's channels */
     if (h->http)
         evhttp_free(h->http);
     if (h->wake_ev)
@@ -1530,8 +566,6 @@ void kvf_router_http_destroy(kvf_router_http *h)
     if (h->base)
         event_base_free(h->base);
     kvf_router_fleet_destroy(h->fleet);
-    for (int r = 0; r < 2; r++)
-        kvf_router_pool_destroy(h->pool[r]);
     kvf_model_chat_template_destroy(h->tmpl);
     kvf_model_tokenizer_destroy(h->tok);
     kvf_metrics_destroy(h->metrics);

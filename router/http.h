@@ -1,7 +1,9 @@
 /* http.h: the router's OpenAI HTTP front end on libevent: /v1/completions and
  * /v1/chat/completions (SSE and plain), /v1/models, /health, /ready and /metrics; tokenizes,
  * picks decode and prefill workers by policy, streams Generate from the decode worker, retries
- * on another before the first token, and cancels it when the client goes away. */
+ * on another before the first token, and cancels it when the client goes away. Built from
+ * http.c (the HTTP glue and the loop), request.c (one request's life) and watch.c (the pools
+ * and their WatchKv streams), over fleet.c's membership. */
 #ifndef KVF_ROUTER_HTTP_H
 #define KVF_ROUTER_HTTP_H
 

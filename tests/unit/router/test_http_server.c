@@ -1,7 +1,8 @@
 /* test_http_server.c: the router's HTTP server over real sockets against fake decode workers
  * served in this process (the Worker service's Info, Health and Generate on kvf_rpc): errors,
  * plain and SSE answers, n > 1, 64 concurrent streams, retry before the first token, cancel on
- * client disconnect, 429 when saturated, a loop that wakes on stream messages rather than a clock.
+ * client disconnect, 429 when saturated, a loop that wakes on stream messages rather than a clock,
+ * one KV block size for the fleet.
  * Real workers are tests/e2e's. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/log.h"
 #include "common/time.h"
 #include "model/tokenizer.h"
 #include "proto/worker.h"
@@ -40,6 +42,7 @@ typedef struct fake {
     atomic_int mode;
     atomic_int n_generate, n_cancelled;
     atomic_int last_prior, last_n_tokens; /* of the last GenerateRequest */
+    atomic_int block_size;                /* what Info says (0: 16) */
     char last_id[128];
     pthread_mutex_t mu;
 } fake;
@@ -52,11 +55,13 @@ static int32_t fake_token(int32_t last, int32_t k, int32_t i)
 
 static kvf_status fake_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *r, kvf_err *err)
 {
-    (void)ctx, (void)call, (void)err;
-    kvf_kv_layout l = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .block_size = 16,
-                       .dtype = KVF_DTYPE_F32, .block_bytes = 2 * 2 * 2 * 16 * 16 * 4};
+    (void)call, (void)err;
+    fake *f = ctx;
+    int32_t bs = atomic_load(&f->block_size) ? atomic_load(&f->block_size) : 16;
+    kvf_kv_layout l = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16, .block_size = bs,
+                       .dtype = KVF_DTYPE_F32, .block_bytes = 2 * 2 * 2 * 16 * bs * 4};
     *r = (kvf_rpc_info){.protocol_version = KVF_RPC_PROTOCOL_VERSION, .role = KVF_RPC_ROLE_DECODE,
-                        .model_id = "tiny-gqa-f32", .block_size = 16, .has_kv_layout = true,
+                        .model_id = "tiny-gqa-f32", .block_size = bs, .has_kv_layout = true,
                         .kv_layout = l, .capacity_blocks = 100, .worker_id = "fake"};
     return KVF_OK;
 }
@@ -135,11 +140,13 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g
     kvf_rpc_call_finish(call, KVF_OK, NULL);
 }
 
-static void fake_start(fake *f, int mode)
+/* A fake whose Info says block_size (0: 16). */
+static void fake_start_bs(fake *f, int mode, int32_t block_size)
 {
     memset(f, 0, sizeof *f);
     pthread_mutex_init(&f->mu, NULL);
     atomic_store(&f->mode, mode);
+    atomic_store(&f->block_size, block_size);
     kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 4};
     kvf_err e = {0};
     assert_int_equal(kvf_rpc_server_create(&o, &f->srv, &e), KVF_OK);
@@ -148,6 +155,11 @@ static void fake_start(fake *f, int mode)
     assert_int_equal(kvf_rpc_serve_generate(f->srv, fake_generate, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_start(f->srv, &e), KVF_OK);
     f->port = kvf_rpc_server_port(f->srv);
+}
+
+static void fake_start(fake *f, int mode)
+{
+    fake_start_bs(f, mode, 0);
 }
 
 static void fake_stop(fake *f)
@@ -294,11 +306,13 @@ typedef struct fixture {
 } fixture;
 
 static const char *g_decode_dns; /* set by the DNS test */
+static int32_t g_block_size;      /* set by the block size test */
 
 static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
     kvf_router_http_cfg c = {0};
     c.fleet.decode_dns = g_decode_dns;
+    c.fleet.block_size = g_block_size;
     c.fleet.resolve_interval_ms = 200;
     c.host = "127.0.0.1";
     c.model = model;
@@ -832,6 +846,98 @@ static void test_stop_after_client_left(void **state)
     }
 }
 
+/* Log lines that mention a KV block size, captured for the block size test. */
+static struct {
+    pthread_mutex_t mu;
+    char lines[4096];
+} g_bs_log = {PTHREAD_MUTEX_INITIALIZER, ""};
+
+static void bs_log_sink(void *ctx, kvf_log_level level, const char *line)
+{
+    (void)ctx;
+    fprintf(stderr, "%s\n", line);
+    if (level < KVF_LOG_WARN || !strstr(line, "block size"))
+        return;
+    pthread_mutex_lock(&g_bs_log.mu);
+    size_t n = strlen(g_bs_log.lines);
+    snprintf(g_bs_log.lines + n, sizeof g_bs_log.lines - n, "%s\n", line);
+    pthread_mutex_unlock(&g_bs_log.mu);
+}
+
+/* Waits (5 s at most) for a captured line holding every one of the strings; false if none came. */
+static bool bs_log_has(const char *a, const char *b, const char *c)
+{
+    for (int i = 0; i < 100; i++) {
+        pthread_mutex_lock(&g_bs_log.mu);
+        bool found = false;
+        for (const char *l = g_bs_log.lines; *l && !found; l += strcspn(l, "\n") + (l[strcspn(l, "\n")] != 0)) {
+            char line[1024];
+            snprintf(line, sizeof line, "%.*s", (int)strcspn(l, "\n"), l);
+            found = strstr(line, a) && strstr(line, b) && strstr(line, c);
+        }
+        pthread_mutex_unlock(&g_bs_log.mu);
+        if (found)
+            return true;
+        kvf_sleep_ms(50);
+    }
+    return false;
+}
+
+/* One KV block size for the whole fleet (DESIGN section 3), checked at Info: the first worker's
+ * Info sets it, and a worker whose Info disagrees is refused (never healthy, never sent a
+ * request) with a warning naming both sizes and its address. A configured size refuses even the
+ * first worker. */
+static void test_block_size_refused(void **state)
+{
+    (void)state;
+    kvf_log_set_sink(bs_log_sink, NULL);
+    fixture x = {0};
+    fake_start_bs(&x.f[0], FAKE_OK, 16);
+    fake_start_bs(&x.f[1], FAKE_OK, 32);
+    x.n_fakes = 2;
+    char d[128], addr1[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d,127.0.0.1:%d", x.f[0].port, x.f[1].port);
+    snprintf(addr1, sizeof addr1, "127.0.0.1:%d", x.f[1].port);
+    router_start(&x, d, 256);
+    wait_ready(&x, 200);
+    if (!bs_log_has(addr1, "block size 32", "the fleet's is 16"))
+        fail_msg("no warning that %s (block size 32) was refused by a fleet of 16", addr1);
+    resp r;
+    http(x.r.port, "GET", "/ready", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    if (!strstr(r.body, "ready: 1 decode workers"))
+        fail_msg("/ready: %s (want 1 decode worker: the one with block size 32 is refused)", r.body);
+    free(r.body);
+    for (int i = 0; i < 4; i++) {
+        http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":3}",
+             NULL, &r);
+        assert_int_equal(r.status, 200);
+        free(r.body);
+    }
+    assert_int_equal(atomic_load(&x.f[0].n_generate), 4);
+    assert_int_equal(atomic_load(&x.f[1].n_generate), 0);
+    http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+    assert_non_null(strstr(r.body, "kvfleet_router_healthy_workers{role=\"decode\"} 1\n"));
+    free(r.body);
+    router_stop(&x);
+
+    /* configured 32: the worker of 16 is refused though it is the first */
+    char addr0[64];
+    snprintf(addr0, sizeof addr0, "127.0.0.1:%d", x.f[0].port);
+    g_block_size = 32;
+    router_start(&x, addr0, 256);
+    g_block_size = 0;
+    if (!bs_log_has(addr0, "block size 16", "the fleet's is 32 (configured)"))
+        fail_msg("no warning that %s (block size 16) was refused by a configured 32", addr0);
+    http(x.r.port, "GET", "/ready", NULL, NULL, &r);
+    assert_int_equal(r.status, 503);
+    free(r.body);
+    router_stop(&x);
+    kvf_log_set_sink(NULL, NULL);
+    fake_stop(&x.f[0]);
+    fake_stop(&x.f[1]);
+}
+
 /* Concatenates the "text" (or delta content) of every SSE event; the last finish_reason. */
 static void sse_text(const char *body, kvf_sbuf *out, char *finish, size_t cap, bool *role_first)
 {
@@ -998,6 +1104,7 @@ int main(void)
         cmocka_unit_test(test_saturated_429),
         cmocka_unit_test(test_stop_after_client_left),
         cmocka_unit_test(test_dns_membership),
+        cmocka_unit_test(test_block_size_refused),
         cmocka_unit_test(test_text_stop_and_chat),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

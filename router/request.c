@@ -1,0 +1,867 @@
+/* request.c: the life of one generation request in the router, in the order it is lived:
+ * the prompt (chat template, tokens, block hashes), picking decode and prefill workers, opening
+ * Generate, each streamed message (detokenized, stop strings, SSE), the end (done, failed,
+ * client gone) with usage, and retrying on another decode worker when one fails before the
+ * first token (or mid-stream with one sequence). Everything runs on the HTTP loop thread, woken
+ * by the Generate stream; the replies' bytes on the wire are http.c's, the pools watch.c's. */
+#include "router/request.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "common/sbuf.h"
+#include "common/time.h"
+#include "kv/hash.h"
+#include "proto/worker.h"
+
+/* One sequence of a request (n > 1 gives several): its tokens, their text so far, and how much
+ * of both the client has been sent. */
+typedef struct seq_state {
+    kvf_model_detok *detok;
+    kvf_sbuf text;
+    size_t emitted;      /* text bytes already sent (streaming) */
+    int32_t *ids;
+    size_t n_ids, cap, ids_emitted;
+    kvf_router_oai_finish finish;
+    bool done, first_sent;
+} seq_state;
+
+struct kvf_router_req {
+    kvf_router_reqs *rs;
+    kvf_router_client *client; /* set once in flight; answered at the end */
+    char id[80];
+    kvf_router_oai_req oai;
+    int32_t *prompt;
+    size_t n_prompt;
+    uint64_t *hashes;
+    size_t n_blocks;
+    int32_t max_tokens;
+    seq_state *seqs;
+    kvf_rpc_stream *stream;
+    kvf_router_wake wake;
+    int32_t worker, prefill;
+    int64_t prefill_tokens; /* queued on the prefill worker until the first token */
+    int attempts;
+    bool got_token, client_gone, started;
+    int64_t created;
+    double t0;
+    int64_t cached_tokens;
+    uint32_t overlap; /* prompt blocks the index says the decode worker holds */
+    int64_t next_peek_ns;
+    size_t max_stop;
+    kvf_router_req *prev, *next;
+};
+
+struct kvf_router_reqs {
+    kvf_router_reqs_cfg cfg;
+    kvf_router_req *head; /* in flight: Generate open, client not yet answered */
+    int64_t n;
+    int32_t inflight[KVF_ROUTER_MAX_WORKERS];        /* decode requests we hold open */
+    int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];  /* prompt tokens sent to each prefill worker */
+    uint64_t n_seeds;                                /* varies the seeds of unseeded requests */
+    kvf_metric *m_retries, *m_disconnects, *m_gen_tokens, *m_prompt_tokens, *m_inflight, *m_ttft,
+        *m_e2e;
+};
+
+static const kvf_router_worker *decode_worker(const kvf_router_req *r)
+{
+    return kvf_router_watch_worker(r->rs->cfg.watch, KVF_ROUTER_ROLE_DECODE, r->worker);
+}
+
+static const kvf_router_worker *prefill_worker(const kvf_router_req *r)
+{
+    return kvf_router_watch_worker(r->rs->cfg.watch, KVF_ROUTER_ROLE_PREFILL, r->prefill);
+}
+
+/* Frees a request that is not (or no longer) on the list, giving back what it counted on its
+ * workers. */
+static void rq_free(kvf_router_req *r)
+{
+    kvf_router_reqs *rs = r->rs;
+    if (r->stream)
+        kvf_rpc_stream_destroy(r->stream);
+    if (r->worker >= 0 && r->started)
+        rs->inflight[r->worker]--;
+    if (r->prefill >= 0 && r->prefill_tokens)
+        rs->prefill_queued[r->prefill] -= r->prefill_tokens;
+    if (r->seqs)
+        for (int32_t i = 0; i < r->oai.n; i++) {
+            kvf_model_detok_destroy(r->seqs[i].detok);
+            kvf_sbuf_fini(&r->seqs[i].text);
+            free(r->seqs[i].ids);
+        }
+    free(r->seqs);
+    free(r->prompt);
+    free(r->hashes);
+    kvf_router_oai_req_fini(&r->oai);
+    free(r);
+}
+
+/* Takes an answered request off the list. */
+static void unlink_rq(kvf_router_req *r)
+{
+    kvf_router_reqs *rs = r->rs;
+    if (r->prev)
+        r->prev->next = r->next;
+    else if (rs->head == r)
+        rs->head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    rs->n--;
+    kvf_metric_set(rs->m_inflight, (double)rs->n);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 1. The prompt                                                                             */
+
+/* Tokenizes the prompt of a parsed request into r->prompt (a chat through the template; token
+ * ids as they are, checked against the vocabulary). */
+static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_error *e)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_err err = {0};
+    if (r->oai.prompt_ids) {
+        int32_t vocab = c->tok ? kvf_model_tokenizer_vocab_size(c->tok) : c->vocab_size;
+        if (vocab < c->vocab_size)
+            vocab = c->vocab_size;
+        for (size_t i = 0; i < r->oai.n_prompt_ids; i++)
+            if (r->oai.prompt_ids[i] >= vocab)
+                return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                                "'prompt'[%zu] is token id %d; this model's ids are 0 to %d",
+                                                i, r->oai.prompt_ids[i], vocab - 1);
+        r->prompt = r->oai.prompt_ids;
+        r->n_prompt = r->oai.n_prompt_ids;
+        r->oai.prompt_ids = NULL;
+        return KVF_OK;
+    }
+    if (!c->tok)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
+                                        r->oai.kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", "no_tokenizer",
+                                        "model '%s' has no tokenizer: send 'prompt' to /v1/completions as an array of token ids",
+                                        c->served);
+    char *text = NULL;
+    size_t len = 0;
+    bool add_special = true;
+    if (r->oai.kind == KVF_ROUTER_OAI_CHAT) {
+        if (!c->tmpl)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "no_chat_template",
+                                            "model '%s' has no chat template: %s", c->served, c->tmpl_err);
+        kvf_model_chat_request cr = {.messages = r->oai.messages, .add_generation_prompt = true,
+                                     .extra = r->oai.chat_extra};
+        bool raised = false;
+        if (kvf_model_chat_template_render(c->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err.msg);
+        add_special = false; /* the template writes BOS itself */
+    }
+    const char *src = text ? text : r->oai.prompt_text;
+    kvf_status st = kvf_model_tokenizer_encode(c->tok, src, text ? len : strlen(src), add_special,
+                                               &r->prompt, &r->n_prompt, &err);
+    free(text);
+    if (st != KVF_OK)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
+                                        r->oai.kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", NULL, "%s", err.msg);
+    return KVF_OK;
+}
+
+/* Parses and checks the request, builds its prompt and settles max_tokens and the longest stop
+ * string. Fills e (a 4xx) when the request cannot be served as it is. */
+static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_kind kind,
+                                 const char *body, size_t len, kvf_router_oai_error *e)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    if (kvf_router_oai_parse(kind, body, len, &r->oai, e) != KVF_OK)
+        return KVF_ERR_INVALID;
+    if (strcmp(r->oai.model, c->served) != 0)
+        return kvf_router_oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found",
+                                        "The model '%s' does not exist; this server serves '%s'", r->oai.model,
+                                        c->served);
+    if (r->oai.n_stop && !c->tok)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "no_tokenizer",
+                                        "'stop' strings need a tokenizer and model '%s' has none", c->served);
+    if (build_prompt(rs, r, e) != KVF_OK)
+        return KVF_ERR_INVALID;
+    if (r->n_prompt == 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                        "the prompt is empty after tokenization");
+    int64_t room = (int64_t)c->max_len - (int64_t)r->n_prompt;
+    r->max_tokens = r->oai.max_tokens ? r->oai.max_tokens
+                    : kind == KVF_ROUTER_OAI_COMPLETIONS ? 16 : (int32_t)(room > 0 ? room : 1);
+    if ((int64_t)r->n_prompt + r->max_tokens > c->max_len)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
+                                        kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt", "context_length_exceeded",
+                                        "This model's maximum context length is %d tokens. However, you requested %lld tokens "
+                                        "(%zu in the prompt, %d in the completion). Please reduce the prompt or max_tokens.",
+                                        c->max_len, (long long)r->n_prompt + r->max_tokens, r->n_prompt, r->max_tokens);
+    for (size_t i = 0; i < r->oai.n_stop; i++)
+        if (strlen(r->oai.stop[i]) > r->max_stop)
+            r->max_stop = strlen(r->oai.stop[i]);
+    return KVF_OK;
+}
+
+/* The prompt's block hashes, in the fleet's one block size, for the policies that look at the
+ * index (cheap: one pass over the prompt). None under round-robin, or before any worker. */
+static void hash_prompt(kvf_router_reqs *rs, kvf_router_req *r)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    int32_t bs = kvf_router_fleet_block_size(c->fleet);
+    if (!kvf_router_watch_pool(c->watch, KVF_ROUTER_ROLE_DECODE) || c->policy == KVF_ROUTER_POLICY_ROUND_ROBIN ||
+        bs <= 0 || !(r->hashes = malloc((r->n_prompt / (size_t)bs + 1) * sizeof *r->hashes)))
+        return;
+    const char *salt = r->oai.cache_salt ? r->oai.cache_salt : "";
+    const char *model = kvf_router_watch_worker(c->watch, KVF_ROUTER_ROLE_DECODE, 0)->model_id;
+    uint64_t root = kvf_kv_hash_root(model, salt, strlen(salt));
+    r->n_blocks = kvf_kv_hash_blocks(root, r->prompt, r->n_prompt, bs, r->hashes);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 2. Picking the workers                                                                    */
+
+/* Picks a decode worker (and a prefill worker when there are any) for r. Fills e with 503 (none
+ * healthy) or 429 (all saturated) and returns its retry-after in *retry_out. */
+static kvf_status pick_workers(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_error *e,
+                               int *retry_out)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_watch *wt = c->watch;
+    kvf_router_watch_sync(wt);
+    double now = kvf_now_s();
+    kvf_router_pool *dpool = kvf_router_watch_pool(wt, KVF_ROUTER_ROLE_DECODE);
+    kvf_router_pool *ppool = kvf_router_watch_pool(wt, KVF_ROUTER_ROLE_PREFILL);
+    if (!dpool || kvf_router_watch_n_in_pool(wt, KVF_ROUTER_ROLE_DECODE) == 0) {
+        *retry_out = 5;
+        return kvf_router_oai_error_set(e, 503, "server_error", NULL, "no_worker",
+                                        "no decode worker is ready; retry later");
+    }
+    /* Decode load: what we hold open there, or its own report when that says more. */
+    bool free_one = false;
+    for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
+        if (!kvf_router_watch_in_pool(wt, KVF_ROUTER_ROLE_DECODE, i))
+            continue;
+        kvf_router_load l = {0, (double)rs->inflight[i]}, rep;
+        if (kvf_router_watch_load(wt, KVF_ROUTER_ROLE_DECODE, i, &rep)) {
+            l.queued_prefill_tokens = rep.queued_prefill_tokens;
+            if (rep.decode_load > l.decode_load)
+                l.decode_load = rep.decode_load;
+        }
+        kvf_router_pool_load_set(dpool, i, &l, now);
+        kvf_router_pool_worker_limits(dpool, i, 0, (double)c->max_inflight);
+        free_one |= rs->inflight[i] < c->max_inflight;
+    }
+    if (!free_one) {
+        *retry_out = 1;
+        return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
+                                        "every decode worker has %d requests in flight; retry later",
+                                        c->max_inflight);
+    }
+    kvf_router_request req = {.hashes = r->hashes, .n_blocks = r->n_blocks,
+                              .n_tokens = (int64_t)r->n_prompt, .session_key = NULL};
+    kvf_router_decision d;
+    kvf_err err = {0};
+    if (kvf_router_pool_pick(dpool, &req, now, &d, &err) != KVF_OK || rs->inflight[d.worker] >= c->max_inflight) {
+        *retry_out = 1;
+        return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
+                                        "no decode worker can take the request: %s", err.msg[0] ? err.msg : "all saturated");
+    }
+    r->worker = d.worker;
+    r->overlap = d.overlap_blocks;
+    r->prefill = -1;
+    /* A prefill worker when there are any: queued prompt tokens, ours or reported. */
+    if (ppool && kvf_router_watch_n_in_pool(wt, KVF_ROUTER_ROLE_PREFILL) > 0) {
+        for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++)
+            if (kvf_router_watch_in_pool(wt, KVF_ROUTER_ROLE_PREFILL, i)) {
+                kvf_router_load l = {rs->prefill_queued[i], 0}, rep;
+                if (kvf_router_watch_load(wt, KVF_ROUTER_ROLE_PREFILL, i, &rep) &&
+                    rep.queued_prefill_tokens > l.queued_prefill_tokens)
+                    l.queued_prefill_tokens = rep.queued_prefill_tokens;
+                kvf_router_pool_load_set(ppool, i, &l, now);
+            }
+        kvf_router_decision p;
+        if (kvf_router_pool_pick(ppool, &req, now, &p, &err) == KVF_OK)
+            r->prefill = p.worker;
+    }
+    return KVF_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 3. The Generate call                                                                      */
+
+/* Opens Generate on r->worker, with r->prefill as the hint. */
+static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *err)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_rpc_generate_req g = {0};
+    kvf_rpc_sampling *sp = &g.sampling;
+    kvf_rpc_sampling_default(sp);
+    g.request_id = r->id;
+    g.n_token_ids = r->n_prompt;
+    g.token_ids = r->prompt;
+    sp->max_tokens = r->max_tokens;
+    /* A resubmission after tokens were streamed (one sequence): prompt + those tokens, and the
+     * rest of the budget, so the client's stream goes on where it stopped. */
+    int32_t *joined = NULL;
+    size_t prior = r->seqs && r->oai.n == 1 ? r->seqs[0].n_ids : 0;
+    if (prior) {
+        joined = malloc((r->n_prompt + prior) * sizeof *joined);
+        if (!joined)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
+        memcpy(joined, r->prompt, r->n_prompt * sizeof *joined);
+        memcpy(joined + r->n_prompt, r->seqs[0].ids, prior * sizeof *joined);
+        g.token_ids = joined;
+        g.n_token_ids = r->n_prompt + prior;
+        g.n_prior_output_tokens = (int32_t)prior;
+        sp->max_tokens = r->max_tokens - (int32_t)prior;
+    }
+    sp->temperature = (float)r->oai.temperature;
+    sp->top_p = (float)r->oai.top_p;
+    sp->top_k = r->oai.top_k;
+    sp->seed = r->oai.has_seed ? r->oai.seed : (uint64_t)kvf_now_ns() ^ rs->n_seeds++;
+    sp->n = r->oai.n;
+    sp->ignore_eos = r->oai.ignore_eos;
+    for (size_t i = 0; !r->oai.ignore_eos && i < c->n_eos && i < KVF_RPC_MAX_STOP_TOKENS; i++)
+        sp->stop_ids[sp->n_stop++] = c->eos_ids[i];
+    g.cache_salt = r->oai.cache_salt ? r->oai.cache_salt : "";
+    if (r->prefill >= 0)
+        g.prefill_addr = prefill_worker(r)->address;
+    if (c->request_timeout_ms > 0)
+        g.deadline_unix_ms = kvf_wall_ms() + c->request_timeout_ms;
+    kvf_rpc_buf b = {0};
+    kvf_status st = kvf_rpc_generate_req_encode(&g, &b, err);
+    free(joined);
+    if (st != KVF_OK)
+        return st;
+    int64_t to = c->request_timeout_ms > 0 ? c->request_timeout_ms : KVF_RPC_NO_DEADLINE;
+    st = kvf_rpc_stream_open(decode_worker(r)->channel, KVF_RPC_WORKER_GENERATE, b.data, b.len, to,
+                             &r->stream, err);
+    kvf_rpc_buf_free(&b);
+    if (st != KVF_OK)
+        return st;
+    kvf_rpc_stream_notify(r->stream, kvf_router_wake_notify, &r->wake);
+    r->attempts++;
+    r->started = true;
+    rs->inflight[r->worker]++;
+    if (r->prefill >= 0 && !r->prefill_tokens) {
+        r->prefill_tokens = (int64_t)r->n_prompt;
+        rs->prefill_queued[r->prefill] += r->prefill_tokens;
+    }
+    kvf_log(KVF_LOG_INFO, "router: req %s: %zu prompt tokens -> decode %s (%u blocks cached there)%s%s (attempt %d)",
+            r->id, r->n_prompt, decode_worker(r)->address, r->overlap, r->prefill >= 0 ? ", prefill " : "",
+            r->prefill >= 0 ? prefill_worker(r)->address : "", r->attempts);
+    return KVF_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 4. A new request: steps 1 to 3, then it waits for its stream                              */
+
+void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                           const char *id, const char *body, size_t len)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_oai_error e;
+    int retry_after = 0;
+    kvf_router_req *r = calloc(1, sizeof *r);
+    if (!r) {
+        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        kvf_router_http_send_error(c->h, client, id, &e, 0);
+        return;
+    }
+    r->rs = rs;
+    r->wake.h = c->h;
+    r->worker = r->prefill = -1;
+    r->t0 = kvf_now_s();
+    r->created = kvf_wall_ms() / 1000;
+    snprintf(r->id, sizeof r->id, "%s", id);
+
+    /* The prompt, its limits and its block hashes. */
+    if (accept_request(rs, r, kind, body, len, &e) != KVF_OK)
+        goto fail;
+    kvf_metric_add(rs->m_prompt_tokens, (double)r->n_prompt);
+    kvf_router_watch_sync(c->watch);
+    hash_prompt(rs, r);
+
+    /* The workers, and each sequence's text. */
+    if (pick_workers(rs, r, &e, &retry_after) != KVF_OK)
+        goto fail;
+    r->seqs = calloc((size_t)r->oai.n, sizeof *r->seqs);
+    if (!r->seqs) {
+        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        goto fail;
+    }
+    kvf_err err = {0};
+    for (int32_t i = 0; i < r->oai.n; i++) {
+        kvf_sbuf_init(&r->seqs[i].text);
+        if (c->tok && kvf_model_detok_create(c->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK) {
+            kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
+            goto fail;
+        }
+    }
+
+    /* Open Generate, trying other decode workers when one cannot even start the call. */
+    for (;;) {
+        if (open_stream(rs, r, &err) == KVF_OK)
+            break;
+        kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
+        if (++r->attempts >= c->max_attempts || pick_workers(rs, r, &e, &retry_after) != KVF_OK) {
+            if (r->attempts >= c->max_attempts)
+                kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
+            retry_after = 1;
+            goto fail;
+        }
+    }
+
+    /* In flight: the stream's messages wake the pump, the client's leaving too. */
+    r->client = client;
+    r->next = rs->head;
+    if (rs->head)
+        rs->head->prev = r;
+    rs->head = r;
+    rs->n++;
+    kvf_metric_set(rs->m_inflight, (double)rs->n);
+    kvf_router_client_on_close(client, r);
+    if (r->oai.stream)
+        kvf_router_client_sse_start(client, r->id);
+    return;
+fail:
+    kvf_router_http_send_error(c->h, client, r->id, &e, retry_after);
+    rq_free(r);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 5. Streamed messages: tokens, text, stop strings, SSE chunks                              */
+
+/* The end of the text that is safe to send: not inside a possible stop string's start and not
+ * inside a UTF-8 character. */
+static size_t safe_end(const kvf_router_req *r, const seq_state *s)
+{
+    size_t end = s->text.len;
+    if (s->done)
+        return end;
+    if (r->max_stop > 1)
+        end = end > r->max_stop - 1 ? end - (r->max_stop - 1) : 0;
+    while (end > s->emitted && end < s->text.len && ((unsigned char)s->text.data[end] & 0xC0) == 0x80)
+        end--;
+    return end < s->emitted ? s->emitted : end;
+}
+
+/* The answer's id: cmpl-<request id> or chatcmpl-<request id>. */
+static void answer_id(const kvf_router_req *r, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r->id);
+}
+
+static void send_chunk(kvf_router_req *r, const kvf_router_oai_choice *c, size_t n,
+                       const kvf_router_oai_usage *u)
+{
+    kvf_sbuf b;
+    kvf_sbuf_init(&b);
+    char id[96];
+    answer_id(r, id, sizeof id);
+    kvf_router_oai_chunk_sse(r->oai.kind, id, r->rs->cfg.served, r->created, c, n, u,
+                             r->oai.include_usage, &b);
+    kvf_router_client_sse_send(r->client, b.data, b.len);
+    kvf_sbuf_fini(&b);
+}
+
+/* Sends what sequence idx has that the client has not seen (streaming). */
+static void emit_seq(kvf_router_req *r, int32_t idx)
+{
+    seq_state *s = &r->seqs[idx];
+    size_t end = safe_end(r, s);
+    if (end == s->emitted && s->ids_emitted == s->n_ids && !s->done)
+        return;
+    kvf_router_oai_choice c = {
+        .index = idx,
+        .text = s->text.data ? s->text.data + s->emitted : "",
+        .text_len = end - s->emitted,
+        .token_ids = s->ids ? s->ids + s->ids_emitted : NULL,
+        .n_ids = s->n_ids - s->ids_emitted,
+        .finish = s->done ? s->finish : KVF_ROUTER_OAI_FINISH_NONE,
+        .first_chunk = !s->first_sent,
+    };
+    send_chunk(r, &c, 1, NULL);
+    s->first_sent = true;
+    s->emitted = end;
+    s->ids_emitted = s->n_ids;
+}
+
+/* Cuts sequence s's text at the first stop string that ends after byte `prev` (the text before
+ * was searched already); true when one was found. */
+static bool cut_at_stop(const kvf_router_req *r, seq_state *s, size_t prev)
+{
+    if (!r->oai.n_stop || s->text.len <= prev)
+        return false;
+    size_t from = prev > r->max_stop ? prev - r->max_stop : 0;
+    int64_t pos = kvf_router_oai_find_stop(s->text.data, s->text.len, from, r->oai.stop, r->oai.n_stop);
+    if (pos < 0)
+        return false;
+    s->text.len = (size_t)pos;
+    s->text.data[pos] = 0;
+    return true;
+}
+
+/* Ends sequence idx with reason f (a stop string in the detokenizer's last bytes wins). */
+static void seq_finish(kvf_router_req *r, int32_t idx, kvf_router_oai_finish f)
+{
+    seq_state *s = &r->seqs[idx];
+    if (s->done)
+        return;
+    size_t prev = s->text.len;
+    if (s->detok) {
+        kvf_err err = {0};
+        kvf_model_detok_finish(s->detok, &s->text, &err);
+    }
+    if (cut_at_stop(r, s, prev))
+        f = KVF_ROUTER_OAI_FINISH_STOP;
+    s->finish = f;
+    s->done = true;
+    if (r->oai.stream && !r->client_gone)
+        emit_seq(r, idx);
+}
+
+static bool all_done(const kvf_router_req *r)
+{
+    for (int32_t i = 0; i < r->oai.n; i++)
+        if (!r->seqs[i].done)
+            return false;
+    return true;
+}
+
+/* Applies one GenerateResponse: its tokens join their sequence, become text, are checked for
+ * stop strings and (streaming) go to the client. */
+static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
+{
+    kvf_router_reqs *rs = r->rs;
+    if (m->has_usage && m->usage.cached_prompt_tokens > r->cached_tokens)
+        r->cached_tokens = m->usage.cached_prompt_tokens;
+    if (m->index < 0 || m->index >= r->oai.n) {
+        kvf_log(KVF_LOG_WARN, "router: req %s: decode sent sequence index %d of %d", r->id, m->index, r->oai.n);
+        return;
+    }
+    seq_state *s = &r->seqs[m->index];
+    if (m->n_token_ids && !r->got_token) {
+        r->got_token = true;
+        kvf_metric_observe(rs->m_ttft, kvf_now_s() - r->t0);
+        if (r->prefill >= 0 && r->prefill_tokens) {
+            rs->prefill_queued[r->prefill] -= r->prefill_tokens;
+            r->prefill_tokens = 0;
+        }
+    }
+    if (s->done)
+        return;
+    if (s->n_ids + m->n_token_ids > s->cap) {
+        size_t cap = (s->n_ids + m->n_token_ids) * 2 + 16;
+        int32_t *ids = realloc(s->ids, cap * sizeof *ids);
+        if (!ids)
+            return;
+        s->ids = ids;
+        s->cap = cap;
+    }
+    if (m->n_token_ids)
+        memcpy(s->ids + s->n_ids, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    s->n_ids += m->n_token_ids;
+    kvf_metric_add(rs->m_gen_tokens, (double)m->n_token_ids);
+    size_t prev = s->text.len;
+    if (s->detok && m->n_token_ids) {
+        kvf_err err = {0};
+        if (kvf_model_detok_feed(s->detok, m->token_ids, m->n_token_ids, &s->text, &err) != KVF_OK)
+            kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
+    }
+    if (cut_at_stop(r, s, prev)) {
+        s->finish = KVF_ROUTER_OAI_FINISH_STOP;
+        s->done = true;
+    }
+    if (!s->done && m->finish != KVF_RPC_FINISH_NONE) {
+        kvf_router_oai_finish f = m->finish == KVF_RPC_FINISH_STOP     ? KVF_ROUTER_OAI_FINISH_STOP
+                                  : m->finish == KVF_RPC_FINISH_LENGTH ? KVF_ROUTER_OAI_FINISH_LENGTH
+                                                                        : KVF_ROUTER_OAI_FINISH_ABORT;
+        seq_finish(r, m->index, f);
+        return;
+    }
+    if (r->oai.stream && !r->client_gone)
+        emit_seq(r, m->index);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 6. The end: done, failed, or the client gone                                              */
+
+static kvf_router_oai_usage usage_of(const kvf_router_req *r)
+{
+    kvf_router_oai_usage u = {.prompt_tokens = (int64_t)r->n_prompt, .cached_tokens = r->cached_tokens};
+    for (int32_t i = 0; i < r->oai.n; i++)
+        u.completion_tokens += (int64_t)r->seqs[i].n_ids;
+    return u;
+}
+
+/* Answered (or abandoned at shutdown): off the list and freed. */
+static void rq_answered(kvf_router_req *r)
+{
+    unlink_rq(r);
+    rq_free(r);
+}
+
+/* Sends the end of a successful request (the last SSE events, or the whole answer) and frees it. */
+static void finish_ok(kvf_router_req *r)
+{
+    kvf_router_reqs *rs = r->rs;
+    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_oai_usage u = usage_of(r);
+    if (r->oai.stream) {
+        if (r->oai.include_usage)
+            send_chunk(r, NULL, 0, &u);
+        kvf_router_client_sse_send(r->client, "data: [DONE]\n\n", 14);
+        kvf_router_http_sse_end(rs->cfg.h, r->client, 200);
+    } else {
+        kvf_router_oai_choice *cs = calloc((size_t)r->oai.n, sizeof *cs);
+        kvf_sbuf b;
+        kvf_sbuf_init(&b);
+        for (int32_t i = 0; cs && i < r->oai.n; i++) {
+            seq_state *s = &r->seqs[i];
+            cs[i] = (kvf_router_oai_choice){.index = i, .text = s->text.data, .text_len = s->text.len,
+                                            .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish};
+        }
+        char id[96];
+        answer_id(r, id, sizeof id);
+        kvf_router_oai_answer_json(r->oai.kind, id, rs->cfg.served, r->created, cs, cs ? (size_t)r->oai.n : 0, &u, &b);
+        kvf_router_http_send_json(rs->cfg.h, r->client, 200, r->id, b.data ? b.data : "{}", b.len);
+        kvf_sbuf_fini(&b);
+        free(cs);
+    }
+    kvf_metric_observe(rs->m_e2e, kvf_now_s() - r->t0);
+    kvf_log(KVF_LOG_INFO, "router: req %s: done, %lld prompt + %lld completion tokens in %.1f ms",
+            r->id, (long long)u.prompt_tokens, (long long)u.completion_tokens, (kvf_now_s() - r->t0) * 1e3);
+    rq_answered(r);
+}
+
+/* Sends an error (an SSE error event when streaming, else the error answer) and frees r. */
+static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int retry_after)
+{
+    kvf_router_reqs *rs = r->rs;
+    kvf_router_client_on_close(r->client, NULL);
+    if (r->oai.stream) {
+        kvf_sbuf b;
+        kvf_sbuf_init(&b);
+        kvf_sbuf_puts(&b, "data: ");
+        kvf_router_oai_error_json(e, &b);
+        kvf_sbuf_puts(&b, "\n\ndata: [DONE]\n\n");
+        kvf_router_client_sse_send(r->client, b.data, b.len);
+        kvf_router_http_sse_end(rs->cfg.h, r->client, e->http_status);
+        kvf_sbuf_fini(&b);
+        kvf_log(KVF_LOG_WARN, "router: req %s: failed mid-stream: %s", r->id, e->message);
+    } else {
+        kvf_router_http_send_error(rs->cfg.h, r->client, r->id, e, retry_after);
+    }
+    rq_answered(r);
+}
+
+/* The client left: Generate cancelled (the decode worker frees the sequence), answer ended. */
+static void finish_gone(kvf_router_req *r)
+{
+    kvf_router_client_on_close(r->client, NULL);
+    kvf_log(KVF_LOG_INFO, "router: req %s: client went away; Generate cancelled", r->id);
+    kvf_metric_add(r->rs->m_disconnects, 1);
+    if (r->stream)
+        kvf_rpc_stream_cancel(r->stream);
+    kvf_router_client_send_gone(r->client, r->oai.stream);
+    rq_answered(r);
+}
+
+void kvf_router_req_client_left(kvf_router_req *r)
+{
+    if (!r || r->client_gone)
+        return;
+    r->client_gone = true;
+    if (r->stream)
+        kvf_rpc_stream_cancel(r->stream);
+    kvf_router_wake_notify(&r->wake); /* the pump answers it on the loop's next pass */
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 7. Retry on another decode worker                                                         */
+
+static bool retryable(kvf_status st)
+{
+    return st == KVF_ERR_PEER_LOST || st == KVF_ERR_BUSY || st == KVF_ERR_FULL ||
+           st == KVF_ERR_CANCELLED || st == KVF_ERR_INTERNAL;
+}
+
+/* The decode worker failed before the first token, or mid-stream with one sequence: go on with
+ * another one. Returns false when the request was answered (and freed) instead. */
+static bool retry(kvf_router_req *r, kvf_status why, const char *msg)
+{
+    kvf_router_reqs *rs = r->rs;
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_log(KVF_LOG_WARN, "router: req %s: decode %s failed after %zu tokens (%s: %s)", r->id,
+            decode_worker(r)->address, r->seqs[0].n_ids, kvf_status_name(why), msg);
+    kvf_rpc_stream_destroy(r->stream);
+    r->stream = NULL;
+    rs->inflight[r->worker]--;
+    r->started = false;
+    if (why == KVF_ERR_PEER_LOST)
+        kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
+    kvf_router_watch_drop(c->watch, KVF_ROUTER_ROLE_DECODE, r->worker);
+    kvf_router_oai_error e;
+    int ra = 0;
+    if (r->attempts >= c->max_attempts) {
+        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
+                                 "decode workers failed %d times; last: %s", r->attempts, msg);
+        finish_err(r, &e, 1);
+        return false;
+    }
+    if (r->prefill >= 0 && r->prefill_tokens) {
+        rs->prefill_queued[r->prefill] -= r->prefill_tokens;
+        r->prefill_tokens = 0;
+    }
+    /* The pool may re-add the failed worker when the fleet still thinks it healthy: skip it. */
+    int32_t failed = r->worker;
+    for (int tries = 0; tries < 4; tries++) {
+        if (pick_workers(rs, r, &e, &ra) != KVF_OK) {
+            finish_err(r, &e, ra);
+            return false;
+        }
+        if (r->worker != failed || kvf_router_watch_n_in_pool(c->watch, KVF_ROUTER_ROLE_DECODE) <= 1)
+            break;
+    }
+    kvf_metric_add(rs->m_retries, 1);
+    kvf_err err = {0};
+    if (open_stream(rs, r, &err) != KVF_OK) {
+        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
+        finish_err(r, &e, 1);
+        return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* 8. The pump: what drives steps 5 to 7 whenever the stream or the client wakes the loop    */
+
+/* A waiting plain request peeks at its client's socket every 20 ms (libevent does not always
+ * report a client that leaves before the answer). */
+static void peek_gone(kvf_router_req *r)
+{
+    int64_t now = kvf_now_ns();
+    if (r->client_gone || r->oai.stream || now < r->next_peek_ns)
+        return;
+    r->next_peek_ns = now + 20000000;
+    if (kvf_router_client_left(r->client))
+        kvf_router_req_client_left(r);
+}
+
+/* Reads what the request's stream has; returns after the request is answered or idle. */
+static void pump(kvf_router_req *r)
+{
+    peek_gone(r);
+    for (;;) {
+        if (r->client_gone) {
+            finish_gone(r);
+            return;
+        }
+        kvf_rpc_buf m = {0};
+        bool done = false;
+        kvf_err err = {0};
+        kvf_status st = kvf_rpc_stream_read(r->stream, 0, &m, &done, &err);
+        if (!done && st == KVF_ERR_TIMEOUT)
+            return;
+        if (!done && st == KVF_OK) {
+            kvf_rpc_generate_resp *g = NULL;
+            if (kvf_rpc_generate_resp_decode(m.data, m.len, &g, &err) != KVF_OK)
+                kvf_log(KVF_LOG_WARN, "router: req %s: bad Generate message: %s", r->id, err.msg);
+            else
+                handle_msg(r, g);
+            free(g);
+            kvf_rpc_buf_free(&m);
+            if (all_done(r)) {
+                kvf_rpc_stream_cancel(r->stream); /* stop strings may end it before the worker */
+                finish_ok(r);
+                return;
+            }
+            continue;
+        }
+        /* The call is over. */
+        if (st == KVF_OK) {
+            for (int32_t i = 0; i < r->oai.n; i++)
+                seq_finish(r, i, KVF_ROUTER_OAI_FINISH_LENGTH);
+            finish_ok(r);
+            return;
+        }
+        bool resumable = !r->got_token || (r->oai.n == 1 && !r->seqs[0].done);
+        if (resumable && retryable(st)) {
+            if (!retry(r, st, err.msg))
+                return;
+            continue;
+        }
+        kvf_router_oai_error e;
+        int code = st == KVF_ERR_INVALID || st == KVF_ERR_LIMIT ? 400 : st == KVF_ERR_TIMEOUT ? 504 : 502;
+        kvf_router_oai_error_set(&e, code, code == 400 ? "invalid_request_error" : "server_error", NULL,
+                                 NULL, "decode worker %s: %s", decode_worker(r)->address,
+                                 err.msg[0] ? err.msg : kvf_status_str(st));
+        finish_err(r, &e, 0);
+        return;
+    }
+}
+
+void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all)
+{
+    for (kvf_router_req *r = rs->head, *next; r; r = next) {
+        next = r->next; /* pump frees r at most, never another request */
+        bool ready = kvf_router_wake_take(&r->wake);
+        if (ready || all)
+            pump(r);
+    }
+}
+
+kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c)
+{
+    for (kvf_router_req *r = rs->head; r; r = r->next)
+        if (r->client == c)
+            return r;
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The set's life cycle                                                                      */
+
+kvf_status kvf_router_reqs_create(const kvf_router_reqs_cfg *cfg, kvf_router_reqs **out,
+                                  kvf_err *err)
+{
+    static const double lat[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+    kvf_router_reqs *rs = calloc(1, sizeof *rs);
+    if (!rs)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
+    rs->cfg = *cfg;
+    kvf_metrics *m = cfg->metrics;
+    kvf_status st;
+    if ((st = kvf_metrics_counter(m, "kvfleet_router_retries_total", NULL,
+                                  "requests moved to another decode worker (before the first token, or mid-stream with n = 1)",
+                                  &rs->m_retries, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(m, "kvfleet_router_client_disconnects_total", NULL,
+                                  "requests cancelled because the client went away", &rs->m_disconnects, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(m, "kvfleet_router_generated_tokens_total", NULL,
+                                  "tokens streamed from decode workers", &rs->m_gen_tokens, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(m, "kvfleet_router_prompt_tokens_total", NULL, "prompt tokens routed",
+                                  &rs->m_prompt_tokens, err)) != KVF_OK ||
+        (st = kvf_metrics_gauge(m, "kvfleet_router_requests_in_flight", NULL, "generation requests in flight",
+                                &rs->m_inflight, err)) != KVF_OK ||
+        (st = kvf_metrics_histogram(m, "kvfleet_router_ttft_seconds", NULL, "time to first token",
+                                    lat, sizeof lat / sizeof lat[0], &rs->m_ttft, err)) != KVF_OK ||
+        (st = kvf_metrics_histogram(m, "kvfleet_router_request_seconds", NULL, "whole request time",
+                                    lat, sizeof lat / sizeof lat[0], &rs->m_e2e, err)) != KVF_OK) {
+        free(rs);
+        return st;
+    }
+    *out = rs;
+    return KVF_OK;
+}
+
+void kvf_router_reqs_destroy(kvf_router_reqs *rs)
+{
+    if (!rs)
+        return;
+    while (rs->head) {
+        kvf_router_req *r = rs->head;
+        kvf_router_client_on_close(r->client, NULL);
+        kvf_router_client_abandon(r->client);
+        rq_answered(r);
+    }
+    free(rs);
+}

@@ -1,0 +1,69 @@
+/* request.h: the life of one generation request in the router, inside router/ only: prompt,
+ * pick, Generate, streamed tokens to text and SSE, stop strings, retry before the first token,
+ * the end (done, failed, client gone), usage. Loop thread only. The HTTP glue (routing, replies,
+ * the loop) is http.c's; the pools are watch.c's; membership is fleet.c's. */
+#ifndef KVF_ROUTER_REQUEST_H
+#define KVF_ROUTER_REQUEST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "model/chat_template.h"
+#include "model/tokenizer.h"
+#include "router/fleet.h"
+#include "router/http_int.h"
+#include "router/openai.h"
+#include "router/policy.h"
+#include "router/watch.h"
+
+/* The requests in flight, and one of them. */
+typedef struct kvf_router_reqs kvf_router_reqs;
+typedef struct kvf_router_req kvf_router_req;
+
+/* What the requests borrow from the server for their whole life. */
+typedef struct kvf_router_reqs_cfg {
+    kvf_router_http *h;        /* answers go out through it (http_int.h); its loop reads streams */
+    kvf_router_fleet *fleet;   /* the block size; a worker that fails a call is marked there */
+    kvf_router_watch *watch;   /* the pools to pick from, the workers' addresses and channels */
+    kvf_router_policy policy;
+    kvf_metrics *metrics;      /* the request metrics are registered here */
+    /* the model */
+    const char *served;        /* the name clients send */
+    int32_t max_len;           /* context length: prompt + completion */
+    int32_t vocab_size;        /* config.json's */
+    const kvf_model_tokenizer *tok;        /* NULL: token id prompts only */
+    const kvf_model_chat_template *tmpl;   /* NULL: chat requests answer 400 with tmpl_err */
+    const char *tmpl_err;
+    const int32_t *eos_ids;    /* [n_eos] stop tokens unless the request ignores EOS */
+    size_t n_eos;
+    /* limits */
+    int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
+    int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
+    int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */
+} kvf_router_reqs_cfg;
+
+/* Registers the request metrics (retries, disconnects, tokens, in flight, TTFT, request time). */
+kvf_status kvf_router_reqs_create(const kvf_router_reqs_cfg *cfg, kvf_router_reqs **out,
+                                  kvf_err *err);
+/* Frees every request still in flight without answering it: the server is going away, and
+ * evhttp_free answers nobody either. Before the fleet and the watch. NULL is fine. */
+void kvf_router_reqs_destroy(kvf_router_reqs *rs);
+
+/* A POSTed /v1/completions or /v1/chat/completions (body: len bytes of JSON; id: the request
+ * id). Answers at once when the request is invalid or no worker can take it; otherwise opens
+ * Generate and answers later, from kvf_router_reqs_pump. */
+void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *c, kvf_router_oai_kind kind,
+                           const char *id, const char *body, size_t len);
+/* Reads the Generate streams that woke the loop (every one when `all`): tokens to the clients,
+ * ends answered, failed workers replaced. Plain requests also look for clients that left. */
+void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all);
+/* The request in flight for client c, or NULL. */
+kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c);
+/* c's client went away: its Generate is cancelled now and the request is answered and freed on
+ * the loop's next pass. */
+void kvf_router_req_client_left(kvf_router_req *r);
+
+#endif

@@ -1,0 +1,56 @@
+/* watch.h: the HTTP front end's worker pools, inside router/ only: keeps the policy's decode and
+ * prefill pools in line with the fleet's healthy workers and, under the kv policy, feeds each
+ * pool's index from its workers' WatchKv streams (snapshots, KV events, load reports), with the
+ * index's health in /metrics and the log. Loop thread only. Membership and health checks are
+ * fleet.c's; picking workers for a request is request.c's. */
+#ifndef KVF_ROUTER_WATCH_H
+#define KVF_ROUTER_WATCH_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "router/fleet.h"
+#include "router/http_int.h"
+#include "router/policy.h"
+
+typedef struct kvf_router_watch kvf_router_watch;
+
+/* Registers its metrics in m (healthy workers per role; index workers by state and index blocks,
+ * kept under the kv policy). Borrows fleet, m and h (whose loop its streams wake) for its life.
+ * Pools are created at the first sync that finds a healthy worker of their role. */
+kvf_status kvf_router_watch_create(kvf_router_fleet *fleet, kvf_router_policy policy,
+                                   kvf_metrics *m, kvf_router_http *h, kvf_router_watch **out,
+                                   kvf_err *err);
+/* Closes the WatchKv streams (before the fleet, which owns their channels, is destroyed) and
+ * frees the pools. NULL is fine. */
+void kvf_router_watch_destroy(kvf_router_watch *w);
+
+/* Brings the pools in line with the fleet: healthy workers join (their WatchKv opens under the
+ * kv policy, or reopens if it ended), the others leave (their WatchKv closes). */
+void kvf_router_watch_sync(kvf_router_watch *w);
+/* Reads the WatchKv streams that woke the loop (every one when `all`): events into the index,
+ * load reports into the pool; a sequence gap reopens the stream for a fresh snapshot. */
+void kvf_router_watch_drain(kvf_router_watch *w, bool all);
+/* kv policy: counts every pooled worker's index state into /metrics, logs each change of state
+ * (a worker whose events and load reports stop goes stale: its entries decay), and returns how
+ * many pooled workers have no snapshot applied yet. */
+int32_t kvf_router_watch_health(kvf_router_watch *w);
+
+/* A role's pool: NULL until one of its workers was healthy. */
+kvf_router_pool *kvf_router_watch_pool(kvf_router_watch *w, kvf_router_role role);
+bool kvf_router_watch_in_pool(const kvf_router_watch *w, kvf_router_role role, int32_t id);
+int32_t kvf_router_watch_n_in_pool(const kvf_router_watch *w, kvf_router_role role);
+/* A worker as of the last sync (address, model, channel); the watch owns the copy. */
+const kvf_router_worker *kvf_router_watch_worker(const kvf_router_watch *w, kvf_router_role role,
+                                                 int32_t id);
+/* The worker's last WatchKv load report into *out; false when none came since its stream
+ * opened (*out untouched). */
+bool kvf_router_watch_load(const kvf_router_watch *w, kvf_router_role role, int32_t id,
+                           kvf_router_load *out);
+/* A worker that failed a call leaves its pool now (out of the index and the ring); the next sync
+ * takes it back if the fleet still finds it healthy. Its WatchKv stays as it is. */
+void kvf_router_watch_drop(kvf_router_watch *w, kvf_router_role role, int32_t id);
+
+#endif
