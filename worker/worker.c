@@ -893,9 +893,9 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         w->pool = kvf_engine_pool(w->engine);
     } else {
         w->be = be;
-        if ((st = w->be->create(&(kvf_backend_opts){.n_threads = cfg->threads,
-                                                     .attn_decode = attn_decode},
-                                &w->be_ctx, err)) != KVF_OK)
+        if ((st = kvf_backend_create(w->be, &(kvf_backend_opts){.n_threads = cfg->threads,
+                                                                 .attn_decode = attn_decode},
+                                     &w->be_ctx, err)) != KVF_OK)
             goto fail;
         /* prefill batches concurrent RemotePrefill calls: up to --max-seqs prompts per step */
         kvf_model_fwd_opts fo = {.max_tokens = cfg->max_batch_tokens,
@@ -906,7 +906,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         /* the pool where the backend wants it (device memory on a GPU: one allocation, which
          * the transport registers and CUDA IPC exports whole) */
         kvf_kv_pool_cfg pc = {.layout = w->layout, .n_blocks = w->n_blocks, .on_event = on_kv_event,
-                              .event_ctx = w, .mem = be->kv_mem ? be->kv_mem(w->be_ctx) : NULL,
+                              .event_ctx = w, .mem = kvf_backend_kv_mem(be, w->be_ctx),
                               .mem_ctx = w->be_ctx};
         if ((st = kvf_kv_pool_create(&pc, &w->own_pool, err)) != KVF_OK)
             goto fail;
@@ -1065,8 +1065,8 @@ void kvf_worker_destroy(kvf_worker *w)
     kvf_engine_destroy(w->engine);
     kvf_kv_pool_destroy(w->own_pool);
     kvf_model_fwd_destroy(w->fwd);
-    if (w->be && w->be_ctx)
-        w->be->destroy(w->be_ctx);
+    if (w->be)
+        kvf_backend_destroy(w->be, w->be_ctx);
     kvf_model_destroy(w->model);
     kvf_metrics_destroy(w->metrics);
     free(w->evs.hashes);
