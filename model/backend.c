@@ -1,7 +1,7 @@
-/* backend.c: the kvf_backend_* wrappers, one per op of the table in backend.h. They are
+/* backend.c: the kvf_backend_* wrappers, one per op of the table in backend_impl.h. They are
  * the only place that tests an optional op for NULL, so each default is written once here;
  * what the ops compute is the backends' (cpu_backend.c, cuda/backend.cu). */
-#include "model/backend.h"
+#include "model/backend_impl.h"
 
 const char *kvf_backend_name(const kvf_backend *be)
 {
@@ -53,7 +53,7 @@ kvf_status kvf_backend_weight_load(const kvf_backend *be, void *ctx, const kvf_m
 
 void kvf_backend_weight_unload(const kvf_backend *be, void *ctx, kvf_backend_weight *w)
 {
-    be->weight_free(ctx, w);
+    be->weight_unload(ctx, w);
 }
 
 /* ---- the ops of a step */

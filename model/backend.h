@@ -1,6 +1,6 @@
 /* backend.h: the compute backend behind the forward pass (DESIGN.md s.2), CPU (cpu_backend.c) or
- * CUDA (cuda/backend.cu): its plain types, its op table and one wrapper per op (backend.c, which
- * holds the optional ops' defaults). Plain C. */
+ * CUDA (cuda/backend.cu): its plain types, an opaque kvf_backend and one wrapper per op (backend.c,
+ * which holds the optional ops' defaults; the op table is backend_impl.h's). Plain C. */
 #ifndef KVF_MODEL_BACKEND_H
 #define KVF_MODEL_BACKEND_H
 
@@ -23,7 +23,7 @@ typedef struct kvf_backend_weight {
     const void *data;   /* backend memory, [rows][cols] */
     int64_t rows, cols; /* a 1-D tensor has rows 1 */
     kvf_dtype dtype;    /* of data: f32, or f16/bf16 for matrices only (matmul, embed) */
-    void *owned;        /* what weight_free releases; NULL when data is borrowed from the file */
+    void *owned;        /* what weight_unload releases; NULL when data is borrowed from the file */
 } kvf_backend_weight;
 
 /* What attention needs about one step's tokens. Arrays are backend memory. */
@@ -110,66 +110,10 @@ typedef struct kvf_backend_sample_row {
     float u;
 } kvf_backend_sample_row;
 
-/* The op table; callers use the wrappers below, which hold the optional ops' defaults. */
-typedef struct kvf_backend {
-    const char *name;
-    kvf_status (*create)(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err);
-    void (*destroy)(void *ctx);
-
-    /* Memory: alloc'd buffers are zeroed; upload/download copy between host and backend. */
-    kvf_status (*alloc)(void *ctx, size_t bytes, void **out, kvf_err *err);
-    void (*free)(void *ctx, void *p);
-    void (*upload)(void *ctx, void *dst, const void *src_host, size_t bytes);
-    void (*download)(void *ctx, void *dst_host, const void *src, size_t bytes);
-
-    /* Makes a file tensor (F32/F16/BF16, 1-D or 2-D) usable by the ops below; weight_free
-     * releases what weight_load made (w->owned). */
-    kvf_status (*weight_load)(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
-                              kvf_err *err);
-    void (*weight_free)(void *ctx, kvf_backend_weight *w);
-
-    /* The ops of a step (backend.h: kvf_backend_embed .. kvf_backend_argmax). They return
-     * nothing: a backend that can fail records the first failure for sync. */
-    void (*embed)(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens /* [n] */,
-                  int64_t n, float *out /* [n][emb->cols] */);
-    void (*matmul)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
-                   const kvf_backend_weight *bias, float *y);
-    void (*rmsnorm)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
-                    float *out);
-    void (*rope)(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t head_dim,
-                 const float *cos_sin);
-    void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
-    void (*add)(void *ctx, float *x, const float *y, int64_t n);
-    void (*gather)(void *ctx, const float *x, int64_t row_len, const int32_t *rows, int64_t n,
-                   float *out);
-    void (*kv_write)(void *ctx, void *pool, const kvf_kv_layout *layout, int32_t layer,
-                     const float *k, const float *v, const int64_t *slots /* [n] */, int64_t n);
-    void (*attention)(void *ctx, const float *q, const void *pool, const kvf_kv_layout *layout,
-                      int32_t layer, const kvf_backend_attn *a, float *out);
-    void (*argmax)(void *ctx, const float *logits, int64_t n, int64_t vocab, int32_t *out_host);
-
-    /* ---- optional: NULL takes the default its wrapper in backend.c holds (host memory,
-     * everything supported, nothing to wait for, nothing recorded, no draws, matmul by matmul,
-     * the host clock). The CPU backend leaves them all NULL; the CUDA backend fills them all. */
-    const kvf_kv_mem_ops *(*kv_mem)(void *ctx);
-    kvf_status (*supports)(void *ctx, const kvf_kv_layout *layout, int32_t n_heads, kvf_err *err);
-    kvf_status (*sync)(void *ctx, kvf_err *err);
-    kvf_status (*step_begin)(void *ctx, const kvf_backend_step_key *key, bool *replay_out,
-                             kvf_err *err);
-    kvf_status (*step_end)(void *ctx, bool *rerun_out, kvf_err *err);
-    kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
-                         const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
-                         kvf_err *err);
-    /* Must equal count matmul calls bit for bit. */
-    void (*matmul_multi)(void *ctx, const float *x, int64_t n, int32_t count,
-                         const kvf_backend_weight *const *w, const kvf_backend_weight *const *bias,
-                         float *const *y);
-    /* prof_mark/prof_read come as a pair: a backend with only one of them is timed on the
-     * host clock (kvf_backend_has_prof_clock is false). */
-    void (*prof_mark)(void *ctx, int32_t i);
-    kvf_status (*prof_read)(void *ctx, int32_t n, double *ms_out, kvf_err *err);
-} kvf_backend;
-
+/* A backend: a const table of ops (backend_impl.h), one per implementation, never freed. Its
+ * state lives in a context (ctx below) that kvf_backend_create makes and kvf_backend_destroy
+ * releases; every other call takes both. */
+typedef struct kvf_backend kvf_backend;
 
 /* "cpu", "cuda", or a test double's name. */
 const char *kvf_backend_name(const kvf_backend *be);

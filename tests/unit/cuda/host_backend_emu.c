@@ -13,6 +13,7 @@
 
 #include "cuda_rt_emu_c.h"
 #include "emu_side.h"
+#include "model/backend_impl.h" /* the CUDA backend without matmul_multi */
 
 static const char *mname(int32_t md)
 {

@@ -11,6 +11,7 @@
 
 #include "testutil.h"
 #include "enginetest.h"
+#include "model/backend_impl.h" /* the double replaces create and kv_mem */
 
 static struct {
     void *created_ctx; /* what create handed out */

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/backend.h"
+#include "model/backend_impl.h" /* the double fills in optional ops */
 #include "model/forward.h"
 #include "model/model.h"
 #include "testutil.h"
