@@ -117,7 +117,7 @@ typedef struct kvf_backend kvf_backend;
 
 /* "cpu", "cuda", or a test double's name. */
 const char *kvf_backend_name(const kvf_backend *be);
-/* Makes a context; *ctx_out is the caller's until kvf_backend_destroy (NULL: nothing to do). */
+/* Makes a context; *ctx_out is the caller's until kvf_backend_destroy, which takes NULL too. */
 kvf_status kvf_backend_create(const kvf_backend *be, const kvf_backend_opts *opts, void **ctx_out,
                               kvf_err *err);
 void kvf_backend_destroy(const kvf_backend *be, void *ctx);
