@@ -272,7 +272,7 @@ int kvf_bench_engine_main(int argc, char **argv)
     if (bc.temperature > 0)
         snprintf(how, sizeof how, "temperature %g top_p %g", bc.temperature, bc.top_p);
     printf("kvfleet bench engine: device %s, prompt %d tokens, budget %d tokens/step, f32 KV, "
-           "%s, prefix cache off, %ld online CPUs\n", be->name, bc.prompt, bc.budget, how, online);
+           "%s, prefix cache off, %ld online CPUs\n", kvf_backend_name(be), bc.prompt, bc.budget, how, online);
     if (gpu)
         printf("(cuda: weight_GB/s counts 2 bytes a parameter; vs_read and cpu_util still compare with the host)\n");
     printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);

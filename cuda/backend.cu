@@ -14,6 +14,7 @@ extern "C" {
 #include "cuda/cuda.h"
 #include "cuda/graph_cache.h"
 #include "cuda/ops.h"
+#include "model/backend_impl.h"
 }
 
 #define CUBLAS_WS_BYTES (32u << 20) /* cuBLAS workspace, fixed so captured GEMMs never allocate */
@@ -375,7 +376,7 @@ fail:
     return kvf_err_prefix(err, "cuda backend: tensor \"%s\"", t->name);
 }
 
-static void cuda_weight_free(void *ctx, kvf_backend_weight *w)
+static void cuda_weight_unload(void *ctx, kvf_backend_weight *w)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
     if (w->owned) {
@@ -838,7 +839,7 @@ static const kvf_backend kvf_cuda_backend_ops = {
     .upload = cuda_upload,
     .download = cuda_download,
     .weight_load = cuda_weight_load,
-    .weight_free = cuda_weight_free,
+    .weight_unload = cuda_weight_unload,
     .embed = cuda_embed,
     .matmul = cuda_matmul,
     .rmsnorm = cuda_rmsnorm,

@@ -51,8 +51,8 @@ typedef kvf_backend_sample_row kvf_cuda_sample_row; /* top_k >= vocab also means
  * non-NaN logit is +inf, or whose 1/temperature overflows a float, takes the lowest id holding
  * its largest logit instead (the weights would be NaN). Rows that fail the
  * parameter check (temperature <= 0, top_p outside (0, 1], u outside [0, 1), top_k < 0) are
- * refused with ERR_INVALID naming the row. The backend's `sample` op (model/backend.h), which
- * the engine uses for rows that draw with a temperature. */
+ * refused with ERR_INVALID naming the row. The backend's `sample` op (kvf_backend_sample in
+ * model/backend.h), which the engine uses for rows that draw with a temperature. */
 kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t n, int64_t vocab,
                            const kvf_cuda_sample_row *rows_host /* [n] */,
                            int32_t *out_host /* [n] */, kvf_err *err);

@@ -192,8 +192,7 @@ void kvf_engine_destroy(kvf_engine *e)
     kvf_kv_swap_destroy(e->swap);
     kvf_kv_pool_destroy(e->pool);
     kvf_model_fwd_destroy(e->fwd);
-    if (e->be_ctx)
-        e->be->destroy(e->be_ctx);
+    kvf_backend_destroy(e->be, e->be_ctx);
     kvf_engine_sampler_fini(&e->sampler);
     free(e->seqs);
     free(e->tok_buf);
@@ -251,10 +250,10 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
                            .kv_k_scale = cfg->kv_k_scale, .kv_v_scale = cfg->kv_v_scale,
                            .matrix_dtype = cfg->matrix_dtype, .no_graphs = cfg->no_graphs,
                            .attn_decode = cfg->attn_decode};
-    if ((st = be->create(&bo, &e->be_ctx, err)) != KVF_OK)
+    if ((st = kvf_backend_create(be, &bo, &e->be_ctx, err)) != KVF_OK)
         goto fail;
     kvf_kv_pool_cfg pc = {.layout = e->layout, .n_blocks = (int32_t)n_blocks,
-                          .mem = be->kv_mem ? be->kv_mem(e->be_ctx) : NULL,
+                          .mem = kvf_backend_kv_mem(be, e->be_ctx),
                           .mem_ctx = e->be_ctx,
                           .on_event = cfg->on_event, .event_ctx = cfg->event_ctx};
     if ((st = kvf_kv_pool_create(&pc, &e->pool, err)) != KVF_OK)

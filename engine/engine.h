@@ -144,7 +144,7 @@ typedef struct kvf_engine_stats {
     int64_t prefix_hit_tokens;                    /* prompt tokens served from the cache */
     int64_t preempt_recompute, preempt_swap;
     int64_t finished;
-    int64_t backend_draws; /* tokens drawn by the backend (kvf_backend.sample), not the host */
+    int64_t backend_draws; /* tokens drawn by the backend (kvf_backend_sample), not the host */
     int64_t step_ns, forward_ns; /* time inside kvf_engine_step, and in its forward passes */
 } kvf_engine_stats;
 

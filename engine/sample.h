@@ -40,7 +40,7 @@ void kvf_engine_sampler_fini(kvf_engine_sampler *s);
 int32_t kvf_engine_argmax(const float *logits /* [vocab] */, int32_t vocab);
 
 /* One token from logits: greedy when temperature <= 0; otherwise one uniform u from rng and the
- * rule of kvf_backend.sample (model/backend.h; written out at kvf_cuda_sample in cuda/cuda.h),
+ * rule of kvf_backend_sample (model/backend.h; written out at kvf_cuda_sample in cuda/cuda.h),
  * so the host and a GPU draw the same token from the same row and u, up to rounding: NaN is
  * never kept; the top_k cut keeps every logit >= the k-th largest (0: all; ties kept); the
  * top_p cut keeps every logit >= the largest value whose kept mass (of

@@ -1,6 +1,6 @@
-/* backend.h: the compute backend behind the forward pass (DESIGN.md s.2): a const struct of
- * function pointers, implemented by the CPU backend (cpu_backend.c) and later a CUDA one. The
- * forward pass (forward.c) decides what to compute; a backend only computes. Plain C. */
+/* backend.h: the compute backend behind the forward pass (DESIGN.md s.2), CPU (cpu_backend.c) or
+ * CUDA (cuda/backend.cu): its plain types, an opaque kvf_backend and one wrapper per op (backend.c,
+ * which holds the optional ops' defaults; the op table is backend_impl.h's). Plain C. */
 #ifndef KVF_MODEL_BACKEND_H
 #define KVF_MODEL_BACKEND_H
 
@@ -23,7 +23,7 @@ typedef struct kvf_backend_weight {
     const void *data;   /* backend memory, [rows][cols] */
     int64_t rows, cols; /* a 1-D tensor has rows 1 */
     kvf_dtype dtype;    /* of data: f32, or f16/bf16 for matrices only (matmul, embed) */
-    void *owned;        /* what weight_free releases; NULL when data is borrowed from the file */
+    void *owned;        /* what weight_unload releases; NULL when data is borrowed from the file */
 } kvf_backend_weight;
 
 /* What attention needs about one step's tokens. Arrays are backend memory. */
@@ -101,7 +101,7 @@ typedef struct kvf_backend_step_key {
     const void *kv_pool;      /* the pool base the step reads and writes */
 } kvf_backend_step_key;
 
-/* One sequence's draw for the optional `sample` op: temperature > 0, top_k >= 0 (0: all), top_p
+/* One sequence's draw for kvf_backend_sample: temperature > 0, top_k >= 0 (0: all), top_p
  * in (0, 1] (1: all), u in [0, 1) from the caller's generator. */
 typedef struct kvf_backend_sample_row {
     float temperature;
@@ -110,100 +110,130 @@ typedef struct kvf_backend_sample_row {
     float u;
 } kvf_backend_sample_row;
 
-typedef struct kvf_backend {
-    const char *name;
-    kvf_status (*create)(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err);
-    void (*destroy)(void *ctx);
+/* A backend: a const table of ops (backend_impl.h), one per implementation, never freed. Its
+ * state lives in a context (ctx below) that kvf_backend_create makes and kvf_backend_destroy
+ * releases; every other call takes both. */
+typedef struct kvf_backend kvf_backend;
 
-    /* Memory: alloc'd buffers are zeroed; upload/download copy between host and backend. */
-    kvf_status (*alloc)(void *ctx, size_t bytes, void **out, kvf_err *err);
-    void (*free)(void *ctx, void *p);
-    void (*upload)(void *ctx, void *dst, const void *src_host, size_t bytes);
-    void (*download)(void *ctx, void *dst_host, const void *src, size_t bytes);
-
-    /* Makes a file tensor (F32/F16/BF16, 1-D or 2-D) usable by the ops below. */
-    kvf_status (*weight_load)(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
+/* "cpu", "cuda", or a test double's name. */
+const char *kvf_backend_name(const kvf_backend *be);
+/* Makes a context; *ctx_out is the caller's until kvf_backend_destroy, which takes NULL too. */
+kvf_status kvf_backend_create(const kvf_backend *be, const kvf_backend_opts *opts, void **ctx_out,
                               kvf_err *err);
-    void (*weight_free)(void *ctx, kvf_backend_weight *w);
+void kvf_backend_destroy(const kvf_backend *be, void *ctx);
 
-    /* out[i] = emb[tokens[i]] (rows of emb). */
-    void (*embed)(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens /* [n] */,
-                  int64_t n, float *out /* [n][emb->cols] */);
-    /* y = x @ W^T (+ bias): y[n][w->rows] from x[n][w->cols]. bias may be NULL. */
-    void (*matmul)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w,
-                   const kvf_backend_weight *bias, float *y);
-    /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, for n rows of w->cols. out may be x. */
-    void (*rmsnorm)(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
-                    float *out);
-    /* Rotates pairs (j, j + head_dim/2) of every head of x[n][n_heads][head_dim] by the angles
-     * whose cosines and sines are cos_sin[n][head_dim/2][2] (the Hugging Face convention). */
-    void (*rope)(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t head_dim,
-                 const float *cos_sin);
-    /* out = silu(gate) * up, elementwise over n values. out may be gate. */
-    void (*swiglu)(void *ctx, const float *gate, const float *up, int64_t n, float *out);
-    /* x += y over n values. */
-    void (*add)(void *ctx, float *x, const float *y, int64_t n);
-    /* out[i] = x[rows[i]], rows of row_len floats. */
-    void (*gather)(void *ctx, const float *x, int64_t row_len, const int32_t *rows, int64_t n,
-                   float *out);
-    /* Writes k and v ([n][n_kv_heads][head_dim]) of `layer` into the pool at slots[i] =
-     * block * block_size + offset, converting to the layout's dtype. */
-    void (*kv_write)(void *ctx, void *pool, const kvf_kv_layout *layout, int32_t layer,
-                     const float *k, const float *v, const int64_t *slots /* [n] */, int64_t n);
-    /* out[t] = softmax(q[t] . K / sqrt(d)) V over the paged KV of `layer`, causal and windowed
-     * as a says; q and out are [n_tokens][n_heads][head_dim]. */
-    void (*attention)(void *ctx, const float *q, const void *pool, const kvf_kv_layout *layout,
-                      int32_t layer, const kvf_backend_attn *a, float *out);
-    /* out_host[i] = argmax of row i of logits[n][vocab] (ties to the lowest id). */
-    void (*argmax)(void *ctx, const float *logits, int64_t n, int64_t vocab, int32_t *out_host);
-
-    /* ---- optional (NULL: host memory, everything supported, nothing to wait for, no graphs) */
-
-    /* Where the KV pool lives: the engine creates the backend first, then its pool through
-     * these ops with mem_ctx = the backend ctx (one allocation: cudaMalloc of the whole pool on
-     * a GPU). NULL, or returning NULL: host memory (kvf_kv_mem_host). */
-    const kvf_kv_mem_ops *(*kv_mem)(void *ctx);
-    /* Called by kvf_model_fwd_create: refuses (ERR_UNSUPPORTED, naming the value and what is
-     * supported) a KV layout or head count the backend has no kernel for. */
-    kvf_status (*supports)(void *ctx, const kvf_kv_layout *layout, int32_t n_heads, kvf_err *err);
-    /* Waits for queued work and returns the first error recorded since the last sync (a failed
-     * launch, a cuBLAS error), clearing it. kvf_model_forward calls it at the end of a step. */
-    kvf_status (*sync)(void *ctx, kvf_err *err);
-    /* Step recording (CUDA graphs). The forward pass uploads the step's metadata, then calls
-     * step_begin; when *replay_out is true it issues no ops (the backend replays a recorded
-     * step in step_end), otherwise it issues every op up to the LM head (which the backend
-     * may be recording) and then calls step_end. When step_end sets *rerun_out, recording
-     * failed and nothing ran: the forward pass issues the ops again, unrecorded. Downloads
-     * (logits, argmax) come after step_end. Between the two calls there is no upload,
-     * download or host wait. step_end is called whenever step_begin returned OK. Both NULL:
-     * nothing is recorded. */
-    kvf_status (*step_begin)(void *ctx, const kvf_backend_step_key *key, bool *replay_out,
+/* Backend memory: alloc'd buffers are zeroed and the caller's until kvf_backend_free;
+ * upload/download copy between host and backend and have finished when they return. */
+kvf_status kvf_backend_alloc(const kvf_backend *be, void *ctx, size_t bytes, void **out,
                              kvf_err *err);
-    kvf_status (*step_end)(void *ctx, bool *rerun_out, kvf_err *err);
-    /* One token per row of logits[n][vocab] (backend memory) into out_host[n], finished on
-     * return, so the logits need not leave the backend. The rule is the engine's host sampler's
-     * (engine/sample.h; written out at kvf_cuda_sample in cuda/cuda.h): both draw the same token
-     * from the same row and u, up to rounding. A row that fails the check in
-     * kvf_backend_sample_row is refused (ERR_INVALID naming it). NULL: the engine downloads the
-     * logits and samples on the host. */
-    kvf_status (*sample)(void *ctx, const float *logits, int64_t n, int64_t vocab,
-                         const kvf_backend_sample_row *rows /* [n] */, int32_t *out_host,
-                         kvf_err *err);
-    /* y[i] = x @ w[i]^T (+ bias[i], which may be NULL) for i < count: the same as count matmul
-     * calls, bit for bit, with the work on x shared (a GPU converts x to the weights' dtype once
-     * instead of count times); no y[i] overlaps x. The forward pass uses it for q/k/v and for
-     * gate/up. NULL: count matmul calls. */
-    void (*matmul_multi)(void *ctx, const float *x, int64_t n, int32_t count,
-                         const kvf_backend_weight *const *w, const kvf_backend_weight *const *bias,
-                         float *const *y);
-    /* Step profiles (kvf_model_fwd_set_prof). prof_mark queues timestamp i behind every op
-     * issued before it (a failure is recorded, as for ops); after sync, prof_read writes the
-     * milliseconds from mark i to mark i + 1 into ms_out[i], i < n - 1. The forward pass
-     * records no step (step_begin) while it profiles. NULL: ops are finished when they return,
-     * and the forward pass reads the host clock instead. */
-    void (*prof_mark)(void *ctx, int32_t i);
-    kvf_status (*prof_read)(void *ctx, int32_t n, double *ms_out, kvf_err *err);
-} kvf_backend;
+void kvf_backend_free(const kvf_backend *be, void *ctx, void *p);
+void kvf_backend_upload(const kvf_backend *be, void *ctx, void *dst, const void *src_host,
+                        size_t bytes);
+void kvf_backend_download(const kvf_backend *be, void *ctx, void *dst_host, const void *src,
+                          size_t bytes);
+
+/* Makes a file tensor (F32/F16/BF16, 1-D or 2-D) usable by the ops below; *out is the
+ * caller's until kvf_backend_weight_unload. */
+kvf_status kvf_backend_weight_load(const kvf_backend *be, void *ctx, const kvf_model_tensor *t,
+                                   kvf_backend_weight *out, kvf_err *err);
+void kvf_backend_weight_unload(const kvf_backend *be, void *ctx, kvf_backend_weight *w);
+
+/* ---- the ops of a step. They return nothing: a backend that can fail (a GPU) records the
+ * first failure, and kvf_backend_sync returns it. */
+
+/* out[i] = emb[tokens[i]] (rows of emb). */
+void kvf_backend_embed(const kvf_backend *be, void *ctx, const kvf_backend_weight *emb,
+                       const int32_t *tokens /* [n] */, int64_t n,
+                       float *out /* [n][emb->cols] */);
+/* y = x @ W^T (+ bias): y[n][w->rows] from x[n][w->cols]. bias may be NULL. */
+void kvf_backend_matmul(const kvf_backend *be, void *ctx, const float *x, int64_t n,
+                        const kvf_backend_weight *w, const kvf_backend_weight *bias, float *y);
+/* y[i] = x @ w[i]^T (+ bias[i], which may be NULL) for i < count: the same as count
+ * kvf_backend_matmul calls, bit for bit, with the work on x shared where the backend can (a
+ * GPU converts x to the weights' dtype once instead of count times); no y[i] overlaps x. The
+ * forward pass uses it for q/k/v and for gate/up. Default: count matmul calls. */
+void kvf_backend_matmul_multi(const kvf_backend *be, void *ctx, const float *x, int64_t n,
+                              int32_t count, const kvf_backend_weight *const *w /* [count] */,
+                              const kvf_backend_weight *const *bias /* [count] */,
+                              float *const *y /* [count] */);
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, for n rows of w->cols. out may be x. */
+void kvf_backend_rmsnorm(const kvf_backend *be, void *ctx, const float *x, int64_t n,
+                         const kvf_backend_weight *w, float eps, float *out);
+/* Rotates pairs (j, j + head_dim/2) of every head of x[n][n_heads][head_dim] by the angles
+ * whose cosines and sines are cos_sin[n][head_dim/2][2] (the Hugging Face convention). */
+void kvf_backend_rope(const kvf_backend *be, void *ctx, float *x, int64_t n, int32_t n_heads,
+                      int32_t head_dim, const float *cos_sin);
+/* out = silu(gate) * up, elementwise over n values. out may be gate. */
+void kvf_backend_swiglu(const kvf_backend *be, void *ctx, const float *gate, const float *up,
+                        int64_t n, float *out);
+/* x += y over n values. */
+void kvf_backend_add(const kvf_backend *be, void *ctx, float *x, const float *y, int64_t n);
+/* out[i] = x[rows[i]], rows of row_len floats. */
+void kvf_backend_gather(const kvf_backend *be, void *ctx, const float *x, int64_t row_len,
+                        const int32_t *rows /* [n] */, int64_t n, float *out /* [n][row_len] */);
+/* Writes k and v ([n][n_kv_heads][head_dim]) of `layer` into the pool at slots[i] =
+ * block * block_size + offset, converting to the layout's dtype. */
+void kvf_backend_kv_write(const kvf_backend *be, void *ctx, void *pool,
+                          const kvf_kv_layout *layout, int32_t layer, const float *k,
+                          const float *v, const int64_t *slots /* [n] */, int64_t n);
+/* out[t] = softmax(q[t] . K / sqrt(d)) V over the paged KV of `layer`, causal and windowed
+ * as a says; q and out are [n_tokens][n_heads][head_dim]. */
+void kvf_backend_attention(const kvf_backend *be, void *ctx, const float *q, const void *pool,
+                           const kvf_kv_layout *layout, int32_t layer, const kvf_backend_attn *a,
+                           float *out);
+/* out_host[i] = argmax of row i of logits[n][vocab] (ties to the lowest id). */
+void kvf_backend_argmax(const kvf_backend *be, void *ctx, const float *logits, int64_t n,
+                        int64_t vocab, int32_t *out_host /* [n] */);
+
+/* ---- optional ops: a backend may leave them out, and these wrappers then give the default
+ * named in each comment (the CPU backend's behaviour). */
+
+/* Where the KV pool lives: the engine creates the backend first, then its pool through these
+ * ops with mem_ctx = the backend ctx (one allocation: cudaMalloc of the whole pool on a GPU).
+ * Default: NULL, host memory (kvf_kv_pool_cfg.mem NULL means kvf_kv_mem_host). */
+const kvf_kv_mem_ops *kvf_backend_kv_mem(const kvf_backend *be, void *ctx);
+/* Called by kvf_model_fwd_create: refuses (ERR_UNSUPPORTED, naming the value and what is
+ * supported) a KV layout or head count the backend has no kernel for. Default: KVF_OK. */
+kvf_status kvf_backend_supports(const kvf_backend *be, void *ctx, const kvf_kv_layout *layout,
+                                int32_t n_heads, kvf_err *err);
+/* Waits for queued work and returns the first error recorded since the last sync (a failed
+ * launch, a cuBLAS error), clearing it; err may be NULL. kvf_model_forward calls it at the
+ * end of a step. Default: KVF_OK (ops are finished when they return). */
+kvf_status kvf_backend_sync(const kvf_backend *be, void *ctx, kvf_err *err);
+/* Step recording (CUDA graphs). The forward pass uploads the step's metadata, then calls
+ * step_begin; when *replay_out is true it issues no ops (the backend replays a recorded step
+ * in step_end), otherwise it issues every op up to the LM head (which the backend may be
+ * recording) and then calls step_end. When step_end sets *rerun_out, recording failed and
+ * nothing ran: the forward pass issues the ops again, unrecorded. Downloads (logits, argmax)
+ * come after step_end. Between the two calls there is no upload, download or host wait.
+ * step_end is called whenever step_begin returned OK. Defaults: nothing is recorded
+ * (*replay_out and *rerun_out false, KVF_OK). */
+kvf_status kvf_backend_step_begin(const kvf_backend *be, void *ctx,
+                                  const kvf_backend_step_key *key, bool *replay_out,
+                                  kvf_err *err);
+kvf_status kvf_backend_step_end(const kvf_backend *be, void *ctx, bool *rerun_out, kvf_err *err);
+/* Whether kvf_backend_sample draws (else the engine downloads the logits and samples on the
+ * host). */
+bool kvf_backend_can_sample(const kvf_backend *be);
+/* One token per row of logits[n][vocab] (backend memory) into out_host[n], finished on return,
+ * so the logits need not leave the backend. The rule is the engine's host sampler's
+ * (engine/sample.h; written out at kvf_cuda_sample in cuda/cuda.h): both draw the same token
+ * from the same row and u, up to rounding. A row that fails the check in
+ * kvf_backend_sample_row is refused (ERR_INVALID naming it). Default: ERR_UNSUPPORTED naming
+ * the backend. */
+kvf_status kvf_backend_sample(const kvf_backend *be, void *ctx, const float *logits, int64_t n,
+                              int64_t vocab, const kvf_backend_sample_row *rows /* [n] */,
+                              int32_t *out_host /* [n] */, kvf_err *err);
+/* Step profiles (kvf_model_fwd_set_prof). With a clock of its own, prof_mark queues timestamp
+ * i behind every op issued before it (a failure is recorded, as for ops) and, after sync,
+ * prof_read writes the milliseconds from mark i to mark i + 1 into ms_out[i], i < n - 1. The
+ * forward pass records no step (step_begin) while it profiles. Without one (the default) ops
+ * are finished when they return and the forward pass reads the host clock instead:
+ * prof_mark does nothing and prof_read returns ERR_UNSUPPORTED. */
+bool kvf_backend_has_prof_clock(const kvf_backend *be);
+void kvf_backend_prof_mark(const kvf_backend *be, void *ctx, int32_t i);
+kvf_status kvf_backend_prof_read(const kvf_backend *be, void *ctx, int32_t n,
+                                 double *ms_out /* [n - 1] */, kvf_err *err);
 
 /* The CPU backend (model/cpu_backend.c). */
 const kvf_backend *kvf_model_backend_cpu(void);

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
-#include "model/backend.h"
+#include "model/backend_impl.h"
 #include "model/config.h"
 
 /* ---- a persistent thread pool: run(fn, n_items) hands items out through an atomic counter;
@@ -322,7 +322,7 @@ static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_back
     return KVF_OK;
 }
 
-static void cpu_weight_free(void *ctx, kvf_backend_weight *w)
+static void cpu_weight_unload(void *ctx, kvf_backend_weight *w)
 {
     free(w->owned);
     memset(w, 0, sizeof *w);
@@ -603,6 +603,8 @@ static void cpu_argmax(void *ctx, const float *logits, int64_t n, int64_t vocab,
     }
 }
 
+/* No optional op: the defaults the wrappers in backend.c hold (host memory, nothing to wait
+ * for or record, no draws, matmul by matmul, the host clock) are the CPU's behaviour. */
 static const kvf_backend kvf_backend_cpu_ops = {
     .name = "cpu",
     .create = cpu_create,
@@ -612,7 +614,7 @@ static const kvf_backend kvf_backend_cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .weight_load = cpu_weight_load,
-    .weight_free = cpu_weight_free,
+    .weight_unload = cpu_weight_unload,
     .embed = cpu_embed,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,

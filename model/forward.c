@@ -1,7 +1,7 @@
 /* forward.c: the Llama-family forward pass (RMSNorm, RoPE, GQA attention over paged KV, SwiGLU
  * MLP, tied or separate LM head) written once over kvf_backend. It validates a batch, lays out
  * per-token metadata in one preallocated block (one upload a step) and calls the backend's ops
- * layer by layer. */
+ * layer by layer, through the kvf_backend_* wrappers (backend.c has the optional ops' defaults). */
 #include "model/forward.h"
 
 #include <math.h>
@@ -45,7 +45,8 @@ struct kvf_model_fwd {
     kvf_backend_sample_row *h_draw; /* [max_seqs]: the rows of a step that samples */
 
     /* profile (kvf_model_fwd_set_prof): the step's marks, each the kind of op it starts (or
-     * KVF_FWD_OP_COUNT: the end), and their host times when the backend has no prof_mark */
+     * KVF_FWD_OP_COUNT: the end), and their host times when the backend has no clock of its own
+     * (kvf_backend_has_prof_clock) */
     kvf_model_fwd_prof *prof;
     int32_t n_marks, max_marks;
     int8_t *mark_op;
@@ -56,7 +57,7 @@ struct kvf_model_fwd {
 static void free_w(kvf_model_fwd *f, kvf_backend_weight *w)
 {
     if (w->data)
-        f->be->weight_free(f->ctx, w);
+        kvf_backend_weight_unload(f->be, f->ctx, w);
 }
 
 void kvf_model_fwd_destroy(kvf_model_fwd *f)
@@ -84,7 +85,7 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f)
                     f->meta};
     for (size_t j = 0; j < sizeof bufs / sizeof bufs[0]; j++)
         if (bufs[j])
-            f->be->free(f->ctx, bufs[j]);
+            kvf_backend_free(f->be, f->ctx, bufs[j]);
     free(f->h_meta);
     free(f->h_draw);
     free(f->inv_freq);
@@ -100,7 +101,7 @@ static kvf_status load_w(kvf_model_fwd *f, const kvf_model_tensor *t, kvf_backen
 {
     if (!t)
         return KVF_OK;
-    return f->be->weight_load(f->ctx, t, w, err);
+    return kvf_backend_weight_load(f->be, f->ctx, t, w, err);
 }
 
 static kvf_status load_weights(kvf_model_fwd *f, kvf_err *err)
@@ -138,7 +139,7 @@ static kvf_status load_weights(kvf_model_fwd *f, kvf_err *err)
 
 static kvf_status scratch(kvf_model_fwd *f, void *p, size_t bytes, kvf_err *err)
 {
-    return f->be->alloc(f->ctx, bytes ? bytes : 1, (void **)p, err);
+    return kvf_backend_alloc(f->be, f->ctx, bytes ? bytes : 1, (void **)p, err);
 }
 
 static kvf_status host(void *p, size_t bytes, kvf_err *err)
@@ -197,11 +198,9 @@ kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void 
         layout->dtype != KVF_DTYPE_BF16 && layout->dtype != KVF_DTYPE_FP8_E4M3)
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: KV dtype %s is not supported by the forward pass (use f32, f16, bf16 or fp8-e4m3)",
                            kvf_dtype_name(layout->dtype));
-    if (be->supports) {
-        kvf_status sst = be->supports(be_ctx, layout, c->n_heads, err);
-        if (sst != KVF_OK)
-            return sst;
-    }
+    kvf_status sst = kvf_backend_supports(be, be_ctx, layout, c->n_heads, err);
+    if (sst != KVF_OK)
+        return sst;
     kvf_model_fwd *f = calloc(1, sizeof *f);
     if (!f)
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: out of memory");
@@ -249,16 +248,17 @@ const kvf_model_fwd_opts *kvf_model_fwd_limits(const kvf_model_fwd *f)
 
 bool kvf_model_fwd_samples(const kvf_model_fwd *f)
 {
-    return f->be->sample != NULL;
+    return kvf_backend_can_sample(f->be);
 }
 
 /* Checks a sequence's draw (kvf_backend_sample_row) before the step runs. */
 static kvf_status check_draw(const kvf_model_fwd *f, int32_t s, const kvf_backend_sample_row *d,
                              kvf_err *err)
 {
-    if (!f->be->sample)
+    if (!kvf_backend_can_sample(f->be))
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "model: forward: sequence %d asks for a draw "
-                           "on the backend and backend %s cannot sample", s, f->be->name);
+                           "on the backend and backend %s cannot sample", s,
+                           kvf_backend_name(f->be));
     if (!(d->temperature > 0.0f) || d->top_k < 0 || !(d->top_p > 0.0f && d->top_p <= 1.0f) ||
         !(d->u >= 0.0f && d->u < 1.0f))
         return kvf_err_set(err, KVF_ERR_INVALID, "model: forward: sequence %d: draw with "
@@ -379,8 +379,8 @@ static void fwd_mark(kvf_model_fwd *f, int op)
     if (!f->prof || f->n_marks >= f->max_marks)
         return;
     f->mark_op[f->n_marks] = (int8_t)op;
-    if (f->be->prof_mark)
-        f->be->prof_mark(f->ctx, f->n_marks);
+    if (kvf_backend_has_prof_clock(f->be))
+        kvf_backend_prof_mark(f->be, f->ctx, f->n_marks);
     else
         f->mark_ns[f->n_marks] = kvf_now_ns();
     f->n_marks++;
@@ -395,9 +395,9 @@ static void fwd_prof_add(kvf_model_fwd *f, bool chunked, int64_t wall_ns)
     f->n_marks = 0;
     if (n < 2)
         return;
-    if (f->be->prof_read) {
+    if (kvf_backend_has_prof_clock(f->be)) {
         kvf_err e = {0};
-        if (f->be->prof_read(f->ctx, n, f->mark_ms, &e) != KVF_OK) {
+        if (kvf_backend_prof_read(f->be, f->ctx, n, f->mark_ms, &e) != KVF_OK) {
             kvf_log(KVF_LOG_WARN, "model: profile: step left out: %s", e.msg);
             return;
         }
@@ -440,7 +440,7 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
     const int64_t t_step = f->prof ? kvf_now_ns() : 0;
     f->n_marks = 0;
     fwd_mark(f, KVF_FWD_OP_UPLOAD);
-    be->upload(ctx, f->meta, f->h_meta, f->meta_bytes);
+    kvf_backend_upload(be, ctx, f->meta, f->h_meta, f->meta_bytes);
 
     int32_t max_pos = 0;
     bool decode_only = true;
@@ -456,21 +456,21 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
                              .scale = (float)(1.0 / sqrt((double)c->head_dim)),
                              .max_ctx = ctx_bucket(f, max_pos)};
 
-    /* the ops from here to the LM head may be recorded and replayed by the backend (graphs) */
+    /* the ops from here to the LM head may be recorded and replayed by the backend (graphs);
+     * never while profiling (the marks would belong to the recording) */
     bool replay = false;
-    if (be->step_begin && !f->prof) {
+    if (!f->prof) {
         kvf_backend_step_key key = {.n_tokens = T, .n_seqs = n_seqs, .ctx_bucket = attn.max_ctx,
                                     .decode_only = decode_only, .kv_pool = kv_pool};
-        if ((st = be->step_begin(ctx, &key, &replay, err)) != KVF_OK)
+        if ((st = kvf_backend_step_begin(be, ctx, &key, &replay, err)) != KVF_OK)
             return st;
     }
     if (!replay)
         run_ops(f, kv_pool, T, n_seqs, &attn);
-    if (be->step_end && !f->prof) {
+    if (!f->prof) {
         bool rerun = false;
-        if ((st = be->step_end(ctx, &rerun, err)) != KVF_OK) {
-            if (be->sync)
-                (void)be->sync(ctx, NULL); /* drain; the step_end error is the one reported */
+        if ((st = kvf_backend_step_end(be, ctx, &rerun, err)) != KVF_OK) {
+            (void)kvf_backend_sync(be, ctx, NULL); /* drain; the step_end error is the one reported */
             return st;
         }
         if (rerun) /* recording failed and nothing ran */
@@ -482,7 +482,8 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
      * u 0, the lowest such id, which is the argmax) */
     fwd_mark(f, KVF_FWD_OP_OUTPUT);
     if (logits_out)
-        be->download(ctx, logits_out, f->logits, (size_t)n_seqs * c->vocab_size * sizeof(float));
+        kvf_backend_download(be, ctx, logits_out, f->logits,
+                             (size_t)n_seqs * c->vocab_size * sizeof(float));
     bool draws = false;
     for (int32_t s = 0; s < n_seqs; s++)
         draws = draws || seqs[s].sample;
@@ -491,33 +492,20 @@ kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs, int32_
             f->h_draw[s] = seqs[s].sample ? *seqs[s].sample
                                           : (kvf_backend_sample_row){.temperature = 1.0f,
                                                                      .top_k = 1, .top_p = 1.0f};
-        if ((st = be->sample(ctx, f->logits, n_seqs, c->vocab_size, f->h_draw, next_out, err)) != KVF_OK) {
-            if (be->sync)
-                (void)be->sync(ctx, NULL); /* drain; the sample error is the one reported */
+        if ((st = kvf_backend_sample(be, ctx, f->logits, n_seqs, c->vocab_size, f->h_draw,
+                                     next_out, err)) != KVF_OK) {
+            (void)kvf_backend_sync(be, ctx, NULL); /* drain; the sample error is the one reported */
             return st;
         }
     } else if (next_out) {
-        be->argmax(ctx, f->logits, n_seqs, c->vocab_size, next_out);
+        kvf_backend_argmax(be, ctx, f->logits, n_seqs, c->vocab_size, next_out);
     }
     fwd_mark(f, KVF_FWD_OP_COUNT);
-    st = be->sync ? be->sync(ctx, err) : KVF_OK;
+    st = kvf_backend_sync(be, ctx, err);
     if (f->prof && st == KVF_OK)
         fwd_prof_add(f, !decode_only, kvf_now_ns() - t_step);
     f->n_marks = 0;
     return st;
-}
-
-/* y[i] = x @ w[i]^T (+ b[i]) for i < count: one matmul_multi where the backend has it. */
-static void fwd_matmuls(kvf_model_fwd *f, const float *x, int64_t n, int32_t count,
-                        const kvf_backend_weight *const *w, const kvf_backend_weight *const *b,
-                        float *const *y)
-{
-    if (f->be->matmul_multi) {
-        f->be->matmul_multi(f->ctx, x, n, count, w, b, y);
-        return;
-    }
-    for (int32_t i = 0; i < count; i++)
-        f->be->matmul(f->ctx, x, n, w[i], b[i], y[i]);
 }
 
 /* Issues a step's ops: embeddings, every layer, the final norm and LM head of each sequence's
@@ -533,50 +521,52 @@ static void run_ops(kvf_model_fwd *f, void *kv_pool, int32_t T, int32_t n_seqs,
 
     /* 2. token embeddings */
     fwd_mark(f, KVF_FWD_OP_EMBED);
-    be->embed(ctx, &f->embed, f->tokens, T, f->x);
+    kvf_backend_embed(be, ctx, &f->embed, f->tokens, T, f->x);
 
     for (int32_t l = 0; l < c->n_layers; l++) {
         const fwd_layer_w *L = &f->layers[l];
         /* 3. attention: norm, q/k/v, RoPE, K/V into the blocks, attention over them, o_proj */
         fwd_mark(f, KVF_FWD_OP_NORM);
-        be->rmsnorm(ctx, f->x, T, &L->attn_norm, c->norm_eps, f->xb);
+        kvf_backend_rmsnorm(be, ctx, f->x, T, &L->attn_norm, c->norm_eps, f->xb);
         fwd_mark(f, KVF_FWD_OP_QKV);
-        fwd_matmuls(f, f->xb, T, 3, (const kvf_backend_weight *const[]){&L->wq, &L->wk, &L->wv},
-                    (const kvf_backend_weight *const[]){L->bq.data ? &L->bq : NULL,
-                                                        L->bk.data ? &L->bk : NULL,
-                                                        L->bv.data ? &L->bv : NULL},
-                    (float *const[]){f->q, f->k, f->v});
+        kvf_backend_matmul_multi(be, ctx, f->xb, T, 3,
+                                 (const kvf_backend_weight *const[]){&L->wq, &L->wk, &L->wv},
+                                 (const kvf_backend_weight *const[]){L->bq.data ? &L->bq : NULL,
+                                                                     L->bk.data ? &L->bk : NULL,
+                                                                     L->bv.data ? &L->bv : NULL},
+                                 (float *const[]){f->q, f->k, f->v});
         fwd_mark(f, KVF_FWD_OP_ROPE);
-        be->rope(ctx, f->q, T, c->n_heads, c->head_dim, f->cos_sin);
-        be->rope(ctx, f->k, T, c->n_kv_heads, c->head_dim, f->cos_sin);
+        kvf_backend_rope(be, ctx, f->q, T, c->n_heads, c->head_dim, f->cos_sin);
+        kvf_backend_rope(be, ctx, f->k, T, c->n_kv_heads, c->head_dim, f->cos_sin);
         fwd_mark(f, KVF_FWD_OP_KV_WRITE);
-        be->kv_write(ctx, kv_pool, &f->layout, l, f->k, f->v, f->slots, T);
+        kvf_backend_kv_write(be, ctx, kv_pool, &f->layout, l, f->k, f->v, f->slots, T);
         attn.window = kvf_model_config_window(c, l);
         fwd_mark(f, KVF_FWD_OP_ATTENTION);
-        be->attention(ctx, f->q, kv_pool, &f->layout, l, &attn, f->att);
+        kvf_backend_attention(be, ctx, f->q, kv_pool, &f->layout, l, &attn, f->att);
         fwd_mark(f, KVF_FWD_OP_O_PROJ);
-        be->matmul(ctx, f->att, T, &L->wo, L->bo.data ? &L->bo : NULL, f->xb);
+        kvf_backend_matmul(be, ctx, f->att, T, &L->wo, L->bo.data ? &L->bo : NULL, f->xb);
         fwd_mark(f, KVF_FWD_OP_ADD);
-        be->add(ctx, f->x, f->xb, T * dim);
+        kvf_backend_add(be, ctx, f->x, f->xb, T * dim);
         /* 4. MLP: norm, silu(gate) * up, down */
         fwd_mark(f, KVF_FWD_OP_NORM);
-        be->rmsnorm(ctx, f->x, T, &L->ffn_norm, c->norm_eps, f->xb);
+        kvf_backend_rmsnorm(be, ctx, f->x, T, &L->ffn_norm, c->norm_eps, f->xb);
         fwd_mark(f, KVF_FWD_OP_GATE_UP);
-        fwd_matmuls(f, f->xb, T, 2, (const kvf_backend_weight *const[]){&L->w_gate, &L->w_up},
-                    (const kvf_backend_weight *const[]){L->b_gate.data ? &L->b_gate : NULL,
-                                                        L->b_up.data ? &L->b_up : NULL},
-                    (float *const[]){f->hg, f->hu});
+        kvf_backend_matmul_multi(be, ctx, f->xb, T, 2,
+                                 (const kvf_backend_weight *const[]){&L->w_gate, &L->w_up},
+                                 (const kvf_backend_weight *const[]){L->b_gate.data ? &L->b_gate : NULL,
+                                                                     L->b_up.data ? &L->b_up : NULL},
+                                 (float *const[]){f->hg, f->hu});
         fwd_mark(f, KVF_FWD_OP_SWIGLU);
-        be->swiglu(ctx, f->hg, f->hu, T * hid, f->hg);
+        kvf_backend_swiglu(be, ctx, f->hg, f->hu, T * hid, f->hg);
         fwd_mark(f, KVF_FWD_OP_DOWN);
-        be->matmul(ctx, f->hg, T, &L->w_down, L->b_down.data ? &L->b_down : NULL, f->xb);
+        kvf_backend_matmul(be, ctx, f->hg, T, &L->w_down, L->b_down.data ? &L->b_down : NULL, f->xb);
         fwd_mark(f, KVF_FWD_OP_ADD);
-        be->add(ctx, f->x, f->xb, T * dim);
+        kvf_backend_add(be, ctx, f->x, f->xb, T * dim);
     }
 
     /* 5. each sequence's last token: final norm, LM head, argmax */
     fwd_mark(f, KVF_FWD_OP_LM_HEAD);
-    be->gather(ctx, f->x, dim, f->last_rows, n_seqs, f->xs);
-    be->rmsnorm(ctx, f->xs, n_seqs, &f->final_norm, c->norm_eps, f->xs);
-    be->matmul(ctx, f->xs, n_seqs, f->lm_head, NULL, f->logits);
+    kvf_backend_gather(be, ctx, f->x, dim, f->last_rows, n_seqs, f->xs);
+    kvf_backend_rmsnorm(be, ctx, f->xs, n_seqs, &f->final_norm, c->norm_eps, f->xs);
+    kvf_backend_matmul(be, ctx, f->xs, n_seqs, f->lm_head, NULL, f->logits);
 }

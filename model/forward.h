@@ -19,8 +19,8 @@ typedef struct kvf_model_seq {
                                  * already in the blocks */
     const int32_t *block_table; /* [n_blocks] block ids covering start_pos + n_tokens positions */
     int32_t n_blocks;
-    /* NULL: next_out gets the greedy id. Else next_out gets a draw made on the backend (its
-     * `sample` op; kvf_model_fwd_samples says whether it has one). */
+    /* NULL: next_out gets the greedy id. Else next_out gets a draw made on the backend
+     * (kvf_backend_sample; kvf_model_fwd_samples says whether it can). */
     const kvf_backend_sample_row *sample;
 } kvf_model_seq;
 
@@ -35,10 +35,10 @@ typedef struct kvf_model_fwd_opts {
  * one thread at a time (a step uses the backend's own threads); the caller owns it. */
 typedef struct kvf_model_fwd kvf_model_fwd;
 
-/* Prepares the weights on the backend (be_ctx from be->create) and sizes the scratch. The
- * layout must match the model (layers, kv heads, head_dim); its dtype may be f32, f16, bf16
- * or fp8-e4m3 (scales from the backend's opts). A backend with a `supports` hook may refuse
- * the layout (ERR_UNSUPPORTED naming the value). m and be_ctx must outlive *out. */
+/* Prepares the weights on the backend (be_ctx from kvf_backend_create) and sizes the scratch.
+ * The layout must match the model (layers, kv heads, head_dim); its dtype may be f32, f16, bf16
+ * or fp8-e4m3 (scales from the backend's opts). The backend may refuse the layout
+ * (kvf_backend_supports: ERR_UNSUPPORTED naming the value). m and be_ctx must outlive *out. */
 kvf_status kvf_model_fwd_create(const kvf_model *m, const kvf_backend *be, void *be_ctx,
                                 const kvf_kv_layout *layout, const kvf_model_fwd_opts *opts,
                                 kvf_model_fwd **out, kvf_err *err);
@@ -50,7 +50,7 @@ void kvf_model_fwd_destroy(kvf_model_fwd *f);
  * with `sample`); either may be NULL. Refuses, before touching the pool, a batch beyond the
  * limits, a token outside the vocabulary, a block table too short for the positions, a block
  * id outside the pool, or a `sample` the backend cannot draw (no op, or a value out of range).
- * Returns after the backend's queued work is done (its `sync`), with the first error the
+ * Returns after the backend's queued work is done (kvf_backend_sync), with the first error the
  * backend recorded during the step. */
 kvf_status kvf_model_forward(kvf_model_fwd *f, const kvf_model_seq *seqs /* [n_seqs] */,
                              int32_t n_seqs, void *kv_pool, int64_t n_pool_blocks,

@@ -27,15 +27,17 @@ static void side_open(side *s, const kvf_backend *be, const kvf_model *m, const 
     kvf_err err = {0};
     memset(s, 0, sizeof *s);
     s->be = be;
-    if (be->create(bo, &s->ctx, &err) != KVF_OK)
-        fail_msg("%s create: %s", be->name, err.msg);
+    if (kvf_backend_create(be, bo, &s->ctx, &err) != KVF_OK)
+        fail_msg("%s create: %s", kvf_backend_name(be), err.msg);
     assert_int_equal(kvf_model_kv_layout(m, 16, kv, &s->lay, &err), KVF_OK);
     kvf_model_fwd_opts o = {.max_tokens = 128, .max_seqs = 4, .max_ctx = 256};
     if (kvf_model_fwd_create(m, be, s->ctx, &s->lay, &o, &s->fwd, &err) != KVF_OK)
-        fail_msg("%s fwd_create: %s", be->name, err.msg);
-    s->mem = be->kv_mem ? be->kv_mem(s->ctx) : &kvf_kv_mem_host;
+        fail_msg("%s fwd_create: %s", kvf_backend_name(be), err.msg);
+    s->mem = kvf_backend_kv_mem(be, s->ctx);
+    if (!s->mem) /* host memory */
+        s->mem = &kvf_kv_mem_host;
     if (s->mem->alloc(s->ctx, N_POOL * s->lay.block_bytes, &s->pool, &err) != KVF_OK)
-        fail_msg("%s pool: %s", be->name, err.msg);
+        fail_msg("%s pool: %s", kvf_backend_name(be), err.msg);
 }
 
 static void side_close(side *s)
@@ -43,9 +45,8 @@ static void side_close(side *s)
     kvf_err err = {0};
     s->mem->free(s->ctx, s->pool, N_POOL * s->lay.block_bytes);
     kvf_model_fwd_destroy(s->fwd);
-    if (s->be->sync)
-        assert_int_equal(s->be->sync(s->ctx, &err), KVF_OK);
-    s->be->destroy(s->ctx);
+    assert_int_equal(kvf_backend_sync(s->be, s->ctx, &err), KVF_OK);
+    kvf_backend_destroy(s->be, s->ctx);
 }
 
 #endif

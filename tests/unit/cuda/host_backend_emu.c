@@ -13,6 +13,7 @@
 
 #include "cuda_rt_emu_c.h"
 #include "emu_side.h"
+#include "model/backend_impl.h" /* the CUDA backend without matmul_multi */
 
 static const char *mname(int32_t md)
 {
@@ -30,7 +31,7 @@ static void side_step(side *s, const kvf_model_seq *q, float *logits, int32_t *n
 {
     kvf_err err = {0};
     if (kvf_model_forward(s->fwd, q, 1, s->pool, N_POOL, logits, next, &err) != KVF_OK)
-        fail_msg("%s: %s forward: %s", what, s->be->name, err.msg);
+        fail_msg("%s: %s forward: %s", what, kvf_backend_name(s->be), err.msg);
 }
 
 /* one model, one configuration: emu (graphs on), emu (graphs off, when eager_too) and CPU */

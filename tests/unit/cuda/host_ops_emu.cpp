@@ -67,9 +67,9 @@ struct cpu_side {
         o.n_threads = 1;
         o.kv_k_scale = ks;
         o.kv_v_scale = vs;
-        assert_int_equal(be->create(&o, &ctx, &err), KVF_OK);
+        assert_int_equal(kvf_backend_create(be, &o, &ctx, &err), KVF_OK);
     }
-    ~cpu_side() { be->destroy(ctx); }
+    ~cpu_side() { kvf_backend_destroy(be, ctx); }
 };
 
 static kvf_backend_weight f32_weight(float *data, int64_t rows, int64_t cols)
@@ -137,7 +137,7 @@ static void test_rmsnorm_rope_eltwise(void **state)
     for (int64_t i = 0; i < d; i++)
         w[i] = rnd();
     kvf_backend_weight wt = f32_weight(w, 1, d);
-    cpu.be->rmsnorm(cpu.ctx, x, n, &wt, 1e-5f, want);
+    kvf_backend_rmsnorm(cpu.be, cpu.ctx, x, n, &wt, 1e-5f, want);
     emu_launch({(unsigned)n, 1, 1}, NORM_THREADS, [&] { rmsnorm_kernel(x, w, d, 1e-5f, got); });
     double e = kvf_test_rel_err(got, want, n * d);
     print_message("rmsnorm: error %.2e of the largest\n", e);
@@ -149,7 +149,7 @@ static void test_rmsnorm_rope_eltwise(void **state)
         q[i] = q2[i] = rnd();
     for (int64_t i = 0; i < T * half * 2; i++)
         cs[i] = rnd();
-    cpu.be->rope(cpu.ctx, q, T, H, D, cs);
+    kvf_backend_rope(cpu.be, cpu.ctx, q, T, H, D, cs);
     emu_launch({2, 1, 1}, 32, [&] { rope_kernel(q2, T, H, D, cs); });
     assert_true(kvf_test_rel_err(q2, q, T * H * D) <= 1e-6);
     /* the head_dims the attention runs on padded thread groups: RoPE assumes no power of two */
@@ -159,7 +159,7 @@ static void test_rmsnorm_rope_eltwise(void **state)
             r1[i] = r2[i] = rnd();
         for (int64_t i = 0; i < T * hd; i++)
             rcs[i] = rnd();
-        cpu.be->rope(cpu.ctx, r1, T, H, hd, rcs);
+        kvf_backend_rope(cpu.be, cpu.ctx, r1, T, H, hd, rcs);
         emu_launch({2, 1, 1}, 32, [&] { rope_kernel(r2, T, H, hd, rcs); });
         assert_true(kvf_test_rel_err(r2, r1, T * H * hd) <= 1e-6);
     }
@@ -171,9 +171,9 @@ static void test_rmsnorm_rope_eltwise(void **state)
     }
     for (int i = 0; i < 40; i++)
         bias[i] = rnd();
-    cpu.be->swiglu(cpu.ctx, a, b, 1000, sw);
+    kvf_backend_swiglu(cpu.be, cpu.ctx, a, b, 1000, sw);
     memcpy(ad, a, sizeof ad);
-    cpu.be->add(cpu.ctx, ad, b, 1000);
+    kvf_backend_add(cpu.be, cpu.ctx, ad, b, 1000);
     static float g1[1000], g2[1000], g3[1000];
     emu_launch({3, 1, 1}, 64, [&] { eltwise_kernel(KVF_CUDA_SWIGLU, a, b, g1, 1000); });
     emu_launch({3, 1, 1}, 64, [&] { eltwise_kernel(KVF_CUDA_ADD, a, b, g2, 1000); });
@@ -202,7 +202,7 @@ static void check_kv_write(kvf_dtype dt, float ks, float vs)
         slots[i] = (i < 6 ? 3 : 1) * 8 + (i * 5) % 8;
     size_t bytes = (size_t)(n_blocks * l.block_bytes);
     uint8_t *want = (uint8_t *)calloc(1, bytes), *got = (uint8_t *)calloc(1, bytes);
-    cpu.be->kv_write(cpu.ctx, want, &l, 1, k, v, slots, n);
+    kvf_backend_kv_write(cpu.be, cpu.ctx, want, &l, 1, k, v, slots, n);
     kvw_geo g = {};
     g.block_bytes = l.block_bytes;
     g.slab_bytes = kvf_kv_slab_bytes(&l);

@@ -1,4 +1,4 @@
-/* host_sample_emu.c: draws made on the backend (kvf_backend.sample), on the real CUDA backend
+/* host_sample_emu.c: draws made on the backend (kvf_backend_sample), on the real CUDA backend
  * run by the host emulation (cuda_rt_emu.cpp): the forward pass's draws equal the rule of
  * kvf_cuda_sample (sample_ref.h) applied to the same step's logits, greedy rows of a drawing step
  * stay the argmax, bad draws are refused before the step; and the engine draws on the backend

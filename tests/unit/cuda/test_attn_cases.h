@@ -254,7 +254,7 @@ static inline int attn_case_cpu(const attn_case *c, const attn_case_spec *s, flo
     kvf_backend_opts opts = {.n_threads = 2};
     void *ctx = NULL;
     kvf_err err;
-    if (be->create(&opts, &ctx, &err) != KVF_OK) {
+    if (kvf_backend_create(be, &opts, &ctx, &err) != KVF_OK) {
         fprintf(stderr, "cpu backend: %s\n", err.msg);
         return -1;
     }
@@ -268,12 +268,12 @@ static inline int attn_case_cpu(const attn_case *c, const attn_case_spec *s, flo
                           .tok_seq = c->tok_seq, .tok_pos = c->tok_pos,
                           .block_tables = c->block_tables, .max_blocks = c->max_blocks,
                           .window = s->window, .scale = c->scale};
-    be->attention(ctx, q, c->pool, &c->layout, c->layer, &a, out);
+    kvf_backend_attention(be, ctx, q, c->pool, &c->layout, c->layer, &a, out);
     if (fp8)
         for (size_t i = 0; i < nq; i++)
             out[i] *= s->v_scale;
     free(q);
-    be->destroy(ctx);
+    kvf_backend_destroy(be, ctx);
     return 0;
 }
 

@@ -143,7 +143,7 @@ static void check_forward(const char *name, int32_t matrix_dtype, kvf_dtype kv, 
     kvf_err err = {0};
     void *ctx = NULL;
     kvf_backend_opts bo = {.matrix_dtype = matrix_dtype, .kv_k_scale = 1.0f, .kv_v_scale = 1.0f};
-    if (be->create(&bo, &ctx, &err) != KVF_OK)
+    if (kvf_backend_create(be, &bo, &ctx, &err) != KVF_OK)
         fail_msg("%s", err.msg);
     kvf_kv_layout lay;
     assert_int_equal(kvf_model_kv_layout(f->m, 16, kv, &lay, &err), KVF_OK);
@@ -151,7 +151,7 @@ static void check_forward(const char *name, int32_t matrix_dtype, kvf_dtype kv, 
     kvf_model_fwd *fwd = NULL;
     if (kvf_model_fwd_create(f->m, be, ctx, &lay, &o, &fwd, &err) != KVF_OK)
         fail_msg("%s: %s", name, err.msg);
-    const kvf_kv_mem_ops *mem = be->kv_mem(ctx);
+    const kvf_kv_mem_ops *mem = kvf_backend_kv_mem(be, ctx);
     int64_t n_pool = 40;
     void *pool = NULL;
     assert_int_equal(mem->alloc(ctx, n_pool * lay.block_bytes, &pool, &err), KVF_OK);
@@ -203,8 +203,8 @@ static void check_forward(const char *name, int32_t matrix_dtype, kvf_dtype kv, 
     free(logits);
     mem->free(ctx, pool, n_pool * lay.block_bytes);
     kvf_model_fwd_destroy(fwd);
-    assert_int_equal(be->sync(ctx, &err), KVF_OK);
-    be->destroy(ctx);
+    assert_int_equal(kvf_backend_sync(be, ctx, &err), KVF_OK);
+    kvf_backend_destroy(be, ctx);
     fx_close(f);
 }
 

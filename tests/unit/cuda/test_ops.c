@@ -37,40 +37,38 @@ static void open_sides(const kvf_backend_opts *gpu_opts)
         co.kv_v_scale = gpu_opts->kv_v_scale;
     }
     CPU.be = kvf_model_backend_cpu();
-    assert_int_equal(CPU.be->create(&co, &CPU.ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(CPU.be, &co, &CPU.ctx, &err), KVF_OK);
     kvf_backend_opts go = gpu_opts ? *gpu_opts : (kvf_backend_opts){0};
     GPU.be = kvf_cuda_backend();
-    if (GPU.be->create(&go, &GPU.ctx, &err) != KVF_OK)
+    if (kvf_backend_create(GPU.be, &go, &GPU.ctx, &err) != KVF_OK)
         fail_msg("cuda backend: %s", err.msg);
 }
 
 static void close_sides(void)
 {
     kvf_err err = {0};
-    if (GPU.be->sync(GPU.ctx, &err) != KVF_OK)
+    if (kvf_backend_sync(GPU.be, GPU.ctx, &err) != KVF_OK)
         fail_msg("cuda backend: %s", err.msg);
-    GPU.be->destroy(GPU.ctx);
-    CPU.be->destroy(CPU.ctx);
+    kvf_backend_destroy(GPU.be, GPU.ctx);
+    kvf_backend_destroy(CPU.be, CPU.ctx);
 }
 
 static void *put(side *s, const void *host, size_t bytes)
 {
     kvf_err err = {0};
     void *d = NULL;
-    assert_int_equal(s->be->alloc(s->ctx, bytes, &d, &err), KVF_OK);
+    assert_int_equal(kvf_backend_alloc(s->be, s->ctx, bytes, &d, &err), KVF_OK);
     if (host)
-        s->be->upload(s->ctx, d, host, bytes);
+        kvf_backend_upload(s->be, s->ctx, d, host, bytes);
     return d;
 }
 
 static void get(side *s, void *host, const void *dev, size_t bytes)
 {
-    s->be->download(s->ctx, host, dev, bytes);
-    if (s->be->sync) {
-        kvf_err err = {0};
-        if (s->be->sync(s->ctx, &err) != KVF_OK)
-            fail_msg("%s: %s", s->be->name, err.msg);
-    }
+    kvf_backend_download(s->be, s->ctx, host, dev, bytes);
+    kvf_err err = {0};
+    if (kvf_backend_sync(s->be, s->ctx, &err) != KVF_OK)
+        fail_msg("%s: %s", kvf_backend_name(s->be), err.msg);
 }
 
 static uint64_t rng_state = 12345;
@@ -113,8 +111,8 @@ static kvf_model_tensor tensor(const char *name, const void *data, kvf_dtype dt,
 static void load(side *s, const kvf_model_tensor *t, kvf_backend_weight *w)
 {
     kvf_err err = {0};
-    if (s->be->weight_load(s->ctx, t, w, &err) != KVF_OK)
-        fail_msg("%s: %s", s->be->name, err.msg);
+    if (kvf_backend_weight_load(s->be, s->ctx, t, w, &err) != KVF_OK)
+        fail_msg("%s: %s", kvf_backend_name(s->be), err.msg);
 }
 
 /* ---- matmul and embed */
@@ -134,13 +132,13 @@ static void check_matmul(int32_t matrix_dtype, int64_t n, bool with_bias, double
         load(s, &tw, &w);
         load(s, &tb, &b);
         float *dx = put(s, x, (size_t)(n * cols) * 4), *dy = put(s, NULL, (size_t)(n * rows) * 4);
-        s->be->matmul(s->ctx, dx, n, &w, with_bias ? &b : NULL, dy);
+        kvf_backend_matmul(s->be, s->ctx, dx, n, &w, with_bias ? &b : NULL, dy);
         y[k] = malloc((size_t)(n * rows) * 4);
         get(s, y[k], dy, (size_t)(n * rows) * 4);
-        s->be->free(s->ctx, dx);
-        s->be->free(s->ctx, dy);
-        s->be->weight_free(s->ctx, &w);
-        s->be->weight_free(s->ctx, &b);
+        kvf_backend_free(s->be, s->ctx, dx);
+        kvf_backend_free(s->be, s->ctx, dy);
+        kvf_backend_weight_unload(s->be, s->ctx, &w);
+        kvf_backend_weight_unload(s->be, s->ctx, &b);
     }
     double e = kvf_test_rel_err(y[1], y[0], n * rows);
     print_message("matmul n %lld, matrices %s%s: error %.2e of the largest (allowed %.0e)\n",
@@ -176,12 +174,15 @@ static void test_embed_gather(void **state)
         load(s, &te, &w);
         int32_t *dt = put(s, toks, sizeof toks), *dr = put(s, gr, sizeof gr);
         float *dout = put(s, NULL, sizeof out[0]), *dg = put(s, NULL, sizeof g[0]);
-        s->be->embed(s->ctx, &w, dt, n, dout);
-        s->be->gather(s->ctx, dout, cols, dr, 4, dg);
+        kvf_backend_embed(s->be, s->ctx, &w, dt, n, dout);
+        kvf_backend_gather(s->be, s->ctx, dout, cols, dr, 4, dg);
         get(s, out[k], dout, sizeof out[0]);
         get(s, g[k], dg, sizeof g[0]);
-        s->be->free(s->ctx, dt); s->be->free(s->ctx, dr); s->be->free(s->ctx, dout); s->be->free(s->ctx, dg);
-        s->be->weight_free(s->ctx, &w);
+        kvf_backend_free(s->be, s->ctx, dt);
+        kvf_backend_free(s->be, s->ctx, dr);
+        kvf_backend_free(s->be, s->ctx, dout);
+        kvf_backend_free(s->be, s->ctx, dg);
+        kvf_backend_weight_unload(s->be, s->ctx, &w);
     }
     assert_memory_equal(out[0], out[1], sizeof out[0]); /* bf16 -> f32 is exact */
     assert_memory_equal(g[0], g[1], sizeof g[0]);
@@ -216,17 +217,17 @@ static void test_norm_rope_swiglu_add(void **state)
               *dn = put(s, NULL, bytes);
         for (int i = 0; i < 4; i++)
             res[k][i] = malloc(bytes);
-        s->be->rmsnorm(s->ctx, dx, n, &w, 1e-5f, dn);
+        kvf_backend_rmsnorm(s->be, s->ctx, dx, n, &w, 1e-5f, dn);
         get(s, res[k][0], dn, bytes);
-        s->be->rmsnorm(s->ctx, dn, n, &w, 1e-5f, dn); /* in place */
-        s->be->rope(s->ctx, dn, n, H, D, dcs);        /* 6 heads of 16 = 96 */
+        kvf_backend_rmsnorm(s->be, s->ctx, dn, n, &w, 1e-5f, dn); /* in place */
+        kvf_backend_rope(s->be, s->ctx, dn, n, H, D, dcs);        /* 6 heads of 16 = 96 */
         get(s, res[k][1], dn, bytes);
-        s->be->swiglu(s->ctx, dn, du, n * d, dn);
+        kvf_backend_swiglu(s->be, s->ctx, dn, du, n * d, dn);
         get(s, res[k][2], dn, bytes);
-        s->be->add(s->ctx, dn, dx, n * d);
+        kvf_backend_add(s->be, s->ctx, dn, dx, n * d);
         get(s, res[k][3], dn, bytes);
-        s->be->free(s->ctx, dx); s->be->free(s->ctx, du); s->be->free(s->ctx, dcs); s->be->free(s->ctx, dn);
-        s->be->weight_free(s->ctx, &w);
+        kvf_backend_free(s->be, s->ctx, dx); kvf_backend_free(s->be, s->ctx, du); kvf_backend_free(s->be, s->ctx, dcs); kvf_backend_free(s->be, s->ctx, dn);
+        kvf_backend_weight_unload(s->be, s->ctx, &w);
     }
     const char *names[4] = {"rmsnorm", "rmsnorm+rope", "swiglu", "add"};
     for (int i = 0; i < 4; i++) {
@@ -261,10 +262,10 @@ static void check_kv_write(kvf_dtype dt, float ks, float vs)
         side *s = sides[s_];
         void *dk = put(s, k, (size_t)(n * row) * 4), *dv = put(s, v, (size_t)(n * row) * 4),
              *ds = put(s, slots, sizeof slots), *dp = put(s, NULL, pool_bytes);
-        s->be->kv_write(s->ctx, dp, &l, 2, dk, dv, ds, n);
+        kvf_backend_kv_write(s->be, s->ctx, dp, &l, 2, dk, dv, ds, n);
         p[s_] = malloc(pool_bytes);
         get(s, p[s_], dp, pool_bytes);
-        s->be->free(s->ctx, dk); s->be->free(s->ctx, dv); s->be->free(s->ctx, ds); s->be->free(s->ctx, dp);
+        kvf_backend_free(s->be, s->ctx, dk); kvf_backend_free(s->be, s->ctx, dv); kvf_backend_free(s->be, s->ctx, ds); kvf_backend_free(s->be, s->ctx, dp);
     }
     if (dt != KVF_DTYPE_FP8_E4M3) {
         assert_memory_equal(p[0], p[1], pool_bytes); /* same rounding: bit-exact */
@@ -318,9 +319,9 @@ static void test_argmax_ties(void **state)
     for (int k = 0; k < 2; k++) {
         side *s = sides[k];
         float *dx = put(s, x, (size_t)(n * vocab) * 4);
-        s->be->argmax(s->ctx, dx, n, vocab, got[k]);
+        kvf_backend_argmax(s->be, s->ctx, dx, n, vocab, got[k]);
         get(s, x + 0, dx, 0);
-        s->be->free(s->ctx, dx);
+        kvf_backend_free(s->be, s->ctx, dx);
     }
     assert_int_equal(got[1][0], 300);
     assert_int_equal(got[1][1], 0);
@@ -353,7 +354,7 @@ static void test_sample(void **state)
     kvf_err err = {0};
     if (kvf_cuda_sample(GPU.ctx, d, N, V, rows, got, &err) != KVF_OK)
         fail_msg("%s", err.msg);
-    GPU.be->argmax(GPU.ctx, d + V, 1, V, amax);
+    kvf_backend_argmax(GPU.be, GPU.ctx, d + V, 1, V, amax);
     assert_int_equal(got[1], amax[0]);
     int same = 0;
     bool kept[V];
@@ -371,7 +372,7 @@ static void test_sample(void **state)
     rows[3].top_p = 0.0f;
     assert_int_equal(kvf_cuda_sample(GPU.ctx, d, N, V, rows, got, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "row 3"));
-    GPU.be->free(GPU.ctx, d);
+    kvf_backend_free(GPU.be, GPU.ctx, d);
     free(x);
     close_sides();
 }
@@ -382,7 +383,7 @@ static void test_kv_mem_and_supports(void **state)
 {
     open_sides(NULL);
     kvf_err err = {0};
-    const kvf_kv_mem_ops *mem = GPU.be->kv_mem(GPU.ctx);
+    const kvf_kv_mem_ops *mem = kvf_backend_kv_mem(GPU.be, GPU.ctx);
     assert_non_null(mem);
     assert_string_equal(mem->name, "cuda");
     int64_t bb = 4096;
@@ -404,16 +405,16 @@ static void test_kv_mem_and_supports(void **state)
 
     kvf_kv_layout l;
     assert_int_equal(kvf_kv_layout_init(2, 2, 15, 16, KVF_DTYPE_F16, &l, &err), KVF_OK);
-    kvf_status st = GPU.be->supports(GPU.ctx, &l, 4, &err);
+    kvf_status st = kvf_backend_supports(GPU.be, GPU.ctx, &l, 4, &err);
     assert_int_equal(st, KVF_ERR_UNSUPPORTED);
     print_message("head_dim 15: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "15"));
     /* a failed op is reported by the next sync, once */
     kvf_backend_weight w = {.data = NULL, .rows = 1, .cols = 8, .dtype = KVF_DTYPE_FP8_E4M3};
-    GPU.be->embed(GPU.ctx, &w, NULL, 1, NULL);
-    assert_int_not_equal(GPU.be->sync(GPU.ctx, &err), KVF_OK);
+    kvf_backend_embed(GPU.be, GPU.ctx, &w, NULL, 1, NULL);
+    assert_int_not_equal(kvf_backend_sync(GPU.be, GPU.ctx, &err), KVF_OK);
     assert_non_null(strstr(err.msg, "embed"));
-    assert_int_equal(GPU.be->sync(GPU.ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_sync(GPU.be, GPU.ctx, &err), KVF_OK);
     close_sides();
 }
 

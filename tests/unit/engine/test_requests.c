@@ -479,7 +479,7 @@ static void test_remote_prefill(void **state)
     kvf_kv_pool *pool = kvf_engine_pool(e);
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
     kvf_model_fwd *fwd;
     kvf_model_fwd_opts fo = {.max_tokens = 64, .max_seqs = 1, .max_ctx = 256};
     assert_int_equal(kvf_model_fwd_create(f->m, be, ctx, kvf_kv_pool_layout(pool), &fo, &fwd, &err), KVF_OK);
@@ -489,7 +489,7 @@ static void test_remote_prefill(void **state)
     assert_int_equal(kvf_model_forward(fwd, &s, 1, kvf_kv_pool_base(pool), st.total_blocks, NULL,
                                        &first, &err), KVF_OK);
     kvf_model_fwd_destroy(fwd);
-    be->destroy(ctx);
+    kvf_backend_destroy(be, ctx);
     assert_int_equal(first, k->greedy[0]);
     /* running nothing meanwhile is fine */
     const kvf_engine_output *o;
@@ -541,7 +541,7 @@ static void test_remote_prefill_tokens(void **state)
     kvf_kv_pool *pool = kvf_engine_pool(e);
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
     kvf_model_fwd *fwd;
     kvf_model_fwd_opts fo = {.max_tokens = 128, .max_seqs = 1, .max_ctx = 256};
     assert_int_equal(kvf_model_fwd_create(f->m, be, ctx, kvf_kv_pool_layout(pool), &fo, &fwd, &err), KVF_OK);
@@ -553,7 +553,7 @@ static void test_remote_prefill_tokens(void **state)
     assert_int_equal(kvf_model_forward(fwd, &s, 1, kvf_kv_pool_base(pool), st.total_blocks, NULL,
                                        &first, &err), KVF_OK);
     kvf_model_fwd_destroy(fwd);
-    be->destroy(ctx);
+    kvf_backend_destroy(be, ctx);
     assert_int_equal(kvf_engine_remote_done(e, 5, first, &err), KVF_OK);
     et_result *r = calloc(1, sizeof *r);
     assert_int_equal(kvf_engine_run(e, collect_id5, r, &err), KVF_OK);

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/backend.h"
+#include "model/backend_impl.h" /* the double fills in optional ops */
 #include "model/forward.h"
 #include "model/model.h"
 #include "testutil.h"
@@ -66,7 +66,7 @@ static void h_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_wei
                      const kvf_backend_weight *bias, float *y)
 {
     H.matmul++;
-    kvf_model_backend_cpu()->matmul(ctx, x, n, w, bias, y);
+    kvf_backend_matmul(kvf_model_backend_cpu(), ctx, x, n, w, bias, y);
 }
 
 static void h_matmul_multi(void *ctx, const float *x, int64_t n, int32_t count,
@@ -76,7 +76,7 @@ static void h_matmul_multi(void *ctx, const float *x, int64_t n, int32_t count,
     H.multi++;
     H.multi_mats += count;
     for (int32_t i = 0; i < count; i++)
-        kvf_model_backend_cpu()->matmul(ctx, x, n, w[i], b[i], y[i]);
+        kvf_backend_matmul(kvf_model_backend_cpu(), ctx, x, n, w[i], b[i], y[i]);
 }
 
 static void h_prof_mark(void *ctx, int32_t i)
@@ -134,7 +134,7 @@ static kvf_status rig_open(rig *r, const char *model, const kvf_backend *be, kvf
         fail_msg("%s", err->msg);
     r->be = be;
     kvf_backend_opts bo = {.n_threads = 2, .kv_k_scale = ks, .kv_v_scale = vs};
-    assert_int_equal(be->create(&bo, &r->ctx, err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &bo, &r->ctx, err), KVF_OK);
     assert_int_equal(kvf_model_kv_layout(r->m, 16, kv, &r->layout, err), KVF_OK);
     kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 256};
     r->pool = calloc(RIG_POOL, (size_t)r->layout.block_bytes);
@@ -144,7 +144,7 @@ static kvf_status rig_open(rig *r, const char *model, const kvf_backend *be, kvf
 static void rig_close(rig *r)
 {
     kvf_model_fwd_destroy(r->fwd);
-    r->be->destroy(r->ctx);
+    kvf_backend_destroy(r->be, r->ctx);
     kvf_model_destroy(r->m);
     free(r->pool);
 }
@@ -348,8 +348,8 @@ static void test_fp8_scale_round_trip(void **state)
     for (int run = 0; run < 2; run++) {
         void *ctx;
         kvf_backend_opts bo = {.n_threads = 1, .kv_k_scale = ks[run], .kv_v_scale = vs[run]};
-        assert_int_equal(be->create(&bo, &ctx, &err), KVF_OK);
-        be->kv_write(ctx, pool, &l, 1, k, v, slots, 3);
+        assert_int_equal(kvf_backend_create(be, &bo, &ctx, &err), KVF_OK);
+        kvf_backend_kv_write(be, ctx, pool, &l, 1, k, v, slots, 3);
         float kscale = ks[run], vscale = vs[run] > 0 ? vs[run] : 1.0f;
         int saturated = 0;
         for (int t = 0; t < 3; t++)
@@ -375,12 +375,12 @@ static void test_fp8_scale_round_trip(void **state)
             assert_int_equal(saturated, 0); /* scale 4 holds values up to 1792 */
         else
             assert_true(saturated > 0);
-        be->destroy(ctx);
+        kvf_backend_destroy(be, ctx);
     }
     /* a negative or infinite scale is refused at create, naming it */
     void *ctx = NULL;
     kvf_backend_opts bad = {.n_threads = 1, .kv_k_scale = -1.0f};
-    assert_int_equal(be->create(&bad, &ctx, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_backend_create(be, &bad, &ctx, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "KV scales k -1"));
     free(pool);
 }
@@ -415,15 +415,15 @@ static void test_fp8_attention(void **state)
     void *c8, *c32;
     kvf_backend_opts b8 = {.n_threads = 2, .kv_k_scale = 0.1f, .kv_v_scale = 4.0f};
     kvf_backend_opts b32 = {.n_threads = 2};
-    assert_int_equal(be->create(&b8, &c8, &err), KVF_OK);
-    assert_int_equal(be->create(&b32, &c32, &err), KVF_OK);
-    be->kv_write(c8, p8, &l8, 0, k, v, slots, T);
-    be->kv_write(c32, p32, &l32, 0, k, v, slots, T);
+    assert_int_equal(kvf_backend_create(be, &b8, &c8, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &b32, &c32, &err), KVF_OK);
+    kvf_backend_kv_write(be, c8, p8, &l8, 0, k, v, slots, T);
+    kvf_backend_kv_write(be, c32, p32, &l32, 0, k, v, slots, T);
     kvf_backend_attn a = {.n_tokens = T, .n_heads = H, .n_kv_heads = KVH, .head_dim = D,
                           .tok_seq = tok_seq, .tok_pos = tok_pos, .block_tables = table,
                           .max_blocks = 3, .scale = 1.0f / sqrtf((float)D), .max_ctx = 64};
-    be->attention(c8, q, p8, &l8, 0, &a, o8);
-    be->attention(c32, q, p32, &l32, 0, &a, o32);
+    kvf_backend_attention(be, c8, q, p8, &l8, 0, &a, o8);
+    kvf_backend_attention(be, c32, q, p32, &l32, 0, &a, o32);
     double mx = 0, d = 0;
     for (int i = 0; i < T * H * D; i++) {
         mx = fmax(mx, fabs(o32[i]));
@@ -432,8 +432,8 @@ static void test_fp8_attention(void **state)
     print_message("fp8 (scales 0.1, 4) vs f32 attention: max error %.3g of %.3g\n", d, mx);
     assert_true(mx > 10.0);     /* the values really are beyond fp8's unscaled range */
     assert_true(d <= 0.08 * mx); /* 1/16 relative per element, averaged by the softmax */
-    be->destroy(c8);
-    be->destroy(c32);
+    kvf_backend_destroy(be, c8);
+    kvf_backend_destroy(be, c32);
     free(p8); free(p32); free(k); free(v); free(q); free(o8); free(o32);
 }
 

@@ -69,7 +69,7 @@ static fx *fx_open_opts(const char *name, kvf_dtype kv_dtype, bool half_weights)
         fail_msg("%s", err.msg);
     f->be = kvf_model_backend_cpu();
     kvf_backend_opts bo = {.n_threads = 2, .half_weights = half_weights};
-    assert_int_equal(f->be->create(&bo, &f->ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(f->be, &bo, &f->ctx, &err), KVF_OK);
     assert_int_equal(kvf_model_kv_layout(f->m, 16, kv_dtype, &f->layout, &err), KVF_OK);
     kvf_model_fwd_opts o = {.max_tokens = 256, .max_seqs = 8, .max_ctx = 256};
     st = kvf_model_fwd_create(f->m, f->be, f->ctx, &f->layout, &o, &f->fwd, &err);
@@ -116,7 +116,7 @@ static void fx_close(fx *f)
         free(f->cases[i].last);
     }
     kvf_model_fwd_destroy(f->fwd);
-    f->be->destroy(f->ctx);
+    kvf_backend_destroy(f->be, f->ctx);
     kvf_model_destroy(f->m);
     free(f->pool);
     free(f);

@@ -229,7 +229,7 @@ static void check_against_reference_opts(const kvf_model_config *c, kvf_dtype wd
     kvf_err err = {0};
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2, .half_weights = half_weights}, &ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 2, .half_weights = half_weights}, &ctx, &err), KVF_OK);
     kvf_kv_layout lay;
     assert_int_equal(kvf_model_kv_layout(m, 4, KVF_DTYPE_F32, &lay, &err), KVF_OK);
     kvf_model_fwd *f;
@@ -273,7 +273,7 @@ static void check_against_reference_opts(const kvf_model_config *c, kvf_dtype wd
     free(want);
     free(pool);
     kvf_model_fwd_destroy(f);
-    be->destroy(ctx);
+    kvf_backend_destroy(be, ctx);
     kvf_model_destroy(m);
     remove_dir();
 }
@@ -369,7 +369,7 @@ static void test_layout_mismatch(void **state)
     kvf_err err = {0};
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
     kvf_kv_layout lay;
     kvf_model_fwd *f = NULL;
     kvf_model_fwd_opts o = {.max_tokens = 8, .max_seqs = 2};
@@ -384,7 +384,7 @@ static void test_layout_mismatch(void **state)
     o.max_seqs = 9;
     assert_int_equal(kvf_model_fwd_create(m, be, ctx, &lay, &o, &f, &err), KVF_ERR_INVALID);
     assert_null(f);
-    be->destroy(ctx);
+    kvf_backend_destroy(be, ctx);
     kvf_model_destroy(m);
     remove_dir();
 }
@@ -395,36 +395,36 @@ static void test_cpu_ops(void **state)
     const kvf_backend *be = kvf_model_backend_cpu();
     void *ctx;
     kvf_err err = {0};
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2}, &ctx, &err), KVF_OK);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 2}, &ctx, &err), KVF_OK);
     float W[6] = {1, 2, 3, 4, 5, 6}, bias[2] = {10, 20}, x[6] = {1, 0, -1, 2, 1, 0}, y[4];
     kvf_backend_weight w = {.data = W, .rows = 2, .cols = 3, .dtype = KVF_DTYPE_F32};
     kvf_backend_weight b = {.data = bias, .rows = 1, .cols = 2, .dtype = KVF_DTYPE_F32};
-    be->matmul(ctx, x, 2, &w, &b, y); /* rows: [1,0,-1], [2,1,0] */
+    kvf_backend_matmul(be, ctx, x, 2, &w, &b, y); /* rows: [1,0,-1], [2,1,0] */
     assert_true(y[0] == 10 - 2 && y[1] == 20 - 2 && y[2] == 10 + 4 && y[3] == 20 + 13);
-    be->matmul(ctx, x, 1, &w, NULL, y);
+    kvf_backend_matmul(be, ctx, x, 1, &w, NULL, y);
     assert_true(y[0] == -2 && y[1] == -2);
     float lg[6] = {1, 3, 3, -1, -2, -0.5f};
     int32_t am[2];
-    be->argmax(ctx, lg, 2, 3, am);
+    kvf_backend_argmax(be, ctx, lg, 2, 3, am);
     assert_int_equal(am[0], 1); /* ties to the lowest id */
     assert_int_equal(am[1], 2);
     float g[2] = {0, 2}, u[2] = {5, 3}, o[2];
-    be->swiglu(ctx, g, u, 2, o);
+    kvf_backend_swiglu(be, ctx, g, u, 2, o);
     assert_true(o[0] == 0 && fabsf(o[1] - 2.0f / (1 + expf(-2)) * 3) < 1e-6f);
     /* a weight from a bf16 tensor becomes f32 */
     uint8_t raw[4] = {0x80, 0x3f, 0x00, 0xc0}; /* 1.0, -2.0 */
     kvf_model_tensor t = {.name = "t", .dtype = KVF_DTYPE_BF16, .dtype_name = "BF16", .n_dims = 1,
                           .shape = {2}, .n_elems = 2, .n_bytes = 4, .data = raw};
     kvf_backend_weight wb;
-    assert_int_equal(be->weight_load(ctx, &t, &wb, &err), KVF_OK);
+    assert_int_equal(kvf_backend_weight_load(be, ctx, &t, &wb, &err), KVF_OK);
     assert_true(((const float *)wb.data)[0] == 1.0f && ((const float *)wb.data)[1] == -2.0f);
-    be->weight_free(ctx, &wb);
+    kvf_backend_weight_unload(be, ctx, &wb);
     t.dtype = -1;
     snprintf(t.dtype_name, sizeof t.dtype_name, "I64");
-    assert_int_equal(be->weight_load(ctx, &t, &wb, &err), KVF_ERR_UNSUPPORTED);
+    assert_int_equal(kvf_backend_weight_load(be, ctx, &t, &wb, &err), KVF_ERR_UNSUPPORTED);
     assert_non_null(strstr(err.msg, "I64"));
-    be->destroy(ctx);
-    assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = -3}, &ctx, &err), KVF_ERR_INVALID);
+    kvf_backend_destroy(be, ctx);
+    assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = -3}, &ctx, &err), KVF_ERR_INVALID);
 }
 
 int main(void)

@@ -85,14 +85,14 @@ static void test_step_allocates_nothing(void **state)
     for (int half = 0; half < 2; half++) {
         n_allocs = 0;
         void *ctx;
-        assert_int_equal(be->create(&(kvf_backend_opts){.n_threads = 2, .half_weights = half}, &ctx, &err), KVF_OK);
+        assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 2, .half_weights = half}, &ctx, &err), KVF_OK);
         kvf_kv_layout lay;
         assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_BF16, &lay, &err), KVF_OK);
         kvf_model_fwd *f;
         kvf_model_fwd_opts o = {.max_tokens = 64, .max_seqs = 4, .max_ctx = 128};
         assert_int_equal(kvf_model_fwd_create(m, be, ctx, &lay, &o, &f, &err), KVF_OK);
         void *pool;
-        assert_int_equal(be->alloc(ctx, (size_t)(32 * lay.block_bytes), &pool, &err), KVF_OK);
+        assert_int_equal(kvf_backend_alloc(be, ctx, (size_t)(32 * lay.block_bytes), &pool, &err), KVF_OK);
         int32_t t0[8] = {0, 1, 2, 3, 4, 5, 6, 7}, t1[8] = {8, 9, 10, 11, 12, 13, 14, 15};
         int32_t prompt[40];
         for (int i = 0; i < 40; i++)
@@ -115,9 +115,9 @@ static void test_step_allocates_nothing(void **state)
         print_message("6 mixed steps (%s weights): %ld allocations\n", half ? "bf16" : "f32", (long)n_allocs);
         assert_int_equal(n_allocs, 0);
         free(logits);
-        be->free(ctx, pool);
+        kvf_backend_free(be, ctx, pool);
         kvf_model_fwd_destroy(f);
-        be->destroy(ctx);
+        kvf_backend_destroy(be, ctx);
     }
     kvf_model_destroy(m);
 }
