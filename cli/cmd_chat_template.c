@@ -1,6 +1,6 @@
 /* cmd_chat_template.c: `kvfleet chat-template`: renders a model's chat template for a
- * conversation file, as Hugging Face's apply_chat_template would (model/chat_template.h), and
- * with --json also tokenizes the prompt (model/tokenizer.h). */
+ * conversation file, as Hugging Face's apply_chat_template would (text/chat_template.h), and
+ * with --json also tokenizes the prompt (text/tokenizer.h). */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -10,8 +10,8 @@
 #include "cli/cli.h"
 #include "common/cfg.h"
 #include "common/json.h"
-#include "model/chat_template.h"
-#include "model/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 typedef struct chat_cfg {
     const char *model, *messages, *family, *name;
@@ -38,10 +38,10 @@ static const kvf_cfg_spec chat_spec = {
     .opts = chat_opts,
 };
 
-static int fail(kvf_status st, kvf_err *err, json_t *conv, kvf_model_chat_template *t, char *prompt)
+static int fail(kvf_status st, kvf_err *err, json_t *conv, kvf_text_chat_template *t, char *prompt)
 {
     json_decref(conv);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
     free(prompt);
     return kvf_cli_exit(st, err);
 }
@@ -89,7 +89,7 @@ int kvf_cli_chat_template(int argc, char **argv)
                     c.messages, kvf_json_kind(gen));
         return fail(KVF_ERR_INVALID, &err, conv, NULL, NULL);
     }
-    kvf_model_chat_request req = {
+    kvf_text_chat_request req = {
         .messages = json_object_get(conv, "messages"),
         .tools = json_object_get(conv, "tools"),
         .add_generation_prompt = json_is_true(gen),
@@ -102,13 +102,13 @@ int kvf_cli_chat_template(int argc, char **argv)
     }
 
     /* the template and the prompt */
-    kvf_model_chat_template *t = NULL;
-    if ((st = kvf_model_chat_template_load(c.model, c.family, c.force_family, c.name, &t, &err)) != KVF_OK)
+    kvf_text_chat_template *t = NULL;
+    if ((st = kvf_text_chat_template_load(c.model, c.family, c.force_family, c.name, &t, &err)) != KVF_OK)
         return fail(st, &err, conv, NULL, NULL);
     char *prompt = NULL;
     size_t len = 0;
     bool raised = false;
-    st = kvf_model_chat_template_render(t, &req, &prompt, &len, &raised, &err);
+    st = kvf_text_chat_template_render(t, &req, &prompt, &len, &raised, &err);
     if (st != KVF_OK) {
         if (raised)
             kvf_err_prefix(&err, "chat-template: the template refused the conversation");
@@ -118,19 +118,19 @@ int kvf_cli_chat_template(int argc, char **argv)
         fwrite(prompt, 1, len, stdout);
         fflush(stdout);
         json_decref(conv);
-        kvf_model_chat_template_destroy(t);
+        kvf_text_chat_template_destroy(t);
         free(prompt);
         return 0;
     }
 
     /* --json: the ids too, encoded as apply_chat_template(tokenize=True) does */
-    kvf_model_tokenizer *tok = NULL;
-    if ((st = kvf_model_tokenizer_load(c.model, &tok, &err)) != KVF_OK)
+    kvf_text_tokenizer *tok = NULL;
+    if ((st = kvf_text_tokenizer_load(c.model, &tok, &err)) != KVF_OK)
         return fail(st, &err, conv, t, prompt);
     int32_t *ids = NULL;
     size_t n = 0;
-    st = kvf_model_tokenizer_encode(tok, prompt, len, false, &ids, &n, &err);
-    kvf_model_tokenizer_destroy(tok);
+    st = kvf_text_tokenizer_encode(tok, prompt, len, false, &ids, &n, &err);
+    kvf_text_tokenizer_destroy(tok);
     if (st != KVF_OK)
         return fail(st, &err, conv, t, prompt);
     json_t *out = json_object(), *arr = json_array();
@@ -145,7 +145,7 @@ int kvf_cli_chat_template(int argc, char **argv)
     json_decref(out);
     free(ids);
     json_decref(conv);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
     free(prompt);
     return s ? 0 : 1;
 }

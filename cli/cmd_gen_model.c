@@ -14,7 +14,7 @@
 #include "common/cfg.h"
 #include "common/time.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "model/weights.h"
 
 typedef struct genm_cfg {
@@ -78,9 +78,9 @@ int kvf_cli_gen_model(int argc, char **argv)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "gen-model: --dtype=%s is not supported (use f32, bf16 or f16)",
                                         c.dtype), &err);
     int32_t vocab = c.vocab_size ? c.vocab_size : strcmp(c.preset, "tiny") == 0 ? 512 : 32000;
-    if (vocab < KVF_MODEL_TOKENIZER_MIN_VOCAB || vocab > (1 << 20))
+    if (vocab < KVF_TEXT_TOKENIZER_MIN_VOCAB || vocab > (1 << 20))
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "gen-model: --vocab-size=%d is not allowed (use %d to %d)",
-                                        vocab, KVF_MODEL_TOKENIZER_MIN_VOCAB, 1 << 20), &err);
+                                        vocab, KVF_TEXT_TOKENIZER_MIN_VOCAB, 1 << 20), &err);
     kvf_model_config mc;
     if ((st = kvf_model_preset(c.preset, vocab, &mc, &err)) != KVF_OK)
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
@@ -100,22 +100,22 @@ int kvf_cli_gen_model(int argc, char **argv)
         return kvf_cli_exit(st, &err);
 
     /* 1. the tokenizer, then its special ids for config.json */
-    if ((st = kvf_model_tokenizer_write_default(c.out, vocab, &err)) != KVF_OK)
+    if ((st = kvf_text_tokenizer_write_default(c.out, vocab, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
-    kvf_model_tokenizer *tok;
-    if ((st = kvf_model_tokenizer_load(c.out, &tok, &err)) != KVF_OK)
+    kvf_text_tokenizer *tok;
+    if ((st = kvf_text_tokenizer_load(c.out, &tok, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
-    mc.bos_id = kvf_model_tokenizer_bos_id(tok);
-    int32_t eos = kvf_model_tokenizer_eos_id(tok);
+    mc.bos_id = kvf_text_tokenizer_bos_id(tok);
+    int32_t eos = kvf_text_tokenizer_eos_id(tok);
     mc.n_eos = 0;
     if (eos >= 0)
         mc.eos_ids[mc.n_eos++] = eos;
     /* The default template is ChatML: a chat turn ends with <|im_end|>, so it stops generation
      * too (as Qwen's generation_config.json lists both). */
-    int32_t im_end = kvf_model_tokenizer_token_to_id(tok, "<|im_end|>");
+    int32_t im_end = kvf_text_tokenizer_token_to_id(tok, "<|im_end|>");
     if (im_end >= 0 && im_end != eos)
         mc.eos_ids[mc.n_eos++] = im_end;
-    kvf_model_tokenizer_destroy(tok);
+    kvf_text_tokenizer_destroy(tok);
 
     /* 2. config.json, generation_config.json, the weights */
     char path[4096];

@@ -20,7 +20,7 @@
 #include "model/backend.h"
 #include "engine/engine.h"
 #include "model/model.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "engine/backends.h"
 
 typedef struct gen_cfg {
@@ -148,8 +148,8 @@ int kvf_cli_generate(int argc, char **argv)
                                         c.temperature, c.top_p, c.top_k), &err);
 
     kvf_model *m = NULL;
-    kvf_model_tokenizer *tok = NULL;
-    kvf_model_detok *detok = NULL;
+    kvf_text_tokenizer *tok = NULL;
+    kvf_text_detok *detok = NULL;
     kvf_engine *eng = NULL;
     int32_t *prompt = NULL, *out = NULL, n_prompt = 0;
     int rc = 1;
@@ -162,7 +162,7 @@ int kvf_cli_generate(int argc, char **argv)
     snprintf(tpath, sizeof tpath, "%s/tokenizer.json", c.model);
     if (c.prompt || stat(tpath, &sb) == 0) {
         kvf_err terr = {0};
-        st = kvf_model_tokenizer_load(c.model, &tok, &terr);
+        st = kvf_text_tokenizer_load(c.model, &tok, &terr);
         if (st != KVF_OK && c.prompt) {
             err = terr;
             goto fail;
@@ -172,7 +172,7 @@ int kvf_cli_generate(int argc, char **argv)
     }
     if (c.prompt) {
         size_t n;
-        if ((st = kvf_model_tokenizer_encode(tok, c.prompt, strlen(c.prompt), true, &prompt, &n, &err)) != KVF_OK)
+        if ((st = kvf_text_tokenizer_encode(tok, c.prompt, strlen(c.prompt), true, &prompt, &n, &err)) != KVF_OK)
             goto fail;
         n_prompt = (int32_t)n;
         if (n_prompt == 0) {
@@ -248,7 +248,7 @@ int kvf_cli_generate(int argc, char **argv)
     if (!c.ignore_eos) {
         kvf_engine_sampling_model_eos(&req.sampling, m);
         size_t n_tok_eos = 0;
-        const int32_t *tok_eos = tok ? kvf_model_tokenizer_eos_ids(tok, &n_tok_eos) : NULL;
+        const int32_t *tok_eos = tok ? kvf_text_tokenizer_eos_ids(tok, &n_tok_eos) : NULL;
         for (size_t i = 0; i < n_tok_eos && req.sampling.n_eos < KVF_ENGINE_MAX_STOP; i++) {
             bool known = false;
             for (int32_t k = 0; k < req.sampling.n_eos; k++)
@@ -266,7 +266,7 @@ int kvf_cli_generate(int argc, char **argv)
     }
     /* Text streams to the terminal as tokens arrive (never half a character). */
     bool stream_text = !c.json && tok;
-    if (stream_text && (st = kvf_model_detok_create(tok, true, &detok, &err)) != KVF_OK)
+    if (stream_text && (st = kvf_text_detok_create(tok, true, &detok, &err)) != KVF_OK)
         goto fail;
     kvf_sbuf piece;
     kvf_sbuf_init(&piece);
@@ -286,7 +286,7 @@ int kvf_cli_generate(int argc, char **argv)
                 out[n_out++] = o[i].token;
                 if (detok) {
                     kvf_sbuf_reset(&piece);
-                    if (kvf_model_detok_feed(detok, &o[i].token, 1, &piece, &err) == KVF_OK && piece.len) {
+                    if (kvf_text_detok_feed(detok, &o[i].token, 1, &piece, &err) == KVF_OK && piece.len) {
                         fwrite(piece.data, 1, piece.len, stdout);
                         fflush(stdout);
                     }
@@ -304,7 +304,7 @@ int kvf_cli_generate(int argc, char **argv)
     }
     if (detok && st == KVF_OK) {
         kvf_sbuf_reset(&piece);
-        if (kvf_model_detok_finish(detok, &piece, &err) == KVF_OK && piece.len)
+        if (kvf_text_detok_finish(detok, &piece, &err) == KVF_OK && piece.len)
             fwrite(piece.data, 1, piece.len, stdout);
         printf("\n");
     }
@@ -322,7 +322,7 @@ int kvf_cli_generate(int argc, char **argv)
         print_profile(&prof, c.device);
 
     char *text = NULL;
-    if (c.json && tok && kvf_model_tokenizer_decode(tok, out, (size_t)n_out, true, &text, NULL, &err) != KVF_OK) {
+    if (c.json && tok && kvf_text_tokenizer_decode(tok, out, (size_t)n_out, true, &text, NULL, &err) != KVF_OK) {
         kvf_log(KVF_LOG_WARN, "generate: cannot show the output as text: %s", err.msg);
         text = NULL;
     }
@@ -354,9 +354,9 @@ int kvf_cli_generate(int argc, char **argv)
 fail:
     rc = kvf_cli_exit(st, &err);
 done:
-    kvf_model_detok_destroy(detok);
+    kvf_text_detok_destroy(detok);
     kvf_engine_destroy(eng);
-    kvf_model_tokenizer_destroy(tok);
+    kvf_text_tokenizer_destroy(tok);
     kvf_model_destroy(m);
     free(prompt);
     free(out);

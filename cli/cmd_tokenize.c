@@ -1,5 +1,5 @@
 /* cmd_tokenize.c: `kvfleet tokenize`: encodes text to token ids or decodes ids to text with a
- * model's tokenizer.json (model/tokenizer.h). Plain output is comma-separated ids or the text;
+ * model's tokenizer.json (text/tokenizer.h). Plain output is comma-separated ids or the text;
  * --json prints {"ids":[...],"text":"..."} either way. */
 #include <errno.h>
 #include <stdbool.h>
@@ -12,7 +12,7 @@
 #include "common/cfg.h"
 #include "common/json.h"
 #include "common/sbuf.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 typedef struct tokenize_cfg {
     const char *model, *tokenizer, *text, *ids;
@@ -96,15 +96,15 @@ int kvf_cli_tokenize(int argc, char **argv)
     if (c.ids && (st = kvf_cli_parse_ids("tokenize: --ids", c.ids, &ids, &n, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
 
-    kvf_model_tokenizer *tok = NULL;
+    kvf_text_tokenizer *tok = NULL;
     kvf_sbuf in;
     kvf_sbuf_init(&in);
     char *text = NULL;
     size_t len = 0;
-    if ((st = kvf_model_tokenizer_load(c.model ? c.model : c.tokenizer, &tok, &err)) != KVF_OK)
+    if ((st = kvf_text_tokenizer_load(c.model ? c.model : c.tokenizer, &tok, &err)) != KVF_OK)
         goto done;
     if (c.ids) {
-        if ((st = kvf_model_tokenizer_decode(tok, ids, n, c.skip_special, &text, &len, &err)) != KVF_OK)
+        if ((st = kvf_text_tokenizer_decode(tok, ids, n, c.skip_special, &text, &len, &err)) != KVF_OK)
             goto done;
         print_result(&c, ids, n, text, len, true);
     } else {
@@ -116,7 +116,7 @@ int kvf_cli_tokenize(int argc, char **argv)
             src = in.data ? in.data : "";
             len = in.len;
         }
-        if ((st = kvf_model_tokenizer_encode(tok, src, len, c.special, &ids, &n, &err)) != KVF_OK)
+        if ((st = kvf_text_tokenizer_encode(tok, src, len, c.special, &ids, &n, &err)) != KVF_OK)
             goto done;
         print_result(&c, ids, n, src, len, false);
     }
@@ -124,6 +124,6 @@ done:
     free(ids);
     free(text);
     kvf_sbuf_fini(&in);
-    kvf_model_tokenizer_destroy(tok);
+    kvf_text_tokenizer_destroy(tok);
     return kvf_cli_exit(st, &err);
 }

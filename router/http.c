@@ -26,9 +26,9 @@
 #include "common/metrics.h"
 #include "common/sbuf.h"
 #include "common/time.h"
-#include "model/chat_template.h"
+#include "text/chat_template.h"
 #include "model/config.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "router/http_int.h"
 #include "router/openai.h"
 #include "router/policy.h"
@@ -40,8 +40,8 @@ struct kvf_router_http {
     char *served;
     int32_t max_len;
     kvf_model_config mcfg;
-    kvf_model_tokenizer *tok;
-    kvf_model_chat_template *tmpl;
+    kvf_text_tokenizer *tok;
+    kvf_text_chat_template *tmpl;
     char tmpl_err[KVF_ERR_MSG_MAX];
 
     struct event_base *base;
@@ -420,10 +420,10 @@ static kvf_status load_model(kvf_router_http *h, kvf_err *err)
     FILE *f = fopen(path, "rb");
     if (f) {
         fclose(f);
-        if ((st = kvf_model_tokenizer_load(h->cfg.model, &h->tok, err)) != KVF_OK)
+        if ((st = kvf_text_tokenizer_load(h->cfg.model, &h->tok, err)) != KVF_OK)
             return kvf_err_prefix(err, "router");
         kvf_err terr = {0};
-        if (kvf_model_chat_template_load(h->cfg.model, h->cfg.chat_family, false, NULL, &h->tmpl, &terr) != KVF_OK) {
+        if (kvf_text_chat_template_load(h->cfg.model, h->cfg.chat_family, false, NULL, &h->tmpl, &terr) != KVF_OK) {
             snprintf(h->tmpl_err, sizeof h->tmpl_err, "%s", terr.msg);
             kvf_log(KVF_LOG_WARN, "router: no chat template (%s): /v1/chat/completions answers 400", terr.msg);
         }
@@ -512,7 +512,7 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         .request_timeout_ms = h->cfg.request_timeout_ms,
     };
     if (h->tok)
-        rc.eos_ids = kvf_model_tokenizer_eos_ids(h->tok, &rc.n_eos);
+        rc.eos_ids = kvf_text_tokenizer_eos_ids(h->tok, &rc.n_eos);
     if ((st = kvf_router_reqs_create(&rc, &h->reqs, err)) != KVF_OK)
         goto fail;
     *out = h;
@@ -566,8 +566,8 @@ void kvf_router_http_destroy(kvf_router_http *h)
     if (h->base)
         event_base_free(h->base);
     kvf_router_fleet_destroy(h->fleet);
-    kvf_model_chat_template_destroy(h->tmpl);
-    kvf_model_tokenizer_destroy(h->tok);
+    kvf_text_chat_template_destroy(h->tmpl);
+    kvf_text_tokenizer_destroy(h->tok);
     kvf_metrics_destroy(h->metrics);
     free(h->served);
     free(h);

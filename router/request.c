@@ -19,7 +19,7 @@
 /* One sequence of a request (n > 1 gives several): its tokens, their text so far, and how much
  * of both the client has been sent. */
 typedef struct seq_state {
-    kvf_model_detok *detok;
+    kvf_text_detok *detok;
     kvf_sbuf text;
     size_t emitted;      /* text bytes already sent (streaming) */
     int32_t *ids;
@@ -88,7 +88,7 @@ static void rq_free(kvf_router_req *r)
         rs->prefill_queued[r->prefill] -= r->prefill_tokens;
     if (r->seqs)
         for (int32_t i = 0; i < r->oai.n; i++) {
-            kvf_model_detok_destroy(r->seqs[i].detok);
+            kvf_text_detok_destroy(r->seqs[i].detok);
             kvf_sbuf_fini(&r->seqs[i].text);
             free(r->seqs[i].ids);
         }
@@ -123,7 +123,7 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
     const kvf_router_reqs_cfg *c = &rs->cfg;
     kvf_err err = {0};
     if (r->oai.prompt_ids) {
-        int32_t vocab = c->tok ? kvf_model_tokenizer_vocab_size(c->tok) : c->vocab_size;
+        int32_t vocab = c->tok ? kvf_text_tokenizer_vocab_size(c->tok) : c->vocab_size;
         if (vocab < c->vocab_size)
             vocab = c->vocab_size;
         for (size_t i = 0; i < r->oai.n_prompt_ids; i++)
@@ -148,15 +148,15 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
         if (!c->tmpl)
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "no_chat_template",
                                             "model '%s' has no chat template: %s", c->served, c->tmpl_err);
-        kvf_model_chat_request cr = {.messages = r->oai.messages, .add_generation_prompt = true,
+        kvf_text_chat_request cr = {.messages = r->oai.messages, .add_generation_prompt = true,
                                      .extra = r->oai.chat_extra};
         bool raised = false;
-        if (kvf_model_chat_template_render(c->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
+        if (kvf_text_chat_template_render(c->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err.msg);
         add_special = false; /* the template writes BOS itself */
     }
     const char *src = text ? text : r->oai.prompt_text;
-    kvf_status st = kvf_model_tokenizer_encode(c->tok, src, text ? len : strlen(src), add_special,
+    kvf_status st = kvf_text_tokenizer_encode(c->tok, src, text ? len : strlen(src), add_special,
                                                &r->prompt, &r->n_prompt, &err);
     free(text);
     if (st != KVF_OK)
@@ -391,7 +391,7 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     kvf_err err = {0};
     for (int32_t i = 0; i < r->oai.n; i++) {
         kvf_sbuf_init(&r->seqs[i].text);
-        if (c->tok && kvf_model_detok_create(c->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK) {
+        if (c->tok && kvf_text_detok_create(c->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK) {
             kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
             goto fail;
         }
@@ -509,7 +509,7 @@ static void seq_finish(kvf_router_req *r, int32_t idx, kvf_router_oai_finish f)
     size_t prev = s->text.len;
     if (s->detok) {
         kvf_err err = {0};
-        kvf_model_detok_finish(s->detok, &s->text, &err);
+        kvf_text_detok_finish(s->detok, &s->text, &err);
     }
     if (cut_at_stop(r, s, prev))
         f = KVF_ROUTER_OAI_FINISH_STOP;
@@ -564,7 +564,7 @@ static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
     size_t prev = s->text.len;
     if (s->detok && m->n_token_ids) {
         kvf_err err = {0};
-        if (kvf_model_detok_feed(s->detok, m->token_ids, m->n_token_ids, &s->text, &err) != KVF_OK)
+        if (kvf_text_detok_feed(s->detok, m->token_ids, m->n_token_ids, &s->text, &err) != KVF_OK)
             kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
     }
     if (cut_at_stop(r, s, prev)) {

@@ -11,8 +11,8 @@
 
 #include "common/metrics.h"
 #include "common/status.h"
-#include "model/chat_template.h"
-#include "model/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 #include "router/fleet.h"
 #include "router/http_int.h"
 #include "router/openai.h"
@@ -34,8 +34,8 @@ typedef struct kvf_router_reqs_cfg {
     const char *served;        /* the name clients send */
     int32_t max_len;           /* context length: prompt + completion */
     int32_t vocab_size;        /* config.json's */
-    const kvf_model_tokenizer *tok;        /* NULL: token id prompts only */
-    const kvf_model_chat_template *tmpl;   /* NULL: chat requests answer 400 with tmpl_err */
+    const kvf_text_tokenizer *tok;        /* NULL: token id prompts only */
+    const kvf_text_chat_template *tmpl;   /* NULL: chat requests answer 400 with tmpl_err */
     const char *tmpl_err;
     const int32_t *eos_ids;    /* [n_eos] stop tokens unless the request ignores EOS */
     size_t n_eos;

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/jinja.h"
+#include "text/jinja.h"
 
 static const char default_vars[] =
     "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", \"content\": \"hi <think>x</think>\"},"
@@ -42,21 +42,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!vars)
         vars = json_loads(default_vars, 0, NULL);
 
-    kvf_model_jinja *t = NULL;
+    kvf_text_jinja *t = NULL;
     kvf_err err = {0};
     unsigned flags = size ? data[size - 1] & 3u : 3u;
-    kvf_status st = kvf_model_jinja_compile(src, tlen, flags, &t, &err);
+    kvf_status st = kvf_text_jinja_compile(src, tlen, flags, &t, &err);
     if (st != KVF_OK) {
         if (!known(st) || !err.msg[0])
             abort();
         json_decref(vars);
         return 0;
     }
-    kvf_model_jinja_limits lim = {.max_output = 1 << 16, .max_iters = 20000, .max_steps = 200000,
+    kvf_text_jinja_limits lim = {.max_output = 1 << 16, .max_iters = 20000, .max_steps = 200000,
                                   .max_depth = 64};
     char *out = NULL;
     size_t len = 0;
-    st = kvf_model_jinja_render(t, vars, &lim, &out, &len, &err);
+    st = kvf_text_jinja_render(t, vars, &lim, &out, &len, &err);
     if (st == KVF_OK) {
         if (!out || len > lim.max_output || strlen(out) > len)
             abort();
@@ -64,7 +64,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else if (!known(st) || (st != KVF_ERR_INVALID && !err.msg[0])) {
         abort();
     }
-    kvf_model_jinja_destroy(t);
+    kvf_text_jinja_destroy(t);
     json_decref(vars);
     return 0;
 }

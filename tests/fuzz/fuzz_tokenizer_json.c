@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "common/log.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -16,9 +16,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t tok_len = nul ? (size_t)(nul - s) : size;
     const char *cfg = nul ? nul + 1 : NULL;
     size_t cfg_len = nul ? size - tok_len - 1 : 0;
-    kvf_model_tokenizer *t = NULL;
+    kvf_text_tokenizer *t = NULL;
     kvf_err err = {0};
-    kvf_status st = kvf_model_tokenizer_load_buf(s, tok_len, cfg, cfg_len, NULL, 0, &t, &err);
+    kvf_status st = kvf_text_tokenizer_load_buf(s, tok_len, cfg, cfg_len, NULL, 0, &t, &err);
     if (st != KVF_OK) {
         if (t || err.msg[0] == 0)
             abort(); /* a failure leaves no tokenizer and says why */
@@ -27,19 +27,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static const char text[] = "Hello, world! <s> 123 caf\xC3\xA9 \xF0\x9F\x98\x80\n\tend  ";
     int32_t *ids = NULL;
     size_t n = 0;
-    if (kvf_model_tokenizer_encode(t, text, sizeof text - 1, true, &ids, &n, &err) != KVF_OK)
+    if (kvf_text_tokenizer_encode(t, text, sizeof text - 1, true, &ids, &n, &err) != KVF_OK)
         abort();
     char *out = NULL;
     for (size_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= kvf_model_tokenizer_vocab_size(t))
+        if (ids[i] < 0 || ids[i] >= kvf_text_tokenizer_vocab_size(t))
             abort();
-    if (kvf_model_tokenizer_decode(t, ids, n, false, &out, NULL, &err) != KVF_OK)
+    if (kvf_text_tokenizer_decode(t, ids, n, false, &out, NULL, &err) != KVF_OK)
         abort();
-    kvf_model_tokenizer_token_to_id(t, "<s>");
-    kvf_model_tokenizer_id_to_token(t, 0);
-    kvf_model_tokenizer_bos_token(t);
+    kvf_text_tokenizer_token_to_id(t, "<s>");
+    kvf_text_tokenizer_id_to_token(t, 0);
+    kvf_text_tokenizer_bos_token(t);
     free(out);
     free(ids);
-    kvf_model_tokenizer_destroy(t);
+    kvf_text_tokenizer_destroy(t);
     return 0;
 }

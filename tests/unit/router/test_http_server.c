@@ -25,7 +25,7 @@
 
 #include "common/log.h"
 #include "common/time.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "proto/worker.h"
 #include "router/http.h"
 #include "testutil.h"
@@ -978,18 +978,18 @@ static void test_text_stop_and_chat(void **state)
     assert_int_equal(system(cmd), 0);
     char mdir[64];
     snprintf(mdir, sizeof mdir, "%s/m", dir);
-    kvf_model_tokenizer *tok = NULL;
+    kvf_text_tokenizer *tok = NULL;
     kvf_err e = {0};
-    assert_int_equal(kvf_model_tokenizer_load(mdir, &tok, &e), KVF_OK);
+    assert_int_equal(kvf_text_tokenizer_load(mdir, &tok, &e), KVF_OK);
     int32_t *pids = NULL;
     size_t np = 0;
-    assert_int_equal(kvf_model_tokenizer_encode(tok, "hello world", 11, true, &pids, &np, &e), KVF_OK);
+    assert_int_equal(kvf_text_tokenizer_encode(tok, "hello world", 11, true, &pids, &np, &e), KVF_OK);
     int32_t want_ids[20];
     for (int k = 0; k < 20; k++)
         want_ids[k] = fake_token(pids[np - 1], k, 0);
     char *want = NULL;
     size_t want_len = 0;
-    assert_int_equal(kvf_model_tokenizer_decode(tok, want_ids, 20, true, &want, &want_len, &e), KVF_OK);
+    assert_int_equal(kvf_text_tokenizer_decode(tok, want_ids, 20, true, &want, &want_len, &e), KVF_OK);
     assert_true(want_len >= 8);
 
     fixture x = {0};
@@ -1084,7 +1084,7 @@ static void test_text_stop_and_chat(void **state)
     fake_stop(&x.f[0]);
     free(want);
     free(pids);
-    kvf_model_tokenizer_destroy(tok);
+    kvf_text_tokenizer_destroy(tok);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     assert_int_equal(system(cmd), 0);
 }

@@ -1,4 +1,4 @@
-/* tokenizer_write.c: kvf_model_tokenizer_write_default, a small but real byte-level BPE
+/* tokenizer_write.c: kvf_text_tokenizer_write_default, a small but real byte-level BPE
  * tokenizer for `kvfleet gen-model`: merges learned deterministically from a built-in English
  * sample (classic BPE training: merge the most frequent adjacent pair, ties to the smallest
  * ids), plus BOS/EOS/ChatML special tokens. The model weights are gen-model's business. */
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 /* Written for kvfleet; any English prose would do. */
 static const char sample_text[] =
@@ -85,7 +85,7 @@ static kvf_status collect_words(trainer *t, kvf_err *err)
 {
     int code;
     PCRE2_SIZE off;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)kvf_model_tok_gpt2_regex, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)kvf_text_tok_gpt2_regex, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
                                    &code, &off, NULL);
     pcre2_match_data *md = re ? pcre2_match_data_create_from_pattern(re, NULL) : NULL;
     size_t cap = 0;
@@ -258,11 +258,11 @@ static json_t *added_token(int32_t id, const char *content)
                      "rstrip", 0, "normalized", 0, "special", 1);
 }
 
-kvf_status kvf_model_tokenizer_write_default(const char *dir, int32_t vocab_size, kvf_err *err)
+kvf_status kvf_text_tokenizer_write_default(const char *dir, int32_t vocab_size, kvf_err *err)
 {
-    if (vocab_size < KVF_MODEL_TOKENIZER_MIN_VOCAB || vocab_size > KVF_MODEL_TOK_MAX_ID)
+    if (vocab_size < KVF_TEXT_TOKENIZER_MIN_VOCAB || vocab_size > KVF_TEXT_TOK_MAX_ID)
         return kvf_err_set(err, KVF_ERR_INVALID, "tokenizer: vocab size %d is not supported (use %d..%d)", vocab_size,
-                           KVF_MODEL_TOKENIZER_MIN_VOCAB, KVF_MODEL_TOK_MAX_ID);
+                           KVF_TEXT_TOKENIZER_MIN_VOCAB, KVF_TEXT_TOK_MAX_ID);
     trainer t = {0};
     kvf_status st = KVF_OK;
     for (int b = 0; b < 256 && st == KVF_OK; b++) {
@@ -271,7 +271,7 @@ kvf_status kvf_model_tokenizer_write_default(const char *dir, int32_t vocab_size
             st = KVF_ERR_NOMEM;
             break;
         }
-        s[kvf_model_tok_utf8_put(kvf_model_tok_byte_to_cp((uint8_t)b), s)] = 0;
+        s[kvf_text_utf8_put(kvf_text_tok_byte_to_cp((uint8_t)b), s)] = 0;
         st = add_token(&t, s);
     }
     if (st != KVF_OK) {

@@ -1,5 +1,5 @@
-/* test_chat_template.c: the chat-template interpreter (model/jinja.h) construct by construct,
- * whitespace control, error positions, raise_exception, render limits, and model/chat_template.h:
+/* test_chat_template.c: the chat-template interpreter (text/jinja.h) construct by construct,
+ * whitespace control, error positions, raise_exception, render limits, and text/chat_template.h:
  * every qwen3 chat case of ../shared rendered (and tokenized) exactly, built-in families, and
  * template selection from a model directory. The expected strings of the construct tables were
  * produced by Python Jinja2 3.1.6 set up as transformers sets it up (sandboxed, trim_blocks,
@@ -18,12 +18,12 @@
 #include <unistd.h>
 
 #include "common/json.h"
-#include "model/chat_template.h"
-#include "model/jinja.h"
-#include "model/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/jinja.h"
+#include "text/tokenizer.h"
 #include "testutil.h"
 
-#define BOTH (KVF_MODEL_JINJA_TRIM_BLOCKS | KVF_MODEL_JINJA_LSTRIP_BLOCKS)
+#define BOTH (KVF_TEXT_JINJA_TRIM_BLOCKS | KVF_TEXT_JINJA_LSTRIP_BLOCKS)
 
 typedef struct jcase {
     const char *tmpl, *vars, *want;
@@ -31,10 +31,10 @@ typedef struct jcase {
 
 /* Renders src with vars (JSON text) and flags; returns the status, *out the text or error. */
 static kvf_status render(const char *src, const char *vars, unsigned flags,
-                         const kvf_model_jinja_limits *lim, char **out, kvf_err *err)
+                         const kvf_text_jinja_limits *lim, char **out, kvf_err *err)
 {
-    kvf_model_jinja *t = NULL;
-    kvf_status st = kvf_model_jinja_compile(src, strlen(src), flags, &t, err);
+    kvf_text_jinja *t = NULL;
+    kvf_status st = kvf_text_jinja_compile(src, strlen(src), flags, &t, err);
     if (st != KVF_OK)
         return st;
     json_t *v = NULL;
@@ -43,11 +43,11 @@ static kvf_status render(const char *src, const char *vars, unsigned flags,
         assert_non_null(v);
     }
     size_t len = 0;
-    st = kvf_model_jinja_render(t, v, lim, out, &len, err);
+    st = kvf_text_jinja_render(t, v, lim, out, &len, err);
     if (st == KVF_OK)
         assert_int_equal(len, strlen(*out));
     json_decref(v);
-    kvf_model_jinja_destroy(t);
+    kvf_text_jinja_destroy(t);
     return st;
 }
 
@@ -345,8 +345,8 @@ static void test_whitespace_flags(void **state)
     const char *src = "a\n  {% if true %}\nb\n  {# c #}\n{% endif %}\nd";
     static const struct { unsigned flags; const char *want; } cases[] = {
         {0, "a\n  \nb\n  \n\nd"},
-        {KVF_MODEL_JINJA_TRIM_BLOCKS, "a\n  b\n  d"},
-        {KVF_MODEL_JINJA_LSTRIP_BLOCKS, "a\n\nb\n\n\nd"},
+        {KVF_TEXT_JINJA_TRIM_BLOCKS, "a\n  b\n  d"},
+        {KVF_TEXT_JINJA_LSTRIP_BLOCKS, "a\n\nb\n\n\nd"},
         {BOTH, "a\nb\nd"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -416,30 +416,30 @@ static void test_raise_exception(void **state)
     assert_null(out);
 
     /* the chat layer says it was a raise, so the router can answer 400 with the message */
-    kvf_model_chat_template *t;
+    kvf_text_chat_template *t;
     const char *src = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}ok";
-    assert_int_equal(kvf_model_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
+    assert_int_equal(kvf_text_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
     json_t *msgs = json_loads("[{\"role\": \"assistant\", \"content\": \"x\"}]", 0, NULL);
-    kvf_model_chat_request req = {.messages = msgs};
+    kvf_text_chat_request req = {.messages = msgs};
     bool raised = false;
-    assert_int_equal(kvf_model_chat_template_render(t, &req, &out, NULL, &raised, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_text_chat_template_render(t, &req, &out, NULL, &raised, &err), KVF_ERR_INVALID);
     assert_true(raised);
     assert_string_equal(err.msg, "first message must be from the user");
     /* and an ordinary template error is not a raise */
     json_decref(msgs);
     msgs = json_loads("[]", 0, NULL);
     req.messages = msgs;
-    assert_int_equal(kvf_model_chat_template_render(t, &req, &out, NULL, &raised, &err), KVF_ERR_STATE);
+    assert_int_equal(kvf_text_chat_template_render(t, &req, &out, NULL, &raised, &err), KVF_ERR_STATE);
     assert_false(raised);
     assert_non_null(strstr(err.msg, "line 1 col"));
     json_decref(msgs);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
 }
 
 /* Hostile templates stop at the limits, quickly, with KVF_ERR_LIMIT. */
 static void test_limits(void **state)
 {
-    kvf_model_jinja_limits lim = {.max_output = 1 << 16, .max_iters = 10000, .max_steps = 200000, .max_depth = 64};
+    kvf_text_jinja_limits lim = {.max_output = 1 << 16, .max_iters = 10000, .max_steps = 200000, .max_depth = 64};
     static const struct { const char *src, *what; } cases[] = {
         {"{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "nested deeper than 64"},
         {"{% for i in range(100000) %}{% endfor %}", "range() of 100000 items"},
@@ -473,18 +473,18 @@ static void test_qwen3_chat_cases(void **state)
     kvf_err err = {0};
     if (kvf_json_load_file(path, &cc, &err) != KVF_OK)
         fail_msg("%s", err.msg);
-    kvf_model_chat_template *t;
-    if (kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err) != KVF_OK)
+    kvf_text_chat_template *t;
+    if (kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err) != KVF_OK)
         fail_msg("%s", err.msg);
-    assert_non_null(strstr(kvf_model_chat_template_source(t), "tokenizer_config.json"));
-    kvf_model_tokenizer *tok = NULL;
-    if (kvf_model_tokenizer_load(dir, &tok, &err) != KVF_OK)
+    assert_non_null(strstr(kvf_text_chat_template_source(t), "tokenizer_config.json"));
+    kvf_text_tokenizer *tok = NULL;
+    if (kvf_text_tokenizer_load(dir, &tok, &err) != KVF_OK)
         fail_msg("%s", err.msg);
     json_t *cases = json_object_get(cc, "cases"), *c;
     size_t i;
     assert_true(json_array_size(cases) >= 6);
     json_array_foreach(cases, i, c) {
-        kvf_model_chat_request req = {
+        kvf_text_chat_request req = {
             .messages = json_object_get(c, "messages"),
             .tools = json_object_get(c, "tools"),
             .add_generation_prompt = json_is_true(json_object_get(c, "add_generation_prompt")),
@@ -493,14 +493,14 @@ static void test_qwen3_chat_cases(void **state)
         char *out = NULL;
         size_t len = 0;
         bool raised;
-        if (kvf_model_chat_template_render(t, &req, &out, &len, &raised, &err) != KVF_OK)
+        if (kvf_text_chat_template_render(t, &req, &out, &len, &raised, &err) != KVF_OK)
             fail_msg("case %zu: %s", i, err.msg);
         const char *want = json_string_value(json_object_get(c, "rendered"));
         if (strcmp(out, want) != 0)
             fail_msg("case %s\n  got  [%s]\n  want [%s]", json_string_value(json_object_get(c, "id")), out, want);
         int32_t *ids = NULL;
         size_t n = 0;
-        if (kvf_model_tokenizer_encode(tok, out, len, false, &ids, &n, &err) != KVF_OK)
+        if (kvf_text_tokenizer_encode(tok, out, len, false, &ids, &n, &err) != KVF_OK)
             fail_msg("case %zu: %s", i, err.msg);
         json_t *want_ids = json_object_get(c, "ids");
         assert_int_equal(n, json_array_size(want_ids));
@@ -509,15 +509,15 @@ static void test_qwen3_chat_cases(void **state)
         free(ids);
         free(out);
     }
-    kvf_model_tokenizer_destroy(tok);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_tokenizer_destroy(tok);
+    kvf_text_chat_template_destroy(t);
     json_decref(cc);
 }
 
 /* One compiled template renders on many threads at once (the router's case). */
 typedef struct race_arg {
-    const kvf_model_chat_template *t;
-    const kvf_model_chat_request *req;
+    const kvf_text_chat_template *t;
+    const kvf_text_chat_request *req;
     const char *want;
     int bad;
 } race_arg;
@@ -528,7 +528,7 @@ static void *race_thread(void *p)
     for (int i = 0; i < 200; i++) {
         char *out = NULL;
         kvf_err err = {0};
-        if (kvf_model_chat_template_render(a->t, a->req, &out, NULL, NULL, &err) != KVF_OK ||
+        if (kvf_text_chat_template_render(a->t, a->req, &out, NULL, NULL, &err) != KVF_OK ||
             strcmp(out, a->want) != 0)
             a->bad++;
         free(out);
@@ -545,10 +545,10 @@ static void test_concurrent_renders(void **state)
     json_t *cc;
     kvf_err err = {0};
     assert_int_equal(kvf_json_load_file(path, &cc, &err), KVF_OK);
-    kvf_model_chat_template *t;
-    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_OK);
+    kvf_text_chat_template *t;
+    assert_int_equal(kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_OK);
     json_t *c = json_array_get(json_object_get(cc, "cases"), 5); /* tools and tool calls */
-    kvf_model_chat_request req = {
+    kvf_text_chat_request req = {
         .messages = json_object_get(c, "messages"),
         .tools = json_object_get(c, "tools"),
         .add_generation_prompt = true,
@@ -563,22 +563,22 @@ static void test_concurrent_renders(void **state)
         pthread_join(th[i], NULL);
         assert_int_equal(args[i].bad, 0);
     }
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
     json_decref(cc);
 }
 
 static char *render_family(const char *family, const char *messages, bool gen, kvf_status *st_out,
                            kvf_err *err)
 {
-    kvf_model_chat_template *t;
-    assert_int_equal(kvf_model_chat_template_builtin(family, &t, err), KVF_OK);
+    kvf_text_chat_template *t;
+    assert_int_equal(kvf_text_chat_template_builtin(family, &t, err), KVF_OK);
     json_t *m = json_loads(messages, 0, NULL);
     assert_non_null(m);
-    kvf_model_chat_request req = {.messages = m, .add_generation_prompt = gen};
+    kvf_text_chat_request req = {.messages = m, .add_generation_prompt = gen};
     char *out = NULL;
-    *st_out = kvf_model_chat_template_render(t, &req, &out, NULL, NULL, err);
+    *st_out = kvf_text_chat_template_render(t, &req, &out, NULL, NULL, err);
     json_decref(m);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
     return out;
 }
 
@@ -618,8 +618,8 @@ static void test_builtin_families(void **state)
     assert_null(out);
     assert_int_equal(st, KVF_ERR_INVALID);
     assert_string_equal(err.msg, "Conversation roles must alternate user/assistant/user/assistant/...");
-    kvf_model_chat_template *t;
-    assert_int_equal(kvf_model_chat_template_builtin("gpt2", &t, &err), KVF_ERR_INVALID);
+    kvf_text_chat_template *t;
+    assert_int_equal(kvf_text_chat_template_builtin("gpt2", &t, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "'gpt2' is not built in"));
 }
 
@@ -643,19 +643,19 @@ static void remove_file(const char *dir, const char *name)
 static char *render_dir(const char *dir, const char *family, bool force, const char *name,
                         const char *source_has)
 {
-    kvf_model_chat_template *t;
+    kvf_text_chat_template *t;
     kvf_err err = {0};
-    if (kvf_model_chat_template_load(dir, family, force, name, &t, &err) != KVF_OK)
+    if (kvf_text_chat_template_load(dir, family, force, name, &t, &err) != KVF_OK)
         fail_msg("%s", err.msg);
-    if (source_has && !strstr(kvf_model_chat_template_source(t), source_has))
-        fail_msg("source [%s] lacks [%s]", kvf_model_chat_template_source(t), source_has);
+    if (source_has && !strstr(kvf_text_chat_template_source(t), source_has))
+        fail_msg("source [%s] lacks [%s]", kvf_text_chat_template_source(t), source_has);
     json_t *m = json_loads("[{\"role\": \"user\", \"content\": \"hi\"}]", 0, NULL);
-    kvf_model_chat_request req = {.messages = m, .add_generation_prompt = true};
+    kvf_text_chat_request req = {.messages = m, .add_generation_prompt = true};
     char *out = NULL;
-    if (kvf_model_chat_template_render(t, &req, &out, NULL, NULL, &err) != KVF_OK)
+    if (kvf_text_chat_template_render(t, &req, &out, NULL, NULL, &err) != KVF_OK)
         fail_msg("%s", err.msg);
     json_decref(m);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
     return out;
 }
 
@@ -664,11 +664,11 @@ static void test_load_from_model_dir(void **state)
 {
     char dir[] = "/tmp/kvf_chat_test_XXXXXX";
     assert_non_null(mkdtemp(dir));
-    kvf_model_chat_template *t;
+    kvf_text_chat_template *t;
     kvf_err err = {0};
 
     /* nothing at all: a message naming what is missing and the families */
-    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_NOT_FOUND);
+    assert_int_equal(kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_NOT_FOUND);
     assert_non_null(strstr(err.msg, "name a family"));
 
     /* config.json alone: the family model_type implies */
@@ -684,7 +684,7 @@ static void test_load_from_model_dir(void **state)
     out = render_dir(dir, NULL, false, NULL, "built-in chatml");
     free(out);
     write_file(dir, "config.json", "{\"model_type\": \"gpt_neox\"}");
-    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_NOT_FOUND);
+    assert_int_equal(kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_NOT_FOUND);
     assert_non_null(strstr(err.msg, "model_type 'gpt_neox' has no built-in template"));
     out = render_dir(dir, "mistral", false, NULL, "built-in mistral");
     assert_string_equal(out, "<s>[INST] hi [/INST]");
@@ -714,7 +714,7 @@ static void test_load_from_model_dir(void **state)
     out = render_dir(dir, NULL, false, "tool_use", "(tool_use)");
     assert_string_equal(out, "TTrue");
     free(out);
-    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, "rag", &t, &err), KVF_ERR_NOT_FOUND);
+    assert_int_equal(kvf_text_chat_template_load(dir, NULL, false, "rag", &t, &err), KVF_ERR_NOT_FOUND);
     assert_non_null(strstr(err.msg, "no template named 'rag'"));
 
     /* chat_template.jinja wins over tokenizer_config.json */
@@ -725,7 +725,7 @@ static void test_load_from_model_dir(void **state)
 
     /* a broken template names its file, line and column */
     write_file(dir, "chat_template.jinja", "ok\n{% for %}");
-    assert_int_equal(kvf_model_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_PARSE);
+    assert_int_equal(kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err), KVF_ERR_PARSE);
     assert_non_null(strstr(err.msg, "chat_template.jinja"));
     assert_non_null(strstr(err.msg, "line 2 col 8"));
 
@@ -740,46 +740,46 @@ static void test_request_variables(void **state)
 {
     const char *src = "{{ tools is none }}|{{ enable_thinking }}|{{ bos_token }}|{{ eos_token }}|"
                       "{{ add_generation_prompt }}|{{ messages | length }}|{{ documents is none }}";
-    kvf_model_chat_template *t;
+    kvf_text_chat_template *t;
     kvf_err err = {0};
-    assert_int_equal(kvf_model_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
+    assert_int_equal(kvf_text_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
     json_t *m = json_loads("[{\"role\": \"user\", \"content\": \"x\"}]", 0, NULL);
     json_t *extra = json_loads("{\"enable_thinking\": false, \"messages\": 5, \"add_generation_prompt\": 1}", 0, NULL);
-    kvf_model_chat_request req = {.messages = m, .extra = extra, .bos_token = "<s>", .eos_token = "</s>"};
+    kvf_text_chat_request req = {.messages = m, .extra = extra, .bos_token = "<s>", .eos_token = "</s>"};
     char *out = NULL;
-    assert_int_equal(kvf_model_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_OK);
+    assert_int_equal(kvf_text_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_OK);
     assert_string_equal(out, "True|False|<s>|</s>|False|1|True");
     free(out);
     /* malformed requests */
     req.messages = extra;
-    assert_int_equal(kvf_model_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_text_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "\"messages\" must be an array"));
     req.messages = m;
     req.tools = m;
     req.extra = m;
-    assert_int_equal(kvf_model_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_text_chat_template_render(t, &req, &out, NULL, NULL, &err), KVF_ERR_INVALID);
     json_decref(m);
     json_decref(extra);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
 
     /* OpenAI text parts as one string, for templates that call string methods on content */
     src = "{% for m in messages %}[{{ m.content.strip() if m.content is string else m.content | length }}]{% endfor %}";
-    assert_int_equal(kvf_model_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
+    assert_int_equal(kvf_text_chat_template_compile(src, strlen(src), &t, &err), KVF_OK);
     m = json_loads("[{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \" a\"}, {\"type\": \"text\", \"text\": \"b \"}]},"
                    " {\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"c\"}, {\"type\": \"image_url\"}]},"
                    " {\"role\": \"user\", \"content\": \" d \"}]", 0, NULL);
-    kvf_model_chat_request req2 = {.messages = m};
-    assert_int_equal(kvf_model_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
+    kvf_text_chat_request req2 = {.messages = m};
+    assert_int_equal(kvf_text_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
     assert_string_equal(out, "[2][2][d]");
     free(out);
     req2.text_parts_as_string = true;
-    assert_int_equal(kvf_model_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
+    assert_int_equal(kvf_text_chat_template_render(t, &req2, &out, NULL, NULL, &err), KVF_OK);
     assert_string_equal(out, "[a\nb][2][d]");
     free(out);
     /* the caller's messages are left as they were */
     assert_true(json_is_array(json_object_get(json_array_get(m, 0), "content")));
     json_decref(m);
-    kvf_model_chat_template_destroy(t);
+    kvf_text_chat_template_destroy(t);
 }
 
 int main(void)

@@ -5,10 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
-struct kvf_model_detok {
-    const kvf_model_tokenizer *tok;
+struct kvf_text_detok {
+    const kvf_text_tokenizer *tok;
     bool skip_special;
     uint8_t pend[4];  /* an incomplete UTF-8 character */
     int n_pend, need; /* bytes held, bytes the character needs */
@@ -17,14 +17,14 @@ struct kvf_model_detok {
 
 static const char fffd[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
 
-static void detok_reset(kvf_model_detok *d)
+static void detok_reset(kvf_text_detok *d)
 {
     d->n_pend = d->need = 0;
     d->strip_left = d->tok->strip_start;
 }
 
 /* Whether b may follow pend[0..n) in a well-formed UTF-8 character. */
-static bool continues(const kvf_model_detok *d, uint8_t b)
+static bool continues(const kvf_text_detok *d, uint8_t b)
 {
     if (b < 0x80 || b > 0xBF)
         return false;
@@ -39,7 +39,7 @@ static bool continues(const kvf_model_detok *d, uint8_t b)
     }
 }
 
-static void put_byte(kvf_model_detok *d, uint8_t b, kvf_sbuf *out)
+static void put_byte(kvf_text_detok *d, uint8_t b, kvf_sbuf *out)
 {
     if (d->n_pend > 0) {
         if (continues(d, b)) {
@@ -64,9 +64,9 @@ static void put_byte(kvf_model_detok *d, uint8_t b, kvf_sbuf *out)
     }
 }
 
-static void feed_one(kvf_model_detok *d, int32_t id, kvf_sbuf *out)
+static void feed_one(kvf_text_detok *d, int32_t id, kvf_sbuf *out)
 {
-    const kvf_model_tokenizer *t = d->tok;
+    const kvf_text_tokenizer *t = d->tok;
     if (d->skip_special && t->is_special[id])
         return;
     const uint8_t *s = (const uint8_t *)t->dec.data + t->dec_off[id];
@@ -94,7 +94,7 @@ static void feed_one(kvf_model_detok *d, int32_t id, kvf_sbuf *out)
     }
 }
 
-static kvf_status check_ids(const kvf_model_tokenizer *t, const int32_t *ids, size_t n, kvf_err *err)
+static kvf_status check_ids(const kvf_text_tokenizer *t, const int32_t *ids, size_t n, kvf_err *err)
 {
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= t->n_ids)
@@ -103,12 +103,12 @@ static kvf_status check_ids(const kvf_model_tokenizer *t, const int32_t *ids, si
     return KVF_OK;
 }
 
-kvf_status kvf_model_detok_create(const kvf_model_tokenizer *tok, bool skip_special, kvf_model_detok **out,
+kvf_status kvf_text_detok_create(const kvf_text_tokenizer *tok, bool skip_special, kvf_text_detok **out,
                                   kvf_err *err)
 {
     if (!tok)
         return kvf_err_set(err, KVF_ERR_INVALID, "tokenizer: detokenizer needs a tokenizer");
-    kvf_model_detok *d = calloc(1, sizeof *d);
+    kvf_text_detok *d = calloc(1, sizeof *d);
     if (!d)
         return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory");
     d->tok = tok;
@@ -118,12 +118,12 @@ kvf_status kvf_model_detok_create(const kvf_model_tokenizer *tok, bool skip_spec
     return KVF_OK;
 }
 
-void kvf_model_detok_destroy(kvf_model_detok *d)
+void kvf_text_detok_destroy(kvf_text_detok *d)
 {
     free(d);
 }
 
-kvf_status kvf_model_detok_feed(kvf_model_detok *d, const int32_t *ids, size_t n, kvf_sbuf *out, kvf_err *err)
+kvf_status kvf_text_detok_feed(kvf_text_detok *d, const int32_t *ids, size_t n, kvf_sbuf *out, kvf_err *err)
 {
     kvf_status st = check_ids(d->tok, ids, n, err);
     if (st != KVF_OK)
@@ -133,7 +133,7 @@ kvf_status kvf_model_detok_feed(kvf_model_detok *d, const int32_t *ids, size_t n
     return out->oom ? kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory decoding") : KVF_OK;
 }
 
-kvf_status kvf_model_detok_finish(kvf_model_detok *d, kvf_sbuf *out, kvf_err *err)
+kvf_status kvf_text_detok_finish(kvf_text_detok *d, kvf_sbuf *out, kvf_err *err)
 {
     if (d->n_pend > 0)
         kvf_sbuf_append(out, fffd, 3);
@@ -141,18 +141,18 @@ kvf_status kvf_model_detok_finish(kvf_model_detok *d, kvf_sbuf *out, kvf_err *er
     return out->oom ? kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory decoding") : KVF_OK;
 }
 
-kvf_status kvf_model_tokenizer_decode(const kvf_model_tokenizer *tok, const int32_t *ids, size_t n,
+kvf_status kvf_text_tokenizer_decode(const kvf_text_tokenizer *tok, const int32_t *ids, size_t n,
                                       bool skip_special, char **text_out, size_t *len_out, kvf_err *err)
 {
     if (!tok || (!ids && n > 0))
         return kvf_err_set(err, KVF_ERR_INVALID, "tokenizer: decode needs a tokenizer and ids");
-    kvf_model_detok d = {.tok = tok, .skip_special = skip_special};
+    kvf_text_detok d = {.tok = tok, .skip_special = skip_special};
     detok_reset(&d);
     kvf_sbuf out;
     kvf_sbuf_init(&out);
-    kvf_status st = kvf_model_detok_feed(&d, ids, n, &out, err);
+    kvf_status st = kvf_text_detok_feed(&d, ids, n, &out, err);
     if (st == KVF_OK)
-        st = kvf_model_detok_finish(&d, &out, err);
+        st = kvf_text_detok_finish(&d, &out, err);
     if (st == KVF_OK)
         st = kvf_sbuf_reserve(&out, 1) == KVF_OK ? KVF_OK
                                                   : kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: out of memory");

@@ -1,4 +1,4 @@
-/* test_tokenizer_write.c: kvf_model_tokenizer_write_default writes a tokenizer that model/'s own
+/* test_tokenizer_write.c: kvf_text_tokenizer_write_default writes a tokenizer that model/'s own
  * loader reads back with exactly the requested vocabulary, the special tokens in place, text
  * round-tripping, real compression, and the same bytes for the same vocab size. */
 #include <setjmp.h>
@@ -12,7 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "testutil.h"
 
 static char *slurp(const char *path, size_t *len)
@@ -39,16 +39,16 @@ static void rm_dir(const char *dir)
     rmdir(dir);
 }
 
-static void roundtrip(const kvf_model_tokenizer *t, const char *text, bool special)
+static void roundtrip(const kvf_text_tokenizer *t, const char *text, bool special)
 {
     int32_t *ids;
     size_t n;
     kvf_err err = {0};
-    assert_int_equal(kvf_model_tokenizer_encode(t, text, strlen(text), special, &ids, &n, &err), KVF_OK);
+    assert_int_equal(kvf_text_tokenizer_encode(t, text, strlen(text), special, &ids, &n, &err), KVF_OK);
     for (size_t i = 0; i < n; i++)
-        assert_true(ids[i] >= 0 && ids[i] < kvf_model_tokenizer_vocab_size(t));
+        assert_true(ids[i] >= 0 && ids[i] < kvf_text_tokenizer_vocab_size(t));
     char *back;
-    assert_int_equal(kvf_model_tokenizer_decode(t, ids, n, special, &back, NULL, &err), KVF_OK);
+    assert_int_equal(kvf_text_tokenizer_decode(t, ids, n, special, &back, NULL, &err), KVF_OK);
     assert_string_equal(back, text);
     free(back);
     free(ids);
@@ -61,21 +61,21 @@ static void test_write_and_load(void **state)
         char dir[] = "/tmp/kvf_tok_XXXXXX";
         assert_non_null(mkdtemp(dir));
         kvf_err err = {0};
-        assert_int_equal(kvf_model_tokenizer_write_default(dir, sizes[k], &err), KVF_OK);
-        kvf_model_tokenizer *t;
-        if (kvf_model_tokenizer_load(dir, &t, &err) != KVF_OK)
+        assert_int_equal(kvf_text_tokenizer_write_default(dir, sizes[k], &err), KVF_OK);
+        kvf_text_tokenizer *t;
+        if (kvf_text_tokenizer_load(dir, &t, &err) != KVF_OK)
             fail_msg("load %d: %s", sizes[k], err.msg);
-        assert_int_equal(kvf_model_tokenizer_vocab_size(t), sizes[k]);
-        int32_t bos = kvf_model_tokenizer_token_to_id(t, "<|begin_of_text|>");
-        int32_t eos = kvf_model_tokenizer_token_to_id(t, "<|end_of_text|>");
-        int32_t ims = kvf_model_tokenizer_token_to_id(t, "<|im_start|>");
-        int32_t ime = kvf_model_tokenizer_token_to_id(t, "<|im_end|>");
+        assert_int_equal(kvf_text_tokenizer_vocab_size(t), sizes[k]);
+        int32_t bos = kvf_text_tokenizer_token_to_id(t, "<|begin_of_text|>");
+        int32_t eos = kvf_text_tokenizer_token_to_id(t, "<|end_of_text|>");
+        int32_t ims = kvf_text_tokenizer_token_to_id(t, "<|im_start|>");
+        int32_t ime = kvf_text_tokenizer_token_to_id(t, "<|im_end|>");
         assert_true(bos >= 256 && eos == bos + 1 && ims == bos + 2 && ime == bos + 3 && ime < sizes[k]);
-        assert_int_equal(kvf_model_tokenizer_bos_id(t), bos);
-        assert_int_equal(kvf_model_tokenizer_eos_id(t), eos);
-        assert_string_equal(kvf_model_tokenizer_bos_token(t), "<|begin_of_text|>");
-        assert_true(kvf_model_tokenizer_is_special(t, ime));
-        assert_non_null(strstr(kvf_model_tokenizer_chat_template(t), "<|im_start|>"));
+        assert_int_equal(kvf_text_tokenizer_bos_id(t), bos);
+        assert_int_equal(kvf_text_tokenizer_eos_id(t), eos);
+        assert_string_equal(kvf_text_tokenizer_bos_token(t), "<|begin_of_text|>");
+        assert_true(kvf_text_tokenizer_is_special(t, ime));
+        assert_non_null(strstr(kvf_text_tokenizer_chat_template(t), "<|im_start|>"));
 
         roundtrip(t, "The bakery sold 180 loaves a day.", false);
         roundtrip(t, "  spaces,\ttabs\r\nand newlines\n\n", true);
@@ -85,7 +85,7 @@ static void test_write_and_load(void **state)
         int32_t *ids;
         size_t n;
         const char *chat = "<|im_start|>user\nhello<|im_end|>";
-        assert_int_equal(kvf_model_tokenizer_encode(t, chat, strlen(chat), true, &ids, &n, &err), KVF_OK);
+        assert_int_equal(kvf_text_tokenizer_encode(t, chat, strlen(chat), true, &ids, &n, &err), KVF_OK);
         assert_true(n >= 4);
         assert_int_equal(ids[0], bos);
         assert_int_equal(ids[1], ims);
@@ -94,19 +94,19 @@ static void test_write_and_load(void **state)
 
         /* merges were learned: English compresses well below one id per byte */
         const char *en = "The boats would go out again before the morning, and the children played in the square.";
-        assert_int_equal(kvf_model_tokenizer_encode(t, en, strlen(en), false, &ids, &n, &err), KVF_OK);
+        assert_int_equal(kvf_text_tokenizer_encode(t, en, strlen(en), false, &ids, &n, &err), KVF_OK);
         if (sizes[k] >= 1000)
             assert_true(n * 3 < strlen(en));
         else if (sizes[k] == 300)
             assert_true(n < strlen(en));
         free(ids);
-        kvf_model_tokenizer_destroy(t);
+        kvf_text_tokenizer_destroy(t);
 
         /* the same size writes the same bytes */
         if (sizes[k] == 1000) {
             char dir2[] = "/tmp/kvf_tok_XXXXXX";
             assert_non_null(mkdtemp(dir2));
-            assert_int_equal(kvf_model_tokenizer_write_default(dir2, sizes[k], &err), KVF_OK);
+            assert_int_equal(kvf_text_tokenizer_write_default(dir2, sizes[k], &err), KVF_OK);
             char p1[256], p2[256];
             snprintf(p1, sizeof p1, "%s/tokenizer.json", dir);
             snprintf(p2, sizeof p2, "%s/tokenizer.json", dir2);
@@ -127,9 +127,9 @@ static void test_write_and_load(void **state)
 static void test_write_rejects_bad_args(void **state)
 {
     kvf_err err = {0};
-    assert_int_equal(kvf_model_tokenizer_write_default("/tmp", 100, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_text_tokenizer_write_default("/tmp", 100, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "vocab size 100"));
-    assert_int_equal(kvf_model_tokenizer_write_default("/nonexistent/dir", 1000, &err), KVF_ERR_IO);
+    assert_int_equal(kvf_text_tokenizer_write_default("/nonexistent/dir", 1000, &err), KVF_ERR_IO);
     assert_non_null(strstr(err.msg, "/nonexistent/dir/tokenizer.json"));
 }
 

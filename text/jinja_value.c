@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/jinja_int.h"
+#include "text/jinja_int.h"
 
 /* ---- reference counting ---------------------------------------------------------------- */
 

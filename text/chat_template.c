@@ -8,11 +8,11 @@
 
 #include "common/json.h"
 #include "common/sbuf.h"
-#include "model/chat_template.h"
-#include "model/jinja.h"
+#include "text/chat_template.h"
+#include "text/jinja.h"
 
-struct kvf_model_chat_template {
-    kvf_model_jinja *jinja;
+struct kvf_text_chat_template {
+    kvf_text_jinja *jinja;
     json_t *vars; /* special-token variables from tokenizer_config.json (an object) */
     char source[600];
 };
@@ -107,17 +107,17 @@ static const struct {
 /* ---- compile ------------------------------------------------------------------------------ */
 
 static kvf_status make(const char *src, size_t len, const char *source,
-                       kvf_model_chat_template **out, kvf_err *err)
+                       kvf_text_chat_template **out, kvf_err *err)
 {
-    kvf_model_chat_template *t = calloc(1, sizeof *t);
+    kvf_text_chat_template *t = calloc(1, sizeof *t);
     if (!t || !(t->vars = json_object())) {
         free(t);
         return kvf_err_set(err, KVF_ERR_NOMEM, "chat template: out of memory");
     }
-    kvf_status st = kvf_model_jinja_compile(src, len, KVF_MODEL_JINJA_TRIM_BLOCKS | KVF_MODEL_JINJA_LSTRIP_BLOCKS,
+    kvf_status st = kvf_text_jinja_compile(src, len, KVF_TEXT_JINJA_TRIM_BLOCKS | KVF_TEXT_JINJA_LSTRIP_BLOCKS,
                                             &t->jinja, err);
     if (st != KVF_OK) {
-        kvf_model_chat_template_destroy(t);
+        kvf_text_chat_template_destroy(t);
         return kvf_err_prefix(err, "chat template (%s)", source);
     }
     snprintf(t->source, sizeof t->source, "%s", source);
@@ -125,13 +125,13 @@ static kvf_status make(const char *src, size_t len, const char *source,
     return KVF_OK;
 }
 
-kvf_status kvf_model_chat_template_compile(const char *src, size_t len,
-                                           kvf_model_chat_template **out, kvf_err *err)
+kvf_status kvf_text_chat_template_compile(const char *src, size_t len,
+                                           kvf_text_chat_template **out, kvf_err *err)
 {
     return make(src, len, "string", out, err);
 }
 
-kvf_status kvf_model_chat_template_builtin(const char *family, kvf_model_chat_template **out,
+kvf_status kvf_text_chat_template_builtin(const char *family, kvf_text_chat_template **out,
                                            kvf_err *err)
 {
     for (size_t i = 0; family && i < sizeof builtins / sizeof builtins[0]; i++) {
@@ -146,16 +146,16 @@ kvf_status kvf_model_chat_template_builtin(const char *family, kvf_model_chat_te
                        "qwen, qwen2, qwen3 or mistral)", family ? family : "(none)");
 }
 
-void kvf_model_chat_template_destroy(kvf_model_chat_template *t)
+void kvf_text_chat_template_destroy(kvf_text_chat_template *t)
 {
     if (!t)
         return;
-    kvf_model_jinja_destroy(t->jinja);
+    kvf_text_jinja_destroy(t->jinja);
     json_decref(t->vars);
     free(t);
 }
 
-const char *kvf_model_chat_template_source(const kvf_model_chat_template *t)
+const char *kvf_text_chat_template_source(const kvf_text_chat_template *t)
 {
     return t->source;
 }
@@ -268,13 +268,13 @@ static const char *family_of(const char *dir, char *why, size_t why_cap)
     return fam;
 }
 
-kvf_status kvf_model_chat_template_load(const char *dir, const char *family, bool force_family,
-                                        const char *name, kvf_model_chat_template **out,
+kvf_status kvf_text_chat_template_load(const char *dir, const char *family, bool force_family,
+                                        const char *name, kvf_text_chat_template **out,
                                         kvf_err *err)
 {
     char path[4096], source[600];
     json_t *cfg = NULL, *vars = json_object();
-    kvf_model_chat_template *t = NULL;
+    kvf_text_chat_template *t = NULL;
     kvf_status st = KVF_OK;
     char *src = NULL;
     size_t len = 0;
@@ -292,7 +292,7 @@ kvf_status kvf_model_chat_template_load(const char *dir, const char *family, boo
         collect_special(cfg, vars);
     }
     if (force_family && family) {
-        st = kvf_model_chat_template_builtin(family, &t, err);
+        st = kvf_text_chat_template_builtin(family, &t, err);
         goto done;
     }
     /* the model's own template */
@@ -354,13 +354,13 @@ kvf_status kvf_model_chat_template_load(const char *dir, const char *family, boo
             goto done;
         }
     }
-    st = kvf_model_chat_template_builtin(family, &t, err);
+    st = kvf_text_chat_template_builtin(family, &t, err);
 done:
     free(src);
     json_decref(cfg);
     if (st != KVF_OK) {
         json_decref(vars);
-        kvf_model_chat_template_destroy(t);
+        kvf_text_chat_template_destroy(t);
         return st;
     }
     json_decref(t->vars);
@@ -413,8 +413,8 @@ static json_t *flatten_text_parts(const json_t *messages)
     return out;
 }
 
-kvf_status kvf_model_chat_template_render(const kvf_model_chat_template *t,
-                                          const kvf_model_chat_request *req, char **out,
+kvf_status kvf_text_chat_template_render(const kvf_text_chat_template *t,
+                                          const kvf_text_chat_request *req, char **out,
                                           size_t *len_out, bool *raised_out, kvf_err *err)
 {
     if (raised_out)
@@ -457,7 +457,7 @@ kvf_status kvf_model_chat_template_render(const kvf_model_chat_template *t,
     json_object_set_new(vars, "tools", req->tools ? json_incref((json_t *)req->tools) : json_null());
     json_object_set_new(vars, "documents", json_null());
     json_object_set_new(vars, "add_generation_prompt", json_boolean(req->add_generation_prompt));
-    kvf_status st = kvf_model_jinja_render(t->jinja, vars, req->limits, out, len_out, err);
+    kvf_status st = kvf_text_jinja_render(t->jinja, vars, req->limits, out, len_out, err);
     json_decref(vars);
     if (st == KVF_ERR_INVALID) {
         if (raised_out)

@@ -9,11 +9,11 @@
 #include <time.h>
 #include <utf8proc.h>
 
-#include "model/jinja.h"
-#include "model/jinja_int.h"
+#include "text/jinja.h"
+#include "text/jinja_int.h"
 
 typedef struct rstate {
-    kvf_model_jinja_limits lim;
+    kvf_text_jinja_limits lim;
     kvf_sbuf *out;
     jframe *globals;
     int64_t steps, iters;
@@ -947,10 +947,9 @@ static bool arg_str(rstate *R, const jnode *n, args *a, size_t i, const char *na
                     const jstr **out)
 {
     jv *v = arg(a, i, name);
-    if (!v || v->t == JV_NONE) {
-        *out = NULL;
+    *out = NULL; /* set on every path: rfail's false is not visible to the compiler */
+    if (!v || v->t == JV_NONE)
         return true;
-    }
     if (v->t != JV_STR)
         return rfail(R, n, "%s: argument '%s' must be a string, not %s", what, name, jv_type_name(*v));
     *out = v->u.s;
@@ -961,10 +960,9 @@ static bool arg_int(rstate *R, const jnode *n, args *a, size_t i, const char *na
                     int64_t def, int64_t *out)
 {
     jv *v = arg(a, i, name);
-    if (!v || v->t == JV_NONE) {
-        *out = def;
+    *out = def;
+    if (!v || v->t == JV_NONE)
         return true;
-    }
     if (v->t != JV_INT && v->t != JV_BOOL)
         return rfail(R, n, "%s: argument '%s' must be an integer, not %s", what, name, jv_type_name(*v));
     *out = num_i(*v);
@@ -2355,8 +2353,8 @@ static bool exec(rstate *R, const jnode *n, jframe *f)
 
 /* ---- entry point ---------------------------------------------------------------------------- */
 
-kvf_status kvf_model_jinja_render(const kvf_model_jinja *t, const json_t *vars,
-                                  const kvf_model_jinja_limits *limits, char **out,
+kvf_status kvf_text_jinja_render(const kvf_text_jinja *t, const json_t *vars,
+                                  const kvf_text_jinja_limits *limits, char **out,
                                   size_t *len_out, kvf_err *err)
 {
     rstate R = {.err = err};

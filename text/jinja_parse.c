@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/jinja.h"
-#include "model/jinja_int.h"
+#include "text/jinja.h"
+#include "text/jinja_int.h"
 
 /* ---- tokens ----------------------------------------------------------------------------- */
 
@@ -364,8 +364,8 @@ static bool find_endraw(lexer *L, size_t from, size_t *start_out, size_t *after_
 static kvf_status lex_all(lexer *L)
 {
     bool strip_next = false, trim_next = false;
-    bool trim = (L->flags & KVF_MODEL_JINJA_TRIM_BLOCKS) != 0;
-    bool lstrip = (L->flags & KVF_MODEL_JINJA_LSTRIP_BLOCKS) != 0;
+    bool trim = (L->flags & KVF_TEXT_JINJA_TRIM_BLOCKS) != 0;
+    bool lstrip = (L->flags & KVF_TEXT_JINJA_LSTRIP_BLOCKS) != 0;
     kvf_status st;
     while (L->pos <= L->len) {
         /* the text up to the next tag */
@@ -1484,12 +1484,12 @@ static jnode *parse_body(parser *P, const char *const *ends)
 
 /* ---- entry points ----------------------------------------------------------------------- */
 
-kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
-                                   kvf_model_jinja **out, kvf_err *err)
+kvf_status kvf_text_jinja_compile(const char *src, size_t len, unsigned flags,
+                                   kvf_text_jinja **out, kvf_err *err)
 {
     if (!src && len)
         return kvf_err_set(err, KVF_ERR_INVALID, "jinja: template is NULL");
-    kvf_model_jinja *t = calloc(1, sizeof *t);
+    kvf_text_jinja *t = calloc(1, sizeof *t);
     char *norm = malloc(len + 1);
     if (!t || !norm) {
         free(t);
@@ -1525,14 +1525,14 @@ kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
     free(L.toks);
     free(norm);
     if (st != KVF_OK) {
-        kvf_model_jinja_destroy(t);
+        kvf_text_jinja_destroy(t);
         return st;
     }
     *out = t;
     return KVF_OK;
 }
 
-void kvf_model_jinja_destroy(kvf_model_jinja *t)
+void kvf_text_jinja_destroy(kvf_text_jinja *t)
 {
     if (!t)
         return;

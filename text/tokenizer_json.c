@@ -1,19 +1,19 @@
 /* tokenizer_json.c: the JSON reader behind tokenizer loading (see tokenizer_json.h): strict
  * RFC 8259 (UTF-8 checked, surrogates paired, no trailing commas), one value array, strings
  * unescaped in place in a private copy of the text. */
-#include "model/tokenizer_json.h"
+#include "text/tokenizer_json.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/utf8.h"
 
 #define MAX_DEPTH 256
 
 typedef struct parser {
-    kvf_model_tok_jdoc *doc;
+    kvf_text_tok_jdoc *doc;
     char *p, *end, *start;
     const char *what;
     const char *why; /* set on failure */
@@ -35,19 +35,19 @@ static void skip_ws(parser *ps)
         ps->p++;
 }
 
-static int64_t new_val(parser *ps, kvf_model_tok_jtype t)
+static int64_t new_val(parser *ps, kvf_text_tok_jtype t)
 {
-    kvf_model_tok_jdoc *d = ps->doc;
+    kvf_text_tok_jdoc *d = ps->doc;
     if (d->n == d->cap) {
         size_t cap = d->cap ? d->cap * 2 : 1024;
-        kvf_model_tok_jv *v = realloc(d->vals, cap * sizeof *v);
+        kvf_text_tok_jv *v = realloc(d->vals, cap * sizeof *v);
         if (!v)
             return perr(ps, ps->p, "out of memory");
         d->vals = v;
         d->cap = cap;
     }
-    kvf_model_tok_jv *v = &d->vals[d->n];
-    *v = (kvf_model_tok_jv){.type = (uint8_t)t};
+    kvf_text_tok_jv *v = &d->vals[d->n];
+    *v = (kvf_text_tok_jv){.type = (uint8_t)t};
     return (int64_t)d->n++;
 }
 
@@ -110,7 +110,7 @@ static int64_t parse_string(parser *ps)
                     r += 6;
                     cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
                 }
-                w += kvf_model_tok_utf8_put(cp, w);
+                w += kvf_text_utf8_put(cp, w);
                 break;
             }
             default:
@@ -123,7 +123,7 @@ static int64_t parse_string(parser *ps)
             r++;
             continue;
         }
-        size_t k = kvf_model_tok_utf8_len((const uint8_t *)r, (size_t)(ps->end - r));
+        size_t k = kvf_text_utf8_len((const uint8_t *)r, (size_t)(ps->end - r));
         if (k == 0)
             return perr(ps, r, "invalid UTF-8 in a string");
         if (w != r) /* only after an escape has shrunk the string */
@@ -132,11 +132,11 @@ static int64_t parse_string(parser *ps)
         w += k;
         r += k;
     }
-    int64_t i = new_val(ps, KVF_MODEL_TOK_JSTR);
+    int64_t i = new_val(ps, KVF_TEXT_TOK_JSTR);
     if (i < 0)
         return -1;
     *w = 0; /* w <= r: the closing quote's place at the latest */
-    kvf_model_tok_jv *v = &ps->doc->vals[i];
+    kvf_text_tok_jv *v = &ps->doc->vals[i];
     v->s = s;
     v->len = (uint32_t)(w - s);
     ps->p = r + 1;
@@ -174,10 +174,10 @@ static int64_t parse_number(parser *ps)
         while (q < ps->end && *q >= '0' && *q <= '9')
             q++;
     }
-    int64_t i = new_val(ps, KVF_MODEL_TOK_JNUM);
+    int64_t i = new_val(ps, KVF_TEXT_TOK_JNUM);
     if (i < 0)
         return -1;
-    kvf_model_tok_jv *v = &ps->doc->vals[i];
+    kvf_text_tok_jv *v = &ps->doc->vals[i];
     char save = *q; /* the text copy has a NUL after the end, so q is writable */
     *q = 0;
     v->d = strtod(s, NULL);
@@ -201,7 +201,7 @@ static int64_t parse_container(parser *ps, int depth, bool obj)
 {
     if (depth >= MAX_DEPTH)
         return perr(ps, ps->p, "nesting deeper than 256 levels");
-    int64_t self = new_val(ps, obj ? KVF_MODEL_TOK_JOBJ : KVF_MODEL_TOK_JARR);
+    int64_t self = new_val(ps, obj ? KVF_TEXT_TOK_JOBJ : KVF_TEXT_TOK_JARR);
     if (self < 0)
         return -1;
     char close = obj ? '}' : ']';
@@ -231,7 +231,7 @@ static int64_t parse_container(parser *ps, int depth, bool obj)
         int64_t v = parse_value(ps, depth + 1);
         if (v < 0)
             return -1;
-        kvf_model_tok_jv *vals = ps->doc->vals;
+        kvf_text_tok_jv *vals = ps->doc->vals;
         if (obj) {
             vals[first_of_item].next = (int32_t)(v - first_of_item);
         } else {
@@ -275,7 +275,7 @@ static int64_t parse_value(parser *ps, int depth)
     case 'f':
     case 'n': {
         static const char *const words[3] = {"true", "false", "null"};
-        static const kvf_model_tok_jtype types[3] = {KVF_MODEL_TOK_JTRUE, KVF_MODEL_TOK_JFALSE, KVF_MODEL_TOK_JNULL};
+        static const kvf_text_tok_jtype types[3] = {KVF_TEXT_TOK_JTRUE, KVF_TEXT_TOK_JFALSE, KVF_TEXT_TOK_JNULL};
         for (int k = 0; k < 3; k++) {
             size_t l = strlen(words[k]);
             if ((size_t)(ps->end - ps->p) >= l && memcmp(ps->p, words[k], l) == 0) {
@@ -290,7 +290,7 @@ static int64_t parse_value(parser *ps, int depth)
     }
 }
 
-kvf_status kvf_model_tok_json_parse(const char *text, size_t len, const char *what, kvf_model_tok_jdoc *doc, kvf_err *err)
+kvf_status kvf_text_tok_json_parse(const char *text, size_t len, const char *what, kvf_text_tok_jdoc *doc, kvf_err *err)
 {
     memset(doc, 0, sizeof *doc);
     char *buf = malloc(len + 1);
@@ -298,15 +298,15 @@ kvf_status kvf_model_tok_json_parse(const char *text, size_t len, const char *wh
         return kvf_err_set(err, KVF_ERR_NOMEM, "tokenizer: %s: out of memory", what);
     memcpy(buf, text, len);
     buf[len] = 0;
-    return kvf_model_tok_json_parse_owned(buf, len, what, doc, err);
+    return kvf_text_tok_json_parse_owned(buf, len, what, doc, err);
 }
 
-kvf_status kvf_model_tok_json_parse_owned(char *buf, size_t len, const char *what, kvf_model_tok_jdoc *doc, kvf_err *err)
+kvf_status kvf_text_tok_json_parse_owned(char *buf, size_t len, const char *what, kvf_text_tok_jdoc *doc, kvf_err *err)
 {
     memset(doc, 0, sizeof *doc);
     doc->buf = buf;
     if (len >= (size_t)INT32_MAX) {
-        kvf_model_tok_json_free(doc);
+        kvf_text_tok_json_free(doc);
         return kvf_err_set(err, KVF_ERR_LIMIT, "tokenizer: %s: %zu bytes is too large", what, len);
     }
     /* about one value per 14 bytes in tokenizer files: start near that */
@@ -332,85 +332,85 @@ kvf_status kvf_model_tok_json_parse_owned(char *buf, size_t len, const char *wha
                 col++;
         }
         kvf_status st = strcmp(ps.why, "out of memory") == 0 ? KVF_ERR_NOMEM : KVF_ERR_PARSE;
-        kvf_model_tok_json_free(doc);
+        kvf_text_tok_json_free(doc);
         return kvf_err_set(err, st, "tokenizer: %s: line %zu column %zu: %s", what, line, col, ps.why);
     }
     return KVF_OK;
 }
 
-void kvf_model_tok_json_free(kvf_model_tok_jdoc *doc)
+void kvf_text_tok_json_free(kvf_text_tok_jdoc *doc)
 {
     free(doc->buf);
     free(doc->vals);
     memset(doc, 0, sizeof *doc);
 }
 
-const kvf_model_tok_jv *kvf_model_tok_json_root(const kvf_model_tok_jdoc *doc)
+const kvf_text_tok_jv *kvf_text_tok_json_root(const kvf_text_tok_jdoc *doc)
 {
     return doc->n ? &doc->vals[0] : NULL;
 }
 
-const kvf_model_tok_jv *kvf_model_tok_jfirst(const kvf_model_tok_jv *c)
+const kvf_text_tok_jv *kvf_text_tok_jfirst(const kvf_text_tok_jv *c)
 {
-    return c && (c->type == KVF_MODEL_TOK_JARR || c->type == KVF_MODEL_TOK_JOBJ) && c->first ? c + c->first : NULL;
+    return c && (c->type == KVF_TEXT_TOK_JARR || c->type == KVF_TEXT_TOK_JOBJ) && c->first ? c + c->first : NULL;
 }
 
-const kvf_model_tok_jv *kvf_model_tok_jnext(const kvf_model_tok_jv *v)
+const kvf_text_tok_jv *kvf_text_tok_jnext(const kvf_text_tok_jv *v)
 {
     return v && v->next ? v + v->next : NULL;
 }
 
-const kvf_model_tok_jv *kvf_model_tok_jget(const kvf_model_tok_jv *obj, const char *key)
+const kvf_text_tok_jv *kvf_text_tok_jget(const kvf_text_tok_jv *obj, const char *key)
 {
-    if (!obj || obj->type != KVF_MODEL_TOK_JOBJ)
+    if (!obj || obj->type != KVF_TEXT_TOK_JOBJ)
         return NULL;
     size_t kl = strlen(key);
-    const kvf_model_tok_jv *found = NULL;
-    for (const kvf_model_tok_jv *k = kvf_model_tok_jfirst(obj); k; k = kvf_model_tok_jnext(kvf_model_tok_jnext(k)))
+    const kvf_text_tok_jv *found = NULL;
+    for (const kvf_text_tok_jv *k = kvf_text_tok_jfirst(obj); k; k = kvf_text_tok_jnext(kvf_text_tok_jnext(k)))
         if (k->len == kl && memcmp(k->s, key, kl) == 0)
-            found = kvf_model_tok_jnext(k); /* the last duplicate wins, as in most readers */
+            found = kvf_text_tok_jnext(k); /* the last duplicate wins, as in most readers */
     return found;
 }
 
-const kvf_model_tok_jv *kvf_model_tok_jat(const kvf_model_tok_jv *arr, size_t i)
+const kvf_text_tok_jv *kvf_text_tok_jat(const kvf_text_tok_jv *arr, size_t i)
 {
-    if (!arr || arr->type != KVF_MODEL_TOK_JARR)
+    if (!arr || arr->type != KVF_TEXT_TOK_JARR)
         return NULL;
-    const kvf_model_tok_jv *v = kvf_model_tok_jfirst(arr);
+    const kvf_text_tok_jv *v = kvf_text_tok_jfirst(arr);
     while (v && i-- > 0)
-        v = kvf_model_tok_jnext(v);
+        v = kvf_text_tok_jnext(v);
     return v;
 }
 
-size_t kvf_model_tok_jsize(const kvf_model_tok_jv *v)
+size_t kvf_text_tok_jsize(const kvf_text_tok_jv *v)
 {
-    return v && (v->type == KVF_MODEL_TOK_JARR || v->type == KVF_MODEL_TOK_JOBJ) ? v->len : 0;
+    return v && (v->type == KVF_TEXT_TOK_JARR || v->type == KVF_TEXT_TOK_JOBJ) ? v->len : 0;
 }
 
-const char *kvf_model_tok_jstr(const kvf_model_tok_jv *v)
+const char *kvf_text_tok_jstr(const kvf_text_tok_jv *v)
 {
-    return v && v->type == KVF_MODEL_TOK_JSTR ? v->s : NULL;
+    return v && v->type == KVF_TEXT_TOK_JSTR ? v->s : NULL;
 }
 
-bool kvf_model_tok_jis(const kvf_model_tok_jv *v, kvf_model_tok_jtype t)
+bool kvf_text_tok_jis(const kvf_text_tok_jv *v, kvf_text_tok_jtype t)
 {
     return v && v->type == t;
 }
 
-bool kvf_model_tok_jtrue(const kvf_model_tok_jv *v)
+bool kvf_text_tok_jtrue(const kvf_text_tok_jv *v)
 {
-    return v && v->type == KVF_MODEL_TOK_JTRUE;
+    return v && v->type == KVF_TEXT_TOK_JTRUE;
 }
 
-const char *kvf_model_tok_jkind(const kvf_model_tok_jv *v)
+const char *kvf_text_tok_jkind(const kvf_text_tok_jv *v)
 {
-    switch (v ? v->type : KVF_MODEL_TOK_JNULL) {
-    case KVF_MODEL_TOK_JOBJ: return "an object";
-    case KVF_MODEL_TOK_JARR: return "an array";
-    case KVF_MODEL_TOK_JSTR: return "a string";
-    case KVF_MODEL_TOK_JNUM: return v->is_int ? "an integer" : "a number";
-    case KVF_MODEL_TOK_JTRUE:
-    case KVF_MODEL_TOK_JFALSE: return "a boolean";
+    switch (v ? v->type : KVF_TEXT_TOK_JNULL) {
+    case KVF_TEXT_TOK_JOBJ: return "an object";
+    case KVF_TEXT_TOK_JARR: return "an array";
+    case KVF_TEXT_TOK_JSTR: return "a string";
+    case KVF_TEXT_TOK_JNUM: return v->is_int ? "an integer" : "a number";
+    case KVF_TEXT_TOK_JTRUE:
+    case KVF_TEXT_TOK_JFALSE: return "a boolean";
     default: return "null";
     }
 }

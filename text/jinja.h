@@ -23,8 +23,8 @@
  *   Globals: raise_exception, namespace, range, dict, strftime_now.
  * Not there: recursive loops, extends/include/import, string % formatting, the format filter.
  * Lists and dicts are immutable, as in transformers' sandbox. */
-#ifndef KVF_MODEL_JINJA_H
-#define KVF_MODEL_JINJA_H
+#ifndef KVF_TEXT_JINJA_H
+#define KVF_TEXT_JINJA_H
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -33,26 +33,26 @@
 
 #include "common/status.h"
 
-typedef struct kvf_model_jinja kvf_model_jinja;
+typedef struct kvf_text_jinja kvf_text_jinja;
 
 /* Compile flags: the environment options transformers sets (both on for chat templates). */
-#define KVF_MODEL_JINJA_TRIM_BLOCKS 1u  /* drop the first newline after a block or comment tag */
-#define KVF_MODEL_JINJA_LSTRIP_BLOCKS 2u /* drop spaces/tabs before a block or comment tag */
+#define KVF_TEXT_JINJA_TRIM_BLOCKS 1u  /* drop the first newline after a block or comment tag */
+#define KVF_TEXT_JINJA_LSTRIP_BLOCKS 2u /* drop spaces/tabs before a block or comment tag */
 
 /* Bounds on one render, so a hostile template cannot hang or exhaust a worker. Zero fields take
  * the defaults in brackets. */
-typedef struct kvf_model_jinja_limits {
+typedef struct kvf_text_jinja_limits {
     size_t max_output;     /* bytes of output, and of any one string built [8 MiB] */
     int64_t max_iters;     /* loop iterations over the whole render, and items in range() [1M] */
     int64_t max_steps;     /* expression and statement evaluations [20M] */
     int32_t max_depth;     /* nesting of evaluation, macro calls included [256] */
-} kvf_model_jinja_limits;
+} kvf_text_jinja_limits;
 
 /* Compiles src[0..len). A syntax error gives KVF_ERR_PARSE with a message
- * "line L col C: <what was unexpected>". *out is the caller's: kvf_model_jinja_destroy. */
-kvf_status kvf_model_jinja_compile(const char *src, size_t len, unsigned flags,
-                                   kvf_model_jinja **out, kvf_err *err);
-void kvf_model_jinja_destroy(kvf_model_jinja *t); /* NULL is fine */
+ * "line L col C: <what was unexpected>". *out is the caller's: kvf_text_jinja_destroy. */
+kvf_status kvf_text_jinja_compile(const char *src, size_t len, unsigned flags,
+                                   kvf_text_jinja **out, kvf_err *err);
+void kvf_text_jinja_destroy(kvf_text_jinja *t); /* NULL is fine */
 
 /* Renders with vars (a JSON object: each key is a template variable; NULL for none). Globals
  * raise_exception, namespace, range, dict and strftime_now are always there. Recursion is
@@ -62,8 +62,8 @@ void kvf_model_jinja_destroy(kvf_model_jinja *t); /* NULL is fine */
  *   KVF_ERR_STATE    any other evaluation error ("line L col C: ...");
  *   KVF_ERR_NOMEM.
  * *out is malloc'd and NUL-terminated (free it); *len_out (may be NULL) its length. */
-kvf_status kvf_model_jinja_render(const kvf_model_jinja *t, const json_t *vars,
-                                  const kvf_model_jinja_limits *limits, char **out,
+kvf_status kvf_text_jinja_render(const kvf_text_jinja *t, const json_t *vars,
+                                  const kvf_text_jinja_limits *limits, char **out,
                                   size_t *len_out, kvf_err *err);
 
 #endif

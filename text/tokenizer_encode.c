@@ -8,7 +8,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
-#include "model/tokenizer_internal.h"
+#include "text/tokenizer_internal.h"
 
 /* Pieces of one segment: byte ranges of one of enc's two buffers. */
 typedef struct pieces {
@@ -22,7 +22,7 @@ typedef struct heap_ent {
 
 /* Everything one encode call allocates, reused across segments and pieces. */
 typedef struct enc {
-    const kvf_model_tokenizer *tok;
+    const kvf_text_tokenizer *tok;
     int32_t *ids;
     size_t n_ids, cap_ids;
     kvf_sbuf norm, tmp;
@@ -92,25 +92,25 @@ static bool all_ascii(const char *s, size_t n)
 }
 
 /* Applies one normalizer to e->norm (in place through e->tmp). */
-static void normalize_step(enc *e, const kvf_model_tok_norm *nm)
+static void normalize_step(enc *e, const kvf_text_tok_norm *nm)
 {
     kvf_sbuf *cur = &e->norm, *out = &e->tmp;
     const char *s = cur->data ? cur->data : "";
     size_t n = cur->len;
     kvf_sbuf_reset(out);
     switch (nm->kind) {
-    case KVF_MODEL_TOK_NORM_NFC:
-    case KVF_MODEL_TOK_NORM_NFD:
-    case KVF_MODEL_TOK_NORM_NFKC:
-    case KVF_MODEL_TOK_NORM_NFKD: {
+    case KVF_TEXT_TOK_NORM_NFC:
+    case KVF_TEXT_TOK_NORM_NFD:
+    case KVF_TEXT_TOK_NORM_NFKC:
+    case KVF_TEXT_TOK_NORM_NFKD: {
         if (all_ascii(s, n))
             return; /* ASCII is invariant under every normal form */
         int opts = UTF8PROC_STABLE;
-        if (nm->kind == KVF_MODEL_TOK_NORM_NFC || nm->kind == KVF_MODEL_TOK_NORM_NFKC)
+        if (nm->kind == KVF_TEXT_TOK_NORM_NFC || nm->kind == KVF_TEXT_TOK_NORM_NFKC)
             opts |= UTF8PROC_COMPOSE;
         else
             opts |= UTF8PROC_DECOMPOSE;
-        if (nm->kind == KVF_MODEL_TOK_NORM_NFKC || nm->kind == KVF_MODEL_TOK_NORM_NFKD)
+        if (nm->kind == KVF_TEXT_TOK_NORM_NFKC || nm->kind == KVF_TEXT_TOK_NORM_NFKD)
             opts |= UTF8PROC_COMPAT;
         utf8proc_uint8_t *dst = NULL;
         utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &dst,
@@ -124,24 +124,24 @@ static void normalize_step(enc *e, const kvf_model_tok_norm *nm)
         free(dst);
         break;
     }
-    case KVF_MODEL_TOK_NORM_LOWERCASE:
+    case KVF_TEXT_TOK_NORM_LOWERCASE:
         for (size_t i = 0; i < n;) {
             utf8proc_int32_t cp;
             utf8proc_ssize_t k = utf8proc_iterate((const utf8proc_uint8_t *)s + i, (utf8proc_ssize_t)(n - i), &cp);
             if (k <= 0)
                 break;
             char b[4];
-            kvf_sbuf_append(out, b, kvf_model_tok_utf8_put((uint32_t)utf8proc_tolower(cp), b));
+            kvf_sbuf_append(out, b, kvf_text_utf8_put((uint32_t)utf8proc_tolower(cp), b));
             i += (size_t)k;
         }
         break;
-    case KVF_MODEL_TOK_NORM_PREPEND:
+    case KVF_TEXT_TOK_NORM_PREPEND:
         if (n == 0)
             return;
         kvf_sbuf_append(out, nm->a, nm->a_len);
         kvf_sbuf_append(out, s, n);
         break;
-    case KVF_MODEL_TOK_NORM_REPLACE: {
+    case KVF_TEXT_TOK_NORM_REPLACE: {
         const char *hit = n >= nm->a_len ? memmem(s, n, nm->a, nm->a_len) : NULL;
         if (!hit)
             return;
@@ -165,12 +165,12 @@ static void normalize_step(enc *e, const kvf_model_tok_norm *nm)
 
 static size_t utf8_step(const char *s, size_t n)
 {
-    size_t k = kvf_model_tok_utf8_len((const uint8_t *)s, n);
+    size_t k = kvf_text_utf8_len((const uint8_t *)s, n);
     return k ? k : 1;
 }
 
 /* Splits each piece of in by the regex into out (same buffer: splitting moves no bytes). */
-static void pre_split(enc *e, const kvf_model_tok_pre *p, const char *buf, const pieces *in, pieces *out)
+static void pre_split(enc *e, const kvf_text_tok_pre *p, const char *buf, const pieces *in, pieces *out)
 {
     for (size_t k = 0; k < in->n; k++) {
         size_t base = in->off[k], n = in->len[k], last = 0, start = 0;
@@ -203,22 +203,22 @@ static void pre_split(enc *e, const kvf_model_tok_pre *p, const char *buf, const
                 }
             }
             switch (p->behavior) {
-            case KVF_MODEL_TOK_SPLIT_ISOLATED:
+            case KVF_TEXT_TOK_SPLIT_ISOLATED:
                 if (pending_next) { /* not reached: pending only in MERGED_NEXT */
                     pieces_add(e, out, pend_off, base + ms - pend_off);
                     pending_next = false;
                 }
                 pieces_add(e, out, base + ms, me - ms);
                 break;
-            case KVF_MODEL_TOK_SPLIT_REMOVED:
+            case KVF_TEXT_TOK_SPLIT_REMOVED:
                 break;
-            case KVF_MODEL_TOK_SPLIT_MERGED_PREV:
+            case KVF_TEXT_TOK_SPLIT_MERGED_PREV:
                 if (ms > last && out->n > 0)
                     out->len[out->n - 1] += me - ms;
                 else
                     pieces_add(e, out, base + ms, me - ms);
                 break;
-            case KVF_MODEL_TOK_SPLIT_MERGED_NEXT:
+            case KVF_TEXT_TOK_SPLIT_MERGED_NEXT:
                 if (pending_next)
                     pieces_add(e, out, pend_off, base + ms - pend_off);
                 pending_next = true;
@@ -247,15 +247,15 @@ static void pre_bytelevel_prefix(enc *e, const char *buf, const pieces *in, piec
 }
 
 /* Metaspace: ' ' -> the replacement, a replacement in front, then a split before each one. */
-static void pre_metaspace(enc *e, const kvf_model_tok_pre *p, const char *buf, const pieces *in, pieces *out,
+static void pre_metaspace(enc *e, const kvf_text_tok_pre *p, const char *buf, const pieces *in, pieces *out,
                           kvf_sbuf *ob, bool first_segment)
 {
     for (size_t k = 0; k < in->n; k++) {
         const char *s = buf + in->off[k];
         size_t n = in->len[k], o = ob->len;
         bool starts = n >= p->repl_len && memcmp(s, p->repl, p->repl_len) == 0;
-        bool prepend = p->prepend == KVF_MODEL_TOK_PREPEND_ALWAYS ||
-                       (p->prepend == KVF_MODEL_TOK_PREPEND_FIRST && first_segment && k == 0);
+        bool prepend = p->prepend == KVF_TEXT_TOK_PREPEND_ALWAYS ||
+                       (p->prepend == KVF_TEXT_TOK_PREPEND_FIRST && first_segment && k == 0);
         if (prepend && !starts && s[0] != ' ')
             kvf_sbuf_append(ob, p->repl, p->repl_len);
         for (size_t i = 0; i < n; i++) {
@@ -289,7 +289,7 @@ static bool is_numeric(utf8proc_int32_t cp)
     return c == UTF8PROC_CATEGORY_ND || c == UTF8PROC_CATEGORY_NL || c == UTF8PROC_CATEGORY_NO;
 }
 
-static void pre_digits(enc *e, const kvf_model_tok_pre *p, const char *buf, const pieces *in, pieces *out)
+static void pre_digits(enc *e, const kvf_text_tok_pre *p, const char *buf, const pieces *in, pieces *out)
 {
     for (size_t k = 0; k < in->n; k++) {
         size_t base = in->off[k], n = in->len[k], run = 0;
@@ -386,7 +386,7 @@ static void try_pair(enc *e, int32_t pos)
     int32_t nx = e->next[pos];
     if (nx < 0)
         return;
-    const kvf_model_tok_merge *m = kvf_model_tok_merge_find(&e->tok->merges, e->sym[pos], e->sym[nx]);
+    const kvf_text_tok_merge *m = kvf_text_tok_merge_find(&e->tok->merges, e->sym[pos], e->sym[nx]);
     if (m && e->n_heap < e->heap_cap)
         heap_push(e, (heap_ent){m->rank, pos, e->sym[pos], e->sym[nx]});
 }
@@ -394,7 +394,7 @@ static void try_pair(enc *e, int32_t pos)
 /* Encodes one pre-tokenized piece. */
 static void bpe_piece(enc *e, const char *s, size_t n)
 {
-    const kvf_model_tokenizer *t = e->tok;
+    const kvf_text_tokenizer *t = e->tok;
     if (!bpe_reserve(e, n))
         return;
     if (t->ignore_merges) { /* a piece that is a whole token skips the merges */
@@ -403,11 +403,11 @@ static void bpe_piece(enc *e, const char *s, size_t n)
             kvf_sbuf_reset(&e->tmp);
             for (size_t i = 0; i < n; i++) {
                 char b[4];
-                kvf_sbuf_append(&e->tmp, b, kvf_model_tok_utf8_put(kvf_model_tok_byte_to_cp((uint8_t)s[i]), b));
+                kvf_sbuf_append(&e->tmp, b, kvf_text_utf8_put(kvf_text_tok_byte_to_cp((uint8_t)s[i]), b));
             }
-            id = kvf_model_tok_vocab_find(t, e->tmp.data ? e->tmp.data : "", e->tmp.len);
+            id = kvf_text_tok_vocab_find(t, e->tmp.data ? e->tmp.data : "", e->tmp.len);
         } else {
-            id = kvf_model_tok_vocab_find(t, s, n);
+            id = kvf_text_tok_vocab_find(t, s, n);
         }
         if (id >= 0) {
             push_id(e, id);
@@ -428,7 +428,7 @@ static void bpe_piece(enc *e, const char *s, size_t n)
             continue;
         }
         size_t cl = utf8_step(s + i, n - i);
-        int32_t id = kvf_model_tok_vocab_find(t, s + i, cl);
+        int32_t id = kvf_text_tok_vocab_find(t, s + i, cl);
         if (id >= 0) {
             e->sym[ns++] = id;
             last_unk = false;
@@ -464,7 +464,7 @@ static void bpe_piece(enc *e, const char *s, size_t n)
         int32_t nx = e->next[h.pos];
         if (e->sym[h.pos] != h.a || nx < 0 || e->sym[nx] != h.b)
             continue; /* stale: one side was merged already */
-        const kvf_model_tok_merge *m = kvf_model_tok_merge_find(&t->merges, h.a, h.b);
+        const kvf_text_tok_merge *m = kvf_text_tok_merge_find(&t->merges, h.a, h.b);
         e->sym[h.pos] = m->id;
         e->sym[nx] = -1;
         e->next[h.pos] = e->next[nx];
@@ -481,7 +481,7 @@ static void bpe_piece(enc *e, const char *s, size_t n)
 /* Normalizes, pre-tokenizes and encodes one segment between added tokens. */
 static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
 {
-    const kvf_model_tokenizer *t = e->tok;
+    const kvf_text_tokenizer *t = e->tok;
     if (n == 0)
         return;
     kvf_sbuf_reset(&e->norm);
@@ -498,8 +498,8 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
     e->pl[0].n = 0;
     pieces_add(e, &e->pl[0], 0, e->norm.len);
     for (size_t k = 0; k < t->n_pres && !e->oom; k++) {
-        const kvf_model_tok_pre *p = &t->pres[k];
-        if (p->kind == KVF_MODEL_TOK_PRE_BYTELEVEL && p->add_prefix_space) {
+        const kvf_text_tok_pre *p = &t->pres[k];
+        if (p->kind == KVF_TEXT_TOK_PRE_BYTELEVEL && p->add_prefix_space) {
             kvf_sbuf_reset(&e->bufs[!cb]);
             e->pl[!cp].n = 0;
             pre_bytelevel_prefix(e, e->bufs[cb].data, &e->pl[cp], &e->pl[!cp], &e->bufs[!cb]);
@@ -509,20 +509,20 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
         pieces *in = &e->pl[cp], *out = &e->pl[!cp];
         out->n = 0;
         switch (p->kind) {
-        case KVF_MODEL_TOK_PRE_SPLIT:
+        case KVF_TEXT_TOK_PRE_SPLIT:
             pre_split(e, p, buf, in, out);
             break;
-        case KVF_MODEL_TOK_PRE_BYTELEVEL:
+        case KVF_TEXT_TOK_PRE_BYTELEVEL:
             if (!p->re)
                 continue; /* nothing to split */
             pre_split(e, p, buf, in, out);
             break;
-        case KVF_MODEL_TOK_PRE_METASPACE:
+        case KVF_TEXT_TOK_PRE_METASPACE:
             kvf_sbuf_reset(&e->bufs[!cb]);
             pre_metaspace(e, p, buf, in, out, &e->bufs[!cb], first_segment);
             cb = !cb;
             break;
-        case KVF_MODEL_TOK_PRE_DIGITS:
+        case KVF_TEXT_TOK_PRE_DIGITS:
             pre_digits(e, p, buf, in, out);
             break;
         }
@@ -557,13 +557,13 @@ static void encode_segment(enc *e, const char *s, size_t n, bool first_segment)
 
 /* The longest added token at s, or NULL. One hash lookup per distinct added-token length, so
  * thousands of reserved tokens cost no more than a few. */
-static const kvf_model_tok_added *match_added(const kvf_model_tokenizer *t, const char *s, size_t n)
+static const kvf_text_tok_added *match_added(const kvf_text_tokenizer *t, const char *s, size_t n)
 {
     for (size_t i = 0; i < t->n_added_lens; i++) {
         size_t l = t->added_lens[i];
         if (l > n)
             continue;
-        const kvf_model_tok_added *a = kvf_model_tok_added_lookup(t, s, l);
+        const kvf_text_tok_added *a = kvf_text_tok_added_lookup(t, s, l);
         if (a)
             return a;
     }
@@ -585,13 +585,13 @@ static uint32_t cp_at(const char *s, size_t n, size_t *len_out)
     return k > 0 ? (uint32_t)cp : 0xFFFD;
 }
 
-kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char *text, size_t len,
+kvf_status kvf_text_tokenizer_encode(const kvf_text_tokenizer *tok, const char *text, size_t len,
                                       bool add_special, int32_t **ids_out, size_t *n_out, kvf_err *err)
 {
     if (!tok || (!text && len > 0))
         return kvf_err_set(err, KVF_ERR_INVALID, "tokenizer: encode needs a tokenizer and text");
     for (size_t i = 0; i < len;) {
-        size_t cl = kvf_model_tok_utf8_len((const uint8_t *)text + i, len - i);
+        size_t cl = kvf_text_utf8_len((const uint8_t *)text + i, len - i);
         if (cl == 0)
             return kvf_err_set(err, KVF_ERR_INVALID,
                                "tokenizer: text is not valid UTF-8 at byte %zu (0x%02x)", i, (unsigned char)text[i]);
@@ -612,7 +612,7 @@ kvf_status kvf_model_tokenizer_encode(const kvf_model_tokenizer *tok, const char
             push_id(&e, tok->prefix_ids[i]);
     size_t seg = 0;
     for (size_t i = 0; i < len && !e.oom && !e.re_error;) {
-        const kvf_model_tok_added *a = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i) : NULL;
+        const kvf_text_tok_added *a = tok->added_first[(uint8_t)text[i]] ? match_added(tok, text + i, len - i) : NULL;
         if (!a) {
             i++;
             continue;

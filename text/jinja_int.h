@@ -1,8 +1,8 @@
 /* jinja_int.h: the inside of the chat-template interpreter (jinja.h): the value type, the
  * syntax tree the parser builds and the evaluator walks, and helpers shared by
- * jinja_value.c, jinja_parse.c and jinja_eval.c. Nothing outside model/jinja*.c includes it. */
-#ifndef KVF_MODEL_JINJA_INT_H
-#define KVF_MODEL_JINJA_INT_H
+ * jinja_value.c, jinja_parse.c and jinja_eval.c. Nothing outside text/jinja*.c includes it. */
+#ifndef KVF_TEXT_JINJA_INT_H
+#define KVF_TEXT_JINJA_INT_H
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -197,7 +197,7 @@ bool jarena_str(jarena *a, const char *s, size_t len, jv *out);
 #define JINJA_MAX_NEST 96 /* parser nesting of blocks and expressions */
 
 /* A compiled template: its tree and the arena that owns it. Read-only while rendering. */
-struct kvf_model_jinja {
+struct kvf_text_jinja {
     jarena arena;
     jnode *root; /* JN_BODY */
 };
