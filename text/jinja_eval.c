@@ -969,6 +969,149 @@ static bool arg_int(rstate *R, const jnode *n, args *a, size_t i, const char *na
     return true;
 }
 
+/* ---- names: resolved once, at parse time ------------------------------------------------ */
+
+typedef struct jname {
+    const char *name;
+    int id;
+} jname;
+
+static const jname filter_names[] = {
+    {"abs", JF_ABS},
+    {"capitalize", JF_CAPITALIZE},
+    {"count", JF_LENGTH},
+    {"d", JF_DEFAULT},
+    {"default", JF_DEFAULT},
+    {"dictsort", JF_DICTSORT},
+    {"e", JF_ESCAPE},
+    {"escape", JF_ESCAPE},
+    {"first", JF_FIRST},
+    {"float", JF_FLOAT},
+    {"forceescape", JF_ESCAPE},
+    {"indent", JF_INDENT},
+    {"int", JF_INT},
+    {"items", JF_ITEMS},
+    {"join", JF_JOIN},
+    {"last", JF_LAST},
+    {"length", JF_LENGTH},
+    {"list", JF_LIST},
+    {"lower", JF_LOWER},
+    {"map", JF_MAP},
+    {"max", JF_MAX},
+    {"min", JF_MIN},
+    {"reject", JF_REJECT},
+    {"rejectattr", JF_REJECTATTR},
+    {"replace", JF_REPLACE},
+    {"reverse", JF_REVERSE},
+    {"round", JF_ROUND},
+    {"safe", JF_SAFE},
+    {"select", JF_SELECT},
+    {"selectattr", JF_SELECTATTR},
+    {"sort", JF_SORT},
+    {"string", JF_STRING},
+    {"sum", JF_SUM},
+    {"title", JF_TITLE},
+    {"tojson", JF_TOJSON},
+    {"trim", JF_TRIM},
+    {"unique", JF_UNIQUE},
+    {"upper", JF_UPPER},
+    {"wordcount", JF_WORDCOUNT},
+};
+
+static const jname test_names[] = {
+    {"boolean", JT_BOOLEAN},
+    {"callable", JT_CALLABLE},
+    {"defined", JT_DEFINED},
+    {"divisibleby", JT_DIVISIBLEBY},
+    {"eq", JT_EQ},
+    {"equalto", JT_EQ},
+    {"even", JT_EVEN},
+    {"false", JT_FALSE},
+    {"float", JT_FLOAT},
+    {"ge", JT_GE},
+    {"greaterthan", JT_GT},
+    {"gt", JT_GT},
+    {"in", JT_IN},
+    {"integer", JT_INTEGER},
+    {"iterable", JT_ITERABLE},
+    {"le", JT_LE},
+    {"lessthan", JT_LT},
+    {"lower", JT_LOWER},
+    {"lt", JT_LT},
+    {"mapping", JT_MAPPING},
+    {"ne", JT_NE},
+    {"none", JT_NONE},
+    {"number", JT_NUMBER},
+    {"odd", JT_ODD},
+    {"sameas", JT_SAMEAS},
+    {"sequence", JT_SEQUENCE},
+    {"string", JT_STRING},
+    {"true", JT_TRUE},
+    {"undefined", JT_UNDEFINED},
+    {"upper", JT_UPPER},
+};
+
+static const jname method_names[] = {
+    {"capitalize", JM_CAPITALIZE},
+    {"count", JM_COUNT},
+    {"cycle", JM_CYCLE},
+    {"endswith", JM_ENDSWITH},
+    {"find", JM_FIND},
+    {"get", JM_GET},
+    {"isalpha", JM_ISALPHA},
+    {"isdigit", JM_ISDIGIT},
+    {"islower", JM_ISLOWER},
+    {"isspace", JM_ISSPACE},
+    {"isupper", JM_ISUPPER},
+    {"items", JM_ITEMS},
+    {"join", JM_JOIN},
+    {"keys", JM_KEYS},
+    {"lower", JM_LOWER},
+    {"lstrip", JM_LSTRIP},
+    {"replace", JM_REPLACE},
+    {"rsplit", JM_RSPLIT},
+    {"rstrip", JM_RSTRIP},
+    {"split", JM_SPLIT},
+    {"splitlines", JM_SPLITLINES},
+    {"startswith", JM_STARTSWITH},
+    {"strip", JM_STRIP},
+    {"title", JM_TITLE},
+    {"upper", JM_UPPER},
+    {"values", JM_VALUES},
+};
+
+static const jname global_names[] = {
+    {"dict", JG_DICT},
+    {"namespace", JG_NAMESPACE},
+    {"raise_exception", JG_RAISE_EXCEPTION},
+    {"range", JG_RANGE},
+    {"strftime_now", JG_STRFTIME_NOW},
+};
+
+/* The tables are sorted by name: a binary search, run by the parser once per node. */
+static int name_find(const jname *t, size_t n, const char *name)
+{
+    size_t lo = 0, hi = n;
+    while (name && lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int c = strcmp(name, t[mid].name);
+        if (c == 0)
+            return t[mid].id;
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return -1;
+}
+
+#define NAME_FIND(t, name) name_find(t, sizeof t / sizeof t[0], name)
+
+int kvf_text_jinja_filter_id(const char *name) { return NAME_FIND(filter_names, name); }
+int kvf_text_jinja_test_id(const char *name) { return NAME_FIND(test_names, name); }
+int kvf_text_jinja_method_id(const char *name) { return NAME_FIND(method_names, name); }
+int kvf_text_jinja_global_id(const char *name) { return NAME_FIND(global_names, name); }
+
 /* ---- tests --------------------------------------------------------------------------------- */
 
 static bool str_all_case(const jstr *s, bool upper)
@@ -988,55 +1131,55 @@ static bool str_all_case(const jstr *s, bool upper)
     return cased;
 }
 
-static bool run_test(rstate *R, const jnode *n, const char *name, jv v, args *a, bool *out)
+static bool run_test(rstate *R, const jnode *n, int id, const char *name, jv v, args *a, bool *out)
 {
     jv *x = arg(a, 0, NULL);
-    if (!strcmp(name, "defined")) *out = v.t != JV_UNDEF;
-    else if (!strcmp(name, "undefined")) *out = v.t == JV_UNDEF;
-    else if (!strcmp(name, "none")) *out = v.t == JV_NONE;
-    else if (!strcmp(name, "string")) *out = v.t == JV_STR;
-    else if (!strcmp(name, "mapping")) *out = v.t == JV_DICT;
-    else if (!strcmp(name, "iterable")) *out = v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
-    else if (!strcmp(name, "sequence")) *out = v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
-    else if (!strcmp(name, "number")) *out = is_num(v);
-    else if (!strcmp(name, "integer")) *out = v.t == JV_INT;
-    else if (!strcmp(name, "float")) *out = v.t == JV_FLOAT;
-    else if (!strcmp(name, "boolean")) *out = v.t == JV_BOOL;
-    else if (!strcmp(name, "true")) *out = v.t == JV_BOOL && v.u.b;
-    else if (!strcmp(name, "false")) *out = v.t == JV_BOOL && !v.u.b;
-    else if (!strcmp(name, "callable")) *out = v.t == JV_MACRO;
-    else if (!strcmp(name, "lower") || !strcmp(name, "upper")) { /* str(value).islower() */
+    if (id == JT_DEFINED) *out = v.t != JV_UNDEF;
+    else if (id == JT_UNDEFINED) *out = v.t == JV_UNDEF;
+    else if (id == JT_NONE) *out = v.t == JV_NONE;
+    else if (id == JT_STRING) *out = v.t == JV_STR;
+    else if (id == JT_MAPPING) *out = v.t == JV_DICT;
+    else if (id == JT_ITERABLE) *out = v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
+    else if (id == JT_SEQUENCE) *out = v.t == JV_STR || v.t == JV_LIST || v.t == JV_DICT || v.t == JV_UNDEF;
+    else if (id == JT_NUMBER) *out = is_num(v);
+    else if (id == JT_INTEGER) *out = v.t == JV_INT;
+    else if (id == JT_FLOAT) *out = v.t == JV_FLOAT;
+    else if (id == JT_BOOLEAN) *out = v.t == JV_BOOL;
+    else if (id == JT_TRUE) *out = v.t == JV_BOOL && v.u.b;
+    else if (id == JT_FALSE) *out = v.t == JV_BOOL && !v.u.b;
+    else if (id == JT_CALLABLE) *out = v.t == JV_MACRO;
+    else if (id == JT_LOWER || id == JT_UPPER) { /* str(value).islower() */
         jv sv;
         if (!to_str(R, n, v, &sv))
             return false;
-        *out = str_all_case(sv.u.s, name[0] == 'u');
+        *out = str_all_case(sv.u.s, id == JT_UPPER);
         jv_release(sv);
     }
-    else if (!strcmp(name, "odd") || !strcmp(name, "even")) { /* value % 2 == 1 (or 0) */
+    else if (id == JT_ODD || id == JT_EVEN) { /* value % 2 == 1 (or 0) */
         jv r;
         if (!binop(R, n, JOP_MOD, v, jv_int(2), &r))
             return false;
-        *out = jv_equal(r, jv_int(name[0] == 'o' ? 1 : 0));
+        *out = jv_equal(r, jv_int(id == JT_ODD ? 1 : 0));
         jv_release(r);
-    } else if (!strcmp(name, "divisibleby")) {
+    } else if (id == JT_DIVISIBLEBY) {
         if ((v.t != JV_INT && v.t != JV_BOOL) || !x || (x->t != JV_INT && x->t != JV_BOOL) || num_i(*x) == 0)
             return rfail(R, n, "test 'divisibleby' needs integers and a non-zero divisor");
         *out = num_i(*x) == -1 || num_i(v) % num_i(*x) == 0;
-    } else if (!strcmp(name, "sameas")) {
+    } else if (id == JT_SAMEAS) {
         if (!x)
             return rfail(R, n, "test 'sameas' needs an argument");
         *out = v.t == x->t && (v.t == JV_NONE || v.t == JV_UNDEF || (v.t == JV_BOOL && v.u.b == x->u.b) ||
                                (v.t == JV_INT && v.u.i == x->u.i) ||
                                (v.t >= JV_STR && v.u.s == x->u.s));
-    } else if (!strcmp(name, "eq") || !strcmp(name, "equalto") || !strcmp(name, "ne") ||
-               !strcmp(name, "lt") || !strcmp(name, "lessthan") || !strcmp(name, "le") ||
-               !strcmp(name, "gt") || !strcmp(name, "greaterthan") || !strcmp(name, "ge") ||
-               !strcmp(name, "in")) {
+    } else if (id == JT_EQ || id == JT_NE ||
+               id == JT_LT || id == JT_LE ||
+               id == JT_GT || id == JT_GE ||
+               id == JT_IN) {
         if (!x)
             return rfail(R, n, "test '%s' needs an argument", name);
-        int op = !strcmp(name, "ne") ? JOP_NE : !strcmp(name, "lt") || !strcmp(name, "lessthan") ? JOP_LT
-               : !strcmp(name, "le") ? JOP_LE : !strcmp(name, "gt") || !strcmp(name, "greaterthan") ? JOP_GT
-               : !strcmp(name, "ge") ? JOP_GE : !strcmp(name, "in") ? JOP_IN : JOP_EQ;
+        int op = id == JT_NE ? JOP_NE : id == JT_LT ? JOP_LT
+               : id == JT_LE ? JOP_LE : id == JT_GT ? JOP_GT
+               : id == JT_GE ? JOP_GE : id == JT_IN ? JOP_IN : JOP_EQ;
         jv r;
         if (!binop(R, n, op, v, *x, &r))
             return false;
@@ -1049,7 +1192,7 @@ static bool run_test(rstate *R, const jnode *n, const char *name, jv v, args *a,
 
 /* ---- filters ------------------------------------------------------------------------------- */
 
-static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args *a, jv *out);
+static bool apply_filter(rstate *R, const jnode *n, int id, const char *name, jv v, args *a, jv *out);
 
 static bool html_escape(rstate *R, const jnode *n, jv v, jv *out)
 {
@@ -1221,13 +1364,14 @@ static bool f_select(rstate *R, const jnode *n, jv v, args *a, bool by_attr, boo
         return room(R);
     }
     bool ok = true;
+    int tid = tname ? kvf_text_jinja_test_id(tname->u.s->s) : -1; /* once, not per item */
     for (size_t i = 0; i < items.u.l->n && ok; i++) {
         jv it = items.u.l->v[i], x = it;
         if (by_attr && !(ok = attr_path(R, n, it, a->pos[0], &x)))
             break;
         bool pass;
         if (tname)
-            ok = run_test(R, n, tname->u.s->s, x, &targs, &pass);
+            ok = run_test(R, n, tid, tname->u.s->s, x, &targs, &pass);
         else
             pass = jv_truthy(x);
         if (by_attr)
@@ -1259,6 +1403,7 @@ static bool f_map(rstate *R, const jnode *n, jv v, args *a, jv *out)
         return room(R);
     }
     bool ok = true;
+    int fid = attr ? -1 : kvf_text_jinja_filter_id(a->pos[0].u.s->s); /* once, not per item */
     for (size_t i = 0; i < items.u.l->n && ok; i++) {
         jv x;
         if (attr) {
@@ -1266,7 +1411,7 @@ static bool f_map(rstate *R, const jnode *n, jv v, args *a, jv *out)
             if (ok && x.t == JV_UNDEF && def)
                 x = jv_retain(*def);
         } else {
-            ok = apply_filter(R, n, a->pos[0].u.s->s, items.u.l->v[i], &fargs, &x);
+            ok = apply_filter(R, n, fid, a->pos[0].u.s->s, items.u.l->v[i], &fargs, &x);
         }
         if (ok)
             ok = jv_list_push(*out, x) ? true : room(R);
@@ -1348,15 +1493,15 @@ static bool f_sort(rstate *R, const jnode *n, jv v, args *a, jv *out)
     return ok;
 }
 
-static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args *a, jv *out)
+static bool apply_filter(rstate *R, const jnode *n, int id, const char *name, jv v, args *a, jv *out)
 {
-    if (!strcmp(name, "safe") || (!strcmp(name, "string") && v.t == JV_STR)) {
+    if (id == JF_SAFE || (id == JF_STRING && v.t == JV_STR)) {
         *out = jv_retain(v);
         return true;
     }
-    if (!strcmp(name, "string"))
+    if (id == JF_STRING)
         return to_str(R, n, v, out);
-    if (!strcmp(name, "default") || !strcmp(name, "d")) {
+    if (id == JF_DEFAULT) {
         jv *def = arg(a, 0, "default_value"), *boolean = arg(a, 1, "boolean");
         bool use_def = v.t == JV_UNDEF || (boolean && jv_truthy(*boolean) && !jv_truthy(v));
         if (!use_def)
@@ -1367,7 +1512,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
             return mkstr(R, "", 0, out);
         return true;
     }
-    if (!strcmp(name, "length") || !strcmp(name, "count")) {
+    if (id == JF_LENGTH) {
         switch (v.t) {
         case JV_STR: *out = jv_int((int64_t)ju_count(v.u.s->s, v.u.s->len)); return true;
         case JV_LIST: *out = jv_int((int64_t)v.u.l->n); return true;
@@ -1377,9 +1522,9 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         default: return rfail(R, n, "object of type '%s' has no len()", jv_type_name(v));
         }
     }
-    if (!strcmp(name, "tojson"))
+    if (id == JF_TOJSON)
         return f_tojson(R, n, v, a, out);
-    if (!strcmp(name, "trim")) {
+    if (id == JF_TRIM) {
         const jstr *chars;
         jv s;
         if (!arg_str(R, n, a, 0, "chars", "trim", &chars) || !to_str(R, n, v, &s))
@@ -1388,30 +1533,30 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(s);
         return ok;
     }
-    if (!strcmp(name, "lower") || !strcmp(name, "upper") || !strcmp(name, "capitalize") ||
-        !strcmp(name, "title")) {
+    if (id == JF_LOWER || id == JF_UPPER || id == JF_CAPITALIZE ||
+        id == JF_TITLE) {
         jv s;
         if (!to_str(R, n, v, &s))
             return false;
         /* the title filter is Jinja's own, not str.title() */
-        bool ok = str_case(R, n, s.u.s, name[0] == 'l' ? 'l' : name[0] == 'u' ? 'u' : name[0] == 'c' ? 'c' : 'T', out);
+        bool ok = str_case(R, n, s.u.s, id == JF_LOWER ? 'l' : id == JF_UPPER ? 'u' : id == JF_CAPITALIZE ? 'c' : 'T', out);
         jv_release(s);
         return ok;
     }
-    if (!strcmp(name, "join"))
+    if (id == JF_JOIN)
         return f_join(R, n, v, a, out);
-    if (!strcmp(name, "first") || !strcmp(name, "last")) {
+    if (id == JF_FIRST || id == JF_LAST) {
         jv items;
         if (!iter_list(R, n, v, &items))
             return false;
         size_t cnt = items.u.l->n;
-        *out = cnt ? jv_retain(items.u.l->v[name[0] == 'f' ? 0 : cnt - 1]) : jv_undef(NULL);
+        *out = cnt ? jv_retain(items.u.l->v[id == JF_FIRST ? 0 : cnt - 1]) : jv_undef(NULL);
         jv_release(items);
         return true;
     }
-    if (!strcmp(name, "list"))
+    if (id == JF_LIST)
         return iter_list(R, n, v, out);
-    if (!strcmp(name, "items")) {
+    if (id == JF_ITEMS) {
         if (v.t == JV_UNDEF)
             return jv_list_new(0, out) ? true : room(R);
         if (v.t != JV_DICT && v.t != JV_NS)
@@ -1430,7 +1575,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         }
         return true;
     }
-    if (!strcmp(name, "replace")) {
+    if (id == JF_REPLACE) {
         const jstr *old, *new_;
         int64_t count;
         jv s;
@@ -1445,11 +1590,11 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(s);
         return ok;
     }
-    if (!strcmp(name, "indent"))
+    if (id == JF_INDENT)
         return f_indent(R, n, v, a, out);
-    if (!strcmp(name, "e") || !strcmp(name, "escape") || !strcmp(name, "forceescape"))
+    if (id == JF_ESCAPE)
         return html_escape(R, n, v, out);
-    if (!strcmp(name, "abs")) {
+    if (id == JF_ABS) {
         if (v.t == JV_INT && v.u.i != INT64_MIN)
             *out = jv_int(v.u.i < 0 ? -v.u.i : v.u.i);
         else if (v.t == JV_FLOAT)
@@ -1460,11 +1605,11 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
             return rfail(R, n, "bad operand type for abs(): '%s'", jv_type_name(v));
         return true;
     }
-    if (!strcmp(name, "int") || !strcmp(name, "float")) {
+    if (id == JF_INT || id == JF_FLOAT) {
         jv *def = arg(a, 0, "default");
         if (v.t == JV_UNDEF)
             return undef_err(R, n, v);
-        bool is_int = name[0] == 'i';
+        bool is_int = id == JF_INT;
         if (v.t == JV_INT || v.t == JV_BOOL) {
             *out = is_int ? jv_int(num_i(v)) : jv_float((double)num_i(v));
         } else if (v.t == JV_FLOAT && isfinite(v.u.f) && fabs(v.u.f) < 9.2e18) {
@@ -1482,7 +1627,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         }
         return true;
     }
-    if (!strcmp(name, "round")) {
+    if (id == JF_ROUND) {
         int64_t prec;
         if (!arg_int(R, n, a, 0, "precision", "round", 0, &prec))
             return false;
@@ -1492,7 +1637,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         *out = jv_float(round(num_f(v) * p) / p);
         return true;
     }
-    if (!strcmp(name, "reverse")) {
+    if (id == JF_REVERSE) {
         if (v.t == JV_STR) {
             jv none = jv_none(), step = jv_int(-1);
             return do_slice(R, n, v, none, none, step, out);
@@ -1506,7 +1651,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(items);
         return ok ? true : room(R);
     }
-    if (!strcmp(name, "unique")) {
+    if (id == JF_UNIQUE) {
         jv items;
         if (!iter_list(R, n, v, &items))
             return false;
@@ -1521,23 +1666,23 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(items);
         return ok ? true : room(R);
     }
-    if (!strcmp(name, "sort"))
+    if (id == JF_SORT)
         return f_sort(R, n, v, a, out);
-    if (!strcmp(name, "map"))
+    if (id == JF_MAP)
         return f_map(R, n, v, a, out);
-    if (!strcmp(name, "select") || !strcmp(name, "reject"))
-        return f_select(R, n, v, a, false, name[0] == 's', out);
-    if (!strcmp(name, "selectattr") || !strcmp(name, "rejectattr"))
-        return f_select(R, n, v, a, true, name[0] == 's', out);
-    if (!strcmp(name, "sum") || !strcmp(name, "max") || !strcmp(name, "min")) {
+    if (id == JF_SELECT || id == JF_REJECT)
+        return f_select(R, n, v, a, false, id == JF_SELECT, out);
+    if (id == JF_SELECTATTR || id == JF_REJECTATTR)
+        return f_select(R, n, v, a, true, id == JF_SELECTATTR, out);
+    if (id == JF_SUM || id == JF_MAX || id == JF_MIN) {
         jv items;
         if (!iter_list(R, n, v, &items))
             return false;
         bool ok = true;
-        jv acc = name[1] == 'u' ? jv_int(0) : jv_undef(NULL);
+        jv acc = id == JF_SUM ? jv_int(0) : jv_undef(NULL);
         for (size_t i = 0; ok && i < items.u.l->n; i++) {
             jv it = items.u.l->v[i], r;
-            if (name[1] == 'u') {
+            if (id == JF_SUM) {
                 ok = binop(R, n, JOP_ADD, acc, it, &r);
                 jv_release(acc);
                 acc = ok ? r : jv_undef(NULL);
@@ -1547,7 +1692,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
                 int c = compare(it, acc);
                 if (c == 2)
                     ok = rfail(R, n, "%s: the items cannot be ordered", name);
-                else if ((name[1] == 'a' && c == 1) || (name[1] == 'i' && c == -1)) {
+                else if ((id == JF_MAX && c == 1) || (id == JF_MIN && c == -1)) {
                     jv_release(acc);
                     acc = jv_retain(it);
                 }
@@ -1561,12 +1706,12 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         *out = acc;
         return true;
     }
-    if (!strcmp(name, "dictsort")) {
+    if (id == JF_DICTSORT) {
         if (v.t != JV_DICT)
             return rfail(R, n, "dictsort: expected a mapping, not %s", jv_type_name(v));
         args none = {0};
         jv pairs;
-        if (!apply_filter(R, n, "items", v, &none, &pairs))
+        if (!apply_filter(R, n, JF_ITEMS, "items", v, &none, &pairs))
             return false;
         jv zero = jv_int(0);
         args sa = {.n_kw = 1};
@@ -1576,7 +1721,7 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
         jv_release(pairs);
         return ok;
     }
-    if (!strcmp(name, "wordcount")) { /* runs of \w: letters, digits, underscore */
+    if (id == JF_WORDCOUNT) { /* runs of \w: letters, digits, underscore */
         jv s;
         if (!to_str(R, n, v, &s))
             return false;
@@ -1602,33 +1747,33 @@ static bool apply_filter(rstate *R, const jnode *n, const char *name, jv v, args
 /* ---- methods (Python's str and dict methods that templates call) ---------------------------- */
 
 /* Returns 1 when handled, 0 when obj has no such method, -1 on error. */
-static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a, jv *out)
+static int call_method(rstate *R, const jnode *n, jv obj, int id, const char *m, args *a, jv *out)
 {
     if (obj.t == JV_STR) {
         const jstr *s = obj.u.s;
-        if (!strcmp(m, "startswith") || !strcmp(m, "endswith")) {
+        if (id == JM_STARTSWITH || id == JM_ENDSWITH) {
             jv *x = arg(a, 0, NULL);
             bool r, type_ok;
             if (!x)
                 return rfail(R, n, "%s() needs an argument", m) ? 1 : -1;
-            str_affix(s, *x, m[0] == 'e', &r, &type_ok);
+            str_affix(s, *x, id == JM_ENDSWITH, &r, &type_ok);
             if (!type_ok)
                 return rfail(R, n, "%s first arg must be str or a tuple of str, not %s", m, jv_type_name(*x)) ? 1 : -1;
             *out = jv_bool(r);
             return 1;
         }
-        if (!strcmp(m, "strip") || !strcmp(m, "lstrip") || !strcmp(m, "rstrip")) {
+        if (id == JM_STRIP || id == JM_LSTRIP || id == JM_RSTRIP) {
             const jstr *chars;
             if (!arg_str(R, n, a, 0, "chars", m, &chars))
                 return -1;
-            return str_strip(R, s, chars, m[0] != 'r', m[0] != 'l', out) ? 1 : -1;
+            return str_strip(R, s, chars, id != JM_RSTRIP, id != JM_LSTRIP, out) ? 1 : -1;
         }
-        if (!strcmp(m, "split") || !strcmp(m, "rsplit")) {
+        if (id == JM_SPLIT || id == JM_RSPLIT) {
             const jstr *sep;
             int64_t maxsplit;
             if (!arg_str(R, n, a, 0, "sep", m, &sep) || !arg_int(R, n, a, 1, "maxsplit", m, -1, &maxsplit))
                 return -1;
-            if (m[0] == 'r' && maxsplit >= 0) {
+            if (id == JM_RSPLIT && maxsplit >= 0) {
                 /* rsplit with a limit: split all, then join the leading pieces back */
                 jv all;
                 if (!str_split(R, n, s, sep, -1, &all))
@@ -1658,11 +1803,11 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
             }
             return str_split(R, n, s, sep, maxsplit, out) ? 1 : -1;
         }
-        if (!strcmp(m, "splitlines"))
+        if (id == JM_SPLITLINES)
             return str_splitlines(R, s, out) ? 1 : -1;
-        if (!strcmp(m, "title") || !strcmp(m, "upper") || !strcmp(m, "lower") || !strcmp(m, "capitalize"))
-            return str_case(R, n, s, m[0] == 't' ? 't' : m[0] == 'u' ? 'u' : m[0] == 'l' ? 'l' : 'c', out) ? 1 : -1;
-        if (!strcmp(m, "replace")) {
+        if (id == JM_TITLE || id == JM_UPPER || id == JM_LOWER || id == JM_CAPITALIZE)
+            return str_case(R, n, s, id == JM_TITLE ? 't' : id == JM_UPPER ? 'u' : id == JM_LOWER ? 'l' : 'c', out) ? 1 : -1;
+        if (id == JM_REPLACE) {
             const jstr *old, *new_;
             int64_t count;
             if (!arg_str(R, n, a, 0, "old", m, &old) || !arg_str(R, n, a, 1, "new", m, &new_) ||
@@ -1672,7 +1817,7 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
                 return rfail(R, n, "replace() needs two string arguments") ? 1 : -1;
             return str_replace(R, n, s, old, new_, count, out) ? 1 : -1;
         }
-        if (!strcmp(m, "join")) {
+        if (id == JM_JOIN) {
             args ja = {.n_pos = 1};
             ja.pos[0] = obj;
             jv *items = arg(a, 0, NULL);
@@ -1680,13 +1825,13 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
                 return rfail(R, n, "join() needs an argument") ? 1 : -1;
             return f_join(R, n, *items, &ja, out) ? 1 : -1;
         }
-        if (!strcmp(m, "find") || !strcmp(m, "count")) {
+        if (id == JM_FIND || id == JM_COUNT) {
             const jstr *sub;
             if (!arg_str(R, n, a, 0, "sub", m, &sub))
                 return -1;
             if (!sub)
                 return rfail(R, n, "%s() needs a string argument", m) ? 1 : -1;
-            if (m[0] == 'f') {
+            if (id == JM_FIND) {
                 const char *hit = sub->len ? memmem(s->s, s->len, sub->s, sub->len) : s->s;
                 *out = jv_int(hit ? (int64_t)ju_count(s->s, (size_t)(hit - s->s)) : -1);
             } else {
@@ -1700,10 +1845,10 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
             }
             return 1;
         }
-        if (!strcmp(m, "isspace") || !strcmp(m, "isdigit") || !strcmp(m, "isalpha") || !strcmp(m, "isupper") ||
-            !strcmp(m, "islower")) {
-            if (m[2] == 'u' || m[2] == 'l') {
-                *out = jv_bool(str_all_case(s, m[2] == 'u'));
+        if (id == JM_ISSPACE || id == JM_ISDIGIT || id == JM_ISALPHA || id == JM_ISUPPER ||
+            id == JM_ISLOWER) {
+            if (id == JM_ISUPPER || id == JM_ISLOWER) {
+                *out = jv_bool(str_all_case(s, id == JM_ISUPPER));
                 return 1;
             }
             bool r = s->len > 0;
@@ -1711,9 +1856,9 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
                 uint32_t cp;
                 i = ju_next(s->s, s->len, i, &cp);
                 int cat = cp <= 0x10ffff ? utf8proc_category((utf8proc_int32_t)cp) : 0;
-                if (m[2] == 's')
+                if (id == JM_ISSPACE)
                     r = ju_is_space(cp);
-                else if (m[2] == 'd')
+                else if (id == JM_ISDIGIT)
                     r = cat == UTF8PROC_CATEGORY_ND;
                 else
                     r = cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO;
@@ -1724,16 +1869,16 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
         return 0;
     }
     if (obj.t == JV_DICT) {
-        if (!strcmp(m, "items"))
-            return apply_filter(R, n, "items", obj, a, out) ? 1 : -1;
-        if (!strcmp(m, "keys") || !strcmp(m, "values")) {
+        if (id == JM_ITEMS)
+            return apply_filter(R, n, JF_ITEMS, "items", obj, a, out) ? 1 : -1;
+        if (id == JM_KEYS || id == JM_VALUES) {
             if (!jv_list_new(obj.u.d->n, out))
                 return room(R) ? 1 : -1;
             for (size_t i = 0; i < obj.u.d->n; i++)
-                jv_list_push(*out, jv_retain(m[0] == 'k' ? obj.u.d->k[i] : obj.u.d->v[i]));
+                jv_list_push(*out, jv_retain(id == JM_KEYS ? obj.u.d->k[i] : obj.u.d->v[i]));
             return 1;
         }
-        if (!strcmp(m, "get")) {
+        if (id == JM_GET) {
             jv *k = arg(a, 0, NULL), *def = arg(a, 1, NULL);
             if (!k)
                 return rfail(R, n, "get() needs a key") ? 1 : -1;
@@ -1741,7 +1886,7 @@ static int call_method(rstate *R, const jnode *n, jv obj, const char *m, args *a
             *out = v ? jv_retain(*v) : def ? jv_retain(*def) : jv_none();
             return 1;
         }
-        if (!strcmp(m, "cycle") && obj.u.d->is_loop) {
+        if (id == JM_CYCLE && obj.u.d->is_loop) {
             if (a->n_pos == 0)
                 return rfail(R, n, "loop.cycle() needs at least one argument") ? 1 : -1;
             jv *i0 = jv_dict_get_cstr(obj.u.d, "index0");
@@ -1808,9 +1953,9 @@ static bool call_macro(rstate *R, const jnode *n, jmacro *m, args *a, jmacro *ca
     return sbuf_to_str(R, n, &buf, out);
 }
 
-static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv *out)
+static bool global_call(rstate *R, const jnode *n, int id, const char *name, args *a, jv *out)
 {
-    if (!strcmp(name, "raise_exception")) {
+    if (id == JG_RAISE_EXCEPTION) {
         jv *msg = arg(a, 0, "message");
         kvf_sbuf b;
         kvf_sbuf_init(&b);
@@ -1823,7 +1968,7 @@ static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv
         kvf_sbuf_fini(&b);
         return false;
     }
-    if (!strcmp(name, "namespace") || !strcmp(name, "dict")) {
+    if (id == JG_NAMESPACE || id == JG_DICT) {
         jv d;
         if (!jv_dict_new(&d))
             return room(R);
@@ -1839,12 +1984,12 @@ static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv
                 jv_release(d);
                 return room(R);
             }
-        if (name[0] == 'n')
+        if (id == JG_NAMESPACE)
             d.t = JV_NS;
         *out = d;
         return true;
     }
-    if (!strcmp(name, "range")) {
+    if (id == JG_RANGE) {
         int64_t v[3] = {0, 0, 1};
         if (a->n_pos < 1 || a->n_pos > 3)
             return rfail(R, n, "range() takes 1 to 3 integer arguments, %zu given", a->n_pos);
@@ -1871,7 +2016,7 @@ static bool global_call(rstate *R, const jnode *n, const char *name, args *a, jv
             jv_list_push(*out, jv_int(x));
         return true;
     }
-    if (!strcmp(name, "strftime_now")) {
+    if (id == JG_STRFTIME_NOW) {
         const jstr *fmt;
         if (!arg_str(R, n, a, 0, "format", name, &fmt))
             return false;
@@ -1901,7 +2046,7 @@ static __attribute__((noinline)) bool eval_call(rstate *R, const jnode *n, jfram
             jv_release(obj);
             return false;
         }
-        int r = obj.t == JV_UNDEF ? 0 : call_method(R, n, obj, callee->name, &a, out);
+        int r = obj.t == JV_UNDEF ? 0 : call_method(R, n, obj, n->fn, callee->name, &a, out);
         if (r != 0) {
             jv_release(obj);
             args_free(&a);
@@ -1918,7 +2063,7 @@ static __attribute__((noinline)) bool eval_call(rstate *R, const jnode *n, jfram
             return false;
         jv *v = lookup(R, f, callee->name);
         if (!v) {
-            ok = global_call(R, n, callee->name, &a, out);
+            ok = global_call(R, n, n->fn, callee->name, &a, out);
             args_free(&a);
             return ok;
         }
@@ -1970,9 +2115,9 @@ static __attribute__((noinline)) bool eval_filter_or_test(rstate *R, const jnode
         return false;
     }
     if (n->kind == JN_FILTER) {
-        ok = apply_filter(R, n, n->name, a, &ar, out);
+        ok = apply_filter(R, n, n->fn, n->name, a, &ar, out);
     } else {
-        ok = run_test(R, n, n->name, a, &ar, &r);
+        ok = run_test(R, n, n->fn, n->name, a, &ar, &r);
         if (ok)
             *out = jv_bool(n->op ? !r : r);
     }

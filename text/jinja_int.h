@@ -165,8 +165,125 @@ typedef enum jn_op {
     JOP_EQ, JOP_NE, JOP_LT, JOP_LE, JOP_GT, JOP_GE, JOP_IN, JOP_NOTIN,
 } jn_op;
 
+/* Names resolved once, at parse time (jnode.fn), so rendering dispatches on an id instead of
+ * comparing strings: filters (`x | trim`), tests (`x is defined`), methods (`s.strip()`, by id;
+ * whether it applies is decided by the object's type when it runs) and global functions
+ * (`range(3)`). The tables, with their aliases, are in jinja_eval.c. */
+typedef enum {
+    JF_UNKNOWN = -1, /* not in the table: rendering fails where it runs */
+    JF_ABS,
+    JF_CAPITALIZE,
+    JF_DEFAULT,
+    JF_DICTSORT,
+    JF_ESCAPE,
+    JF_FIRST,
+    JF_FLOAT,
+    JF_INDENT,
+    JF_INT,
+    JF_ITEMS,
+    JF_JOIN,
+    JF_LAST,
+    JF_LENGTH,
+    JF_LIST,
+    JF_LOWER,
+    JF_MAP,
+    JF_MAX,
+    JF_MIN,
+    JF_REJECT,
+    JF_REJECTATTR,
+    JF_REPLACE,
+    JF_REVERSE,
+    JF_ROUND,
+    JF_SAFE,
+    JF_SELECT,
+    JF_SELECTATTR,
+    JF_SORT,
+    JF_STRING,
+    JF_SUM,
+    JF_TITLE,
+    JF_TOJSON,
+    JF_TRIM,
+    JF_UNIQUE,
+    JF_UPPER,
+    JF_WORDCOUNT,
+} jf_id; /* filters */
+typedef enum {
+    JT_UNKNOWN = -1, /* not in the table: rendering fails where it runs */
+    JT_BOOLEAN,
+    JT_CALLABLE,
+    JT_DEFINED,
+    JT_DIVISIBLEBY,
+    JT_EQ,
+    JT_EVEN,
+    JT_FALSE,
+    JT_FLOAT,
+    JT_GE,
+    JT_GT,
+    JT_IN,
+    JT_INTEGER,
+    JT_ITERABLE,
+    JT_LE,
+    JT_LOWER,
+    JT_LT,
+    JT_MAPPING,
+    JT_NE,
+    JT_NONE,
+    JT_NUMBER,
+    JT_ODD,
+    JT_SAMEAS,
+    JT_SEQUENCE,
+    JT_STRING,
+    JT_TRUE,
+    JT_UNDEFINED,
+    JT_UPPER,
+} jt_id; /* tests */
+typedef enum {
+    JM_UNKNOWN = -1, /* not in the table: rendering fails where it runs */
+    JM_CAPITALIZE,
+    JM_COUNT,
+    JM_CYCLE,
+    JM_ENDSWITH,
+    JM_FIND,
+    JM_GET,
+    JM_ISALPHA,
+    JM_ISDIGIT,
+    JM_ISLOWER,
+    JM_ISSPACE,
+    JM_ISUPPER,
+    JM_ITEMS,
+    JM_JOIN,
+    JM_KEYS,
+    JM_LOWER,
+    JM_LSTRIP,
+    JM_REPLACE,
+    JM_RSPLIT,
+    JM_RSTRIP,
+    JM_SPLIT,
+    JM_SPLITLINES,
+    JM_STARTSWITH,
+    JM_STRIP,
+    JM_TITLE,
+    JM_UPPER,
+    JM_VALUES,
+} jm_id; /* methods of str and dict */
+typedef enum {
+    JG_UNKNOWN = -1, /* not in the table: rendering fails where it runs */
+    JG_DICT,
+    JG_NAMESPACE,
+    JG_RAISE_EXCEPTION,
+    JG_RANGE,
+    JG_STRFTIME_NOW,
+} jg_id; /* global functions */
+
+int kvf_text_jinja_filter_id(const char *name); /* JF_UNKNOWN when not a filter */
+int kvf_text_jinja_test_id(const char *name);
+int kvf_text_jinja_method_id(const char *name);
+int kvf_text_jinja_global_id(const char *name);
+
 typedef struct jnode {
     uint8_t kind, op;
+    int16_t fn; /* JN_FILTER, JN_TEST: the jf_id or jt_id of name; JN_CALL: the jm_id of an
+                 * attribute callee's name or the jg_id of a plain name's (else -1) */
     int32_t line, col;
     struct jnode *a, *b, *c, *d, *e;
     struct jnode **kids;

@@ -535,6 +535,7 @@ static jnode *mk(parser *P, jn_kind kind, tok *at)
     if (!n)
         return oom(P);
     n->kind = (uint8_t)kind;
+    n->fn = -1;
     n->line = at->line;
     n->col = at->col;
     return n;
@@ -651,6 +652,12 @@ static jnode *parse_call(parser *P, jnode *callee)
     if (!n || !parse_args(P, &args))
         return vfinish(P, NULL, &args);
     n->a = callee;
+    /* the name resolves once, here: a method of whatever the attribute's object turns out to
+     * be, or a global function unless a variable of that name shadows it when it runs */
+    if (callee->kind == JN_ATTR)
+        n->fn = (int16_t)kvf_text_jinja_method_id(callee->name);
+    else if (callee->kind == JN_NAME)
+        n->fn = (int16_t)kvf_text_jinja_global_id(callee->name);
     return vfinish(P, n, &args);
 }
 
@@ -778,6 +785,7 @@ static jnode *parse_filter_expr(parser *P, jnode *n)
             jnode *f = mk(P, JN_FILTER, t);
             if (!f || !(f->name = parse_dotted_name(P)))
                 return NULL;
+            f->fn = (int16_t)kvf_text_jinja_filter_id(f->name);
             f->a = n;
             nvec args = {0};
             if (is_op(cur(P), "(") && !parse_args(P, &args))
@@ -794,6 +802,7 @@ static jnode *parse_filter_expr(parser *P, jnode *n)
             }
             if (!(f->name = parse_dotted_name(P)))
                 return NULL;
+            f->fn = (int16_t)kvf_text_jinja_test_id(f->name);
             f->a = n;
             nvec args = {0};
             if (is_op(cur(P), "(")) {
@@ -1374,6 +1383,7 @@ static jnode *parse_filter_block(parser *P, tok *at)
         jnode *f = mk(P, JN_FILTER, t);
         if (!f || !(f->name = parse_dotted_name(P)))
             return NULL;
+        f->fn = (int16_t)kvf_text_jinja_filter_id(f->name);
         f->a = chain;
         nvec args = {0};
         if (is_op(cur(P), "(") && !parse_args(P, &args))
