@@ -19,6 +19,7 @@ int kvf_cli_decode(int argc, char **argv);  /* cli/cmd_decode.c */
 int kvf_cli_prefill(int argc, char **argv); /* cli/cmd_prefill.c */
 int kvf_cli_router(int argc, char **argv); /* cli/cmd_router.c */
 int kvf_cli_up(int argc, char **argv); /* cli/cmd_up.c */
+int kvf_cli_gen_certs(int argc, char **argv); /* cli/cmd_gen_certs.c */
 
 /* Parses token ids given as "1,2,3", "1 2 3" or "[1, 2, 3]" into a malloc'd array (free it);
  * what names the flag in messages ("tokenize: --ids"). */

@@ -20,6 +20,7 @@ static const kvf_cli_cmd commands[] = {
     {"generate", kvf_cli_generate, "single-process generation (the end-to-end reference)"},
     {"tokenize", kvf_cli_tokenize, "encode text to token ids or decode ids to text"},
     {"chat-template", kvf_cli_chat_template, "render a model's chat template for a list of messages"},
+    {"gen-certs", kvf_cli_gen_certs, "a fleet CA and member certificates for mTLS between processes"},
     {"gen-model", kvf_cli_gen_model, "write a random-weight model with a working tokenizer"},
     {"plan", kvf_cli_plan, "KV sizing: bytes per token, blocks, concurrent sequences"},
     {"sim", kvf_cli_sim, "replay a request trace through the router against simulated workers"},

@@ -42,14 +42,31 @@ typedef struct kvf_rpc_buf {
 void kvf_rpc_buf_free(kvf_rpc_buf *b); /* frees data, zeroes the struct */
 
 /* Optional TLS with gRPC's SSL credentials. The strings are file names of PEM files; NULL or ""
- * means unset. A server with cert_file and key_file serves TLS only; a client with ca_file
- * speaks TLS and checks the server's certificate against it. */
+ * means unset.
+ *   server: cert_file + key_file serve TLS; with ca_file too, every client must present a
+ *           certificate signed by that CA (mutual TLS: the fleet's worker plane);
+ *   client: ca_file checks the server's certificate; with cert_file + key_file it presents its
+ *           own. server_name: the name the server's certificate must carry instead of the
+ *           target's host (a fleet's certificates carry the fleet's name, so peers reached by
+ *           IP or any DNS name check one name).
+ * Files are read when a server or channel is made and again after kvf_rpc_tls_reload: a server
+ * hands the new certificate to every later handshake, a channel makes later calls on a
+ * connection with the new files; a file that fails to read keeps the old ones (logged). */
 typedef struct kvf_rpc_tls {
-    const char *cert_file;   /* server: certificate chain */
-    const char *key_file;    /* server: private key */
-    const char *ca_file;     /* client: roots that signed the server's certificate */
-    const char *server_name; /* client: name to check instead of the target's host (tests) */
+    const char *cert_file;   /* this side's certificate chain */
+    const char *key_file;    /* its private key */
+    const char *ca_file;     /* the CA peers' certificates must be signed by */
+    const char *server_name; /* client: name to check instead of the target's host */
 } kvf_rpc_tls;
+
+/* True when tls names any file (the caller asked for TLS). */
+bool kvf_rpc_tls_on(const kvf_rpc_tls *tls);
+/* For a fleet member (every role): cert_file, key_file and ca_file go together, and each reads
+ * as PEM. Errors start with who and name the flag. OK when none is set (plaintext). */
+kvf_status kvf_rpc_tls_check_member(const kvf_rpc_tls *tls, const char *who, kvf_err *err);
+/* Asks every server and channel of the process to read its TLS files again (SIGHUP). Safe in
+ * a signal handler (one atomic increment). */
+void kvf_rpc_tls_reload(void);
 
 /* The one place kvf_status and gRPC status codes (the wire numbers, 0..16) meet. The server
  * also sends the exact kvf_status in trailing metadata, so a client gets back the code the

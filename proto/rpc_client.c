@@ -28,8 +28,20 @@ typedef struct rpc_live {
     grpc_call *call;
 } rpc_live;
 
-struct kvf_rpc_channel {
+/* A grpc_channel replaced after a TLS reload: calls made on it keep it alive inside gRPC; this
+ * side releases it with the kvf_rpc_channel. */
+typedef struct retired {
     grpc_channel *channel;
+    struct retired *next;
+} retired;
+
+struct kvf_rpc_channel {
+    grpc_channel *channel; /* mu: replaced when TLS files are reloaded */
+    kvf_rpc_tls tls;       /* copies of the file names (tls_on) */
+    bool tls_on;
+    uint64_t tls_gen;      /* the generation channel was made with */
+    int64_t keepalive_ms;
+    retired *retired;
     grpc_completion_queue *cq;
     pthread_t poller;
     int64_t max_msg;
@@ -64,11 +76,35 @@ static void live_remove(kvf_rpc_channel *ch, rpc_live *l)
     pthread_mutex_unlock(&ch->mu);
 }
 
+static grpc_channel *channel_make(kvf_rpc_channel *ch, kvf_err *err);
+
 static grpc_call *call_create(kvf_rpc_channel *ch, const char *method, int64_t timeout_ms)
 {
+    pthread_mutex_lock(&ch->mu);
+    uint64_t g = kvf_rpc_tls_generation();
+    if (ch->tls_on && g != ch->tls_gen) {
+        /* TLS files reloaded: later calls go over a connection made with the new files */
+        kvf_err err = {0};
+        grpc_channel *nc = channel_make(ch, &err);
+        retired *r = nc ? malloc(sizeof *r) : NULL;
+        if (r) {
+            r->channel = ch->channel;
+            r->next = ch->retired;
+            ch->retired = r;
+            ch->channel = nc;
+            kvf_log(KVF_LOG_INFO, "rpc: channel to %s: TLS files reloaded", ch->target);
+        } else {
+            if (nc)
+                grpc_channel_destroy(nc);
+            kvf_log(KVF_LOG_ERROR, "rpc: channel to %s: TLS reload failed, the previous files "
+                    "stay in use: %s", ch->target, nc ? "out of memory" : err.msg);
+        }
+        ch->tls_gen = g; /* one try per reload */
+    }
     grpc_slice m = grpc_slice_from_copied_string(method);
     grpc_call *call = grpc_channel_create_call(ch->channel, NULL, GRPC_PROPAGATE_DEFAULTS, ch->cq,
                                                m, NULL, kvf_rpc_deadline_from_ms(timeout_ms), NULL);
+    pthread_mutex_unlock(&ch->mu);
     grpc_slice_unref(m);
     return call;
 }
@@ -617,6 +653,54 @@ static void *channel_poller(void *arg)
     return NULL;
 }
 
+/* A grpc_channel to ch->target with ch's TLS files read now (or plaintext). */
+static grpc_channel *channel_make(kvf_rpc_channel *ch, kvf_err *err)
+{
+    char *ca = NULL, *cert = NULL, *key = NULL;
+    grpc_channel_credentials *creds = NULL;
+    const kvf_rpc_tls *t = &ch->tls;
+    bool own = t->cert_file && *t->cert_file;
+    if (!ch->tls_on) {
+        creds = grpc_insecure_credentials_create();
+    } else if (kvf_rpc_pem_read(t->ca_file, "--tls-ca", &ca, err) == KVF_OK &&
+               (!own || (kvf_rpc_pem_read(t->cert_file, "--tls-cert", &cert, err) == KVF_OK &&
+                         kvf_rpc_pem_read(t->key_file, "--tls-key", &key, err) == KVF_OK))) {
+        grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+        creds = grpc_ssl_credentials_create(ca, own ? &pair : NULL, NULL, NULL);
+    }
+    free(ca);
+    free(cert);
+    free(key);
+    if (!creds) {
+        if (err->status == KVF_OK)
+            kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: channel to %s: no credentials", ch->target);
+        return NULL;
+    }
+    rpc_args a;
+    kvf_rpc_args_init(&a, ch->max_msg, false, ch->keepalive_ms,
+                      ch->tls_on ? t->server_name : NULL);
+    grpc_channel *c = grpc_channel_create(ch->target, creds, &a.args);
+    grpc_channel_credentials_release(creds);
+    if (!c)
+        kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: channel to %s: cannot create it", ch->target);
+    return c;
+}
+
+static char *dup_or_null(const char *s)
+{
+    return s && *s ? strdup(s) : NULL;
+}
+
+static void channel_free(kvf_rpc_channel *ch)
+{
+    free((char *)ch->tls.cert_file);
+    free((char *)ch->tls.key_file);
+    free((char *)ch->tls.ca_file);
+    free((char *)ch->tls.server_name);
+    free(ch->target);
+    free(ch);
+}
+
 kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts *opts,
                                   kvf_rpc_channel **out, kvf_err *err)
 {
@@ -628,31 +712,33 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
         return st;
     const kvf_rpc_tls *tls = opts ? opts->tls : NULL;
     bool use_tls = tls && tls->ca_file && *tls->ca_file;
-    char *ca = NULL;
-    if (use_tls && (st = kvf_rpc_pem_read(tls->ca_file, "--tls-ca", &ca, err)) != KVF_OK)
-        return st;
+    if (use_tls && (!tls->cert_file || !*tls->cert_file) != (!tls->key_file || !*tls->key_file))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: channel to %s: a client certificate needs "
+                           "both --tls-cert and --tls-key", target);
     kvf_rpc_channel *ch = calloc(1, sizeof *ch);
     if (!ch || !(ch->target = strdup(target))) {
         free(ch);
-        free(ca);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: channel to %s: out of memory", target);
     }
-    kvf_rpc_grpc_init();
     ch->max_msg = max_msg;
+    ch->keepalive_ms = kvf_rpc_keepalive_ms(opts ? opts->keepalive_ms : 0);
+    ch->tls_on = use_tls;
+    if (use_tls)
+        ch->tls = (kvf_rpc_tls){.cert_file = dup_or_null(tls->cert_file),
+                                .key_file = dup_or_null(tls->key_file),
+                                .ca_file = dup_or_null(tls->ca_file),
+                                .server_name = dup_or_null(tls->server_name)};
+    ch->tls_gen = kvf_rpc_tls_generation();
+    kvf_rpc_grpc_init();
     ch->live.next = ch->live.prev = &ch->live;
     pthread_mutex_init(&ch->mu, NULL);
     pthread_cond_init(&ch->cv, NULL);
-    grpc_channel_credentials *creds = use_tls ? grpc_ssl_credentials_create(ca, NULL, NULL, NULL)
-                                              : grpc_insecure_credentials_create();
-    free(ca);
-    rpc_args a;
-    kvf_rpc_args_init(&a, max_msg, false, kvf_rpc_keepalive_ms(opts ? opts->keepalive_ms : 0),
-                  use_tls ? tls->server_name : NULL);
-    ch->channel = creds ? grpc_channel_create(target, creds, &a.args) : NULL;
-    if (creds)
-        grpc_channel_credentials_release(creds);
+    ch->channel = channel_make(ch, err);
     ch->cq = grpc_completion_queue_create_for_next(NULL);
     if (!ch->channel || pthread_create(&ch->poller, NULL, channel_poller, ch) != 0) {
+        st = ch->channel ? kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: channel to %s: cannot start "
+                                       "its thread", target)
+                         : (err->status != KVF_OK ? err->status : KVF_ERR_INTERNAL);
         if (ch->channel)
             grpc_channel_destroy(ch->channel);
         grpc_completion_queue_shutdown(ch->cq);
@@ -660,10 +746,9 @@ kvf_status kvf_rpc_channel_create(const char *target, const kvf_rpc_channel_opts
         grpc_completion_queue_destroy(ch->cq);
         pthread_mutex_destroy(&ch->mu);
         pthread_cond_destroy(&ch->cv);
-        free(ch->target);
-        free(ch);
+        channel_free(ch);
         grpc_shutdown();
-        return kvf_err_set(err, KVF_ERR_INTERNAL, "rpc: channel to %s: cannot create it", target);
+        return st;
     }
     *out = ch;
     return KVF_OK;
@@ -680,12 +765,16 @@ void kvf_rpc_channel_destroy(kvf_rpc_channel *ch)
         pthread_cond_wait(&ch->cv, &ch->mu);
     pthread_mutex_unlock(&ch->mu);
     grpc_channel_destroy(ch->channel);
+    for (retired *r = ch->retired, *n; r; r = n) {
+        n = r->next;
+        grpc_channel_destroy(r->channel);
+        free(r);
+    }
     grpc_completion_queue_shutdown(ch->cq);
     pthread_join(ch->poller, NULL);
     grpc_completion_queue_destroy(ch->cq);
     pthread_mutex_destroy(&ch->mu);
     pthread_cond_destroy(&ch->cv);
-    free(ch->target);
-    free(ch);
+    channel_free(ch);
     grpc_shutdown();
 }

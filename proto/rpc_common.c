@@ -3,6 +3,8 @@
  * arguments and PEM files. */
 #include "proto/rpc_internal.h"
 
+#include <stdatomic.h>
+
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -271,5 +273,50 @@ kvf_status kvf_rpc_pem_read(const char *path, const char *what, char **out, kvf_
                            what, path);
     }
     *out = buf;
+    return KVF_OK;
+}
+
+/* ---- TLS files -------------------------------------------------------------------------------- */
+
+static atomic_uint_fast64_t tls_gen;
+
+void kvf_rpc_tls_reload(void)
+{
+    atomic_fetch_add(&tls_gen, 1);
+}
+
+uint64_t kvf_rpc_tls_generation(void)
+{
+    return atomic_load(&tls_gen);
+}
+
+static bool set(const char *s) { return s && *s; }
+
+bool kvf_rpc_tls_on(const kvf_rpc_tls *tls)
+{
+    return tls && (set(tls->cert_file) || set(tls->key_file) || set(tls->ca_file));
+}
+
+kvf_status kvf_rpc_tls_check_member(const kvf_rpc_tls *tls, const char *who, kvf_err *err)
+{
+    if (!kvf_rpc_tls_on(tls))
+        return KVF_OK;
+    if (!set(tls->cert_file) || !set(tls->key_file) || !set(tls->ca_file))
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --tls-cert, --tls-key and --tls-ca go together "
+                           "(mutual TLS between fleet members; missing: %s%s%s)", who,
+                           set(tls->cert_file) ? "" : "--tls-cert ", set(tls->key_file) ? "" : "--tls-key ",
+                           set(tls->ca_file) ? "" : "--tls-ca");
+    const char *files[3] = {tls->cert_file, tls->key_file, tls->ca_file};
+    const char *flags[3] = {"--tls-cert", "--tls-key", "--tls-ca"};
+    for (int i = 0; i < 3; i++) {
+        char *pem = NULL;
+        kvf_status st = kvf_rpc_pem_read(files[i], flags[i], &pem, err);
+        if (st == KVF_OK && !strstr(pem, "-----BEGIN "))
+            st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s %s: not a PEM file (no -----BEGIN "
+                             "line)", flags[i], files[i]);
+        free(pem);
+        if (st != KVF_OK)
+            return kvf_err_prefix(err, "%s", who);
+    }
     return KVF_OK;
 }

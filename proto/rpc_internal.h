@@ -51,6 +51,9 @@ void kvf_rpc_args_init(rpc_args *a, int64_t max_bytes, bool server, int64_t keep
 /* Normalises a keepalive option: 0 -> KVF_RPC_DEFAULT_KEEPALIVE_MS, negative -> off (0). */
 int64_t kvf_rpc_keepalive_ms(int64_t v);
 
+/* How many times kvf_rpc_tls_reload ran. */
+uint64_t kvf_rpc_tls_generation(void);
+
 /* Reads a whole PEM file into a NUL-terminated malloc()ed string. what names the flag. */
 kvf_status kvf_rpc_pem_read(const char *path, const char *what, char **out, kvf_err *err);
 

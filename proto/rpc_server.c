@@ -83,7 +83,18 @@ struct kvf_rpc_call {
     struct kvf_rpc_call *next_job; /* the pool's queue */
 };
 
+/* The server's TLS files, read by gRPC's config fetcher at start and again at the first
+ * handshake after each kvf_rpc_tls_reload. */
+typedef struct srv_tls {
+    pthread_mutex_t mu;
+    char *cert_file, *key_file, *ca_file; /* ca_file NULL: no client certificates asked */
+    uint64_t gen;                         /* the generation last loaded */
+    bool loaded;
+    uint64_t failed_gen; /* the generation whose reload failed (logged once) */
+} srv_tls;
+
 struct kvf_rpc_server {
+    srv_tls *tls;
     grpc_server *server;
     grpc_completion_queue *cq;
     int port;
@@ -625,6 +636,66 @@ static void *poller_main(void *arg)
 
 /* ---- the server ---- */
 
+/* Reads the three files into a new certificate config (gRPC copies the strings). */
+static grpc_ssl_server_certificate_config *tls_config(const srv_tls *t, kvf_err *err)
+{
+    char *cert = NULL, *key = NULL, *ca = NULL;
+    grpc_ssl_server_certificate_config *c = NULL;
+    if (kvf_rpc_pem_read(t->cert_file, "--tls-cert", &cert, err) == KVF_OK &&
+        kvf_rpc_pem_read(t->key_file, "--tls-key", &key, err) == KVF_OK &&
+        (!t->ca_file || kvf_rpc_pem_read(t->ca_file, "--tls-ca", &ca, err) == KVF_OK)) {
+        grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
+        c = grpc_ssl_server_certificate_config_create(ca, &pair, 1);
+        if (!c)
+            kvf_err_set(err, KVF_ERR_INVALID, "rpc: gRPC refused the TLS files %s, %s",
+                        t->cert_file, t->key_file);
+    }
+    free(cert);
+    free(key);
+    free(ca);
+    return c;
+}
+
+/* gRPC's config fetcher: runs at start and before handshakes, on gRPC's threads. */
+static grpc_ssl_certificate_config_reload_status tls_fetch(void *arg,
+                                                           grpc_ssl_server_certificate_config **out)
+{
+    srv_tls *t = arg;
+    uint64_t g = kvf_rpc_tls_generation();
+    pthread_mutex_lock(&t->mu);
+    grpc_ssl_certificate_config_reload_status r = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED;
+    if (!t->loaded || (g != t->gen && g != t->failed_gen)) {
+        kvf_err err = {0};
+        grpc_ssl_server_certificate_config *c = tls_config(t, &err);
+        if (c) {
+            *out = c;
+            if (t->loaded)
+                kvf_log(KVF_LOG_INFO, "rpc: server TLS certificate reloaded from %s", t->cert_file);
+            t->gen = g;
+            t->loaded = true;
+            r = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_NEW;
+        } else {
+            kvf_log(KVF_LOG_ERROR, "rpc: server TLS reload failed, the previous files stay in use: %s",
+                    err.msg);
+            t->failed_gen = g;
+            r = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return r;
+}
+
+static void tls_free(srv_tls *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_destroy(&t->mu);
+    free(t->cert_file);
+    free(t->key_file);
+    free(t->ca_file);
+    free(t);
+}
+
 kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server **out,
                                  kvf_err *err)
 {
@@ -647,22 +718,33 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
     if (use_tls && (!tls->key_file || !*tls->key_file))
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: server: --tls-cert given without "
                                                  "--tls-key");
-    char *cert = NULL, *key = NULL;
+    srv_tls *t = NULL;
     if (use_tls) {
-        if ((st = kvf_rpc_pem_read(tls->cert_file, "--tls-cert", &cert, err)) != KVF_OK)
-            return st;
-        if ((st = kvf_rpc_pem_read(tls->key_file, "--tls-key", &key, err)) != KVF_OK) {
-            free(cert);
-            return st;
+        t = calloc(1, sizeof *t);
+        if (!t)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
+        pthread_mutex_init(&t->mu, NULL);
+        t->cert_file = strdup(tls->cert_file);
+        t->key_file = strdup(tls->key_file);
+        t->ca_file = tls->ca_file && *tls->ca_file ? strdup(tls->ca_file) : NULL;
+        t->failed_gen = UINT64_MAX;
+        grpc_ssl_server_certificate_config *c =
+            t->cert_file && t->key_file ? tls_config(t, err) : NULL; /* the files, checked now */
+        if (!c) {
+            if (!t->cert_file || !t->key_file)
+                kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
+            tls_free(t);
+            return err->status != KVF_OK ? err->status : KVF_ERR_INVALID;
         }
+        grpc_ssl_server_certificate_config_destroy(c);
     }
 
     kvf_rpc_server *s = calloc(1, sizeof *s);
     if (!s) {
-        free(cert);
-        free(key);
+        tls_free(t);
         return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: server: out of memory");
     }
+    s->tls = t;
     kvf_rpc_grpc_init();
     s->max_msg = max_msg;
     s->n_threads = n_threads;
@@ -677,16 +759,30 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
 
     grpc_server_credentials *creds;
     if (use_tls) {
-        grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
-        creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
+        /* with a CA, a client without a certificate it signed never gets past the handshake */
+        if (t->ca_file) {
+            grpc_ssl_server_credentials_options *o =
+                grpc_ssl_server_credentials_create_options_using_config_fetcher(
+                    GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY, tls_fetch, t);
+            creds = o ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
+        } else {
+            /* gRPC 1.51's fetcher needs root certificates (it aborts without), so a server
+             * that asks for no client certificate keeps the files it started with */
+            grpc_ssl_server_certificate_config *c = tls_config(t, err);
+            creds = NULL;
+            if (c) {
+                grpc_ssl_server_credentials_options *o =
+                    grpc_ssl_server_credentials_create_options_using_config(
+                        GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE, c);
+                creds = o ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
+            }
+        }
     } else {
         creds = grpc_insecure_server_credentials_create();
     }
     s->port = creds ? grpc_server_add_http2_port(s->server, opts->address, creds) : 0;
     if (creds)
         grpc_server_credentials_release(creds);
-    free(cert);
-    free(key);
     if (s->port <= 0) {
         st = kvf_err_set(err, use_tls ? KVF_ERR_INVALID : KVF_ERR_IO,
                          "rpc: server: cannot listen on %s%s (want host:port with a free port; "
@@ -696,7 +792,7 @@ kvf_status kvf_rpc_server_create(const kvf_rpc_server_opts *opts, kvf_rpc_server
         return st;
     }
     kvf_log(KVF_LOG_DEBUG, "rpc: server bound to %s (port %d%s)", opts->address, s->port,
-            use_tls ? ", TLS" : "");
+            !use_tls ? "" : t->ca_file ? ", mutual TLS" : ", TLS");
     *out = s;
     return KVF_OK;
 }
@@ -878,6 +974,7 @@ void kvf_rpc_server_destroy(kvf_rpc_server *s)
         if (s->methods[i].ctx_free)
             s->methods[i].ctx_free(s->methods[i].ctx);
     }
+    tls_free(s->tls); /* after the server: its fetcher is gone with it */
     free(s->workers);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);

@@ -11,6 +11,8 @@ PACKAGES=(
   libjansson-dev libxxhash-dev libopenblas-dev libpcre2-dev libutf8proc-dev
   # transport/, proto/, router/
   libucx-dev ucx-utils libprotobuf-c-dev protobuf-c-compiler libgrpc-dev libevent-dev
+  # cli/ (gen-certs, up --tls)
+  libssl-dev
   # tests, fuzzing, sanitizers
   libcmocka-dev clang libclang-rt-14-dev openssl iproute2 procps curl python3
   # benchmarks

@@ -18,6 +18,8 @@
 
 static char dir[256];
 static char ca_pem[300], ca2_pem[300], cert_pem[300], key_pem[300], not_pem[300];
+static char client_pem[300], client_key[300], rogue_pem[300], rogue_key[300];
+static char new_pem[300], new_key[300], live_pem[300], live_key[300];
 
 static int run(const char *cmd)
 {
@@ -46,6 +48,19 @@ static int make_certs(void **state)
         "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
         "-out server.pem -days 2 -extfile ext.cnf",
         "echo 'hello' > not.pem",
+        /* a fleet member's client certificate, one from another CA, and a second server
+         * certificate from ca2 for the reload case */
+        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr "
+        "-subj /CN=member",
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+        "-out client.pem -days 2",
+        "openssl req -newkey rsa:2048 -nodes -keyout rogue.key -out rogue.csr -subj /CN=rogue",
+        "openssl x509 -req -in rogue.csr -CA ca2.pem -CAkey ca2.key -CAcreateserial "
+        "-out rogue.pem -days 2",
+        "openssl req -newkey rsa:2048 -nodes -keyout new.key -out new.csr -subj /CN=localhost",
+        "openssl x509 -req -in new.csr -CA ca2.pem -CAkey ca2.key -CAcreateserial "
+        "-out new.pem -days 2 -extfile ext.cnf",
+        "cp server.pem live.pem && cp server.key live.key",
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (run(cmds[i]) != 0) {
@@ -57,6 +72,14 @@ static int make_certs(void **state)
     snprintf(cert_pem, sizeof cert_pem, "%s/server.pem", dir);
     snprintf(key_pem, sizeof key_pem, "%s/server.key", dir);
     snprintf(not_pem, sizeof not_pem, "%s/not.pem", dir);
+    snprintf(client_pem, sizeof client_pem, "%s/client.pem", dir);
+    snprintf(client_key, sizeof client_key, "%s/client.key", dir);
+    snprintf(rogue_pem, sizeof rogue_pem, "%s/rogue.pem", dir);
+    snprintf(rogue_key, sizeof rogue_key, "%s/rogue.key", dir);
+    snprintf(new_pem, sizeof new_pem, "%s/new.pem", dir);
+    snprintf(new_key, sizeof new_key, "%s/new.key", dir);
+    snprintf(live_pem, sizeof live_pem, "%s/live.pem", dir);
+    snprintf(live_key, sizeof live_key, "%s/live.key", dir);
     return 0;
 }
 
@@ -138,6 +161,101 @@ static void test_tls_calls(void **state)
     kvf_rpc_server_destroy(srv);
 }
 
+/* One call on a fresh channel to target with tls (NULL: plaintext); its status. */
+static kvf_status call_once(const char *target, const kvf_rpc_tls *tls, kvf_err *e)
+{
+    kvf_rpc_channel_opts co = {.tls = tls};
+    kvf_rpc_channel *ch;
+    kvf_rpc_buf r = {0};
+    kvf_status st = kvf_rpc_channel_create(target, tls ? &co : NULL, &ch, e);
+    if (st != KVF_OK)
+        return st;
+    st = kvf_rpc_unary(ch, "/t.T/Echo", "member", 6, 5000, &r, e);
+    if (st == KVF_OK && (r.len != 6 || memcmp(r.data, "member", 6) != 0))
+        st = KVF_ERR_INTERNAL;
+    kvf_rpc_buf_free(&r);
+    kvf_rpc_channel_destroy(ch);
+    return st;
+}
+
+/* The worker plane: a server with a CA admits only clients presenting a certificate that CA
+ * signed. The attacks: a plaintext client, a TLS client without a certificate, a client with a
+ * certificate from another CA. */
+static void test_mtls(void **state)
+{
+    if (!ca_pem[0])
+        skip();
+    kvf_err e;
+    kvf_rpc_tls stls = {.cert_file = cert_pem, .key_file = key_pem, .ca_file = ca_pem};
+    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 1, .tls = &stls};
+    kvf_rpc_server *srv;
+    if (kvf_rpc_server_create(&o, &srv, &e) != KVF_OK)
+        fail_msg("mTLS server: %s", e.msg);
+    assert_int_equal(kvf_rpc_server_add_unary(srv, "/t.T/Echo", h_echo, NULL, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_start(srv, &e), KVF_OK);
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", kvf_rpc_server_port(srv));
+
+    kvf_rpc_tls member = {.cert_file = client_pem, .key_file = client_key, .ca_file = ca_pem,
+                          .server_name = "localhost"};
+    kvf_status st = call_once(target, &member, &e);
+    if (st != KVF_OK)
+        fail_msg("a fleet member: %s", e.msg);
+
+    assert_int_not_equal(call_once(target, NULL, &e), KVF_OK);
+    kvf_rpc_tls anonymous = {.ca_file = ca_pem, .server_name = "localhost"};
+    assert_int_not_equal(call_once(target, &anonymous, &e), KVF_OK);
+    kvf_rpc_tls rogue = {.cert_file = rogue_pem, .key_file = rogue_key, .ca_file = ca_pem,
+                         .server_name = "localhost"};
+    assert_int_not_equal(call_once(target, &rogue, &e), KVF_OK);
+
+    /* the member still gets in after the refusals */
+    assert_int_equal(call_once(target, &member, &e), KVF_OK);
+    kvf_rpc_server_destroy(srv);
+}
+
+/* SIGHUP's path: the files under the same names change, kvf_rpc_tls_reload, and later
+ * handshakes use the new certificate (signed by ca2 here, so a client trusting only ca2 gets
+ * through after, not before). A reload whose files do not parse keeps the old ones. */
+static void test_mtls_reload(void **state)
+{
+    if (!ca_pem[0])
+        skip();
+    kvf_err e;
+    kvf_rpc_tls stls = {.cert_file = live_pem, .key_file = live_key, .ca_file = ca_pem};
+    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 1, .tls = &stls};
+    kvf_rpc_server *srv;
+    if (kvf_rpc_server_create(&o, &srv, &e) != KVF_OK)
+        fail_msg("mTLS server: %s", e.msg);
+    assert_int_equal(kvf_rpc_server_add_unary(srv, "/t.T/Echo", h_echo, NULL, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_start(srv, &e), KVF_OK);
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", kvf_rpc_server_port(srv));
+    kvf_rpc_tls old_ca = {.cert_file = client_pem, .key_file = client_key, .ca_file = ca_pem,
+                          .server_name = "localhost"};
+    kvf_rpc_tls new_ca = old_ca;
+    new_ca.ca_file = ca2_pem;
+    assert_int_equal(call_once(target, &old_ca, &e), KVF_OK);
+    assert_int_not_equal(call_once(target, &new_ca, &e), KVF_OK);
+
+    /* a broken file: the reload fails, the old certificate stays */
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s'", not_pem, live_pem);
+    assert_int_equal(system(cmd), 0);
+    kvf_rpc_tls_reload();
+    assert_int_equal(call_once(target, &old_ca, &e), KVF_OK);
+
+    snprintf(cmd, sizeof cmd, "cp '%s' '%s' && cp '%s' '%s'", new_pem, live_pem, new_key,
+             live_key);
+    assert_int_equal(system(cmd), 0);
+    kvf_rpc_tls_reload();
+    kvf_status st = call_once(target, &new_ca, &e);
+    if (st != KVF_OK)
+        fail_msg("after the reload: %s", e.msg);
+    assert_int_not_equal(call_once(target, &old_ca, &e), KVF_OK);
+    kvf_rpc_server_destroy(srv);
+}
+
 static void test_tls_bad_files(void **state)
 {
     if (!ca_pem[0])
@@ -168,6 +286,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tls_calls),
+        cmocka_unit_test(test_mtls),
+        cmocka_unit_test(test_mtls_reload),
         cmocka_unit_test(test_tls_bad_files),
     };
     return cmocka_run_group_tests(tests, make_certs, remove_certs);
