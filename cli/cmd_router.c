@@ -33,7 +33,10 @@ static const kvf_cfg_opt router_opts[] = {
     {"request-timeout-ms", "600000", "deadline of one generation (0: none)", offsetof(router_cfg, h.request_timeout_ms), KVF_CFG_INT64},
     {"health-interval-ms", "1000", "Health check period per worker", offsetof(router_cfg, h.fleet.health_interval_ms), KVF_CFG_INT64},
     {"resolve-interval-ms", "5000", "DNS re-resolution period", offsetof(router_cfg, h.fleet.resolve_interval_ms), KVF_CFG_INT64},
-    {"tls-ca", NULL, "PEM CA roots: call the workers over TLS and check their certificate", offsetof(router_cfg, tls.ca_file), KVF_CFG_STR},
+    {"tls-cert", NULL, "PEM certificate the router presents to the workers (with --tls-key and --tls-ca: mutual TLS; reloaded on SIGHUP)", offsetof(router_cfg, tls.cert_file), KVF_CFG_STR},
+    {"tls-key", NULL, "PEM private key of --tls-cert", offsetof(router_cfg, tls.key_file), KVF_CFG_STR},
+    {"tls-ca", NULL, "PEM CA that signed the workers' certificates (checked on every connection)", offsetof(router_cfg, tls.ca_file), KVF_CFG_STR},
+    {"tls-name", "kvfleet", "the name the workers' certificates must carry (kvfleet gen-certs --tls-name)", offsetof(router_cfg, tls.server_name), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
     {NULL},
 };
@@ -64,7 +67,9 @@ int kvf_cli_router(int argc, char **argv)
         kvf_err_set(&err, KVF_ERR_INVALID, "router: give the decode workers with --decode=host:port,... or --decode-dns=name:port");
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
-    c.h.fleet.tls = c.tls.ca_file ? &c.tls : NULL;
+    if ((st = kvf_rpc_tls_check_member(&c.tls, "router", &err)) != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    c.h.fleet.tls = kvf_rpc_tls_on(&c.tls) ? &c.tls : NULL;
     c.h.handle_signals = true;
     kvf_router_http *h = NULL;
     if ((st = kvf_router_http_create(&c.h, &h, &err)) != KVF_OK)

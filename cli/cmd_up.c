@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "cli/certs.h"
 #include "cli/cli.h"
 #include "common/cfg.h"
 #include "common/time.h"
@@ -29,6 +30,7 @@ typedef struct up_cfg {
     const char *model, *host, *policy, *cache_dir, *device;
     int32_t prefill, decode, port;
     int64_t ready_timeout_s;
+    bool tls;
 } up_cfg;
 
 static const kvf_cfg_opt up_opts[] = {
@@ -40,6 +42,7 @@ static const kvf_cfg_opt up_opts[] = {
     {"policy", "kv", "the router's policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(up_cfg, policy), KVF_CFG_STR},
     {"device", "cpu", "where the workers run: cpu or cuda (every worker on GPU 0; KV moves over cuda_ipc unless --xfer-backend says otherwise; pools of 2G unless --kv-memory or --kv-blocks is given)", offsetof(up_cfg, device), KVF_CFG_STR},
     {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
+    {"tls", NULL, "mutual TLS between every process of the fleet, with a CA and certificates made for this run in a private temporary folder (removed at exit); SIGHUP to kvfleet up reaches every process", offsetof(up_cfg, tls), KVF_CFG_BOOL},
     {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
     {NULL},
 };
@@ -62,12 +65,57 @@ typedef struct child {
     char ready[256]; /* the address from its ready line */
 } child;
 
-static volatile sig_atomic_t g_stop;
+static volatile sig_atomic_t g_stop, g_hup;
 
 static void on_signal(int sig)
 {
-    (void)sig;
-    g_stop = 1;
+    if (sig == SIGHUP)
+        g_hup = 1;
+    else
+        g_stop = 1;
+}
+
+/* --tls: a CA and the three roles' certificates in a new private folder; *tls_args the flags
+ * for each role (router, prefill, decode). */
+typedef struct up_tls {
+    char dir[64];
+    char args[3][3][PATH_MAX + 16]; /* [role][cert, key, ca] */
+} up_tls;
+
+static int tls_make(up_tls *t)
+{
+    snprintf(t->dir, sizeof t->dir, "/tmp/kvfleet-up-tls-XXXXXX");
+    if (!mkdtemp(t->dir)) {
+        fprintf(stderr, "kvfleet up: --tls: cannot make a temporary folder: %s\n", strerror(errno));
+        t->dir[0] = 0;
+        return -1;
+    }
+    static const char *const members[3] = {"router", "prefill", "decode"};
+    kvf_err err = {0};
+    if (kvf_cli_certs_make(t->dir, "kvfleet", members, 3, NULL, 2, &err) != KVF_OK) {
+        fprintf(stderr, "kvfleet up: --tls: %s\n", err.msg);
+        return -1;
+    }
+    for (int r = 0; r < 3; r++) {
+        snprintf(t->args[r][0], sizeof t->args[r][0], "--tls-cert=%s/%s.pem", t->dir, members[r]);
+        snprintf(t->args[r][1], sizeof t->args[r][1], "--tls-key=%s/%s.key", t->dir, members[r]);
+        snprintf(t->args[r][2], sizeof t->args[r][2], "--tls-ca=%s/ca.pem", t->dir);
+    }
+    return 0;
+}
+
+static void tls_remove(const up_tls *t)
+{
+    if (!t->dir[0])
+        return;
+    static const char *const files[] = {"ca.pem", "ca.key", "router.pem", "router.key",
+                                        "prefill.pem", "prefill.key", "decode.pem", "decode.key"};
+    char path[PATH_MAX];
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        snprintf(path, sizeof path, "%s/%s", t->dir, files[i]);
+        unlink(path);
+    }
+    rmdir(t->dir);
 }
 
 /* Starts `self args...` with stdout on a pipe; the child dies with us. */
@@ -315,6 +363,12 @@ int kvf_cli_up(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    static up_tls tls;
+    if (c.tls && tls_make(&tls) != 0) {
+        tls_remove(&tls);
+        return 1;
+    }
 
     static child cs[UP_MAX_CHILDREN];
     int n = 0, rc = 0;
@@ -350,6 +404,8 @@ int kvf_cli_up(int argc, char **argv)
             sized = sized || strncmp(fwd[i], "--kv-memory", 11) == 0 || strncmp(fwd[i], "--kv-blocks", 11) == 0;
         if (strcmp(c.device, "cuda") == 0 && !sized)
             wargs[k++] = "--kv-memory=2G";
+        for (int f = 0; c.tls && f < 3; f++)
+            wargs[k++] = tls.args[1 + role][f];
         for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
             if (strncmp(fwd[i], "--", 2) != 0)
                 continue;
@@ -399,6 +455,8 @@ int kvf_cli_up(int argc, char **argv)
         int k = 7;
         if (pre[0])
             rargs[k++] = pre_arg;
+        for (int f = 0; c.tls && f < 3; f++)
+            rargs[k++] = tls.args[0][f];
         for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
             if (strncmp(fwd[i], "--", 2) != 0)
                 continue;
@@ -441,6 +499,12 @@ int kvf_cli_up(int argc, char **argv)
     fflush(stdout);
     /* Serve until Ctrl-C or until a child dies. */
     while (!g_stop) {
+        if (g_hup) { /* certificates renewed: every process reads its files again */
+            g_hup = 0;
+            for (int i = 0; i < n; i++)
+                if (cs[i].pid > 0)
+                    kill(cs[i].pid, SIGHUP);
+        }
         struct pollfd pf[UP_MAX_CHILDREN];
         for (int i = 0; i < n; i++)
             pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
@@ -468,5 +532,6 @@ out:
     stop_all(cs, n);
     for (int i = 0; i < n; i++)
         close(cs[i].out_fd);
+    tls_remove(&tls);
     return rc;
 }

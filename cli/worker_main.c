@@ -27,6 +27,7 @@ int kvf_cli_worker_main(const kvf_cfg_spec *spec, const char *role_name, kvf_wor
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -48,7 +49,10 @@ int kvf_cli_worker_main(const kvf_cfg_spec *spec, const char *role_name, kvf_wor
            kvf_worker_admin_port(w));
     fflush(stdout);
     int sig = 0;
-    sigwait(&set, &sig);
+    while (sigwait(&set, &sig) == 0 && sig == SIGHUP) {
+        kvf_log(KVF_LOG_INFO, "%s: SIGHUP: reloading the TLS certificates", role_name);
+        kvf_rpc_tls_reload(); /* the server's next handshake and the channels' next calls */
+    }
     kvf_log(KVF_LOG_INFO, "%s: signal %d: shutting down", role_name, sig);
     kvf_worker_shutdown(w);
     kvf_worker_load l;

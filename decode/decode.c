@@ -253,7 +253,9 @@ static pconn *peer_get(kvf_decode *d, const char *addr)
         return NULL;
     snprintf(p->addr, sizeof p->addr, "%s", addr);
     kvf_err err = {0};
-    kvf_rpc_channel_opts o = {.keepalive_ms = 1000};
+    const kvf_worker_cfg *cfg = kvf_worker_config(d->w);
+    kvf_rpc_channel_opts o = {.keepalive_ms = 1000,
+                              .tls = kvf_rpc_tls_on(&cfg->tls) ? &cfg->tls : NULL};
     if (kvf_rpc_channel_create(addr, &o, &p->ch, &err) != KVF_OK) {
         kvf_log(KVF_LOG_WARN, "decode: prefill worker %s: %s", addr, err.msg);
         free(p);

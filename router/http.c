@@ -49,7 +49,7 @@ struct kvf_router_http {
     int port;
     struct event *wake_ev;   /* a stream has something: read the ready ones (on_wake) */
     struct event *safety_ev; /* every SAFETY_MS: plain clients gone, index health (on_safety) */
-    struct event *stop_ev, *sig_int, *sig_term;
+    struct event *stop_ev, *sig_int, *sig_term, *sig_hup;
     atomic_bool stopping;
 
     kvf_router_fleet *fleet;
@@ -246,6 +246,16 @@ static void on_stop(evutil_socket_t fd, short what, void *arg)
     (void)what;
     kvf_log(KVF_LOG_INFO, "router: stopping");
     event_base_loopbreak(h->base);
+}
+
+/* SIGHUP: the TLS files of the fleet channels are read again before their next calls. */
+static void on_hup(evutil_socket_t fd, short what, void *arg)
+{
+    (void)fd;
+    (void)what;
+    (void)arg;
+    kvf_log(KVF_LOG_INFO, "router: SIGHUP: reloading the TLS certificates");
+    kvf_rpc_tls_reload();
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -499,6 +509,8 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
         evsignal_add(h->sig_int, NULL);
         evsignal_add(h->sig_term, NULL);
+        h->sig_hup = evsignal_new(h->base, SIGHUP, on_hup, h);
+        evsignal_add(h->sig_hup, NULL);
     }
     if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK ||
         (st = kvf_router_watch_create(h->fleet, h->policy, h->metrics, h, &h->watch, err)) != KVF_OK)
@@ -563,6 +575,8 @@ void kvf_router_http_destroy(kvf_router_http *h)
         event_free(h->sig_int);
     if (h->sig_term)
         event_free(h->sig_term);
+    if (h->sig_hup)
+        event_free(h->sig_hup);
     if (h->base)
         event_base_free(h->base);
     kvf_router_fleet_destroy(h->fleet);

@@ -127,6 +127,15 @@ static const kvf_cfg_opt worker_opts[] = {
     {"attn-decode", "auto", "with --device cuda: the kernel decode tokens' attention runs on: "
      "auto (the build's default, simt today), simt, or mma (tensor cores; f16, bf16 or fp8 KV "
      "at head_dim 64 or 128, simt elsewhere)", offsetof(kvf_worker_cfg, attn_decode), KVF_CFG_STR},
+    {"tls-cert", NULL, "PEM certificate of this fleet member (with --tls-key and --tls-ca: "
+     "mutual TLS on the gRPC worker plane; reloaded on SIGHUP)", offsetof(kvf_worker_cfg, tls.cert_file),
+     KVF_CFG_STR},
+    {"tls-key", NULL, "PEM private key of --tls-cert", offsetof(kvf_worker_cfg, tls.key_file),
+     KVF_CFG_STR},
+    {"tls-ca", NULL, "PEM CA that signed every fleet member's certificate: callers without one "
+     "are refused", offsetof(kvf_worker_cfg, tls.ca_file), KVF_CFG_STR},
+    {"tls-name", "kvfleet", "the name peers' certificates must carry (kvfleet gen-certs "
+     "--tls-name)", offsetof(kvf_worker_cfg, tls.server_name), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level),
      KVF_CFG_STR},
     {NULL},
@@ -802,6 +811,8 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     const kvf_xfer_gpu *gpu = NULL;
     if ((st = device_pick(cfg->device, rn, &be, &gpu, err)) != KVF_OK)
         return st;
+    if ((st = kvf_rpc_tls_check_member(&cfg->tls, rn, err)) != KVF_OK)
+        return st;
     if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
         (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
         return st;
@@ -917,7 +928,8 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         goto fail;
 
     /* gRPC server with the shared handlers; the role adds its own */
-    kvf_rpc_server_opts so = {.address = cfg->listen, .n_threads = cfg->rpc_threads > 0 ? cfg->rpc_threads : 4};
+    kvf_rpc_server_opts so = {.address = cfg->listen, .n_threads = cfg->rpc_threads > 0 ? cfg->rpc_threads : 4,
+                              .tls = kvf_rpc_tls_on(&w->cfg.tls) ? &w->cfg.tls : NULL};
     if ((st = kvf_rpc_server_create(&so, &w->server, err)) != KVF_OK)
         goto fail;
     if ((st = kvf_rpc_serve_info(w->server, h_info, w, err)) != KVF_OK ||

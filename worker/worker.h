@@ -61,6 +61,11 @@ typedef struct kvf_worker_cfg {
      * gpu table is the worker's to fill; notice_host NULL means the --listen host when it is an
      * IPv4 address, else 127.0.0.1. */
     kvf_xfer_cfg xfer;
+    /* Mutual TLS on the worker plane (--tls-cert, --tls-key, --tls-ca, together or none): the
+     * gRPC server admits only clients with a certificate the CA signed, and this worker's own
+     * calls (decode -> prefill) present cert_file and check the peer for server_name
+     * (--tls-name, the fleet's name every member certificate carries). */
+    kvf_rpc_tls tls;
     const char *log_level;
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;

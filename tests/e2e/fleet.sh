@@ -1,6 +1,6 @@
 # fleet.sh: what the shell tests that start a fleet of real processes share: a temp dir and a
 # process list removed and killed on exit, start (a kvfleet process up to its ready line),
-# wait_ready and metric. Source it after tests/cli/lib.sh. START_S (default 30) and READY_S
+# wait_ready, metric and check_fixture. Source it after tests/cli/lib.sh. START_S (default 30) and READY_S
 # (default 10) bound start's and wait_ready's waits, in seconds.
 PY=/usr/bin/python3
 TMP=$(mktemp -d)
@@ -42,3 +42,35 @@ wait_ready() {
 
 # metric ADMIN NAME: the value of the sample named exactly NAME.
 metric() { curl -s "http://$1/metrics" | awk -v n="$2" '$1 == n {print $2}'; }
+
+# check_fixture URL MODEL STREAM: every case of the model's expected.json through the router.
+check_fixture() {
+    $PY - "$1" "$2" "$3" "$KVF_SHARED/fixtures/models/$2/expected.json" <<'EOF'
+import json, sys, urllib.request
+url, model, stream, path = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+exp = json.load(open(path))
+bad = 0
+for c in exp["cases"]:
+    body = {"model": model, "prompt": c["prompt"], "max_tokens": exp["n_new"], "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        if stream:
+            ids = []
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for ch in json.loads(line[6:])["choices"]:
+                    ids += ch["token_ids"]
+        else:
+            j = json.load(r)
+            ids = j["choices"][0]["token_ids"]
+            assert j["usage"]["completion_tokens"] == exp["n_new"], j["usage"]
+    if ids != c["greedy"]:
+        print(f"{model} {c['name']}: got {ids}, want {c['greedy']}")
+        bad += 1
+sys.exit(1 if bad else 0)
+EOF
+}
