@@ -386,11 +386,15 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
     q->remote_tokens = q->n_prompt - (int32_t)n_cached;
     q->tid = er.id;
     q->deadline_ns = kvf_now_ns() + (int64_t)cfg->prefill_timeout_ms * 1000000LL;
+    /* the transfer's capability: only a notice carrying it completes the transfer */
+    kvf_xfer_token token = {{0}};
     if (q->n_cached_blocks >= nb) {
         q->got_xfer = true; /* nothing to receive: the prefill worker writes nothing */
-    } else if ((st = kvf_xfer_expect_blocks(kvf_worker_xfer(w), q->tid, blocks + q->n_cached_blocks,
-                                            (size_t)(nb - q->n_cached_blocks), q->deadline_ns,
-                                            &err)) != KVF_OK) {
+    } else if ((st = kvf_xfer_token_new(&token, &err)) != KVF_OK ||
+               (st = kvf_xfer_expect_token(kvf_worker_xfer(w), q->tid, &token,
+                                           blocks + q->n_cached_blocks,
+                                           (size_t)(nb - q->n_cached_blocks), q->deadline_ns,
+                                           &err)) != KVF_OK) {
         /* the blocks the prefill worker writes: ucx through a pinned mirror (--device cuda
          * --xfer-gpu-staging) copies them into device memory before RECEIVED */
         kvf_log(KVF_LOG_WARN, "decode: req %s: transfer %llu: %s", q->id,
@@ -413,6 +417,8 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
         .transfer_id = q->tid, .cache_salt = q->salt ? q->salt : "", .sampling = q->wire_samp,
         .deadline_unix_ms = kvf_wall_ms() + cfg->prefill_timeout_ms, .has_dst_layout = true,
         .dst_layout = *l};
+    _Static_assert(sizeof rq.transfer_token == sizeof token.b, "token sizes");
+    memcpy(rq.transfer_token, token.b, sizeof token.b);
     kvf_rpc_buf buf = {0};
     st = kvf_rpc_remote_prefill_req_encode(&rq, &buf, &err);
     free(blocks);

@@ -350,8 +350,11 @@ static void job_send(kvf_prefill *p, pjob *j)
     int32_t n_pairs = 0;
     for (int64_t i = rq->dst_cached_blocks; i < j->nb; i++)
         pairs[n_pairs++] = (kvf_xfer_pair){.src = info.blocks[i], .dst = rq->dst_block_ids[i]};
-    kvf_status st = kvf_xfer_write(kvf_worker_xfer(p->w), j->peer, rq->transfer_id, pairs,
-                                   (size_t)n_pairs, j->deadline_ns, &err);
+    kvf_xfer_token token;
+    _Static_assert(sizeof token.b == sizeof rq->transfer_token, "token sizes");
+    memcpy(token.b, rq->transfer_token, sizeof token.b);
+    kvf_status st = kvf_xfer_write_token(kvf_worker_xfer(p->w), j->peer, rq->transfer_id, &token,
+                                         pairs, (size_t)n_pairs, j->deadline_ns, &err);
     free(pairs);
     if (st != KVF_OK) {
         kvf_err_prefix(&err, "prefill: req %s: transfer %llu", j->id,

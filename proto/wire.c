@@ -577,6 +577,11 @@ kvf_status kvf_rpc_remote_prefill_req_encode(const kvf_rpc_remote_prefill_req *r
     transport_to_msg(&r->dst, &td);
     m.dst = &td;
     m.transfer_id = r->transfer_id;
+    static const uint8_t zero[KVF_RPC_TRANSFER_TOKEN_BYTES];
+    if (memcmp(r->transfer_token, zero, sizeof zero) != 0) {
+        m.transfer_token.data = (uint8_t *)r->transfer_token;
+        m.transfer_token.len = KVF_RPC_TRANSFER_TOKEN_BYTES;
+    }
     m.cache_salt = (char *)(r->cache_salt ? r->cache_salt : "");
     kvf_status st = sampling_to_msg("RemotePrefillRequest", &r->sampling, &sp, err);
     if (st != KVF_OK)
@@ -598,6 +603,9 @@ static kvf_status check_remote_prefill(const Kvfleet__V1__RemotePrefillRequest *
     if ((st = check_id(w, "request_id", m->request_id, true, err)) != KVF_OK ||
         (st = check_id(w, "cache_salt", m->cache_salt, false, err)) != KVF_OK)
         return st;
+    if (m->transfer_token.len != 0 && m->transfer_token.len != KVF_RPC_TRANSFER_TOKEN_BYTES)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s.transfer_token: %zu bytes (0 or %d)", w,
+                           m->transfer_token.len, KVF_RPC_TRANSFER_TOKEN_BYTES);
     if (m->n_token_ids == 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: RemotePrefillRequest %s: token_ids is "
                            "empty", m->request_id);
@@ -663,6 +671,8 @@ kvf_status kvf_rpc_remote_prefill_req_decode(const uint8_t *data, size_t len,
     r->dst_cached_blocks = m->dst_cached_blocks;
     transport_from_msg(m->dst, &c, &r->dst);
     r->transfer_id = m->transfer_id;
+    if (m->transfer_token.len == KVF_RPC_TRANSFER_TOKEN_BYTES)
+        memcpy(r->transfer_token, m->transfer_token.data, KVF_RPC_TRANSFER_TOKEN_BYTES);
     r->cache_salt = carve_str(&c, m->cache_salt);
     sampling_from_msg(m->sampling, &r->sampling);
     r->deadline_unix_ms = m->deadline_unix_ms;

@@ -22,6 +22,7 @@
 #include "kv/layout.h"
 #include "proto/rpc.h"
 
+#define KVF_RPC_TRANSFER_TOKEN_BYTES 16 /* RemotePrefillRequest.transfer_token: 0 or this */
 #define KVF_RPC_WORKER_INFO "/kvfleet.v1.Worker/Info"
 #define KVF_RPC_WORKER_GENERATE "/kvfleet.v1.Worker/Generate"           /* server stream */
 #define KVF_RPC_WORKER_REMOTE_PREFILL "/kvfleet.v1.Worker/RemotePrefill"
@@ -140,6 +141,8 @@ typedef struct kvf_rpc_remote_prefill_req {
     int32_t dst_cached_blocks;       /* leading dst blocks the decode worker holds: not sent */
     kvf_rpc_transport dst;           /* the decode worker's pool (backend required) */
     uint64_t transfer_id;
+    /* the transfer's capability (transport/xfer.h's kvf_xfer_token), all zero for none */
+    uint8_t transfer_token[KVF_RPC_TRANSFER_TOKEN_BYTES];
     const char *cache_salt;          /* "" for none */
     kvf_rpc_sampling sampling;       /* for the first token */
     int64_t deadline_unix_ms;        /* 0: none */

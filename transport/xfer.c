@@ -9,9 +9,11 @@
  *   u32 head_dim | u32 block_size | u32 dtype | u64 block_bytes | u64 n_blocks |
  *   u32 blob length | backend blob | u64 XXH3-64 of every byte before it
  * The checksum keeps a descriptor damaged in transit from reaching UCX's own parsers. */
+#include <errno.h>
 #include <stdlib.h>
 #include <poll.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/types.h>
 
 #include "common/hash.h"
@@ -431,8 +433,8 @@ kvf_status kvf_xfer_peer_status(const kvf_xfer_peer *peer)
  * of the announced blocks; the RECEIVED event follows once they are done. */
 
 static kvf_status stage_tx_start(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
-                                 const kvf_xfer_run *runs, size_t n_runs, int64_t deadline_ns,
-                                 kvf_err *err)
+                                 const kvf_xfer_token *token, const kvf_xfer_run *runs,
+                                 size_t n_runs, int64_t deadline_ns, kvf_err *err)
 {
     const kvf_xfer_gpu *g = x->gpu;
     for (kvf_xfer_stage *t = x->stage_tx; t; t = t->next)
@@ -448,6 +450,7 @@ static kvf_status stage_tx_start(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
                            (unsigned long long)id);
     }
     memcpy(rc, runs, n_runs * sizeof *rc);
+    t->token = *token;
     int64_t bb = x->pool.layout.block_bytes;
     char *dev = x->gpu_base, *host = x->staging;
     kvf_status st = KVF_OK;
@@ -495,8 +498,8 @@ static void stage_tx_progress(kvf_xfer *x)
             st = KVF_ERR_CANCELLED;
         else if (kvf_now_ns() >= t->deadline_ns)
             st = KVF_ERR_TIMEOUT;
-        else if ((st = x->ops->write(x, t->peer, t->id, t->runs, t->n_runs, t->deadline_ns,
-                                     &e)) != KVF_OK)
+        else if ((st = x->ops->write(x, t->peer, t->id, &t->token, t->runs, t->n_runs,
+                                     t->deadline_ns, &e)) != KVF_OK)
             kvf_log(KVF_LOG_WARN, "xfer: write %llu: %s", (unsigned long long)t->id, e.msg);
         if (st != KVF_OK)
             kvf_xfer_sent(x, t->id, st);
@@ -590,6 +593,15 @@ static int pair_cmp_dst(const void *a, const void *b)
 kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
                           const kvf_xfer_pair *pairs, size_t n, int64_t deadline_ns, kvf_err *err)
 {
+    return kvf_xfer_write_token(x, peer, id, NULL, pairs, n, deadline_ns, err);
+}
+
+kvf_status kvf_xfer_write_token(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                                const kvf_xfer_token *token_in, const kvf_xfer_pair *pairs,
+                                size_t n, int64_t deadline_ns, kvf_err *err)
+{
+    const kvf_xfer_token zero = {{0}};
+    const kvf_xfer_token *token = token_in ? token_in : &zero;
     if (!peer || peer->owner != x)
         return kvf_err_set(err, KVF_ERR_INVALID, "xfer: write %llu: peer is not one of this xfer's",
                            (unsigned long long)id);
@@ -656,9 +668,9 @@ kvf_status kvf_xfer_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
     x->stats.bytes += bytes;
     pthread_mutex_unlock(&x->mu);
     if (x->staging)
-        st = stage_tx_start(x, peer, id, runs, n_runs, deadline_ns, err);
+        st = stage_tx_start(x, peer, id, token, runs, n_runs, deadline_ns, err);
     else
-        st = x->ops->write(x, peer, id, runs, n_runs, deadline_ns, err);
+        st = x->ops->write(x, peer, id, token, runs, n_runs, deadline_ns, err);
     if (st != KVF_OK) {
         pthread_mutex_lock(&x->mu);
         x->stats.in_flight--;
@@ -745,10 +757,46 @@ bool kvf_xfer_expecting(kvf_xfer *x, uint64_t id)
     return yes;
 }
 
-bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st)
+/* Whether token (NULL: zero) equals want, in time that does not depend on where they differ. */
+static bool token_equal(const kvf_xfer_token *want, const uint8_t *token)
+{
+    uint8_t diff = 0;
+    for (size_t i = 0; i < KVF_XFER_TOKEN_BYTES; i++)
+        diff |= (uint8_t)(want->b[i] ^ (token ? token[i] : 0));
+    return diff == 0;
+}
+
+/* A message for expected id whose token is wrong; the caller holds x->mu. */
+static void forged_locked(kvf_xfer *x, uint64_t id)
+{
+    x->stats.forged_notices++;
+    /* one line per 2^k forgeries: a flood cannot fill the log */
+    int64_t n = x->stats.forged_notices;
+    if ((n & (n - 1)) == 0)
+        kvf_log(KVF_LOG_WARN, "xfer: transfer %llu: a message with the wrong token (forged or "
+                "stale; %lld so far): dropped", (unsigned long long)id, (long long)n);
+}
+
+bool kvf_xfer_expecting_token(kvf_xfer *x, uint64_t id, const uint8_t *token)
 {
     pthread_mutex_lock(&x->mu);
     ssize_t i = exp_find_locked(x, id);
+    bool yes = i >= 0 ? token_equal(&x->exp[i].token, token) : x->accept_unexpected;
+    if (i >= 0 && !yes)
+        forged_locked(x, id);
+    pthread_mutex_unlock(&x->mu);
+    return yes;
+}
+
+bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, const uint8_t *token, kvf_status st)
+{
+    pthread_mutex_lock(&x->mu);
+    ssize_t i = exp_find_locked(x, id);
+    if (i >= 0 && !token_equal(&x->exp[i].token, token)) {
+        forged_locked(x, id);
+        pthread_mutex_unlock(&x->mu);
+        return false;
+    }
     bool expected = i >= 0;
     if (expected && x->staging && st == KVF_OK) {
         /* The bytes are in the mirror: copy them into device memory, RECEIVED comes after. */
@@ -792,6 +840,27 @@ kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_er
 
 kvf_status kvf_xfer_expect_blocks(kvf_xfer *x, uint64_t id, const int32_t *dst_blocks, size_t n,
                                   int64_t deadline_ns, kvf_err *err)
+{
+    return kvf_xfer_expect_token(x, id, NULL, dst_blocks, n, deadline_ns, err);
+}
+
+kvf_status kvf_xfer_token_new(kvf_xfer_token *out, kvf_err *err)
+{
+    size_t got = 0;
+    while (got < sizeof out->b) {
+        ssize_t r = getrandom(out->b + got, sizeof out->b - got, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return kvf_err_set(err, KVF_ERR_IO, "xfer: getrandom: %s", strerror(errno));
+        got += (size_t)r;
+    }
+    return KVF_OK;
+}
+
+kvf_status kvf_xfer_expect_token(kvf_xfer *x, uint64_t id, const kvf_xfer_token *token,
+                                 const int32_t *dst_blocks, size_t n, int64_t deadline_ns,
+                                 kvf_err *err)
 {
     kvf_status st = KVF_OK;
     int32_t *blocks = NULL;
@@ -846,6 +915,7 @@ kvf_status kvf_xfer_expect_blocks(kvf_xfer *x, uint64_t id, const int32_t *dst_b
         x->exp_cap = cap;
     }
     x->exp[x->n_exp++] = (kvf_xfer_expectation){.id = id, .deadline_ns = deadline_ns,
+                                                .token = token ? *token : (kvf_xfer_token){{0}},
                                                 .blocks = blocks, .n_blocks = blocks ? n : 0};
     blocks = NULL;
     x->stats.expected++;

@@ -162,6 +162,8 @@ typedef struct kvf_xfer_stats {
     int64_t sent_ok, sent_failed;
     int64_t received_ok, received_failed;
     int64_t late_notices;   /* notices for ids not expected (dropped unless accept_unexpected) */
+    int64_t forged_notices; /* notices (and ucx data messages) for an expected id with the
+                             * wrong token: dropped, the expectation stays */
     int64_t in_flight;      /* writes without their SENT event yet */
     int64_t expected;       /* expects without their RECEIVED event yet */
 } kvf_xfer_stats;
@@ -230,6 +232,28 @@ kvf_status kvf_xfer_expect(kvf_xfer *x, uint64_t id, int64_t deadline_ns, kvf_er
  * the RECEIVED event) and refuses kvf_xfer_expect; other backends ignore them. */
 kvf_status kvf_xfer_expect_blocks(kvf_xfer *x, uint64_t id, const int32_t *dst_blocks /* [n] */,
                                   size_t n, int64_t deadline_ns, kvf_err *err);
+
+/* A transfer's capability: the receiver makes a random one per transfer
+ * (kvf_xfer_token_new), hands it to the sender over the authenticated control plane with the
+ * id, and accepts the sender's completion notice (and, on the ucx "am" path, its data
+ * messages) only when it carries the same token, so nobody who can merely reach the notice
+ * channel or the UCX listener completes or fills a transfer. The plain kvf_xfer_expect* and
+ * kvf_xfer_write use the all-zero token (tests, one-process use). Compared in constant time. */
+#define KVF_XFER_TOKEN_BYTES 16
+typedef struct kvf_xfer_token {
+    uint8_t b[KVF_XFER_TOKEN_BYTES];
+} kvf_xfer_token;
+/* 128 random bits from the kernel (getrandom). */
+kvf_status kvf_xfer_token_new(kvf_xfer_token *out, kvf_err *err);
+/* kvf_xfer_expect_blocks whose notice must carry token (NULL: the zero token); dst_blocks may
+ * be NULL (n 0) where the backend does not need them. */
+kvf_status kvf_xfer_expect_token(kvf_xfer *x, uint64_t id, const kvf_xfer_token *token,
+                                 const int32_t *dst_blocks, size_t n, int64_t deadline_ns,
+                                 kvf_err *err);
+/* kvf_xfer_write whose notice carries token (NULL: the zero token). */
+kvf_status kvf_xfer_write_token(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                                const kvf_xfer_token *token, const kvf_xfer_pair *pairs,
+                                size_t n, int64_t deadline_ns, kvf_err *err);
 
 /* Cancels transfer id on either side (a sender whose notice reaches a receiver that already
  * timed out or cancelled gets KVF_ERR_CANCELLED too). Sender: the write ends with a

@@ -2,7 +2,8 @@
  * messages (notice, acknowledgement, hello) over non-blocking TCP, progressed from
  * kvf_xfer_progress, with one epoll fd to sleep on. It carries no KV bytes; a connection that
  * fails or closes is how a lost peer shows. Frame: u32 type | i32 status | u64 id | u64 value |
- * u32 body length | u32 zero | body (host byte order is not assumed: little-endian). */
+ * u32 body length | u32 zero | 16-byte transfer token | body (host byte order is not assumed:
+ * little-endian). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -18,7 +19,7 @@
 #include "common/log.h"
 #include "transport/xfer_impl.h"
 
-#define FRAME_HDR 32
+#define FRAME_HDR 48
 #define READ_CHUNK 65536
 
 struct kvf_xfer_conn {
@@ -184,6 +185,7 @@ bool kvf_xfer_chan_send(kvf_xfer_conn *conn, const kvf_xfer_msg *m)
     put_le(h + 8, m->id, 8);
     put_le(h + 16, m->value, 8);
     put_le(h + 24, m->body_len, 4);
+    memcpy(h + 32, m->token, KVF_XFER_TOKEN_BYTES);
     kvf_sbuf_append(&conn->out, h, FRAME_HDR);
     if (m->body_len)
         kvf_sbuf_append(&conn->out, m->body, m->body_len);
@@ -261,6 +263,7 @@ static void conn_read(kvf_xfer_chan *c, kvf_xfer_conn *k)
         kvf_xfer_msg m = {.type = kvf_xfer_get_u32(h), .status = (int32_t)kvf_xfer_get_u32(h + 4),
                           .id = kvf_xfer_get_u64(h + 8), .value = kvf_xfer_get_u64(h + 16),
                           .body = body ? h + FRAME_HDR : NULL, .body_len = body};
+        memcpy(m.token, h + 32, KVF_XFER_TOKEN_BYTES);
         k->in_off += FRAME_HDR + body;
         if (m.type != KVF_XFER_MSG_CLOSED)
             c->fn(c->arg, k, &m);

@@ -27,6 +27,7 @@ typedef struct ipc_peer {
 
 typedef struct ipc_send {
     uint64_t id;
+    kvf_xfer_token token; /* carried by the notice */
     ipc_peer *peer; /* NULL once disconnected */
     int64_t deadline_ns;
     void *mark;       /* after the copies; NULL once done */
@@ -58,7 +59,7 @@ static void on_msg(void *arg, kvf_xfer_conn *conn, const kvf_xfer_msg *m)
     case KVF_XFER_MSG_NOTICE: {
         /* The sender's copies into our pool are complete: RECEIVED, and tell it whether anyone
          * was still waiting (else its blocks may have been reused: it ends CANCELLED). */
-        bool delivered = kvf_xfer_notice(u->x, m->id, KVF_OK);
+        bool delivered = kvf_xfer_notice(u->x, m->id, m->token, KVF_OK);
         kvf_xfer_msg ack = {.type = KVF_XFER_MSG_ACK, .id = m->id,
                             .status = delivered ? KVF_OK : KVF_ERR_CANCELLED};
         kvf_xfer_chan_send(conn, &ack);
@@ -200,8 +201,9 @@ static void ipc_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
     free(p);
 }
 
-static kvf_status ipc_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const kvf_xfer_run *runs,
-                            size_t n_runs, int64_t deadline_ns, kvf_err *err)
+static kvf_status ipc_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id,
+                            const kvf_xfer_token *token, const kvf_xfer_run *runs, size_t n_runs,
+                            int64_t deadline_ns, kvf_err *err)
 {
     ipc_xfer *u = x->impl;
     ipc_peer *p = pub->impl;
@@ -234,6 +236,7 @@ static kvf_status ipc_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
         return st;
     }
     s->id = id;
+    s->token = *token;
     s->peer = p;
     s->deadline_ns = deadline_ns;
     s->status = KVF_OK;
@@ -287,6 +290,7 @@ static void ipc_progress(kvf_xfer *x)
             send_fail(s, p ? KVF_ERR_PEER_LOST : KVF_ERR_CANCELLED);
         if (s->status == KVF_OK && !s->notice_sent && p->conn && kvf_xfer_conn_up(p->conn)) {
             kvf_xfer_msg m = {.type = KVF_XFER_MSG_NOTICE, .id = s->id};
+            memcpy(m.token, s->token.b, sizeof m.token);
             if (kvf_xfer_chan_send(p->conn, &m))
                 s->notice_sent = true;
             else

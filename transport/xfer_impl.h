@@ -28,8 +28,9 @@ typedef struct kvf_xfer_ops {
     void (*disconnect)(kvf_xfer *x, kvf_xfer_peer *peer);
     /* Starts a write of runs (validated, sorted by dst); on KVF_OK the backend later calls
      * kvf_xfer_sent exactly once for id. */
-    kvf_status (*write)(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id, const kvf_xfer_run *runs,
-                        size_t n_runs, int64_t deadline_ns, kvf_err *err);
+    kvf_status (*write)(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
+                        const kvf_xfer_token *token, const kvf_xfer_run *runs, size_t n_runs,
+                        int64_t deadline_ns, kvf_err *err);
     /* Sender-side cancel: KVF_ERR_NOT_FOUND when id is not in flight here. */
     kvf_status (*cancel)(kvf_xfer *x, uint64_t id);
     void (*progress)(kvf_xfer *x);
@@ -50,6 +51,7 @@ extern const kvf_xfer_ops kvf_xfer_nccl_ops;
 
 typedef struct kvf_xfer_expectation {
     uint64_t id;
+    kvf_xfer_token token; /* what its notice must carry */
     int64_t deadline_ns;
     int32_t *blocks; /* kvf_xfer_expect_blocks: [n_blocks] destination blocks (owned), or NULL */
     size_t n_blocks;
@@ -60,6 +62,7 @@ typedef struct kvf_xfer_expectation {
  * event (rx). */
 typedef struct kvf_xfer_stage {
     uint64_t id;
+    kvf_xfer_token token;  /* tx: for the backend's notice */
     void *mark;            /* the GPU mark after its copies */
     kvf_xfer_peer *peer;   /* tx; NULL once disconnected */
     kvf_xfer_run *runs;    /* tx: [n_runs] */
@@ -102,12 +105,18 @@ struct kvf_xfer_peer {
 void kvf_xfer_sent(kvf_xfer *x, uint64_t id, kvf_status st);
 /* kvf_xfer_sent for n writes under one lock (evs[i].id and .status; .kind is ignored). */
 void kvf_xfer_sent_many(kvf_xfer *x, const kvf_xfer_event *evs, size_t n);
-/* Receiver: the sender's notice for id arrived with st. Returns whether it became an event:
- * false when id was not expected (and accept_unexpected is off), so the notice was dropped. */
-bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, kvf_status st);
+/* Receiver: the sender's notice for id arrived with st and token (NULL: the zero token).
+ * Returns whether it became an event: false when id was not expected (and accept_unexpected
+ * is off), or when the token is not the expectation's (forged: counted, logged, and the
+ * expectation stays for the real sender). */
+bool kvf_xfer_notice(kvf_xfer *x, uint64_t id, const uint8_t *token, kvf_status st);
 
 /* Receiver: whether a transfer id is expected (or accept_unexpected is set). */
 bool kvf_xfer_expecting(kvf_xfer *x, uint64_t id);
+/* The same, and token (KVF_XFER_TOKEN_BYTES, NULL: zero) is the expectation's: what a
+ * backend checks before letting a message write into the pool. A wrong token counts as a
+ * forged notice. */
+bool kvf_xfer_expecting_token(kvf_xfer *x, uint64_t id, const uint8_t *token);
 
 /* ---- the host notice channel of the GPU backends (xfer_chan.c) ----
  * Framed messages over TCP between two kvf_xfer objects: each side listens on one address (in
@@ -132,6 +141,7 @@ typedef struct kvf_xfer_msg {
     uint32_t type;
     int32_t status;
     uint64_t id, value;
+    uint8_t token[KVF_XFER_TOKEN_BYTES]; /* NOTICE: the transfer's token (zero otherwise) */
     const uint8_t *body; /* valid during the callback only */
     uint32_t body_len;
 } kvf_xfer_msg;

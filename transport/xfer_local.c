@@ -117,8 +117,8 @@ static void local_disconnect(kvf_xfer *x, kvf_xfer_peer *peer)
 }
 
 static kvf_status local_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
-                              const kvf_xfer_run *runs, size_t n_runs, int64_t deadline_ns,
-                              kvf_err *err)
+                              const kvf_xfer_token *token, const kvf_xfer_run *runs,
+                              size_t n_runs, int64_t deadline_ns, kvf_err *err)
 {
     local_peer *lp = peer->impl;
     if (kvf_now_ns() > deadline_ns)
@@ -138,7 +138,7 @@ static kvf_status local_write(kvf_xfer *x, kvf_xfer_peer *peer, uint64_t id,
     for (size_t i = 0; i < n_runs; i++)
         memmove(dst_base + runs[i].dst * bb, src_base + runs[i].src * bb,
                 (size_t)(runs[i].count * bb));
-    kvf_xfer_notice(dst->x, id, KVF_OK);
+    kvf_xfer_notice(dst->x, id, token->b, KVF_OK);
     pthread_mutex_unlock(&registry_mu);
     kvf_xfer_sent(x, id, KVF_OK);
     return KVF_OK;

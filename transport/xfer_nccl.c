@@ -43,6 +43,7 @@ typedef enum { OP_QUEUED, OP_POSTING, OP_POSTED } op_stage;
 /* A send (sender) or a recv (receiver) on one pair. */
 typedef struct nccl_op {
     uint64_t id;
+    kvf_xfer_token token; /* send: carried by the notice; recv: what the notice carried */
     nccl_pair *pair;      /* NULL once the sender's peer was disconnected */
     op_stage stage;
     int64_t *runs;        /* send: [n_runs][3] src, dst, count; recv: [n_runs][2] dst, count */
@@ -187,6 +188,7 @@ static void on_notice(nccl_xfer *u, nccl_pair *pr, const kvf_xfer_msg *m)
         return;
     }
     o->id = m->id;
+    memcpy(o->token.b, m->token, sizeof o->token.b);
     o->pair = pr;
     o->runs = runs;
     o->n_runs = n;
@@ -388,8 +390,9 @@ static void nccl_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
 
 /* ---- writes ---- */
 
-static kvf_status nccl_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const kvf_xfer_run *runs,
-                             size_t n_runs, int64_t deadline_ns, kvf_err *err)
+static kvf_status nccl_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id,
+                             const kvf_xfer_token *token, const kvf_xfer_run *runs, size_t n_runs,
+                             int64_t deadline_ns, kvf_err *err)
 {
     nccl_xfer *u = x->impl;
     nccl_pair *pr = pub->impl;
@@ -415,6 +418,7 @@ static kvf_status nccl_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const
         o->bytes += (uint64_t)(runs[i].count * x->pool.layout.block_bytes);
     }
     o->id = id;
+    o->token = *token;
     o->pair = pr;
     o->runs = r;
     o->n_runs = n_runs;
@@ -502,6 +506,7 @@ static void send_post(nccl_xfer *u, nccl_op *o)
         }
     kvf_xfer_msg m = {.type = KVF_XFER_MSG_NOTICE, .id = o->id, .value = o->bytes, .body = body,
                       .body_len = (uint32_t)(o->n_runs * 16)};
+    memcpy(m.token, o->token.b, sizeof m.token);
     bool told = o->n_runs * 16 <= KVF_XFER_MSG_MAX_BODY && kvf_xfer_chan_send(pr->conn, &m);
     free(body);
     if (!told) {
@@ -523,7 +528,8 @@ static void recv_post(nccl_xfer *u, nccl_op *o)
     nccl_pair *pr = o->pair;
     int64_t bb = u->x->pool.layout.block_bytes;
     kvf_err e = {0};
-    o->expected = kvf_xfer_expecting(u->x, o->id);
+    o->expected = kvf_xfer_expecting_token(u->x, o->id, o->token.b); /* a forged notice's
+                                                                      * bytes go to staging */
     o->deadline_ns = o->expected ? 0 : kvf_now_ns() + DRAIN_NS;
     char *buf;
     if (o->expected && o->n_runs == 1) {
@@ -634,7 +640,7 @@ static void recvs_progress(nccl_xfer *u, int64_t now)
             op_fail(o, ms);
         if (o->status == KVF_OK && ms == KVF_OK) {
             /* Every byte is in our blocks: RECEIVED, and the sender's verdict. */
-            bool delivered = o->expected && kvf_xfer_notice(u->x, o->id, KVF_OK);
+            bool delivered = o->expected && kvf_xfer_notice(u->x, o->id, o->token.b, KVF_OK);
             if (!o->expected)
                 kvf_log(KVF_LOG_WARN, "xfer: nccl: transfer %llu was not expected here (timed "
                         "out, cancelled or never announced): bytes dropped",

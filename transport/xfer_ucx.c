@@ -25,15 +25,16 @@
 #include "transport/xfer_impl.h"
 
 enum { AM_NOTICE = 11, AM_ACK = 12, AM_DATA = 13 };
-#define HDR_BYTES 24 /* u64 id | i32 status | u32 zero | u64 value (bytes, or an offset) */
+#define HDR_BYTES 40 /* u64 id | i32 status | u32 zero | u64 value (bytes, or an offset) |
+                      * 16-byte transfer token (notices and data; zero in acknowledgements) */
 #define AM_CHUNK ((int64_t)1 << 20) /* "am" path: bytes per data message */
 #define CLOSE_WAIT_NS 2000000000LL /* how long destroy waits for force-closed operations */
 /* Notices (and acknowledgements) bound for one endpoint leave together: one active message
- * whose header is the first entry and whose payload holds up to BATCH_MAX - 1 more, 24 bytes
- * each (6,144 bytes: one shared-memory FIFO element). One message per transfer filled the
+ * whose header is the first entry and whose payload holds up to BATCH_MAX - 1 more, 40 bytes
+ * each (6,120 bytes: one shared-memory FIFO element). One message per transfer filled the
  * receiver's FIFO at a few hundred short transfers in flight, and each refill then waited for
  * the receiver to be scheduled. */
-#define BATCH_MAX 256
+#define BATCH_MAX 153
 /* Freed write records kept for reuse (send_alloc). */
 #define SEND_SPARES 1024
 
@@ -44,6 +45,7 @@ typedef struct ucx_batch ucx_batch;
 /* One write in flight. Freed only once UCX holds none of its requests (pending == 0). */
 typedef struct ucx_send {
     uint64_t id;
+    kvf_xfer_token token; /* carried by its notice and data messages */
     ucx_xfer *u;
     ucx_peer *peer; /* NULL once the peer was disconnected */
     int64_t deadline_ns;
@@ -85,6 +87,7 @@ struct ucx_peer {
 /* Receiver: a transfer on the "am" path whose notice or bytes are still arriving. */
 typedef struct ucx_recv {
     uint64_t id;
+    uint8_t token[KVF_XFER_TOKEN_BYTES]; /* checked against the expectation before it was made */
     uint64_t landed, total; /* total: from the notice */
     bool noticed;
     ucp_ep_h reply_ep;
@@ -167,7 +170,8 @@ static kvf_status kvf_status_from_ucs(ucs_status_t s)
     }
 }
 
-static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value)
+static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value,
+                      const uint8_t *token)
 {
     for (int i = 0; i < 8; i++)
         h[i] = (uint8_t)(id >> (8 * i));
@@ -176,6 +180,10 @@ static void hdr_write(uint8_t *h, uint64_t id, int32_t status, uint64_t value)
     memset(h + 12, 0, 4);
     for (int i = 0; i < 8; i++)
         h[16 + i] = (uint8_t)(value >> (8 * i));
+    if (token)
+        memcpy(h + 24, token, KVF_XFER_TOKEN_BYTES);
+    else
+        memset(h + 24, 0, KVF_XFER_TOKEN_BYTES);
 }
 
 /* ---- clocks ---- */
@@ -458,10 +466,10 @@ static void queue_ack(ucx_xfer *u, ucp_ep_h ep, uint64_t id, kvf_status st)
         *b = (ucx_batch){.u = u, .ep = ep, .next = u->acks};
         u->acks = b;
     }
-    hdr_write(b->buf + (size_t)b->n++ * HDR_BYTES, id, st, 0);
+    hdr_write(b->buf + (size_t)b->n++ * HDR_BYTES, id, st, 0, NULL);
 }
 
-static ucx_recv *recv_find(ucx_xfer *u, uint64_t id, bool create)
+static ucx_recv *recv_find(ucx_xfer *u, uint64_t id, const uint8_t *token, bool create)
 {
     for (ucx_recv *r = u->recvs; r; r = r->next)
         if (r->id == id)
@@ -471,6 +479,7 @@ static ucx_recv *recv_find(ucx_xfer *u, uint64_t id, bool create)
     ucx_recv *r = calloc(1, sizeof *r);
     if (r) {
         r->id = id;
+        memcpy(r->token, token, KVF_XFER_TOKEN_BYTES);
         r->next = u->recvs;
         u->recvs = r;
     }
@@ -482,7 +491,7 @@ static void recv_try_complete(ucx_xfer *u, ucx_recv *r)
 {
     if (!r->noticed || r->landed < r->total)
         return;
-    bool delivered = kvf_xfer_notice(u->x, r->id, KVF_OK);
+    bool delivered = kvf_xfer_notice(u->x, r->id, r->token, KVF_OK);
     if (r->reply_ep)
         queue_ack(u, r->reply_ep, r->id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
     for (ucx_recv **pp = &u->recvs; *pp; pp = &(*pp)->next)
@@ -493,16 +502,19 @@ static void recv_try_complete(ucx_xfer *u, ucx_recv *r)
     free(r);
 }
 
-/* One notice entry (id, status, byte count) from the peer behind reply. */
+/* One notice entry (id, status, byte count, token) from the peer behind reply. */
 static void notice_entry(ucx_xfer *u, const uint8_t *h, ucp_ep_h reply)
 {
     uint64_t id = kvf_xfer_get_u64(h), total = kvf_xfer_get_u64(h + 16);
     int32_t st = (int32_t)kvf_xfer_get_u32(h + 8);
+    const uint8_t *token = h + 24;
     if (total > 0 && st == KVF_OK) {
         /* "am" path: the bytes may still be on their way. */
-        ucx_recv *r = kvf_xfer_expecting(u->x, id) ? recv_find(u, id, true) : NULL;
+        ucx_recv *r = kvf_xfer_expecting_token(u->x, id, token) ? recv_find(u, id, token, true)
+                                                                : NULL;
         if (!r) {
-            kvf_xfer_notice(u->x, id, KVF_OK); /* not expected: counted and dropped there */
+            if (!kvf_xfer_expecting(u->x, id)) /* not expected: counted and dropped there */
+                kvf_xfer_notice(u->x, id, token, KVF_OK);
             if (reply)
                 queue_ack(u, reply, id, KVF_ERR_CANCELLED);
             return;
@@ -513,7 +525,7 @@ static void notice_entry(ucx_xfer *u, const uint8_t *h, ucp_ep_h reply)
         recv_try_complete(u, r);
         return;
     }
-    bool delivered = kvf_xfer_notice(u->x, id, (kvf_status)st);
+    bool delivered = kvf_xfer_notice(u->x, id, token, (kvf_status)st);
     if (reply)
         queue_ack(u, reply, id, delivered ? KVF_OK : KVF_ERR_CANCELLED);
 }
@@ -565,10 +577,12 @@ static ucs_status_t data_cb(void *arg, const void *header, size_t header_length,
                 (unsigned long long)off, (unsigned long long)pool_bytes);
         return UCS_OK;
     }
-    /* Only into blocks someone is waiting for: late data must not land in reused blocks. */
-    if (!kvf_xfer_expecting(u->x, id))
+    /* Only into blocks someone is waiting for (late data must not land in reused blocks), and
+     * only from the sender given the transfer's token. */
+    const uint8_t *token = (const uint8_t *)header + 24;
+    if (!kvf_xfer_expecting_token(u->x, id, token))
         return UCS_OK;
-    ucx_recv *r = recv_find(u, id, true);
+    ucx_recv *r = recv_find(u, id, token, true);
     if (!r)
         return UCS_OK;
     memcpy((char *)u->x->pool.base + off, data, length);
@@ -926,8 +940,9 @@ static void ucx_disconnect(kvf_xfer *x, kvf_xfer_peer *pub)
 
 /* ---- writes ---- */
 
-static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const kvf_xfer_run *runs,
-                            size_t n_runs, int64_t deadline_ns, kvf_err *err)
+static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id,
+                            const kvf_xfer_token *token, const kvf_xfer_run *runs, size_t n_runs,
+                            int64_t deadline_ns, kvf_err *err)
 {
     ucx_xfer *u = x->impl;
     ucx_peer *p = pub->impl;
@@ -942,6 +957,7 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
         return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: write %llu: out of memory",
                            (unsigned long long)id);
     s->id = id;
+    s->token = *token;
     s->u = u;
     s->peer = p;
     s->deadline_ns = deadline_ns;
@@ -971,7 +987,7 @@ static kvf_status ucx_write(kvf_xfer *x, kvf_xfer_peer *pub, uint64_t id, const 
             for (int64_t off = 0; off < len && s->status == KVF_OK; off += AM_CHUNK, c++) {
                 int64_t n = len - off < AM_CHUNK ? len - off : AM_CHUNK;
                 uint8_t *h = s->data_hdrs + c * HDR_BYTES;
-                hdr_write(h, id, 0, (uint64_t)(runs[i].dst * bb + off));
+                hdr_write(h, id, 0, (uint64_t)(runs[i].dst * bb + off), token->b);
                 send_track(s, ucp_am_send_nbx(p->ep, AM_DATA, h, HDR_BYTES,
                                               base + runs[i].src * bb + off, (size_t)n, &dp));
             }
@@ -1036,7 +1052,7 @@ static void queue_notice(ucx_xfer *u, ucx_send *s)
         u->notice_peers = p;
     }
     ucx_batch *b = p->notices;
-    hdr_write(b->buf + (size_t)b->n * HDR_BYTES, s->id, KVF_OK, s->total_bytes);
+    hdr_write(b->buf + (size_t)b->n * HDR_BYTES, s->id, KVF_OK, s->total_bytes, s->token.b);
     b->sends[b->n++] = s;
     s->notice_sent = true;
     if (b->n == BATCH_MAX) {
@@ -1065,7 +1081,7 @@ static void send_notices(ucx_xfer *u)
 static void send_notice(ucx_send *s)
 {
     ucx_peer *p = s->peer;
-    hdr_write(s->hdr, s->id, KVF_OK, s->total_bytes);
+    hdr_write(s->hdr, s->id, KVF_OK, s->total_bytes, s->token.b);
     ucp_request_param_t param = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_FLAGS,

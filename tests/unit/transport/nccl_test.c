@@ -348,10 +348,11 @@ static int raw_connect(kvf_xfer *x)
 }
 
 /* Sends one channel frame (xfer_chan.c: u32 type | i32 status | u64 id | u64 value | u32 body
- * length | u32 zero | body) of type HELLO with value 77 and body_len bytes of body. */
+ * length | u32 zero | 16-byte token | body) of type HELLO with value 77 and body_len bytes of
+ * body. */
 static void raw_hello(int fd, const uint8_t *body, uint32_t body_len)
 {
-    uint8_t h[32] = {1};
+    uint8_t h[48] = {1};
     h[16] = 77;
     memcpy(h + 24, &body_len, 4); /* little-endian host */
     assert_int_equal(peer_write_all(fd, h, sizeof h), 0);

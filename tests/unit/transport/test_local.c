@@ -657,6 +657,85 @@ static void sender_cancel(const char *transport)
     side_close(&b);
 }
 
+/* The attack: a sender without the transfer's token (it reached the notice channel or the UCX
+ * listener, but was not handed the token over the control plane) writes an expected id. Its
+ * notice is dropped and counted (no RECEIVED; on the am path its bytes do not land either),
+ * the expectation stays, and the sender holding the token then completes the transfer. */
+static void forged_write(const char *backend, const char *transport)
+{
+    side a, b;
+    side_open(&a, backend, transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    side_open(&b, backend, transport, 16, KVF_DTYPE_F16, 2, 8, 0);
+    fill_pattern(&a, 3);
+    kvf_xfer_peer *p = connect_to(&a, &b);
+    kvf_err err = {0};
+    kvf_xfer_token good, bad;
+    assert_int_equal(kvf_xfer_token_new(&good, &err), KVF_OK);
+    assert_int_equal(kvf_xfer_token_new(&bad, &err), KVF_OK);
+    assert_memory_not_equal(good.b, bad.b, sizeof good.b);
+    int32_t dst[] = {2, 3};
+    assert_int_equal(kvf_xfer_expect_token(b.x, 88, &good, dst, 2, kvf_now_ns() + 20 * SEC, &err),
+                     KVF_OK);
+    kvf_xfer_pair pr[] = {{1, 2}, {2, 3}};
+    kvf_log_set_level(KVF_LOG_ERROR);
+    const kvf_xfer_token *tokens[2] = {&bad, NULL}; /* a wrong one, then none (zero) */
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(kvf_xfer_write_token(a.x, p, 88, tokens[k], pr, 2,
+                                              kvf_now_ns() + 10 * SEC, &err), KVF_OK);
+        bool sent = false;
+        kvf_xfer_event ev;
+        for (int64_t until = kvf_now_ns() + 10 * SEC; !sent && kvf_now_ns() < until;) {
+            kvf_xfer_progress(a.x);
+            kvf_xfer_progress(b.x);
+            assert_false(kvf_xfer_poll(b.x, &ev));
+            if (kvf_xfer_poll(a.x, &ev)) {
+                assert_int_equal(ev.id, 88);
+                sent = true;
+            }
+        }
+        assert_true(sent);
+        kvf_xfer_stats s;
+        kvf_xfer_stats_get(b.x, &s);
+        assert_true(s.forged_notices >= k + 1);
+        assert_int_equal(s.received_ok, 0);
+        assert_int_equal(s.expected, 1);
+        if (transport && strcmp(transport, "tcp") == 0) /* am path: nothing landed */
+            for (int64_t i = 0; i < 8 * b.layout.block_bytes; i++)
+                assert_int_equal(b.mem[i], 0);
+    }
+    kvf_log_set_level(KVF_LOG_INFO);
+    /* the sender given the token */
+    assert_int_equal(kvf_xfer_write_token(a.x, p, 88, &good, pr, 2, kvf_now_ns() + 10 * SEC, &err),
+                     KVF_OK);
+    bool sent = false, recv = false;
+    kvf_xfer_event ev;
+    for (int64_t until = kvf_now_ns() + 10 * SEC; !(sent && recv) && kvf_now_ns() < until;) {
+        kvf_xfer_progress(a.x);
+        kvf_xfer_progress(b.x);
+        if (kvf_xfer_poll(a.x, &ev)) {
+            assert_int_equal(ev.status, KVF_OK);
+            sent = true;
+        }
+        if (kvf_xfer_poll(b.x, &ev)) {
+            assert_int_equal(ev.id, 88);
+            assert_int_equal(ev.status, KVF_OK);
+            recv = true;
+        }
+    }
+    assert_true(sent && recv);
+    assert_memory_equal(block(&b, 2), block(&a, 1), a.layout.block_bytes);
+    assert_memory_equal(block(&b, 3), block(&a, 2), a.layout.block_bytes);
+    side_close(&a);
+    side_close(&b);
+}
+
+static void test_forged_notice_refused(void **state)
+{
+    forged_write("local", NULL);
+    forged_write("ucx", "tcp");
+    forged_write("ucx", "sm");
+}
+
 static void test_sender_cancel(void **state)
 {
     sender_cancel("tcp");
@@ -728,6 +807,7 @@ int main(void)
         cmocka_unit_test(test_data_paths_forced),
         cmocka_unit_test(test_late_write_refused),
         cmocka_unit_test(test_sender_cancel),
+        cmocka_unit_test(test_forged_notice_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
