@@ -37,7 +37,7 @@ typedef struct serve_cfg {
 
 static const kvf_cfg_opt serve_opts[] = {
     {"model", NULL, "model directory (default: gen-model --preset tiny into a temporary directory)", offsetof(serve_cfg, model), KVF_CFG_STR},
-    {"workload", "mixes", "mixes (colocated vs disaggregated, short and long prompts) or multiturn (round-robin vs kv, 3 decode workers)", offsetof(serve_cfg, workload), KVF_CFG_STR},
+    {"workload", "mixes", "mixes (colocated vs disaggregated, short and long prompts), multiturn (round-robin vs kv, 3 decode workers) or secure (a disaggregated fleet plain vs with --tls and an API key)", offsetof(serve_cfg, workload), KVF_CFG_STR},
     {"rate", "2", "mean arrivals per second (requests; conversations for multiturn)", offsetof(serve_cfg, rate), KVF_CFG_DOUBLE},
     {"duration", "20", "seconds of arrivals per configuration (when --requests is 0)", offsetof(serve_cfg, duration), KVF_CFG_DOUBLE},
     {"requests", "0", "arrivals per configuration (0: as many as --duration allows)", offsetof(serve_cfg, requests), KVF_CFG_INT64},
@@ -96,6 +96,7 @@ typedef struct serve_result {
 typedef struct serve_ctx {
     const char *host, *port, *model_id;
     int32_t vocab;
+    const char *api_key; /* sent as Authorization: Bearer; NULL: none */
 } serve_ctx;
 
 static int connect_to(const char *host, const char *port)
@@ -202,9 +203,12 @@ static void run_request(const serve_ctx *sc, const int32_t *prompt, int32_t n_pr
     for (int32_t i = 0; i < n_prompt; i++)
         bl += (size_t)snprintf(body + bl, cap - bl, "%s%d", i ? "," : "", prompt[i]);
     bl += (size_t)snprintf(body + bl, cap - bl, "]}");
-    int rl = snprintf(req, cap + 512, "POST /v1/completions HTTP/1.0\r\nHost: %s:%s\r\n"
+    char auth[160] = "";
+    if (sc->api_key)
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", sc->api_key);
+    int rl = snprintf(req, cap + 512, "POST /v1/completions HTTP/1.0\r\nHost: %s:%s\r\n%s"
                       "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n%s",
-                      sc->host, sc->port, bl, body);
+                      sc->host, sc->port, auth, bl, body);
     if ((fd = connect_to(sc->host, sc->port)) < 0) {
         snprintf(r->err, sizeof r->err, "connect %s:%s: %s", sc->host, sc->port, strerror(errno));
         goto done;
@@ -548,6 +552,7 @@ static double pct(double *v, size_t n, double p)
 typedef struct serve_conf {
     const char *name;
     char *const *up_args;
+    const char *api_key; /* the fleet's router wants it (--api-key in up_args) */
     bool long_mix, multiturn;
 } serve_conf;
 
@@ -576,7 +581,8 @@ static int run_conf(const char *self, const serve_cfg *c, const char *model, con
         fleet_stop(&f);
         return -1;
     }
-    serve_ctx sc = {.host = f.host, .port = f.port, .model_id = model_id, .vocab = vocab};
+    serve_ctx sc = {.host = f.host, .port = f.port, .model_id = model_id, .vocab = vocab,
+                    .api_key = cf->api_key};
     int64_t n_jobs = c->requests > 0 ? c->requests : (int64_t)ceil(c->rate * c->duration * 1.5) + 1;
     if (n_jobs > SERVE_MAX_REQS)
         n_jobs = SERVE_MAX_REQS;
@@ -711,8 +717,9 @@ int kvf_bench_serve_main(int argc, char **argv)
         return 2;
     }
     bool multiturn = strcmp(c.workload, "multiturn") == 0;
-    if (!multiturn && strcmp(c.workload, "mixes") != 0) {
-        fprintf(stderr, "kvfleet: bench serve: --workload=%s is not known (use mixes or multiturn)\n", c.workload);
+    bool secured = strcmp(c.workload, "secure") == 0;
+    if (!multiturn && !secured && strcmp(c.workload, "mixes") != 0) {
+        fprintf(stderr, "kvfleet: bench serve: --workload=%s is not known (use mixes, multiturn or secure)\n", c.workload);
         return 2;
     }
     if (!(c.rate > 0) || (c.requests <= 0 && !(c.duration > 0)) || c.requests > SERVE_MAX_REQS ||
@@ -785,6 +792,8 @@ int kvf_bench_serve_main(int argc, char **argv)
     static char *const disagg[] = {"--prefill=1", "--decode=1", "--local-prefill-max-tokens=0", NULL};
     static char *const rr[] = {"--prefill=0", "--decode=3", "--policy=round-robin", NULL};
     static char *const kv[] = {"--prefill=0", "--decode=3", "--policy=kv", NULL};
+    static char *const secure[] = {"--prefill=1", "--decode=1", "--local-prefill-max-tokens=0",
+                                   "--tls", "--api-key=kvf-bench-key", NULL};
     printf("kvfleet bench serve: model %s (vocab %d, %d positions), device %s%s%s, rate %g/s, %s, seed %lld, output %d-%d tokens\n",
            model, vocab, max_pos, c.device, c.fleet_flags ? ", fleet flags " : "", c.fleet_flags ? c.fleet_flags : "", c.rate, c.requests > 0 ? "fixed count" : "fixed duration", (long long)c.seed,
            c.out_min, c.out_max);
@@ -795,7 +804,28 @@ int kvf_bench_serve_main(int argc, char **argv)
     printf("  times in ms; hit = cached prompt tokens / prompt tokens; ratio rows: / the baseline above\n");
     fflush(stdout);
     double disagg_ttft = NAN, kv_hit = NAN;
-    if (!multiturn) {
+    if (secured) {
+        /* the same disaggregated fleet and workload (the short mix), plain and secured */
+        serve_conf a = {.name = "plain", .up_args = disagg};
+        serve_conf b = {.name = "tls + api key", .up_args = secure, .api_key = "kvf-bench-key"};
+        serve_stats sa, sb;
+        if (run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &sa) != 0 ||
+            run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &b, &sb) != 0)
+            goto out;
+        int32_t lo, hi;
+        char title[128];
+        prompt_range(&a, max_pos, c.out_max, &lo, &hi);
+        snprintf(title, sizeof title, "disaggregated (1 prefill + 1 decode), short prompts (%d-%d "
+                 "tokens)", lo, hi);
+        print_head(title);
+        print_row(a.name, &sa);
+        print_row(b.name, &sb);
+        print_ratio("secure / plain", &sb, &sa);
+        if (sa.errors || sb.errors)
+            rc = 3;
+        printf("\nserve: secure_vs_plain_ttft_p50=%.2f secure_vs_plain_tok_s=%.2f\n",
+               ratio(sb.ttft_p50, sa.ttft_p50), ratio(sb.tok_s, sa.tok_s));
+    } else if (!multiturn) {
         for (int mix = 0; mix < 2; mix++) {
             serve_conf a = {.name = mix ? "colocated long" : "colocated short", .up_args = coloc, .long_mix = mix};
             serve_conf b = {.name = mix ? "disagg long" : "disagg short", .up_args = disagg, .long_mix = mix};
