@@ -813,8 +813,14 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         return st;
     if ((st = kvf_rpc_tls_check_member(&cfg->tls, rn, err)) != KVF_OK)
         return st;
-    if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK ||
-        (st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
+    if ((st = kvf_worker_parse_hostport("listen", cfg->listen, host, sizeof host, &port, err)) != KVF_OK)
+        return st;
+    if (!kvf_rpc_tls_on(&cfg->tls) && strcmp(host, "localhost") != 0 && strncmp(host, "127.", 4) != 0 &&
+        strcmp(host, "::1") != 0 && strcmp(host, "[::1]") != 0)
+        kvf_log(KVF_LOG_WARN, "%s: gRPC on %s without --tls-cert/--tls-key/--tls-ca: anyone who reaches "
+                "it can read the pool's descriptor, start transfers and cancel requests (docs/SECURITY.md)",
+                rn, cfg->listen);
+    if ((st = kvf_worker_parse_hostport("admin-listen", cfg->admin_listen, host, sizeof host, &port, err)) != KVF_OK)
         return st;
 
     kvf_worker *w = calloc(1, sizeof *w);
