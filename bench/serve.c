@@ -705,6 +705,26 @@ static void print_head(const char *title)
            "errors", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok/s", "hit");
 }
 
+/* Runs baseline a and then b, prints their table under title with the ratio row, and sets
+ * *rc to 3 when either had errors. -1 when a fleet did not start. */
+static int run_pair(const char *self, const serve_cfg *c, const char *model, const char *model_id,
+                    const char *log_dir, int32_t vocab, int32_t max_pos, const serve_conf *a,
+                    const serve_conf *b, const char *title, const char *ratio_name,
+                    serve_stats *sa, serve_stats *sb, int *rc)
+{
+    if (run_conf(self, c, model, model_id, log_dir, vocab, max_pos, a, sa) != 0 ||
+        run_conf(self, c, model, model_id, log_dir, vocab, max_pos, b, sb) != 0)
+        return -1;
+    print_head(title);
+    print_row(a->name, sa);
+    print_row(b->name, sb);
+    print_ratio(ratio_name, sb, sa);
+    if (sa->errors || sb->errors)
+        *rc = 3;
+    fflush(stdout);
+    return 0;
+}
+
 int kvf_bench_serve_main(int argc, char **argv)
 {
     serve_cfg c = {0};
@@ -804,68 +824,47 @@ int kvf_bench_serve_main(int argc, char **argv)
     printf("  times in ms; hit = cached prompt tokens / prompt tokens; ratio rows: / the baseline above\n");
     fflush(stdout);
     double disagg_ttft = NAN, kv_hit = NAN;
+    serve_stats sa, sb;
     if (secured) {
         /* the same disaggregated fleet and workload (the short mix), plain and secured */
         serve_conf a = {.name = "plain", .up_args = disagg};
         serve_conf b = {.name = "tls + api key", .up_args = secure, .api_key = "kvf-bench-key"};
-        serve_stats sa, sb;
-        if (run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &sa) != 0 ||
-            run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &b, &sb) != 0)
-            goto out;
         int32_t lo, hi;
         char title[128];
         prompt_range(&a, max_pos, c.out_max, &lo, &hi);
         snprintf(title, sizeof title, "disaggregated (1 prefill + 1 decode), short prompts (%d-%d "
                  "tokens)", lo, hi);
-        print_head(title);
-        print_row(a.name, &sa);
-        print_row(b.name, &sb);
-        print_ratio("secure / plain", &sb, &sa);
-        if (sa.errors || sb.errors)
-            rc = 3;
+        if (run_pair(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &b, title,
+                     "secure / plain", &sa, &sb, &rc) != 0)
+            goto out;
         printf("\nserve: secure_vs_plain_ttft_p50=%.2f secure_vs_plain_tok_s=%.2f\n",
                ratio(sb.ttft_p50, sa.ttft_p50), ratio(sb.tok_s, sa.tok_s));
     } else if (!multiturn) {
         for (int mix = 0; mix < 2; mix++) {
             serve_conf a = {.name = mix ? "colocated long" : "colocated short", .up_args = coloc, .long_mix = mix};
             serve_conf b = {.name = mix ? "disagg long" : "disagg short", .up_args = disagg, .long_mix = mix};
-            serve_stats sa, sb;
-            if (run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &sa) != 0 ||
-                run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &b, &sb) != 0)
-                goto out;
             int32_t lo, hi;
             char title[96];
             prompt_range(&a, max_pos, c.out_max, &lo, &hi);
             snprintf(title, sizeof title, "%s prompts (%d-%d tokens)", mix ? "long" : "short", lo, hi);
-            print_head(title);
-            print_row(a.name, &sa);
-            print_row(b.name, &sb);
-            print_ratio("disagg / colocated", &sb, &sa);
-            if (sa.errors || sb.errors)
-                rc = 3;
+            if (run_pair(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &b, title,
+                         "disagg / colocated", &sa, &sb, &rc) != 0)
+                goto out;
             if (mix == 0 || isnan(disagg_ttft))
                 disagg_ttft = ratio(sb.ttft_p50, sa.ttft_p50);
-            fflush(stdout);
         }
         printf("\nserve: disagg_vs_coloc_ttft_p50=%.2f (short mix)\n", disagg_ttft);
     } else {
         serve_conf a = {.name = "round-robin", .up_args = rr, .multiturn = true};
         serve_conf b = {.name = "kv", .up_args = kv, .multiturn = true};
-        serve_stats sa, sb;
-        if (run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &sa) != 0 ||
-            run_conf(self, &c, model, model_id, log_dir, vocab, max_pos, &b, &sb) != 0)
-            goto out;
         int32_t lo, hi;
         char title[160];
         prompt_range(&a, max_pos, c.out_max, &lo, &hi);
         snprintf(title, sizeof title, "multi-turn chat, 3 decode workers: %d turns, the first %d-%d tokens, each "
                  "next one + the answer + 32-64 user tokens", c.turns, lo, hi);
-        print_head(title);
-        print_row(a.name, &sa);
-        print_row(b.name, &sb);
-        print_ratio("kv / round-robin", &sb, &sa);
-        if (sa.errors || sb.errors)
-            rc = 3;
+        if (run_pair(self, &c, model, model_id, log_dir, vocab, max_pos, &a, &b, title,
+                     "kv / round-robin", &sa, &sb, &rc) != 0)
+            goto out;
         kv_hit = ratio(sb.hit, sa.hit);
         printf("\nserve: kv_vs_rr_hit=%.2f kv_vs_rr_ttft_p50=%.2f (hit %.3f vs %.3f)\n", kv_hit,
                ratio(sb.ttft_p50, sa.ttft_p50), sb.hit, sa.hit);

@@ -161,6 +161,20 @@ static void test_tls_calls(void **state)
     kvf_rpc_server_destroy(srv);
 }
 
+/* A started TLS server with the echo method on an ephemeral port; its address in target. */
+static kvf_rpc_server *echo_server(const kvf_rpc_tls *stls, char *target, size_t cap)
+{
+    kvf_err e;
+    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 1, .tls = stls};
+    kvf_rpc_server *srv;
+    if (kvf_rpc_server_create(&o, &srv, &e) != KVF_OK)
+        fail_msg("TLS server: %s", e.msg);
+    assert_int_equal(kvf_rpc_server_add_unary(srv, "/t.T/Echo", h_echo, NULL, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_server_start(srv, &e), KVF_OK);
+    snprintf(target, cap, "127.0.0.1:%d", kvf_rpc_server_port(srv));
+    return srv;
+}
+
 /* One call on a fresh channel to target with tls (NULL: plaintext); its status. */
 static kvf_status call_once(const char *target, const kvf_rpc_tls *tls, kvf_err *e)
 {
@@ -187,14 +201,8 @@ static void test_mtls(void **state)
         skip();
     kvf_err e;
     kvf_rpc_tls stls = {.cert_file = cert_pem, .key_file = key_pem, .ca_file = ca_pem};
-    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 1, .tls = &stls};
-    kvf_rpc_server *srv;
-    if (kvf_rpc_server_create(&o, &srv, &e) != KVF_OK)
-        fail_msg("mTLS server: %s", e.msg);
-    assert_int_equal(kvf_rpc_server_add_unary(srv, "/t.T/Echo", h_echo, NULL, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_start(srv, &e), KVF_OK);
     char target[64];
-    snprintf(target, sizeof target, "127.0.0.1:%d", kvf_rpc_server_port(srv));
+    kvf_rpc_server *srv = echo_server(&stls, target, sizeof target);
 
     kvf_rpc_tls member = {.cert_file = client_pem, .key_file = client_key, .ca_file = ca_pem,
                           .server_name = "localhost"};
@@ -223,14 +231,8 @@ static void test_mtls_reload(void **state)
         skip();
     kvf_err e;
     kvf_rpc_tls stls = {.cert_file = live_pem, .key_file = live_key, .ca_file = ca_pem};
-    kvf_rpc_server_opts o = {.address = "127.0.0.1:0", .n_threads = 1, .tls = &stls};
-    kvf_rpc_server *srv;
-    if (kvf_rpc_server_create(&o, &srv, &e) != KVF_OK)
-        fail_msg("mTLS server: %s", e.msg);
-    assert_int_equal(kvf_rpc_server_add_unary(srv, "/t.T/Echo", h_echo, NULL, &e), KVF_OK);
-    assert_int_equal(kvf_rpc_server_start(srv, &e), KVF_OK);
     char target[64];
-    snprintf(target, sizeof target, "127.0.0.1:%d", kvf_rpc_server_port(srv));
+    kvf_rpc_server *srv = echo_server(&stls, target, sizeof target);
     kvf_rpc_tls old_ca = {.cert_file = client_pem, .key_file = client_key, .ca_file = ca_pem,
                           .server_name = "localhost"};
     kvf_rpc_tls new_ca = old_ca;
