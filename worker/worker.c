@@ -980,7 +980,7 @@ kvf_status kvf_worker_start(kvf_worker *w, kvf_err *err)
     char host[256];
     int port;
     kvf_worker_parse_hostport("admin-listen", w->cfg.admin_listen, host, sizeof host, &port, err);
-    if ((st = kvf_worker_http_start(host, port, admin_get, w, &w->http, err)) != KVF_OK)
+    if ((st = kvf_worker_http_start(host, port, NULL, admin_get, w, &w->http, err)) != KVF_OK)
         return st;
     w->started = true;
     kvf_log(KVF_LOG_INFO, "%s: %s serving gRPC on port %d, admin HTTP on port %d", rn,

@@ -156,8 +156,24 @@ typedef struct kvf_worker_http kvf_worker_http;
  * server's own thread. */
 typedef int (*kvf_worker_http_fn)(void *ctx, const char *path, kvf_sbuf *body,
                                   const char **content_type_out);
-kvf_status kvf_worker_http_start(const char *host, int port, kvf_worker_http_fn fn, void *ctx,
-                                 kvf_worker_http **out, kvf_err *err);
+/* Limits of the admin server; zeroed fields take the defaults below. One thread polls every
+ * connection, so a client that sends nothing delays nobody: it holds one of max_conns slots until
+ * read_timeout_ms after it connected (a request head must be complete by then), and at the cap
+ * the connection that has been reading longest is closed for the newcomer. An answer the client
+ * does not take within write_timeout_ms is dropped. */
+#define KVF_WORKER_HTTP_MAX_CONNS 64
+#define KVF_WORKER_HTTP_READ_TIMEOUT_MS 10000
+#define KVF_WORKER_HTTP_WRITE_TIMEOUT_MS 10000
+typedef struct kvf_worker_http_opts {
+    int max_conns;        /* connections open at once */
+    int read_timeout_ms;  /* from accept to a complete request head */
+    int write_timeout_ms; /* from the answer being ready to its last byte taken */
+} kvf_worker_http_opts;
+/* Listens on host:port (port 0: ephemeral) and serves fn on its own thread; opts NULL: the
+ * defaults. */
+kvf_status kvf_worker_http_start(const char *host, int port, const kvf_worker_http_opts *opts,
+                                 kvf_worker_http_fn fn, void *ctx, kvf_worker_http **out,
+                                 kvf_err *err);
 int kvf_worker_http_port(const kvf_worker_http *h);
 void kvf_worker_http_stop(kvf_worker_http *h); /* joins the thread and frees; NULL is fine */
 
