@@ -129,6 +129,14 @@ typedef struct kvf_xfer_cfg {
     /* cuda_ipc, nccl: the address this side's notice channel (TCP) listens on and that peers
      * connect to; NULL: "127.0.0.1" (one node). Set the node's address for nccl across nodes. */
     const char *notice_host;
+    /* The address the transfer plane binds (set by programs, e.g. from a --xfer-listen flag; no
+     * flag of its own here). ucx: its tcp transport listens only on the network interface holding
+     * this address (UCX binds an interface's address, so this restricts UCX_NET_DEVICES to that
+     * interface plus the non-tcp devices, RDMA, which open no socket); net_devices may not name
+     * another interface. nccl: NCCL's bootstrap and socket transport use that interface
+     * (NCCL_SOCKET_IFNAME, unless the environment sets it). A numeric IPv4 or IPv6 address; NULL,
+     * "", "0.0.0.0" or "::": every interface. The notice channel binds notice_host. */
+    const char *listen_host;
 } kvf_xfer_cfg;
 
 /* The flags of a kvf_xfer_cfg, as a cfg table (offsets within kvf_xfer_cfg): a program includes

@@ -118,6 +118,13 @@ bool kvf_xfer_expecting(kvf_xfer *x, uint64_t id);
  * forged notice. */
 bool kvf_xfer_expecting_token(kvf_xfer *x, uint64_t id, const uint8_t *token);
 
+/* ---- where the transfer plane listens (xfer.c) ----
+ * Whether host names every address (NULL, "", "0.0.0.0", "::"). */
+bool kvf_xfer_host_is_any(const char *host);
+/* The name of the network interface that holds the numeric address host; the error names the
+ * address and says that no interface has it. */
+kvf_status kvf_xfer_host_ifname(const char *host, char *ifname, size_t cap, kvf_err *err);
+
 /* ---- the host notice channel of the GPU backends (xfer_chan.c) ----
  * Framed messages over TCP between two kvf_xfer objects: each side listens on one address (in
  * its descriptor) and senders connect to it. Non-blocking, progressed from kvf_xfer_progress;

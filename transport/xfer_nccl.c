@@ -270,6 +270,32 @@ static void on_msg(void *arg, kvf_xfer_conn *conn, const kvf_xfer_msg *m)
 
 /* ---- open / close / descriptors ---- */
 
+/* NCCL's bootstrap and its socket transport listen on the interface NCCL_SOCKET_IFNAME names
+ * (else on one NCCL picks, never loopback): that of cfg->listen_host, set before NCCL reads it
+ * (its first ncclGetUniqueId or init), unless the environment names one already. */
+static kvf_status nccl_listen_interface(const kvf_xfer_cfg *cfg, kvf_err *err)
+{
+    if (kvf_xfer_host_is_any(cfg->listen_host))
+        return KVF_OK;
+    char ifname[64], want[68];
+    kvf_status st = kvf_xfer_host_ifname(cfg->listen_host, ifname, sizeof ifname, err);
+    if (st != KVF_OK)
+        return st;
+    snprintf(want, sizeof want, "=%s", ifname); /* "=": that interface exactly */
+    const char *env = getenv("NCCL_SOCKET_IFNAME");
+    if (!env) {
+        if (setenv("NCCL_SOCKET_IFNAME", want, 0) != 0)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: nccl: setting NCCL_SOCKET_IFNAME");
+        kvf_log(KVF_LOG_DEBUG, "xfer: nccl: listen address %s: NCCL_SOCKET_IFNAME=%s",
+                cfg->listen_host, want);
+    } else if (strcmp(env, want) != 0 && strcmp(env, ifname) != 0) {
+        kvf_log(KVF_LOG_WARN, "xfer: nccl: NCCL_SOCKET_IFNAME=%s (from the environment) makes "
+                "NCCL listen there, not only on %s, the interface of the listen address %s", env,
+                ifname, cfg->listen_host);
+    }
+    return KVF_OK;
+}
+
 static kvf_status nccl_open_x(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
 {
     const kvf_xfer_gpu *g = cfg->gpu;
@@ -282,7 +308,9 @@ static kvf_status nccl_open_x(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err
     u->x = x;
     u->gpu = g;
     u->next_token = ((uint64_t)getpid() << 32) ^ (uint64_t)kvf_now_ns();
-    kvf_status st = kvf_xfer_chan_open(cfg->notice_host, on_msg, u, &u->chan, err);
+    kvf_status st = nccl_listen_interface(cfg, err);
+    if (st == KVF_OK)
+        st = kvf_xfer_chan_open(cfg->notice_host, on_msg, u, &u->chan, err);
     if (st != KVF_OK) {
         free(u);
         return st;

@@ -18,7 +18,9 @@
 #include <string.h>
 #include <time.h>
 
+#include <net/if.h>
 #include <ucp/api/ucp.h>
+#include <uct/api/uct.h>
 
 #include "common/log.h"
 #include "common/time.h"
@@ -628,6 +630,107 @@ static kvf_status set_am_handler(ucx_xfer *u, unsigned id, ucp_am_recv_callback_
 
 /* ---- open / close ---- */
 
+/* Appends to out (comma-separated) every network device UCX has that is not a tcp one: RDMA
+ * devices, which open no socket. */
+static void ucx_non_tcp_net_devices(kvf_sbuf *out)
+{
+    uct_component_h *comps = NULL;
+    unsigned n_comps = 0;
+    if (uct_query_components(&comps, &n_comps) != UCS_OK)
+        return;
+    for (unsigned i = 0; i < n_comps; i++) {
+        uct_component_attr_t ca = {.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT};
+        if (uct_component_query(comps[i], &ca) != UCS_OK || ca.md_resource_count == 0)
+            continue;
+        uct_md_resource_desc_t *mds = calloc(ca.md_resource_count, sizeof *mds);
+        if (!mds)
+            continue;
+        ca.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+        ca.md_resources = mds;
+        unsigned n_mds = ca.md_resource_count;
+        for (unsigned j = 0; uct_component_query(comps[i], &ca) == UCS_OK && j < n_mds; j++) {
+            uct_md_config_t *mc = NULL;
+            uct_md_h md = NULL;
+            if (uct_md_config_read(comps[i], NULL, NULL, &mc) != UCS_OK)
+                continue;
+            ucs_status_t s = uct_md_open(comps[i], mds[j].md_name, mc, &md);
+            uct_config_release(mc);
+            if (s != UCS_OK)
+                continue;
+            uct_tl_resource_desc_t *res = NULL;
+            unsigned n_res = 0;
+            if (uct_md_query_tl_resources(md, &res, &n_res) == UCS_OK) {
+                for (unsigned k = 0; k < n_res; k++) {
+                    if (res[k].dev_type != UCT_DEVICE_TYPE_NET || strcmp(res[k].tl_name, "tcp") == 0)
+                        continue;
+                    /* once each: ",name," is not in ",<out>," */
+                    char key[UCT_DEVICE_NAME_MAX + 2];
+                    snprintf(key, sizeof key, ",%s,", res[k].dev_name);
+                    kvf_sbuf have;
+                    kvf_sbuf_init(&have);
+                    kvf_sbuf_printf(&have, ",%.*s,", (int)out->len, out->len ? out->data : "");
+                    if (!have.oom && !strstr(have.data, key))
+                        kvf_sbuf_printf(out, "%s%s", out->len ? "," : "", res[k].dev_name);
+                    kvf_sbuf_fini(&have);
+                }
+                uct_release_tl_resource_list(res);
+            }
+            uct_md_close(md);
+        }
+        free(mds);
+    }
+    uct_release_component_list(comps);
+}
+
+/* UCX_NET_DEVICES for a context whose tcp transport may listen only on cfg->listen_host's
+ * interface (UCX's tcp transport binds the address of every net device it is given). *out is
+ * NULL when nothing is to be set (no tcp, or every interface allowed), else a malloc'd list. */
+static kvf_status ucx_listen_devices(const kvf_xfer_cfg *cfg, const char *tls, char **out,
+                                     kvf_err *err)
+{
+    *out = NULL;
+    bool tcp_possible = !tls || strcmp(tls, "tcp") == 0;
+    if (!tcp_possible || kvf_xfer_host_is_any(cfg->listen_host)) {
+        if (cfg->net_devices && !(*out = strdup(cfg->net_devices)))
+            return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: ucx: out of memory");
+        return KVF_OK;
+    }
+    char ifname[IF_NAMESIZE + 1];
+    kvf_status st = kvf_xfer_host_ifname(cfg->listen_host, ifname, sizeof ifname, err);
+    if (st != KVF_OK)
+        return st;
+    kvf_sbuf l;
+    kvf_sbuf_init(&l);
+    if (cfg->net_devices && *cfg->net_devices) {
+        /* the operator's list, as long as no interface in it is another one */
+        char *copy = strdup(cfg->net_devices), *save = NULL;
+        for (char *d = copy ? strtok_r(copy, ",", &save) : NULL; d; d = strtok_r(NULL, ",", &save)) {
+            if (strcmp(d, "all") == 0 || (strcmp(d, ifname) != 0 && if_nametoindex(d) != 0)) {
+                st = kvf_err_set(err, KVF_ERR_INVALID, "xfer: ucx: net devices '%s' would let "
+                                 "UCX's tcp transport listen on '%s', which does not hold the "
+                                 "listen address %s (%s does: name it, plus RDMA devices if any)",
+                                 cfg->net_devices, d, cfg->listen_host, ifname);
+                break;
+            }
+        }
+        free(copy);
+        if (st != KVF_OK) {
+            kvf_sbuf_fini(&l);
+            return st;
+        }
+        kvf_sbuf_puts(&l, cfg->net_devices);
+    } else {
+        kvf_sbuf_puts(&l, ifname);
+        ucx_non_tcp_net_devices(&l);
+    }
+    if (l.oom) {
+        kvf_sbuf_fini(&l);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "xfer: ucx: out of memory");
+    }
+    *out = kvf_sbuf_take(&l);
+    return KVF_OK;
+}
+
 static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
 {
     const char *tr = cfg->transport && *cfg->transport ? cfg->transport : "auto";
@@ -668,16 +771,27 @@ static kvf_status ucx_open(kvf_xfer *x, const kvf_xfer_cfg *cfg, kvf_err *err)
                          ucs_status_string(s));
         goto fail_u;
     }
-    if (tls && (s = ucp_config_modify(uc, "TLS", tls)) == UCS_OK && cfg->net_devices)
-        s = ucp_config_modify(uc, "NET_DEVICES", cfg->net_devices);
-    else if (!tls && cfg->net_devices)
-        s = ucp_config_modify(uc, "NET_DEVICES", cfg->net_devices);
+    /* the devices: those that let the tcp transport listen on cfg->listen_host only */
+    char *devs = NULL;
+    if ((st = ucx_listen_devices(cfg, tls, &devs, err)) != KVF_OK) {
+        ucp_config_release(uc);
+        goto fail_u;
+    }
+    if (tls && (s = ucp_config_modify(uc, "TLS", tls)) == UCS_OK && devs)
+        s = ucp_config_modify(uc, "NET_DEVICES", devs);
+    else if (!tls && devs)
+        s = ucp_config_modify(uc, "NET_DEVICES", devs);
     if (s != UCS_OK) {
         ucp_config_release(uc);
         st = kvf_err_set(err, KVF_ERR_INVALID, "xfer: ucx: transport '%s' / net devices '%s': %s",
-                         tr, cfg->net_devices ? cfg->net_devices : "(all)", ucs_status_string(s));
+                         tr, devs ? devs : "(all)", ucs_status_string(s));
+        free(devs);
         goto fail_u;
     }
+    if (devs && !kvf_xfer_host_is_any(cfg->listen_host))
+        kvf_log(KVF_LOG_DEBUG, "xfer: ucx: listen address %s: net devices %s", cfg->listen_host,
+                devs);
+    free(devs);
     /* Wakeup lets waiters sleep on an fd; without it they spin (still correct). */
     ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
                            .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};

@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
+#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -61,6 +62,7 @@ struct kvf_worker {
     kvf_engine *engine; /* the one scheduler, for both roles */
     kvf_kv_pool *pool;  /* the engine's */
     kvf_xfer *xfer;
+    char xfer_host[64]; /* the transfer plane's numeric address; "0.0.0.0": every interface */
     uint8_t *desc;
     size_t desc_len;
     kvf_rpc_server *server;
@@ -102,6 +104,10 @@ static const kvf_cfg_opt worker_opts[] = {
      offsetof(kvf_worker_cfg, listen), KVF_CFG_STR},
     {"admin-listen", "127.0.0.1:0", "admin HTTP (/metrics, /health) HOST:PORT",
      offsetof(kvf_worker_cfg, admin_listen), KVF_CFG_STR},
+    {"xfer-listen", NULL, "HOST the KV transfer plane listens on (ucx's tcp transport, the "
+     "cuda_ipc/nccl notice channel, NCCL's bootstrap): one of this node's addresses, or 0.0.0.0 "
+     "for every interface (default: the --listen host)", offsetof(kvf_worker_cfg, xfer_listen),
+     KVF_CFG_STR},
     {"kv-memory", "64M", "KV pool bytes (K/M/G suffixes) when --kv-blocks is 0",
      offsetof(kvf_worker_cfg, kv_memory), KVF_CFG_SIZE},
     {"kv-blocks", "0", "KV pool blocks (overrides --kv-memory)",
@@ -752,21 +758,69 @@ static kvf_status pick_transport(const kvf_worker_cfg *cfg, const char *rn, cons
     return KVF_OK;
 }
 
-/* The notice channel's address: --xfer-notice-host, else the --listen host when it is an IPv4
- * address other than 0.0.0.0, else 127.0.0.1 (peers on this node only). */
-static const char *notice_host(const kvf_worker_cfg *cfg, const char *listen_host, const char *rn,
-                               const char *backend)
+/* The transfer plane's address: --xfer-listen, else --xfer-notice-host (the one listener it
+ * used to name), else the --listen host, as a numeric address (a name is resolved here, once);
+ * "0.0.0.0" for every interface. */
+static kvf_status xfer_listen_host(const kvf_worker_cfg *cfg, const char *listen_host,
+                                   const char *rn, char *out, size_t cap, kvf_err *err)
+{
+    const char *flag = cfg->xfer_listen ? "xfer-listen"
+                     : cfg->xfer.notice_host ? "xfer-notice-host" : "listen";
+    char h[256];
+    snprintf(h, sizeof h, "%s", cfg->xfer_listen ? cfg->xfer_listen
+                                : cfg->xfer.notice_host ? cfg->xfer.notice_host : listen_host);
+    size_t hl = strlen(h);
+    if (hl >= 2 && h[0] == '[' && h[hl - 1] == ']') { /* [::1] */
+        memmove(h, h + 1, hl - 2);
+        h[hl - 2] = '\0';
+    }
+    if (!*h || strcmp(h, "0.0.0.0") == 0 || strcmp(h, "::") == 0 || strcmp(h, "*") == 0) {
+        snprintf(out, cap, "0.0.0.0");
+        return KVF_OK;
+    }
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    int rc = getaddrinfo(h, NULL, &hints, &ai);
+    if (rc != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s host '%s' (the KV transfer plane's "
+                           "address) does not resolve: %s", rn, flag, h, gai_strerror(rc));
+    void *a = ai->ai_family == AF_INET6 ? (void *)&((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr
+                                        : (void *)&((struct sockaddr_in *)ai->ai_addr)->sin_addr;
+    if (!inet_ntop(ai->ai_family, a, out, (socklen_t)cap)) {
+        freeaddrinfo(ai);
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --%s host '%s': no address", rn, flag, h);
+    }
+    freeaddrinfo(ai);
+    return KVF_OK;
+}
+
+/* The notice channel's address: --xfer-notice-host, else the --xfer-listen address when it is an
+ * IPv4 address other than 0.0.0.0, else 127.0.0.1 (peers on this node only). An explicit
+ * --xfer-notice-host must be the --xfer-listen address unless that is every interface. */
+static kvf_status notice_host(const kvf_worker_cfg *cfg, const char *xfer_host, const char *rn,
+                              const char *backend, const char **out, kvf_err *err)
 {
     struct in_addr a;
-    if (cfg->xfer.notice_host)
-        return cfg->xfer.notice_host;
-    if (inet_pton(AF_INET, listen_host, &a) == 1 && a.s_addr != htonl(INADDR_ANY))
-        return listen_host;
+    bool any = strcmp(xfer_host, "0.0.0.0") == 0;
+    if (cfg->xfer.notice_host) {
+        if (!any && strcmp(cfg->xfer.notice_host, xfer_host) != 0)
+            return kvf_err_set(err, KVF_ERR_INVALID, "%s: --xfer-notice-host=%s is not the "
+                               "transfer plane's address --xfer-listen=%s: the notice channel "
+                               "listens only there (set them equal, or --xfer-listen=0.0.0.0)", rn,
+                               cfg->xfer.notice_host, xfer_host);
+        *out = cfg->xfer.notice_host;
+        return KVF_OK;
+    }
+    if (!any && inet_pton(AF_INET, xfer_host, &a) == 1) {
+        *out = xfer_host;
+        return KVF_OK;
+    }
     if (strcmp(backend, "nccl") == 0)
-        kvf_log(KVF_LOG_WARN, "%s: nccl: the notice channel listens on 127.0.0.1 (--listen host "
-                "%s is no IPv4 address peers can reach), so only peers on this node can pair with "
-                "it: set --xfer-notice-host to this node's address", rn, listen_host);
-    return "127.0.0.1";
+        kvf_log(KVF_LOG_WARN, "%s: nccl: the notice channel listens on 127.0.0.1 (the transfer "
+                "plane's address %s is no IPv4 address peers can reach), so only peers on this "
+                "node can pair with it: set --xfer-notice-host (and --xfer-listen) to this node's "
+                "address", rn, xfer_host);
+    *out = "127.0.0.1";
+    return KVF_OK;
 }
 
 /* The backend --device names (the engine's table) and, for a GPU, the transport's GPU ops. */
@@ -897,17 +951,20 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     kvf_xfer_cfg xc = cfg->xfer;
     xc.backend = xfer_backend;
     xc.gpu = gpu;
-    xc.notice_host = notice_host(cfg, listen_host, rn, xfer_backend);
+    if ((st = xfer_listen_host(cfg, listen_host, rn, w->xfer_host, sizeof w->xfer_host, err)) != KVF_OK ||
+        (st = notice_host(cfg, w->xfer_host, rn, xfer_backend, &xc.notice_host, err)) != KVF_OK)
+        goto fail;
+    xc.listen_host = w->xfer_host;
     kvf_xfer_pool xp = {.base = kvf_kv_pool_base(w->pool), .layout = w->layout, .n_blocks = w->n_blocks};
     if ((st = kvf_xfer_create(&xc, &xp, &w->xfer, err)) != KVF_OK) {
-        kvf_err_prefix(err, "%s: --xfer-backend=%s%s", rn, xc.backend,
-                       xc.gpu_staging ? " --xfer-gpu-staging" : "");
+        kvf_err_prefix(err, "%s: --xfer-backend=%s%s --xfer-listen=%s", rn, xc.backend,
+                       xc.gpu_staging ? " --xfer-gpu-staging" : "", w->xfer_host);
         goto fail;
     }
     bool noticed = strcmp(xc.backend, "cuda_ipc") == 0 || strcmp(xc.backend, "nccl") == 0;
-    kvf_log(KVF_LOG_INFO, "%s: KV pool in %s memory, transport %s%s%s%s", rn, gpu ? "GPU" : "host",
-            xc.backend, xc.gpu_staging ? " through a pinned host mirror" : "",
-            noticed ? ", notices on " : "", noticed ? xc.notice_host : "");
+    kvf_log(KVF_LOG_INFO, "%s: KV pool in %s memory, transport %s%s, listening on %s%s%s", rn,
+            gpu ? "GPU" : "host", xc.backend, xc.gpu_staging ? " through a pinned host mirror" : "",
+            w->xfer_host, noticed ? ", notices on " : "", noticed ? xc.notice_host : "");
     if ((st = kvf_xfer_desc_export(w->xfer, &w->desc, &w->desc_len, err)) != KVF_OK)
         goto fail;
 

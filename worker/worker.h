@@ -41,6 +41,9 @@ typedef struct kvf_worker_cfg {
     const char *worker_id;    /* Info.worker_id; NULL: "<role>-<pid>" */
     const char *listen;       /* gRPC HOST:PORT (port 0: ephemeral) */
     const char *admin_listen; /* admin HTTP HOST:PORT (port 0: ephemeral) */
+    const char *xfer_listen;  /* the KV transfer plane's listeners' address (UCX tcp, notice
+                               * channel, NCCL bootstrap); NULL: the --listen host;
+                               * 0.0.0.0 or ::: every interface */
     int64_t kv_memory;        /* KV pool bytes (when kv_blocks is 0) */
     int32_t kv_blocks;        /* KV pool blocks; 0: from kv_memory */
     int32_t block_size;
@@ -58,8 +61,9 @@ typedef struct kvf_worker_cfg {
     const char *device;       /* cpu or cuda: where the model runs and the KV pool lives */
     const char *attn_decode;  /* cuda: auto, simt, mma (kvf_engine_attn_decode_pick) */
     /* The KV transport (transport/xfer.h's flags: --xfer-backend, --xfer-transport, ...). Its
-     * gpu table is the worker's to fill; notice_host NULL means the --listen host when it is an
-     * IPv4 address, else 127.0.0.1. */
+     * gpu table is the worker's to fill; notice_host NULL means the --xfer-listen host when it
+     * is an IPv4 address other than 0.0.0.0, else 127.0.0.1; listen_host is set from
+     * --xfer-listen. */
     kvf_xfer_cfg xfer;
     /* Mutual TLS on the worker plane (--tls-cert, --tls-key, --tls-ca, together or none): the
      * gRPC server admits only clients with a certificate the CA signed, and this worker's own
