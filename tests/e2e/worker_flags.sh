@@ -25,6 +25,7 @@ expect 2 "--xfer-backend=nccl moves GPU pools: it needs --device cuda" -- "$BIN"
 expect 2 "--transport was renamed: use --xfer-backend" -- "$BIN" decode --model "$M" --transport ucx
 KVFLEET_TRANSPORT=ucx expect 2 "KVFLEET_TRANSPORT (--transport) was renamed: use KVFLEET_XFER_BACKEND" -- "$BIN" prefill --model "$M"
 expect 0 "--xfer-net-devices" -- "$BIN" prefill --help
+expect 0 "--xfer-listen" -- "$BIN" decode --help
 expect 2 "holds 3 blocks" -- "$BIN" decode --model "$M" --kv-blocks 3
 expect 2 "--local-prefill-max-tokens (-1) must be >= 0" -- "$BIN" decode --model "$M" --local-prefill-max-tokens=-1
 expect 0 "--attn-decode" -- "$BIN" decode --help

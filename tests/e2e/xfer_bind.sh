@@ -64,6 +64,32 @@ EOF
     pass "$what: $n listening sockets, all on loopback"
 }
 
+# --- KVF_XFER_BIND_GPU="cuda_ipc nccl": the GPU backends instead (e2e_xfer_bind_emu: kvfleet_emu,
+# kvfleet on the emulated CUDA runtime and NCCL; or kvfleet on a GPU). Their notice channel is
+# the third listener; the pair serves the fixture disaggregated over it.
+if [ -n "${KVF_XFER_BIND_GPU:-}" ]; then
+    for backend in $KVF_XFER_BIND_GPU; do
+        start "pre-$backend" prefill --model "$M" --device cuda --kv-blocks 64 --listen 127.0.0.1:0 \
+            --xfer-backend "$backend"
+        PRE=$ADDR; PPRE=$PID
+        start "dec-$backend" decode --model "$M" --device cuda --kv-blocks 64 --listen 127.0.0.1:0 \
+            --xfer-backend "$backend" --local-prefill-max-tokens 0
+        DEC=$ADDR; PDEC=$PID
+        only_loopback "prefill, --device cuda --xfer-backend $backend" 3 "$PPRE"
+        only_loopback "decode, --device cuda --xfer-backend $backend" 3 "$PDEC"
+        start "r-$backend" router --model "$M" --port 0 --decode "$DEC" --prefill "$PRE"; R=$ADDR; PR=$PID
+        wait_ready "http://$R"
+        check_fixture "http://$R" "$m" 1 || fail "$backend on loopback only: fixture"
+        pass "$backend, loopback only: disaggregated greedy ids"
+        # after the transfers (nccl: the pair's communicator is up): still loopback only
+        only_loopback "prefill after transfers, --xfer-backend $backend" 3 "$PPRE"
+        only_loopback "decode after transfers, --xfer-backend $backend" 3 "$PDEC"
+        kill "$PPRE" "$PDEC" "$PR"
+    done
+    finish
+    exit 0
+fi
+
 # --- each CPU transport: a prefill and a decode worker on loopback ---------------------------
 # MIN: gRPC and admin per worker (2), plus UCX's tcp listener where tcp is among its transports
 for cfg in "ucx:auto:3" "ucx:tcp:3" "ucx:sm:2" "local:auto:2"; do
