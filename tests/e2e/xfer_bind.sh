@@ -64,6 +64,37 @@ EOF
     pass "$what: $n listening sockets, all on loopback"
 }
 
+# metric_any ADMIN NAME: the value of the first sample of NAME (labels allowed).
+metric_any() { { curl -s "http://$1/metrics" || true; } | awk -v n="$2" 'index($1, n) == 1 {print $2; exit}'; }
+
+# kv_crossed WHAT PRE_ADMIN DEC_ADMIN URL: every fixture prompt through the router (each answer
+# of n_new tokens; the ids themselves are checked by check_fixture where the backend is exact),
+# and decode took every prompt's KV from the prefill worker over the transport: prefill sent
+# bytes, decode prefilled remotely and never fell back to a local prefill.
+kv_crossed() {
+    local what=$1 pre_admin=$2 dec_admin=$3 url=$4
+    $PY - "$url" "$m" "$KVF_SHARED/fixtures/models/$m/expected.json" <<'EOF' || fail "$what: requests through the router"
+import json, sys, urllib.request
+url, model, path = sys.argv[1:4]
+exp = json.load(open(path))
+for c in exp["cases"]:
+    body = {"model": model, "prompt": c["prompt"], "max_tokens": exp["n_new"], "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        j = json.load(r)
+    assert j["usage"]["completion_tokens"] == exp["n_new"], j["usage"]
+EOF
+    local sent remote fellback
+    sent=$(metric_any "$pre_admin" kvfleet_prefill_kv_bytes_sent_total)
+    remote=$(metric_any "$dec_admin" kvfleet_decode_remote_prefills_total)
+    fellback=$(metric_any "$dec_admin" kvfleet_decode_prefill_fallbacks_total)
+    [ "${fellback:-x}" = 0 ] && awk -v s="${sent:-0}" -v r="${remote:-0}" 'BEGIN {exit !(s + 0 > 0 && r + 0 > 0)}' ||
+        fail "$what: prefill sent ${sent:-?} KV bytes, decode prefilled remotely ${remote:-?} times and fell back ${fellback:-?} times (want > 0, > 0, 0)"
+    pass "$what: every prompt's KV crossed the transport ($sent bytes, $remote remote prefills, no fallback)"
+}
+
 # --- KVF_XFER_BIND_GPU="cuda_ipc nccl": the GPU backends instead (e2e_xfer_bind_emu: kvfleet_emu,
 # kvfleet on the emulated CUDA runtime and NCCL; or kvfleet on a GPU). Their notice channel is
 # the third listener; the pair serves the fixture disaggregated over it.
@@ -77,15 +108,23 @@ if [ -n "${KVF_XFER_BIND_GPU:-}" ]; then
         DEC=$ADDR; PDEC=$PID
         only_loopback "prefill, --device cuda --xfer-backend $backend" 3 "$PPRE"
         only_loopback "decode, --device cuda --xfer-backend $backend" 3 "$PDEC"
+        PADM=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/pre-$backend.out")
+        DADM=$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/dec-$backend.out")
         start "r-$backend" router --model "$M" --port 0 --decode "$DEC" --prefill "$PRE"; R=$ADDR; PR=$PID
         wait_ready "http://$R"
-        check_fixture "http://$R" "$m" 1 || fail "$backend on loopback only: fixture"
-        pass "$backend, loopback only: disaggregated greedy ids"
+        kv_crossed "$backend, loopback only" "$PADM" "$DADM" "http://$R"
         # after the transfers (nccl: the pair's communicator is up): still loopback only
         only_loopback "prefill after transfers, --xfer-backend $backend" 3 "$PPRE"
         only_loopback "decode after transfers, --xfer-backend $backend" 3 "$PDEC"
         kill "$PPRE" "$PDEC" "$PR"
     done
+    # a notice channel asked to listen outside --xfer-listen is refused, naming both
+    b=${KVF_XFER_BIND_GPU%% *}
+    out=$("$KVF_BIN" decode --model "$M" --device cuda --kv-blocks 64 --xfer-backend "$b" \
+          --xfer-listen 127.0.0.1 --xfer-notice-host 127.0.0.2 2>&1 </dev/null) && rc=0 || rc=$?
+    [ "$rc" != 0 ] || fail "--xfer-notice-host 127.0.0.2 with --xfer-listen 127.0.0.1 was accepted"
+    expect_contains "$b: --xfer-notice-host outside --xfer-listen: refused" "$out" \
+        "--xfer-notice-host=127.0.0.2 is not the transfer plane's address --xfer-listen=127.0.0.1"
     finish
     exit 0
 fi
@@ -108,10 +147,8 @@ for cfg in "ucx:auto:3" "ucx:tcp:3" "ucx:sm:2" "local:auto:2"; do
         wait_ready "http://$R"
         check_fixture "http://$R" "$m" 1 || fail "ucx over tcp on loopback only: fixture"
         pass "ucx over tcp, loopback only: disaggregated greedy ids"
-        n_remote=$(metric "$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/pre-$name.out")" \
-                   'kvfleet_engine_steps_total{role="prefill"}')
-        [ "${n_remote:-0}" != 0 ] || fail "ucx over tcp: the prefill worker ran no step (no remote prefill)"
-        pass "ucx over tcp: the prefill worker computed the prompts ($n_remote steps)"
+        kv_crossed "ucx over tcp, loopback only" "$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/pre-$name.out")" \
+            "$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' "$TMP/dec-$name.out")" "http://$R"
     fi
     kill "$PPRE" "$PDEC"
 done
