@@ -348,6 +348,7 @@ kvf_status kvf_rpc_info_encode(const kvf_rpc_info *i, kvf_rpc_buf *out, kvf_err 
         m.kv_layout = &kl;
     }
     m.capacity_blocks = i->capacity_blocks;
+    m.max_n = i->max_n;
     transport_to_msg(&i->transport, &td);
     m.transport = &td;
     m.worker_id = (char *)(i->worker_id ? i->worker_id : "");
@@ -408,6 +409,7 @@ kvf_status kvf_rpc_info_decode(const uint8_t *data, size_t len, kvf_rpc_info **o
     i->has_kv_layout = m->kv_layout != NULL;
     i->kv_layout = layout;
     i->capacity_blocks = m->capacity_blocks;
+    i->max_n = m->max_n > 0 ? m->max_n : 0;
     transport_from_msg(m->transport, &c, &i->transport);
     i->worker_id = carve_str(&c, m->worker_id);
     i->software_version = carve_str(&c, m->software_version);

@@ -100,6 +100,7 @@ typedef struct kvf_rpc_info {
     kvf_rpc_transport transport;
     const char *worker_id;     /* stable name of the worker ("decode-0") */
     const char *software_version;
+    int32_t max_n;             /* parallel samples per request; 0: not said */
 } kvf_rpc_info;
 
 typedef struct kvf_rpc_generate_req {

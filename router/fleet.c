@@ -219,6 +219,7 @@ done:
         snprintf(s->w.worker_id, sizeof s->w.worker_id, "%s", info->worker_id);
         s->w.block_size = info->block_size;
         s->w.capacity_blocks = info->capacity_blocks;
+        s->w.max_n = info->max_n;
     }
     healthy = healthy && s->info_ok;
     if (healthy != s->w.healthy)
@@ -371,4 +372,17 @@ int32_t kvf_router_fleet_block_size(kvf_router_fleet *f)
     int32_t bs = f->block_size;
     pthread_mutex_unlock(&f->mu);
     return bs;
+}
+
+int32_t kvf_router_fleet_max_n(kvf_router_fleet *f)
+{
+    int32_t m = 0;
+    pthread_mutex_lock(&f->mu);
+    for (int32_t i = 0; i < KVF_ROUTER_MAX_WORKERS; i++) {
+        const fleet_slot *s = &f->slots[KVF_ROUTER_ROLE_DECODE][i];
+        if (s->used && s->w.healthy && s->w.max_n > 0 && (m == 0 || s->w.max_n < m))
+            m = s->w.max_n;
+    }
+    pthread_mutex_unlock(&f->mu);
+    return m;
 }

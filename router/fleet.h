@@ -41,6 +41,7 @@ typedef struct kvf_router_worker {
     char worker_id[128];
     int32_t block_size;
     int64_t capacity_blocks;
+    int32_t max_n;         /* parallel samples per request its Info allows; 0: not said */
     kvf_rpc_channel *channel;
 } kvf_router_worker;
 
@@ -65,5 +66,8 @@ int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role);
  * and a worker whose Info says otherwise is refused (never healthy), so every healthy worker in
  * a snapshot has it. Any thread. */
 int32_t kvf_router_fleet_block_size(kvf_router_fleet *f);
+/* The most parallel samples (n) every healthy decode worker takes, from their Info; 0 when no
+ * healthy worker said (then the router's own bound applies). Any thread. */
+int32_t kvf_router_fleet_max_n(kvf_router_fleet *f);
 
 #endif

@@ -411,7 +411,7 @@ static kvf_status h_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *ir, kvf_er
         .protocol_version = KVF_RPC_PROTOCOL_VERSION,
         .role = w->role == KVF_WORKER_PREFILL ? KVF_RPC_ROLE_PREFILL : KVF_RPC_ROLE_DECODE,
         .model_id = w->model_id, .block_size = w->layout.block_size, .has_kv_layout = true,
-        .kv_layout = w->layout, .capacity_blocks = w->n_blocks,
+        .kv_layout = w->layout, .capacity_blocks = w->n_blocks, .max_n = KVF_ENGINE_MAX_N,
         .transport = {.backend = kvf_xfer_backend_name(w->xfer), .blob = w->desc,
                       .blob_len = w->desc_len},
         .worker_id = w->worker_id, .software_version = "0.1.0"};
