@@ -418,7 +418,7 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     rs->head = r;
     rs->n++;
     kvf_metric_set(rs->m_inflight, (double)rs->n);
-    kvf_router_client_on_close(client, r);
+    kvf_router_client_on_close(c->h, client, r);
     if (r->oai.stream)
         kvf_router_client_sse_start(client, r->id);
     return;
@@ -604,7 +604,7 @@ static void rq_answered(kvf_router_req *r)
 static void finish_ok(kvf_router_req *r)
 {
     kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     kvf_router_oai_usage u = usage_of(r);
     if (r->oai.stream) {
         if (r->oai.include_usage)
@@ -637,7 +637,7 @@ static void finish_ok(kvf_router_req *r)
 static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int retry_after)
 {
     kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     if (r->oai.stream) {
         kvf_sbuf b;
         kvf_sbuf_init(&b);
@@ -657,7 +657,7 @@ static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int ret
 /* The client left: Generate cancelled (the decode worker frees the sequence), answer ended. */
 static void finish_gone(kvf_router_req *r)
 {
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     kvf_log(KVF_LOG_INFO, "router: req %s: client went away; Generate cancelled", r->id);
     kvf_metric_add(r->rs->m_disconnects, 1);
     if (r->stream)
@@ -859,7 +859,7 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs)
         return;
     while (rs->head) {
         kvf_router_req *r = rs->head;
-        kvf_router_client_on_close(r->client, NULL);
+        kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
         kvf_router_client_abandon(r->client);
         rq_answered(r);
     }
