@@ -173,8 +173,8 @@ static void maybe_log(kvf_router_conns *cs, bool now_or_later)
     kvf_log(KVF_LOG_WARN,
             "router: too many connections or too large requests (last %.0f s; %lld open, --max-connections=%d, "
             "RLIMIT_NOFILE %lld): %lld idle connections closed to admit new ones, %lld admitted for probes only, "
-            "%lld non-probe requests refused on those, listener paused %lld times, %lld refused at the "
-            "descriptor limit, %lld heads over --max-header-bytes=%lld, %lld bodies over --max-body-bytes=%lld",
+            "%lld non-probe requests refused on those, listener paused %lld times, accept out of descriptors "
+            "%lld times, %lld heads over --max-header-bytes=%lld, %lld bodies over --max-body-bytes=%lld",
             cs->last_log > 0 ? now - cs->last_log : 0.0, (long long)cs->n, cs->cfg.max_connections,
             (long long)cs->nofile, (long long)cs->c_evicted, (long long)cs->c_reserve,
             (long long)cs->c_probe_only, (long long)cs->c_paused, (long long)cs->c_fd, (long long)cs->c_head,
@@ -414,6 +414,10 @@ static struct bufferevent *conn_new(struct event_base *base, void *arg)
         free(k);
         return NULL; /* evhttp makes its own: the connection goes uncounted (out of memory) */
     }
+    /* evhttp adds an answer to the output before it enables writing, and the filter moves output
+     * only while writing is enabled (then never again until the socket drains): its callback on
+     * the output runs deferred, from the loop, once evhttp has enabled writing. */
+    evbuffer_defer_callbacks(bufferevent_get_output(f), base);
     k->cs = cs;
     k->bev = f;
     k->sock = sock;
@@ -476,8 +480,9 @@ static kvf_router_conns *servers_find(const struct evhttp *http, kvf_router_conn
     return cs;
 }
 
-/* accept(2) failed: at the descriptor limit, close an idle connection and refuse the pending
- * one on the spare descriptor; rest the listener when even that fails. */
+/* accept(2) failed. At the descriptor limit, idle connections are closed and the listener rests
+ * until the sweep (their descriptors are free once evhttp reads their end); with none idle, the
+ * pending connection is accepted on the spare descriptor and closed at once. Never a busy loop. */
 static void on_accept_error(struct evconnlistener *lis, void *arg)
 {
     int e = EVUTIL_SOCKET_ERROR();
@@ -488,23 +493,25 @@ static void on_accept_error(struct evconnlistener *lis, void *arg)
     }
     if (e == EMFILE || e == ENFILE) {
         cs->c_fd++;
-        kvf_metric_add(cs->m_fd, 1);
-        if (cs->idle_head) {
+        int n = 0;
+        for (; cs->idle_head && n < 16; n++) {
             shut(cs->idle_head);
             cs->c_evicted++;
             kvf_metric_add(cs->m_evicted, 1);
         }
         int fd = -1;
-        if (cs->spare_fd >= 0) {
+        if (!n && cs->spare_fd >= 0) {
             close(cs->spare_fd);
             cs->spare_fd = -1;
             fd = accept(evconnlistener_get_fd(lis), NULL, NULL);
-            if (fd >= 0)
+            if (fd >= 0) {
                 close(fd);
+                kvf_metric_add(cs->m_fd, 1);
+            }
             cs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
         }
-        if (fd < 0 || cs->spare_fd < 0)
-            pause_listener(cs, PAUSE_NS);
+        if (n || fd < 0 || cs->spare_fd < 0)
+            pause_listener(cs, n ? PAUSE_NS / 10 : PAUSE_NS);
     } else {
         kvf_log(KVF_LOG_WARN, "router: accept: %s", strerror(e));
         pause_listener(cs, PAUSE_NS);

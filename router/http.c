@@ -509,9 +509,19 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         .tok = h->tok, .tmpl = h->tmpl, .tmpl_err = h->tmpl_err,
         .max_inflight = h->cfg.max_inflight, .max_attempts = h->cfg.max_attempts,
         .request_timeout_ms = h->cfg.request_timeout_ms,
+        .prep_threads = h->cfg.prep_threads > 0 ? h->cfg.prep_threads : 2,
     };
-    if (h->tok)
+    if (h->tok) {
         rc.eos_ids = kvf_text_tokenizer_eos_ids(h->tok, &rc.n_eos);
+        /* A text prompt of more bytes than the context's tokens can hold is refused untokenized. */
+        int64_t per_token = kvf_text_tokenizer_max_bytes_per_token(h->tok);
+        rc.max_prompt_bytes = per_token * h->max_len;
+        if (per_token)
+            kvf_log(KVF_LOG_INFO, "router: prompts over %lld bytes (%d tokens of at most %lld bytes) are refused before tokenizing",
+                    (long long)rc.max_prompt_bytes, h->max_len, (long long)per_token);
+        else
+            kvf_log(KVF_LOG_INFO, "router: this tokenizer can make text vanish: no byte bound on prompts before tokenizing");
+    }
     if ((st = kvf_router_reqs_create(&rc, &h->reqs, err)) != KVF_OK)
         goto fail;
     *out = h;
