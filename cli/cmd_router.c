@@ -4,6 +4,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <sys/resource.h>
 
 #include "cli/cli.h"
 #include "common/cfg.h"
@@ -31,6 +32,12 @@ static const kvf_cfg_opt router_opts[] = {
     {"max-inflight", "256", "requests per decode worker before it counts as saturated (then 429)", offsetof(router_cfg, h.max_inflight), KVF_CFG_INT},
     {"max-attempts", "3", "decode workers tried per request (a failure before the first token, or mid-stream with n = 1, moves it)", offsetof(router_cfg, h.max_attempts), KVF_CFG_INT},
     {"request-timeout-ms", "600000", "deadline of one generation (0: none)", offsetof(router_cfg, h.request_timeout_ms), KVF_CFG_INT64},
+    {"max-connections", "0", "open client connections; at the limit a new one closes the longest idle one, or only probes get in "
+     "(0: min(4096, RLIMIT_NOFILE less a reserve))", offsetof(router_cfg, h.max_connections), KVF_CFG_INT},
+    {"idle-timeout-ms", "60000", "a client connection with no request in flight and no bytes for this long is closed", offsetof(router_cfg, h.idle_timeout_ms), KVF_CFG_INT64},
+    {"max-header-bytes", "16384", "request line + headers; larger heads get 431", offsetof(router_cfg, h.max_header_bytes), KVF_CFG_INT64},
+    {"max-body-bytes", "8388608", "request body (Content-Length); larger ones get 413 before the body is read", offsetof(router_cfg, h.max_body_bytes), KVF_CFG_INT64},
+    {"prep-threads", "2", "threads that parse requests, apply the chat template and tokenize, off the event loop", offsetof(router_cfg, h.prep_threads), KVF_CFG_INT},
     {"health-interval-ms", "1000", "Health check period per worker", offsetof(router_cfg, h.fleet.health_interval_ms), KVF_CFG_INT64},
     {"resolve-interval-ms", "5000", "DNS re-resolution period", offsetof(router_cfg, h.fleet.resolve_interval_ms), KVF_CFG_INT64},
     {"tls-cert", NULL, "PEM certificate the router presents to the workers (with --tls-key and --tls-ca: mutual TLS; reloaded on SIGHUP)", offsetof(router_cfg, tls.cert_file), KVF_CFG_STR},
@@ -71,6 +78,13 @@ int kvf_cli_router(int argc, char **argv)
         return kvf_cli_exit(st, &err);
     c.h.fleet.tls = kvf_rpc_tls_on(&c.tls) ? &c.tls : NULL;
     c.h.handle_signals = true;
+    /* Client connections need descriptors: the soft limit goes up to the hard one (the default
+     * --max-connections is derived from it). */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
     kvf_router_http *h = NULL;
     if ((st = kvf_router_http_create(&c.h, &h, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);

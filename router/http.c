@@ -29,6 +29,7 @@
 #include "text/chat_template.h"
 #include "model/config.h"
 #include "text/tokenizer.h"
+#include "router/conn.h"
 #include "router/http_int.h"
 #include "router/openai.h"
 #include "router/policy.h"
@@ -46,6 +47,7 @@ struct kvf_router_http {
 
     struct event_base *base;
     struct evhttp *http;
+    kvf_router_conns *conns; /* the listener, connection counts and limits (conn.c) */
     int port;
     struct event *wake_ev;   /* a stream has something: read the ready ones (on_wake) */
     struct event *safety_ev; /* every SAFETY_MS: plain clients gone, index health (on_safety) */
@@ -168,11 +170,13 @@ static void on_close(struct evhttp_connection *conn, void *arg)
     kvf_router_req_client_left(arg);
 }
 
-void kvf_router_client_on_close(kvf_router_client *c, kvf_router_req *r)
+void kvf_router_client_on_close(kvf_router_http *h, kvf_router_client *c, kvf_router_req *r)
 {
     struct evhttp_connection *conn = c ? evhttp_request_get_connection(c) : NULL;
-    if (conn)
+    if (conn) {
         evhttp_connection_set_closecb(conn, r ? on_close : NULL, r);
+        kvf_router_conns_busy(h->conns, c, r != NULL);
+    }
 }
 
 bool kvf_router_client_left(kvf_router_client *c)
@@ -232,6 +236,7 @@ static void on_safety(evutil_socket_t fd, short what, void *arg)
     (void)fd, (void)what;
     kvf_metric_add(h->m_wake_timer, 1);
     drain(h, true);
+    kvf_router_conns_sweep(h->conns);
     double now = kvf_now_s();
     if (h->policy == KVF_ROUTER_POLICY_KV && now - h->last_index_health >= 1.0) {
         h->last_index_health = now;
@@ -482,20 +487,14 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         goto fail;
     }
     evhttp_set_allowed_methods(h->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD);
-    evhttp_set_max_body_size(h->http, 64 << 20);
     evhttp_set_gencb(h->http, on_request, h);
-    struct evhttp_bound_socket *sock =
-        evhttp_bind_socket_with_handle(h->http, cfg->host ? cfg->host : "127.0.0.1", (ev_uint16_t)cfg->port);
-    if (!sock) {
-        st = kvf_err_set(err, KVF_ERR_IO, "router: cannot listen on %s:%d (in use, or not an address of this host)",
-                         cfg->host ? cfg->host : "127.0.0.1", cfg->port);
+    kvf_router_conns_cfg cc = {
+        .host = cfg->host ? cfg->host : "127.0.0.1", .port = cfg->port, .max_connections = cfg->max_connections,
+        .idle_timeout_ms = cfg->idle_timeout_ms, .max_header_bytes = cfg->max_header_bytes,
+        .max_body_bytes = cfg->max_body_bytes, .metrics = h->metrics,
+    };
+    if ((st = kvf_router_conns_create(h->base, h->http, &cc, &h->conns, &h->port, err)) != KVF_OK)
         goto fail;
-    }
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    getsockname(evhttp_bound_socket_get_fd(sock), (struct sockaddr *)&ss, &sl);
-    h->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                             : ((struct sockaddr_in *)&ss)->sin_port);
     h->wake_ev = event_new(h->base, -1, 0, on_wake, h);
     h->safety_ev = event_new(h->base, -1, EV_PERSIST, on_safety, h);
     h->stop_ev = event_new(h->base, -1, 0, on_stop, h);
@@ -522,9 +521,19 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         .tok = h->tok, .tmpl = h->tmpl, .tmpl_err = h->tmpl_err,
         .max_inflight = h->cfg.max_inflight, .max_attempts = h->cfg.max_attempts,
         .request_timeout_ms = h->cfg.request_timeout_ms,
+        .prep_threads = h->cfg.prep_threads > 0 ? h->cfg.prep_threads : 2,
     };
-    if (h->tok)
+    if (h->tok) {
         rc.eos_ids = kvf_text_tokenizer_eos_ids(h->tok, &rc.n_eos);
+        /* A text prompt of more bytes than the context's tokens can hold is refused untokenized. */
+        int64_t per_token = kvf_text_tokenizer_max_bytes_per_token(h->tok);
+        rc.max_prompt_bytes = per_token * h->max_len;
+        if (per_token)
+            kvf_log(KVF_LOG_INFO, "router: prompts over %lld bytes (%d tokens of at most %lld bytes) are refused before tokenizing",
+                    (long long)rc.max_prompt_bytes, h->max_len, (long long)per_token);
+        else
+            kvf_log(KVF_LOG_INFO, "router: this tokenizer can make text vanish: no byte bound on prompts before tokenizing");
+    }
     if ((st = kvf_router_reqs_create(&rc, &h->reqs, err)) != KVF_OK)
         goto fail;
     *out = h;
@@ -579,6 +588,7 @@ void kvf_router_http_destroy(kvf_router_http *h)
         event_free(h->sig_hup);
     if (h->base)
         event_base_free(h->base);
+    kvf_router_conns_destroy(h->conns); /* after the connections it counts are freed */
     kvf_router_fleet_destroy(h->fleet);
     kvf_text_chat_template_destroy(h->tmpl);
     kvf_text_tokenizer_destroy(h->tok);

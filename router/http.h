@@ -24,6 +24,12 @@ typedef struct kvf_router_http_cfg {
     int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
     int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */
     bool handle_signals;         /* SIGINT/SIGTERM stop run (for the command) */
+    /* client limits (router/conn.h; 0: the default) */
+    int32_t max_connections;     /* open client connections; 0: min(4096, RLIMIT_NOFILE - a reserve) */
+    int64_t idle_timeout_ms;     /* no request in flight and no bytes this long: closed; 0: 60000 */
+    int64_t max_header_bytes;    /* request line + headers, else 431; 0: 16384 */
+    int64_t max_body_bytes;      /* Content-Length, else 413 before the body is read; 0: 8 MiB */
+    int32_t prep_threads;        /* threads that parse, template and tokenize prompts; 0: 2 */
     kvf_router_fleet_cfg fleet;
 } kvf_router_http_cfg;
 

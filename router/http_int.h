@@ -44,9 +44,10 @@ void kvf_router_http_sse_end(kvf_router_http *h, kvf_router_client *c, int code)
 /* The end for a client that left (not counted): a streamed answer's end, else 499. */
 void kvf_router_client_send_gone(kvf_router_client *c, bool streaming);
 
-/* Until c is answered, its connection's close calls kvf_router_req_client_left(r); NULL
- * forgets it (the connection may live on after the answer). */
-void kvf_router_client_on_close(kvf_router_client *c, kvf_router_req *r);
+/* Until c is answered, its connection's close calls kvf_router_req_client_left(r), and the
+ * connection is never closed as idle; NULL forgets it (the connection may live on after the
+ * answer). */
+void kvf_router_client_on_close(kvf_router_http *h, kvf_router_client *c, kvf_router_req *r);
 /* Whether c's client has left: peeks at the socket (0 bytes readable). libevent does not
  * always watch a connection for EOF while its request waits for an answer. */
 bool kvf_router_client_left(kvf_router_client *c);

@@ -3,9 +3,12 @@
  * Generate, each streamed message (detokenized, stop strings, SSE), the end (done, failed,
  * client gone) with usage, and retrying on another decode worker when one fails before the
  * first token (or mid-stream with one sequence). Everything runs on the HTTP loop thread, woken
- * by the Generate stream; the replies' bytes on the wire are http.c's, the pools watch.c's. */
+ * by the Generate stream, except step 1 (parse, chat template, tokens), which runs on the prep
+ * threads (step 0); the replies' bytes on the wire are http.c's, the pools watch.c's. */
 #include "router/request.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,7 +54,16 @@ struct kvf_router_req {
     uint32_t overlap; /* prompt blocks the index says the decode worker holds */
     int64_t next_peek_ns;
     size_t max_stop;
-    kvf_router_req *prev, *next;
+    kvf_router_req *prev, *next; /* the list in flight, or the list being prepared */
+    /* Being prepared (step 0): the body and kind in, the status and error out. The prep thread
+     * owns the request from the queue until it is on the done list; the loop only sets gone. */
+    char *body;
+    size_t body_len;
+    kvf_router_oai_kind kind;
+    kvf_status prep_st;
+    kvf_router_oai_error prep_e;
+    atomic_bool gone;          /* the client left: the prep thread may skip the work */
+    kvf_router_req *qnext;     /* the prep queue, or the done list */
 };
 
 struct kvf_router_reqs {
@@ -61,6 +73,17 @@ struct kvf_router_reqs {
     int32_t inflight[KVF_ROUTER_MAX_WORKERS];        /* decode requests we hold open */
     int64_t prefill_queued[KVF_ROUTER_MAX_WORKERS];  /* prompt tokens sent to each prefill worker */
     uint64_t n_seeds;                                /* varies the seeds of unseeded requests */
+    /* Step 0: requests being prepared (loop's list), the prep threads, their queue and what
+     * they finished (under mu), and the wake-up that hands the finished ones to the loop. */
+    kvf_router_req *prep;
+    int64_t n_prep;
+    pthread_t *threads;
+    int32_t n_threads;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    kvf_router_req *q_head, *q_tail, *done;
+    bool stop;
+    kvf_router_wake prep_wake;
     kvf_metric *m_retries, *m_disconnects, *m_gen_tokens, *m_prompt_tokens, *m_inflight, *m_ttft,
         *m_e2e;
 };
@@ -156,7 +179,20 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
         add_special = false; /* the template writes BOS itself */
     }
     const char *src = text ? text : r->oai.prompt_text;
-    kvf_status st = kvf_text_tokenizer_encode(c->tok, src, text ? len : strlen(src), add_special,
+    size_t src_len = text ? len : strlen(src);
+    /* Every token covers at most max_prompt_bytes / max_len bytes: a longer prompt cannot fit
+     * whatever its tokens, and is refused before the tokenizer spends time on it. */
+    if (c->max_prompt_bytes > 0 && src_len > (size_t)c->max_prompt_bytes) {
+        free(text);
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error",
+                                        r->oai.kind == KVF_ROUTER_OAI_CHAT ? "messages" : "prompt",
+                                        "context_length_exceeded",
+                                        "This model's maximum context length is %d tokens. However, your %s is %zu bytes, "
+                                        "more than %d tokens can hold (%lld bytes at most). Please reduce the prompt.",
+                                        c->max_len, r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chat" : "prompt", src_len,
+                                        c->max_len, (long long)c->max_prompt_bytes);
+    }
+    kvf_status st = kvf_text_tokenizer_encode(c->tok, src, src_len, add_special,
                                                &r->prompt, &r->n_prompt, &err);
     free(text);
     if (st != KVF_OK)
@@ -354,14 +390,57 @@ static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *e
 /* ---------------------------------------------------------------------------------------- */
 /* 4. A new request: steps 1 to 3, then it waits for its stream                              */
 
+/* Step 0: the prep threads. Each takes a request off the queue, parses it, applies the chat
+ * template and tokenizes (step 1, which reads only the model's immutable pieces and the request),
+ * puts it on the done list and wakes the loop, which goes on from step 1's end (start_prepared). */
+static void *prep_main(void *arg)
+{
+    kvf_router_reqs *rs = arg;
+    pthread_mutex_lock(&rs->mu);
+    for (;;) {
+        while (!rs->stop && !rs->q_head)
+            pthread_cond_wait(&rs->cv, &rs->mu);
+        if (rs->stop)
+            break;
+        kvf_router_req *r = rs->q_head;
+        rs->q_head = r->qnext;
+        if (!rs->q_head)
+            rs->q_tail = NULL;
+        pthread_mutex_unlock(&rs->mu);
+        if (atomic_load(&r->gone))
+            r->prep_st = KVF_ERR_CANCELLED; /* the loop answers nobody: the client left */
+        else
+            r->prep_st = accept_request(rs, r, r->kind, r->body, r->body_len, &r->prep_e);
+        free(r->body);
+        r->body = NULL;
+        pthread_mutex_lock(&rs->mu);
+        r->qnext = rs->done;
+        rs->done = r;
+        pthread_mutex_unlock(&rs->mu);
+        kvf_router_wake_notify(&rs->prep_wake);
+        pthread_mutex_lock(&rs->mu);
+    }
+    pthread_mutex_unlock(&rs->mu);
+    return NULL;
+}
+
+/* The most requests being prepared at once; more get 503 (each holds its body until then). */
+#define MAX_PREP 256
+
 void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
                            const char *id, const char *body, size_t len)
 {
     const kvf_router_reqs_cfg *c = &rs->cfg;
     kvf_router_oai_error e;
-    int retry_after = 0;
-    kvf_router_req *r = calloc(1, sizeof *r);
-    if (!r) {
+    kvf_router_req *r = NULL;
+    if (rs->n_prep >= MAX_PREP) {
+        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "overloaded",
+                                 "%d requests are being tokenized already; retry later", MAX_PREP);
+        kvf_router_http_send_error(c->h, client, id, &e, 1);
+        return;
+    }
+    if (!(r = calloc(1, sizeof *r)) || !(r->body = malloc(len + 1))) {
+        free(r);
         kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
         kvf_router_http_send_error(c->h, client, id, &e, 0);
         return;
@@ -372,10 +451,50 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     r->t0 = kvf_now_s();
     r->created = kvf_wall_ms() / 1000;
     snprintf(r->id, sizeof r->id, "%s", id);
+    memcpy(r->body, body, len);
+    r->body[len] = 0;
+    r->body_len = len;
+    r->kind = kind;
+    r->client = client;
+    /* On the loop's list of requests being prepared (a client that leaves marks it gone), and
+     * on the prep queue. */
+    r->next = rs->prep;
+    if (rs->prep)
+        rs->prep->prev = r;
+    rs->prep = r;
+    rs->n_prep++;
+    kvf_router_client_on_close(c->h, client, r);
+    pthread_mutex_lock(&rs->mu);
+    if (rs->q_tail)
+        rs->q_tail->qnext = r;
+    else
+        rs->q_head = r;
+    rs->q_tail = r;
+    pthread_cond_signal(&rs->cv);
+    pthread_mutex_unlock(&rs->mu);
+}
 
-    /* The prompt, its limits and its block hashes. */
-    if (accept_request(rs, r, kind, body, len, &e) != KVF_OK)
+/* Loop thread: a prep thread finished r (off the prep list now). Steps 1 (the end) to 3, then
+ * it waits for its stream. */
+static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_client *client = r->client;
+    kvf_router_oai_error e;
+    int retry_after = 0;
+    r->client = NULL; /* in flight only once Generate is open */
+    if (r->client_gone) {
+        kvf_router_client_on_close(c->h, client, NULL);
+        kvf_log(KVF_LOG_INFO, "router: req %s: client went away before its prompt was tokenized", r->id);
+        kvf_metric_add(rs->m_disconnects, 1);
+        kvf_router_client_send_gone(client, false);
+        rq_free(r);
+        return;
+    }
+    if (r->prep_st != KVF_OK) {
+        e = r->prep_e;
         goto fail;
+    }
     kvf_metric_add(rs->m_prompt_tokens, (double)r->n_prompt);
     kvf_router_watch_sync(c->watch);
     hash_prompt(rs, r);
@@ -412,19 +531,55 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
 
     /* In flight: the stream's messages wake the pump, the client's leaving too. */
     r->client = client;
+    r->prev = NULL;
     r->next = rs->head;
     if (rs->head)
         rs->head->prev = r;
     rs->head = r;
     rs->n++;
     kvf_metric_set(rs->m_inflight, (double)rs->n);
-    kvf_router_client_on_close(client, r);
     if (r->oai.stream)
         kvf_router_client_sse_start(client, r->id);
     return;
 fail:
+    kvf_router_client_on_close(c->h, client, NULL);
     kvf_router_http_send_error(c->h, client, r->id, &e, retry_after);
     rq_free(r);
+}
+
+/* Takes r off the list of requests being prepared. */
+static void unlink_prep(kvf_router_reqs *rs, kvf_router_req *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else if (rs->prep == r)
+        rs->prep = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->prev = r->next = NULL;
+    rs->n_prep--;
+}
+
+/* Loop thread: starts the requests the prep threads finished, oldest first. */
+static void prep_collect(kvf_router_reqs *rs)
+{
+    pthread_mutex_lock(&rs->mu);
+    kvf_router_req *d = rs->done, *fifo = NULL;
+    rs->done = NULL;
+    pthread_mutex_unlock(&rs->mu);
+    while (d) { /* the done list is newest first */
+        kvf_router_req *n = d->qnext;
+        d->qnext = fifo;
+        fifo = d;
+        d = n;
+    }
+    while (fifo) {
+        kvf_router_req *r = fifo;
+        fifo = r->qnext;
+        r->qnext = NULL;
+        unlink_prep(rs, r);
+        start_prepared(rs, r);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -604,7 +759,7 @@ static void rq_answered(kvf_router_req *r)
 static void finish_ok(kvf_router_req *r)
 {
     kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     kvf_router_oai_usage u = usage_of(r);
     if (r->oai.stream) {
         if (r->oai.include_usage)
@@ -637,7 +792,7 @@ static void finish_ok(kvf_router_req *r)
 static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int retry_after)
 {
     kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     if (r->oai.stream) {
         kvf_sbuf b;
         kvf_sbuf_init(&b);
@@ -657,7 +812,7 @@ static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int ret
 /* The client left: Generate cancelled (the decode worker frees the sequence), answer ended. */
 static void finish_gone(kvf_router_req *r)
 {
-    kvf_router_client_on_close(r->client, NULL);
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     kvf_log(KVF_LOG_INFO, "router: req %s: client went away; Generate cancelled", r->id);
     kvf_metric_add(r->rs->m_disconnects, 1);
     if (r->stream)
@@ -671,6 +826,7 @@ void kvf_router_req_client_left(kvf_router_req *r)
     if (!r || r->client_gone)
         return;
     r->client_gone = true;
+    atomic_store(&r->gone, true);
     if (r->stream)
         kvf_rpc_stream_cancel(r->stream);
     kvf_router_wake_notify(&r->wake); /* the pump answers it on the loop's next pass */
@@ -802,6 +958,8 @@ static void pump(kvf_router_req *r)
 
 void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all)
 {
+    if (kvf_router_wake_take(&rs->prep_wake) || all)
+        prep_collect(rs);
     for (kvf_router_req *r = rs->head, *next; r; r = next) {
         next = r->next; /* pump frees r at most, never another request */
         bool ready = kvf_router_wake_take(&r->wake);
@@ -813,6 +971,9 @@ void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all)
 kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c)
 {
     for (kvf_router_req *r = rs->head; r; r = r->next)
+        if (r->client == c)
+            return r;
+    for (kvf_router_req *r = rs->prep; r; r = r->next)
         if (r->client == c)
             return r;
     return NULL;
@@ -849,6 +1010,19 @@ kvf_status kvf_router_reqs_create(const kvf_router_reqs_cfg *cfg, kvf_router_req
         free(rs);
         return st;
     }
+    rs->prep_wake.h = cfg->h;
+    pthread_mutex_init(&rs->mu, NULL);
+    pthread_cond_init(&rs->cv, NULL);
+    int32_t n = cfg->prep_threads > 0 ? cfg->prep_threads : 1;
+    if (!(rs->threads = calloc((size_t)n, sizeof *rs->threads))) {
+        kvf_router_reqs_destroy(rs);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
+    }
+    for (; rs->n_threads < n; rs->n_threads++)
+        if (pthread_create(&rs->threads[rs->n_threads], NULL, prep_main, rs) != 0) {
+            kvf_router_reqs_destroy(rs);
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "router: cannot start prep thread %d of %d", rs->n_threads + 1, n);
+        }
     *out = rs;
     return KVF_OK;
 }
@@ -857,11 +1031,29 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs)
 {
     if (!rs)
         return;
+    pthread_mutex_lock(&rs->mu);
+    rs->stop = true;
+    pthread_cond_broadcast(&rs->cv);
+    pthread_mutex_unlock(&rs->mu);
+    for (int32_t i = 0; i < rs->n_threads; i++)
+        pthread_join(rs->threads[i], NULL);
+    free(rs->threads);
+    /* Every request being prepared is on the prep list, queued, done or neither. */
+    while (rs->prep) {
+        kvf_router_req *r = rs->prep;
+        unlink_prep(rs, r);
+        kvf_router_client_on_close(rs->cfg.h, r->client, NULL);
+        kvf_router_client_abandon(r->client);
+        free(r->body);
+        rq_free(r);
+    }
     while (rs->head) {
         kvf_router_req *r = rs->head;
-        kvf_router_client_on_close(r->client, NULL);
+        kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
         kvf_router_client_abandon(r->client);
         rq_answered(r);
     }
+    pthread_cond_destroy(&rs->cv);
+    pthread_mutex_destroy(&rs->mu);
     free(rs);
 }

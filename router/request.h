@@ -1,7 +1,9 @@
 /* request.h: the life of one generation request in the router, inside router/ only: prompt,
  * pick, Generate, streamed tokens to text and SSE, stop strings, retry before the first token,
- * the end (done, failed, client gone), usage. Loop thread only. The HTTP glue (routing, replies,
- * the loop) is http.c's; the pools are watch.c's; membership is fleet.c's. */
+ * the end (done, failed, client gone), usage. Loop thread only, but for the prompt: parsing,
+ * the chat template and tokenizing run on prep threads of their own, so a large request never
+ * stalls the loop. The HTTP glue (routing, replies, the loop) is http.c's; the pools are
+ * watch.c's; membership is fleet.c's. */
 #ifndef KVF_ROUTER_REQUEST_H
 #define KVF_ROUTER_REQUEST_H
 
@@ -43,22 +45,30 @@ typedef struct kvf_router_reqs_cfg {
     int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
     int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
     int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */
+    int64_t max_prompt_bytes;    /* a text prompt (after the chat template) longer than this cannot
+                                  * fit the context whatever its tokens: 400 before tokenizing;
+                                  * 0: no such bound */
+    int32_t prep_threads;        /* threads that parse, template and tokenize (>= 1) */
 } kvf_router_reqs_cfg;
 
-/* Registers the request metrics (retries, disconnects, tokens, in flight, TTFT, request time). */
+/* Registers the request metrics (retries, disconnects, tokens, in flight, TTFT, request time)
+ * and starts the prep threads. */
 kvf_status kvf_router_reqs_create(const kvf_router_reqs_cfg *cfg, kvf_router_reqs **out,
                                   kvf_err *err);
-/* Frees every request still in flight without answering it: the server is going away, and
+/* Joins the prep threads (one busy tokenizing finishes that prompt first) and frees every
+ * request still being prepared or in flight without answering it: the server is going away, and
  * evhttp_free answers nobody either. Before the fleet and the watch. NULL is fine. */
 void kvf_router_reqs_destroy(kvf_router_reqs *rs);
 
-/* A POSTed /v1/completions or /v1/chat/completions (body: len bytes of JSON; id: the request
- * id). Answers at once when the request is invalid or no worker can take it; otherwise opens
- * Generate and answers later, from kvf_router_reqs_pump. */
+/* A POSTed /v1/completions or /v1/chat/completions (body: len bytes of JSON, copied; id: the
+ * request id). The body goes to a prep thread (parse, chat template, tokens); the loop picks the
+ * request up again in kvf_router_reqs_pump, answers it when it is invalid or no worker can take
+ * it, and otherwise opens Generate and answers later. */
 void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *c, kvf_router_oai_kind kind,
                            const char *id, const char *body, size_t len);
-/* Reads the Generate streams that woke the loop (every one when `all`): tokens to the clients,
- * ends answered, failed workers replaced. Plain requests also look for clients that left. */
+/* Starts the requests whose prompt a prep thread finished, then reads the Generate streams that
+ * woke the loop (every one when `all`): tokens to the clients, ends answered, failed workers
+ * replaced. Plain requests also look for clients that left. */
 void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all);
 /* The request in flight for client c, or NULL. */
 kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c);

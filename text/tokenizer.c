@@ -1332,6 +1332,42 @@ const char *kvf_text_tokenizer_id_to_token(const kvf_text_tokenizer *t, int32_t 
 
 int32_t kvf_text_tokenizer_vocab_size(const kvf_text_tokenizer *t) { return t ? t->n_ids : 0; }
 
+/* Why the bound holds: the normalizers shorten text at most 4 times (a character of at most 4
+ * bytes becomes at least one byte; Prepend only adds), the pre-tokenizers never shorten it
+ * (ByteLevel maps each byte to a character of 1 or 2 bytes, Metaspace ' ' to a 3-byte one), and
+ * every piece is then spelled by tokens whose vocabulary forms concatenate to it (byte fallback
+ * spells a byte as "<0xNN>", an unknown character becomes one unknown token); added tokens match
+ * their content exactly. */
+int64_t kvf_text_tokenizer_max_bytes_per_token(const kvf_text_tokenizer *t)
+{
+    if (!t)
+        return 0;
+    if (!t->byte_level && !t->byte_fallback && (t->unk_id < 0 || t->fuse_unk))
+        return 0; /* characters the vocabulary lacks vanish, or runs of them become one token */
+    for (size_t i = 0; i < t->n_added; i++)
+        if (t->added[i].lstrip || t->added[i].rstrip)
+            return 0;
+    for (size_t i = 0; i < t->n_pres; i++)
+        if (t->pres[i].kind == KVF_TEXT_TOK_PRE_SPLIT && t->pres[i].behavior == KVF_TEXT_TOK_SPLIT_REMOVED)
+            return 0;
+    int64_t factor = 1;
+    for (size_t i = 0; i < t->n_norms; i++) {
+        const kvf_text_tok_norm *n = &t->norms[i];
+        if (n->kind == KVF_TEXT_TOK_NORM_REPLACE && n->b_len < n->a_len)
+            return 0;
+        if (n->kind != KVF_TEXT_TOK_NORM_PREPEND && n->kind != KVF_TEXT_TOK_NORM_REPLACE)
+            factor = 4;
+    }
+    int64_t longest = 4;
+    for (int32_t id = 0; id < t->n_ids; id++)
+        if (t->str_len[id] > longest)
+            longest = t->str_len[id];
+    for (size_t i = 0; i < t->n_added; i++)
+        if ((int64_t)t->added[i].len > longest)
+            longest = (int64_t)t->added[i].len;
+    return longest * factor;
+}
+
 bool kvf_text_tokenizer_is_special(const kvf_text_tokenizer *t, int32_t id)
 {
     return t && id >= 0 && id < t->n_ids && t->is_special[id];

@@ -69,6 +69,14 @@ int32_t kvf_text_tokenizer_token_to_id(const kvf_text_tokenizer *tok, const char
 const char *kvf_text_tokenizer_id_to_token(const kvf_text_tokenizer *tok, int32_t id);
 /* Number of ids: one more than the largest id of the model vocabulary and the added tokens. */
 int32_t kvf_text_tokenizer_vocab_size(const kvf_text_tokenizer *tok);
+/* The most bytes of input text one token can stand for, so that any text of len bytes encodes to
+ * at least len / this tokens and a text longer than n * this bytes can never fit in n tokens
+ * (callers refuse such text before encoding it). It is the longest vocabulary form or added
+ * token (at least 4, a character), times 4 when a Unicode normalizer or lowercasing may shorten
+ * the text. 0 when no such bound holds: added tokens that swallow whitespace (lstrip/rstrip),
+ * a Split that removes what it matches, a Replace that shortens text, or characters dropped or
+ * fused into one unknown token. */
+int64_t kvf_text_tokenizer_max_bytes_per_token(const kvf_text_tokenizer *tok);
 /* True when id is an added token marked "special" (skipped by decode with skip_special). */
 bool kvf_text_tokenizer_is_special(const kvf_text_tokenizer *tok, int32_t id);
 
