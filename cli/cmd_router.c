@@ -44,6 +44,9 @@ static const kvf_cfg_opt router_opts[] = {
     {"tls-key", NULL, "PEM private key of --tls-cert", offsetof(router_cfg, tls.key_file), KVF_CFG_STR},
     {"tls-ca", NULL, "PEM CA that signed the workers' certificates (checked on every connection)", offsetof(router_cfg, tls.ca_file), KVF_CFG_STR},
     {"tls-name", "kvfleet", "the name the workers' certificates must carry (kvfleet gen-certs --tls-name)", offsetof(router_cfg, tls.server_name), KVF_CFG_STR},
+    {"api-key", NULL, "API keys clients must send as Authorization: Bearer KEY, comma-separated (tenant \"default\"; prefer KVFLEET_API_KEY or --api-key-file: a command line is visible to every local user)", offsetof(router_cfg, h.api_keys), KVF_CFG_STR},
+    {"api-key-file", NULL, "file of API keys, one \"KEY TENANT\" per line (# comments); each tenant's cached prompts are its own", offsetof(router_cfg, h.api_key_file), KVF_CFG_STR},
+    {"metrics-api-key", NULL, "/metrics needs this bearer key (default: open; /health and /ready are always open)", offsetof(router_cfg, h.metrics_api_key), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
     {NULL},
 };

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -29,6 +30,7 @@
 #include "text/chat_template.h"
 #include "model/config.h"
 #include "text/tokenizer.h"
+#include "router/auth.h"
 #include "router/conn.h"
 #include "router/http_int.h"
 #include "router/openai.h"
@@ -58,6 +60,8 @@ struct kvf_router_http {
     kvf_router_policy policy;
     kvf_router_watch *watch;  /* the pools, fed by WatchKv (watch.c) */
     kvf_router_reqs *reqs;    /* the generation requests in flight (request.c) */
+    kvf_router_auth *auth;    /* API keys; none: every client is served */
+    const char *tenant;       /* loop thread: the tenant of the request being routed */
     uint64_t next_id;
 
     kvf_metrics *metrics;
@@ -301,7 +305,7 @@ static void generate(kvf_router_http *h, struct evhttp_request *ev, kvf_router_o
     struct evbuffer *in = evhttp_request_get_input_buffer(ev);
     size_t len = evbuffer_get_length(in);
     const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
-    kvf_router_reqs_start(h->reqs, ev, kind, id, body, len);
+    kvf_router_reqs_start(h->reqs, ev, kind, id, h->tenant, body, len);
 }
 
 static void on_completions(kvf_router_http *h, struct evhttp_request *ev)
@@ -362,10 +366,48 @@ static void on_models(kvf_router_http *h, struct evhttp_request *ev)
 static const struct route {
     const char *path;
     void (*fn)(kvf_router_http *h, struct evhttp_request *ev);
+    bool post; /* takes POST (the route checks the method itself); else GET and HEAD */
 } routes[] = {
-    {"/v1/completions", on_completions}, {"/v1/chat/completions", on_chat}, {"/health", on_health},
-    {"/ready", on_ready},                {"/metrics", on_metrics},          {"/v1/models", on_models},
+    {"/v1/completions", on_completions, true}, {"/v1/chat/completions", on_chat, true},
+    {"/health", on_health, false},             {"/ready", on_ready, false},
+    {"/metrics", on_metrics, false},           {"/v1/models", on_models, false},
 };
+
+/* API keys: /health and /ready are always open (probes), /metrics is open unless it has its
+ * own key; every other route needs a key when the router has any. Sets h->tenant for the route
+ * that runs next; false when the request was answered (401). */
+static bool authorized(kvf_router_http *h, struct evhttp_request *ev, const char *path)
+{
+    h->tenant = NULL;
+    if (strcmp(path, "/health") == 0 || strcmp(path, "/ready") == 0)
+        return true;
+    const char *given = evhttp_find_header(evhttp_request_get_input_headers(ev), "Authorization");
+    bool ok;
+    if (strcmp(path, "/metrics") == 0) {
+        const char *want = h->cfg.metrics_api_key;
+        if (!want || !*want)
+            return true;
+        const char *k = given && strncasecmp(given, "Bearer ", 7) == 0 ? given + 7 : "";
+        while (*k == ' ')
+            k++;
+        ok = kvf_router_auth_equal(want, strlen(want), k, strlen(k));
+    } else {
+        if (!kvf_router_auth_count(h->auth))
+            return true;
+        h->tenant = kvf_router_auth_check(h->auth, given);
+        ok = h->tenant != NULL;
+    }
+    if (ok)
+        return true;
+    kvf_router_oai_error e;
+    kvf_router_oai_error_set(&e, 401, "invalid_request_error", NULL, "invalid_api_key",
+                             given ? "Incorrect API key provided."
+                                   : "You didn't provide an API key. You need to provide your API key in an "
+                                     "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).");
+    evhttp_add_header(evhttp_request_get_output_headers(ev), "WWW-Authenticate", "Bearer");
+    kvf_router_http_send_error(h, ev, NULL, &e, 0);
+    return false;
+}
 
 static void on_request(struct evhttp_request *ev, void *arg)
 {
@@ -384,9 +426,21 @@ static void on_request(struct evhttp_request *ev, void *arg)
     char path[256];
     size_t n = strcspn(uri, "?");
     snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
+    if (!authorized(h, ev, path))
+        return;
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (strcmp(path, routes[i].path) == 0) {
+            enum evhttp_cmd_type m = evhttp_request_get_command(ev);
+            if (!routes[i].post && m != EVHTTP_REQ_GET && m != EVHTTP_REQ_HEAD) {
+                kvf_router_oai_error e;
+                kvf_router_oai_error_set(&e, 405, "invalid_request_error", NULL, "method_not_allowed",
+                                         "%s takes GET", path);
+                evhttp_add_header(evhttp_request_get_output_headers(ev), "Allow", "GET, HEAD");
+                kvf_router_http_send_error(h, ev, NULL, &e, 0);
+                return;
+            }
             routes[i].fn(h, ev);
+            h->tenant = NULL;
             return;
         }
     kvf_router_oai_error e;
@@ -476,6 +530,14 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
     if (h->cfg.max_attempts <= 0)
         h->cfg.max_attempts = 3;
     kvf_status st;
+    if ((st = kvf_router_auth_create(&h->auth, err)) != KVF_OK ||
+        (cfg->api_keys && *cfg->api_keys && (st = kvf_router_auth_add_list(h->auth, cfg->api_keys, err)) != KVF_OK) ||
+        (cfg->api_key_file && *cfg->api_key_file &&
+         (st = kvf_router_auth_add_file(h->auth, cfg->api_key_file, err)) != KVF_OK))
+        goto fail;
+    if (kvf_router_auth_count(h->auth))
+        kvf_log(KVF_LOG_INFO, "router: %zu API keys: requests need Authorization: Bearer",
+                kvf_router_auth_count(h->auth));
     if ((st = kvf_router_policy_parse(cfg->policy ? cfg->policy : "round-robin", &h->policy, err)) != KVF_OK ||
         (st = add_metrics(h, err)) != KVF_OK || (st = load_model(h, err)) != KVF_OK)
         goto fail;
@@ -486,7 +548,11 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         st = kvf_err_set(err, KVF_ERR_NOMEM, "router: cannot create the event loop");
         goto fail;
     }
-    evhttp_set_allowed_methods(h->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD);
+    /* every method reaches on_request, so even OPTIONS or PATCH get a JSON answer (libevent's
+     * own 501 is an HTML page) */
+    evhttp_set_allowed_methods(h->http, EVHTTP_REQ_GET | EVHTTP_REQ_POST | EVHTTP_REQ_HEAD |
+                                            EVHTTP_REQ_PUT | EVHTTP_REQ_DELETE | EVHTTP_REQ_OPTIONS |
+                                            EVHTTP_REQ_TRACE | EVHTTP_REQ_CONNECT | EVHTTP_REQ_PATCH);
     evhttp_set_gencb(h->http, on_request, h);
     kvf_router_conns_cfg cc = {
         .host = cfg->host ? cfg->host : "127.0.0.1", .port = cfg->port, .max_connections = cfg->max_connections,
@@ -594,5 +660,6 @@ void kvf_router_http_destroy(kvf_router_http *h)
     kvf_text_tokenizer_destroy(h->tok);
     kvf_metrics_destroy(h->metrics);
     free(h->served);
+    kvf_router_auth_destroy(h->auth);
     free(h);
 }

@@ -30,6 +30,11 @@ typedef struct kvf_router_http_cfg {
     int64_t max_header_bytes;    /* request line + headers, else 431; 0: 16384 */
     int64_t max_body_bytes;      /* Content-Length, else 413 before the body is read; 0: 8 MiB */
     int32_t prep_threads;        /* threads that parse, template and tokenize prompts; 0: 2 */
+    /* API keys (router/auth.h): with any, every route but /health, /ready (and /metrics unless
+     * metrics_api_key) needs `Authorization: Bearer KEY`, and the key's tenant salts the cache */
+    const char *api_keys;        /* "KEY[,KEY...]", tenant "default"; NULL: none */
+    const char *api_key_file;    /* lines "KEY TENANT"; NULL: none */
+    const char *metrics_api_key; /* /metrics needs this bearer key; NULL: open */
     kvf_router_fleet_cfg fleet;
 } kvf_router_http_cfg;
 

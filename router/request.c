@@ -35,6 +35,7 @@ struct kvf_router_req {
     kvf_router_reqs *rs;
     kvf_router_client *client; /* set once in flight; answered at the end */
     char id[80];
+    char tenant[80];   /* the API key's tenant, "" when the router has no keys */
     kvf_router_oai_req oai;
     int32_t *prompt;
     size_t n_prompt;
@@ -201,6 +202,34 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
     return KVF_OK;
 }
 
+/* The cache salt the request's blocks are hashed with, here and on the workers: the client's
+ * cache_salt (printable ASCII without spaces), and with API keys "t:TENANT/" before it, so two
+ * tenants never share (or probe, through cached_tokens) each other's blocks whatever salt a
+ * client sends; a tenant name has no '/', so no client salt can reach another tenant's. */
+static kvf_status salt_request(kvf_router_req *r, kvf_router_oai_error *e)
+{
+    const char *own = r->oai.cache_salt ? r->oai.cache_salt : "";
+    size_t n = strlen(own), room = KVF_RPC_MAX_ID_LEN - (r->tenant[0] ? strlen(r->tenant) + 3 : 0);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)own[i] < 0x21 || (unsigned char)own[i] > 0x7e)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "cache_salt", "invalid_value",
+                                            "cache_salt has byte 0x%02x at %zu (allowed: printable ASCII "
+                                            "without spaces)", (unsigned char)own[i], i);
+    if (n > room)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "cache_salt", "invalid_value",
+                                        "cache_salt is %zu bytes (at most %zu)", n, room);
+    if (!r->tenant[0])
+        return KVF_OK;
+    size_t cap = strlen(r->tenant) + n + 4;
+    char *salt = malloc(cap);
+    if (!salt)
+        return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    snprintf(salt, cap, "t:%s/%s", r->tenant, own);
+    free(r->oai.cache_salt);
+    r->oai.cache_salt = salt;
+    return KVF_OK;
+}
+
 /* Parses and checks the request, builds its prompt and settles max_tokens and the longest stop
  * string. Fills e (a 4xx) when the request cannot be served as it is. */
 static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_kind kind,
@@ -213,6 +242,12 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
         return kvf_router_oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found",
                                         "The model '%s' does not exist; this server serves '%s'", r->oai.model,
                                         c->served);
+    if (salt_request(r, e) != KVF_OK)
+        return KVF_ERR_INVALID;
+    int32_t max_n = kvf_router_fleet_max_n(c->fleet);
+    if (max_n > 0 && r->oai.n > max_n)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "n", "invalid_value",
+                                        "n is %d; the workers take at most %d parallel samples", r->oai.n, max_n);
     if (r->oai.n_stop && !c->tok)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "no_tokenizer",
                                         "'stop' strings need a tokenizer and model '%s' has none", c->served);
@@ -297,8 +332,10 @@ static kvf_status pick_workers(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
     kvf_err err = {0};
     if (kvf_router_pool_pick(dpool, &req, now, &d, &err) != KVF_OK || rs->inflight[d.worker] >= c->max_inflight) {
         *retry_out = 1;
+        if (err.msg[0])
+            kvf_log(KVF_LOG_INFO, "router: req %s: no decode worker: %s", r->id, err.msg);
         return kvf_router_oai_error_set(e, 429, "rate_limit_error", NULL, "workers_saturated",
-                                        "no decode worker can take the request: %s", err.msg[0] ? err.msg : "all saturated");
+                                        "no decode worker can take the request now; retry later");
     }
     r->worker = d.worker;
     r->overlap = d.overlap_blocks;
@@ -428,7 +465,7 @@ static void *prep_main(void *arg)
 #define MAX_PREP 256
 
 void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
-                           const char *id, const char *body, size_t len)
+                           const char *id, const char *tenant, const char *body, size_t len)
 {
     const kvf_router_reqs_cfg *c = &rs->cfg;
     kvf_router_oai_error e;
@@ -451,6 +488,7 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     r->t0 = kvf_now_s();
     r->created = kvf_wall_ms() / 1000;
     snprintf(r->id, sizeof r->id, "%s", id);
+    snprintf(r->tenant, sizeof r->tenant, "%s", tenant ? tenant : "");
     memcpy(r->body, body, len);
     r->body[len] = 0;
     r->body_len = len;
@@ -522,8 +560,11 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
             break;
         kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
         if (++r->attempts >= c->max_attempts || pick_workers(rs, r, &e, &retry_after) != KVF_OK) {
-            if (r->attempts >= c->max_attempts)
-                kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
+            if (r->attempts >= c->max_attempts) {
+                kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
+                kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
+                                         "no decode worker could be reached (request %s)", r->id);
+            }
             retry_after = 1;
             goto fail;
         }
@@ -860,7 +901,7 @@ static bool retry(kvf_router_req *r, kvf_status why, const char *msg)
     int ra = 0;
     if (r->attempts >= c->max_attempts) {
         kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
-                                 "decode workers failed %d times; last: %s", r->attempts, msg);
+                                 "decode workers failed %d times (request %s)", r->attempts, r->id);
         finish_err(r, &e, 1);
         return false;
     }
@@ -881,7 +922,9 @@ static bool retry(kvf_router_req *r, kvf_status why, const char *msg)
     kvf_metric_add(rs->m_retries, 1);
     kvf_err err = {0};
     if (open_stream(rs, r, &err) != KVF_OK) {
-        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed", "%s", err.msg);
+        kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
+        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
+                                 "no decode worker could be reached (request %s)", r->id);
         finish_err(r, &e, 1);
         return false;
     }
@@ -948,9 +991,13 @@ static void pump(kvf_router_req *r)
         }
         kvf_router_oai_error e;
         int code = st == KVF_ERR_INVALID || st == KVF_ERR_LIMIT ? 400 : st == KVF_ERR_TIMEOUT ? 504 : 502;
+        /* the worker's address and its RPC text go to the log, not to the client */
+        kvf_log(KVF_LOG_WARN, "router: req %s: decode worker %s: %s", r->id, decode_worker(r)->address,
+                err.msg[0] ? err.msg : kvf_status_str(st));
         kvf_router_oai_error_set(&e, code, code == 400 ? "invalid_request_error" : "server_error", NULL,
-                                 NULL, "decode worker %s: %s", decode_worker(r)->address,
-                                 err.msg[0] ? err.msg : kvf_status_str(st));
+                                 NULL, code == 400 ? "the decode worker refused the request (request %s)"
+                                                   : "the decode worker failed: %s (request %s)",
+                                 code == 400 ? r->id : kvf_status_str(st), r->id);
         finish_err(r, &e, 0);
         return;
     }

@@ -64,8 +64,9 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs);
  * request id). The body goes to a prep thread (parse, chat template, tokens); the loop picks the
  * request up again in kvf_router_reqs_pump, answers it when it is invalid or no worker can take
  * it, and otherwise opens Generate and answers later. */
+/* tenant: the API key's tenant (NULL: none): part of the request's cache salt. */
 void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *c, kvf_router_oai_kind kind,
-                           const char *id, const char *body, size_t len);
+                           const char *id, const char *tenant, const char *body, size_t len);
 /* Starts the requests whose prompt a prep thread finished, then reads the Generate streams that
  * woke the loop (every one when `all`): tokens to the clients, ends answered, failed workers
  * replaced. Plain requests also look for clients that left. */
