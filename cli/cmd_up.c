@@ -462,8 +462,11 @@ int kvf_cli_up(int argc, char **argv)
                 continue;
             char name[128];
             snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
-            if (role_has_flag(self, "router", name))
-                rargs[k++] = fwd[i];
+            if (!role_has_flag(self, "router", name))
+                continue;
+            rargs[k++] = fwd[i];
+            if (!strchr(fwd[i], '=') && i + 1 < n_fwd && strncmp(fwd[i + 1], "-", 1) != 0)
+                rargs[k++] = fwd[i + 1]; /* "--flag value": the value goes with it */
         }
         rargs[k] = NULL;
         snprintf(cs[n].name, sizeof cs[n].name, "router");
