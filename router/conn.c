@@ -363,11 +363,29 @@ static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuf
     }
 }
 
+/* Output goes to the socket here, not to the socket bufferevent: the filter tells evhttp an
+ * answer is written when the filter's output is empty, and evhttp then may shut the socket down
+ * (Connection: close) and free it, so what sat in the socket bufferevent would be lost. What the
+ * socket does not take now stays in the filter; the socket bufferevent's write event (armed
+ * here) calls the filter again once the socket takes more. */
 static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
                                                enum bufferevent_flush_mode mode, void *ctx)
 {
+    conn *k = ctx;
     (void)lim, (void)mode;
-    touch(ctx);
+    touch(k);
+    evutil_socket_t fd = bufferevent_getfd(k->sock);
+    while (fd >= 0 && evbuffer_get_length(src) && evbuffer_get_length(dst) == 0) {
+        int n = evbuffer_write(src, fd);
+        if (n > 0)
+            continue;
+        int e = EVUTIL_SOCKET_ERROR();
+        if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
+            bufferevent_enable(k->sock, EV_WRITE);
+            return BEV_NEED_MORE;
+        }
+        break; /* an error: the socket bufferevent meets it too and reports it */
+    }
     evbuffer_add_buffer(dst, src);
     return BEV_OK;
 }
@@ -400,6 +418,14 @@ static void conn_freed(void *ctx)
     free(k);
 }
 
+static void on_output_added(struct evbuffer *b, const struct evbuffer_cb_info *info, void *ctx)
+{
+    conn *k = ctx;
+    (void)b;
+    if (info->n_added)
+        bufferevent_enable(k->sock, EV_WRITE);
+}
+
 /* evhttp asks for the bufferevent of a connection just accepted: admit it. */
 static struct bufferevent *conn_new(struct event_base *base, void *arg)
 {
@@ -415,9 +441,9 @@ static struct bufferevent *conn_new(struct event_base *base, void *arg)
         return NULL; /* evhttp makes its own: the connection goes uncounted (out of memory) */
     }
     /* evhttp adds an answer to the output before it enables writing, and the filter moves output
-     * only while writing is enabled (then never again until the socket drains): its callback on
-     * the output runs deferred, from the loop, once evhttp has enabled writing. */
-    evbuffer_defer_callbacks(bufferevent_get_output(f), base);
+     * only while writing is enabled: each addition arms the socket's write event, whose callback
+     * (the socket is writable at once) calls the filter again from the loop, writing enabled. */
+    evbuffer_add_cb(bufferevent_get_output(f), on_output_added, k);
     k->cs = cs;
     k->bev = f;
     k->sock = sock;
@@ -480,9 +506,10 @@ static kvf_router_conns *servers_find(const struct evhttp *http, kvf_router_conn
     return cs;
 }
 
-/* accept(2) failed. At the descriptor limit, idle connections are closed and the listener rests
- * until the sweep (their descriptors are free once evhttp reads their end); with none idle, the
- * pending connection is accepted on the spare descriptor and closed at once. Never a busy loop. */
+/* accept(2) failed. At the descriptor limit, up to 64 idle connections are closed (their
+ * descriptors are free once evhttp reads their end, and the next accept succeeds); with none
+ * idle, the pending connection is accepted on the spare descriptor and closed at once, and when
+ * even that fails the listener rests until the sweep. Each failure does work: no busy loop. */
 static void on_accept_error(struct evconnlistener *lis, void *arg)
 {
     int e = EVUTIL_SOCKET_ERROR();
@@ -494,7 +521,7 @@ static void on_accept_error(struct evconnlistener *lis, void *arg)
     if (e == EMFILE || e == ENFILE) {
         cs->c_fd++;
         int n = 0;
-        for (; cs->idle_head && n < 16; n++) {
+        for (; cs->idle_head && n < 64; n++) { /* their descriptors free as evhttp reads their end */
             shut(cs->idle_head);
             cs->c_evicted++;
             kvf_metric_add(cs->m_evicted, 1);
@@ -510,8 +537,8 @@ static void on_accept_error(struct evconnlistener *lis, void *arg)
             }
             cs->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
         }
-        if (n || fd < 0 || cs->spare_fd < 0)
-            pause_listener(cs, n ? PAUSE_NS / 10 : PAUSE_NS);
+        if (!n && (fd < 0 || cs->spare_fd < 0))
+            pause_listener(cs, PAUSE_NS);
     } else {
         kvf_log(KVF_LOG_WARN, "router: accept: %s", strerror(e));
         pause_listener(cs, PAUSE_NS);
