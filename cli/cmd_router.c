@@ -1,6 +1,7 @@
 /* cmd_router.c: `kvfleet router`: the OpenAI HTTP front end over a fleet of decode (and
  * prefill) workers given as address lists or DNS names. Prints one "ready" line on stdout when
  * it listens; the serving itself is router/http.h's. */
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -81,6 +82,7 @@ int kvf_cli_router(int argc, char **argv)
         return kvf_cli_exit(st, &err);
     c.h.fleet.tls = kvf_rpc_tls_on(&c.tls) ? &c.tls : NULL;
     c.h.handle_signals = true;
+    signal(SIGPIPE, SIG_IGN); /* a client gone mid-answer is an EPIPE on its socket, not our end */
     /* Client connections need descriptors: the soft limit goes up to the hard one (the default
      * --max-connections is derived from it). */
     struct rlimit rl;

@@ -376,9 +376,15 @@ static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbu
     touch(k);
     evutil_socket_t fd = bufferevent_getfd(k->sock);
     while (fd >= 0 && evbuffer_get_length(src) && evbuffer_get_length(dst) == 0) {
-        int n = evbuffer_write(src, fd);
-        if (n > 0)
+        /* send(MSG_NOSIGNAL), not evbuffer_write (writev): a client gone mid-answer must be an
+         * EPIPE here, not a SIGPIPE that kills the process hosting the router */
+        size_t chunk = evbuffer_get_contiguous_space(src);
+        const unsigned char *p = evbuffer_pullup(src, (ev_ssize_t)chunk);
+        ssize_t n = p ? send(fd, p, chunk, MSG_NOSIGNAL) : -1;
+        if (n > 0) {
+            evbuffer_drain(src, (size_t)n);
             continue;
+        }
         int e = EVUTIL_SOCKET_ERROR();
         if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
             bufferevent_enable(k->sock, EV_WRITE);
