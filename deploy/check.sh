@@ -38,7 +38,7 @@ render() {
   "$helm" lint --strict --quiet --kube-version "$kube_version" "$chart" >/dev/null
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" > "$out/$p-helm-default.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
-    --set worker.device=cuda,worker.transportBackend=ucx,model.source=pvc \
+    --set worker.device=cuda,model.source=pvc \
     --set prefill.replicas=2,decode.replicas=4 > "$out/$p-helm-gpu.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
     --set tls.enabled=false,apiKeys.enabled=false,networkPolicy.enabled=false \
