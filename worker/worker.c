@@ -68,6 +68,7 @@ struct kvf_worker {
     kvf_rpc_server *server;
     kvf_worker_http *http;
     kvf_metrics *metrics;
+    kvf_metric *m_kv_usage, *m_gie_waiting, *m_gie_running, *m_gie_kv_usage; /* autoscaling, GIE */
     kvf_metric *m_free, *m_used, *m_cached, *m_total, *m_running, *m_waiting, *m_steps,
         *m_watchers, *m_events, *m_prefix_hit, *m_draws;
     /* --device cuda: the device's memory and the decode step's CUDA graphs (NULL otherwise) */
@@ -511,6 +512,12 @@ static void publish_load(kvf_worker *w)
     kvf_metric_set(w->m_total, l.total_blocks);
     kvf_metric_set(w->m_running, l.running);
     kvf_metric_set(w->m_waiting, l.waiting);
+    /* the same load under the Gateway API Inference Extension's model-server names */
+    double usage = l.total_blocks > 0 ? (double)l.used_blocks / (double)l.total_blocks : 0.0;
+    kvf_metric_set(w->m_kv_usage, usage);
+    kvf_metric_set(w->m_gie_kv_usage, usage);
+    kvf_metric_set(w->m_gie_running, l.running);
+    kvf_metric_set(w->m_gie_waiting, l.waiting);
 }
 
 void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out)
@@ -983,7 +990,12 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         (st = add_metric(w, 1, "kvfleet_kv_watchers", "open WatchKv streams", &w->m_watchers, err)) ||
         (st = add_metric(w, 0, "kvfleet_kv_events_total", "KV event messages published", &w->m_events, err)) ||
         (st = add_metric(w, 0, "kvfleet_engine_prefix_hit_tokens_total", "prompt tokens served from the prefix cache", &w->m_prefix_hit, err)) ||
-        (st = add_metric(w, 0, "kvfleet_engine_backend_draws_total", "sampled tokens drawn on the backend (the GPU), not the host", &w->m_draws, err)))
+        (st = add_metric(w, 0, "kvfleet_engine_backend_draws_total", "sampled tokens drawn on the backend (the GPU), not the host", &w->m_draws, err)) ||
+        /* what an HPA/KEDA scales on, and the same under the Inference Extension's names */
+        (st = add_metric(w, 1, "kvfleet_kv_usage_ratio", "KV blocks held by sequences / KV blocks in the pool (0..1)", &w->m_kv_usage, err)) ||
+        (st = add_metric(w, 1, "vllm:num_requests_waiting", "requests queued (Inference Extension TotalQueuedRequests)", &w->m_gie_waiting, err)) ||
+        (st = add_metric(w, 1, "vllm:num_requests_running", "requests running (Inference Extension TotalRunningRequests)", &w->m_gie_running, err)) ||
+        (st = add_metric(w, 1, "vllm:gpu_cache_usage_perc", "KV cache utilisation 0..1 (Inference Extension KVCacheUtilization)", &w->m_gie_kv_usage, err)))
         goto fail;
     if (gpu && ((st = add_metric(w, 1, "kvfleet_gpu_memory_used_bytes", "GPU memory in use, all processes (cudaMemGetInfo)", &w->m_gpu_used, err)) ||
                 (st = add_metric(w, 0, "kvfleet_cuda_graph_replays_total", "decode steps replayed from a CUDA graph", &w->m_graph_replays, err)) ||

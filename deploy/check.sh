@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# check.sh: offline validation of deploy/ (kustomize overlays and the helm chart). Renders every
+# overlay and chart variant, then validates each object (deploy/tools/validate.cjs): schemas,
+# unknown fields, project rules. Exits 77 (skip) when the tools from scripts/install-deps.sh are
+# missing. A negative self-check proves a misspelt field fails. No cluster is needed.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+tools="${KVF_DEPLOY_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvfleet-deploy}"
+helm="$tools/bin/helm"
+kubectl="$tools/bin/kubectl"
+kube_version=1.33.0
+
+missing=()
+[ -x "$helm" ] || missing+=("$helm")
+[ -x "$kubectl" ] || missing+=("$kubectl")
+command -v node >/dev/null || missing+=("node")
+command -v yamllint >/dev/null || missing+=("yamllint")
+for m in kubernetes-models @kubernetes-models/prometheus-operator typescript yaml; do
+  [ -d "$tools/node_modules/$m" ] || missing+=("$tools/node_modules/$m")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deploy/check.sh: SKIP: missing ${missing[*]}; run scripts/install-deps.sh (needs npm and apt once)"
+  exit 77
+fi
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+
+# render DIR PREFIX: every overlay and chart variant of the deploy tree at DIR into $out/PREFIX-*.yaml
+render() {
+  local d="$1" p="$2" o
+  for o in "$d"/kustomize/overlays/*/; do
+    "$kubectl" kustomize "$o" > "$out/$p-kustomize-$(basename "$o").yaml"
+  done
+  "$kubectl" kustomize "$d/kustomize/base" > "$out/$p-kustomize-base.yaml"
+  local chart="$d/helm/kvfleet"
+  "$helm" lint --strict --quiet --kube-version "$kube_version" "$chart" >/dev/null
+  "$helm" template kvfleet "$chart" --kube-version "$kube_version" > "$out/$p-helm-default.yaml"
+  "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
+    --set worker.device=cuda,model.source=pvc \
+    --set prefill.replicas=2,decode.replicas=4 > "$out/$p-helm-gpu.yaml"
+  "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
+    --set tls.enabled=false,apiKeys.enabled=false,networkPolicy.enabled=false \
+    --set serviceMonitor.enabled=false,podDisruptionBudget.enabled=false > "$out/$p-helm-minimal.yaml"
+}
+
+start=$SECONDS
+echo "deploy/check.sh: yamllint"
+yamllint -s -c "$here/.yamllint" "$here"
+echo "deploy/check.sh: helm lint --strict, helm template, kubectl kustomize"
+render "$here" ok
+echo "deploy/check.sh: validate $(ls "$out" | wc -l) renderings"
+node "$here/tools/validate.cjs" "$tools" "$out"/ok-*.yaml
+
+# Negative self-check: a misspelt field in a copy of the base and of the chart must fail.
+echo "deploy/check.sh: negative self-check (imagePullPolicyy)"
+bad="$out/bad-tree"
+cp -r "$here" "$bad"
+sed -i '0,/imagePullPolicy:/s//imagePullPolicyy:/' "$bad/kustomize/base/router.yaml"
+sed -i '0,/imagePullPolicy:/s//imagePullPolicyy:/' "$bad/helm/kvfleet/templates/workers.yaml"
+render "$bad" bad
+for f in "$out"/bad-kustomize-base.yaml "$out"/bad-helm-default.yaml; do
+  if node "$here/tools/validate.cjs" "$tools" "$f" > "$out/neg.log" 2>&1; then
+    echo "deploy/check.sh: FAIL: a misspelt field in $(basename "$f") was not caught"; cat "$out/neg.log"; exit 1
+  fi
+  grep -q imagePullPolicyy "$out/neg.log" || { echo "deploy/check.sh: FAIL: wrong error for $(basename "$f")"; cat "$out/neg.log"; exit 1; }
+done
+echo "deploy/check.sh: OK ($((SECONDS - start)) s)"
