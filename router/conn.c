@@ -38,6 +38,7 @@ typedef enum { L_NONE, L_IDLE, L_DOOMED } conn_list;
 typedef struct conn {
     kvf_router_conns *cs;
     struct bufferevent *bev, *sock; /* the filter evhttp uses; the socket under it */
+    struct event *wev;              /* the socket writable again after EAGAIN: run the filter */
     int fd;                         /* -1 until the first byte */
     int64_t last_ns;                /* last byte in or out */
     int64_t close_at_ns;            /* ST_DISCARD: shut down then */
@@ -368,6 +369,13 @@ static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuf
  * (Connection: close) and free it, so what sat in the socket bufferevent would be lost. What the
  * socket does not take now stays in the filter; the socket bufferevent's write event (armed
  * here) calls the filter again once the socket takes more. */
+static void on_writable(evutil_socket_t fd, short what, void *arg)
+{
+    conn *k = arg;
+    (void)fd, (void)what;
+    bufferevent_flush(k->bev, EV_WRITE, BEV_NORMAL); /* calls conn_out with what is left */
+}
+
 static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
                                                enum bufferevent_flush_mode mode, void *ctx)
 {
@@ -387,7 +395,15 @@ static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbu
         }
         int e = EVUTIL_SOCKET_ERROR();
         if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
-            bufferevent_enable(k->sock, EV_WRITE);
+            /* The socket bufferevent's own write event would not call us again: its output is
+             * empty, and libevent runs its write callback only after writing something. So a
+             * one-shot event of ours flushes the filter once the socket takes more. */
+            if (!k->wev)
+                k->wev = event_new(bufferevent_get_base(k->sock), fd, EV_WRITE, on_writable, k);
+            if (k->wev)
+                event_add(k->wev, NULL);
+            else
+                bufferevent_enable(k->sock, EV_WRITE);
             return BEV_NEED_MORE;
         }
         break; /* an error: the socket bufferevent meets it too and reports it */
@@ -421,6 +437,8 @@ static void conn_freed(void *ctx)
         cs->n_shut--;
     cs->n--;
     kvf_metric_set(cs->m_open, (double)cs->n);
+    if (k->wev)
+        event_free(k->wev);
     free(k);
 }
 
