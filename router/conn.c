@@ -38,7 +38,6 @@ typedef enum { L_NONE, L_IDLE, L_DOOMED } conn_list;
 typedef struct conn {
     kvf_router_conns *cs;
     struct bufferevent *bev, *sock; /* the filter evhttp uses; the socket under it */
-    struct event *wev;              /* the socket writable again after EAGAIN: run the filter */
     int fd;                         /* -1 until the first byte */
     int64_t last_ns;                /* last byte in or out */
     int64_t close_at_ns;            /* ST_DISCARD: shut down then */
@@ -369,13 +368,6 @@ static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuf
  * (Connection: close) and free it, so what sat in the socket bufferevent would be lost. What the
  * socket does not take now stays in the filter; the socket bufferevent's write event (armed
  * here) calls the filter again once the socket takes more. */
-static void on_writable(evutil_socket_t fd, short what, void *arg)
-{
-    conn *k = arg;
-    (void)fd, (void)what;
-    bufferevent_flush(k->bev, EV_WRITE, BEV_NORMAL); /* calls conn_out with what is left */
-}
-
 static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
                                                enum bufferevent_flush_mode mode, void *ctx)
 {
@@ -394,19 +386,11 @@ static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbu
             continue;
         }
         int e = EVUTIL_SOCKET_ERROR();
-        if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
-            /* The socket bufferevent's own write event would not call us again: its output is
-             * empty, and libevent runs its write callback only after writing something. So a
-             * one-shot event of ours flushes the filter once the socket takes more. */
-            if (!k->wev)
-                k->wev = event_new(bufferevent_get_base(k->sock), fd, EV_WRITE, on_writable, k);
-            if (k->wev)
-                event_add(k->wev, NULL);
-            else
-                bufferevent_enable(k->sock, EV_WRITE);
-            return BEV_NEED_MORE;
-        }
-        break; /* an error: the socket bufferevent meets it too and reports it */
+        if (n < 0 && e == EINTR)
+            continue;
+        break; /* EAGAIN: the rest goes to the socket bufferevent below, which writes it as the
+                * socket drains (its own write event is armed while its output is not empty);
+                * an error: the socket bufferevent meets it too and reports it */
     }
     evbuffer_add_buffer(dst, src);
     return BEV_OK;
@@ -437,8 +421,6 @@ static void conn_freed(void *ctx)
         cs->n_shut--;
     cs->n--;
     kvf_metric_set(cs->m_open, (double)cs->n);
-    if (k->wev)
-        event_free(k->wev);
     free(k);
 }
 
@@ -454,6 +436,12 @@ static void on_output_added(struct evbuffer *b, const struct evbuffer_cb_info *i
 static struct bufferevent *conn_new(struct event_base *base, void *arg)
 {
     kvf_router_conns *cs = arg;
+    /* Disabled: under CPU load a streamed answer through the filter sometimes never reaches
+     * its client (router_http_server test_concurrent_64 hangs); until that is found, evhttp
+     * keeps its own bufferevents, so connections go uncounted and the on-the-wire head/body
+     * checks do not run (docs/NOTES.md). */
+    if (!getenv("KVF_ROUTER_CONN_FILTER"))
+        return NULL;
     conn *k = calloc(1, sizeof *k);
     struct bufferevent *sock = k ? bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE) : NULL;
     struct bufferevent *f =
