@@ -38,6 +38,8 @@ typedef enum { L_NONE, L_IDLE, L_DOOMED } conn_list;
 typedef struct conn {
     kvf_router_conns *cs;
     struct bufferevent *bev, *sock; /* the filter evhttp uses; the socket under it */
+    struct event *kick, *wev;       /* output added; the socket writable again: flush_out */
+    bool flushing;                  /* inside flush_out: conn_out may send */
     int fd;                         /* -1 until the first byte */
     int64_t last_ns;                /* last byte in or out */
     int64_t close_at_ns;            /* ST_DISCARD: shut down then */
@@ -363,19 +365,33 @@ static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuf
     }
 }
 
-/* Output goes to the socket here, not to the socket bufferevent: the filter tells evhttp an
- * answer is written when the filter's output is empty, and evhttp then may shut the socket down
- * (Connection: close) and free it, so what sat in the socket bufferevent would be lost. What the
- * socket does not take now stays in the filter; the socket bufferevent's write event (armed
- * here) calls the filter again once the socket takes more. */
+/* Output. The filter tells evhttp "written" (its write callback) when the filter's output is
+ * empty, and evhttp then runs the callback it set for that write: the next chunk, or the end of
+ * the answer, where a Connection: close socket is shut and freed at once. Two rules follow:
+ * - Output goes to the socket itself here (send), never to the socket bufferevent: what sat
+ *   there when evhttp frees the connection would be lost.
+ * - It is sent only from an event of ours (flush_out), never from inside evhttp's call that added
+ *   it: libevent runs the filter as output is added, and a write callback run in there comes
+ *   before evhttp has set the callback for that write (evhttp_send_reply_end adds the last chunk,
+ *   then sets it), so the end of an answer was never seen and its stream stalled.
+ * What the socket does not take now stays in the filter's output; a one-shot write event on the
+ * socket flushes again when it takes more. */
+static void flush_out(evutil_socket_t fd, short what, void *arg);
+
 static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
                                                enum bufferevent_flush_mode mode, void *ctx)
 {
     conn *k = ctx;
-    (void)lim, (void)mode;
+    (void)dst, (void)lim, (void)mode;
+    if (!evbuffer_get_length(src))
+        return BEV_OK;
+    if (!k->flushing) {
+        event_active(k->kick, EV_TIMEOUT, 1);
+        return BEV_NEED_MORE;
+    }
     touch(k);
     evutil_socket_t fd = bufferevent_getfd(k->sock);
-    while (fd >= 0 && evbuffer_get_length(src) && evbuffer_get_length(dst) == 0) {
+    while (fd >= 0 && evbuffer_get_length(src)) {
         /* send(MSG_NOSIGNAL), not evbuffer_write (writev): a client gone mid-answer must be an
          * EPIPE here, not a SIGPIPE that kills the process hosting the router */
         size_t chunk = evbuffer_get_contiguous_space(src);
@@ -388,12 +404,36 @@ static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbu
         int e = EVUTIL_SOCKET_ERROR();
         if (n < 0 && e == EINTR)
             continue;
-        break; /* EAGAIN: the rest goes to the socket bufferevent below, which writes it as the
-                * socket drains (its own write event is armed while its output is not empty);
-                * an error: the socket bufferevent meets it too and reports it */
+        if (n < 0 && (e == EAGAIN || e == EWOULDBLOCK)) {
+            if (!k->wev)
+                k->wev = event_new(bufferevent_get_base(k->sock), fd, EV_WRITE, flush_out, k);
+            if (k->wev)
+                event_add(k->wev, NULL);
+            return BEV_NEED_MORE;
+        }
+        /* The client is gone: what it would have read is dropped, and evhttp learns of the end
+         * from the socket's read side (evhttp keeps reading while it writes). */
+        evbuffer_drain(src, evbuffer_get_length(src));
+        return BEV_ERROR;
     }
-    evbuffer_add_buffer(dst, src);
-    return BEV_OK;
+    return fd >= 0 ? BEV_OK : BEV_NEED_MORE;
+}
+
+/* The socket takes more, or evhttp added output: send what the filter holds (conn_out). */
+static void flush_out(evutil_socket_t fd, short what, void *arg)
+{
+    conn *k = arg;
+    (void)fd, (void)what;
+    struct bufferevent *f = k->bev;
+    if (!evbuffer_get_length(bufferevent_get_output(f)))
+        return;
+    /* evhttp's write callback may free the connection from inside the flush (k with it): the
+     * reference keeps both until we are done */
+    bufferevent_incref(f);
+    k->flushing = true;
+    bufferevent_flush(f, EV_WRITE, BEV_FLUSH);
+    k->flushing = false;
+    bufferevent_decref(f);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -421,6 +461,10 @@ static void conn_freed(void *ctx)
         cs->n_shut--;
     cs->n--;
     kvf_metric_set(cs->m_open, (double)cs->n);
+    if (k->kick)
+        event_free(k->kick);
+    if (k->wev)
+        event_free(k->wev);
     free(k);
 }
 
@@ -429,32 +473,30 @@ static void on_output_added(struct evbuffer *b, const struct evbuffer_cb_info *i
     conn *k = ctx;
     (void)b;
     if (info->n_added)
-        bufferevent_enable(k->sock, EV_WRITE);
+        event_active(k->kick, EV_TIMEOUT, 1);
 }
 
 /* evhttp asks for the bufferevent of a connection just accepted: admit it. */
 static struct bufferevent *conn_new(struct event_base *base, void *arg)
 {
     kvf_router_conns *cs = arg;
-    /* Disabled: under CPU load a streamed answer through the filter sometimes never reaches
-     * its client (router_http_server test_concurrent_64 hangs); until that is found, evhttp
-     * keeps its own bufferevents, so connections go uncounted and the on-the-wire head/body
-     * checks do not run (docs/NOTES.md). */
-    if (!getenv("KVF_ROUTER_CONN_FILTER"))
-        return NULL;
     conn *k = calloc(1, sizeof *k);
-    struct bufferevent *sock = k ? bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE) : NULL;
+    if (k)
+        k->kick = event_new(base, -1, 0, flush_out, k);
+    struct bufferevent *sock = k && k->kick ? bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE) : NULL;
     struct bufferevent *f =
         sock ? bufferevent_filter_new(sock, conn_in, conn_out, BEV_OPT_CLOSE_ON_FREE, conn_freed, k) : NULL;
     if (!f) {
         if (sock)
             bufferevent_free(sock);
+        if (k && k->kick)
+            event_free(k->kick);
         free(k);
         return NULL; /* evhttp makes its own: the connection goes uncounted (out of memory) */
     }
-    /* evhttp adds an answer to the output before it enables writing, and the filter moves output
-     * only while writing is enabled: each addition arms the socket's write event, whose callback
-     * (the socket is writable at once) calls the filter again from the loop, writing enabled. */
+    /* Every addition to the output is sent from the loop by flush_out (see conn_out); libevent
+     * itself runs the filter on an addition only while writing is enabled, and evhttp adds the
+     * head of an answer before it enables writing. */
     evbuffer_add_cb(bufferevent_get_output(f), on_output_added, k);
     k->cs = cs;
     k->bev = f;
