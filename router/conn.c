@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "common/sbuf.h"
 #include "common/time.h"
+#include "router/frame.h"
 #include "router/openai.h"
 
 #define CONN_RESERVE 16        /* connections over the limit, for probes, when none is idle */
@@ -32,7 +33,7 @@
 #define LINGER_NS 2000000000LL /* a refused connection discards input this long, then closes */
 #define PAUSE_NS 100000000LL   /* the listener rests this long when accept finds no descriptor */
 
-typedef enum { ST_HEAD, ST_BODY, ST_PASS, ST_DISCARD } conn_state;
+typedef enum { ST_HEAD, ST_BODY, ST_CHUNKS, ST_PASS, ST_DISCARD } conn_state;
 typedef enum { L_NONE, L_IDLE, L_DOOMED } conn_list;
 
 typedef struct conn {
@@ -44,6 +45,7 @@ typedef struct conn {
     int64_t last_ns;                /* last byte in or out */
     int64_t close_at_ns;            /* ST_DISCARD: shut down then */
     int64_t body_left;              /* ST_BODY: bytes of the current body still to pass */
+    kvf_router_chunks chunks;       /* ST_CHUNKS: the chunked body passing */
     conn_state st;
     conn_list list;
     bool busy;    /* a generation request in flight: never closed as idle */
@@ -64,9 +66,9 @@ struct kvf_router_conns {
     size_t cap_fd;
     int spare_fd; /* closed to accept (and close) a connection at the descriptor limit */
     /* since the last summary line */
-    int64_t c_evicted, c_reserve, c_paused, c_fd, c_head, c_body, c_probe_only;
+    int64_t c_evicted, c_reserve, c_paused, c_fd, c_head, c_body, c_bad, c_probe_only;
     double last_log;
-    kvf_metric *m_open, *m_idle, *m_evicted, *m_fd, *m_head, *m_body, *m_probe_only;
+    kvf_metric *m_open, *m_idle, *m_evicted, *m_fd, *m_head, *m_body, *m_bad, *m_probe_only;
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -165,7 +167,7 @@ static void shut(conn *k)
 
 static void maybe_log(kvf_router_conns *cs, bool now_or_later)
 {
-    if (!(cs->c_evicted | cs->c_reserve | cs->c_paused | cs->c_fd | cs->c_head | cs->c_body | cs->c_probe_only))
+    if (!(cs->c_evicted | cs->c_reserve | cs->c_paused | cs->c_fd | cs->c_head | cs->c_body | cs->c_bad | cs->c_probe_only))
         return;
     double now = kvf_now_s();
     if (!now_or_later && now - cs->last_log < LOG_EVERY_S)
@@ -176,13 +178,15 @@ static void maybe_log(kvf_router_conns *cs, bool now_or_later)
             "router: too many connections or too large requests (last %.0f s; %lld open, --max-connections=%d, "
             "RLIMIT_NOFILE %lld): %lld idle connections closed to admit new ones, %lld admitted for probes only, "
             "%lld non-probe requests refused on those, listener paused %lld times, accept out of descriptors "
-            "%lld times, %lld heads over --max-header-bytes=%lld, %lld bodies over --max-body-bytes=%lld",
+            "%lld times, %lld heads over --max-header-bytes=%lld, %lld bodies over --max-body-bytes=%lld, %lld "
+            "malformed requests",
             cs->last_log > 0 ? now - cs->last_log : 0.0, (long long)cs->n, cs->cfg.max_connections,
             (long long)cs->nofile, (long long)cs->c_evicted, (long long)cs->c_reserve,
             (long long)cs->c_probe_only, (long long)cs->c_paused, (long long)cs->c_fd, (long long)cs->c_head,
-            (long long)cs->cfg.max_header_bytes, (long long)cs->c_body, (long long)cs->cfg.max_body_bytes);
+            (long long)cs->cfg.max_header_bytes, (long long)cs->c_body, (long long)cs->cfg.max_body_bytes,
+            (long long)cs->c_bad);
     cs->last_log = now;
-    cs->c_evicted = cs->c_reserve = cs->c_paused = cs->c_fd = cs->c_head = cs->c_body = cs->c_probe_only = 0;
+    cs->c_evicted = cs->c_reserve = cs->c_paused = cs->c_fd = cs->c_head = cs->c_body = cs->c_bad = cs->c_probe_only = 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -212,53 +216,53 @@ static void refuse(conn *k, int code, const char *reason, const char *ecode, con
     list_doomed_add(k->cs, k);
 }
 
-/* The value of header `name` (lower case, with its colon) in head[len], or NULL; *vlen_out. */
-static const char *header_value(const char *head, size_t len, const char *name, size_t *vlen_out)
-{
-    size_t nl = strlen(name);
-    const char *p = memchr(head, '\n', len), *end = head + len;
-    while (p && p + 1 < end) {
-        const char *line = p + 1;
-        const char *eol = memchr(line, '\n', (size_t)(end - line));
-        if (!eol)
-            eol = end;
-        if ((size_t)(eol - line) > nl && strncasecmp(line, name, nl) == 0) {
-            const char *v = line + nl;
-            while (v < eol && (*v == ' ' || *v == '\t'))
-                v++;
-            const char *ve = eol;
-            while (ve > v && (ve[-1] == '\r' || ve[-1] == ' ' || ve[-1] == '\t'))
-                ve--;
-            *vlen_out = (size_t)(ve - v);
-            return v;
-        }
-        p = eol < end ? eol : NULL;
-    }
-    return NULL;
-}
-
-static bool is_probe(const char *head, size_t len)
-{
-    static const char *const probes[] = {"GET /health", "GET /ready", "GET /metrics", "HEAD /health", "HEAD /ready"};
-    for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++) {
-        size_t n = strlen(probes[i]);
-        if (len > n && memcmp(head, probes[i], n) == 0 && (head[n] == ' ' || head[n] == '?'))
-            return true;
-    }
-    return false;
-}
-
-/* A complete head of head_len bytes is at the start of src: refuse it or pass it on. */
-static void on_head(conn *k, struct evbuffer *src, struct evbuffer *dst, size_t head_len)
+/* 413: a body over --max-body-bytes (len: its Content-Length; -1: chunked, seen going over). */
+static void refuse_body(conn *k, int64_t len)
 {
     kvf_router_conns *cs = k->cs;
-    const char *head = (const char *)evbuffer_pullup(src, (ev_ssize_t)head_len);
     char msg[256];
-    if (!head) {
-        k->st = ST_PASS;
+    cs->c_body++;
+    kvf_metric_add(cs->m_body, 1);
+    if (len >= 0)
+        snprintf(msg, sizeof msg, "the request body is %lld bytes; this server takes at most %lld (--max-body-bytes)",
+                 (long long)len, (long long)cs->cfg.max_body_bytes);
+    else
+        snprintf(msg, sizeof msg, "the chunked request body is over %lld bytes, the most this server takes "
+                 "(--max-body-bytes)", (long long)cs->cfg.max_body_bytes);
+    refuse(k, 413, "Payload Too Large", "request_too_large", msg);
+}
+
+/* 400: not HTTP/1.x framing we read the same way evhttp would. */
+static void refuse_bad(conn *k, const char *why)
+{
+    k->cs->c_bad++;
+    kvf_metric_add(k->cs->m_bad, 1);
+    refuse(k, 400, "Bad Request", "invalid_request", why);
+}
+
+/* A complete head is at the start of src (f): refuse it or pass it on to evhttp. */
+static void on_head(conn *k, struct evbuffer *src, struct evbuffer *dst, const kvf_router_frame *f)
+{
+    kvf_router_conns *cs = k->cs;
+    char msg[256];
+    switch (f->kind) {
+    case KVF_FRAME_HEAD_LARGE:
+        cs->c_head++;
+        kvf_metric_add(cs->m_head, 1);
+        snprintf(msg, sizeof msg, "the request line and headers exceed %lld bytes (--max-header-bytes)",
+                 (long long)cs->cfg.max_header_bytes);
+        refuse(k, 431, "Request Header Fields Too Large", "request_header_fields_too_large", msg);
         return;
+    case KVF_FRAME_BAD:
+        refuse_bad(k, f->why);
+        return;
+    case KVF_FRAME_BODY_LARGE:
+        refuse_body(k, f->body_len);
+        return;
+    default:
+        break;
     }
-    if (k->reserve && !is_probe(head, head_len)) {
+    if (k->reserve && !f->probe) {
         cs->c_probe_only++;
         kvf_metric_add(cs->m_probe_only, 1);
         snprintf(msg, sizeof msg,
@@ -267,54 +271,14 @@ static void on_head(conn *k, struct evbuffer *src, struct evbuffer *dst, size_t 
         refuse(k, 503, "Service Unavailable", "too_many_connections", msg);
         return;
     }
-    size_t vl = 0;
-    bool chunked = false;
-    const char *te = header_value(head, head_len, "transfer-encoding:", &vl);
-    for (size_t i = 0; te && i + 7 <= vl; i++)
-        chunked |= strncasecmp(te + i, "chunked", 7) == 0;
-    const char *cl = header_value(head, head_len, "content-length:", &vl);
-    int64_t body = 0;
-    bool bad = false;
-    for (size_t i = 0; cl && i < vl; i++) {
-        if (cl[i] < '0' || cl[i] > '9' || body > (INT64_MAX - 9) / 10) {
-            bad = true;
-            break;
-        }
-        body = body * 10 + (cl[i] - '0');
-    }
-    if (cl && !bad && body > cs->cfg.max_body_bytes) {
-        cs->c_body++;
-        kvf_metric_add(cs->m_body, 1);
-        snprintf(msg, sizeof msg, "the request body is %lld bytes; this server takes at most %lld (--max-body-bytes)",
-                 (long long)body, (long long)cs->cfg.max_body_bytes);
-        refuse(k, 413, "Payload Too Large", "request_too_large", msg);
-        return;
-    }
-    evbuffer_remove_buffer(src, dst, head_len);
-    /* Chunked bodies, and heads evhttp will refuse anyway, go through unframed from here on:
-     * evhttp then holds the same limits itself (answering in its own words). */
-    if (chunked || bad)
-        k->st = ST_PASS;
-    else if (body > 0) {
+    evbuffer_remove_buffer(src, dst, f->head_len);
+    if (f->chunked) {
+        k->st = ST_CHUNKS;
+        memset(&k->chunks, 0, sizeof k->chunks);
+    } else if (f->body_len > 0) {
         k->st = ST_BODY;
-        k->body_left = body;
+        k->body_left = f->body_len;
     }
-}
-
-/* The length of the head at the start of the first `len` bytes (through its empty line), or 0
- * when it is not complete yet. */
-static size_t head_length(const char *p, size_t len)
-{
-    for (size_t i = 0; i < len; i++) {
-        if (p[i] != '\n')
-            continue;
-        /* a line ended at i: is the next line empty ("\n" or "\r\n")? */
-        if (i + 1 < len && p[i + 1] == '\n')
-            return i + 2;
-        if (i + 2 < len && p[i + 1] == '\r' && p[i + 2] == '\n')
-            return i + 3;
-    }
-    return 0;
 }
 
 static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
@@ -346,36 +310,37 @@ static enum bufferevent_filter_result conn_in(struct evbuffer *src, struct evbuf
         case ST_HEAD: {
             size_t look = avail < (size_t)cs->cfg.max_header_bytes + 3 ? avail : (size_t)cs->cfg.max_header_bytes + 3;
             const char *p = (const char *)evbuffer_pullup(src, (ev_ssize_t)look);
-            size_t hl = p ? head_length(p, look) : 0;
-            if (p && (hl > (size_t)cs->cfg.max_header_bytes || (!hl && look > (size_t)cs->cfg.max_header_bytes))) {
-                char msg[160];
-                cs->c_head++;
-                kvf_metric_add(cs->m_head, 1);
-                snprintf(msg, sizeof msg, "the request line and headers exceed %lld bytes (--max-header-bytes)",
-                         (long long)cs->cfg.max_header_bytes);
-                refuse(k, 431, "Request Header Fields Too Large", "request_header_fields_too_large", msg);
+            if (!p) { /* out of memory: evhttp reads the rest unframed */
+                k->st = ST_PASS;
                 continue;
             }
-            if (!hl)
+            kvf_router_frame f;
+            kvf_router_frame_head(p, look, cs->cfg.max_header_bytes, cs->cfg.max_body_bytes, &f);
+            if (f.kind == KVF_FRAME_MORE)
                 return BEV_NEED_MORE;
-            on_head(k, src, dst, hl);
+            on_head(k, src, dst, &f);
+            continue;
+        }
+        case ST_CHUNKS: {
+            struct evbuffer_iovec v;
+            if (evbuffer_peek(src, -1, NULL, &v, 1) < 1)
+                return BEV_OK;
+            size_t used = 0;
+            kvf_router_chunks_result r = kvf_router_chunks_feed(&k->chunks, v.iov_base, v.iov_len, cs->cfg.max_body_bytes,
+                                                                cs->cfg.max_header_bytes, &used);
+            evbuffer_remove_buffer(src, dst, used);
+            if (r == KVF_CHUNKS_DONE)
+                k->st = ST_HEAD;
+            else if (r == KVF_CHUNKS_LARGE)
+                refuse_body(k, -1);
+            else if (r == KVF_CHUNKS_BAD)
+                refuse_bad(k, "the chunked body is malformed");
             continue;
         }
         }
     }
 }
 
-/* Output. The filter tells evhttp "written" (its write callback) when the filter's output is
- * empty, and evhttp then runs the callback it set for that write: the next chunk, or the end of
- * the answer, where a Connection: close socket is shut and freed at once. Two rules follow:
- * - Output goes to the socket itself here (send), never to the socket bufferevent: what sat
- *   there when evhttp frees the connection would be lost.
- * - It is sent only from an event of ours (flush_out), never from inside evhttp's call that added
- *   it: libevent runs the filter as output is added, and a write callback run in there comes
- *   before evhttp has set the callback for that write (evhttp_send_reply_end adds the last chunk,
- *   then sets it), so the end of an answer was never seen and its stream stalled.
- * What the socket does not take now stays in the filter's output; a one-shot write event on the
- * socket flushes again when it takes more. */
 static void flush_out(evutil_socket_t fd, short what, void *arg);
 
 static enum bufferevent_filter_result conn_out(struct evbuffer *src, struct evbuffer *dst, ev_ssize_t lim,
@@ -663,7 +628,9 @@ static kvf_status add_metrics(kvf_router_conns *cs, kvf_err *err)
         (st = kvf_metrics_counter(m, "kvfleet_router_requests_refused_total", "reason=\"body_bytes\"", refused,
                                   &cs->m_body, err)) != KVF_OK ||
         (st = kvf_metrics_counter(m, "kvfleet_router_requests_refused_total", "reason=\"probes_only\"", refused,
-                                  &cs->m_probe_only, err)) != KVF_OK)
+                                  &cs->m_probe_only, err)) != KVF_OK ||
+        (st = kvf_metrics_counter(m, "kvfleet_router_requests_refused_total", "reason=\"malformed\"", refused,
+                                  &cs->m_bad, err)) != KVF_OK)
         return st;
     return KVF_OK;
 }

@@ -1090,6 +1090,62 @@ static void test_text_stop_and_chat(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* Bytes sent as they are; the answer read to the end. */
+static void raw(int port, const char *bytes, resp *r)
+{
+    int fd = connect_to(port);
+    assert_true(fd >= 0);
+    size_t n = strlen(bytes);
+    assert_int_equal(write(fd, bytes, n), (ssize_t)n);
+    shutdown(fd, SHUT_WR);
+    read_resp(fd, r);
+}
+
+/* Requests refused for their framing get OpenAI JSON from the router's connection filter, not
+ * evhttp's HTML: a chunked body over --max-body-bytes (evhttp answered HTML 413 after reading
+ * up to the limit), a malformed header line, Content-Length together with Transfer-Encoding
+ * (read one way by a proxy and another by us: request smuggling). A valid chunked body still
+ * reaches the handler whole. */
+static void test_wire_framing_json(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    router_start(&x, "127.0.0.1:1", 256);
+    resp r;
+    char m[512];
+    static const struct {
+        const char *req;
+        int status;
+        const char *msg;
+    } cases[] = {
+        {"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1000000\r\n", 413,
+         "chunked request body is over"},
+        {"GET /v1/models HTTP/1.1\r\nHost: a\r\nNo colon here\r\n\r\n", 400, "NAME: VALUE"},
+        {"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+         "0\r\n\r\n",
+         400, "both Content-Length and Transfer-Encoding"},
+        {"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5;x=1\r\nhello\r\n0\r\n\r\n",
+         400, "chunked body is malformed"},
+        {"POST /v1/completions HTTP/1.1\r\nHost: a\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+         "11\r\n{\"model\":\"other\",\r\n"
+         "d\r\n\"prompt\":[1]}\r\n0\r\n\r\n",
+         404, "does not exist"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        raw(x.r.port, cases[i].req, &r);
+        if (r.status != cases[i].status || !strstr(err_msg(&r, m, sizeof m), cases[i].msg) ||
+            !strcasestr(r.headers, "Content-Type: application/json"))
+            fail_msg("case %zu: got %d '%s' (%s), want %d '%s'", i, r.status, m, r.headers, cases[i].status,
+                     cases[i].msg);
+        free(r.body);
+    }
+    http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+    assert_non_null(strstr(r.body, "kvfleet_router_requests_refused_total{reason=\"malformed\"} 3"));
+    assert_non_null(strstr(r.body, "kvfleet_router_requests_refused_total{reason=\"body_bytes\"} 1"));
+    free(r.body);
+    router_stop(&x);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN); /* as kvfleet router does: clients here close mid-answer */
@@ -1108,6 +1164,7 @@ int main(void)
         cmocka_unit_test(test_dns_membership),
         cmocka_unit_test(test_block_size_refused),
         cmocka_unit_test(test_text_stop_and_chat),
+        cmocka_unit_test(test_wire_framing_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
