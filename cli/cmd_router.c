@@ -39,6 +39,8 @@ static const kvf_cfg_opt router_opts[] = {
     {"max-header-bytes", "16384", "request line + headers; larger heads get 431", offsetof(router_cfg, h.max_header_bytes), KVF_CFG_INT64},
     {"max-body-bytes", "8388608", "request body (Content-Length); larger ones get 413 before the body is read", offsetof(router_cfg, h.max_body_bytes), KVF_CFG_INT64},
     {"prep-threads", "2", "threads that parse requests, apply the chat template and tokenize, off the event loop", offsetof(router_cfg, h.prep_threads), KVF_CFG_INT},
+    {"drain-delay-ms", "5000", "on SIGTERM /ready turns 503 at once and the router keeps serving this long (for load balancers to notice) before it closes its listener", offsetof(router_cfg, h.drain_delay_ms), KVF_CFG_INT64},
+    {"drain-timeout-ms", "30000", "then requests in flight get this long to finish before they are cancelled (a second SIGTERM or SIGINT stops at once)", offsetof(router_cfg, h.drain_timeout_ms), KVF_CFG_INT64},
     {"health-interval-ms", "1000", "Health check period per worker", offsetof(router_cfg, h.fleet.health_interval_ms), KVF_CFG_INT64},
     {"resolve-interval-ms", "5000", "DNS re-resolution period", offsetof(router_cfg, h.fleet.resolve_interval_ms), KVF_CFG_INT64},
     {"tls-cert", NULL, "PEM certificate the router presents to the workers (with --tls-key and --tls-ca: mutual TLS; reloaded on SIGHUP)", offsetof(router_cfg, tls.cert_file), KVF_CFG_STR},
@@ -76,6 +78,10 @@ int kvf_cli_router(int argc, char **argv)
     kvf_log_set_level((kvf_log_level)lvl);
     if (!c.h.fleet.decode && !c.h.fleet.decode_dns) {
         kvf_err_set(&err, KVF_ERR_INVALID, "router: give the decode workers with --decode=host:port,... or --decode-dns=name:port");
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    if (c.h.drain_delay_ms < 0 || c.h.drain_timeout_ms < 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "router: --drain-delay-ms and --drain-timeout-ms must be >= 0");
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
     if ((st = kvf_rpc_tls_check_member(&c.tls, "router", &err)) != KVF_OK)

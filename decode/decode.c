@@ -525,14 +525,11 @@ static void on_output(void *ctx, const kvf_engine_output *o)
         }
     if (!q)
         return; /* a cancelled or abandoned engine id */
-    if (q->remote_tokens == 0 && q->completion_tokens == 0) {
-        /* a local prefill: what this worker's own prefix cache served (usage.cached_tokens) */
-        kvf_engine_req_info info;
-        kvf_err ie = {0};
-        if (kvf_engine_req_info_get(kvf_worker_engine(d->w), q->eng_id, &info, &ie) == KVF_OK &&
-            info.n_cached > q->cached_tokens)
-            q->cached_tokens = (int32_t)info.n_cached;
-    }
+    if (q->remote_tokens == 0 && q->completion_tokens == 0 && o->n_cached > q->cached_tokens)
+        q->cached_tokens = (int32_t)o->n_cached; /* a local prefill: what this worker's own prefix
+                                                  * cache served (usage.cached_tokens); from the
+                                                  * output, as a request that ends on its first
+                                                  * token is gone from the engine already */
     kvf_rpc_generate_resp r = {.index = o->index, .finish = finish_msg(o->finish)};
     int32_t tok = o->token;
     if (tok >= 0) {

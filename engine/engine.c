@@ -337,7 +337,8 @@ static void emit(kvf_engine *e, eng_seq *s, int32_t token, kvf_engine_finish fin
 {
     if (e->in_step) {
         e->outs[e->n_outs++] = (kvf_engine_output){.id = s->id, .index = s->index, .token = token,
-                                                   .n_generated = s->n_generated, .finish = fin};
+                                                   .n_generated = s->n_generated, .finish = fin,
+                                                   .n_cached = s->n_cached};
     } else {
         s->pending = true;
         s->pend_token = token;
@@ -880,7 +881,7 @@ static void flush_pending(kvf_engine *e)
         s->pending = false;
         e->outs[e->n_outs++] =
             (kvf_engine_output){.id = s->id, .index = s->index, .token = s->pend_token,
-                                .n_generated = s->n_generated,
+                                .n_generated = s->n_generated, .n_cached = s->n_cached,
                                 .finish = s->state == SEQ_FINISHED || s->state == SEQ_HELD
                                               ? s->finish : KVF_ENGINE_FINISH_NONE};
     }

@@ -131,6 +131,7 @@ typedef struct kvf_engine_output {
     int32_t token;    /* the new token, -1 when there is none (cancelled, error) */
     int32_t n_generated; /* tokens of this sample so far, this one included */
     kvf_engine_finish finish;
+    int64_t n_cached;    /* prompt tokens the prefix cache served at its last admission */
 } kvf_engine_output;
 
 typedef struct kvf_engine_stats {

@@ -114,6 +114,8 @@ kvf_status kvf_rpc_server_add_unary(kvf_rpc_server *s, const char *method, kvf_r
 kvf_status kvf_rpc_server_add_stream(kvf_rpc_server *s, const char *method,
                                      kvf_rpc_stream_fn fn, void *ctx, kvf_err *err);
 kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err);
+/* Calls of `method` (a registered name) accepted and not yet finished. Any thread. */
+int kvf_rpc_server_live(kvf_rpc_server *s, const char *method);
 /* Stops taking calls, lets calls in flight run for up to grace_ms, then cancels the rest (their
  * clients see CANCELLED or UNAVAILABLE; their handlers see kvf_rpc_call_is_cancelled and writes
  * failing) and waits for every handler to finish its call. Idempotent. Handlers that never

@@ -107,6 +107,7 @@ struct kvf_rpc_server {
     pthread_cond_t cv;
     bool started, shutting, shutdown_done, shut, pool_stop;
     int live_calls;
+    int method_live[RPC_MAX_METHODS]; /* live calls per registered method */
     kvf_rpc_call *jobs_head, *jobs_tail;
     pthread_t poller;
     pthread_t *workers;
@@ -124,6 +125,7 @@ static void call_unref(kvf_rpc_call *c)
     if (left > 0)
         return;
     kvf_rpc_server *s = c->srv;
+    const rpc_method *m = c->m;
     grpc_call_unref(c->call);
     if (c->has_details)
         grpc_slice_unref(c->details);
@@ -143,6 +145,8 @@ static void call_unref(kvf_rpc_call *c)
     free(c);
     pthread_mutex_lock(&s->mu);
     s->live_calls--;
+    if (m)
+        s->method_live[m - s->methods]--;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
 }
@@ -546,6 +550,8 @@ static void on_request(rpc_tag *t, bool ok)
     pthread_mutex_lock(&s->mu);
     bool repost = !s->shutting;
     s->live_calls++;
+    if (r->method >= 0)
+        s->method_live[r->method]++;
     pthread_mutex_unlock(&s->mu);
     if (repost)
         request_post(s, r->method);
@@ -568,6 +574,8 @@ static void on_request(rpc_tag *t, bool ok)
         grpc_call_unref(r->call);
         pthread_mutex_lock(&s->mu);
         s->live_calls--;
+        if (r->method >= 0)
+            s->method_live[r->method]--;
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         request_free(r);
@@ -902,6 +910,17 @@ kvf_status kvf_rpc_server_start(kvf_rpc_server *s, kvf_err *err)
     kvf_log(KVF_LOG_INFO, "rpc: serving %d methods on port %d (%d handler threads)",
             s->n_methods, s->port, s->n_workers);
     return KVF_OK;
+}
+
+int kvf_rpc_server_live(kvf_rpc_server *s, const char *method)
+{
+    int n = 0;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->n_methods; i++)
+        if (strcmp(s->methods[i].name, method) == 0)
+            n = s->method_live[i];
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }
 
 void kvf_rpc_server_shutdown(kvf_rpc_server *s, int64_t grace_ms)

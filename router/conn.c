@@ -60,6 +60,7 @@ struct kvf_router_conns {
     int64_t nofile;
     bool paused;
     int64_t resume_at_ns; /* a pause for want of descriptors ends then (0: when room frees) */
+    bool closed;          /* kvf_router_conns_close: the listener stays off */
     int64_t n, n_shut;    /* connections open (accepted, not yet freed); those shut by us */
     conn *idle_head, *idle_tail, *doomed;
     conn **by_fd;
@@ -597,12 +598,34 @@ void kvf_router_conns_sweep(kvf_router_conns *cs)
         if (now >= k->close_at_ns)
             shut(k);
     }
-    if (cs->paused && (cs->resume_at_ns ? now >= cs->resume_at_ns
+    if (cs->paused && !cs->closed && (cs->resume_at_ns ? now >= cs->resume_at_ns
                                         : cs->n - cs->n_shut < cs->cfg.max_connections + CONN_RESERVE)) {
         evconnlistener_enable(cs->lis);
         cs->paused = false;
     }
     maybe_log(cs, false);
+}
+
+void kvf_router_conns_close(kvf_router_conns *cs)
+{
+    if (cs->closed)
+        return;
+    cs->closed = true;
+    evconnlistener_disable(cs->lis);
+    while (cs->idle_head)
+        shut(cs->idle_head);
+}
+
+int64_t kvf_router_conns_unsent(const kvf_router_conns *cs)
+{
+    int64_t n = 0;
+    for (size_t fd = 0; fd < cs->cap_fd; fd++) {
+        const conn *k = cs->by_fd[fd];
+        if (k && !k->shut && k->st != ST_DISCARD &&
+            (evbuffer_get_length(bufferevent_get_output(k->bev)) || evbuffer_get_length(bufferevent_get_output(k->sock))))
+            n++;
+    }
+    return n;
 }
 
 /* ---------------------------------------------------------------------------------------- */

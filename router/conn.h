@@ -47,6 +47,11 @@ void kvf_router_conns_sweep(kvf_router_conns *cs);
 /* Loop thread: a generation request is (busy) or is no longer in flight on req's connection;
  * a busy connection is never closed for idleness. */
 void kvf_router_conns_busy(kvf_router_conns *cs, struct evhttp_request *req, bool busy);
+/* Loop thread, when the router drains: the listener closes for good and idle connections are
+ * shut (connections with a request in flight keep going). */
+void kvf_router_conns_close(kvf_router_conns *cs);
+/* Loop thread: connections whose answer still has bytes not handed to the socket. */
+int64_t kvf_router_conns_unsent(const kvf_router_conns *cs);
 /* After evhttp_free and event_base_free (connections freed then still report here). */
 void kvf_router_conns_destroy(kvf_router_conns *cs); /* NULL is fine */
 

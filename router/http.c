@@ -53,8 +53,11 @@ struct kvf_router_http {
     int port;
     struct event *wake_ev;   /* a stream has something: read the ready ones (on_wake) */
     struct event *safety_ev; /* every SAFETY_MS: plain clients gone, index health (on_safety) */
-    struct event *stop_ev, *sig_int, *sig_term, *sig_hup;
-    atomic_bool stopping;
+    struct event *stop_ev, *drain_ev, *sig_int, *sig_term, *sig_hup;
+    atomic_bool stopping, drain_asked;
+    bool draining;          /* loop thread: /ready is 503 and answers close their connection */
+    bool drain_closed;      /* the listener is closed (drain_delay_ms after the drain began) */
+    int64_t drain_start_ns;
 
     kvf_router_fleet *fleet;
     kvf_router_policy policy;
@@ -104,6 +107,8 @@ static void send_body(kvf_router_http *h, struct evhttp_request *ev, int code, c
     evhttp_add_header(oh, "Content-Type", ctype);
     if (req_id && *req_id)
         evhttp_add_header(oh, "x-request-id", req_id);
+    if (h->draining) /* the client's next request opens a connection to another router */
+        evhttp_add_header(oh, "Connection", "close");
     struct evbuffer *b = evbuffer_new();
     evbuffer_add(b, body, len);
     evhttp_send_reply(ev, code, reason_of(code), b);
@@ -134,9 +139,11 @@ void kvf_router_http_send_error(kvf_router_http *h, kvf_router_client *c, const 
     kvf_sbuf_fini(&b);
 }
 
-void kvf_router_client_sse_start(kvf_router_client *c, const char *req_id)
+void kvf_router_client_sse_start(kvf_router_http *h, kvf_router_client *c, const char *req_id)
 {
     struct evkeyvalq *oh = evhttp_request_get_output_headers(c);
+    if (h->draining)
+        evhttp_add_header(oh, "Connection", "close");
     evhttp_add_header(oh, "Content-Type", "text/event-stream");
     evhttp_add_header(oh, "Cache-Control", "no-cache");
     evhttp_add_header(oh, "x-request-id", req_id);
@@ -231,6 +238,8 @@ static void on_wake(evutil_socket_t fd, short what, void *arg)
     drain(h, false);
 }
 
+static void drain_step(kvf_router_http *h);
+
 /* Every SAFETY_MS: plain requests peek at their client's socket (libevent does not always
  * report a vanished client while its request waits), every stream is read once more in case a
  * wake-up was lost, and under the kv policy index state changes are logged once a second. */
@@ -241,6 +250,8 @@ static void on_safety(evutil_socket_t fd, short what, void *arg)
     kvf_metric_add(h->m_wake_timer, 1);
     drain(h, true);
     kvf_router_conns_sweep(h->conns);
+    if (h->draining)
+        drain_step(h);
     double now = kvf_now_s();
     if (h->policy == KVF_ROUTER_POLICY_KV && now - h->last_index_health >= 1.0) {
         h->last_index_health = now;
@@ -255,6 +266,65 @@ static void on_stop(evutil_socket_t fd, short what, void *arg)
     (void)what;
     kvf_log(KVF_LOG_INFO, "router: stopping");
     event_base_loopbreak(h->base);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Draining (SIGTERM, kvf_router_http_drain): /ready turns 503 at once, so the load balancer
+ * stops sending; the router keeps serving for drain_delay_ms while it notices, then closes its
+ * listener and its idle connections, lets the requests in flight finish for up to
+ * drain_timeout_ms, and returns from run once they are answered and their bytes are out.      */
+
+static void drain_begin(kvf_router_http *h)
+{
+    if (h->draining)
+        return;
+    h->draining = true;
+    h->drain_start_ns = kvf_now_ns();
+    kvf_log(KVF_LOG_INFO,
+            "router: draining: /ready is 503; serving %lld ms more, then new connections are refused and the "
+            "%lld requests in flight get up to %lld ms to finish",
+            (long long)h->cfg.drain_delay_ms, (long long)kvf_router_reqs_open(h->reqs),
+            (long long)h->cfg.drain_timeout_ms);
+}
+
+/* From the safety timer while draining. */
+static void drain_step(kvf_router_http *h)
+{
+    int64_t ms = (kvf_now_ns() - h->drain_start_ns) / 1000000;
+    if (ms < h->cfg.drain_delay_ms)
+        return;
+    if (!h->drain_closed) {
+        h->drain_closed = true;
+        kvf_router_conns_close(h->conns);
+        kvf_log(KVF_LOG_INFO, "router: draining: listener closed; %lld requests in flight",
+                (long long)kvf_router_reqs_open(h->reqs));
+    }
+    int64_t open = kvf_router_reqs_open(h->reqs), unsent = kvf_router_conns_unsent(h->conns);
+    if (!open && !unsent) {
+        kvf_log(KVF_LOG_INFO, "router: drained in %lld ms; stopping", (long long)ms);
+        event_base_loopbreak(h->base);
+    } else if (ms - h->cfg.drain_delay_ms >= h->cfg.drain_timeout_ms) {
+        kvf_log(KVF_LOG_WARN, "router: drain timeout (%lld ms): stopping with %lld requests in flight cancelled",
+                (long long)h->cfg.drain_timeout_ms, (long long)open);
+        event_base_loopbreak(h->base);
+    }
+}
+
+static void on_drain(evutil_socket_t fd, short what, void *arg)
+{
+    kvf_router_http *h = arg;
+    (void)fd, (void)what;
+    drain_begin(h);
+}
+
+/* SIGTERM drains; a second SIGTERM (or SIGINT) stops at once. */
+static void on_term(evutil_socket_t fd, short what, void *arg)
+{
+    kvf_router_http *h = arg;
+    if (h->draining)
+        on_stop(fd, what, arg);
+    else
+        drain_begin(h);
 }
 
 /* SIGHUP: the TLS files of the fleet channels are read again before their next calls. */
@@ -327,6 +397,11 @@ static void on_health(kvf_router_http *h, struct evhttp_request *ev)
  * the index: a restarted router does not route blind. */
 static void on_ready(kvf_router_http *h, struct evhttp_request *ev)
 {
+    if (h->draining) {
+        static const char b[] = "not ready: draining\n";
+        send_body(h, ev, 503, "text/plain", NULL, b, sizeof b - 1);
+        return;
+    }
     int32_t n_up = kvf_router_fleet_n_healthy(h->fleet, KVF_ROUTER_ROLE_DECODE);
     int32_t unsynced = 0;
     if (h->policy == KVF_ROUTER_POLICY_KV) {
@@ -564,14 +639,15 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
     h->wake_ev = event_new(h->base, -1, 0, on_wake, h);
     h->safety_ev = event_new(h->base, -1, EV_PERSIST, on_safety, h);
     h->stop_ev = event_new(h->base, -1, 0, on_stop, h);
+    h->drain_ev = event_new(h->base, -1, 0, on_drain, h);
     struct timeval stv = {0, SAFETY_MS * 1000};
-    if (!h->wake_ev || !h->safety_ev || !h->stop_ev || event_add(h->safety_ev, &stv) != 0) {
+    if (!h->wake_ev || !h->safety_ev || !h->stop_ev || !h->drain_ev || event_add(h->safety_ev, &stv) != 0) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "router: cannot create the loop's events");
         goto fail;
     }
     if (cfg->handle_signals) {
         h->sig_int = evsignal_new(h->base, SIGINT, on_stop, h);
-        h->sig_term = evsignal_new(h->base, SIGTERM, on_stop, h);
+        h->sig_term = evsignal_new(h->base, SIGTERM, on_term, h);
         evsignal_add(h->sig_int, NULL);
         evsignal_add(h->sig_term, NULL);
         h->sig_hup = evsignal_new(h->base, SIGHUP, on_hup, h);
@@ -632,6 +708,13 @@ void kvf_router_http_stop(kvf_router_http *h)
     event_active(h->stop_ev, EV_READ, 0);
 }
 
+void kvf_router_http_drain(kvf_router_http *h)
+{
+    if (atomic_exchange(&h->drain_asked, true))
+        return;
+    event_active(h->drain_ev, EV_READ, 0);
+}
+
 void kvf_router_http_destroy(kvf_router_http *h)
 {
     if (!h)
@@ -646,6 +729,8 @@ void kvf_router_http_destroy(kvf_router_http *h)
         event_free(h->safety_ev);
     if (h->stop_ev)
         event_free(h->stop_ev);
+    if (h->drain_ev)
+        event_free(h->drain_ev);
     if (h->sig_int)
         event_free(h->sig_int);
     if (h->sig_term)

@@ -23,7 +23,12 @@ typedef struct kvf_router_http_cfg {
     int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
     int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
     int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */
-    bool handle_signals;         /* SIGINT/SIGTERM stop run (for the command) */
+    bool handle_signals;         /* SIGTERM drains, SIGINT (or a second SIGTERM) stops run */
+    /* draining (kvf_router_http_drain): /ready turns 503 at once; after drain_delay_ms the
+     * listener closes; run returns once the requests in flight are answered, or after
+     * drain_timeout_ms more with them cancelled */
+    int64_t drain_delay_ms;      /* time for load balancers to see /ready fail; 0: none */
+    int64_t drain_timeout_ms;    /* 0: none (the requests are cancelled at once) */
     /* client limits (router/conn.h; 0: the default) */
     int32_t max_connections;     /* open client connections; 0: min(4096, RLIMIT_NOFILE - a reserve) */
     int64_t idle_timeout_ms;     /* no request in flight and no bytes this long: closed; 0: 60000 */
@@ -47,6 +52,8 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
 int kvf_router_http_port(const kvf_router_http *h);
 /* Serves on the calling thread until kvf_router_http_stop. */
 kvf_status kvf_router_http_run(kvf_router_http *h, kvf_err *err);
+/* Starts draining (see drain_delay_ms): run returns when it is done. Any thread; idempotent. */
+void kvf_router_http_drain(kvf_router_http *h);
 /* Makes run return (requests in flight are cancelled). Any thread (not a signal handler: set
  * handle_signals instead); idempotent. */
 void kvf_router_http_stop(kvf_router_http *h);

@@ -38,7 +38,7 @@ void kvf_router_http_send_error(kvf_router_http *h, kvf_router_client *c, const 
                                 const kvf_router_oai_error *e, int retry_after_s);
 /* A streamed answer: 200 text/event-stream headers, then each kvf_router_client_sse_send is
  * one HTTP chunk, then the end, counted as `code` (200, or the error its last event carried). */
-void kvf_router_client_sse_start(kvf_router_client *c, const char *req_id);
+void kvf_router_client_sse_start(kvf_router_http *h, kvf_router_client *c, const char *req_id);
 void kvf_router_client_sse_send(kvf_router_client *c, const char *data, size_t len);
 void kvf_router_http_sse_end(kvf_router_http *h, kvf_router_client *c, int code);
 /* The end for a client that left (not counted): a streamed answer's end, else 499. */

@@ -78,6 +78,7 @@ struct kvf_router_reqs {
      * they finished (under mu), and the wake-up that hands the finished ones to the loop. */
     kvf_router_req *prep;
     int64_t n_prep;
+    int64_t n_open; /* started, not yet freed (kvf_router_reqs_open) */
     pthread_t *threads;
     int32_t n_threads;
     pthread_mutex_t mu;
@@ -104,6 +105,7 @@ static const kvf_router_worker *prefill_worker(const kvf_router_req *r)
 static void rq_free(kvf_router_req *r)
 {
     kvf_router_reqs *rs = r->rs;
+    rs->n_open--;
     if (r->stream)
         kvf_rpc_stream_destroy(r->stream);
     if (r->worker >= 0 && r->started)
@@ -483,6 +485,7 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
         return;
     }
     r->rs = rs;
+    rs->n_open++;
     r->wake.h = c->h;
     r->worker = r->prefill = -1;
     r->t0 = kvf_now_s();
@@ -580,7 +583,7 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
     rs->n++;
     kvf_metric_set(rs->m_inflight, (double)rs->n);
     if (r->oai.stream)
-        kvf_router_client_sse_start(client, r->id);
+        kvf_router_client_sse_start(c->h, client, r->id);
     return;
 fail:
     kvf_router_client_on_close(c->h, client, NULL);
@@ -1013,6 +1016,11 @@ void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all)
         if (ready || all)
             pump(r);
     }
+}
+
+int64_t kvf_router_reqs_open(const kvf_router_reqs *rs)
+{
+    return rs ? rs->n_open : 0;
 }
 
 kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c)

@@ -71,6 +71,8 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *c, kvf_router
  * woke the loop (every one when `all`): tokens to the clients, ends answered, failed workers
  * replaced. Plain requests also look for clients that left. */
 void kvf_router_reqs_pump(kvf_router_reqs *rs, bool all);
+/* Requests started and not yet answered (being prepared or in flight). */
+int64_t kvf_router_reqs_open(const kvf_router_reqs *rs);
 /* The request in flight for client c, or NULL. */
 kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_client *c);
 /* c's client went away: its Generate is cancelled now and the request is answered and freed on

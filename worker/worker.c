@@ -82,6 +82,7 @@ struct kvf_worker {
     pthread_cond_t cv;
     job *head, *tail;
     bool stopping, stopped;
+    bool draining; /* kvf_worker_drain: Health DRAINING, /ready 503 (mu) */
     int wake_rd, wake_wr;
     atomic_bool woken;
     /* load snapshot (mu) */
@@ -103,7 +104,7 @@ static const kvf_cfg_opt worker_opts[] = {
      offsetof(kvf_worker_cfg, worker_id), KVF_CFG_STR},
     {"listen", "127.0.0.1:0", "gRPC Worker service HOST:PORT (port 0: any free port)",
      offsetof(kvf_worker_cfg, listen), KVF_CFG_STR},
-    {"admin-listen", "127.0.0.1:0", "admin HTTP (/metrics, /health) HOST:PORT",
+    {"admin-listen", "127.0.0.1:0", "admin HTTP (/metrics, /health, /ready) HOST:PORT",
      offsetof(kvf_worker_cfg, admin_listen), KVF_CFG_STR},
     {"xfer-listen", NULL, "HOST the KV transfer plane listens on (ucx's tcp transport, the "
      "cuda_ipc/nccl notice channel, NCCL's bootstrap): one of this node's addresses, or 0.0.0.0 "
@@ -145,6 +146,12 @@ static const kvf_cfg_opt worker_opts[] = {
      "--tls-name)", offsetof(kvf_worker_cfg, tls.server_name), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level),
      KVF_CFG_STR},
+    {"drain-delay-ms", "3000", "on SIGTERM Health says DRAINING and /ready 503 at once, and the "
+     "worker keeps serving at least this long (routers stop sending) before it exits once idle",
+     offsetof(kvf_worker_cfg, drain_delay_ms), KVF_CFG_INT64},
+    {"drain-timeout-ms", "30000", "then running sequences and open calls get this long to finish "
+     "before they are cancelled (a second SIGTERM or SIGINT stops at once)",
+     offsetof(kvf_worker_cfg, drain_timeout_ms), KVF_CFG_INT64},
     {NULL},
 };
 
@@ -434,7 +441,7 @@ static kvf_status h_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *hr, kv
              "running=%d waiting=%d total_blocks=%d free_blocks=%d cached_blocks=%d used_blocks=%d",
              l.running, l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
     pthread_mutex_lock(&w->mu);
-    bool stopping = w->stopping;
+    bool stopping = w->stopping || w->draining;
     pthread_mutex_unlock(&w->mu);
     hr->status = stopping ? KVF_RPC_DRAINING : KVF_RPC_SERVING;
     hr->detail = health_detail;
@@ -453,23 +460,26 @@ static int admin_get(void *ctx, const char *path, kvf_sbuf *body, const char **c
         kvf_metrics_render(w->metrics, body);
         return 200;
     }
-    if (strcmp(path, "/health") == 0) {
+    if (strcmp(path, "/health") == 0 || strcmp(path, "/ready") == 0) {
+        /* /health (liveness) fails only once the worker stops; /ready (readiness) as soon as it
+         * drains, so a Service takes it out while it finishes what it has */
         kvf_worker_load l;
         kvf_worker_load_get(w, &l);
         pthread_mutex_lock(&w->mu);
-        bool stopping = w->stopping;
+        bool draining = w->draining || w->stopping;
+        bool stopping = w->stopping || (draining && strcmp(path, "/ready") == 0);
         pthread_mutex_unlock(&w->mu);
         *ctype = "application/json";
         kvf_sbuf_printf(body,
                         "{\"status\":\"%s\",\"role\":\"%s\",\"running\":%d,\"waiting\":%d,"
                         "\"total_blocks\":%d,\"free_blocks\":%d,\"cached_blocks\":%d,"
                         "\"used_blocks\":%d}\n",
-                        stopping ? "draining" : "serving",
+                        draining ? "draining" : "serving",
                         w->role == KVF_WORKER_PREFILL ? "prefill" : "decode", l.running,
                         l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
         return stopping ? 503 : 200;
     }
-    kvf_sbuf_printf(body, "no such path %s (use /metrics or /health)\n", path);
+    kvf_sbuf_printf(body, "no such path %s (use /metrics, /health or /ready)\n", path);
     return 404;
 }
 
@@ -1090,6 +1100,26 @@ void kvf_worker_shutdown(kvf_worker *w)
         kvf_rpc_server_shutdown(w->server, 0);
     kvf_worker_http_stop(w->http);
     w->http = NULL;
+}
+
+void kvf_worker_drain(kvf_worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    bool was = w->draining;
+    w->draining = true;
+    pthread_mutex_unlock(&w->mu);
+    if (!was)
+        kvf_log(KVF_LOG_INFO, "worker: draining: Health says DRAINING, /ready is 503");
+}
+
+bool kvf_worker_busy(kvf_worker *w)
+{
+    kvf_worker_load l;
+    kvf_worker_load_get(w, &l);
+    if (l.running || l.waiting)
+        return true;
+    return w->server && (kvf_rpc_server_live(w->server, KVF_RPC_WORKER_GENERATE) > 0 ||
+                         kvf_rpc_server_live(w->server, KVF_RPC_WORKER_REMOTE_PREFILL) > 0);
 }
 
 void kvf_worker_destroy(kvf_worker *w)

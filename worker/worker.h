@@ -71,6 +71,10 @@ typedef struct kvf_worker_cfg {
      * (--tls-name, the fleet's name every member certificate carries). */
     kvf_rpc_tls tls;
     const char *log_level;
+    /* SIGTERM (kvf_cli_worker_main): Health says DRAINING and /ready 503 at once; the worker
+     * keeps serving at least drain_delay_ms (routers see it and send nothing new), then exits
+     * once idle (kvf_worker_busy), or after drain_timeout_ms more with the rest cancelled */
+    int64_t drain_delay_ms, drain_timeout_ms;
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;
 
@@ -111,6 +115,11 @@ int kvf_worker_admin_port(const kvf_worker *w);
 /* Stops taking calls, cancels what is in flight (every block freed), stops the loop and the
  * admin server. Idempotent; kvf_worker_destroy calls it. */
 void kvf_worker_shutdown(kvf_worker *w);
+/* Draining: Health reports DRAINING and the admin /ready 503 from now on, while everything keeps
+ * running (new calls included). Any thread; idempotent. */
+void kvf_worker_drain(kvf_worker *w);
+/* Sequences running or waiting, or Generate / RemotePrefill calls still open. Any thread. */
+bool kvf_worker_busy(kvf_worker *w);
 void kvf_worker_destroy(kvf_worker *w);
 
 /* Runs fn(w, arg) on the loop thread (in order of posting). ERR_STATE once the loop has
