@@ -671,7 +671,8 @@ static void test_shutdown_mid_stream(void **state)
 {
     (void)state;
     proc dec = {0};
-    proc_start(&dec, "decode", "small-gqa-bf16-theta5e5", NULL);
+    /* no drain: SIGTERM cancels at once (a draining worker would finish the stream) */
+    proc_start(&dec, "decode", "small-gqa-bf16-theta5e5", "--drain-delay-ms", "0", "--drain-timeout-ms", "0", NULL);
     kvf_rpc_channel *ch = NULL;
     kvf_err e = {0};
     assert_int_equal(kvf_rpc_channel_create(dec.grpc, NULL, &ch, &e), KVF_OK);

@@ -190,7 +190,7 @@ expect_eq "small pool: no block held afterwards" "$(wait_metric "$PADM3" "kvflee
 # wait (a fixed sleep before the signal let a loaded machine deliver all four at once, admit
 # them all in one 6 s pass and leave none queued). It must exit 0 with no block held; decode
 # prefills locally instead.
-start pre4 prefill --model "$M" --threads 1 --log-level info --fault-delay-ms 1500 --max-seqs 1
+start pre4 prefill --model "$M" --threads 1 --log-level info --fault-delay-ms 1500 --max-seqs 1 --drain-delay-ms 0 --drain-timeout-ms 0 # SIGTERM stops at once
 PRE4=$ADDR; PP4=$PID; PADM4=$ADMIN
 start d4 decode "${W[@]}" --local-prefill-max-tokens 0 --prefill-timeout-ms 20000; D4=$ADDR; D4ADM=$ADMIN
 start r4 router --model "$M" --port 0 --decode "$D4" --prefill "$PRE4"; R4=$ADDR

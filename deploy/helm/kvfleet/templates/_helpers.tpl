@@ -71,3 +71,8 @@ initContainers:
 - --tls-ca=/etc/kvfleet/tls/ca.pem
 {{- end }}
 {{- end }}
+
+{{/* The pods' grace period: the drain's delay and timeout, and 10 s to exit. */}}
+{{- define "kvfleet.gracePeriod" -}}
+{{ add (div (add .Values.drain.delayMs .Values.drain.timeoutMs) 1000) 10 }}
+{{- end }}
