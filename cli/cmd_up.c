@@ -1,6 +1,7 @@
 /* cmd_up.c: `kvfleet up`: a local fleet on loopback: N prefill and M decode workers and a router,
  * each a child process of this one (the same binary), started in order, waited for until ready,
- * and stopped together on Ctrl-C or as soon as one of them dies (saying which). */
+ * and stopped together (SIGTERM, then SIGKILL after the drain bound) on SIGTERM or Ctrl-C, or as
+ * soon as one of them dies (saying which) unless --restart on-failure starts it again. */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -29,7 +30,8 @@
 typedef struct up_cfg {
     const char *model, *host, *policy, *cache_dir, *device;
     int32_t prefill, decode, port;
-    int64_t ready_timeout_s;
+    int64_t ready_timeout_s, drain_timeout_ms;
+    const char *restart;
     bool tls;
 } up_cfg;
 
@@ -44,6 +46,8 @@ static const kvf_cfg_opt up_opts[] = {
     {"cache-dir", NULL, "where the default model is written (default: $XDG_CACHE_HOME/kvfleet or ~/.cache/kvfleet)", offsetof(up_cfg, cache_dir), KVF_CFG_STR},
     {"tls", NULL, "mutual TLS between every process of the fleet, with a CA and certificates made for this run in a private temporary folder (removed at exit); SIGHUP to kvfleet up reaches every process", offsetof(up_cfg, tls), KVF_CFG_BOOL},
     {"ready-timeout-s", "180", "how long to wait for every process to be ready", offsetof(up_cfg, ready_timeout_s), KVF_CFG_INT64},
+    {"drain-timeout-ms", "30000", "on SIGTERM or Ctrl-C: how long the processes may drain (also given to every role whose --help lists it); SIGKILL for any still running 10 s after that", offsetof(up_cfg, drain_timeout_ms), KVF_CFG_INT64},
+    {"restart", "no", "no: any process dying stops the fleet; on-failure: a process that dies (signal or non-zero exit) is started again with the same arguments on the same address, after a backoff of 0.5 s doubling to 30 s (reset once it stayed up 60 s)", offsetof(up_cfg, restart), KVF_CFG_STR},
     {NULL},
 };
 
@@ -51,7 +55,8 @@ static const kvf_cfg_spec up_spec = {
     .prog = "kvfleet up",
     .summary = "A local fleet on 127.0.0.1: a router, --prefill prefill workers and --decode decode\n"
                "workers as child processes. Prints the URL and an example request once ready; Ctrl-C\n"
-               "stops them all, and so does any of them dying. Flags this command does not know\n"
+               "or SIGTERM stops them all (the router first), and so does any of them dying unless\n"
+               "--restart on-failure starts it again. Flags this command does not know\n"
                "(e.g. --local-prefill-max-tokens=64) go to every role whose --help lists them.",
     .opts = up_opts,
 };
@@ -59,20 +64,34 @@ static const kvf_cfg_spec up_spec = {
 typedef struct child {
     char name[32];
     pid_t pid;
-    int out_fd;   /* its stdout */
+    int out_fd;   /* its stdout; -1 once closed */
     char line[1024];
     size_t line_len;
-    char ready[256]; /* the address from its ready line */
+    char ready[256]; /* the address from its ready line (this run of it) */
+    /* --restart on-failure */
+    char *const *argv;  /* what it was started with (shared by its role; outlives the fleet) */
+    int addr_arg;       /* index in argv of its --listen/--port flag; 0: none */
+    const char *addr_flag; /* that flag's name: "port" takes the port alone, others HOST:PORT */
+    char first[256];    /* (as ready) the address from its first ready line: the one the router was given */
+    char addr_buf[300]; /* --FLAG=first, in place of argv[addr_arg] on a restart */
+    int64_t started_ns, restart_at_ns; /* restart_at_ns: when to start it again; 0: not pending */
+    int64_t backoff_ms;  /* the wait before its next restart */
+    int restarts;
+    bool announce;       /* a restart not yet ready: say so when it is */
 } child;
 
-static volatile sig_atomic_t g_stop, g_hup;
+_Static_assert(sizeof ((child *)0)->first == sizeof ((child *)0)->ready, "first is copied from ready");
+
+static volatile sig_atomic_t g_stop, g_hup, g_signals;
 
 static void on_signal(int sig)
 {
-    if (sig == SIGHUP)
+    if (sig == SIGHUP) {
         g_hup = 1;
-    else
+    } else {
         g_stop = 1;
+        g_signals++;
+    }
 }
 
 /* --tls: a CA and the three roles' certificates in a new private folder; *tls_args the flags
@@ -141,6 +160,7 @@ static int spawn(const char *self, char **args, child *c)
     c->out_fd = p[0];
     c->line_len = 0;
     c->ready[0] = 0;
+    c->started_ns = kvf_now_ns();
     return 0;
 }
 
@@ -247,12 +267,16 @@ static bool role_has_flag(const char *self, const char *role, const char *flag)
     return found;
 }
 
-static void stop_all(child *cs, int n)
+/* SIGTERM to the router (the last child, when started) and then to every worker; waits up to
+ * drain_ms + 10 s for them to exit, echoing what they print meanwhile (a full pipe would stall
+ * a draining child), then SIGKILLs the rest. A second SIGTERM or Ctrl-C kills at once. */
+static void stop_all(child *cs, int n, int64_t drain_ms)
 {
-    for (int i = 0; i < n; i++)
+    for (int i = n - 1; i >= 0; i--)
         if (cs[i].pid > 0)
             kill(cs[i].pid, SIGTERM);
-    int64_t end = kvf_now_ns() + 10 * 1000000000LL;
+    int signals = g_signals;
+    int64_t end = kvf_now_ns() + (drain_ms + 10000) * 1000000LL;
     for (;;) {
         int alive = 0;
         for (int i = 0; i < n; i++) {
@@ -266,18 +290,92 @@ static void stop_all(child *cs, int n)
         }
         if (!alive)
             return;
-        if (kvf_now_ns() > end) {
+        if (kvf_now_ns() > end || g_signals > signals) {
             for (int i = 0; i < n; i++)
                 if (cs[i].pid > 0) {
-                    fprintf(stderr, "kvfleet up: %s (pid %d) ignored SIGTERM for 10 s; killing it\n", cs[i].name, (int)cs[i].pid);
+                    if (g_signals > signals)
+                        fprintf(stderr, "kvfleet up: stopping again: killing %s (pid %d)\n", cs[i].name, (int)cs[i].pid);
+                    else
+                        fprintf(stderr, "kvfleet up: %s (pid %d) still running %lld ms after SIGTERM; killing it\n",
+                                cs[i].name, (int)cs[i].pid, (long long)drain_ms + 10000);
                     kill(cs[i].pid, SIGKILL);
                     waitpid(cs[i].pid, NULL, 0);
                     cs[i].pid = 0;
                 }
             return;
         }
-        kvf_sleep_ms(20);
+        struct pollfd pf[UP_MAX_CHILDREN];
+        for (int i = 0; i < n; i++)
+            pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
+        poll(pf, (nfds_t)n, 20);
+        for (int i = 0; i < n; i++)
+            if (pf[i].revents && !drain(&cs[i])) {
+                close(cs[i].out_fd);
+                cs[i].out_fd = -1;
+            }
     }
+}
+
+/* Adds to args[*k...] every forwarded flag (with its value) that `self role --help` lists, and
+ * --drain-timeout-ms=drain_arg's value when it lists that. */
+static void add_role_flags(const char *self, const char *role, char **fwd, int n_fwd, char *drain_arg,
+                           char **args, int *k)
+{
+    if (role_has_flag(self, role, "drain-timeout-ms") && *k < UP_MAX_ARGS - 2)
+        args[(*k)++] = drain_arg;
+    for (int i = 0; i < n_fwd && *k < UP_MAX_ARGS - 2; i++) {
+        if (strncmp(fwd[i], "--", 2) != 0)
+            continue;
+        char name[128];
+        snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
+        if (!role_has_flag(self, role, name))
+            continue;
+        args[(*k)++] = fwd[i];
+        if (!strchr(fwd[i], '=') && i + 1 < n_fwd && strncmp(fwd[i + 1], "-", 1) != 0)
+            args[(*k)++] = fwd[i + 1]; /* "--flag value": the value goes with it */
+    }
+}
+
+/* A child died while the fleet served (--restart on-failure): schedules its restart after its
+ * backoff (0.5 s, doubling to 30 s; back to 0.5 s once it had stayed up 60 s), saying so. */
+static void restart_schedule(child *c, const char *how, int64_t now)
+{
+    if (c->backoff_ms <= 0 || now - c->started_ns >= 60 * 1000000000LL)
+        c->backoff_ms = 500;
+    c->restart_at_ns = now + c->backoff_ms * 1000000LL;
+    fprintf(stderr, "kvfleet up: %s %s; restarting it in %.1f s on %s (restart %d)\n", c->name, how,
+            (double)c->backoff_ms / 1000.0, c->first, c->restarts + 1);
+    c->backoff_ms = c->backoff_ms * 2 > 30000 ? 30000 : c->backoff_ms * 2;
+    c->pid = 0;
+    c->announce = false;
+}
+
+/* Starts a child again with its arguments and its first address. False when fork or pipe
+ * failed (then it is scheduled again). */
+static bool restart_now(const char *self, child *c)
+{
+    char *args[UP_MAX_ARGS];
+    int k = 0;
+    for (; c->argv[k] && k < UP_MAX_ARGS - 1; k++)
+        args[k] = c->argv[k];
+    args[k] = NULL;
+    if (c->addr_arg > 0) {
+        const char *colon = strrchr(c->first, ':');
+        const char *v = strcmp(c->addr_flag, "port") == 0 && colon ? colon + 1 : c->first;
+        snprintf(c->addr_buf, sizeof c->addr_buf, "--%s=%s", c->addr_flag, v);
+        args[c->addr_arg] = c->addr_buf;
+    }
+    c->restart_at_ns = 0;
+    c->restarts++;
+    if (spawn(self, args, c) != 0) {
+        char how[160];
+        snprintf(how, sizeof how, "could not be started again (%s)", strerror(errno));
+        c->started_ns = kvf_now_ns();
+        restart_schedule(c, how, c->started_ns);
+        return false;
+    }
+    c->announce = true;
+    return true;
 }
 
 /* The default model: gen-model --preset small on both devices (its head_dim 48 runs on the GPU
@@ -344,6 +442,18 @@ int kvf_cli_up(int argc, char **argv)
         kvf_err_set(&err, KVF_ERR_INVALID, "up: --device=%s is not known (use cpu or cuda)", c.device);
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
+    bool restart = strcmp(c.restart, "on-failure") == 0;
+    if (!restart && strcmp(c.restart, "no") != 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "up: --restart=%s is not known (use on-failure or no)", c.restart);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    if (c.drain_timeout_ms < 0 || c.drain_timeout_ms > 24 * 3600 * 1000LL) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "up: --drain-timeout-ms=%lld is out of range (0 to 86400000)",
+                    (long long)c.drain_timeout_ms);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    static char drain_arg[48];
+    snprintf(drain_arg, sizeof drain_arg, "--drain-timeout-ms=%lld", (long long)c.drain_timeout_ms);
     char self[PATH_MAX];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
     if (sl <= 0) {
@@ -381,8 +491,10 @@ int kvf_cli_up(int argc, char **argv)
         int count = role == 0 ? c.prefill : c.decode;
         if (!count)
             continue;
-        char *wargs[UP_MAX_ARGS];
-        int k = 0;
+        static char *role_args[2][UP_MAX_ARGS]; /* kept: a restart starts a worker with them again */
+        char **wargs = role_args[role];
+        int k = 0, addr_arg = 0;
+        const char *addr_flag = NULL;
         wargs[k++] = self;
         wargs[k++] = (char *)rname;
         wargs[k++] = model_arg;
@@ -391,11 +503,16 @@ int kvf_cli_up(int argc, char **argv)
         for (size_t f = 0; f < sizeof listen_flags / sizeof listen_flags[0]; f++)
             if (role_has_flag(self, rname, listen_flags[f])) {
                 snprintf(listen_arg[role], sizeof listen_arg[role], "--%s=127.0.0.1:0", listen_flags[f]);
+                addr_arg = k;
+                addr_flag = listen_flags[f];
                 wargs[k++] = listen_arg[role];
                 break;
             }
-        if (k == 3 && role_has_flag(self, rname, "port"))
+        if (k == 3 && role_has_flag(self, rname, "port")) {
+            addr_arg = k;
+            addr_flag = "port";
             wargs[k++] = "--port=0";
+        }
         wargs[k++] = device_arg; /* the workers pick the transport that fits (auto) */
         /* a GPU pool: 2 GiB unless the pool is sized by flag or environment (the workers'
          * 64 MiB default is for CPU-sized models and refuses e.g. medium's full context) */
@@ -406,20 +523,13 @@ int kvf_cli_up(int argc, char **argv)
             wargs[k++] = "--kv-memory=2G";
         for (int f = 0; c.tls && f < 3; f++)
             wargs[k++] = tls.args[1 + role][f];
-        for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
-            if (strncmp(fwd[i], "--", 2) != 0)
-                continue;
-            char name[128];
-            snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
-            if (!role_has_flag(self, rname, name))
-                continue;
-            wargs[k++] = fwd[i];
-            if (!strchr(fwd[i], '=') && i + 1 < n_fwd && strncmp(fwd[i + 1], "-", 1) != 0)
-                wargs[k++] = fwd[i + 1];
-        }
+        add_role_flags(self, rname, fwd, n_fwd, drain_arg, wargs, &k);
         wargs[k] = NULL;
         for (int j = 0; j < count; j++) {
             snprintf(cs[n].name, sizeof cs[n].name, "%s-%d", rname, j);
+            cs[n].argv = wargs;
+            cs[n].addr_arg = addr_arg;
+            cs[n].addr_flag = addr_flag;
             if (spawn(self, wargs, &cs[n]) != 0) {
                 fprintf(stderr, "kvfleet up: cannot start %s: %s\n", cs[n].name, strerror(errno));
                 rc = 1;
@@ -437,39 +547,37 @@ int kvf_cli_up(int argc, char **argv)
         rc = g_stop ? 0 : 1;
         goto out;
     }
-    /* The router, given every worker's address. */
+    for (int i = 0; i < n; i++) /* the addresses the router is given, kept across restarts */
+        memcpy(cs[i].first, cs[i].ready, sizeof cs[i].first); /* same size */
+    /* The router, given every worker's address (static: a restart starts it with them again). */
     {
-        char dec[4096] = "", pre[4096] = "", port_arg[32], host_arg[300], pol_arg[128];
+        static char dec[4096], pre[4096], port_arg[32], host_arg[300], pol_arg[128];
         for (int i = 0; i < n; i++) {
             char *dst = strncmp(cs[i].name, "decode", 6) == 0 ? dec : pre;
             size_t l = strlen(dst);
             snprintf(dst + l, sizeof dec - l, "%s%s", l ? "," : "", cs[i].ready);
         }
-        char dec_arg[4200], pre_arg[4200];
+        static char dec_arg[4200], pre_arg[4200];
         snprintf(dec_arg, sizeof dec_arg, "--decode=%s", dec);
         snprintf(pre_arg, sizeof pre_arg, "--prefill=%s", pre);
         snprintf(port_arg, sizeof port_arg, "--port=%d", c.port);
         snprintf(host_arg, sizeof host_arg, "--host=%s", c.host);
         snprintf(pol_arg, sizeof pol_arg, "--policy=%s", c.policy);
-        char *rargs[UP_MAX_ARGS] = {self, "router", model_arg, dec_arg, port_arg, host_arg, pol_arg};
-        int k = 7;
+        static char *rargs[UP_MAX_ARGS];
+        char *head[] = {self, "router", model_arg, dec_arg, port_arg, host_arg, pol_arg};
+        int k = 0;
+        for (; k < (int)(sizeof head / sizeof head[0]); k++)
+            rargs[k] = head[k];
         if (pre[0])
             rargs[k++] = pre_arg;
         for (int f = 0; c.tls && f < 3; f++)
             rargs[k++] = tls.args[0][f];
-        for (int i = 0; i < n_fwd && k < UP_MAX_ARGS - 2; i++) {
-            if (strncmp(fwd[i], "--", 2) != 0)
-                continue;
-            char name[128];
-            snprintf(name, sizeof name, "%.*s", (int)strcspn(fwd[i] + 2, "="), fwd[i] + 2);
-            if (!role_has_flag(self, "router", name))
-                continue;
-            rargs[k++] = fwd[i];
-            if (!strchr(fwd[i], '=') && i + 1 < n_fwd && strncmp(fwd[i + 1], "-", 1) != 0)
-                rargs[k++] = fwd[i + 1]; /* "--flag value": the value goes with it */
-        }
+        add_role_flags(self, "router", fwd, n_fwd, drain_arg, rargs, &k);
         rargs[k] = NULL;
         snprintf(cs[n].name, sizeof cs[n].name, "router");
+        cs[n].argv = rargs;
+        cs[n].addr_arg = 4; /* --port: a restart takes the port it had */
+        cs[n].addr_flag = "port";
         if (spawn(self, rargs, &cs[n]) != 0) {
             fprintf(stderr, "kvfleet up: cannot start the router: %s\n", strerror(errno));
             rc = 1;
@@ -482,6 +590,7 @@ int kvf_cli_up(int argc, char **argv)
             rc = g_stop ? 0 : 1;
             goto out;
         }
+        memcpy(cs[n - 1].first, cs[n - 1].ready, sizeof cs[n - 1].first); /* same size */
     }
     /* The router listens; wait until it reaches a decode worker (its /ready). */
     for (int64_t end = kvf_now_ns() + c.ready_timeout_s * 1000000000LL; !router_ready(cs[n - 1].ready);) {
@@ -500,7 +609,8 @@ int kvf_cli_up(int argc, char **argv)
            model, c.prefill, c.decode, cs[n - 1].ready, cs[n - 1].ready,
            strrchr(model, '/') ? strrchr(model, '/') + 1 : model);
     fflush(stdout);
-    /* Serve until Ctrl-C or until a child dies. */
+    /* Serve until Ctrl-C or SIGTERM, or until a child dies (--restart on-failure: a child that
+     * failed is started again after its backoff; this loop wakes at least every 200 ms). */
     while (!g_stop) {
         if (g_hup) { /* certificates renewed: every process reads its files again */
             g_hup = 0;
@@ -512,17 +622,45 @@ int kvf_cli_up(int argc, char **argv)
         for (int i = 0; i < n; i++)
             pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
         poll(pf, (nfds_t)n, 200);
+        for (int i = 0; i < n; i++) {
+            if (pf[i].revents && !drain(&cs[i])) { /* its stdout closed: it is exiting */
+                close(cs[i].out_fd);
+                cs[i].out_fd = -1;
+            }
+            if (cs[i].announce && cs[i].ready[0]) {
+                cs[i].announce = false;
+                fprintf(stderr, "kvfleet up: %s (pid %d) is ready again at %s%s\n", cs[i].name, (int)cs[i].pid,
+                        cs[i].ready, strcmp(cs[i].ready, cs[i].first) ? " (not its first address: the router does not know it)" : "");
+            }
+        }
+        int64_t now = kvf_now_ns();
         for (int i = 0; i < n; i++)
-            if (pf[i].revents)
-                drain(&cs[i]);
+            if (cs[i].restart_at_ns && now >= cs[i].restart_at_ns)
+                restart_now(self, &cs[i]);
         for (int i = 0; i < n; i++) {
             int status;
             if (cs[i].pid > 0 && waitpid(cs[i].pid, &status, WNOHANG) == cs[i].pid) {
-                cs[i].pid = 0;
+                bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
+                if (restart && failed) {
+                    char how[96];
+                    if (WIFSIGNALED(status))
+                        snprintf(how, sizeof how, "(pid %d) was killed by signal %d", (int)cs[i].pid, WTERMSIG(status));
+                    else
+                        snprintf(how, sizeof how, "(pid %d) exited with status %d", (int)cs[i].pid, WEXITSTATUS(status));
+                    if (cs[i].out_fd >= 0) {
+                        close(cs[i].out_fd);
+                        cs[i].out_fd = -1;
+                    }
+                    restart_schedule(&cs[i], how, now);
+                    continue;
+                }
                 if (WIFSIGNALED(status))
-                    fprintf(stderr, "kvfleet up: %s was killed by signal %d; stopping the fleet\n", cs[i].name, WTERMSIG(status));
+                    fprintf(stderr, "kvfleet up: %s (pid %d) was killed by signal %d; stopping the fleet\n", cs[i].name,
+                            (int)cs[i].pid, WTERMSIG(status));
                 else
-                    fprintf(stderr, "kvfleet up: %s exited with status %d; stopping the fleet\n", cs[i].name, WEXITSTATUS(status));
+                    fprintf(stderr, "kvfleet up: %s (pid %d) exited with status %d; stopping the fleet\n", cs[i].name,
+                            (int)cs[i].pid, WEXITSTATUS(status));
+                cs[i].pid = 0;
                 rc = 1;
                 g_stop = 1;
                 break;
@@ -532,9 +670,10 @@ int kvf_cli_up(int argc, char **argv)
     if (rc == 0)
         printf("kvfleet up: stopping\n");
 out:
-    stop_all(cs, n);
+    stop_all(cs, n, c.drain_timeout_ms);
     for (int i = 0; i < n; i++)
-        close(cs[i].out_fd);
+        if (cs[i].out_fd >= 0)
+            close(cs[i].out_fd);
     tls_remove(&tls);
     return rc;
 }
