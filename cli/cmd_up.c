@@ -317,12 +317,18 @@ static void stop_all(child *cs, int n, int64_t drain_ms)
 }
 
 /* Adds to args[*k...] every forwarded flag (with its value) that `self role --help` lists, and
- * --drain-timeout-ms=drain_arg's value when it lists that. */
+ * --drain-timeout-ms=drain_arg's value when it lists that. A local fleet has no load balancer
+ * to wait for: --drain-delay-ms=0 unless the command line gives one. */
 static void add_role_flags(const char *self, const char *role, char **fwd, int n_fwd, char *drain_arg,
                            char **args, int *k)
 {
     if (role_has_flag(self, role, "drain-timeout-ms") && *k < UP_MAX_ARGS - 2)
         args[(*k)++] = drain_arg;
+    bool delay_given = false;
+    for (int i = 0; i < n_fwd; i++)
+        delay_given |= strncmp(fwd[i], "--drain-delay-ms", 16) == 0;
+    if (!delay_given && role_has_flag(self, role, "drain-delay-ms") && *k < UP_MAX_ARGS - 2)
+        args[(*k)++] = "--drain-delay-ms=0";
     for (int i = 0; i < n_fwd && *k < UP_MAX_ARGS - 2; i++) {
         if (strncmp(fwd[i], "--", 2) != 0)
             continue;
