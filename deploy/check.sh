@@ -16,7 +16,7 @@ missing=()
 [ -x "$kubectl" ] || missing+=("$kubectl")
 command -v node >/dev/null || missing+=("node")
 command -v yamllint >/dev/null || missing+=("yamllint")
-for m in kubernetes-models @kubernetes-models/prometheus-operator typescript yaml; do
+for m in kubernetes-models @kubernetes-models/prometheus-operator typescript yaml dockerfile-utils; do
   [ -d "$tools/node_modules/$m" ] || missing+=("$tools/node_modules/$m")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -48,6 +48,12 @@ render() {
 start=$SECONDS
 echo "deploy/check.sh: yamllint"
 yamllint -s -c "$here/.yamllint" "$here"
+echo "deploy/check.sh: Containerfile lint (dockerfile-utils)"
+node -e '
+const u = require(process.argv[1] + "/node_modules/dockerfile-utils"), f = process.argv[2];
+const d = u.validate(require("fs").readFileSync(f, "utf8"));
+for (const x of d) console.error(`FAIL ${f}:${x.range.start.line + 1}: ${x.message}`);
+process.exit(d.length ? 1 : 0);' "$tools" "$here/Containerfile"
 echo "deploy/check.sh: helm lint --strict, helm template, kubectl kustomize"
 render "$here" ok
 echo "deploy/check.sh: validate $(ls "$out" | wc -l) renderings"
