@@ -39,7 +39,7 @@ render() {
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" > "$out/$p-helm-default.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
     --set worker.device=cuda,model.source=pvc \
-    --set prefill.replicas=2,decode.replicas=4 > "$out/$p-helm-gpu.yaml"
+    --set prefill.replicas=2,decode.replicas=4,autoscaling.enabled=true > "$out/$p-helm-gpu.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
     --set tls.enabled=false,apiKeys.enabled=false,networkPolicy.enabled=false \
     --set serviceMonitor.enabled=false,podDisruptionBudget.enabled=false > "$out/$p-helm-minimal.yaml"
