@@ -55,7 +55,7 @@ buildah --storage-driver vfs build --isolation chroot --pull=never \
   "${podman[@]}" image ls "$tag"
 
 # 3. the fleet: read-only root filesystems, non-root, host network, a tmpfs at /tmp
-run=("${podman[@]}" run --rm --network host --read-only --tmpfs /tmp -v "$work/models:/models:z")
+run=("${podman[@]}" run --rm --network host --ulimit host --read-only --tmpfs /tmp -v "$work/models:/models:z")
 mkdir -p "$work/models"; chmod 777 "$work/models"
 step "gen-model"
 "${run[@]}" "$tag" gen-model --out /models/m --preset tiny > "$work/gen.log" 2>&1 || { cat "$work/gen.log"; exit 1; }
