@@ -23,17 +23,18 @@ build_pkgs=build-essential,cmake,pkg-config,libjansson-dev,libxxhash-dev,libopen
 run_pkgs=libjansson4,libopenblas0-pthread,libpcre2-8-0,libutf8proc2,libucx0,libprotobuf-c1,libgrpc29,libevent-2.1-7,libevent-pthreads-2.1-7,libssl3,ca-certificates
 mkdir -p "$cache"
 base() { # base NAME PACKAGES: debootstrap once into a tarball, import it as localhost/kvfleet-base-NAME
-  local name=$1 pkgs=$2 tar="$cache/base-$1.tar"
+  local name=$1 pkgs=$2 tar="$cache/base-$1-v2.tar"
   if [ ! -s "$tar" ]; then
     step "debootstrap $name base"
     local dir; dir=$(mktemp -d)
     debootstrap --variant=minbase --include="$pkgs" bookworm "$dir" "$mirror" > "$cache/debootstrap-$name.log" 2>&1 ||
       { tail -20 "$cache/debootstrap-$name.log"; rm -rf "$dir"; exit 1; }
     rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
+    chmod 0755 "$dir" # mktemp's 0700 would become the image's / and lock uid 65532 out of everything
     tar -C "$dir" -cf "$tar.tmp" . && mv "$tar.tmp" "$tar"; rm -rf "$dir"
   fi
-  "${podman[@]}" image exists "localhost/kvfleet-base-$name" ||
-    "${podman[@]}" import "$tar" "localhost/kvfleet-base-$name" >/dev/null
+  "${podman[@]}" image exists "localhost/kvfleet-base-$name:v2" ||
+    "${podman[@]}" import "$tar" "localhost/kvfleet-base-$name:v2" >/dev/null
 }
 base build "$build_pkgs"
 base run "$run_pkgs"
@@ -48,14 +49,14 @@ trap cleanup EXIT
 git -C "$root" ls-files -z --cached --others --exclude-standard | (cd "$root" && xargs -0 cp --parents -t "$ctx" 2>/dev/null || true)
 step "build $tag"
 buildah --storage-driver vfs build --isolation chroot --pull=never \
-  --ulimit nofile=4096:4096 --build-arg BASE=localhost/kvfleet-base-run \
-  --build-arg BUILD_BASE=localhost/kvfleet-base-build --build-arg APT=0 \
+  --ulimit nofile=4096:4096 --build-arg BASE=localhost/kvfleet-base-run:v2 \
+  --build-arg BUILD_BASE=localhost/kvfleet-base-build:v2 --build-arg APT=0 \
   -f "$root/deploy/Containerfile" -t "$tag" "$ctx" > "$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
 "${podman[@]}" image inspect "$tag" --format 'image-test: image {{.Id}} {{.Size}} bytes, user {{.Config.User}}, entrypoint {{.Config.Entrypoint}}' 2>/dev/null ||
   "${podman[@]}" image ls "$tag"
 
 # 3. the fleet: read-only root filesystems, non-root, host network, a tmpfs at /tmp
-run=("${podman[@]}" run --rm --network host --ulimit host --read-only --tmpfs /tmp -v "$work/models:/models:z")
+run=("${podman[@]}" run --rm --network host --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 --read-only --tmpfs /tmp -v "$work/models:/models:z")
 mkdir -p "$work/models"; chmod 777 "$work/models"
 step "gen-model"
 "${run[@]}" "$tag" gen-model --out /models/m --preset tiny > "$work/gen.log" 2>&1 || { cat "$work/gen.log"; exit 1; }
