@@ -145,6 +145,8 @@ static const kvf_cfg_opt worker_opts[] = {
      "--tls-name)", offsetof(kvf_worker_cfg, tls.server_name), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error or off", offsetof(kvf_worker_cfg, log_level),
      KVF_CFG_STR},
+    {"log-format", "text", "stderr log lines: text, or json (one object per line: ts, level, "
+     "component, request_id, msg)", offsetof(kvf_worker_cfg, log_format), KVF_CFG_STR},
     {NULL},
 };
 

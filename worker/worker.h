@@ -71,6 +71,7 @@ typedef struct kvf_worker_cfg {
      * (--tls-name, the fleet's name every member certificate carries). */
     kvf_rpc_tls tls;
     const char *log_level;
+    const char *log_format;   /* text or json: the stderr sink's format (common/log.h) */
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;
 
