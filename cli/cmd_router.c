@@ -16,6 +16,7 @@ typedef struct router_cfg {
     kvf_router_http_cfg h;
     kvf_rpc_tls tls;
     const char *log_level;
+    const char *log_format;
 } router_cfg;
 
 static const kvf_cfg_opt router_opts[] = {
@@ -51,6 +52,7 @@ static const kvf_cfg_opt router_opts[] = {
     {"api-key-file", NULL, "file of API keys, one \"KEY TENANT\" per line (# comments); each tenant's cached prompts are its own", offsetof(router_cfg, h.api_key_file), KVF_CFG_STR},
     {"metrics-api-key", NULL, "/metrics needs this bearer key (default: open; /health and /ready are always open)", offsetof(router_cfg, h.metrics_api_key), KVF_CFG_STR},
     {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
+    {"log-format", "text", "stderr log lines: text, or json (one object per line: ts, level, component, request_id, msg)", offsetof(router_cfg, log_format), KVF_CFG_STR},
     {NULL},
 };
 
@@ -76,6 +78,12 @@ int kvf_cli_router(int argc, char **argv)
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
     kvf_log_set_level((kvf_log_level)lvl);
+    int fmt = kvf_log_format_parse(c.log_format);
+    if (fmt < 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "router: --log-format=%s (use text or json)", c.log_format);
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    kvf_log_set_format((kvf_log_format)fmt);
     if (!c.h.fleet.decode && !c.h.fleet.decode_dns) {
         kvf_err_set(&err, KVF_ERR_INVALID, "router: give the decode workers with --decode=host:port,... or --decode-dns=name:port");
         return kvf_cli_exit(KVF_ERR_INVALID, &err);

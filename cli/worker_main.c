@@ -55,6 +55,11 @@ int kvf_cli_worker_main(const kvf_cfg_spec *spec, const char *role_name, kvf_wor
     if (c.drain_delay_ms < 0 || c.drain_timeout_ms < 0)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "%s: --drain-delay-ms and --drain-timeout-ms must be "
                                         ">= 0", role_name), &err);
+    int fmt = kvf_log_format_parse(c.log_format ? c.log_format : "text");
+    if (fmt < 0)
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "%s: --log-format=%s is not one of "
+                                        "text, json", role_name, c.log_format), &err);
+    kvf_log_set_format((kvf_log_format)fmt);
     if (ops->check && (st = ops->check(&c, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
     /* signals are taken by sigwait below: block them before any thread starts */

@@ -152,6 +152,8 @@ static const kvf_cfg_opt worker_opts[] = {
     {"drain-timeout-ms", "30000", "then running sequences and open calls get this long to finish "
      "before they are cancelled (a second SIGTERM or SIGINT stops at once)",
      offsetof(kvf_worker_cfg, drain_timeout_ms), KVF_CFG_INT64},
+    {"log-format", "text", "stderr log lines: text, or json (one object per line: ts, level, "
+     "component, request_id, msg)", offsetof(kvf_worker_cfg, log_format), KVF_CFG_STR},
     {NULL},
 };
 

@@ -75,6 +75,7 @@ typedef struct kvf_worker_cfg {
      * keeps serving at least drain_delay_ms (routers see it and send nothing new), then exits
      * once idle (kvf_worker_busy), or after drain_timeout_ms more with the rest cancelled */
     int64_t drain_delay_ms, drain_timeout_ms;
+    const char *log_format;   /* text or json: the stderr sink's format (common/log.h) */
     int32_t fault_delay_ms;   /* prefill: sleep this long before each prefill (fault tests) */
 } kvf_worker_cfg;
 
