@@ -69,6 +69,7 @@ struct kvf_worker {
     kvf_worker_http *http;
     kvf_metrics *metrics;
     kvf_metric *m_kv_usage, *m_gie_waiting, *m_gie_running, *m_gie_kv_usage; /* autoscaling, GIE */
+    kvf_metric *m_queued_prefill; /* prompt tokens of RemotePrefill calls not yet answered */
     kvf_metric *m_free, *m_used, *m_cached, *m_total, *m_running, *m_waiting, *m_steps,
         *m_watchers, *m_events, *m_prefix_hit, *m_draws;
     /* --device cuda: the device's memory and the decode step's CUDA graphs (NULL otherwise) */
@@ -530,6 +531,8 @@ static void publish_load(kvf_worker *w)
     kvf_metric_set(w->m_gie_kv_usage, usage);
     kvf_metric_set(w->m_gie_running, l.running);
     kvf_metric_set(w->m_gie_waiting, l.waiting);
+    kvf_metric_set(w->m_queued_prefill,
+                   w->hooks.queued_prefill_tokens ? (double)w->hooks.queued_prefill_tokens(w->hooks.ctx) : 0.0);
 }
 
 void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out)
@@ -1004,6 +1007,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         (st = add_metric(w, 0, "kvfleet_engine_prefix_hit_tokens_total", "prompt tokens served from the prefix cache", &w->m_prefix_hit, err)) ||
         (st = add_metric(w, 0, "kvfleet_engine_backend_draws_total", "sampled tokens drawn on the backend (the GPU), not the host", &w->m_draws, err)) ||
         /* what an HPA/KEDA scales on, and the same under the Inference Extension's names */
+        (st = add_metric(w, 1, "kvfleet_prefill_queued_tokens", "prompt tokens of RemotePrefill calls not yet answered (prefill; 0 on decode)", &w->m_queued_prefill, err)) ||
         (st = add_metric(w, 1, "kvfleet_kv_usage_ratio", "KV blocks held by sequences / KV blocks in the pool (0..1)", &w->m_kv_usage, err)) ||
         (st = add_metric(w, 1, "vllm:num_requests_waiting", "requests queued (Inference Extension TotalQueuedRequests)", &w->m_gie_waiting, err)) ||
         (st = add_metric(w, 1, "vllm:num_requests_running", "requests running (Inference Extension TotalRunningRequests)", &w->m_gie_running, err)) ||
