@@ -427,11 +427,37 @@ static void on_metrics(kvf_router_http *h, struct evhttp_request *ev)
     kvf_sbuf_fini(&b);
 }
 
+static json_t *model_object(const kvf_router_http *h)
+{
+    return json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", h->served, "object", "model", "created",
+                     (json_int_t)(kvf_wall_ms() / 1000), "owned_by", "kvfleet", "max_model_len", h->max_len);
+}
+
+/* GET /v1/models/{id} (the SDKs' models.retrieve): the served model, else OpenAI's 404. id is
+ * what follows the prefix, percent-decoded (model names may hold a '/'). */
+static void on_model(kvf_router_http *h, struct evhttp_request *ev, const char *id_enc)
+{
+    char *id = evhttp_uridecode(id_enc, 0, NULL);
+    if (!id || strcmp(id, h->served) != 0) {
+        kvf_router_oai_error e;
+        kvf_router_oai_error_set(&e, 404, "invalid_request_error", NULL, "model_not_found",
+                                 "The model `%.200s` does not exist (this server serves `%s`)", id ? id : "",
+                                 h->served);
+        kvf_router_http_send_error(h, ev, NULL, &e, 0);
+        free(id);
+        return;
+    }
+    free(id);
+    json_t *m = model_object(h);
+    char *s = m ? json_dumps(m, JSON_COMPACT) : NULL;
+    json_decref(m);
+    kvf_router_http_send_json(h, ev, 200, NULL, s ? s : "{}", s ? strlen(s) : 2);
+    free(s);
+}
+
 static void on_models(kvf_router_http *h, struct evhttp_request *ev)
 {
-    json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", h->served, "object", "model", "created",
-                          (json_int_t)(kvf_wall_ms() / 1000), "owned_by", "kvfleet", "max_model_len", h->max_len);
-    json_t *o = json_pack("{s:s,s:[o]}", "object", "list", "data", m);
+    json_t *o = json_pack("{s:s,s:[o]}", "object", "list", "data", model_object(h));
     char *s = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     kvf_router_http_send_json(h, ev, 200, NULL, s ? s : "{}", s ? strlen(s) : 2);
@@ -518,9 +544,17 @@ static void on_request(struct evhttp_request *ev, void *arg)
             h->tenant = NULL;
             return;
         }
+    static const char mp[] = "/v1/models/";
+    if (strncmp(path, mp, sizeof mp - 1) == 0 && path[sizeof mp - 1]) {
+        enum evhttp_cmd_type m = evhttp_request_get_command(ev);
+        if (m == EVHTTP_REQ_GET || m == EVHTTP_REQ_HEAD) {
+            on_model(h, ev, path + sizeof mp - 1);
+            return;
+        }
+    }
     kvf_router_oai_error e;
     kvf_router_oai_error_set(&e, 404, "invalid_request_error", NULL, "not_found",
-                             "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics)",
+                             "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, /health, /ready, /metrics)",
                              path);
     kvf_router_http_send_error(h, ev, NULL, &e, 0);
 }

@@ -415,6 +415,18 @@ static void test_errors_without_workers(void **state)
                         "tiny-gqa-f32");
     json_decref(j);
     free(r.body);
+    /* models.retrieve: the served model, or OpenAI's 404 */
+    http(x.r.port, "GET", "/v1/models/tiny-gqa-f32", NULL, NULL, &r);
+    assert_int_equal(r.status, 200);
+    j = json_loads(r.body, 0, NULL);
+    assert_string_equal(json_string_value(json_object_get(j, "id")), "tiny-gqa-f32");
+    assert_string_equal(json_string_value(json_object_get(j, "object")), "model");
+    json_decref(j);
+    free(r.body);
+    http(x.r.port, "GET", "/v1/models/other%2Fmodel", NULL, NULL, &r);
+    assert_int_equal(r.status, 404);
+    assert_non_null(strstr(err_msg(&r, m, sizeof m), "`other/model` does not exist"));
+    free(r.body);
 
     struct { const char *path, *body; int status; const char *msg; } cases[] = {
         {"/v1/completions", "{nope", 400, "not valid JSON"},
@@ -440,7 +452,7 @@ static void test_errors_without_workers(void **state)
     }
     http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
     assert_int_equal(r.status, 200);
-    assert_non_null(strstr(r.body, "kvfleet_router_responses_total{code=\"4xx\"} 10"));
+    assert_non_null(strstr(r.body, "kvfleet_router_responses_total{code=\"4xx\"} 11"));
     free(r.body);
     router_stop(&x);
 }
