@@ -267,6 +267,21 @@ static bool role_has_flag(const char *self, const char *role, const char *flag)
     return found;
 }
 
+/* Waits up to timeout_ms for output from the children and reads it (drain); a child whose
+ * stdout closed (it is exiting) has its descriptor closed. */
+static void pump_output(child *cs, int n, int timeout_ms)
+{
+    struct pollfd pf[UP_MAX_CHILDREN];
+    for (int i = 0; i < n; i++)
+        pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
+    poll(pf, (nfds_t)n, timeout_ms);
+    for (int i = 0; i < n; i++)
+        if (pf[i].revents && !drain(&cs[i])) {
+            close(cs[i].out_fd);
+            cs[i].out_fd = -1;
+        }
+}
+
 /* SIGTERM to the router (the last child, when started) and then to every worker; waits up to
  * drain_ms + 10 s for them to exit, echoing what they print meanwhile (a full pipe would stall
  * a draining child), then SIGKILLs the rest. A second SIGTERM or Ctrl-C kills at once. */
@@ -304,15 +319,7 @@ static void stop_all(child *cs, int n, int64_t drain_ms)
                 }
             return;
         }
-        struct pollfd pf[UP_MAX_CHILDREN];
-        for (int i = 0; i < n; i++)
-            pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
-        poll(pf, (nfds_t)n, 20);
-        for (int i = 0; i < n; i++)
-            if (pf[i].revents && !drain(&cs[i])) {
-                close(cs[i].out_fd);
-                cs[i].out_fd = -1;
-            }
+        pump_output(cs, n, 20);
     }
 }
 
@@ -570,10 +577,15 @@ int kvf_cli_up(int argc, char **argv)
         snprintf(host_arg, sizeof host_arg, "--host=%s", c.host);
         snprintf(pol_arg, sizeof pol_arg, "--policy=%s", c.policy);
         static char *rargs[UP_MAX_ARGS];
-        char *head[] = {self, "router", model_arg, dec_arg, port_arg, host_arg, pol_arg};
         int k = 0;
-        for (; k < (int)(sizeof head / sizeof head[0]); k++)
-            rargs[k] = head[k];
+        rargs[k++] = self;
+        rargs[k++] = "router";
+        rargs[k++] = model_arg;
+        rargs[k++] = dec_arg;
+        int port_at = k; /* a restart takes the port it had */
+        rargs[k++] = port_arg;
+        rargs[k++] = host_arg;
+        rargs[k++] = pol_arg;
         if (pre[0])
             rargs[k++] = pre_arg;
         for (int f = 0; c.tls && f < 3; f++)
@@ -582,7 +594,7 @@ int kvf_cli_up(int argc, char **argv)
         rargs[k] = NULL;
         snprintf(cs[n].name, sizeof cs[n].name, "router");
         cs[n].argv = rargs;
-        cs[n].addr_arg = 4; /* --port: a restart takes the port it had */
+        cs[n].addr_arg = port_at;
         cs[n].addr_flag = "port";
         if (spawn(self, rargs, &cs[n]) != 0) {
             fprintf(stderr, "kvfleet up: cannot start the router: %s\n", strerror(errno));
@@ -624,15 +636,8 @@ int kvf_cli_up(int argc, char **argv)
                 if (cs[i].pid > 0)
                     kill(cs[i].pid, SIGHUP);
         }
-        struct pollfd pf[UP_MAX_CHILDREN];
-        for (int i = 0; i < n; i++)
-            pf[i] = (struct pollfd){.fd = cs[i].out_fd, .events = POLLIN};
-        poll(pf, (nfds_t)n, 200);
+        pump_output(cs, n, 200);
         for (int i = 0; i < n; i++) {
-            if (pf[i].revents && !drain(&cs[i])) { /* its stdout closed: it is exiting */
-                close(cs[i].out_fd);
-                cs[i].out_fd = -1;
-            }
             if (cs[i].announce && cs[i].ready[0]) {
                 cs[i].announce = false;
                 fprintf(stderr, "kvfleet up: %s (pid %d) is ready again at %s%s\n", cs[i].name, (int)cs[i].pid,

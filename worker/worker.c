@@ -470,7 +470,7 @@ static int admin_get(void *ctx, const char *path, kvf_sbuf *body, const char **c
         kvf_worker_load_get(w, &l);
         pthread_mutex_lock(&w->mu);
         bool draining = w->draining || w->stopping;
-        bool stopping = w->stopping || (draining && strcmp(path, "/ready") == 0);
+        bool down = w->stopping || (draining && strcmp(path, "/ready") == 0);
         pthread_mutex_unlock(&w->mu);
         *ctype = "application/json";
         kvf_sbuf_printf(body,
@@ -480,7 +480,7 @@ static int admin_get(void *ctx, const char *path, kvf_sbuf *body, const char **c
                         draining ? "draining" : "serving",
                         w->role == KVF_WORKER_PREFILL ? "prefill" : "decode", l.running,
                         l.waiting, l.total_blocks, l.free_blocks, l.cached_blocks, l.used_blocks);
-        return stopping ? 503 : 200;
+        return down ? 503 : 200;
     }
     kvf_sbuf_printf(body, "no such path %s (use /metrics, /health or /ready)\n", path);
     return 404;

@@ -1,6 +1,6 @@
 # fleet.sh: what the shell tests that start a fleet of real processes share: a temp dir and a
 # process list removed and killed on exit, start (a kvfleet process up to its ready line),
-# wait_ready, metric and check_fixture. Source it after tests/cli/lib.sh. START_S (default 30) and READY_S
+# wait_ready, metric, check_fixture and listeners. Source it after tests/cli/lib.sh. START_S (default 30) and READY_S
 # (default 10) bound start's and wait_ready's waits, in seconds.
 PY=/usr/bin/python3
 TMP=$(mktemp -d)
@@ -72,5 +72,31 @@ for c in exp["cases"]:
         print(f"{model} {c['name']}: got {ids}, want {c['greedy']}")
         bad += 1
 sys.exit(1 if bad else 0)
+EOF
+}
+
+# listeners PID...: "ADDR PORT PID" for each listening TCP socket the processes hold.
+listeners() {
+    $PY - "$@" <<'EOF'
+import ipaddress, os, sys
+for pid in sys.argv[1:]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/{pid}/net/{table}").readlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            print(ipaddress.ip_address(raw), int(hexport, 16), pid)
 EOF
 }

@@ -15,10 +15,10 @@ M="$KVF_SHARED/fixtures/models/$m"
 free_port() { $PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 DRAIN="--drain-delay-ms 1000 --drain-timeout-ms 30000"
 
-declare -A WPORT WPID RPORT RPID
+declare -A WPORT WPID WADMIN RPORT RPID
 start_worker() { # start_worker I
     start "dec$1" decode --model "$M" --listen "127.0.0.1:${WPORT[$1]}" $DRAIN
-    WPID[$1]=$PID
+    WPID[$1]=$PID; WADMIN[$1]=$ADMIN
 }
 start_router() { # start_router I
     start "rt$1" router --model "$M" --port "${RPORT[$1]}" --decode "127.0.0.1:${WPORT[0]},127.0.0.1:${WPORT[1]}" \
@@ -31,9 +31,17 @@ wait_up() { # wait_up I N: router I sees N decode workers within 30 s
     for _ in $(seq 300); do [ "$(n_up "$1")" = "$2" ] && return 0; sleep 0.1; done
     fail "router $1 never saw $2 decode workers"
 }
-# stop_gracefully NAME PID: SIGTERM, then it must exit 0 within 60 s
+# stop_gracefully NAME PID READY_URL: SIGTERM; its /ready turns 503 while it drains (within its
+# 1 s drain delay), then it must exit 0 within 60 s
 stop_gracefully() {
     kill -TERM "$2"
+    local code=""
+    for _ in $(seq 100); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' "$3/ready")
+        [ "$code" = 503 ] && break
+        sleep 0.01
+    done
+    [ "$code" = 503 ] || fail "$1: /ready said '$code' after SIGTERM, not 503"
     for _ in $(seq 600); do kill -0 "$2" 2>/dev/null || break; sleep 0.1; done
     kill -0 "$2" 2>/dev/null && fail "$1 still running 60 s after SIGTERM"
     local rc=0; wait "$2" || rc=$?
@@ -81,9 +89,9 @@ def one(p, k):
     events = [l[6:] for l in data.splitlines() if l.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         raise RuntimeError("stream did not end with [DONE]: %r" % data[-200:])
-    n = sum(len(json.loads(e)["choices"][0].get("text", "") or "") >= 0 for e in events[:-1])
-    if n < 1:
-        raise RuntimeError("no tokens")
+    chunks = [json.loads(e) for e in events[:-1]]
+    if sum(len(c["choices"][0].get("token_ids") or []) or bool(c["choices"][0].get("text")) for c in chunks) < 1:
+        raise RuntimeError("a stream with no token: %r" % data[-200:])
 
 def client(t):
     k = t
@@ -114,8 +122,16 @@ PYEOF
 LOADPID=$!
 PIDS+=("$LOADPID")
 for _ in $(seq 300); do [ -e "$TMP/load.started" ] && break; sleep 0.1; done
-# ok_count: streams completed so far cannot be read from the generator; the routers count them
-done_streams() { local a b; a=$(metric "127.0.0.1:${RPORT[0]}" 'kvfleet_router_responses_total{code="2xx"}'); b=$(metric "127.0.0.1:${RPORT[1]}" 'kvfleet_router_responses_total{code="2xx"}'); echo $(( ${a%.*:-0} + ${b%.*:-0} )); }
+# done_streams: answers the two routers have sent so far (the load is flowing while it grows)
+done_streams() {
+    local t=0 i v
+    for i in 0 1; do
+        v=$(metric "127.0.0.1:${RPORT[$i]}" 'kvfleet_router_responses_total{code="2xx"}')
+        v=${v:-0}
+        t=$((t + ${v%.*}))
+    done
+    echo "$t"
+}
 # wait_more N: N more streams answered than now (the load is flowing), within 60 s
 wait_more() {
     local base; base=$(done_streams)
@@ -126,7 +142,7 @@ wait_more 10
 
 # --- decode workers, one at a time ---------------------------------------------------------------
 for i in 0 1; do
-    stop_gracefully "dec$i" "${WPID[$i]}"
+    stop_gracefully "dec$i" "${WPID[$i]}" "http://${WADMIN[$i]}"
     start_worker $i
     wait_up 0 2; wait_up 1 2
     wait_more 10
@@ -134,7 +150,7 @@ done
 
 # --- routers, one at a time ----------------------------------------------------------------------
 for i in 0 1; do
-    stop_gracefully "rt$i" "${RPID[$i]}"
+    stop_gracefully "rt$i" "${RPID[$i]}" "http://127.0.0.1:${RPORT[$i]}"
     grep -q "listener closed" "$TMP/rt$i.err" || fail "rt$i never closed its listener"
     start_router $i
     wait_up $i 2

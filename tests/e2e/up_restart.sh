@@ -47,25 +47,7 @@ children() {
     return 0
 }
 # listen_ports PID: the TCP ports PID listens on.
-listen_ports() {
-    $PY - "$1" <<'EOF'
-import os, sys
-pid = sys.argv[1]
-inodes = set()
-for fd in os.listdir(f"/proc/{pid}/fd"):
-    try:
-        link = os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-        continue
-    if link.startswith("socket:["):
-        inodes.add(link[8:-1])
-for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-    for line in open(path).readlines()[1:]:
-        f = line.split()
-        if f[3] == "0A" and f[9] in inodes:
-            print(int(f[1].split(":")[1], 16))
-EOF
-}
+listen_ports() { listeners "$1" | awk '{print $2}'; }
 # complete URL ID: one greedy completion of the fixture's first case, tagged x-request-id ID;
 # fails unless it answers 200 with the fixture's ids.
 complete() {

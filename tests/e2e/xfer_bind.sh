@@ -15,32 +15,6 @@ source "$(dirname "$0")/fleet.sh"
 m=tiny-gqa-f32
 M="$KVF_SHARED/fixtures/models/$m"
 
-# listeners PID...: "ADDR PORT PID" for each listening TCP socket the processes hold.
-listeners() {
-    $PY - "$@" <<'EOF'
-import ipaddress, os, sys
-for pid in sys.argv[1:]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    for table in ("tcp", "tcp6"):
-        for line in open(f"/proc/{pid}/net/{table}").readlines()[1:]:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
-                continue
-            hexaddr, hexport = f[1].split(":")
-            raw = bytes.fromhex(hexaddr)
-            # the kernel prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            print(ipaddress.ip_address(raw), int(hexport, 16), pid)
-EOF
-}
-
 # only_loopback WHAT MIN PID...: every listener of the processes is on a loopback address, and
 # there are at least MIN of them (so an empty list cannot pass).
 only_loopback() {
