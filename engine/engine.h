@@ -42,6 +42,8 @@ typedef struct kvf_engine kvf_engine;
 #define KVF_ENGINE_MAX_N 16    /* parallel samples per request */
 #define KVF_ENGINE_MAX_STOP 16 /* stop ids and eos ids per request (each) */
 #define KVF_ENGINE_MAX_TEMPERATURE 1e4f /* sampling temperatures allowed: 0 (greedy) to this */
+#define KVF_ENGINE_MAX_BIAS 1024    /* logit_bias entries per request */
+#define KVF_ENGINE_MAX_LOGPROBS 20  /* top logprobs per token, as OpenAI allows */
 
 typedef enum kvf_engine_preempt {
     KVF_ENGINE_PREEMPT_AUTO = 0,      /* by the cost estimate (kvf_engine_preempt_cost) */
@@ -81,6 +83,12 @@ typedef struct kvf_engine_cfg {
  * slots, prefix cache on, auto preemption, 0 threads, cost rates 2e10 FLOP/s and 4e9 B/s. */
 void kvf_engine_cfg_default(kvf_engine_cfg *cfg);
 
+/* One logit_bias entry: bias is added to the raw logit of id. */
+typedef struct kvf_engine_bias {
+    int32_t id;
+    float bias; /* [-100, 100] */
+} kvf_engine_bias;
+
 typedef struct kvf_engine_sampling {
     int32_t max_tokens;   /* new tokens per sample, >= 1 */
     float temperature;    /* 0: greedy (argmax, ties to the lowest id) */
@@ -92,6 +100,22 @@ typedef struct kvf_engine_sampling {
     int32_t n_stop;
     int32_t eos_ids[KVF_ENGINE_MAX_STOP];  /* the same, for the model's end-of-sequence ids */
     int32_t n_eos;
+    /* Logit processing before the draw, as vLLM defines it (formulas at
+     * kvf_engine_process_logits, engine/sample.h); every zero value is "off". */
+    float presence_penalty;   /* [-2, 2] */
+    float frequency_penalty;  /* [-2, 2] */
+    float repetition_penalty; /* (0, 2]; 0 and 1: off */
+    float min_p;              /* [0, 1] */
+    int32_t min_tokens;       /* stop and eos ids cannot be drawn before this many new tokens */
+    int32_t n_bias;
+    kvf_engine_bias bias[KVF_ENGINE_MAX_BIAS];
+    /* Log-probabilities (log-softmax of the raw logits, before any processing, as vLLM's
+     * default "raw_logprobs"): of each new token, with the top_logprobs largest beside it. */
+    bool logprobs;
+    int32_t top_logprobs;     /* 0..KVF_ENGINE_MAX_LOGPROBS */
+    /* The same for every prompt token but the first (with top_logprobs beside each): the
+     * prompt is then computed without the prefix cache, one token per step. */
+    bool prompt_logprobs;
 } kvf_engine_sampling;
 
 /* Greedy, n 1, max_tokens 16, top_p 1, no stop or eos ids. */
@@ -124,6 +148,12 @@ typedef enum kvf_engine_finish {
 
 const char *kvf_engine_finish_name(kvf_engine_finish f); /* "stop", "length", ... */
 
+/* A token and its log-probability. */
+typedef struct kvf_engine_logprob {
+    int32_t id;
+    float logprob;
+} kvf_engine_logprob;
+
 /* One sequence's news in one step: a new token, a finish, or both. */
 typedef struct kvf_engine_output {
     uint64_t id;      /* the request */
@@ -132,6 +162,16 @@ typedef struct kvf_engine_output {
     int32_t n_generated; /* tokens of this sample so far, this one included */
     kvf_engine_finish finish;
     int64_t n_cached;    /* prompt tokens the prefix cache served at its last admission */
+    /* sampling.logprobs: token's log-probability and the n_top largest, largest first (ties
+     * to the lower id); logprob is NaN and n_top 0 otherwise, and when token is -1. */
+    float logprob;
+    int32_t n_top;
+    kvf_engine_logprob top[KVF_ENGINE_MAX_LOGPROBS];
+    /* sampling.prompt_logprobs, on the first output of sample 0 only (else NULL): rows for the
+     * prompt tokens 1..n_prompt-1, each 1 + top_logprobs entries (the prompt token's own, then
+     * the top); engine-owned, valid until the next step. */
+    const kvf_engine_logprob *prompt_lps;
+    int32_t n_prompt_lps; /* rows: n_prompt - 1 */
 } kvf_engine_output;
 
 typedef struct kvf_engine_stats {
