@@ -36,6 +36,8 @@ typedef struct dreq {
     bool writer_done; /* its answer came from the prefill worker: no byte can land any more */
     bool xfer_ok;     /* RECEIVED OK: the one write of the transfer has landed */
     int32_t first_token, n_blocks, n_cached_blocks;
+    bool has_first_lp; /* the prefill worker sent the first token's log-probabilities */
+    kvf_rpc_logprob first_lp;
     uint64_t tid;
     int64_t deadline_ns, t0_ns;
     int64_t deadline_wall_ms; /* GenerateRequest.deadline_unix_ms; 0: none */
@@ -77,6 +79,8 @@ typedef struct reply {
     uint64_t key, tid;
     kvf_status st;
     int32_t first_token;
+    bool has_first_lp;
+    kvf_rpc_logprob first_lp;
     int64_t bytes_sent;
     bool answered; /* the prefill worker itself answered (not a status made by gRPC here) */
     char msg[256];
@@ -307,6 +311,8 @@ static void reply_job(kvf_worker *w, void *arg)
         } else {
             q->got_reply = true;
             q->first_token = r->first_token;
+            q->has_first_lp = r->has_first_lp;
+            q->first_lp = r->first_lp;
             maybe_done(d, q);
         }
     } else {
@@ -340,6 +346,8 @@ static void reply_cb(void *arg, kvf_status st, const uint8_t *resp, size_t len, 
         kvf_err err = {0};
         if (kvf_rpc_remote_prefill_resp_decode(resp, len, &m, &err) == KVF_OK) {
             r->first_token = m->first_token;
+            r->has_first_lp = m->has_first_logprob;
+            r->first_lp = m->first_logprob;
             r->bytes_sent = m->has_stats ? m->stats.bytes_sent : 0;
             free(m);
         } else {
@@ -465,7 +473,9 @@ static void start_job(kvf_worker *w, void *arg)
     }
     const kvf_worker_cfg *cfg = kvf_worker_config(w);
     const kvf_kv_layout *l = kvf_worker_layout(w);
-    if (q->hint[0] && q->samp.n == 1) {
+    /* prompt log-probabilities come from a local prefill (the engine computes them token by
+     * token); a prefill worker sends only the first token's */
+    if (q->hint[0] && q->samp.n == 1 && !q->samp.prompt_logprobs) {
         const char *mid = kvf_worker_model_id(w);
         uint64_t root = kvf_kv_hash_root(mid, q->salt, q->salt ? strlen(q->salt) : 0);
         int32_t hit = kvf_kv_prefix_probe(kvf_worker_pool(w), root, q->prompt, q->n_prompt);
@@ -514,6 +524,30 @@ static void on_call_cancel(void *arg)
 
 /* ---- hooks ------------------------------------------------------------------------------ */
 
+/* Sends rows at..at+n of an output's prompt log-probabilities (prompt tokens at+1..). */
+static kvf_status send_prompt_lps(dreq *q, const kvf_engine_output *o, int32_t at, int32_t n,
+                                  kvf_err *err)
+{
+    int32_t w = 1 + q->samp.top_logprobs; /* entries per row: the token's own, then the top */
+    kvf_rpc_logprob *rows = malloc((size_t)n * sizeof *rows);
+    if (!rows)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "decode: req %s: no memory for %d prompt "
+                           "logprob rows", q->id, n);
+    for (int32_t i = 0; i < n; i++) {
+        const kvf_engine_logprob *e = o->prompt_lps + (size_t)(at + i) * (size_t)w;
+        rows[i] = (kvf_rpc_logprob){.logprob = e[0].logprob, .n_top = w - 1};
+        for (int32_t k = 1; k < w && k <= KVF_RPC_MAX_LOGPROBS; k++) {
+            rows[i].top_ids[k - 1] = e[k].id;
+            rows[i].top_lps[k - 1] = e[k].logprob;
+        }
+    }
+    kvf_rpc_generate_resp r = {.index = 0, .prompt_lps = rows, .n_prompt_lps = (size_t)n,
+                               .prompt_lps_start = at + 1};
+    kvf_status st = kvf_rpc_call_send_generate(q->call, &r, err);
+    free(rows);
+    return st;
+}
+
 static void on_output(void *ctx, const kvf_engine_output *o)
 {
     kvf_decode *d = ctx;
@@ -530,11 +564,34 @@ static void on_output(void *ctx, const kvf_engine_output *o)
                                                   * cache served (usage.cached_tokens); from the
                                                   * output, as a request that ends on its first
                                                   * token is gone from the engine already */
+    kvf_err err = {0};
+    kvf_status st = KVF_OK;
+    /* prompt log-probabilities first, in messages of their own */
+    for (int32_t at = 0; o->prompt_lps && at < o->n_prompt_lps && st == KVF_OK;) {
+        int32_t n = o->n_prompt_lps - at < KVF_RPC_MAX_PROMPT_LPS ? o->n_prompt_lps - at
+                                                                  : KVF_RPC_MAX_PROMPT_LPS;
+        st = send_prompt_lps(q, o, at, n, &err);
+        at += n;
+    }
+    if (st != KVF_OK) {
+        kvf_metric_add(d->m_cancelled, 1);
+        end_req(d, q, st == KVF_ERR_CANCELLED ? KVF_ERR_CANCELLED : st, err.msg);
+        return;
+    }
     kvf_rpc_generate_resp r = {.index = o->index, .finish = finish_msg(o->finish)};
     int32_t tok = o->token;
+    kvf_rpc_logprob lp;
     if (tok >= 0) {
         r.n_token_ids = 1;
         r.token_ids = &tok;
+        if (q->samp.logprobs) {
+            /* a remote prefill's first token was drawn there, with its log-probabilities */
+            if (o->index == 0 && o->n_generated == 1 && q->has_first_lp)
+                lp = q->first_lp;
+            else
+                kvf_worker_logprob(o, &lp);
+            r.logprobs = &lp;
+        }
         q->completion_tokens++;
         kvf_metric_add(d->m_tokens, 1);
     }
@@ -548,8 +605,7 @@ static void on_output(void *ctx, const kvf_engine_output *o)
                                   .cached_prompt_tokens = q->cached_tokens,
                                   .remote_prefill_tokens = q->remote_tokens};
     }
-    kvf_err err = {0};
-    kvf_status st = kvf_rpc_call_send_generate(q->call, &r, &err);
+    st = kvf_rpc_call_send_generate(q->call, &r, &err);
     if (st != KVF_OK) {
         kvf_metric_add(d->m_cancelled, 1);
         end_req(d, q, st == KVF_ERR_CANCELLED ? KVF_ERR_CANCELLED : st, err.msg);

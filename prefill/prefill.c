@@ -43,6 +43,8 @@ typedef struct pjob {
     int32_t n;               /* prompt tokens */
     int64_t nb;              /* blocks of the prompt */
     int32_t first_token;
+    bool has_first_lp; /* sampling.logprobs: the first token's, for the answer */
+    kvf_rpc_logprob first_lp;
     int32_t n_pairs;
     kvf_xfer_peer *peer;     /* NULL when decode holds every block already */
     kvf_rpc_prefill_stats stats;
@@ -189,7 +191,8 @@ static void job_finish(kvf_prefill *p, pjob *j, kvf_status st, const char *msg)
                 "queued %.1f ms, prefill %.1f ms, transfer %.1f ms", j->id, j->n,
                 s->cached_tokens, j->n_pairs, s->queue_ms, s->prefill_ms, s->transfer_ms);
         kvf_rpc_remote_prefill_resp r = {.first_token = j->first_token, .has_stats = true,
-                                         .stats = *s};
+                                         .stats = *s, .has_first_logprob = j->has_first_lp,
+                                         .first_logprob = j->first_lp};
         kvf_err err = {0};
         if ((st = kvf_rpc_call_send_remote_prefill(j->call, &r, &err)) == KVF_OK) {
             kvf_rpc_call_finish(j->call, KVF_OK, NULL);
@@ -394,6 +397,9 @@ static void on_output(void *ctx, const kvf_engine_output *o)
     if (!j || j->state != PJ_ENGINE)
         return; /* a call that left already (its cancellation being reported) */
     if (o->finish == KVF_ENGINE_FINISH_PREFILLED) {
+        j->has_first_lp = o->n_top > 0 || o->logprob == o->logprob; /* not NaN: asked for */
+        if (j->has_first_lp)
+            kvf_worker_logprob(o, &j->first_lp);
         job_prefilled(p, j, o->token);
         return;
     }

@@ -190,6 +190,34 @@ static kvf_status check_sampling(const char *msg, const Kvfleet__V1__SamplingPar
     if (s->n_stop_token_ids > KVF_RPC_MAX_STOP_TOKENS)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.stop_token_ids has %zu ids "
                            "(at most %d)", msg, s->n_stop_token_ids, KVF_RPC_MAX_STOP_TOKENS);
+    const struct {
+        const char *name;
+        float v, lo, hi;
+    } rng[] = {{"presence_penalty", s->presence_penalty, -2, 2},
+               {"frequency_penalty", s->frequency_penalty, -2, 2},
+               {"repetition_penalty", s->repetition_penalty, 0, 2},
+               {"min_p", s->min_p, 0, 1}};
+    for (size_t i = 0; i < sizeof rng / sizeof rng[0]; i++)
+        if (!(rng[i].v >= rng[i].lo && rng[i].v <= rng[i].hi)) /* NaN fails too */
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.%s is %g (allowed %g..%g)",
+                               msg, rng[i].name, (double)rng[i].v, (double)rng[i].lo,
+                               (double)rng[i].hi);
+    if (s->min_tokens < 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.min_tokens is %d (must be "
+                           ">= 0)", msg, (int)s->min_tokens);
+    if (s->top_logprobs < 0 || s->top_logprobs > KVF_RPC_MAX_LOGPROBS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.top_logprobs is %d (allowed "
+                           "0..%d)", msg, (int)s->top_logprobs, KVF_RPC_MAX_LOGPROBS);
+    if (s->n_logit_bias > KVF_RPC_MAX_BIAS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.logit_bias has %zu entries "
+                           "(at most %d)", msg, s->n_logit_bias, KVF_RPC_MAX_BIAS);
+    for (size_t i = 0; i < s->n_logit_bias; i++) {
+        const Kvfleet__V1__LogitBias *b = s->logit_bias[i];
+        if (!b || b->token_id < 0 || !(b->bias >= -100 && b->bias <= 100))
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.logit_bias[%zu] is token "
+                               "%d, bias %g (token >= 0, bias -100..100)", msg, i,
+                               b ? (int)b->token_id : -1, b ? (double)b->bias : 0.0);
+    }
     return check_nonneg(msg, "sampling.stop_token_ids", s->stop_token_ids, s->n_stop_token_ids,
                         err);
 }
@@ -258,14 +286,56 @@ void kvf_rpc_sampling_default(kvf_rpc_sampling *s)
     s->n = 1;
 }
 
-/* Refuses what the struct cannot hold (n_stop beyond its array) before anything reads it. */
-static kvf_status sampling_to_msg(const char *msg, const kvf_rpc_sampling *s,
-                                  Kvfleet__V1__SamplingParams *m, kvf_err *err)
+/* The logit_bias entries of a SamplingParams being encoded (freed after packing). */
+typedef struct bias_msgs {
+    Kvfleet__V1__LogitBias *b;
+    Kvfleet__V1__LogitBias **p;
+} bias_msgs;
+
+static void bias_msgs_free(bias_msgs *bm)
 {
+    free(bm->b);
+    free(bm->p);
+}
+
+/* Refuses what the struct cannot hold (n_stop or n_bias beyond its array) before anything
+ * reads it. bm holds the bias entries until bias_msgs_free (after packing). */
+static kvf_status sampling_to_msg(const char *msg, const kvf_rpc_sampling *s,
+                                  Kvfleet__V1__SamplingParams *m, bias_msgs *bm, kvf_err *err)
+{
+    *bm = (bias_msgs){0};
     if (s->n_stop < 0 || s->n_stop > KVF_RPC_MAX_STOP_TOKENS)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.n_stop is %d (allowed 0..%d)",
                            msg, (int)s->n_stop, KVF_RPC_MAX_STOP_TOKENS);
+    if (s->n_bias < 0 || s->n_bias > KVF_RPC_MAX_BIAS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.n_bias is %d (allowed 0..%d)",
+                           msg, (int)s->n_bias, KVF_RPC_MAX_BIAS);
     kvfleet__v1__sampling_params__init(m);
+    if (s->n_bias > 0) {
+        bm->b = malloc((size_t)s->n_bias * sizeof *bm->b);
+        bm->p = malloc((size_t)s->n_bias * sizeof *bm->p);
+        if (!bm->b || !bm->p) {
+            bias_msgs_free(bm);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: no memory for %d logit_bias entries",
+                               (int)s->n_bias);
+        }
+        for (int32_t i = 0; i < s->n_bias; i++) {
+            kvfleet__v1__logit_bias__init(&bm->b[i]);
+            bm->b[i].token_id = s->bias[i].id;
+            bm->b[i].bias = s->bias[i].bias;
+            bm->p[i] = &bm->b[i];
+        }
+        m->n_logit_bias = (size_t)s->n_bias;
+        m->logit_bias = bm->p;
+    }
+    m->presence_penalty = s->presence_penalty;
+    m->frequency_penalty = s->frequency_penalty;
+    m->repetition_penalty = s->repetition_penalty == 1.0f ? 0.0f : s->repetition_penalty;
+    m->min_p = s->min_p;
+    m->min_tokens = s->min_tokens;
+    m->logprobs = s->logprobs;
+    m->top_logprobs = s->top_logprobs;
+    m->prompt_logprobs = s->prompt_logprobs;
     m->max_tokens = s->max_tokens;
     m->temperature = s->temperature;
     m->top_p = s->top_p;
@@ -295,6 +365,81 @@ static void sampling_from_msg(const Kvfleet__V1__SamplingParams *m, kvf_rpc_samp
     s->n_stop = (int32_t)m->n_stop_token_ids;
     if (m->n_stop_token_ids)
         memcpy(s->stop_ids, m->stop_token_ids, m->n_stop_token_ids * sizeof *s->stop_ids);
+    s->presence_penalty = m->presence_penalty;
+    s->frequency_penalty = m->frequency_penalty;
+    s->repetition_penalty = m->repetition_penalty > 0 ? m->repetition_penalty : 1.0f;
+    s->min_p = m->min_p;
+    s->min_tokens = m->min_tokens;
+    s->n_bias = (int32_t)m->n_logit_bias;
+    for (size_t i = 0; i < m->n_logit_bias; i++)
+        s->bias[i] = (kvf_rpc_bias){.id = m->logit_bias[i]->token_id,
+                                    .bias = m->logit_bias[i]->bias};
+    s->logprobs = m->logprobs;
+    s->top_logprobs = m->top_logprobs;
+    s->prompt_logprobs = m->prompt_logprobs;
+}
+
+/* ---- log-probabilities ----------------------------------------------------------------------- */
+
+/* A TokenLogprob being encoded points into its kvf_rpc_logprob (ids) and a float copy. */
+static void logprob_to_msg(const kvf_rpc_logprob *l, Kvfleet__V1__TokenLogprob *m)
+{
+    kvfleet__v1__token_logprob__init(m);
+    m->logprob = l->logprob;
+    int32_t n = l->n_top < 0 ? 0 : l->n_top > KVF_RPC_MAX_LOGPROBS ? KVF_RPC_MAX_LOGPROBS : l->n_top;
+    m->n_top_ids = m->n_top_logprobs = (size_t)n;
+    m->top_ids = (int32_t *)l->top_ids;
+    m->top_logprobs = (float *)l->top_lps;
+}
+
+/* A log-probability is <= 0 or -inf; a row's tops are as many as their ids, ids >= 0. */
+static kvf_status logprob_from_msg(const char *msg, size_t i, const Kvfleet__V1__TokenLogprob *m,
+                                   kvf_rpc_logprob *out, kvf_err *err)
+{
+    if (!m)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s[%zu] is missing", msg, i);
+    if (m->n_top_ids != m->n_top_logprobs || m->n_top_ids > KVF_RPC_MAX_LOGPROBS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s[%zu] has %zu top ids and %zu top "
+                           "logprobs (equal, at most %d)", msg, i, m->n_top_ids,
+                           m->n_top_logprobs, KVF_RPC_MAX_LOGPROBS);
+    if (!(m->logprob <= 0))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s[%zu].logprob is %g (must be <= 0)",
+                           msg, i, (double)m->logprob);
+    *out = (kvf_rpc_logprob){.logprob = m->logprob, .n_top = (int32_t)m->n_top_ids};
+    for (size_t k = 0; k < m->n_top_ids; k++) {
+        if (m->top_ids[k] < 0 || !(m->top_logprobs[k] <= 0))
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s[%zu].top[%zu] is token %d, "
+                               "logprob %g (token >= 0, logprob <= 0)", msg, i, k,
+                               (int)m->top_ids[k], (double)m->top_logprobs[k]);
+        out->top_ids[k] = m->top_ids[k];
+        out->top_lps[k] = m->top_logprobs[k];
+    }
+    return KVF_OK;
+}
+
+/* Encodes n rows into msgs (malloc'ed, freed by the caller after packing): *out points at them. */
+static kvf_status logprobs_to_msgs(const kvf_rpc_logprob *l, size_t n,
+                                   Kvfleet__V1__TokenLogprob **msgs,
+                                   Kvfleet__V1__TokenLogprob ***ptrs, kvf_err *err)
+{
+    *msgs = NULL;
+    *ptrs = NULL;
+    if (!n)
+        return KVF_OK;
+    *msgs = malloc(n * sizeof **msgs);
+    *ptrs = malloc(n * sizeof **ptrs);
+    if (!*msgs || !*ptrs) {
+        free(*msgs);
+        free(*ptrs);
+        *msgs = NULL;
+        *ptrs = NULL;
+        return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: no memory for %zu logprob rows", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        logprob_to_msg(&l[i], &(*msgs)[i]);
+        (*ptrs)[i] = &(*msgs)[i];
+    }
+    return KVF_OK;
 }
 
 static void transport_to_msg(const kvf_rpc_transport *t, Kvfleet__V1__TransportDescriptor *m)
@@ -430,7 +575,8 @@ kvf_status kvf_rpc_generate_req_encode(const kvf_rpc_generate_req *r, kvf_rpc_bu
     m.request_id = (char *)(r->request_id ? r->request_id : "");
     m.n_token_ids = r->n_token_ids;
     m.token_ids = (int32_t *)r->token_ids;
-    kvf_status st = sampling_to_msg("GenerateRequest", &r->sampling, &sp, err);
+    bias_msgs bm;
+    kvf_status st = sampling_to_msg("GenerateRequest", &r->sampling, &sp, &bm, err);
     if (st != KVF_OK)
         return st;
     m.sampling = &sp;
@@ -441,7 +587,9 @@ kvf_status kvf_rpc_generate_req_encode(const kvf_rpc_generate_req *r, kvf_rpc_bu
     }
     m.deadline_unix_ms = r->deadline_unix_ms;
     m.n_prior_output_tokens = r->n_prior_output_tokens;
-    return pack(&m.base, out, err);
+    st = pack(&m.base, out, err);
+    bias_msgs_free(&bm);
+    return st;
 }
 
 static kvf_status check_generate(const Kvfleet__V1__GenerateRequest *m, kvf_err *err)
@@ -518,7 +666,28 @@ kvf_status kvf_rpc_generate_resp_encode(const kvf_rpc_generate_resp *r, kvf_rpc_
         m.usage = &u;
     }
     m.index = r->index;
-    return pack(&m.base, out, err);
+    Kvfleet__V1__TokenLogprob *lm = NULL, **lp = NULL, *pm = NULL, **pp = NULL;
+    kvf_status st = KVF_OK;
+    if (r->logprobs) {
+        if ((st = logprobs_to_msgs(r->logprobs, r->n_token_ids, &lm, &lp, err)) != KVF_OK)
+            return st;
+        m.n_logprobs = r->n_token_ids;
+        m.logprobs = lp;
+    }
+    if (r->prompt_lps && r->n_prompt_lps) {
+        if ((st = logprobs_to_msgs(r->prompt_lps, r->n_prompt_lps, &pm, &pp, err)) != KVF_OK)
+            goto done;
+        m.n_prompt_logprobs = r->n_prompt_lps;
+        m.prompt_logprobs = pp;
+        m.prompt_logprobs_start = r->prompt_lps_start;
+    }
+    st = pack(&m.base, out, err);
+done:
+    free(lm);
+    free(lp);
+    free(pm);
+    free(pp);
+    return st;
 }
 
 kvf_status kvf_rpc_generate_resp_decode(const uint8_t *data, size_t len,
@@ -538,15 +707,49 @@ kvf_status kvf_rpc_generate_resp_decode(const uint8_t *data, size_t len,
                          "(allowed 0..4)", (int)m->finish_reason);
         goto done;
     }
+    if (m->n_logprobs && m->n_logprobs != m->n_token_ids) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateResponse has %zu logprobs for %zu "
+                         "token_ids (equal, or none)", m->n_logprobs, m->n_token_ids);
+        goto done;
+    }
+    if (m->n_prompt_logprobs > KVF_RPC_MAX_PROMPT_LPS ||
+        (m->n_prompt_logprobs && m->prompt_logprobs_start < 1)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "rpc: GenerateResponse has %zu prompt_logprobs "
+                         "from %d (at most %d, from 1)", m->n_prompt_logprobs,
+                         (int)m->prompt_logprobs_start, KVF_RPC_MAX_PROMPT_LPS);
+        goto done;
+    }
     carve c;
-    kvf_rpc_generate_resp *r = block_new(sizeof *r, AL(m->n_token_ids * sizeof *m->token_ids), &c,
-                                         "GenerateResponse", err);
+    kvf_rpc_generate_resp *r =
+        block_new(sizeof *r, AL(m->n_token_ids * sizeof *m->token_ids) +
+                                 AL(m->n_logprobs * sizeof(kvf_rpc_logprob)) +
+                                 AL(m->n_prompt_logprobs * sizeof(kvf_rpc_logprob)),
+                  &c, "GenerateResponse", err);
     if (!r) {
         st = KVF_ERR_NOMEM;
         goto done;
     }
     r->n_token_ids = m->n_token_ids;
     r->token_ids = carve_copy(&c, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
+    if (m->n_logprobs) {
+        kvf_rpc_logprob *l = carve_take(&c, m->n_logprobs * sizeof *l);
+        for (size_t i = 0; i < m->n_logprobs && st == KVF_OK; i++)
+            st = logprob_from_msg("GenerateResponse.logprobs", i, m->logprobs[i], &l[i], err);
+        r->logprobs = l;
+    }
+    if (m->n_prompt_logprobs) {
+        kvf_rpc_logprob *l = carve_take(&c, m->n_prompt_logprobs * sizeof *l);
+        for (size_t i = 0; i < m->n_prompt_logprobs && st == KVF_OK; i++)
+            st = logprob_from_msg("GenerateResponse.prompt_logprobs", i, m->prompt_logprobs[i],
+                                  &l[i], err);
+        r->prompt_lps = l;
+        r->n_prompt_lps = m->n_prompt_logprobs;
+        r->prompt_lps_start = m->prompt_logprobs_start;
+    }
+    if (st != KVF_OK) {
+        free(r);
+        goto done;
+    }
     r->finish = (kvf_rpc_finish)m->finish_reason;
     r->has_usage = m->usage != NULL;
     if (m->usage)
@@ -585,7 +788,8 @@ kvf_status kvf_rpc_remote_prefill_req_encode(const kvf_rpc_remote_prefill_req *r
         m.transfer_token.len = KVF_RPC_TRANSFER_TOKEN_BYTES;
     }
     m.cache_salt = (char *)(r->cache_salt ? r->cache_salt : "");
-    kvf_status st = sampling_to_msg("RemotePrefillRequest", &r->sampling, &sp, err);
+    bias_msgs bm;
+    kvf_status st = sampling_to_msg("RemotePrefillRequest", &r->sampling, &sp, &bm, err);
     if (st != KVF_OK)
         return st;
     m.sampling = &sp;
@@ -594,7 +798,9 @@ kvf_status kvf_rpc_remote_prefill_req_encode(const kvf_rpc_remote_prefill_req *r
         layout_to_msg(&r->dst_layout, &kl);
         m.dst_layout = &kl;
     }
-    return pack(&m.base, out, err);
+    st = pack(&m.base, out, err);
+    bias_msgs_free(&bm);
+    return st;
 }
 
 static kvf_status check_remote_prefill(const Kvfleet__V1__RemotePrefillRequest *m,
@@ -691,7 +897,12 @@ kvf_status kvf_rpc_remote_prefill_resp_encode(const kvf_rpc_remote_prefill_resp 
 {
     Kvfleet__V1__PrefillStats ps = KVFLEET__V1__PREFILL_STATS__INIT;
     Kvfleet__V1__RemotePrefillResponse m = KVFLEET__V1__REMOTE_PREFILL_RESPONSE__INIT;
+    Kvfleet__V1__TokenLogprob fl;
     m.first_token = r->first_token;
+    if (r->has_first_logprob) {
+        logprob_to_msg(&r->first_logprob, &fl);
+        m.first_logprob = &fl;
+    }
     if (r->has_stats) {
         const kvf_rpc_prefill_stats *s = &r->stats;
         ps.prompt_tokens = s->prompt_tokens;
@@ -722,6 +933,14 @@ kvf_status kvf_rpc_remote_prefill_resp_decode(const uint8_t *data, size_t len,
         goto done;
     }
     r->first_token = m->first_token;
+    if (m->first_logprob) {
+        r->has_first_logprob = true;
+        if ((st = logprob_from_msg("RemotePrefillResponse.first_logprob", 0, m->first_logprob,
+                                   &r->first_logprob, err)) != KVF_OK) {
+            free(r);
+            goto done;
+        }
+    }
     r->has_stats = m->stats != NULL;
     if (m->stats) {
         const Kvfleet__V1__PrefillStats *s = m->stats;

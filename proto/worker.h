@@ -34,6 +34,9 @@
 #define KVF_RPC_MAX_ID_LEN 256         /* request ids, router ids, cache salts */
 #define KVF_RPC_MAX_STOP_TOKENS 64
 #define KVF_RPC_MAX_N 64               /* sequences per prompt */
+#define KVF_RPC_MAX_BIAS 1024          /* logit_bias entries */
+#define KVF_RPC_MAX_LOGPROBS 20        /* top logprobs per position */
+#define KVF_RPC_MAX_PROMPT_LPS 4096    /* prompt logprob rows per GenerateResponse */
 
 typedef enum kvf_rpc_role {
     KVF_RPC_ROLE_UNSPECIFIED = 0,
@@ -65,6 +68,11 @@ typedef enum kvf_rpc_kv_event_kind {
     KVF_RPC_KV_CLEARED = 4,  /* every block dropped */
 } kvf_rpc_kv_event_kind;
 
+typedef struct kvf_rpc_bias {
+    int32_t id;  /* >= 0 (the vocabulary is the worker's to check) */
+    float bias;  /* [-100, 100] */
+} kvf_rpc_bias;
+
 /* Sampling as the wire carries it, with its "off" values already resolved. */
 typedef struct kvf_rpc_sampling {
     int32_t max_tokens;  /* 0: the worker's default */
@@ -76,7 +84,24 @@ typedef struct kvf_rpc_sampling {
     bool ignore_eos;
     int32_t n_stop;
     int32_t stop_ids[KVF_RPC_MAX_STOP_TOKENS];
+    float presence_penalty, frequency_penalty; /* [-2, 2] */
+    float repetition_penalty; /* (0, 2]; 1: off (the wire's 0 reads as 1) */
+    float min_p;              /* [0, 1] */
+    int32_t min_tokens;       /* >= 0 */
+    int32_t n_bias;
+    kvf_rpc_bias bias[KVF_RPC_MAX_BIAS];
+    bool logprobs;
+    int32_t top_logprobs;     /* 0..KVF_RPC_MAX_LOGPROBS */
+    bool prompt_logprobs;
 } kvf_rpc_sampling;
+
+/* One position's log-probabilities (<= 0, or -inf): the token's own and the n_top largest. */
+typedef struct kvf_rpc_logprob {
+    float logprob;
+    int32_t n_top;
+    int32_t top_ids[KVF_RPC_MAX_LOGPROBS];
+    float top_lps[KVF_RPC_MAX_LOGPROBS];
+} kvf_rpc_logprob;
 
 /* Greedy, n 1, top_p 1, everything else off. */
 void kvf_rpc_sampling_default(kvf_rpc_sampling *s);
@@ -129,6 +154,11 @@ typedef struct kvf_rpc_generate_resp {
     bool has_usage;
     kvf_rpc_usage usage;
     int32_t index;            /* which of the n sequences */
+    const kvf_rpc_logprob *logprobs; /* [n_token_ids] when sampling.logprobs, else NULL */
+    const kvf_rpc_logprob *prompt_lps; /* [n_prompt_lps] rows for prompt tokens
+                                        * prompt_lps_start.. (sampling.prompt_logprobs) */
+    size_t n_prompt_lps;      /* <= KVF_RPC_MAX_PROMPT_LPS */
+    int32_t prompt_lps_start; /* >= 1 when n_prompt_lps > 0 */
 } kvf_rpc_generate_resp;
 
 typedef struct kvf_rpc_remote_prefill_req {
@@ -159,6 +189,8 @@ typedef struct kvf_rpc_prefill_stats {
 
 typedef struct kvf_rpc_remote_prefill_resp {
     int32_t first_token;
+    bool has_first_logprob;        /* sampling.logprobs */
+    kvf_rpc_logprob first_logprob;
     bool has_stats;
     kvf_rpc_prefill_stats stats;
 } kvf_rpc_remote_prefill_resp;

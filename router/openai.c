@@ -57,6 +57,8 @@ void kvf_router_oai_req_fini(kvf_router_oai_req *req)
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->cache_salt);
+    free(req->bias_ids);
+    free(req->bias_vals);
     memset(req, 0, sizeof *req);
 }
 
@@ -222,6 +224,137 @@ static kvf_status parse_stop(const json_t *s, kvf_router_oai_req *r, kvf_router_
     return KVF_OK;
 }
 
+/* logit_bias: {"token id": bias, ...}, bias in [-100, 100]. */
+static kvf_status parse_bias(const json_t *b, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!b || json_is_null(b))
+        return KVF_OK;
+    if (!json_is_object(b))
+        return bad_type(e, "logit_bias", "an object of token ids to biases", b);
+    size_t n = json_object_size(b);
+    if (n > KVF_ROUTER_OAI_MAX_BIAS)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logit_bias", "invalid_value",
+                                        "'logit_bias' has %zu entries; at most %d are allowed", n,
+                                        KVF_ROUTER_OAI_MAX_BIAS);
+    if (!n)
+        return KVF_OK;
+    if (!(r->bias_ids = malloc(n * sizeof *r->bias_ids)) || !(r->bias_vals = malloc(n * sizeof *r->bias_vals)))
+        return KVF_ERR_NOMEM;
+    const char *k;
+    const json_t *v;
+    json_object_foreach((json_t *)b, k, v) {
+        char *end = NULL;
+        long id = strtol(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX || (k[0] == '0' && k[1]) || k[0] == '+' || k[0] == ' ')
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logit_bias", "invalid_value",
+                                            "'logit_bias' key \"%.40s\" is not a token id (a non-negative integer)", k);
+        if (!json_is_number(v) || !(json_number_value(v) >= -100 && json_number_value(v) <= 100))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logit_bias", "invalid_value",
+                                            "'logit_bias'[\"%s\"] must be a number from -100 to 100", k);
+        r->bias_ids[r->n_bias] = (int32_t)id;
+        r->bias_vals[r->n_bias++] = (float)json_number_value(v);
+    }
+    return KVF_OK;
+}
+
+static kvf_status parse_stop_ids(const json_t *a, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!a || json_is_null(a))
+        return KVF_OK;
+    if (!json_is_array(a))
+        return bad_type(e, "stop_token_ids", "an array of token ids", a);
+    if (json_array_size(a) > KVF_ROUTER_OAI_MAX_STOP_IDS)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop_token_ids", "invalid_value",
+                                        "'stop_token_ids' has %zu ids; at most %d are allowed",
+                                        json_array_size(a), KVF_ROUTER_OAI_MAX_STOP_IDS);
+    size_t i;
+    const json_t *v;
+    json_array_foreach(a, i, v) {
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop_token_ids", "invalid_value",
+                                            "'stop_token_ids'[%zu] is not a token id (a non-negative integer)", i);
+        r->stop_ids[r->n_stop_ids++] = (int32_t)json_integer_value(v);
+    }
+    return KVF_OK;
+}
+
+/* logprobs: completions take an integer (the top count, 0..20: the chosen token's always);
+ * chat takes a boolean and top_logprobs. */
+static kvf_status parse_logprobs(kvf_router_oai_kind kind, const json_t *o, kvf_router_oai_req *r,
+                                 kvf_router_oai_error *e)
+{
+    const json_t *lp = json_object_get(o, "logprobs");
+    int64_t top = 0;
+    bool top_set = false;
+    if (kind == KVF_ROUTER_OAI_COMPLETIONS) {
+        if (!lp || json_is_null(lp) || json_is_false(lp))
+            return KVF_OK;
+        kvf_status st = opt_int(o, "logprobs", 0, KVF_ROUTER_OAI_MAX_LOGPROBS, &top, NULL, e);
+        if (st != KVF_OK)
+            return st;
+        r->logprobs = true;
+        r->top_logprobs = (int32_t)top;
+        return KVF_OK;
+    }
+    kvf_status st = opt_bool(o, "logprobs", &r->logprobs, e);
+    if (st == KVF_OK)
+        st = opt_int(o, "top_logprobs", 0, KVF_ROUTER_OAI_MAX_LOGPROBS, &top, &top_set, e);
+    if (st != KVF_OK)
+        return st;
+    if (top_set && !r->logprobs)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "top_logprobs", "invalid_value",
+                                        "'top_logprobs' needs 'logprobs' set to true");
+    r->top_logprobs = (int32_t)top;
+    return KVF_OK;
+}
+
+/* Every field a request may carry: honoured, or (harmless, documented in router/README.md)
+ * accepted without effect; anything else is refused, naming it, rather than ignored. */
+static const char *const known_common[] = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
+    "n", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+    "stop_token_ids", "logprobs", "user", "metadata", "store", "service_tier", NULL};
+static const char *const known_completions[] = {"prompt", "echo", "best_of", NULL};
+static const char *const known_chat[] = {
+    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools",
+    "tool_choice", "parallel_tool_calls", NULL};
+
+static bool in_list(const char *const *l, const char *k)
+{
+    for (; *l; l++)
+        if (strcmp(*l, k) == 0)
+            return true;
+    return false;
+}
+
+static kvf_status check_fields(kvf_router_oai_kind kind, const json_t *o, kvf_router_oai_error *e)
+{
+    const char *k;
+    const json_t *v;
+    json_object_foreach((json_t *)o, k, v) {
+        if (in_list(known_common, k) ||
+            in_list(kind == KVF_ROUTER_OAI_CHAT ? known_chat : known_completions, k))
+            continue;
+        const char *why = strcmp(k, "suffix") == 0 ? " (text insertion is not supported)"
+                          : strcmp(k, "response_format") == 0 || strncmp(k, "guided_", 7) == 0
+                              ? " (structured output is not supported yet)"
+                          : strcmp(k, "functions") == 0 || strcmp(k, "function_call") == 0
+                              ? " (use 'tools' and 'tool_choice')"
+                              : "";
+        /* null and the neutral value of a few known-elsewhere fields ask for nothing */
+        if (json_is_null(v) ||
+            (strcmp(k, "response_format") == 0 && json_is_object(v) &&
+             json_is_string(json_object_get(v, "type")) &&
+             strcmp(json_string_value(json_object_get(v, "type")), "text") == 0) ||
+            (strcmp(k, "suffix") == 0 && json_is_string(v) && !json_string_length(v)))
+            continue;
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", k, "unsupported_parameter",
+                                        "'%.48s' is not supported by this server%s", k, why);
+    }
+    return KVF_OK;
+}
+
 kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
                                 kvf_router_oai_req *req, kvf_router_oai_error *e)
 {
@@ -231,6 +364,7 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
     req->top_p = 1.0;
     req->n = 1;
     req->skip_special_tokens = true;
+    req->repetition_penalty = 1.0;
     json_error_t jerr;
     json_t *o = json_loadb(body ? body : "", len, JSON_REJECT_DUPLICATES, &jerr);
     if (!o)
@@ -243,6 +377,8 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
                                       "the body must be a JSON object, got %s", kvf_json_kind(o));
         goto fail;
     }
+    if ((st = check_fields(kind, o, e)) != KVF_OK)
+        goto fail;
     const json_t *model = json_object_get(o, "model");
     if (!model || json_is_null(model)) {
         st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "model", "missing_required_parameter",
@@ -264,11 +400,21 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
     if (st != KVF_OK)
         goto fail;
 
-    int64_t mt = 0, n = 1, topk = 0, seed = 0;
-    bool set = false;
+    int64_t mt = 0, n = 1, topk = 0, seed = 0, min_tokens = 0, best_of = 0;
+    bool set = false, mt_set = false;
     const char *mt_key = kind == KVF_ROUTER_OAI_CHAT && json_object_get(o, "max_completion_tokens")
                              ? "max_completion_tokens" : "max_tokens";
-    if ((st = opt_int(o, mt_key, 1, INT32_MAX, &mt, NULL, e)) != KVF_OK ||
+    if ((st = opt_int(o, mt_key, 1, INT32_MAX, &mt, &mt_set, e)) != KVF_OK ||
+        (st = opt_num(o, "presence_penalty", -2, 2, &req->presence_penalty, e)) != KVF_OK ||
+        (st = opt_num(o, "frequency_penalty", -2, 2, &req->frequency_penalty, e)) != KVF_OK ||
+        (st = opt_num(o, "repetition_penalty", 0, 2, &req->repetition_penalty, e)) != KVF_OK ||
+        (st = opt_num(o, "min_p", 0, 1, &req->min_p, e)) != KVF_OK ||
+        (st = opt_int(o, "min_tokens", 0, mt_set ? mt : INT32_MAX, &min_tokens, NULL, e)) != KVF_OK ||
+        (st = opt_int(o, "best_of", 1, KVF_ROUTER_OAI_MAX_N, &best_of, NULL, e)) != KVF_OK ||
+        (st = opt_bool(o, "echo", &req->echo, e)) != KVF_OK ||
+        (st = parse_bias(json_object_get(o, "logit_bias"), req, e)) != KVF_OK ||
+        (st = parse_stop_ids(json_object_get(o, "stop_token_ids"), req, e)) != KVF_OK ||
+        (st = parse_logprobs(kind, o, req, e)) != KVF_OK ||
         (st = opt_num(o, "temperature", 0, 2, &req->temperature, e)) != KVF_OK ||
         (st = opt_num(o, "top_p", 0, 1, &req->top_p, e)) != KVF_OK ||
         (st = opt_int(o, "top_k", -1, INT32_MAX, &topk, NULL, e)) != KVF_OK ||
@@ -284,6 +430,24 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
                                       "'top_p' is 0; allowed: above 0, up to 1");
         goto fail;
     }
+    if (req->repetition_penalty <= 0) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "repetition_penalty", "invalid_value",
+                                      "'repetition_penalty' is 0; allowed: above 0, up to 2");
+        goto fail;
+    }
+    if (best_of && best_of < n) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "best_of", "invalid_value",
+                                      "'best_of' is %lld; it must be at least n (%lld)", (long long)best_of,
+                                      (long long)n);
+        goto fail;
+    }
+    if (best_of > n && req->stream) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "best_of", "invalid_value",
+                                      "'best_of' above n is not allowed with 'stream'");
+        goto fail;
+    }
+    req->min_tokens = (int32_t)min_tokens;
+    req->best_of = (int32_t)best_of;
     req->max_tokens = (int32_t)mt;
     req->top_k = topk < 0 ? 0 : (int32_t)topk;
     req->seed = (uint64_t)seed;
@@ -304,20 +468,6 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
     if (so && !json_is_null(so) && !req->stream) {
         st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "stream_options", "invalid_value",
                                       "'stream_options' is only allowed when 'stream' is true");
-        goto fail;
-    }
-    /* Features this server does not have are refused rather than silently ignored. */
-    const json_t *lp = json_object_get(o, "logprobs"), *echo = json_object_get(o, "echo");
-    if ((lp && !json_is_null(lp) && !json_is_false(lp) && !(json_is_integer(lp) && json_integer_value(lp) == 0)) ||
-        (kind == KVF_ROUTER_OAI_CHAT && json_is_integer(json_object_get(o, "top_logprobs")) &&
-         json_integer_value(json_object_get(o, "top_logprobs")) > 0)) {
-        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "logprobs", "unsupported_parameter",
-                                      "'logprobs' are not supported by this server (leave it null, false or 0)");
-        goto fail;
-    }
-    if (echo && !json_is_null(echo) && !json_is_false(echo)) {
-        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "echo", "unsupported_parameter",
-                                      "'echo' is not supported by this server (leave it false)");
         goto fail;
     }
     const json_t *salt = json_object_get(o, "cache_salt");
@@ -414,7 +564,7 @@ static json_t *head(kvf_router_oai_kind kind, bool chunk, const char *id, const 
 static void choice_end(json_t *ch, const kvf_router_oai_choice *c, json_t *arr)
 {
     json_object_set_new(ch, "token_ids", ids_json(c->token_ids, c->n_ids));
-    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "logprobs", c->logprobs ? json_incref(c->logprobs) : json_null());
     json_object_set_new(ch, "finish_reason", finish_json(c->finish));
     json_array_append_new(arr, ch);
 }
@@ -492,4 +642,97 @@ int64_t kvf_router_oai_find_stop(const char *text, size_t len, size_t from,
         }
     }
     return best;
+}
+
+/* The bytes as a JSON string, invalid UTF-8 as U+FFFD (one per byte that starts no character). */
+static json_t *lossy_string(const uint8_t *b, size_t n)
+{
+    kvf_sbuf t;
+    kvf_sbuf_init(&t);
+    for (size_t i = 0; i < n;) {
+        uint8_t c = b[i];
+        size_t need = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3
+                    : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+        bool ok = need > 0 && i + need <= n;
+        for (size_t k = 1; ok && k < need; k++)
+            ok = (b[i + k] & 0xC0) == 0x80;
+        if (ok && need == 3)
+            ok = !(c == 0xE0 && b[i + 1] < 0xA0) && !(c == 0xED && b[i + 1] > 0x9F);
+        if (ok && need == 4)
+            ok = !(c == 0xF0 && b[i + 1] < 0x90) && !(c == 0xF4 && b[i + 1] > 0x8F);
+        if (ok) {
+            kvf_sbuf_append(&t, b + i, need);
+            i += need;
+        } else {
+            kvf_sbuf_append(&t, "\xEF\xBF\xBD", 3);
+            i++;
+        }
+    }
+    json_t *j = json_stringn(t.data ? t.data : "", t.len);
+    kvf_sbuf_fini(&t);
+    return j ? j : json_string("");
+}
+
+static json_t *bytes_json(const uint8_t *b, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++)
+        json_array_append_new(a, json_integer(b[i]));
+    return a;
+}
+
+/* A log-probability as JSON: NaN is null; -inf is the most negative float (JSON has no
+ * infinity; vLLM writes -9999.0 in its place: a finite number keeps clients' parsers happy). */
+static json_t *lp_json(float v)
+{
+    if (v != v)
+        return json_null();
+    return json_real(isinf(v) ? -9999.0 : (double)v);
+}
+
+kvf_status kvf_router_oai_lp_append(kvf_router_oai_kind kind, json_t **lp,
+                                    const kvf_router_oai_lp *p, int64_t text_offset)
+{
+    if (!*lp) {
+        *lp = kind == KVF_ROUTER_OAI_CHAT
+                  ? json_pack("{s:[]}", "content")
+                  : json_pack("{s:[],s:[],s:[],s:[]}", "tokens", "token_logprobs", "top_logprobs",
+                              "text_offset");
+        if (!*lp)
+            return KVF_ERR_NOMEM;
+    }
+    int32_t nt = p->n_top < 0 ? 0 : p->n_top > KVF_ROUTER_OAI_MAX_LOGPROBS ? KVF_ROUTER_OAI_MAX_LOGPROBS : p->n_top;
+    if (kind == KVF_ROUTER_OAI_CHAT) {
+        json_t *tops = json_array();
+        for (int32_t k = 0; k < nt; k++) {
+            json_t *t = json_object();
+            json_object_set_new(t, "token", lossy_string(p->top_bytes[k], p->top_len[k]));
+            json_object_set_new(t, "logprob", lp_json(p->top_lp[k]));
+            json_object_set_new(t, "bytes", bytes_json(p->top_bytes[k], p->top_len[k]));
+            json_array_append_new(tops, t);
+        }
+        json_t *x = json_object();
+        json_object_set_new(x, "token", lossy_string(p->bytes, p->len));
+        json_object_set_new(x, "logprob", lp_json(p->logprob));
+        json_object_set_new(x, "bytes", bytes_json(p->bytes, p->len));
+        json_object_set_new(x, "top_logprobs", tops);
+        json_array_append_new(json_object_get(*lp, "content"), x);
+        return KVF_OK;
+    }
+    json_array_append_new(json_object_get(*lp, "tokens"), lossy_string(p->bytes, p->len));
+    json_array_append_new(json_object_get(*lp, "token_logprobs"), lp_json(p->logprob));
+    json_t *tops = json_null();
+    if (p->logprob == p->logprob) { /* the first prompt token of an echo has none */
+        tops = json_object();
+        for (int32_t k = 0; k < nt; k++) {
+            json_t *key = lossy_string(p->top_bytes[k], p->top_len[k]);
+            const char *ks = json_string_value(key);
+            if (!json_object_get(tops, ks)) /* equal strings: the first (largest) stays */
+                json_object_set_new(tops, ks, lp_json(p->top_lp[k]));
+            json_decref(key);
+        }
+    }
+    json_array_append_new(json_object_get(*lp, "top_logprobs"), tops);
+    json_array_append_new(json_object_get(*lp, "text_offset"), json_integer((json_int_t)text_offset));
+    return KVF_OK;
 }

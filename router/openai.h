@@ -14,6 +14,9 @@
 
 #define KVF_ROUTER_OAI_MAX_STOP 4 /* stop strings per request, as OpenAI allows */
 #define KVF_ROUTER_OAI_MAX_N 64   /* choices per request (KVF_RPC_MAX_N) */
+#define KVF_ROUTER_OAI_MAX_LOGPROBS 20  /* top logprobs per token (KVF_RPC_MAX_LOGPROBS) */
+#define KVF_ROUTER_OAI_MAX_BIAS 1024    /* logit_bias entries (KVF_RPC_MAX_BIAS) */
+#define KVF_ROUTER_OAI_MAX_STOP_IDS 48  /* stop_token_ids (the wire's 64 less the model's eos) */
 
 typedef enum kvf_router_oai_kind {
     KVF_ROUTER_OAI_COMPLETIONS, /* POST /v1/completions */
@@ -60,6 +63,23 @@ typedef struct kvf_router_oai_req {
     bool ignore_eos;      /* extension */
     bool skip_special_tokens; /* extension; default true */
     char *cache_salt;     /* extension; NULL = none */
+    /* Logit processing (vLLM's definitions, engine/sample.h); each default is "off". */
+    double presence_penalty, frequency_penalty; /* [-2, 2] */
+    double repetition_penalty;                  /* extension; (0, 2], default 1 */
+    double min_p;                               /* extension; [0, 1] */
+    int32_t min_tokens;                         /* extension; <= max_tokens */
+    int32_t *bias_ids;   /* logit_bias: [n_bias] token ids (the caller checks the vocabulary) */
+    float *bias_vals;    /* [n_bias], -100..100 */
+    size_t n_bias;
+    int32_t stop_ids[KVF_ROUTER_OAI_MAX_STOP_IDS]; /* extension stop_token_ids */
+    size_t n_stop_ids;
+    /* Log-probabilities: completions' integer logprobs N is logprobs + top_logprobs N; chat's
+     * logprobs true and top_logprobs. */
+    bool logprobs;
+    int32_t top_logprobs;
+    bool echo;            /* completions: the prompt leads each choice's text */
+    int32_t best_of;      /* completions: samples drawn, the n with the highest cumulative
+                           * logprob returned; 0 when not given (= n) */
 } kvf_router_oai_req;
 
 /* Parses and validates a request body. Unknown fields are ignored; a known field of the wrong
@@ -87,7 +107,29 @@ typedef struct kvf_router_oai_choice {
     size_t n_ids;
     kvf_router_oai_finish finish;
     bool first_chunk;       /* chat streaming: the delta also carries role "assistant" */
+    json_t *logprobs;       /* borrowed (kvf_router_oai_lp_append); NULL writes null */
 } kvf_router_oai_choice;
+
+/* One position's log-probabilities as an answer shows them: the token's bytes (a token may hold
+ * part of a UTF-8 character), its log-probability (NaN: none, as the first prompt token of an
+ * echo) and the largest ones. */
+typedef struct kvf_router_oai_lp {
+    const uint8_t *bytes;
+    size_t len;
+    float logprob;
+    int32_t n_top;
+    const uint8_t *top_bytes[KVF_ROUTER_OAI_MAX_LOGPROBS];
+    size_t top_len[KVF_ROUTER_OAI_MAX_LOGPROBS];
+    float top_lp[KVF_ROUTER_OAI_MAX_LOGPROBS];
+} kvf_router_oai_lp;
+
+/* Appends one position to a choice's logprobs object, making it when *lp is NULL: chat
+ * {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}; completions
+ * {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}, text_offset being
+ * where the token's text starts in the choice's text (in characters, as OpenAI counts). Token
+ * strings are the bytes with invalid UTF-8 as U+FFFD. */
+kvf_status kvf_router_oai_lp_append(kvf_router_oai_kind kind, json_t **lp,
+                                    const kvf_router_oai_lp *p, int64_t text_offset);
 
 typedef struct kvf_router_oai_usage {
     int64_t prompt_tokens, completion_tokens, cached_tokens;

@@ -7,6 +7,7 @@
  * threads (step 0); the replies' bytes on the wire are http.c's, the pools watch.c's. */
 #include "router/request.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -27,6 +28,10 @@ typedef struct seq_state {
     size_t emitted;      /* text bytes already sent (streaming) */
     int32_t *ids;
     size_t n_ids, cap, ids_emitted;
+    kvf_rpc_logprob *lps; /* [cap] with ids, when the request asks for logprobs */
+    int64_t *offs;        /* [cap]: where each token's text starts, in characters */
+    int64_t chars;        /* characters in text (counted as it grows) */
+    size_t counted;       /* text bytes counted into chars */
     kvf_router_oai_finish finish;
     bool done, first_sent;
 } seq_state;
@@ -42,6 +47,11 @@ struct kvf_router_req {
     uint64_t *hashes;
     size_t n_blocks;
     int32_t max_tokens;
+    int32_t n_return;       /* choices answered: oai.n, unless best_of drew more */
+    char *echo_text;        /* echo: the prompt's text, leading every choice */
+    size_t echo_len;
+    kvf_rpc_logprob *prompt_lps; /* echo with logprobs: [n_prompt], row 0 unused */
+    bool have_prompt_lps;
     seq_state *seqs;
     kvf_rpc_stream *stream;
     kvf_router_wake wake;
@@ -117,8 +127,12 @@ static void rq_free(kvf_router_req *r)
             kvf_text_detok_destroy(r->seqs[i].detok);
             kvf_sbuf_fini(&r->seqs[i].text);
             free(r->seqs[i].ids);
+            free(r->seqs[i].lps);
+            free(r->seqs[i].offs);
         }
     free(r->seqs);
+    free(r->echo_text);
+    free(r->prompt_lps);
     free(r->prompt);
     free(r->hashes);
     kvf_router_oai_req_fini(&r->oai);
@@ -232,6 +246,64 @@ static kvf_status salt_request(kvf_router_req *r, kvf_router_oai_error *e)
     return KVF_OK;
 }
 
+/* The vocabulary ids may use. */
+static int32_t vocab_of(const kvf_router_reqs_cfg *c)
+{
+    int32_t vocab = c->tok ? kvf_text_tokenizer_vocab_size(c->tok) : c->vocab_size;
+    return vocab < c->vocab_size ? c->vocab_size : vocab;
+}
+
+/* The sampling fields only the model can check (token ids), best_of, and echo's text. */
+static kvf_status accept_sampling(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_error *e)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    int32_t vocab = vocab_of(c);
+    for (size_t i = 0; i < r->oai.n_bias; i++)
+        if (r->oai.bias_ids[i] >= vocab)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logit_bias", "invalid_value",
+                                            "'logit_bias' names token id %d; this model's ids are 0 to %d",
+                                            r->oai.bias_ids[i], vocab - 1);
+    for (size_t i = 0; i < r->oai.n_stop_ids; i++)
+        if (r->oai.stop_ids[i] >= vocab)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop_token_ids", "invalid_value",
+                                            "'stop_token_ids' names token id %d; this model's ids are 0 to %d",
+                                            r->oai.stop_ids[i], vocab - 1);
+    if (r->oai.min_tokens > r->max_tokens)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "min_tokens", "invalid_value",
+                                        "'min_tokens' is %d, above max_tokens (%d)", r->oai.min_tokens,
+                                        r->max_tokens);
+    r->n_return = r->oai.n;
+    if (r->oai.best_of > r->oai.n) {
+        int32_t max_n = kvf_router_fleet_max_n(c->fleet);
+        if (max_n > 0 && r->oai.best_of > max_n)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "best_of", "invalid_value",
+                                            "best_of is %d; the workers take at most %d parallel samples",
+                                            r->oai.best_of, max_n);
+        r->oai.n = r->oai.best_of; /* drawn; the n_return best are answered */
+    }
+    if (r->oai.logprobs && !c->tok)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logprobs", "no_tokenizer",
+                                        "'logprobs' show tokens as text and model '%s' has no tokenizer", c->served);
+    if (r->oai.echo) {
+        if (!c->tok)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "echo", "no_tokenizer",
+                                            "'echo' needs a tokenizer and model '%s' has none", c->served);
+        kvf_err err = {0};
+        if (r->oai.prompt_text) {
+            r->echo_len = strlen(r->oai.prompt_text);
+            r->echo_text = strdup(r->oai.prompt_text);
+        } else if (kvf_text_tokenizer_decode(c->tok, r->prompt, r->n_prompt, r->oai.skip_special_tokens,
+                                             &r->echo_text, &r->echo_len, &err) != KVF_OK) {
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", NULL, "%s", err.msg);
+        }
+        if (!r->echo_text)
+            return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        if (r->oai.logprobs && !(r->prompt_lps = calloc(r->n_prompt, sizeof *r->prompt_lps)))
+            return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    return KVF_OK;
+}
+
 /* Parses and checks the request, builds its prompt and settles max_tokens and the longest stop
  * string. Fills e (a 4xx) when the request cannot be served as it is. */
 static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_kind kind,
@@ -270,7 +342,7 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
     for (size_t i = 0; i < r->oai.n_stop; i++)
         if (strlen(r->oai.stop[i]) > r->max_stop)
             r->max_stop = strlen(r->oai.stop[i]);
-    return KVF_OK;
+    return accept_sampling(rs, r, e);
 }
 
 /* The prompt's block hashes, in the fleet's one block size, for the policies that look at the
@@ -396,6 +468,19 @@ static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *e
     sp->ignore_eos = r->oai.ignore_eos;
     for (size_t i = 0; !r->oai.ignore_eos && i < c->n_eos && i < KVF_RPC_MAX_STOP_TOKENS; i++)
         sp->stop_ids[sp->n_stop++] = c->eos_ids[i];
+    for (size_t i = 0; i < r->oai.n_stop_ids && sp->n_stop < KVF_RPC_MAX_STOP_TOKENS; i++)
+        sp->stop_ids[sp->n_stop++] = r->oai.stop_ids[i];
+    sp->presence_penalty = (float)r->oai.presence_penalty;
+    sp->frequency_penalty = (float)r->oai.frequency_penalty;
+    sp->repetition_penalty = (float)r->oai.repetition_penalty;
+    sp->min_p = (float)r->oai.min_p;
+    sp->min_tokens = r->oai.min_tokens > (int32_t)prior ? r->oai.min_tokens - (int32_t)prior : 0;
+    for (size_t i = 0; i < r->oai.n_bias && i < KVF_RPC_MAX_BIAS; i++)
+        sp->bias[sp->n_bias++] = (kvf_rpc_bias){.id = r->oai.bias_ids[i], .bias = r->oai.bias_vals[i]};
+    /* best_of ranks the samples by their cumulative logprob */
+    sp->logprobs = r->oai.logprobs || r->n_return < r->oai.n;
+    sp->top_logprobs = r->oai.top_logprobs;
+    sp->prompt_logprobs = r->prompt_lps && !r->have_prompt_lps;
     g.cache_salt = r->oai.cache_salt ? r->oai.cache_salt : "";
     if (r->prefill >= 0)
         g.prefill_addr = prefill_worker(r)->address;
@@ -629,6 +714,89 @@ static void prep_collect(kvf_router_reqs *rs)
 /* ---------------------------------------------------------------------------------------- */
 /* 5. Streamed messages: tokens, text, stop strings, SSE chunks                              */
 
+/* Grows s's token arrays (and their logprobs and text offsets, when asked for) to cap. */
+static bool seq_grow(kvf_router_req *r, seq_state *s, size_t cap)
+{
+    int32_t *ids = realloc(s->ids, cap * sizeof *ids);
+    if (!ids)
+        return false;
+    s->ids = ids;
+    if (r->oai.logprobs || r->n_return < r->oai.n) {
+        kvf_rpc_logprob *l = realloc(s->lps, cap * sizeof *l);
+        if (!l)
+            return false;
+        s->lps = l;
+    }
+    if (r->oai.logprobs) {
+        int64_t *o = realloc(s->offs, cap * sizeof *o);
+        if (!o)
+            return false;
+        s->offs = o;
+    }
+    s->cap = cap;
+    return true;
+}
+
+/* Characters (code points) in s's text so far. */
+static int64_t text_chars(seq_state *s)
+{
+    if (s->counted > s->text.len) /* cut at a stop string */
+        s->counted = 0, s->chars = 0;
+    for (; s->counted < s->text.len; s->counted++)
+        s->chars += ((unsigned char)s->text.data[s->counted] & 0xC0) != 0x80;
+    return s->chars;
+}
+
+static int64_t bytes_chars(const uint8_t *b, size_t n)
+{
+    int64_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        c += (b[i] & 0xC0) != 0x80;
+    return c;
+}
+
+/* One position for the answer's logprobs: token id's bytes, and l's values. */
+static void oai_lp(const kvf_text_tokenizer *tok, int32_t id, const kvf_rpc_logprob *l,
+                   kvf_router_oai_lp *out)
+{
+    memset(out, 0, sizeof *out);
+    out->bytes = kvf_text_tokenizer_token_bytes(tok, id, &out->len);
+    out->logprob = l ? l->logprob : NAN;
+    out->n_top = l ? l->n_top : 0;
+    for (int32_t k = 0; k < out->n_top && k < KVF_ROUTER_OAI_MAX_LOGPROBS; k++) {
+        out->top_bytes[k] = kvf_text_tokenizer_token_bytes(tok, l->top_ids[k], &out->top_len[k]);
+        out->top_lp[k] = l->top_lps[k];
+    }
+}
+
+/* The logprobs object of tokens [from, to) of s, after the prompt's (echo) when with_prompt;
+ * NULL when the request did not ask for them. The caller drops the reference. */
+static json_t *seq_lps(const kvf_router_req *r, const seq_state *s, size_t from, size_t to,
+                       bool with_prompt)
+{
+    const kvf_text_tokenizer *tok = r->rs->cfg.tok;
+    if (!r->oai.logprobs || !tok)
+        return NULL;
+    json_t *lp = NULL;
+    kvf_router_oai_lp x;
+    int64_t base = 0;
+    if (r->echo_text && r->prompt_lps) {
+        for (size_t i = 0; i < r->n_prompt; i++) {
+            oai_lp(tok, r->prompt[i], i ? &r->prompt_lps[i] : NULL, &x);
+            if (with_prompt)
+                kvf_router_oai_lp_append(r->oai.kind, &lp, &x, base);
+            base += bytes_chars(x.bytes, x.len);
+        }
+    } else if (r->echo_text) {
+        base = bytes_chars((const uint8_t *)r->echo_text, r->echo_len);
+    }
+    for (size_t k = from; k < to; k++) {
+        oai_lp(tok, s->ids[k], s->lps ? &s->lps[k] : NULL, &x);
+        kvf_router_oai_lp_append(r->oai.kind, &lp, &x, base + (s->offs ? s->offs[k] : 0));
+    }
+    return lp;
+}
+
 /* The end of the text that is safe to send: not inside a possible stop string's start and not
  * inside a UTF-8 character. */
 static size_t safe_end(const kvf_router_req *r, const seq_state *s)
@@ -677,8 +845,19 @@ static void emit_seq(kvf_router_req *r, int32_t idx)
         .n_ids = s->n_ids - s->ids_emitted,
         .finish = s->done ? s->finish : KVF_ROUTER_OAI_FINISH_NONE,
         .first_chunk = !s->first_sent,
+        .logprobs = seq_lps(r, s, s->ids_emitted, s->n_ids, !s->first_sent),
     };
+    kvf_sbuf echo;
+    kvf_sbuf_init(&echo);
+    if (r->echo_text && !s->first_sent) { /* echo: the prompt leads the first chunk */
+        kvf_sbuf_append(&echo, r->echo_text, r->echo_len);
+        kvf_sbuf_append(&echo, c.text, c.text_len);
+        c.text = echo.data ? echo.data : "";
+        c.text_len = echo.len;
+    }
     send_chunk(r, &c, 1, NULL);
+    kvf_sbuf_fini(&echo);
+    json_decref(c.logprobs);
     s->first_sent = true;
     s->emitted = end;
     s->ids_emitted = s->n_ids;
@@ -737,6 +916,15 @@ static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
         kvf_log(KVF_LOG_WARN, "router: req %s: decode sent sequence index %d of %d", r->id, m->index, r->oai.n);
         return;
     }
+    if (m->n_prompt_lps && r->prompt_lps && !r->have_prompt_lps) {
+        for (size_t i = 0; i < m->n_prompt_lps; i++) {
+            size_t pos = (size_t)m->prompt_lps_start + i;
+            if (pos < r->n_prompt)
+                r->prompt_lps[pos] = m->prompt_lps[i];
+            if (pos + 1 >= r->n_prompt)
+                r->have_prompt_lps = true;
+        }
+    }
     seq_state *s = &r->seqs[m->index];
     if (m->n_token_ids && !r->got_token) {
         r->got_token = true;
@@ -748,22 +936,22 @@ static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
     }
     if (s->done)
         return;
-    if (s->n_ids + m->n_token_ids > s->cap) {
-        size_t cap = (s->n_ids + m->n_token_ids) * 2 + 16;
-        int32_t *ids = realloc(s->ids, cap * sizeof *ids);
-        if (!ids)
-            return;
-        s->ids = ids;
-        s->cap = cap;
-    }
+    if (s->n_ids + m->n_token_ids > s->cap && !seq_grow(r, s, (s->n_ids + m->n_token_ids) * 2 + 16))
+        return;
+    size_t prev = s->text.len, first = s->n_ids;
     if (m->n_token_ids)
         memcpy(s->ids + s->n_ids, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
     s->n_ids += m->n_token_ids;
     kvf_metric_add(rs->m_gen_tokens, (double)m->n_token_ids);
-    size_t prev = s->text.len;
-    if (s->detok && m->n_token_ids) {
+    for (size_t k = 0; s->lps && k < m->n_token_ids; k++)
+        s->lps[first + k] = m->logprobs ? m->logprobs[k] : (kvf_rpc_logprob){.logprob = NAN};
+    /* with logprobs, one token at a time: each token's text offset is the text before it */
+    size_t step = s->offs ? 1 : m->n_token_ids;
+    for (size_t k = 0; s->detok && k < m->n_token_ids; k += step) {
+        if (s->offs)
+            s->offs[first + k] = text_chars(s);
         kvf_err err = {0};
-        if (kvf_text_detok_feed(s->detok, m->token_ids, m->n_token_ids, &s->text, &err) != KVF_OK)
+        if (kvf_text_detok_feed(s->detok, m->token_ids + k, step, &s->text, &err) != KVF_OK)
             kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
     }
     if (cut_at_stop(r, s, prev)) {
@@ -799,6 +987,34 @@ static void rq_answered(kvf_router_req *r)
     rq_free(r);
 }
 
+/* The samples to answer, best first when best_of drew more than n (highest cumulative
+ * logprob; ties to the lower index), else in order. malloc'd; NULL when out of memory. */
+static int32_t *best_order(const kvf_router_req *r)
+{
+    int32_t n = r->oai.n, *o = malloc((size_t)n * sizeof *o);
+    double *sum = calloc((size_t)n, sizeof *sum);
+    if (!o || !sum) {
+        free(o);
+        free(sum);
+        return NULL;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        o[i] = i;
+        const seq_state *s = &r->seqs[i];
+        for (size_t k = 0; s->lps && k < s->n_ids; k++)
+            sum[i] += s->lps[k].logprob == s->lps[k].logprob ? (double)s->lps[k].logprob : 0.0;
+    }
+    if (r->n_return < n)
+        for (int32_t i = 1; i < n; i++) /* insertion sort: n <= 64 */
+            for (int32_t j = i; j > 0 && sum[o[j]] > sum[o[j - 1]]; j--) {
+                int32_t t = o[j];
+                o[j] = o[j - 1];
+                o[j - 1] = t;
+            }
+    free(sum);
+    return o;
+}
+
 /* Sends the end of a successful request (the last SSE events, or the whole answer) and frees it. */
 static void finish_ok(kvf_router_req *r)
 {
@@ -811,19 +1027,34 @@ static void finish_ok(kvf_router_req *r)
         kvf_router_client_sse_send(r->client, "data: [DONE]\n\n", 14);
         kvf_router_http_sse_end(rs->cfg.h, r->client, 200);
     } else {
-        kvf_router_oai_choice *cs = calloc((size_t)r->oai.n, sizeof *cs);
+        int32_t n = r->n_return;
+        kvf_router_oai_choice *cs = calloc((size_t)n, sizeof *cs);
+        kvf_sbuf *texts = calloc((size_t)n, sizeof *texts);
+        int32_t *order = best_order(r);
         kvf_sbuf b;
         kvf_sbuf_init(&b);
-        for (int32_t i = 0; cs && i < r->oai.n; i++) {
-            seq_state *s = &r->seqs[i];
-            cs[i] = (kvf_router_oai_choice){.index = i, .text = s->text.data, .text_len = s->text.len,
-                                            .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish};
+        for (int32_t i = 0; cs && texts && order && i < n; i++) {
+            seq_state *s = &r->seqs[order[i]];
+            kvf_sbuf_init(&texts[i]);
+            if (r->echo_text)
+                kvf_sbuf_append(&texts[i], r->echo_text, r->echo_len);
+            kvf_sbuf_append(&texts[i], s->text.data ? s->text.data : "", s->text.len);
+            cs[i] = (kvf_router_oai_choice){.index = i, .text = texts[i].data, .text_len = texts[i].len,
+                                            .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish,
+                                            .logprobs = seq_lps(r, s, 0, s->n_ids, true)};
         }
         char id[96];
         answer_id(r, id, sizeof id);
-        kvf_router_oai_answer_json(r->oai.kind, id, rs->cfg.served, r->created, cs, cs ? (size_t)r->oai.n : 0, &u, &b);
+        bool ok = cs && texts && order;
+        kvf_router_oai_answer_json(r->oai.kind, id, rs->cfg.served, r->created, cs, ok ? (size_t)n : 0, &u, &b);
         kvf_router_http_send_json(rs->cfg.h, r->client, 200, r->id, b.data ? b.data : "{}", b.len);
         kvf_sbuf_fini(&b);
+        for (int32_t i = 0; ok && i < n; i++) {
+            kvf_sbuf_fini(&texts[i]);
+            json_decref(cs[i].logprobs);
+        }
+        free(texts);
+        free(order);
         free(cs);
     }
     kvf_metric_observe(rs->m_e2e, kvf_now_s() - r->t0);

@@ -67,6 +67,11 @@ kvf_status kvf_text_tokenizer_decode(const kvf_text_tokenizer *tok, const int32_
  * range; the string is borrowed from tok. */
 int32_t kvf_text_tokenizer_token_to_id(const kvf_text_tokenizer *tok, const char *token);
 const char *kvf_text_tokenizer_id_to_token(const kvf_text_tokenizer *tok, int32_t id);
+/* The bytes one id decodes to on its own (byte-level unmapped, "<0xNN>" as its byte, "\u2581" as
+ * a space; no leading-space strip): what OpenAI's logprobs call a token's bytes, which may be a
+ * part of a UTF-8 character. Borrowed; NULL (and *len_out 0) for an id out of range. */
+const uint8_t *kvf_text_tokenizer_token_bytes(const kvf_text_tokenizer *tok, int32_t id,
+                                              size_t *len_out);
 /* Number of ids: one more than the largest id of the model vocabulary and the added tokens. */
 int32_t kvf_text_tokenizer_vocab_size(const kvf_text_tokenizer *tok);
 /* The most bytes of input text one token can stand for, so that any text of len bytes encodes to

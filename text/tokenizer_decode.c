@@ -166,3 +166,14 @@ kvf_status kvf_text_tokenizer_decode(const kvf_text_tokenizer *tok, const int32_
     *text_out = kvf_sbuf_take(&out);
     return KVF_OK;
 }
+
+const uint8_t *kvf_text_tokenizer_token_bytes(const kvf_text_tokenizer *tok, int32_t id,
+                                              size_t *len_out)
+{
+    if (!tok || id < 0 || id >= tok->n_ids) {
+        *len_out = 0;
+        return NULL;
+    }
+    *len_out = (size_t)tok->dec_len[id];
+    return (const uint8_t *)tok->dec.data + tok->dec_off[id];
+}

@@ -190,6 +190,25 @@ void kvf_worker_sampling(const kvf_worker *w, const kvf_rpc_sampling *s, kvf_eng
         out->stop_ids[out->n_stop++] = s->stop_ids[i];
     if (!s->ignore_eos)
         kvf_engine_sampling_model_eos(out, w->model);
+    out->presence_penalty = s->presence_penalty;
+    out->frequency_penalty = s->frequency_penalty;
+    out->repetition_penalty = s->repetition_penalty;
+    out->min_p = s->min_p;
+    out->min_tokens = s->min_tokens;
+    for (int32_t i = 0; i < s->n_bias && i < KVF_ENGINE_MAX_BIAS; i++)
+        out->bias[out->n_bias++] = (kvf_engine_bias){.id = s->bias[i].id, .bias = s->bias[i].bias};
+    out->logprobs = s->logprobs;
+    out->top_logprobs = s->top_logprobs;
+    out->prompt_logprobs = s->prompt_logprobs;
+}
+
+void kvf_worker_logprob(const kvf_engine_output *o, kvf_rpc_logprob *out)
+{
+    *out = (kvf_rpc_logprob){.logprob = o->logprob, .n_top = o->n_top};
+    for (int32_t i = 0; i < o->n_top && i < KVF_RPC_MAX_LOGPROBS; i++) {
+        out->top_ids[i] = o->top[i].id;
+        out->top_lps[i] = o->top[i].logprob;
+    }
 }
 
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,

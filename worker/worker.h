@@ -159,6 +159,8 @@ void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out);
  * ignore_eos, stop ids beyond KVF_ENGINE_MAX_STOP are dropped. n is copied as it is (the engine
  * refuses more than it allows). */
 void kvf_worker_sampling(const kvf_worker *w, const kvf_rpc_sampling *s, kvf_engine_sampling *out);
+/* An engine output's log-probabilities (sampling.logprobs) as the wire carries them. */
+void kvf_worker_logprob(const kvf_engine_output *o, kvf_rpc_logprob *out);
 
 /* Reads a HOST:PORT; errors name the flag. */
 kvf_status kvf_worker_parse_hostport(const char *flag, const char *s, char *host, size_t cap,

@@ -7,6 +7,7 @@
 #include <cmocka.h>
 
 #include <jansson.h>
+#include <math.h>
 #include <string.h>
 
 #include "router/openai.h"
@@ -30,7 +31,7 @@ static void expect_bad(kvf_router_oai_kind kind, const char *body, int http, con
 static void test_parse_defaults_and_ids(void **state)
 {
     (void)state;
-    const char *b = "{\"model\":\"m\",\"prompt\":[1,2,3],\"unknown_field\":{\"x\":1}}";
+    const char *b = "{\"model\":\"m\",\"prompt\":[1,2,3],\"user\":\"u-1\",\"suffix\":null}";
     kvf_router_oai_req r;
     kvf_router_oai_error e = {0};
     assert_int_equal(kvf_router_oai_parse(KVF_ROUTER_OAI_COMPLETIONS, b, strlen(b), &r, &e), KVF_OK);
@@ -66,6 +67,63 @@ static void test_parse_defaults_and_ids(void **state)
     assert_int_equal(r.max_tokens, 5);
     assert_int_equal(r.n_stop, 1);
     kvf_router_oai_req_fini(&r);
+
+    /* issue 23's sampling fields, each read as given */
+    const char *b4 = "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":8,\"presence_penalty\":0.5,"
+                     "\"frequency_penalty\":-1.5,\"repetition_penalty\":1.2,\"min_p\":0.1,\"min_tokens\":3,"
+                     "\"logit_bias\":{\"7\":100,\"12\":-100},\"stop_token_ids\":[4,9],\"logprobs\":3,"
+                     "\"echo\":true,\"best_of\":2,\"response_format\":{\"type\":\"text\"}}";
+    assert_int_equal(kvf_router_oai_parse(KVF_ROUTER_OAI_COMPLETIONS, b4, strlen(b4), &r, &e), KVF_OK);
+    assert_true(r.presence_penalty == 0.5 && r.frequency_penalty == -1.5);
+    assert_true(r.repetition_penalty == 1.2 && r.min_p == 0.1);
+    assert_int_equal(r.min_tokens, 3);
+    assert_int_equal(r.n_bias, 2);
+    assert_true((r.bias_ids[0] == 7 && r.bias_vals[0] == 100.0f) || (r.bias_ids[1] == 7 && r.bias_vals[1] == 100.0f));
+    assert_int_equal(r.n_stop_ids, 2);
+    assert_int_equal(r.stop_ids[1], 9);
+    assert_true(r.logprobs && r.echo);
+    assert_int_equal(r.top_logprobs, 3);
+    assert_int_equal(r.best_of, 2);
+    kvf_router_oai_req_fini(&r);
+    assert_int_equal(kvf_router_oai_parse(KVF_ROUTER_OAI_COMPLETIONS, b, strlen(b), &r, &e), KVF_OK);
+    assert_true(r.repetition_penalty == 1.0 && !r.logprobs && r.n_bias == 0); /* off by default */
+    kvf_router_oai_req_fini(&r);
+    const char *b5 = "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                     "\"logprobs\":true,\"top_logprobs\":20}";
+    assert_int_equal(kvf_router_oai_parse(KVF_ROUTER_OAI_CHAT, b5, strlen(b5), &r, &e), KVF_OK);
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 20);
+    kvf_router_oai_req_fini(&r);
+}
+
+/* The answer's logprobs objects, as OpenAI shapes them for each endpoint. */
+static void test_logprobs_json(void **state)
+{
+    (void)state;
+    kvf_router_oai_lp p = {.bytes = (const uint8_t *)"\xE4\xBD", .len = 2, .logprob = -0.25f, .n_top = 2};
+    p.top_bytes[0] = (const uint8_t *)" a";
+    p.top_len[0] = 2;
+    p.top_lp[0] = -0.1f;
+    p.top_bytes[1] = (const uint8_t *)"b";
+    p.top_len[1] = 1;
+    p.top_lp[1] = -INFINITY;
+    json_t *lp = NULL;
+    assert_int_equal(kvf_router_oai_lp_append(KVF_ROUTER_OAI_CHAT, &lp, &p, 0), KVF_OK);
+    char *s = json_dumps(lp, JSON_COMPACT | JSON_SORT_KEYS);
+    assert_string_equal(s, "{\"content\":[{\"bytes\":[228,189],\"logprob\":-0.25,\"token\":\"\xEF\xBF\xBD\xEF\xBF\xBD\","
+                           "\"top_logprobs\":[{\"bytes\":[32,97],\"logprob\":-0.10000000149011612,\"token\":\" a\"},"
+                           "{\"bytes\":[98],\"logprob\":-9999.0,\"token\":\"b\"}]}]}");
+    free(s);
+    json_decref(lp);
+    lp = NULL;
+    kvf_router_oai_lp first = {.bytes = (const uint8_t *)"Hi", .len = 2, .logprob = NAN};
+    assert_int_equal(kvf_router_oai_lp_append(KVF_ROUTER_OAI_COMPLETIONS, &lp, &first, 0), KVF_OK);
+    assert_int_equal(kvf_router_oai_lp_append(KVF_ROUTER_OAI_COMPLETIONS, &lp, &p, 2), KVF_OK);
+    s = json_dumps(lp, JSON_COMPACT | JSON_SORT_KEYS);
+    assert_string_equal(s, "{\"text_offset\":[0,2],\"token_logprobs\":[null,-0.25],\"tokens\":[\"Hi\",\"\xEF\xBF\xBD\xEF\xBF\xBD\"],"
+                           "\"top_logprobs\":[null,{\" a\":-0.10000000149011612,\"b\":-9999.0}]}");
+    free(s);
+    json_decref(lp);
 }
 
 static void test_parse_errors(void **state)
@@ -105,10 +163,35 @@ static void test_parse_errors(void **state)
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"model\":\"n\"}", 400, "", "duplicate");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"stream_options\":{\"include_usage\":true}}", 400,
                "stream_options", "only allowed when 'stream' is true");
-    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logprobs\":5}", 400, "logprobs", "not supported");
-    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"echo\":true}", 400, "echo", "not supported");
-    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true}", 400,
-               "logprobs", "not supported");
+    /* nothing is silently ignored: an unknown field, and the ones not built yet, are refused */
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"unknown_field\":{\"x\":1}}", 400, "unknown_field", "not supported");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"suffix\":\"end\"}", 400, "suffix", "not supported");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"response_format\":{\"type\":\"json_object\"}}", 400,
+               "response_format", "structured output");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"top_logprobs\":2}", 400, "top_logprobs", "not supported");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", 400,
+               "echo", "not supported");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"best_of\":2}", 400,
+               "best_of", "not supported");
+    /* the new fields' ranges and types */
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logprobs\":21}", 400, "logprobs", "0 to 20");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logprobs\":true}", 400, "logprobs", "an integer");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", 400,
+               "top_logprobs", "needs 'logprobs'");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+               "\"top_logprobs\":21}", 400, "top_logprobs", "0 to 20");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"presence_penalty\":2.5}", 400, "presence_penalty", "-2 to 2");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"frequency_penalty\":\"x\"}", 400, "frequency_penalty", "a number");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"repetition_penalty\":0}", 400, "repetition_penalty", "above 0");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"min_p\":1.5}", 400, "min_p", "0 to 1");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"max_tokens\":4,\"min_tokens\":5}", 400, "min_tokens", "0 to 4");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logit_bias\":[1]}", 400, "logit_bias", "an object");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logit_bias\":{\"x\":1}}", 400, "logit_bias", "not a token id");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logit_bias\":{\"-1\":1}}", 400, "logit_bias", "not a token id");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"logit_bias\":{\"3\":101}}", 400, "logit_bias", "-100 to 100");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"stop_token_ids\":[1,-1]}", 400, "stop_token_ids", "[1]");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"n\":3,\"best_of\":2}", 400, "best_of", "at least n");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"best_of\":2,\"stream\":true}", 400, "best_of", "stream");
     expect_bad(H, "{\"model\":\"m\"}", 400, "messages", "'messages' is required");
     expect_bad(H, "{\"model\":\"m\",\"messages\":\"hi\"}", 400, "messages", "an array");
     expect_bad(H, "{\"model\":\"m\",\"messages\":[]}", 400, "messages", "empty");
@@ -207,6 +290,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_defaults_and_ids),
         cmocka_unit_test(test_parse_errors),
+        cmocka_unit_test(test_logprobs_json),
         cmocka_unit_test(test_error_json),
         cmocka_unit_test(test_answer_and_chunks),
         cmocka_unit_test(test_find_stop),
