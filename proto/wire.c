@@ -284,6 +284,7 @@ void kvf_rpc_sampling_default(kvf_rpc_sampling *s)
     memset(s, 0, sizeof *s);
     s->top_p = 1.0f;
     s->n = 1;
+    s->repetition_penalty = 1.0f;
 }
 
 /* The logit_bias entries of a SamplingParams being encoded (freed after packing). */

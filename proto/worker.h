@@ -103,7 +103,7 @@ typedef struct kvf_rpc_logprob {
     float top_lps[KVF_RPC_MAX_LOGPROBS];
 } kvf_rpc_logprob;
 
-/* Greedy, n 1, top_p 1, everything else off. */
+/* Greedy, n 1, top_p 1, repetition_penalty 1, everything else off. */
 void kvf_rpc_sampling_default(kvf_rpc_sampling *s);
 
 /* How a peer reaches a worker's KV pool: the transport backend's name and its opaque

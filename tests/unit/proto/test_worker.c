@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 #include <cmocka.h>
 
@@ -120,6 +121,17 @@ static void assert_sampling_equal(const kvf_rpc_sampling *a, const kvf_rpc_sampl
     assert_int_equal(a->n_stop, b->n_stop);
     for (int32_t i = 0; i < a->n_stop; i++)
         assert_int_equal(a->stop_ids[i], b->stop_ids[i]);
+    assert_true(a->presence_penalty == b->presence_penalty);
+    assert_true(a->frequency_penalty == b->frequency_penalty);
+    assert_true(a->repetition_penalty == b->repetition_penalty);
+    assert_true(a->min_p == b->min_p);
+    assert_int_equal(a->min_tokens, b->min_tokens);
+    assert_int_equal(a->n_bias, b->n_bias);
+    for (int32_t i = 0; i < a->n_bias; i++)
+        assert_true(a->bias[i].id == b->bias[i].id && a->bias[i].bias == b->bias[i].bias);
+    assert_int_equal(a->logprobs, b->logprobs);
+    assert_int_equal(a->top_logprobs, b->top_logprobs);
+    assert_int_equal(a->prompt_logprobs, b->prompt_logprobs);
 }
 
 static kvf_rpc_info info_fixture(const uint8_t *blob, size_t blob_len)
@@ -298,6 +310,92 @@ static void test_generate_checks(void **state)
     out = generate_roundtrip(&g, KVF_OK, NULL);
     assert_int_equal(out->sampling.n, 1);
     free(out);
+}
+
+/* Issue 23's sampling fields and the log-probabilities travel whole, and what is out of range
+ * (a penalty, a bias, a logprob above 0, tops that do not pair up) is refused by name. */
+static void test_logprob_fields(void **state)
+{
+    (void)state;
+    int32_t toks[2] = {5, 6};
+    kvf_rpc_generate_req g = {.request_id = "req-lp", .token_ids = toks, .n_token_ids = 2};
+    kvf_rpc_sampling *sp = &g.sampling;
+    kvf_rpc_sampling_default(sp);
+    sp->repetition_penalty = 1.0f;
+    kvf_rpc_generate_req *out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_true(out->sampling.repetition_penalty == 1.0f); /* off travels as 0, reads as 1 */
+    free(out);
+    sp->presence_penalty = 0.5f;
+    sp->frequency_penalty = -1.25f;
+    sp->repetition_penalty = 1.5f;
+    sp->min_p = 0.05f;
+    sp->min_tokens = 4;
+    sp->n_bias = 2;
+    sp->bias[0] = (kvf_rpc_bias){.id = 3, .bias = 100};
+    sp->bias[1] = (kvf_rpc_bias){.id = 9, .bias = -7.5f};
+    sp->logprobs = true;
+    sp->top_logprobs = 20;
+    sp->prompt_logprobs = true;
+    out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_sampling_equal(&out->sampling, sp);
+    free(out);
+    sp->presence_penalty = 2.5f;
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.presence_penalty is 2.5");
+    sp->presence_penalty = NAN;
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.presence_penalty is nan");
+    sp->presence_penalty = 0;
+    sp->bias[1].bias = 101;
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.logit_bias[1]");
+    sp->bias[1] = (kvf_rpc_bias){.id = -1, .bias = 1};
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.logit_bias[1]");
+    sp->bias[1] = (kvf_rpc_bias){.id = 9, .bias = 1};
+    sp->top_logprobs = 21;
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.top_logprobs is 21");
+    sp->top_logprobs = 2;
+    sp->min_tokens = -1;
+    generate_roundtrip(&g, KVF_ERR_INVALID, "sampling.min_tokens is -1");
+
+    /* GenerateResponse: a row per token, prompt rows after the first prompt token */
+    kvf_rpc_logprob lp[2] = {{.logprob = -0.5f, .n_top = 2, .top_ids = {4, 5}, .top_lps = {-0.1f, -0.5f}},
+                             {.logprob = -INFINITY, .n_top = 0}};
+    kvf_rpc_generate_resp gr = {.token_ids = toks, .n_token_ids = 2, .logprobs = lp,
+                                .prompt_lps = lp, .n_prompt_lps = 2, .prompt_lps_start = 1};
+    kvf_rpc_buf b = {0};
+    kvf_err e = {0};
+    kvf_rpc_generate_resp *grout = NULL;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_non_null(grout->logprobs);
+    assert_true(grout->logprobs[0].logprob == -0.5f && grout->logprobs[1].logprob == -INFINITY);
+    assert_int_equal(grout->logprobs[0].n_top, 2);
+    assert_int_equal(grout->logprobs[0].top_ids[1], 5);
+    assert_true(grout->logprobs[0].top_lps[0] == -0.1f);
+    assert_int_equal(grout->n_prompt_lps, 2);
+    assert_int_equal(grout->prompt_lps_start, 1);
+    free(grout);
+    lp[1].logprob = 0.25f; /* a probability above 1 */
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    grout = (void *)1;
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_ERR_INVALID);
+    assert_ptr_equal(grout, (void *)1);
+    assert_non_null(strstr(e.msg, "logprobs[1].logprob is 0.25"));
+    kvf_rpc_buf_free(&b);
+    lp[1].logprob = -1;
+    gr.prompt_lps_start = 0;
+    assert_int_equal(kvf_rpc_generate_resp_encode(&gr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_generate_resp_decode(b.data, b.len, &grout, &e), KVF_ERR_INVALID);
+    kvf_rpc_buf_free(&b);
+
+    /* RemotePrefillResponse: the first token's */
+    kvf_rpc_remote_prefill_resp rr = {.first_token = 7, .has_first_logprob = true, .first_logprob = lp[0]};
+    kvf_rpc_remote_prefill_resp *rrout = NULL;
+    assert_int_equal(kvf_rpc_remote_prefill_resp_encode(&rr, &b, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_remote_prefill_resp_decode(b.data, b.len, &rrout, &e), KVF_OK);
+    kvf_rpc_buf_free(&b);
+    assert_true(rrout->has_first_logprob && rrout->first_logprob.logprob == -0.5f);
+    assert_int_equal(rrout->first_logprob.top_ids[0], 4);
+    free(rrout);
 }
 
 /* ---- RemotePrefill --------------------------------------------------------------------------- */
@@ -793,6 +891,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info_roundtrip),
         cmocka_unit_test(test_generate_checks),
+        cmocka_unit_test(test_logprob_fields),
         cmocka_unit_test(test_remote_prefill_checks),
         cmocka_unit_test(test_layout_each_dtype),
         cmocka_unit_test(test_sampling_off_values),
