@@ -116,6 +116,44 @@ static kvf_status opt_bool(const json_t *o, const char *key, bool *out, kvf_rout
     return KVF_OK;
 }
 
+static kvf_status parse_prompt(const json_t *p, kvf_router_oai_req *r, kvf_router_oai_error *e);
+
+/* A list of prompts (strings or token id lists): each is checked, the one at `index` kept. */
+static kvf_status parse_prompt_list(const json_t *p, size_t index, kvf_router_oai_req *r,
+                                    kvf_router_oai_error *e)
+{
+    size_t n = json_array_size(p);
+    if (n > KVF_ROUTER_OAI_MAX_PROMPTS)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                        "'prompt' holds %zu prompts; at most %d are allowed in one request",
+                                        n, KVF_ROUTER_OAI_MAX_PROMPTS);
+    if (index >= n)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                        "'prompt' has no prompt %zu", index);
+    for (size_t i = 0; i < n; i++) {
+        const json_t *x = json_array_get(p, i);
+        if (!json_is_string(x) && !json_is_array(x))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_type",
+                                            "'prompt'[%zu] is %s; a list of prompts holds strings or "
+                                            "arrays of token ids", i, kvf_json_kind(x));
+        if (json_is_array(x)) {
+            if (!json_array_size(x))
+                return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                                "'prompt'[%zu] is empty; give at least one token id", i);
+            size_t k;
+            const json_t *v;
+            json_array_foreach(x, k, v)
+                if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > INT32_MAX)
+                    return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
+                                                    "'prompt'[%zu][%zu] is not a token id (an integer from 0 to %d)",
+                                                    i, k, INT32_MAX);
+        }
+    }
+    r->n_prompts = (int32_t)n;
+    r->prompt_index = (int32_t)index;
+    return parse_prompt(json_array_get(p, index), r, e);
+}
+
 static kvf_status parse_prompt(const json_t *p, kvf_router_oai_req *r, kvf_router_oai_error *e)
 {
     if (!p || json_is_null(p))
@@ -132,12 +170,11 @@ static kvf_status parse_prompt(const json_t *p, kvf_router_oai_req *r, kvf_route
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
                                         "'prompt' is empty; give text or at least one token id");
     const json_t *first = json_array_get(p, 0);
-    if (json_is_string(first) || json_is_array(first)) {
-        if (n != 1)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
-                                            "'prompt' holds %zu prompts; this server takes one per request (use 'n' for several choices)", n);
-        return parse_prompt(first, r, e);
-    }
+    if ((json_is_string(first) || json_is_array(first)) && r->n_prompts == 0)
+        return parse_prompt_list(p, (size_t)r->prompt_index, r, e);
+    if (json_is_string(first) || json_is_array(first))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_type",
+                                        "'prompt' nests lists too deeply");
     r->prompt_ids = malloc(n * sizeof *r->prompt_ids);
     if (!r->prompt_ids)
         return KVF_ERR_NOMEM;
@@ -358,7 +395,15 @@ static kvf_status check_fields(kvf_router_oai_kind kind, const json_t *o, kvf_ro
 kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
                                 kvf_router_oai_req *req, kvf_router_oai_error *e)
 {
+    return kvf_router_oai_parse_at(kind, body, len, 0, req, e);
+}
+
+kvf_status kvf_router_oai_parse_at(kvf_router_oai_kind kind, const char *body, size_t len,
+                                   int32_t prompt_index, kvf_router_oai_req *req,
+                                   kvf_router_oai_error *e)
+{
     memset(req, 0, sizeof *req);
+    req->prompt_index = prompt_index;
     req->kind = kind;
     req->temperature = 1.0;
     req->top_p = 1.0;
@@ -397,6 +442,8 @@ kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size
         st = parse_prompt(json_object_get(o, "prompt"), req, e);
     else
         st = parse_messages(json_object_get(o, "messages"), req, e);
+    if (req->n_prompts == 0) /* a lone prompt, or chat */
+        req->n_prompts = 1;
     if (st != KVF_OK)
         goto fail;
 

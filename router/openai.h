@@ -14,6 +14,7 @@
 
 #define KVF_ROUTER_OAI_MAX_STOP 4 /* stop strings per request, as OpenAI allows */
 #define KVF_ROUTER_OAI_MAX_N 64   /* choices per request (KVF_RPC_MAX_N) */
+#define KVF_ROUTER_OAI_MAX_PROMPTS 64   /* prompts in one completions request */
 #define KVF_ROUTER_OAI_MAX_LOGPROBS 20  /* top logprobs per token (KVF_RPC_MAX_LOGPROBS) */
 #define KVF_ROUTER_OAI_MAX_BIAS 1024    /* logit_bias entries (KVF_RPC_MAX_BIAS) */
 #define KVF_ROUTER_OAI_MAX_STOP_IDS 48  /* stop_token_ids (the wire's 64 less the model's eos) */
@@ -47,6 +48,9 @@ typedef struct kvf_router_oai_req {
     char *prompt_text;    /* completions with a text prompt, else NULL */
     int32_t *prompt_ids;  /* completions with token ids, else NULL */
     size_t n_prompt_ids;
+    int32_t n_prompts;    /* completions: prompts in the request's list (1 for a lone prompt);
+                           * prompt_text/prompt_ids hold the one at prompt_index */
+    int32_t prompt_index;
     json_t *messages;     /* chat: the messages array (a reference the request holds) */
     json_t *chat_extra;   /* chat: chat_template_kwargs object, or NULL */
     int32_t max_tokens;   /* 0 when the client gave none */
@@ -88,6 +92,10 @@ typedef struct kvf_router_oai_req {
 kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
                                 kvf_router_oai_req *req, kvf_router_oai_error *e);
 void kvf_router_oai_req_fini(kvf_router_oai_req *req);
+/* The same, keeping prompt prompt_index of a list of prompts (choices prompt_index * n ..). */
+kvf_status kvf_router_oai_parse_at(kvf_router_oai_kind kind, const char *body, size_t len,
+                                   int32_t prompt_index, kvf_router_oai_req *req,
+                                   kvf_router_oai_error *e);
 
 /* OpenAI's finish_reason strings: "stop", "length", or NULL (JSON null) while running. */
 typedef enum kvf_router_oai_finish {

@@ -36,8 +36,19 @@ typedef struct seq_state {
     bool done, first_sent;
 } seq_state;
 
+/* The requests of one completions call with a list of prompts: one request per prompt, each
+ * with its own Generate, answered together (choices prompt * n + i) once every one has ended. */
+typedef struct rq_group {
+    kvf_router_client *client;
+    int32_t n, n_prepped, n_done, n_live; /* members; prepared; ended; not yet freed */
+    bool failed, gone;                   /* answered with an error; the client left */
+    struct rq_group *prev, *next;        /* the reqs' list of groups */
+    kvf_router_req *m[];                 /* [n] by prompt index; NULL once freed */
+} rq_group;
+
 struct kvf_router_req {
     kvf_router_reqs *rs;
+    rq_group *group;   /* NULL for a request of one prompt */
     kvf_router_client *client; /* set once in flight; answered at the end */
     char id[80];
     char tenant[80];   /* the API key's tenant, "" when the router has no keys */
@@ -71,6 +82,7 @@ struct kvf_router_req {
     char *body;
     size_t body_len;
     kvf_router_oai_kind kind;
+    int32_t prompt_index;      /* of the request's list of prompts (0 for a lone prompt) */
     kvf_status prep_st;
     kvf_router_oai_error prep_e;
     atomic_bool gone;          /* the client left: the prep thread may skip the work */
@@ -88,6 +100,7 @@ struct kvf_router_reqs {
      * they finished (under mu), and the wake-up that hands the finished ones to the loop. */
     kvf_router_req *prep;
     int64_t n_prep;
+    rq_group *groups;
     int64_t n_open; /* started, not yet freed (kvf_router_reqs_open) */
     pthread_t *threads;
     int32_t n_threads;
@@ -115,7 +128,21 @@ static const kvf_router_worker *prefill_worker(const kvf_router_req *r)
 static void rq_free(kvf_router_req *r)
 {
     kvf_router_reqs *rs = r->rs;
-    rs->n_open--;
+    rq_group *g = r->group;
+    if (g) { /* the group goes with its last member; only the first member counts as open */
+        g->m[r->prompt_index] = NULL;
+        if (--g->n_live == 0) {
+            if (g->prev)
+                g->prev->next = g->next;
+            else
+                rs->groups = g->next;
+            if (g->next)
+                g->next->prev = g->prev;
+            free(g);
+        }
+    }
+    if (!g || r->prompt_index == 0)
+        rs->n_open--;
     if (r->stream)
         kvf_rpc_stream_destroy(r->stream);
     if (r->worker >= 0 && r->started)
@@ -310,7 +337,7 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
                                  const char *body, size_t len, kvf_router_oai_error *e)
 {
     const kvf_router_reqs_cfg *c = &rs->cfg;
-    if (kvf_router_oai_parse(kind, body, len, &r->oai, e) != KVF_OK)
+    if (kvf_router_oai_parse_at(kind, body, len, r->prompt_index, &r->oai, e) != KVF_OK)
         return KVF_ERR_INVALID;
     if (strcmp(r->oai.model, c->served) != 0)
         return kvf_router_oai_error_set(e, 404, "invalid_request_error", "model", "model_not_found",
@@ -535,8 +562,10 @@ static void *prep_main(void *arg)
             r->prep_st = KVF_ERR_CANCELLED; /* the loop answers nobody: the client left */
         else
             r->prep_st = accept_request(rs, r, r->kind, r->body, r->body_len, &r->prep_e);
-        free(r->body);
-        r->body = NULL;
+        if (r->group || r->prep_st != KVF_OK || r->oai.n_prompts <= 1) { /* else the list's */
+            free(r->body);                                               /* other prompts */
+            r->body = NULL;                                              /* parse it again */
+        }
         pthread_mutex_lock(&rs->mu);
         r->qnext = rs->done;
         rs->done = r;
@@ -551,27 +580,17 @@ static void *prep_main(void *arg)
 /* The most requests being prepared at once; more get 503 (each holds its body until then). */
 #define MAX_PREP 256
 
-void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
-                           const char *id, const char *tenant, const char *body, size_t len)
+/* A request for client's body (copied), not yet queued; NULL when out of memory. */
+static kvf_router_req *rq_new(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                              const char *id, const char *tenant, const char *body, size_t len)
 {
-    const kvf_router_reqs_cfg *c = &rs->cfg;
-    kvf_router_oai_error e;
-    kvf_router_req *r = NULL;
-    if (rs->n_prep >= MAX_PREP) {
-        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "overloaded",
-                                 "%d requests are being tokenized already; retry later", MAX_PREP);
-        kvf_router_http_send_error(c->h, client, id, &e, 1);
-        return;
-    }
-    if (!(r = calloc(1, sizeof *r)) || !(r->body = malloc(len + 1))) {
+    kvf_router_req *r = calloc(1, sizeof *r);
+    if (!r || !(r->body = malloc(len + 1))) {
         free(r);
-        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        kvf_router_http_send_error(c->h, client, id, &e, 0);
-        return;
+        return NULL;
     }
     r->rs = rs;
-    rs->n_open++;
-    r->wake.h = c->h;
+    r->wake.h = rs->cfg.h;
     r->worker = r->prefill = -1;
     r->t0 = kvf_now_s();
     r->created = kvf_wall_ms() / 1000;
@@ -582,14 +601,18 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     r->body_len = len;
     r->kind = kind;
     r->client = client;
-    /* On the loop's list of requests being prepared (a client that leaves marks it gone), and
-     * on the prep queue. */
+    return r;
+}
+
+/* On the loop's list of requests being prepared (a client that leaves marks it gone), and on
+ * the prep queue. */
+static void rq_enqueue(kvf_router_reqs *rs, kvf_router_req *r)
+{
     r->next = rs->prep;
     if (rs->prep)
         rs->prep->prev = r;
     rs->prep = r;
     rs->n_prep++;
-    kvf_router_client_on_close(c->h, client, r);
     pthread_mutex_lock(&rs->mu);
     if (rs->q_tail)
         rs->q_tail->qnext = r;
@@ -598,6 +621,190 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     rs->q_tail = r;
     pthread_cond_signal(&rs->cv);
     pthread_mutex_unlock(&rs->mu);
+}
+
+void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                           const char *id, const char *tenant, const char *body, size_t len)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_oai_error e;
+    if (rs->n_prep >= MAX_PREP) {
+        kvf_router_oai_error_set(&e, 503, "server_error", NULL, "overloaded",
+                                 "%d requests are being tokenized already; retry later", MAX_PREP);
+        kvf_router_http_send_error(c->h, client, id, &e, 1);
+        return;
+    }
+    kvf_router_req *r = rq_new(rs, client, kind, id, tenant, body, len);
+    if (!r) {
+        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
+        kvf_router_http_send_error(c->h, client, id, &e, 0);
+        return;
+    }
+    rs->n_open++;
+    kvf_router_client_on_close(c->h, client, r);
+    rq_enqueue(rs, r);
+}
+
+/* Step 1's end to step 3 for a prepared request: its workers, its sequences, Generate open.
+ * Fills e (and *retry_after) when it cannot start. */
+static kvf_status launch(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_error *e, int *retry_after)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_metric_add(rs->m_prompt_tokens, (double)r->n_prompt);
+    kvf_router_watch_sync(c->watch);
+    hash_prompt(rs, r);
+
+    /* The workers, and each sequence's text. */
+    if (pick_workers(rs, r, e, retry_after) != KVF_OK)
+        return KVF_ERR_BUSY;
+    r->seqs = calloc((size_t)r->oai.n, sizeof *r->seqs);
+    if (!r->seqs)
+        return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    kvf_err err = {0};
+    for (int32_t i = 0; i < r->oai.n; i++) {
+        kvf_sbuf_init(&r->seqs[i].text);
+        if (c->tok && kvf_text_detok_create(c->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK)
+            return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "%s", err.msg);
+    }
+
+    /* Open Generate, trying other decode workers when one cannot even start the call. */
+    for (;;) {
+        if (open_stream(rs, r, &err) == KVF_OK)
+            return KVF_OK;
+        kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
+        if (++r->attempts >= c->max_attempts || pick_workers(rs, r, e, retry_after) != KVF_OK) {
+            if (r->attempts >= c->max_attempts) {
+                kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
+                kvf_router_oai_error_set(e, 503, "server_error", NULL, "worker_failed",
+                                         "no decode worker could be reached (request %s)", r->id);
+            }
+            *retry_after = 1;
+            return KVF_ERR_BUSY;
+        }
+    }
+}
+
+/* In flight: the stream's messages wake the pump, the client's leaving too. */
+static void go_in_flight(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_client *client)
+{
+    r->client = client;
+    r->prev = NULL;
+    r->next = rs->head;
+    if (rs->head)
+        rs->head->prev = r;
+    rs->head = r;
+    rs->n++;
+    kvf_metric_set(rs->m_inflight, (double)rs->n);
+}
+
+/* Frees every member of g still held (and g with the last). */
+static void group_free(rq_group *g)
+{
+    for (int32_t i = 0, n = g->n; i < n; i++) /* g is freed with its last member */
+        if (g->m[i]) {
+            kvf_router_req *m = g->m[i];
+            bool last = g->n_live == 1;
+            free(m->body);
+            m->body = NULL;
+            rq_free(m);
+            if (last)
+                return;
+        }
+}
+
+/* The first member r of a list of prompts is prepared: the others are made from the same body
+ * (each parses it for its own prompt) and queued; r waits for them (group_prepared). */
+static kvf_status group_spawn(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_client *client,
+                              kvf_router_oai_error *e)
+{
+    int32_t n = r->oai.n_prompts;
+    rq_group *g = calloc(1, sizeof *g + (size_t)n * sizeof g->m[0]);
+    if (!g)
+        return kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    g->client = client;
+    g->n = n;
+    g->n_prepped = 1;
+    g->n_live = 1;
+    g->m[0] = r;
+    r->group = g;
+    g->next = rs->groups;
+    if (rs->groups)
+        rs->groups->prev = g;
+    rs->groups = g;
+    for (int32_t p = 1; p < n; p++) {
+        char id[96];
+        snprintf(id, sizeof id, "%s-p%d", r->id, p);
+        kvf_router_req *m = rq_new(rs, client, r->kind, id, r->tenant, r->body, r->body_len);
+        if (!m) {
+            g->n = p; /* the members made so far are waited for, then the error answered */
+            kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            r->prep_st = KVF_ERR_NOMEM;
+            r->prep_e = *e;
+            break;
+        }
+        m->group = g;
+        m->prompt_index = p;
+        m->created = r->created;
+        m->t0 = r->t0;
+        g->m[p] = m;
+        g->n_live++;
+        rq_enqueue(rs, m);
+    }
+    free(r->body);
+    r->body = NULL;
+    return KVF_OK;
+}
+
+static void send_err(kvf_router_reqs *rs, kvf_router_client *client, bool sse, const char *id,
+                     const kvf_router_oai_error *e, int retry_after);
+
+/* A member of g is prepared. Once all are: the first refusal answers for all, else every
+ * member starts (any that cannot fails the whole request), then the stream starts once. */
+static void group_prepared(kvf_router_reqs *rs, kvf_router_req *r)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    rq_group *g = r->group;
+    if (r != g->m[0] && ++g->n_prepped < g->n)
+        return;
+    if (r == g->m[0] && g->n_prepped < g->n)
+        return;
+    kvf_router_req *r0 = g->m[0];
+    bool gone = false;
+    const kvf_router_req *bad = NULL;
+    for (int32_t i = 0; i < g->n; i++) {
+        gone |= g->m[i]->client_gone || atomic_load(&g->m[i]->gone);
+        if (!bad && g->m[i]->prep_st != KVF_OK)
+            bad = g->m[i];
+    }
+    kvf_router_oai_error e;
+    int retry_after = 0;
+    if (gone) {
+        kvf_router_client_on_close(c->h, g->client, NULL);
+        kvf_log(KVF_LOG_INFO, "router: req %s: client went away before its prompts were tokenized", r0->id);
+        kvf_metric_add(rs->m_disconnects, 1);
+        kvf_router_client_send_gone(g->client, false);
+        group_free(g);
+        return;
+    }
+    if (bad) {
+        e = bad->prep_e;
+        goto fail;
+    }
+    for (int32_t i = 0; i < g->n; i++)
+        if (launch(rs, g->m[i], &e, &retry_after) != KVF_OK) {
+            for (int32_t k = 0; k < i; k++)
+                kvf_rpc_stream_cancel(g->m[k]->stream);
+            goto fail;
+        }
+    for (int32_t i = 0; i < g->n; i++)
+        go_in_flight(rs, g->m[i], g->client);
+    if (r0->oai.stream)
+        kvf_router_client_sse_start(c->h, g->client, r0->id);
+    return;
+fail:
+    kvf_router_client_on_close(c->h, g->client, NULL);
+    kvf_router_http_send_error(c->h, g->client, r0->id, &e, retry_after);
+    group_free(g);
 }
 
 /* Loop thread: a prep thread finished r (off the prep list now). Steps 1 (the end) to 3, then
@@ -609,6 +816,10 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
     kvf_router_oai_error e;
     int retry_after = 0;
     r->client = NULL; /* in flight only once Generate is open */
+    if (r->group) {
+        group_prepared(rs, r);
+        return;
+    }
     if (r->client_gone) {
         kvf_router_client_on_close(c->h, client, NULL);
         kvf_log(KVF_LOG_INFO, "router: req %s: client went away before its prompt was tokenized", r->id);
@@ -621,58 +832,23 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
         e = r->prep_e;
         goto fail;
     }
-    kvf_metric_add(rs->m_prompt_tokens, (double)r->n_prompt);
-    kvf_router_watch_sync(c->watch);
-    hash_prompt(rs, r);
-
-    /* The workers, and each sequence's text. */
-    if (pick_workers(rs, r, &e, &retry_after) != KVF_OK)
-        goto fail;
-    r->seqs = calloc((size_t)r->oai.n, sizeof *r->seqs);
-    if (!r->seqs) {
-        kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
-        goto fail;
-    }
-    kvf_err err = {0};
-    for (int32_t i = 0; i < r->oai.n; i++) {
-        kvf_sbuf_init(&r->seqs[i].text);
-        if (c->tok && kvf_text_detok_create(c->tok, r->oai.skip_special_tokens, &r->seqs[i].detok, &err) != KVF_OK) {
-            kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
+    if (r->oai.n_prompts > 1) {
+        if (group_spawn(rs, r, client, &e) != KVF_OK)
             goto fail;
-        }
+        group_prepared(rs, r);
+        return;
     }
-
-    /* Open Generate, trying other decode workers when one cannot even start the call. */
-    for (;;) {
-        if (open_stream(rs, r, &err) == KVF_OK)
-            break;
-        kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
-        if (++r->attempts >= c->max_attempts || pick_workers(rs, r, &e, &retry_after) != KVF_OK) {
-            if (r->attempts >= c->max_attempts) {
-                kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
-                kvf_router_oai_error_set(&e, 503, "server_error", NULL, "worker_failed",
-                                         "no decode worker could be reached (request %s)", r->id);
-            }
-            retry_after = 1;
-            goto fail;
-        }
-    }
-
-    /* In flight: the stream's messages wake the pump, the client's leaving too. */
-    r->client = client;
-    r->prev = NULL;
-    r->next = rs->head;
-    if (rs->head)
-        rs->head->prev = r;
-    rs->head = r;
-    rs->n++;
-    kvf_metric_set(rs->m_inflight, (double)rs->n);
+    if (launch(rs, r, &e, &retry_after) != KVF_OK)
+        goto fail;
+    go_in_flight(rs, r, client);
     if (r->oai.stream)
         kvf_router_client_sse_start(c->h, client, r->id);
     return;
 fail:
     kvf_router_client_on_close(c->h, client, NULL);
     kvf_router_http_send_error(c->h, client, r->id, &e, retry_after);
+    free(r->body);
+    r->body = NULL;
     rq_free(r);
 }
 
@@ -814,7 +990,8 @@ static size_t safe_end(const kvf_router_req *r, const seq_state *s)
 /* The answer's id: cmpl-<request id> or chatcmpl-<request id>. */
 static void answer_id(const kvf_router_req *r, char *out, size_t cap)
 {
-    snprintf(out, cap, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r->id);
+    const kvf_router_req *r0 = r->group && r->group->m[0] ? r->group->m[0] : r; /* one id for all */
+    snprintf(out, cap, "%s-%s", r->oai.kind == KVF_ROUTER_OAI_CHAT ? "chatcmpl" : "cmpl", r0->id);
 }
 
 static void send_chunk(kvf_router_req *r, const kvf_router_oai_choice *c, size_t n,
@@ -838,7 +1015,7 @@ static void emit_seq(kvf_router_req *r, int32_t idx)
     if (end == s->emitted && s->ids_emitted == s->n_ids && !s->done)
         return;
     kvf_router_oai_choice c = {
-        .index = idx,
+        .index = idx + r->oai.prompt_index * r->n_return,
         .text = s->text.data ? s->text.data + s->emitted : "",
         .text_len = end - s->emitted,
         .token_ids = s->ids ? s->ids + s->ids_emitted : NULL,
@@ -1016,88 +1193,189 @@ static int32_t *best_order(const kvf_router_req *r)
 }
 
 /* Sends the end of a successful request (the last SSE events, or the whole answer) and frees it. */
-static void finish_ok(kvf_router_req *r)
+static void answer_ok(kvf_router_req *const *ms, int32_t n_ms, kvf_router_client *client)
 {
+    kvf_router_req *r = ms[0];
     kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
-    kvf_router_oai_usage u = usage_of(r);
+    kvf_router_oai_usage u = {0};
+    for (int32_t k = 0; k < n_ms; k++) {
+        kvf_router_oai_usage x = usage_of(ms[k]);
+        u.prompt_tokens += x.prompt_tokens;
+        u.completion_tokens += x.completion_tokens;
+        u.cached_tokens += x.cached_tokens;
+    }
     if (r->oai.stream) {
         if (r->oai.include_usage)
             send_chunk(r, NULL, 0, &u);
-        kvf_router_client_sse_send(r->client, "data: [DONE]\n\n", 14);
-        kvf_router_http_sse_end(rs->cfg.h, r->client, 200);
+        kvf_router_client_sse_send(client, "data: [DONE]\n\n", 14);
+        kvf_router_http_sse_end(rs->cfg.h, client, 200);
     } else {
-        int32_t n = r->n_return;
+        int32_t per = r->n_return, n = per * n_ms;
         kvf_router_oai_choice *cs = calloc((size_t)n, sizeof *cs);
         kvf_sbuf *texts = calloc((size_t)n, sizeof *texts);
-        int32_t *order = best_order(r);
+        bool ok = cs && texts;
         kvf_sbuf b;
         kvf_sbuf_init(&b);
-        for (int32_t i = 0; cs && texts && order && i < n; i++) {
-            seq_state *s = &r->seqs[order[i]];
-            kvf_sbuf_init(&texts[i]);
-            if (r->echo_text)
-                kvf_sbuf_append(&texts[i], r->echo_text, r->echo_len);
-            kvf_sbuf_append(&texts[i], s->text.data ? s->text.data : "", s->text.len);
-            cs[i] = (kvf_router_oai_choice){.index = i, .text = texts[i].data, .text_len = texts[i].len,
-                                            .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish,
-                                            .logprobs = seq_lps(r, s, 0, s->n_ids, true)};
+        for (int32_t k = 0; ok && k < n_ms; k++) {
+            const kvf_router_req *m = ms[k];
+            int32_t *order = best_order(m);
+            ok = order != NULL;
+            for (int32_t j = 0; ok && j < per; j++) {
+                int32_t i = k * per + j;
+                const seq_state *s = &m->seqs[order[j]];
+                kvf_sbuf_init(&texts[i]);
+                if (m->echo_text)
+                    kvf_sbuf_append(&texts[i], m->echo_text, m->echo_len);
+                kvf_sbuf_append(&texts[i], s->text.data ? s->text.data : "", s->text.len);
+                cs[i] = (kvf_router_oai_choice){.index = i, .text = texts[i].data, .text_len = texts[i].len,
+                                                .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish,
+                                                .logprobs = seq_lps(m, s, 0, s->n_ids, true)};
+            }
+            free(order);
         }
         char id[96];
         answer_id(r, id, sizeof id);
-        bool ok = cs && texts && order;
         kvf_router_oai_answer_json(r->oai.kind, id, rs->cfg.served, r->created, cs, ok ? (size_t)n : 0, &u, &b);
-        kvf_router_http_send_json(rs->cfg.h, r->client, 200, r->id, b.data ? b.data : "{}", b.len);
+        kvf_router_http_send_json(rs->cfg.h, client, 200, r->id, b.data ? b.data : "{}", b.len);
         kvf_sbuf_fini(&b);
-        for (int32_t i = 0; ok && i < n; i++) {
+        for (int32_t i = 0; cs && texts && i < n; i++) {
             kvf_sbuf_fini(&texts[i]);
             json_decref(cs[i].logprobs);
         }
         free(texts);
-        free(order);
         free(cs);
     }
     kvf_metric_observe(rs->m_e2e, kvf_now_s() - r->t0);
-    kvf_log(KVF_LOG_INFO, "router: req %s: done, %lld prompt + %lld completion tokens in %.1f ms",
-            r->id, (long long)u.prompt_tokens, (long long)u.completion_tokens, (kvf_now_s() - r->t0) * 1e3);
-    rq_answered(r);
+    kvf_log(KVF_LOG_INFO, "router: req %s: done, %lld prompt + %lld completion tokens in %.1f ms%s",
+            r->id, (long long)u.prompt_tokens, (long long)u.completion_tokens, (kvf_now_s() - r->t0) * 1e3,
+            n_ms > 1 ? " (a list of prompts)" : "");
 }
 
-/* Sends an error (an SSE error event when streaming, else the error answer) and frees r. */
-static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int retry_after)
+/* An error answer: an SSE error event and the end when streaming, else the error answer. */
+static void send_err(kvf_router_reqs *rs, kvf_router_client *client, bool sse, const char *id,
+                     const kvf_router_oai_error *e, int retry_after)
 {
-    kvf_router_reqs *rs = r->rs;
-    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
-    if (r->oai.stream) {
+    if (sse) {
         kvf_sbuf b;
         kvf_sbuf_init(&b);
         kvf_sbuf_puts(&b, "data: ");
         kvf_router_oai_error_json(e, &b);
         kvf_sbuf_puts(&b, "\n\ndata: [DONE]\n\n");
-        kvf_router_client_sse_send(r->client, b.data, b.len);
-        kvf_router_http_sse_end(rs->cfg.h, r->client, e->http_status);
+        kvf_router_client_sse_send(client, b.data, b.len);
+        kvf_router_http_sse_end(rs->cfg.h, client, e->http_status);
         kvf_sbuf_fini(&b);
-        kvf_log(KVF_LOG_WARN, "router: req %s: failed mid-stream: %s", r->id, e->message);
+        kvf_log(KVF_LOG_WARN, "router: req %s: failed mid-stream: %s", id, e->message);
     } else {
-        kvf_router_http_send_error(rs->cfg.h, r->client, r->id, e, retry_after);
+        kvf_router_http_send_error(rs->cfg.h, client, id, e, retry_after);
     }
+}
+
+/* The other members of r's group stop: each cancels and ends through finish_gone. */
+static void group_stop_others(kvf_router_req *r)
+{
+    rq_group *g = r->group;
+    for (int32_t i = 0; i < g->n; i++) {
+        kvf_router_req *m = g->m[i];
+        if (!m || m == r || m->client_gone)
+            continue;
+        m->client_gone = true;
+        atomic_store(&m->gone, true);
+        if (m->stream)
+            kvf_rpc_stream_cancel(m->stream);
+        kvf_router_wake_notify(&m->wake);
+    }
+}
+
+/* A member of a group ended (off the list, kept): the last one answers for all and frees them. */
+static void group_done(kvf_router_req *r)
+{
+    rq_group *g = r->group;
+    kvf_router_reqs *rs = r->rs;
+    unlink_rq(r);
+    if (++g->n_done < g->n)
+        return;
+    if (!g->failed) /* a failed group's client was answered (and may be gone) already */
+        kvf_router_client_on_close(rs->cfg.h, g->client, NULL);
+    if (g->gone && !g->failed) {
+        kvf_metric_add(rs->m_disconnects, 1);
+        kvf_router_client_send_gone(g->client, g->m[0]->oai.stream);
+    } else if (!g->failed) {
+        answer_ok(g->m, g->n, g->client);
+    }
+    group_free(g);
+}
+
+/* Sends the end of a successful request (the last SSE events, or the whole answer) and frees it. */
+static void finish_ok(kvf_router_req *r)
+{
+    if (r->group) {
+        group_done(r);
+        return;
+    }
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
+    answer_ok(&r, 1, r->client);
+    rq_answered(r);
+}
+
+/* Sends an error (an SSE error event when streaming, else the error answer) and frees r; in a
+ * group, the first error answers for all and the others stop. */
+static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int retry_after)
+{
+    rq_group *g = r->group;
+    if (g) {
+        if (!g->failed && !g->gone) {
+            kvf_router_client_on_close(r->rs->cfg.h, g->client, NULL);
+            send_err(r->rs, g->client, r->oai.stream, g->m[0]->id, e, retry_after);
+            g->failed = true;
+            group_stop_others(r);
+            for (int32_t i = 0; i < g->n; i++) /* answered: no member may touch it again */
+                if (g->m[i])
+                    g->m[i]->client = NULL;
+            g->client = NULL;
+        }
+        group_done(r);
+        return;
+    }
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
+    send_err(r->rs, r->client, r->oai.stream, r->id, e, retry_after);
     rq_answered(r);
 }
 
 /* The client left: Generate cancelled (the decode worker frees the sequence), answer ended. */
 static void finish_gone(kvf_router_req *r)
 {
-    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
     kvf_log(KVF_LOG_INFO, "router: req %s: client went away; Generate cancelled", r->id);
-    kvf_metric_add(r->rs->m_disconnects, 1);
     if (r->stream)
         kvf_rpc_stream_cancel(r->stream);
+    if (r->group) {
+        r->group->gone = true;
+        group_stop_others(r);
+        group_done(r);
+        return;
+    }
+    kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
+    kvf_metric_add(r->rs->m_disconnects, 1);
     kvf_router_client_send_gone(r->client, r->oai.stream);
     rq_answered(r);
 }
 
 void kvf_router_req_client_left(kvf_router_req *r)
 {
+    if (r && r->group) { /* every member: the prepared ones answer through the group */
+        rq_group *g = r->group;
+        g->gone = true;
+        for (int32_t i = 0; i < g->n; i++) {
+            kvf_router_req *m = g->m[i];
+            if (!m || m->client_gone)
+                continue;
+            m->client_gone = true;
+            atomic_store(&m->gone, true);
+            if (m->stream)
+                kvf_rpc_stream_cancel(m->stream);
+            kvf_router_wake_notify(&m->wake);
+        }
+        return;
+    }
     if (!r || r->client_gone)
         return;
     r->client_gone = true;
@@ -1325,20 +1603,31 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs)
         pthread_join(rs->threads[i], NULL);
     free(rs->threads);
     /* Every request being prepared is on the prep list, queued, done or neither. */
+    for (rq_group *g = rs->groups; g; g = g->next) /* a group's client once */
+        if (g->client) {
+            kvf_router_client_on_close(rs->cfg.h, g->client, NULL);
+            kvf_router_client_abandon(g->client);
+        }
     while (rs->prep) {
         kvf_router_req *r = rs->prep;
         unlink_prep(rs, r);
-        kvf_router_client_on_close(rs->cfg.h, r->client, NULL);
-        kvf_router_client_abandon(r->client);
+        if (!r->group) {
+            kvf_router_client_on_close(rs->cfg.h, r->client, NULL);
+            kvf_router_client_abandon(r->client);
+        }
         free(r->body);
         rq_free(r);
     }
     while (rs->head) {
         kvf_router_req *r = rs->head;
-        kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
-        kvf_router_client_abandon(r->client);
+        if (!r->group) {
+            kvf_router_client_on_close(r->rs->cfg.h, r->client, NULL);
+            kvf_router_client_abandon(r->client);
+        }
         rq_answered(r);
     }
+    while (rs->groups) /* what the groups still hold: members waiting, or ended */
+        group_free(rs->groups);
     pthread_cond_destroy(&rs->cv);
     pthread_mutex_destroy(&rs->mu);
     free(rs);
