@@ -68,6 +68,20 @@ static void test_parse_defaults_and_ids(void **state)
     assert_int_equal(r.n_stop, 1);
     kvf_router_oai_req_fini(&r);
 
+    /* a list of prompts: each parse keeps the one asked for and says how many there are */
+    const char *bl = "{\"model\":\"m\",\"prompt\":[\"first\",[7,8],\"third\"]}";
+    assert_int_equal(kvf_router_oai_parse_at(KVF_ROUTER_OAI_COMPLETIONS, bl, strlen(bl), 1, &r, &e), KVF_OK);
+    assert_int_equal(r.n_prompts, 3);
+    assert_int_equal(r.n_prompt_ids, 2);
+    assert_int_equal(r.prompt_ids[1], 8);
+    kvf_router_oai_req_fini(&r);
+    assert_int_equal(kvf_router_oai_parse_at(KVF_ROUTER_OAI_COMPLETIONS, bl, strlen(bl), 2, &r, &e), KVF_OK);
+    assert_string_equal(r.prompt_text, "third");
+    kvf_router_oai_req_fini(&r);
+    assert_int_equal(kvf_router_oai_parse(KVF_ROUTER_OAI_COMPLETIONS, b, strlen(b), &r, &e), KVF_OK);
+    assert_int_equal(r.n_prompts, 1);
+    kvf_router_oai_req_fini(&r);
+
     /* issue 23's sampling fields, each read as given */
     const char *b4 = "{\"model\":\"m\",\"prompt\":\"x\",\"max_tokens\":8,\"presence_penalty\":0.5,"
                      "\"frequency_penalty\":-1.5,\"repetition_penalty\":1.2,\"min_p\":0.1,\"min_tokens\":3,"
@@ -140,7 +154,10 @@ static void test_parse_errors(void **state)
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[]}", 400, "prompt", "empty");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1,-2]}", 400, "prompt", "'prompt'[1]");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1,\"a\"]}", 400, "prompt", "'prompt'[1] is a string");
-    expect_bad(C, "{\"model\":\"m\",\"prompt\":[\"a\",\"b\"]}", 400, "prompt", "2 prompts");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[\"a\",5]}", 400, "prompt", "'prompt'[1] is an integer");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[\"a\",[]]}", 400, "prompt", "'prompt'[1] is empty");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[[1],[2,-1]]}", 400, "prompt", "'prompt'[1][1]");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[[[1]]]}", 400, "prompt", "'prompt'[0][0]");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"max_tokens\":0}", 400, "max_tokens", "is 0");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"max_tokens\":-3}", 400, "max_tokens", "is -3");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"max_tokens\":\"5\"}", 400, "max_tokens", "an integer");
