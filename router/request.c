@@ -1540,6 +1540,11 @@ kvf_router_req *kvf_router_reqs_find(kvf_router_reqs *rs, const kvf_router_clien
     for (kvf_router_req *r = rs->prep; r; r = r->next)
         if (r->client == c)
             return r;
+    for (rq_group *g = rs->groups; g; g = g->next) /* a member waiting for the others */
+        if (g->client == c)
+            for (int32_t i = 0; i < g->n; i++)
+                if (g->m[i])
+                    return g->m[i];
     return NULL;
 }
 
