@@ -74,10 +74,18 @@ static kvf_status fake_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *r, 
     return KVF_OK;
 }
 
-static void send_tokens(kvf_rpc_call *call, int32_t idx, const int32_t *ids, size_t n,
-                        kvf_rpc_finish fin, int32_t prompt, int32_t done)
+/* The fake's log-probability of sample i's tokens (when asked): sample 2 of 3 is the likeliest. */
+static float fake_logprob(int32_t i)
 {
-    kvf_rpc_generate_resp g = {.index = idx, .n_token_ids = n, .token_ids = ids, .finish = fin};
+    return -0.25f * (float)((i + 1) % 3) - 0.01f;
+}
+
+static void send_tokens(kvf_rpc_call *call, int32_t idx, const int32_t *ids, size_t n,
+                        kvf_rpc_finish fin, int32_t prompt, int32_t done, bool lps)
+{
+    kvf_rpc_logprob lp = {.logprob = fake_logprob(idx)};
+    kvf_rpc_generate_resp g = {.index = idx, .n_token_ids = n, .token_ids = ids, .finish = fin,
+                               .logprobs = lps && n == 1 ? &lp : NULL};
     if (fin != KVF_RPC_FINISH_NONE) {
         g.has_usage = true;
         g.usage.prompt_tokens = prompt;
@@ -118,12 +126,13 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g
     int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling.max_tokens;
     int32_t n = g->sampling.n;
     int32_t np = (int32_t)g->n_token_ids;
+    bool lps = g->sampling.logprobs;
     free(g);
     for (int32_t k = 0; k < max; k++) {
         for (int32_t i = 0; i < n; i++) {
             int32_t t = fake_token(last, k, i);
             send_tokens(call, i, &t, 1, k + 1 == max ? KVF_RPC_FINISH_LENGTH : KVF_RPC_FINISH_NONE,
-                        np, k + 1);
+                        np, k + 1, lps);
         }
         if (mode == FAKE_MID && k == 2) {
             kvf_rpc_call_finish(call, KVF_ERR_PEER_LOST, "fake: lost mid-stream");
@@ -551,6 +560,155 @@ static void test_streaming(void **state)
          "{\"model\":\"tiny-gqa-f32\",\"prompt\":[3,4],\"max_tokens\":7,\"stream\":true,\"n\":3}", NULL, &r);
     assert_int_equal(r.status, 200);
     check_sse(r.body, 4, 7, 3, false);
+    free(r.body);
+}
+
+/* A list of prompts: one Generate each, choices prompt * n + i with each prompt's own tokens,
+ * usage summed; streamed, every choice's ids arrive under one id with one usage and one
+ * [DONE]; a bad prompt anywhere in the list refuses the whole request by position. */
+static void test_prompt_list(void **state)
+{
+    fixture *x = *state;
+    const int32_t lasts[3] = {7, 9, 4};
+    resp r;
+    int g0 = atomic_load(&x->f[0].n_generate);
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[[5,6,7],[9],[3,4]],\"max_tokens\":4,\"n\":2}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(atomic_load(&x->f[0].n_generate) - g0, 3);
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_non_null(j);
+    json_t *cs = json_object_get(j, "choices");
+    assert_int_equal(json_array_size(cs), 6);
+    for (size_t c = 0; c < 6; c++) {
+        json_t *ch = json_array_get(cs, c);
+        assert_int_equal(json_integer_value(json_object_get(ch, "index")), (json_int_t)c);
+        json_t *ids = json_object_get(ch, "token_ids");
+        assert_int_equal(json_array_size(ids), 4);
+        for (size_t k = 0; k < 4; k++)
+            assert_int_equal(json_integer_value(json_array_get(ids, k)),
+                             fake_token(lasts[c / 2], (int32_t)k, (int32_t)(c % 2)));
+    }
+    json_t *u = json_object_get(j, "usage");
+    assert_int_equal(json_integer_value(json_object_get(u, "prompt_tokens")), 6);
+    assert_int_equal(json_integer_value(json_object_get(u, "completion_tokens")), 24);
+    json_decref(j);
+    free(r.body);
+
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[[5,6,7],[9],[3,4]],\"max_tokens\":5,\"stream\":true,"
+         "\"stream_options\":{\"include_usage\":true}}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    int32_t got[3] = {0};
+    int usages = 0, dones = 0, finishes = 0;
+    char first_id[128] = "";
+    for (const char *q = r.body; (q = strstr(q, "data: ")); ) {
+        q += 6;
+        if (strncmp(q, "[DONE]", 6) == 0) {
+            dones++;
+            continue;
+        }
+        json_t *e = json_loads(q, JSON_DISABLE_EOF_CHECK, NULL);
+        assert_non_null(e);
+        const char *id = json_string_value(json_object_get(e, "id"));
+        if (!first_id[0])
+            snprintf(first_id, sizeof first_id, "%s", id);
+        assert_string_equal(id, first_id); /* one answer id for every prompt */
+        if (json_is_object(json_object_get(e, "usage"))) {
+            usages++;
+            assert_int_equal(json_integer_value(json_object_get(json_object_get(e, "usage"), "completion_tokens")), 15);
+        }
+        size_t i;
+        json_t *c;
+        json_array_foreach(json_object_get(e, "choices"), i, c) {
+            int32_t idx = (int32_t)json_integer_value(json_object_get(c, "index"));
+            assert_true(idx >= 0 && idx < 3);
+            size_t k;
+            json_t *tid;
+            json_array_foreach(json_object_get(c, "token_ids"), k, tid)
+                assert_int_equal(json_integer_value(tid), fake_token(lasts[idx], got[idx]++, 0));
+            finishes += json_is_string(json_object_get(c, "finish_reason"));
+        }
+        json_decref(e);
+    }
+    assert_int_equal(dones, 1);
+    assert_int_equal(usages, 1);
+    assert_int_equal(finishes, 3);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(got[i], 5);
+    free(r.body);
+
+    char m[512];
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[[5],[9,400],[3]],\"max_tokens\":4}", NULL, &r);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(err_msg(&r, m, sizeof m), "token id 400"));
+    free(r.body);
+    resp mt;
+    http(x->r.port, "GET", "/metrics", NULL, NULL, &mt);
+    assert_non_null(strstr(mt.body, "kvfleet_router_requests_in_flight 0"));
+    free(mt.body);
+}
+
+/* A client that leaves a list of prompts mid-stream cancels every member's Generate. */
+static void test_prompt_list_disconnect(void **state)
+{
+    fixture *x = *state;
+    atomic_store(&x->f[0].mode, FAKE_SLOW);
+    int fd = send_req(x->r.port, "POST", "/v1/completions",
+                      "{\"model\":\"tiny-gqa-f32\",\"prompt\":[[1,2],[3],[4,5]],\"max_tokens\":200,\"stream\":true}",
+                      NULL);
+    assert_true(fd >= 0);
+    char buf[4096];
+    size_t got = 0;
+    while (got < 2000) {
+        ssize_t k = read(fd, buf, sizeof buf);
+        assert_true(k > 0);
+        got += (size_t)k;
+    }
+    close(fd);
+    int64_t end = kvf_now_ns() + 10000000000LL;
+    while (atomic_load(&x->f[0].n_cancelled) < 3 && kvf_now_ns() < end)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&x->f[0].n_cancelled), 3);
+    resp m;
+    for (;;) { /* the members end on the loop's next passes */
+        http(x->r.port, "GET", "/metrics", NULL, NULL, &m);
+        bool idle = strstr(m.body, "kvfleet_router_requests_in_flight 0") != NULL;
+        if (idle || kvf_now_ns() > end)
+            break;
+        free(m.body);
+        kvf_sleep_ms(10);
+    }
+    assert_non_null(strstr(m.body, "kvfleet_router_requests_in_flight 0"));
+    assert_non_null(strstr(m.body, "kvfleet_router_client_disconnects_total 1"));
+    free(m.body);
+    atomic_store(&x->f[0].mode, FAKE_OK);
+}
+
+/* best_of draws that many samples (asking the worker for their logprobs) and answers the n with
+ * the highest cumulative logprob: the fake makes sample 2 the likeliest, then 0. */
+static void test_best_of(void **state)
+{
+    fixture *x = *state;
+    resp r;
+    http(x->r.port, "POST", "/v1/completions",
+         "{\"model\":\"tiny-gqa-f32\",\"prompt\":[8],\"max_tokens\":3,\"best_of\":3,\"n\":2}", NULL, &r);
+    assert_int_equal(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *cs = json_object_get(j, "choices");
+    assert_int_equal(json_array_size(cs), 2);
+    const int32_t want[2] = {2, 0};
+    for (size_t c = 0; c < 2; c++) {
+        json_t *ch = json_array_get(cs, c);
+        assert_int_equal(json_integer_value(json_object_get(ch, "index")), (json_int_t)c);
+        assert_true(json_is_null(json_object_get(ch, "logprobs"))); /* not asked for */
+        json_t *ids = json_object_get(ch, "token_ids");
+        for (size_t k = 0; k < 3; k++)
+            assert_int_equal(json_integer_value(json_array_get(ids, k)), fake_token(8, (int32_t)k, want[c]));
+    }
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 9);
+    json_decref(j);
     free(r.body);
 }
 
@@ -1165,6 +1323,9 @@ int main(void)
         cmocka_unit_test(test_errors_without_workers),
         cmocka_unit_test_setup_teardown(test_plain_completion, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_streaming, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_prompt_list, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_prompt_list_disconnect, setup_one, teardown),
+        cmocka_unit_test_setup_teardown(test_best_of, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_concurrent_64, setup_one, teardown),
         cmocka_unit_test_setup_teardown(test_retry_before_first_token, setup_two, teardown),
         cmocka_unit_test_setup_teardown(test_resume_mid_stream, setup_two, teardown),
