@@ -1,8 +1,10 @@
 /* cmd_generate.c: `kvfleet generate`: generation for one prompt in this process, through the
  * same engine the workers run (paged KV pool, chunked prefill, sampling): the reference the
- * end-to-end tests compare the fleet with. Streams text to a terminal; --json prints one object. */
+ * end-to-end tests compare the fleet with. Streams text to a terminal; --json prints one object
+ * (with each token's log-probabilities under --logprobs, the prompt's under --prompt-logprobs). */
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -24,11 +26,12 @@
 #include "engine/backends.h"
 
 typedef struct gen_cfg {
-    const char *model, *prompt_ids, *prompt, *kv_dtype, *device, *attn_decode;
-    int32_t max_tokens, block_size, threads, prefill_chunk, top_k;
+    const char *model, *prompt_ids, *prompt, *kv_dtype, *device, *attn_decode, *logit_bias;
+    int32_t max_tokens, block_size, threads, prefill_chunk, top_k, min_tokens, logprobs;
     int64_t kv_memory, seed;
     double temperature, top_p, kv_k_scale, kv_v_scale;
-    bool json, ignore_eos, half_weights, no_graphs, profile;
+    double presence_penalty, frequency_penalty, repetition_penalty, min_p;
+    bool json, ignore_eos, half_weights, no_graphs, profile, prompt_logprobs;
 } gen_cfg;
 
 static const kvf_cfg_opt gen_opts[] = {
@@ -40,6 +43,14 @@ static const kvf_cfg_opt gen_opts[] = {
     {"top-p", "1", "nucleus sampling: keep the smallest set of tokens whose probability reaches P", offsetof(gen_cfg, top_p), KVF_CFG_DOUBLE},
     {"top-k", "0", "sample among the K most likely tokens; 0: all", offsetof(gen_cfg, top_k), KVF_CFG_INT},
     {"seed", "0", "sampling seed: the same seed gives the same tokens", offsetof(gen_cfg, seed), KVF_CFG_INT64},
+    {"presence-penalty", "0", "subtract P from the logit of every token already generated (-2 to 2)", offsetof(gen_cfg, presence_penalty), KVF_CFG_DOUBLE},
+    {"frequency-penalty", "0", "subtract F times its count from the logit of every token already generated (-2 to 2)", offsetof(gen_cfg, frequency_penalty), KVF_CFG_DOUBLE},
+    {"repetition-penalty", "1", "divide positive logits (multiply negative ones) of tokens in the prompt or the output by R (0 to 2; 1: off)", offsetof(gen_cfg, repetition_penalty), KVF_CFG_DOUBLE},
+    {"min-p", "0", "drop tokens whose probability is below P times the most likely one's (0 to 1; sampling only)", offsetof(gen_cfg, min_p), KVF_CFG_DOUBLE},
+    {"min-tokens", "0", "no end-of-sequence token before this many new tokens", offsetof(gen_cfg, min_tokens), KVF_CFG_INT},
+    {"logit-bias", NULL, "ID:BIAS added to token ID's logit (-100 to 100); repeat the flag or give ID:BIAS,ID:BIAS", offsetof(gen_cfg, logit_bias), KVF_CFG_STR},
+    {"logprobs", "-1", "print each token's log-probability and the N most likely beside it in --json (0 to 20; -1: none)", offsetof(gen_cfg, logprobs), KVF_CFG_INT},
+    {"prompt-logprobs", NULL, "print every prompt token's log-probability in --json (with --logprobs N's top N); the prompt then runs one token a step", offsetof(gen_cfg, prompt_logprobs), KVF_CFG_BOOL},
     {"ignore-eos", NULL, "keep generating past an end-of-sequence token", offsetof(gen_cfg, ignore_eos), KVF_CFG_BOOL},
     {"block-size", "16", "tokens per KV block (a power of two)", offsetof(gen_cfg, block_size), KVF_CFG_INT},
     {"kv-dtype", "f32", "KV cache dtype: f32, f16, bf16 or fp8-e4m3", offsetof(gen_cfg, kv_dtype), KVF_CFG_STR},
@@ -57,7 +68,7 @@ static const kvf_cfg_opt gen_opts[] = {
     {"threads", "0", "CPU threads (0: one per CPU)", offsetof(gen_cfg, threads), KVF_CFG_INT},
     {"half-weights", NULL, "keep F16/BF16 matrices as stored (half the memory) instead of converting to f32 at load",
      offsetof(gen_cfg, half_weights), KVF_CFG_BOOL},
-    {"json", NULL, "print {\"prompt_ids\",\"output_ids\",\"finish_reason\"} as one JSON line", offsetof(gen_cfg, json), KVF_CFG_BOOL},
+    {"json", NULL, "print {\"prompt_ids\",\"output_ids\",\"finish_reason\"} as one JSON line (and \"logprobs\", \"prompt_logprobs\" when asked)", offsetof(gen_cfg, json), KVF_CFG_BOOL},
     {NULL},
 };
 
@@ -69,6 +80,71 @@ static const kvf_cfg_spec gen_spec = {
                "Text streams to the terminal as it is generated; --json prints one object at the end.",
     .opts = gen_opts,
 };
+
+/* Adds the ID:BIAS pairs of one --logit-bias value (comma-separated) to s. */
+static kvf_status parse_bias(const char *v, kvf_engine_sampling *s, kvf_err *err)
+{
+    const char *p = v;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long id = strtol(p, &end, 10);
+        if (end == p || *end != ':' || errno || id < 0 || id > INT32_MAX)
+            return kvf_err_set(err, KVF_ERR_INVALID, "generate: --logit-bias=%s is not allowed (use ID:BIAS, e.g. 42:-100 or 42:5,7:1.5)", v);
+        p = end + 1;
+        double b = strtod(p, &end);
+        if (end == p || (*end && *end != ',') || !(b >= -100 && b <= 100))
+            return kvf_err_set(err, KVF_ERR_INVALID, "generate: --logit-bias=%s: the bias of %ld is not a number from -100 to 100", v, id);
+        if (s->n_bias >= KVF_ENGINE_MAX_BIAS)
+            return kvf_err_set(err, KVF_ERR_INVALID, "generate: more than %d --logit-bias entries", KVF_ENGINE_MAX_BIAS);
+        s->bias[s->n_bias++] = (kvf_engine_bias){.id = (int32_t)id, .bias = (float)b};
+        p = *end ? end + 1 : end;
+    }
+    return KVF_OK;
+}
+
+/* Every --logit-bias value of argv (the flag may repeat; the parsed config keeps the last one
+ * only), or cfg_value (from the environment) when argv has none. */
+static kvf_status collect_bias(int argc, char **argv, const char *cfg_value, kvf_engine_sampling *s,
+                               kvf_err *err)
+{
+    bool any = false;
+    for (int i = 1; i < argc; i++) {
+        const char *v = NULL;
+        if (strcmp(argv[i], "--") == 0)
+            break;
+        if (strcmp(argv[i], "--logit-bias") == 0 && i + 1 < argc)
+            v = argv[++i];
+        else if (strncmp(argv[i], "--logit-bias=", 13) == 0)
+            v = argv[i] + 13;
+        if (!v)
+            continue;
+        any = true;
+        kvf_status st = parse_bias(v, s, err);
+        if (st != KVF_OK)
+            return st;
+    }
+    return !any && cfg_value ? parse_bias(cfg_value, s, err) : KVF_OK;
+}
+
+/* {"token": id, "logprob": x} (a NaN or -inf logprob is null: JSON has no such numbers). */
+static json_t *lp_json(int32_t id, float lp)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "token", json_integer(id));
+    json_object_set_new(o, "logprob", isfinite(lp) ? json_real(lp) : json_null());
+    return o;
+}
+
+/* One token's entry: its own logprob and the top list. */
+static json_t *lp_entry(int32_t id, float lp, const kvf_engine_logprob *top, int32_t n_top)
+{
+    json_t *o = lp_json(id, lp), *t = json_array();
+    for (int32_t j = 0; j < n_top; j++)
+        json_array_append_new(t, lp_json(top[j].id, top[j].logprob));
+    json_object_set_new(o, "top", t);
+    return o;
+}
 
 /* --profile's table on stderr: per kind of step, each kind of op's share of the step. */
 static void print_profile(const kvf_model_fwd_prof *p, const char *device)
@@ -146,12 +222,17 @@ int kvf_cli_generate(int argc, char **argv)
         return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID,
                                         "generate: --temperature (%g) must be >= 0, --top-p (%g) in (0, 1], --top-k (%d) >= 0",
                                         c.temperature, c.top_p, c.top_k), &err);
+    if (c.logprobs < -1 || c.logprobs > KVF_ENGINE_MAX_LOGPROBS)
+        return kvf_cli_exit(kvf_err_set(&err, KVF_ERR_INVALID, "generate: --logprobs=%d is not allowed (0 to %d; -1: none)",
+                                        c.logprobs, KVF_ENGINE_MAX_LOGPROBS), &err);
+    /* (the other sampling values are checked by the engine, which names them) */
 
     kvf_model *m = NULL;
     kvf_text_tokenizer *tok = NULL;
     kvf_text_detok *detok = NULL;
     kvf_engine *eng = NULL;
     int32_t *prompt = NULL, *out = NULL, n_prompt = 0;
+    json_t *lps = NULL, *plps = NULL; /* --json's "logprobs" and "prompt_logprobs" */
     int rc = 1;
 
     if ((st = kvf_model_load(c.model, &m, &err)) != KVF_OK)
@@ -245,6 +326,22 @@ int kvf_cli_generate(int argc, char **argv)
     req.sampling.top_p = (float)c.top_p;
     req.sampling.top_k = c.top_k;
     req.sampling.seed = (uint64_t)c.seed;
+    req.sampling.presence_penalty = (float)c.presence_penalty;
+    req.sampling.frequency_penalty = (float)c.frequency_penalty;
+    req.sampling.repetition_penalty = (float)c.repetition_penalty;
+    req.sampling.min_p = (float)c.min_p;
+    req.sampling.min_tokens = c.min_tokens;
+    req.sampling.logprobs = c.logprobs >= 0;
+    req.sampling.top_logprobs = c.logprobs > 0 ? c.logprobs : 0;
+    req.sampling.prompt_logprobs = c.prompt_logprobs;
+    if ((st = collect_bias(argc, argv, c.logit_bias, &req.sampling, &err)) != KVF_OK)
+        goto fail;
+    if (req.sampling.logprobs)
+        lps = json_array();
+    if (c.prompt_logprobs) {
+        plps = json_array();
+        json_array_append_new(plps, json_null()); /* the first prompt token has none */
+    }
     if (!c.ignore_eos) {
         kvf_engine_sampling_model_eos(&req.sampling, m);
         size_t n_tok_eos = 0;
@@ -280,9 +377,21 @@ int kvf_cli_generate(int argc, char **argv)
         if ((st = kvf_engine_step(eng, &o, &n_o, &err)) != KVF_OK)
             break;
         for (int32_t i = 0; i < n_o; i++) {
+            if (plps && o[i].prompt_lps) {
+                int32_t w = 1 + req.sampling.top_logprobs;
+                for (int32_t r = 0; r < o[i].n_prompt_lps; r++) {
+                    const kvf_engine_logprob *row = o[i].prompt_lps + (size_t)r * (size_t)w;
+                    int32_t n_top = 0;
+                    while (n_top < w - 1 && row[1 + n_top].id >= 0)
+                        n_top++;
+                    json_array_append_new(plps, lp_entry(row[0].id, row[0].logprob, row + 1, n_top));
+                }
+            }
             if (o[i].token >= 0 && n_out < c.max_tokens) {
                 if (n_out == 0)
                     t_first = kvf_now_s();
+                if (lps)
+                    json_array_append_new(lps, lp_entry(o[i].token, o[i].logprob, o[i].top, o[i].n_top));
                 out[n_out++] = o[i].token;
                 if (detok) {
                     kvf_sbuf_reset(&piece);
@@ -335,6 +444,14 @@ int kvf_cli_generate(int argc, char **argv)
         json_object_set_new(j, "prompt_ids", pa);
         json_object_set_new(j, "output_ids", oa);
         json_object_set_new(j, "finish_reason", json_string(finish));
+        if (lps) {
+            json_object_set_new(j, "logprobs", lps);
+            lps = NULL;
+        }
+        if (plps) {
+            json_object_set_new(j, "prompt_logprobs", plps);
+            plps = NULL;
+        }
         if (text)
             json_object_set_new(j, "text", json_string(text));
         char *s = json_dumps(j, JSON_COMPACT | JSON_PRESERVE_ORDER);
@@ -354,6 +471,8 @@ int kvf_cli_generate(int argc, char **argv)
 fail:
     rc = kvf_cli_exit(st, &err);
 done:
+    json_decref(lps);
+    json_decref(plps);
     kvf_text_detok_destroy(detok);
     kvf_engine_destroy(eng);
     kvf_text_tokenizer_destroy(tok);

@@ -6,7 +6,14 @@
  * A sequence keeps every token it has (prompt + generated) and n_computed, the positions whose
  * KV is in its blocks; a step computes tokens[n_computed .. n_computed + chunk) and, when that
  * reaches the last token, samples the next one. Prefill, decode and recompute after a
- * preemption are therefore the same operation. */
+ * preemption are therefore the same operation.
+ *
+ * Logit processing (penalties, logit_bias, min_p, min_tokens) and log-probabilities run on the
+ * host (sample.c): a sequence that needs any of them this step has its logits row downloaded
+ * (need_logits) and never takes the backend's draw or argmax, so a GPU honours them exactly as
+ * the CPU does; every other sequence keeps the backend's draw and downloads nothing. A
+ * sequence with prompt_logprobs computes its prompt one token per step without the prefix
+ * cache, keeping each step's log-probability of the next prompt token. */
 #include "engine/engine.h"
 
 #include <math.h>
@@ -56,7 +63,19 @@ typedef struct eng_seq {
     int64_t n_cached;      /* prompt tokens served by the prefix cache at the last admission */
     int64_t admitted_ns;   /* first admission (kvf_now_ns), 0 before */
     int64_t hold_until_ns; /* HELD: released at this kvf_now_ns() time at the latest */
+    /* sp.prompt_logprobs (sample 0 only): rows for prompt tokens 1..n_prompt-1, each
+     * 1 + sp.top_logprobs entries; allocated at add, freed the step after the slot is freed */
+    kvf_engine_logprob *plp; /* [n_prompt - 1][1 + top_logprobs] */
+    int32_t n_plp;           /* rows written so far (in order; recompute does not rewrite) */
+    bool plp_given;          /* handed out on an output already */
 } eng_seq;
+
+/* A new token's log-probabilities (sampling.logprobs), for its output. */
+typedef struct tok_lp {
+    float logprob;
+    int32_t n_top;
+    kvf_engine_logprob top[KVF_ENGINE_MAX_LOGPROBS];
+} tok_lp;
 
 struct kvf_engine {
     const kvf_model *m;
@@ -93,6 +112,10 @@ struct kvf_engine {
     bool in_step;
     const kvf_kv_seq **live; /* [n_slots] */
     kvf_engine_sampler sampler;
+    float *proc_row;          /* [vocab] one sequence's processed copy of its row */
+    kvf_engine_logprob **plp_dead; /* [n_slots] prompt-logprob rows of freed slots: their last
+                                    * output may point at them until the next step */
+    int32_t n_plp_dead;
     kvf_engine_stats st;
 };
 
@@ -194,6 +217,13 @@ void kvf_engine_destroy(kvf_engine *e)
     kvf_model_fwd_destroy(e->fwd);
     kvf_backend_destroy(e->be, e->be_ctx);
     kvf_engine_sampler_fini(&e->sampler);
+    if (e->seqs)
+        for (int32_t i = 0; i < e->n_slots; i++)
+            free(e->seqs[i].plp);
+    for (int32_t i = 0; i < e->n_plp_dead; i++)
+        free(e->plp_dead[i]);
+    free(e->plp_dead);
+    free(e->proc_row);
     free(e->seqs);
     free(e->tok_buf);
     free(e->order);
@@ -281,8 +311,11 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
     e->draw = malloc(S * sizeof *e->draw);
     e->outs = malloc(2 * N * sizeof *e->outs);
     e->live = malloc(N * sizeof *e->live);
+    e->proc_row = malloc((size_t)e->vocab * sizeof *e->proc_row);
+    e->plp_dead = malloc(N * sizeof *e->plp_dead);
     if (!e->seqs || !e->tok_buf || !e->order || !e->set || !e->set_n || !e->set_kv || !e->mseq ||
-        !e->logits || !e->next || !e->draw || !e->outs || !e->live) {
+        !e->logits || !e->next || !e->draw || !e->outs || !e->live || !e->proc_row ||
+        !e->plp_dead) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for %d sequences of %d "
                          "positions", e->n_slots, e->max_ctx);
         goto fail;
@@ -332,13 +365,39 @@ static void kv_release(eng_seq *s)
     s->kv_live = false;
 }
 
-/* Records an output: into this step's list, or pending for the next step. */
-static void emit(kvf_engine *e, eng_seq *s, int32_t token, kvf_engine_finish fin)
+/* Whether s is sample 0 still collecting its prompt's log-probabilities. */
+static bool plp_active(const eng_seq *s)
+{
+    return s->plp && s->n_plp < s->n_prompt - 1;
+}
+
+/* An output with no log-probabilities (NaN, no top entries, no prompt rows). */
+static kvf_engine_output out_plain(const eng_seq *s, int32_t token, kvf_engine_finish fin)
+{
+    return (kvf_engine_output){.id = s->id, .index = s->index, .token = token,
+                               .n_generated = s->n_generated, .finish = fin,
+                               .n_cached = s->n_cached, .logprob = NAN};
+}
+
+/* Records an output: into this step's list (with lp, the token's log-probabilities, when not
+ * NULL, and the prompt's rows on sample 0's first token), or pending for the next step (no
+ * log-probabilities). */
+static void emit(kvf_engine *e, eng_seq *s, int32_t token, kvf_engine_finish fin,
+                 const tok_lp *lp)
 {
     if (e->in_step) {
-        e->outs[e->n_outs++] = (kvf_engine_output){.id = s->id, .index = s->index, .token = token,
-                                                   .n_generated = s->n_generated, .finish = fin,
-                                                   .n_cached = s->n_cached};
+        kvf_engine_output *o = &e->outs[e->n_outs++];
+        *o = out_plain(s, token, fin);
+        if (lp && token >= 0) {
+            o->logprob = lp->logprob;
+            o->n_top = lp->n_top;
+            memcpy(o->top, lp->top, (size_t)lp->n_top * sizeof *o->top);
+        }
+        if (s->sp.prompt_logprobs && s->index == 0 && token >= 0 && !s->plp_given) {
+            s->plp_given = true;
+            o->prompt_lps = s->plp;
+            o->n_prompt_lps = s->plp ? s->n_plp : 0;
+        }
     } else {
         s->pending = true;
         s->pend_token = token;
@@ -355,7 +414,7 @@ static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool wi
     kvf_log(KVF_LOG_DEBUG, "engine: req %llu.%d: finished (%s) after %d tokens",
             (unsigned long long)s->id, s->index, kvf_engine_finish_name(why), s->n_generated);
     if (with_output)
-        emit(e, s, -1, why);
+        emit(e, s, -1, why, NULL);
     if (s->index == 0 && s->n > 1 && !s->forked) {
         int32_t me = (int32_t)(s - e->seqs);
         for (int32_t i = 0; i < e->n_order; i++) {
@@ -368,12 +427,12 @@ static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool wi
 
 /* Appends a sampled token, checks the finish conditions and reports it. A prefill-only
  * request's first token is reported and its blocks kept instead. */
-static void take_token(kvf_engine *e, eng_seq *s, int32_t tok)
+static void take_token(kvf_engine *e, eng_seq *s, int32_t tok, const tok_lp *lp)
 {
     if (s->prefill_only) {
         s->n_generated++;
         s->state = SEQ_KEPT;
-        emit(e, s, tok, KVF_ENGINE_FINISH_PREFILLED);
+        emit(e, s, tok, KVF_ENGINE_FINISH_PREFILLED, lp);
         kvf_log(KVF_LOG_DEBUG, "engine: req %llu: prefilled (%d tokens, %lld cached); %d blocks "
                 "kept", (unsigned long long)s->id, s->n_prompt, (long long)s->n_cached,
                 s->kv.n_blocks);
@@ -390,7 +449,7 @@ static void take_token(kvf_engine *e, eng_seq *s, int32_t tok)
             fin = KVF_ENGINE_FINISH_STOP;
     if (!fin && (s->n_generated >= s->sp.max_tokens || s->n_tokens >= e->max_ctx))
         fin = KVF_ENGINE_FINISH_LENGTH;
-    emit(e, s, tok, fin);
+    emit(e, s, tok, fin, lp);
     if (fin)
         finish_seq(e, s, fin, false);
 }
@@ -401,6 +460,70 @@ static int32_t sample_for(kvf_engine *e, eng_seq *s, const float *row, int32_t g
         return greedy >= 0 ? greedy : kvf_engine_argmax(row, e->vocab);
     return kvf_engine_sample(&e->sampler, row, s->sp.temperature, s->sp.top_k, s->sp.top_p,
                              &s->rng);
+}
+
+/* Whether s's next token must be chosen on the host from its downloaded row: it has logit
+ * processing to apply (kvf_engine_processes) or log-probabilities to report. Such a sequence
+ * never takes the backend's draw or argmax. */
+static bool host_path(const eng_seq *s)
+{
+    return s->sp.logprobs || kvf_engine_processes(&s->sp, s->n_generated);
+}
+
+/* Chooses s's next token from its raw row and takes it. A host-path sequence processes a copy
+ * of the row (siblings share it) and draws from that (greedy: its argmax), with the raw row's
+ * log-probabilities when asked; any other takes drawn (the backend's draw, >= 0) or samples
+ * the row itself (greedy: the backend's argmax when known). */
+static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy,
+                       int32_t drawn)
+{
+    if (!host_path(s)) {
+        take_token(e, s, drawn >= 0 ? drawn : sample_for(e, s, row, greedy), NULL);
+        return;
+    }
+    const float *use = row;
+    if (kvf_engine_processes(&s->sp, s->n_generated)) {
+        memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
+        kvf_engine_process_logits(&e->sampler, e->proc_row, &s->sp, s->tokens, s->n_prompt,
+                                  s->n_generated);
+        use = e->proc_row;
+    }
+    int32_t tok = sample_for(e, s, use, -1);
+    if (!s->sp.logprobs) {
+        take_token(e, s, tok, NULL);
+        return;
+    }
+    tok_lp lp;
+    lp.logprob = kvf_engine_logprobs(row, e->vocab, tok, s->sp.top_logprobs, lp.top, &lp.n_top);
+    take_token(e, s, tok, &lp);
+}
+
+/* After a step whose last computed position is n_computed - 1, stores the log-probability of
+ * prompt token n_computed (and the top entries) from row, once per row. */
+static void plp_store(kvf_engine *e, eng_seq *s, const float *row)
+{
+    int32_t r = s->n_computed - 1; /* row r is prompt token r + 1 */
+    if (!plp_active(s) || r != s->n_plp)
+        return;
+    int32_t w = 1 + s->sp.top_logprobs, n_top = 0;
+    kvf_engine_logprob *p = s->plp + (size_t)r * (size_t)w;
+    int32_t id = s->tokens[r + 1];
+    p[0] = (kvf_engine_logprob){.id = id};
+    p[0].logprob = kvf_engine_logprobs(row, e->vocab, id, s->sp.top_logprobs, p + 1, &n_top);
+    for (int32_t j = 1 + n_top; j < w; j++) /* a row with fewer non-NaN ids than asked */
+        p[j] = (kvf_engine_logprob){.id = -1, .logprob = -INFINITY};
+    s->n_plp++;
+}
+
+/* The largest chunk s may compute now, given c: a sequence collecting prompt log-probabilities
+ * stops at the next prompt position whose row it still needs (one token a step). */
+static int32_t chunk_cap(const eng_seq *s, int32_t c)
+{
+    if (!plp_active(s))
+        return c;
+    int32_t lim = s->n_plp + 1 - s->n_computed;
+    lim = lim < 1 ? 1 : lim;
+    return c < lim ? c : lim;
 }
 
 static eng_seq *find_live(kvf_engine *e, uint64_t id)
@@ -482,6 +605,44 @@ static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: %d stop ids and %d eos ids "
                            "(0 to %d of each allowed)", (unsigned long long)r->id, p->n_stop,
                            p->n_eos, KVF_ENGINE_MAX_STOP);
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: presence_penalty %g is not "
+                           "allowed (-2 to 2)", (unsigned long long)r->id,
+                           (double)p->presence_penalty);
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: frequency_penalty %g is not "
+                           "allowed (-2 to 2)", (unsigned long long)r->id,
+                           (double)p->frequency_penalty);
+    if (!(p->repetition_penalty >= 0 && p->repetition_penalty <= 2))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: repetition_penalty %g is not "
+                           "allowed (greater than 0, at most 2; 0 or 1: off)",
+                           (unsigned long long)r->id, (double)p->repetition_penalty);
+    if (!(p->min_p >= 0 && p->min_p <= 1))
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: min_p %g is not allowed (0 "
+                           "to 1)", (unsigned long long)r->id, (double)p->min_p);
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: min_tokens %d is not allowed "
+                           "(0 to max_tokens %d)", (unsigned long long)r->id, p->min_tokens,
+                           p->max_tokens);
+    if (p->n_bias < 0 || p->n_bias > KVF_ENGINE_MAX_BIAS)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: %d logit_bias entries (0 to "
+                           "%d allowed)", (unsigned long long)r->id, p->n_bias,
+                           KVF_ENGINE_MAX_BIAS);
+    for (int32_t i = 0; i < p->n_bias; i++) {
+        if (p->bias[i].id < 0 || p->bias[i].id >= e->vocab)
+            return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: logit_bias id %d is "
+                               "outside the vocabulary (0 to %d)", (unsigned long long)r->id,
+                               p->bias[i].id, e->vocab - 1);
+        if (!(p->bias[i].bias >= -100 && p->bias[i].bias <= 100))
+            return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: logit_bias %g for id %d "
+                               "is not allowed (-100 to 100)", (unsigned long long)r->id,
+                               (double)p->bias[i].bias, p->bias[i].id);
+    }
+    if (p->top_logprobs < 0 || p->top_logprobs > KVF_ENGINE_MAX_LOGPROBS ||
+        p->top_logprobs > e->vocab)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: top_logprobs %d is not "
+                           "allowed (0 to %d)", (unsigned long long)r->id, p->top_logprobs,
+                           KVF_ENGINE_MAX_LOGPROBS < e->vocab ? KVF_ENGINE_MAX_LOGPROBS : e->vocab);
     if (r->prefill_only && p->n != 1)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n %d with prefill_only is not "
                            "allowed (use 1)", (unsigned long long)r->id, p->n);
@@ -529,12 +690,21 @@ static kvf_status enqueue(kvf_engine *e, const kvf_engine_request *r, eng_seq **
         }
         s->state = got == 0 ? SEQ_WAITING : SEQ_FORK_WAIT;
         kvf_status st = kv_reset(e, s, err);
+        if (st == KVF_OK && got == 0 && r->sampling.prompt_logprobs && r->n_prompt > 1) {
+            size_t rows = (size_t)(r->n_prompt - 1), w = 1 + (size_t)r->sampling.top_logprobs;
+            s->plp = malloc(rows * w * sizeof *s->plp);
+            if (!s->plp)
+                st = kvf_err_set(err, KVF_ERR_NOMEM, "out of memory for %zu prompt "
+                                 "log-probability rows", rows);
+        }
         e->order[e->n_order++] = slot;
         if (st != KVF_OK) {
             /* undo: the slots taken so far leave again */
             for (int32_t i = 0; i <= got; i++) {
                 eng_seq *q = slot_seq(e, e->order[e->n_order - 1 - i]);
                 kv_release(q);
+                free(q->plp);
+                q->plp = NULL;
                 q->state = SEQ_FREE;
             }
             e->n_order -= got + 1;
@@ -593,6 +763,10 @@ kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
         return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: req %llu: n %d with a remote "
                            "prefill is not supported (use 1)", (unsigned long long)req->id,
                            req->sampling.n);
+    if (req->sampling.prompt_logprobs)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: req %llu: prompt_logprobs with a "
+                           "remote prefill is not supported (the prompt is computed elsewhere)",
+                           (unsigned long long)req->id);
     int64_t need_ids = kvf_kv_blocks_for(req->n_prompt, e->cfg.block_size);
     if (need_ids > cap)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: the prompt takes %lld blocks "
@@ -641,7 +815,7 @@ kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_toke
             return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)id);
     }
     s->state = SEQ_RUNNING;
-    take_token(e, s, first_token);
+    take_token(e, s, first_token, NULL);
     return KVF_OK;
 }
 
@@ -658,7 +832,7 @@ kvf_status kvf_engine_hold(kvf_engine *e, uint64_t id, int64_t until_ns, int32_t
     s->finish = KVF_ENGINE_FINISH_CANCELLED;
     s->hold_until_ns = until_ns;
     e->st.finished++;
-    emit(e, s, -1, KVF_ENGINE_FINISH_CANCELLED);
+    emit(e, s, -1, KVF_ENGINE_FINISH_CANCELLED, NULL);
     if (n_blocks_out)
         *n_blocks_out = s->kv.n_blocks;
     kvf_log(KVF_LOG_DEBUG, "engine: req %llu: cancelled; %d blocks held", (unsigned long long)id,
@@ -880,10 +1054,8 @@ static void flush_pending(kvf_engine *e)
             continue;
         s->pending = false;
         e->outs[e->n_outs++] =
-            (kvf_engine_output){.id = s->id, .index = s->index, .token = s->pend_token,
-                                .n_generated = s->n_generated, .n_cached = s->n_cached,
-                                .finish = s->state == SEQ_FINISHED || s->state == SEQ_HELD
-                                              ? s->finish : KVF_ENGINE_FINISH_NONE};
+            out_plain(s, s->pend_token, s->state == SEQ_FINISHED || s->state == SEQ_HELD
+                                            ? s->finish : KVF_ENGINE_FINISH_NONE);
     }
 }
 
@@ -895,6 +1067,9 @@ static void reclaim(kvf_engine *e)
         eng_seq *s = slot_seq(e, e->order[i]);
         if (s->state == SEQ_FINISHED && !s->pending) {
             s->state = SEQ_FREE;
+            if (s->plp) /* its last output may point at it: freed at the next step */
+                e->plp_dead[e->n_plp_dead++] = s->plp;
+            s->plp = NULL;
             continue;
         }
         e->order[w++] = e->order[i];
@@ -920,7 +1095,7 @@ static void schedule(kvf_engine *e)
         eng_seq *s = slot_seq(e, e->order[i]);
         int32_t rem = s->n_tokens - s->n_computed;
         if (s->state == SEQ_RUNNING && rem > 1) {
-            int32_t c = rem < budget ? rem : budget;
+            int32_t c = chunk_cap(s, rem < budget ? rem : budget);
             set_add(e, s, c);
             budget -= c;
         }
@@ -937,7 +1112,7 @@ static void schedule(kvf_engine *e)
         if (s->state != SEQ_SWAPPED)
             continue;
         int32_t rem = s->n_tokens - s->n_computed;
-        int32_t c = rem < budget ? rem : budget;
+        int32_t c = chunk_cap(s, rem < budget ? rem : budget);
         int64_t extra = c > 0 ? kvf_kv_blocks_for(s->n_computed + c, e->cfg.block_size) - s->kv.n_blocks : 0;
         if (e->n_set >= max_set || seats + seat_need(s) > max_set || c <= 0 ||
             set_need(e) + s->kv.n_blocks + (extra > 0 ? extra : 0) > kvf_kv_pool_available(e->pool)) {
@@ -966,10 +1141,11 @@ static void schedule(kvf_engine *e)
         if (e->n_set >= max_set || seats + seat_need(s) > max_set || budget <= 0)
             break;
         int32_t bs = e->cfg.block_size;
-        bool lookup = e->cfg.prefix_cache && s->n_tokens - 1 >= bs;
+        /* (a sequence collecting prompt log-probabilities computes every prompt token) */
+        bool lookup = e->cfg.prefix_cache && s->n_tokens - 1 >= bs && !plp_active(s);
         int64_t hit_blocks = lookup ? kvf_kv_prefix_probe(e->pool, s->root, s->tokens, s->n_tokens - 1) : 0;
         int64_t start = hit_blocks * bs;
-        int64_t c = s->n_tokens - start < budget ? s->n_tokens - start : budget;
+        int64_t c = chunk_cap(s, s->n_tokens - start < budget ? (int32_t)(s->n_tokens - start) : budget);
         /* an upper bound: hit blocks another sequence holds cost nothing */
         if (set_need(e) + kvf_kv_blocks_for(start + c, bs) > kvf_kv_pool_available(e->pool))
             break;
@@ -985,7 +1161,7 @@ static void schedule(kvf_engine *e)
         if (!s->admitted_ns)
             s->admitted_ns = kvf_now_ns();
         e->st.prefix_hit_tokens += hit;
-        c = s->n_tokens - hit < budget ? s->n_tokens - hit : budget;
+        c = chunk_cap(s, s->n_tokens - hit < budget ? (int32_t)(s->n_tokens - hit) : budget);
         s->state = SEQ_RUNNING;
         seats += seat_need(s);
         set_add(e, s, c);
@@ -994,7 +1170,8 @@ static void schedule(kvf_engine *e)
 }
 
 /* Forks the unforked siblings of sample 0 (s) from its finished prompt and samples each one's
- * first token from the same logits row with its own generator. */
+ * first token from the same logits row with its own generator and its own processing (on a
+ * copy of the row: next_token). */
 static void fork_siblings(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy)
 {
     int32_t me = (int32_t)(s - e->seqs);
@@ -1013,7 +1190,7 @@ static void fork_siblings(kvf_engine *e, eng_seq *s, const float *row, int32_t g
         c->n_tokens = c->n_computed = s->n_computed;
         c->parent = -1;
         c->state = SEQ_RUNNING;
-        take_token(e, c, sample_for(e, c, row, greedy));
+        next_token(e, c, row, greedy, -1);
     }
     s->forked = true;
 }
@@ -1023,6 +1200,9 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
 {
     int64_t t_step = kvf_now_ns();
     e->n_outs = 0;
+    for (int32_t i = 0; i < e->n_plp_dead; i++) /* the last step's outputs are gone now */
+        free(e->plp_dead[i]);
+    e->n_plp_dead = 0;
     e->in_step = true;
     flush_pending(e);
     release_expired(e, t_step);
@@ -1069,13 +1249,18 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     }
     /* A sequence that emits a token this step and samples with a temperature draws on the
      * backend when it can (one uniform from its generator, as the host sampler takes), so the
-     * logits stay there; they leave it only for the host sampler, and always for a sequence
-     * about to fork its siblings (they draw from its row). */
+     * logits stay there; they leave it only for the host sampler, always for a sequence about
+     * to fork its siblings (they draw from its row), for one with logit processing or
+     * log-probabilities (host_path: this is how a GPU honours penalties, logit_bias, min_p,
+     * min_tokens and logprobs: the row comes to the host for such sequences only) and for one
+     * collecting its prompt's log-probabilities. */
     bool need_logits = false, backend_draws = kvf_model_fwd_samples(e->fwd);
     for (int32_t i = 0; i < e->n_set; i++) {
         eng_seq *s = slot_seq(e, e->set[i]);
         bool emits = s->n_computed + (int32_t)e->set_n[i] >= s->n_tokens;
-        if (!emits || !(s->sp.temperature > 0))
+        if (plp_active(s) || (emits && host_path(s)))
+            need_logits = true;
+        if (!emits || !(s->sp.temperature > 0) || host_path(s))
             continue;
         if (!backend_draws || (s->index == 0 && s->n > 1 && !s->forked)) {
             need_logits = true;
@@ -1109,12 +1294,14 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
                 kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: commit: %s",
                         (unsigned long long)s->id, s->index, cerr.msg);
         }
+        const float *row = e->logits + (size_t)i * e->vocab;
+        if (need_logits)
+            plp_store(e, s, row);
         if (s->n_computed < s->n_tokens)
             continue; /* a prefill chunk that is not the last */
-        const float *row = e->logits + (size_t)i * e->vocab;
         if (s->index == 0 && s->n > 1 && !s->forked)
             fork_siblings(e, s, row, e->next[i]);
-        take_token(e, s, e->mseq[i].sample ? e->next[i] : sample_for(e, s, row, e->next[i]));
+        next_token(e, s, row, e->next[i], e->mseq[i].sample ? e->next[i] : -1);
     }
     goto out;
 fail:

@@ -101,20 +101,24 @@ typedef struct kvf_engine_sampling {
     int32_t eos_ids[KVF_ENGINE_MAX_STOP];  /* the same, for the model's end-of-sequence ids */
     int32_t n_eos;
     /* Logit processing before the draw, as vLLM defines it (formulas at
-     * kvf_engine_process_logits, engine/sample.h); every zero value is "off". */
+     * kvf_engine_process_logits, engine/sample.h); every zero value is "off". A sequence with
+     * any of them (or with logprobs) has its logits row brought to the host and its token
+     * chosen there, on every backend; others keep the backend's own draw. */
     float presence_penalty;   /* [-2, 2] */
     float frequency_penalty;  /* [-2, 2] */
     float repetition_penalty; /* (0, 2]; 0 and 1: off */
-    float min_p;              /* [0, 1] */
-    int32_t min_tokens;       /* stop and eos ids cannot be drawn before this many new tokens */
-    int32_t n_bias;
+    float min_p;              /* [0, 1]; applies when temperature > 0 (greedy ignores it) */
+    int32_t min_tokens;       /* 0..max_tokens: stop and eos ids cannot be drawn before this
+                               * many new tokens */
+    int32_t n_bias;           /* 0..KVF_ENGINE_MAX_BIAS; ids in the vocabulary */
     kvf_engine_bias bias[KVF_ENGINE_MAX_BIAS];
     /* Log-probabilities (log-softmax of the raw logits, before any processing, as vLLM's
      * default "raw_logprobs"): of each new token, with the top_logprobs largest beside it. */
     bool logprobs;
     int32_t top_logprobs;     /* 0..KVF_ENGINE_MAX_LOGPROBS */
     /* The same for every prompt token but the first (with top_logprobs beside each): the
-     * prompt is then computed without the prefix cache, one token per step. */
+     * prompt is then computed without the prefix cache, one token per step. Sample 0 only;
+     * refused with a remote prefill (kvf_engine_add_remote). */
     bool prompt_logprobs;
 } kvf_engine_sampling;
 
@@ -163,13 +167,15 @@ typedef struct kvf_engine_output {
     kvf_engine_finish finish;
     int64_t n_cached;    /* prompt tokens the prefix cache served at its last admission */
     /* sampling.logprobs: token's log-probability and the n_top largest, largest first (ties
-     * to the lower id); logprob is NaN and n_top 0 otherwise, and when token is -1. */
+     * to the lower id); logprob is NaN and n_top 0 otherwise, when token is -1, and on outputs
+     * made outside a step (a remote prefill's first token). */
     float logprob;
     int32_t n_top;
     kvf_engine_logprob top[KVF_ENGINE_MAX_LOGPROBS];
     /* sampling.prompt_logprobs, on the first output of sample 0 only (else NULL): rows for the
      * prompt tokens 1..n_prompt-1, each 1 + top_logprobs entries (the prompt token's own, then
-     * the top); engine-owned, valid until the next step. */
+     * the top; a top entry of id -1 pads a row with fewer ids than asked); engine-owned,
+     * valid until the next step. With a one-token prompt: NULL, 0 rows. */
     const kvf_engine_logprob *prompt_lps;
     int32_t n_prompt_lps; /* rows: n_prompt - 1 */
 } kvf_engine_output;

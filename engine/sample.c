@@ -1,6 +1,7 @@
-/* sample.c: xoshiro256** seeded by splitmix64, and temperature / top-k / top-p sampling over
- * one logits row with preallocated scratch: the cuts are found by selection (no sort), so a
- * draw costs a few passes over the row and one exp per id. */
+/* sample.c: xoshiro256** seeded by splitmix64, vLLM's logit processing, temperature / top-k /
+ * top-p sampling over one logits row with preallocated scratch (the cuts are found by selection,
+ * no sort, so a draw costs a few passes over the row and one exp per id) and log-softmax with
+ * the top entries of a row. */
 #include "engine/sample.h"
 
 #include <math.h>
@@ -53,7 +54,10 @@ kvf_status kvf_engine_sampler_init(kvf_engine_sampler *s, int32_t vocab, kvf_err
     s->cand = malloc(n * sizeof *s->cand);
     s->w = malloc(n * sizeof *s->w);
     s->hist = malloc(KVF_ENGINE_SAMPLE_BUCKETS * sizeof *s->hist);
-    if (!s->cand || !s->w || !s->hist) {
+    s->count = calloc(n, sizeof *s->count);
+    s->seen = calloc(n, sizeof *s->seen);
+    s->touched = malloc(n * sizeof *s->touched);
+    if (!s->cand || !s->w || !s->hist || !s->count || !s->seen || !s->touched) {
         kvf_engine_sampler_fini(s);
         return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for a sampler of %d ids", vocab);
     }
@@ -65,9 +69,15 @@ void kvf_engine_sampler_fini(kvf_engine_sampler *s)
     free(s->cand);
     free(s->w);
     free(s->hist);
+    free(s->count);
+    free(s->seen);
+    free(s->touched);
     s->cand = NULL;
     s->w = NULL;
     s->hist = NULL;
+    s->count = NULL;
+    s->seen = NULL;
+    s->touched = NULL;
 }
 
 int32_t kvf_engine_argmax(const float *logits, int32_t vocab)
@@ -286,4 +296,128 @@ int32_t kvf_engine_sample(kvf_engine_sampler *s, const float *logits, float temp
                 return i;
         }
     return last >= 0 ? last : kvf_engine_argmax(logits, v); /* rounding */
+}
+
+
+/* ---- logit processing and log-probabilities ---------------------------------------------- */
+
+static bool rep_on(const kvf_engine_sampling *sp)
+{
+    return sp->repetition_penalty > 0 && sp->repetition_penalty != 1.0f;
+}
+
+bool kvf_engine_processes(const kvf_engine_sampling *sp, int32_t n_output)
+{
+    return sp->presence_penalty != 0 || sp->frequency_penalty != 0 || rep_on(sp) ||
+           sp->n_bias > 0 || (sp->min_p > 0 && sp->temperature > 0) ||
+           (n_output < sp->min_tokens && sp->n_stop + sp->n_eos > 0);
+}
+
+void kvf_engine_process_logits(kvf_engine_sampler *s, float *logits, const kvf_engine_sampling *sp,
+                               const int32_t *tokens, int32_t n_prompt, int32_t n_output)
+{
+    int32_t v = s->vocab;
+    /* 1. min_tokens: no stop or eos id before n_output reaches it */
+    if (n_output < sp->min_tokens) {
+        for (int32_t i = 0; i < sp->n_stop; i++)
+            if (sp->stop_ids[i] >= 0 && sp->stop_ids[i] < v)
+                logits[sp->stop_ids[i]] = -INFINITY;
+        for (int32_t i = 0; i < sp->n_eos; i++)
+            if (sp->eos_ids[i] >= 0 && sp->eos_ids[i] < v)
+                logits[sp->eos_ids[i]] = -INFINITY;
+    }
+    /* 2. logit_bias: logit += bias */
+    for (int32_t i = 0; i < sp->n_bias; i++)
+        if (sp->bias[i].id >= 0 && sp->bias[i].id < v)
+            logits[sp->bias[i].id] += sp->bias[i].bias;
+    /* 3 and 4. the penalties, over the ids seen (each listed once in touched) */
+    bool rep = rep_on(sp), fp = sp->frequency_penalty != 0 || sp->presence_penalty != 0;
+    if (rep || fp) {
+        int32_t n_t = 0;
+        for (int32_t j = n_prompt; j < n_prompt + n_output; j++) {
+            int32_t id = tokens[j];
+            if (id < 0 || id >= v)
+                continue;
+            if (!s->seen[id]) {
+                s->seen[id] = 1;
+                s->touched[n_t++] = id;
+            }
+            s->count[id]++;
+        }
+        if (rep)
+            for (int32_t j = 0; j < n_prompt; j++) {
+                int32_t id = tokens[j];
+                if (id >= 0 && id < v && !s->seen[id]) {
+                    s->seen[id] = 1;
+                    s->touched[n_t++] = id;
+                }
+            }
+        float p = sp->repetition_penalty, f = sp->frequency_penalty, r = sp->presence_penalty;
+        for (int32_t k = 0; k < n_t; k++) {
+            int32_t id = s->touched[k], c = s->count[id];
+            float l = logits[id];
+            if (rep) /* every touched id is in the prompt or the output */
+                l = l > 0 ? l / p : l * p;
+            if (fp && c > 0)
+                l -= f * (float)c + r;
+            logits[id] = l;
+            s->count[id] = 0;
+            s->seen[id] = 0;
+        }
+    }
+    /* 5. min_p: logit >= max + T * ln(min_p), computed in double */
+    if (sp->min_p > 0 && sp->temperature > 0) {
+        float mx = -INFINITY;
+        for (int32_t i = 0; i < v; i++)
+            if (logits[i] == logits[i])
+                mx = logits[i] > mx ? logits[i] : mx;
+        if (mx > -INFINITY && mx < INFINITY) {
+            double thr = (double)mx + (double)sp->temperature * log((double)sp->min_p);
+            for (int32_t i = 0; i < v; i++)
+                if (!((double)logits[i] >= thr))
+                    logits[i] = -INFINITY;
+        }
+    }
+}
+
+float kvf_engine_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
+                          kvf_engine_logprob *top_out, int32_t *n_top_out)
+{
+    /* log-sum-exp, shifted by the largest, summed in double */
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < vocab; i++)
+        if (logits[i] == logits[i])
+            mx = logits[i] > mx ? logits[i] : mx;
+    double lse = (double)mx;
+    if (mx > -INFINITY && mx < INFINITY) {
+        double z = 0;
+        for (int32_t i = 0; i < vocab; i++)
+            if (logits[i] == logits[i])
+                z += exp((double)logits[i] - (double)mx);
+        lse += log(z);
+    }
+    /* the n_top largest by one pass of insertion (n_top <= KVF_ENGINE_MAX_LOGPROBS): scanning
+     * ids upward and inserting after equal values keeps ties in id order */
+    int32_t k = 0;
+    if (n_top > 0)
+        for (int32_t i = 0; i < vocab; i++) {
+            float x = logits[i];
+            if (x != x || (k == n_top && !(x > top_out[k - 1].logprob)))
+                continue;
+            int32_t pos = k < n_top ? k : n_top - 1;
+            while (pos > 0 && top_out[pos - 1].logprob < x) {
+                top_out[pos] = top_out[pos - 1];
+                pos--;
+            }
+            top_out[pos] = (kvf_engine_logprob){.id = i, .logprob = x};
+            if (k < n_top)
+                k++;
+        }
+    for (int32_t j = 0; j < k; j++)
+        top_out[j].logprob = (float)((double)top_out[j].logprob - lse);
+    if (n_top_out)
+        *n_top_out = k;
+    if (token < 0 || token >= vocab)
+        return NAN;
+    return (float)((double)logits[token] - lse);
 }

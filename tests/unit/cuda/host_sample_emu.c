@@ -4,13 +4,18 @@
  * stay the argmax, bad draws are refused before the step; and the engine draws on the backend
  * (seeded runs repeat, a fork still works, greedy requests beside sampled ones keep the
  * fixture's tokens, and the CPU engine, drawing on the host by the same rule, draws the same
- * tokens). */
+ * tokens); a sequence with issue 23's processing or logprobs takes the host path (its row
+ * downloaded, never the backend's draw) beside one that still draws on the backend, with the
+ * CPU engine's tokens and logprobs. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include <cmocka.h>
+
+#include <math.h>
+#include <string.h>
 
 #include "testutil.h"
 
@@ -179,6 +184,77 @@ static void test_engine_draws_on_the_backend(void **state)
     et_close(fx);
 }
 
+/* Issue 23's sampling on the emulated GPU: penalties, a bias, min_p and logprobs (id 1) and
+ * greedy with logprobs (id 2) take the host path while a plain sampled request (id 0) still
+ * draws on the backend; every token and logprob equals the CPU engine's. */
+static void test_engine_processing_takes_the_host_path(void **state)
+{
+    (void)state;
+    et_fixture *fx = et_open("tiny-gqa-f32");
+    const et_case *c0 = &fx->cases[0], *c1 = &fx->cases[1 % fx->n_cases];
+    enum { NT = 12 };
+    int32_t tok[2][3][NT], n[2][3];
+    float lp[2][3][NT];
+    int64_t draws[2];
+    memset(n, 0, sizeof n);
+    for (int run = 0; run < 2; run++) { /* the emulated GPU, then the CPU */
+        kvf_engine *e = make_engine(fx, run == 0 ? kvf_cuda_backend() : kvf_model_backend_cpu());
+        kvf_engine_request p = et_req(0, c1->prompt, c1->n_prompt, NT);
+        p.sampling.temperature = 1.2f;
+        p.sampling.seed = 5;
+        kvf_engine_request q = p;
+        q.id = 1;
+        q.sampling.frequency_penalty = 0.8f;
+        q.sampling.presence_penalty = 0.3f;
+        q.sampling.repetition_penalty = 1.3f;
+        q.sampling.min_p = 0.05f;
+        q.sampling.n_bias = 1;
+        q.sampling.bias[0] = (kvf_engine_bias){.id = c1->greedy[0], .bias = -100.0f};
+        q.sampling.logprobs = true;
+        q.sampling.top_logprobs = 4;
+        kvf_engine_request g = et_req(2, c0->prompt, c0->n_prompt, NT);
+        g.sampling.logprobs = true;
+        et_add(e, &p);
+        et_add(e, &q);
+        et_add(e, &g);
+        kvf_err err = {0};
+        while (kvf_engine_busy(e)) {
+            const kvf_engine_output *o;
+            int32_t no;
+            if (kvf_engine_step(e, &o, &no, &err) != KVF_OK)
+                fail_msg("step: %s", err.msg);
+            for (int32_t i = 0; i < no; i++) {
+                int32_t id = (int32_t)o[i].id;
+                assert_true(id >= 0 && id < 3);
+                if (o[i].token < 0)
+                    continue;
+                assert_true(n[run][id] < NT);
+                tok[run][id][n[run][id]] = o[i].token;
+                lp[run][id][n[run][id]++] = o[i].logprob;
+                assert_true(id == 0 ? isnan(o[i].logprob) : o[i].logprob <= 0);
+            }
+        }
+        kvf_engine_stats st;
+        kvf_engine_get_stats(e, &st);
+        draws[run] = st.backend_draws;
+        kvf_engine_destroy(e);
+    }
+    /* only the plain sampled request drew on the backend */
+    assert_int_equal(draws[0], NT);
+    assert_int_equal(draws[1], 0);
+    for (int id = 0; id < 3; id++) {
+        et_assert_tokens("emulated GPU against the CPU", tok[0][id], n[0][id], tok[1][id], n[1][id]);
+        assert_int_equal(n[0][id], NT);
+        for (int i = 0; id > 0 && i < NT; i++)
+            if (fabsf(lp[0][id][i] - lp[1][id][i]) > 1e-4f)
+                fail_msg("req %d token %d: logprob %.7f on the GPU, %.7f on the CPU", id, i,
+                         (double)lp[0][id][i], (double)lp[1][id][i]);
+    }
+    et_assert_tokens("greedy with logprobs", tok[0][2], NT, c0->greedy, NT);
+    assert_int_not_equal(tok[0][1][0], c1->greedy[0]); /* the -100 bias */
+    et_close(fx);
+}
+
 int main(void)
 {
     char why[256];
@@ -189,6 +265,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_forward_draws_follow_the_rule),
         cmocka_unit_test(test_engine_draws_on_the_backend),
+        cmocka_unit_test(test_engine_processing_takes_the_host_path),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
