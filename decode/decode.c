@@ -535,10 +535,11 @@ static kvf_status send_prompt_lps(dreq *q, const kvf_engine_output *o, int32_t a
                            "logprob rows", q->id, n);
     for (int32_t i = 0; i < n; i++) {
         const kvf_engine_logprob *e = o->prompt_lps + (size_t)(at + i) * (size_t)w;
-        rows[i] = (kvf_rpc_logprob){.logprob = e[0].logprob, .n_top = w - 1};
-        for (int32_t k = 1; k < w && k <= KVF_RPC_MAX_LOGPROBS; k++) {
+        rows[i] = (kvf_rpc_logprob){.logprob = e[0].logprob};
+        for (int32_t k = 1; k < w && k <= KVF_RPC_MAX_LOGPROBS && e[k].id >= 0; k++) { /* -1 pads */
             rows[i].top_ids[k - 1] = e[k].id;
             rows[i].top_lps[k - 1] = e[k].logprob;
+            rows[i].n_top = k;
         }
     }
     kvf_rpc_generate_resp r = {.index = 0, .prompt_lps = rows, .n_prompt_lps = (size_t)n,
