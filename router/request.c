@@ -65,6 +65,10 @@ struct kvf_router_req {
     kvf_router_oai_error prep_e;
     atomic_bool gone;          /* the client left: the prep thread may skip the work */
     kvf_router_req *qnext;     /* the prep queue, or the done list */
+    /* A prep job (kvf_router_reqs_start_job) instead of a generation: answered with job_out
+     * once the prep thread ran it; NULL for generation requests. */
+    const kvf_router_prep_job *job;
+    kvf_sbuf job_out;
 };
 
 struct kvf_router_reqs {
@@ -121,6 +125,7 @@ static void rq_free(kvf_router_req *r)
     free(r->seqs);
     free(r->prompt);
     free(r->hashes);
+    kvf_sbuf_fini(&r->job_out);
     kvf_router_oai_req_fini(&r->oai);
     free(r);
 }
@@ -448,6 +453,8 @@ static void *prep_main(void *arg)
         pthread_mutex_unlock(&rs->mu);
         if (atomic_load(&r->gone))
             r->prep_st = KVF_ERR_CANCELLED; /* the loop answers nobody: the client left */
+        else if (r->job)
+            r->prep_st = r->job->run(&rs->cfg, r->body, r->body_len, &r->job_out, &r->prep_e);
         else
             r->prep_st = accept_request(rs, r, r->kind, r->body, r->body_len, &r->prep_e);
         free(r->body);
@@ -466,8 +473,10 @@ static void *prep_main(void *arg)
 /* The most requests being prepared at once; more get 503 (each holds its body until then). */
 #define MAX_PREP 256
 
-void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
-                           const char *id, const char *tenant, const char *body, size_t len)
+/* Queues a generation request (job NULL) or a prep job. */
+static void prep_enqueue(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                         const kvf_router_prep_job *job, const char *id, const char *tenant, const char *body,
+                         size_t len)
 {
     const kvf_router_reqs_cfg *c = &rs->cfg;
     kvf_router_oai_error e;
@@ -496,6 +505,8 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     r->body[len] = 0;
     r->body_len = len;
     r->kind = kind;
+    r->job = job;
+    kvf_sbuf_init(&r->job_out);
     r->client = client;
     /* On the loop's list of requests being prepared (a client that leaves marks it gone), and
      * on the prep queue. */
@@ -515,6 +526,33 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     pthread_mutex_unlock(&rs->mu);
 }
 
+void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                           const char *id, const char *tenant, const char *body, size_t len)
+{
+    prep_enqueue(rs, client, kind, NULL, id, tenant, body, len);
+}
+
+void kvf_router_reqs_start_job(kvf_router_reqs *rs, kvf_router_client *client, const kvf_router_prep_job *job,
+                               const char *id, const char *body, size_t len)
+{
+    prep_enqueue(rs, client, KVF_ROUTER_OAI_COMPLETIONS, job, id, NULL, body, len);
+}
+
+/* Loop thread: a prep job's answer (its JSON, or its error), and r freed. */
+static void answer_job(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_client *client)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_client_on_close(c->h, client, NULL);
+    if (r->prep_st == KVF_OK) {
+        kvf_log(KVF_LOG_DEBUG, "router: req %s: %s answered (%zu bytes)", r->id, r->job->name, r->job_out.len);
+        kvf_router_http_send_json(c->h, client, 200, r->id, r->job_out.data ? r->job_out.data : "{}",
+                                  r->job_out.data ? r->job_out.len : 2);
+    } else {
+        kvf_router_http_send_error(c->h, client, r->id, &r->prep_e, 0);
+    }
+    rq_free(r);
+}
+
 /* Loop thread: a prep thread finished r (off the prep list now). Steps 1 (the end) to 3, then
  * it waits for its stream. */
 static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
@@ -530,6 +568,10 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
         kvf_metric_add(rs->m_disconnects, 1);
         kvf_router_client_send_gone(client, false);
         rq_free(r);
+        return;
+    }
+    if (r->job) {
+        answer_job(rs, r, client);
         return;
     }
     if (r->prep_st != KVF_OK) {
