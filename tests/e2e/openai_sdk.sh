@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # openai_sdk.sh: `kvfleet up` (1 prefill + 1 decode worker, a generated model with a tokenizer and
-# a chat template, an API key, CORS for one origin) driven by the official `openai` npm client:
-# tests/openai/sdk.mjs holds the cases (models, completions and chat plain and streamed, errors as
-# the SDK's classes, /tokenize and /detokenize, CORS). Skips (77) when node or the SDK is missing:
-# scripts/install-deps.sh installs it (npm ci in tests/openai). SDK_CASE=substring runs only the
-# cases whose name has it. Every process is killed on exit.
+# a chat template, an API key, CORS for one origin with credentials) driven by the official
+# `openai` npm client: tests/openai/sdk.mjs holds the cases (models, completions and chat plain
+# and streamed, errors as the SDK's classes, /tokenize and /detokenize, CORS). Skips (77) when
+# node or the SDK is missing: scripts/install-deps.sh installs it (npm ci in tests/openai).
+# SDK_CASE=substring runs only the cases whose name has it. Every process is killed on exit.
 source "$(dirname "$0")/../cli/lib.sh"
 source "$(dirname "$0")/fleet.sh"
 SDK="$(cd "$(dirname "$0")/../openai" && pwd)"
@@ -28,7 +28,7 @@ M="$TMP/sdk-model"
 "$KVF_BIN" gen-model --out "$M" >/dev/null 2>&1 || fail "gen-model"
 KEY=sk-sdk-test-0123
 ORIGIN=https://app.example.com
-"$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" \
+"$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials \
     >"$TMP/up.out" 2>"$TMP/up.err" &
 UP=$!
 PIDS+=("$UP")

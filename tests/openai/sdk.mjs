@@ -175,6 +175,7 @@ const cases = [
       const r = await preflight(origin);
       assert.equal(r.status, 204);
       assert.equal(r.headers.get('access-control-allow-origin'), origin);
+      assert.equal(r.headers.get('access-control-allow-credentials'), 'true'); // --allow-credentials reached the router
       assert.match(r.headers.get('access-control-allow-methods'), /POST/);
       assert.match(r.headers.get('access-control-allow-headers').toLowerCase(), /authorization/);
       assert.ok(Number(r.headers.get('access-control-max-age')) > 0);

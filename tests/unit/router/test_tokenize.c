@@ -147,9 +147,16 @@ static void test_validation(void **state)
         json_decref(j);
     }
     free(body);
+    /* a template that fails: the template's error, without the server's file path */
+    kvf_router_oai_error e;
+    assert_null(run(&kvf_router_tokenize_job, &c,
+                    "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}]}]}", &e));
+    assert_int_equal(e.http_status, 400);
+    assert_string_equal(e.param, "messages");
+    if (strncmp(e.message, "chat template: ", 15) != 0 || strstr(e.message, g_dir) || strstr(e.message, "tokenizer_config"))
+        fail_msg("the template error names the server's files: %s", e.message);
     /* no tokenizer: a 400 that says so */
     c.tok = NULL;
-    kvf_router_oai_error e;
     assert_null(run(&kvf_router_tokenize_job, &c, "{\"prompt\":\"a\"}", &e));
     assert_int_equal(e.http_status, 400);
     assert_string_equal(e.code, "no_tokenizer");
