@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "common/json.h"
+#include "common/log.h"
 
 /* The fields each form takes; anything else is refused, never ignored. */
 static const char *const prompt_fields[] = {"model", "prompt", "add_special_tokens", "return_token_strs", NULL};
@@ -226,6 +227,7 @@ static kvf_status tokens_json(const kvf_router_reqs_cfg *c, const int32_t *ids, 
 kvf_status kvf_router_tokenize_run(const kvf_router_reqs_cfg *c, const char *body, size_t len, kvf_sbuf *out,
                                    kvf_router_oai_error *e)
 {
+    kvf_log(KVF_LOG_DEBUG, "router: tokenize: %zu bytes", len);
     json_t *o = NULL;
     kvf_status st = load_body(c, body, len, "tokenize", &o, e);
     if (st != KVF_OK)

@@ -4,7 +4,8 @@
  * the tokenizer and the chat template themselves; then a router in this process (no worker:
  * neither needs one) with an API key and CORS, as a table of requests and the status and
  * headers they must get: preflights answered before the key, 401s and JSON answers carrying
- * Access-Control-Allow-Origin for an allowed origin only. The model: the fixture's config.json
+ * Access-Control-Allow-Origin for an allowed origin only; and a large prompt tokenized while
+ * the loop answers /health. The model: the fixture's config.json
  * with kvf_text_tokenizer_write_default's tokenizer and ChatML template. */
 #include <setjmp.h>
 #include <signal.h>
@@ -16,7 +17,9 @@
 #include <arpa/inet.h>
 #include <jansson.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +27,8 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include "common/log.h"
+#include "common/time.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "router/http.h"
@@ -278,9 +283,10 @@ static void *router_main(void *arg)
     return NULL;
 }
 
-static void router_start(router *r, const char *origins, bool credentials, const char *api_key)
+static void router_start_len(router *r, const char *origins, bool credentials, const char *api_key, int32_t max_len)
 {
     kvf_router_http_cfg c = {0};
+    c.max_model_len = max_len;
     c.host = "127.0.0.1";
     c.model = g_dir;
     c.served_name = "tm";
@@ -297,6 +303,11 @@ static void router_start(router *r, const char *origins, bool credentials, const
         fail_msg("%s", e.msg);
     r->port = kvf_router_http_port(r->h);
     assert_int_equal(pthread_create(&r->th, NULL, router_main, r), 0);
+}
+
+static void router_start(router *r, const char *origins, bool credentials, const char *api_key)
+{
+    router_start_len(r, origins, credentials, api_key, 0);
 }
 
 static void router_stop(router *r)
@@ -421,6 +432,78 @@ static void test_http_cors(void **state)
     router_stop(&off);
 }
 
+/* Set once the router's log says a tokenize job over a large body began. */
+static atomic_bool g_big_started;
+
+static void big_sink(void *ctx, kvf_log_level level, const char *line)
+{
+    (void)ctx, (void)level;
+    const char *p = strstr(line, "router: tokenize: ");
+    if (p && strtoull(p + 18, NULL, 10) > 1000000)
+        atomic_store(&g_big_started, true);
+}
+
+/* A prompt the tokenizer takes a while over (3.5 MB of words; about 1.5 s here) does not hold up
+ * the loop: /health, sent once the tokenizing began (the job's debug line), is answered while
+ * the tokens are still being made. */
+static void test_off_the_loop(void **state)
+{
+    (void)state;
+    router r = {0};
+    kvf_log_set_sink(big_sink, NULL);
+    kvf_log_set_level(KVF_LOG_DEBUG);
+    router_start_len(&r, NULL, false, NULL, 4000000); /* a context that can hold it */
+    static const char *const words[] = {"sea", "wave", "ship", "the", "a", "blue", "storm", "sailor", "wind", "harbor"};
+    size_t cap = 4u << 20, n = 0;
+    char *body = malloc(cap);
+    assert_non_null(body);
+    n += (size_t)snprintf(body, cap, "{\"prompt\":\"");
+    uint32_t x = 12345;
+    while (n < 3500000) {
+        x = x * 1103515245u + 12345u;
+        n += (size_t)snprintf(body + n, cap - n, "%s ", words[(x >> 16) % 10]);
+    }
+    n += (size_t)snprintf(body + n, cap - n, "\"}");
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)r.port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    char head[256];
+    int hl = snprintf(head, sizeof head,
+                      "POST /tokenize HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n", n);
+    assert_int_equal(write(fd, head, (size_t)hl), hl);
+    for (size_t off = 0; off < n;) {
+        ssize_t k = write(fd, body + off, n - off);
+        assert_true(k > 0);
+        off += (size_t)k;
+    }
+    for (int i = 0; i < 6000 && !atomic_load(&g_big_started); i++) /* the event, within 30 s */
+        kvf_sleep_ms(5);
+    assert_true(atomic_load(&g_big_started));
+    resp h;
+    http(r.port, "GET", "/health", NULL, NULL, &h);
+    assert_int_equal(h.status, 200);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int answered_first = poll(&p, 1, 0);
+    /* then the tokens, in full */
+    struct timeval tv = {60, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    size_t len = 0;
+    ssize_t k;
+    while ((k = read(fd, body + len, cap - 1 - len)) > 0)
+        len += (size_t)k;
+    close(fd);
+    body[len] = 0;
+    if (!strstr(body, "HTTP/1.1 200") || !strstr(body, "\"count\":"))
+        fail_msg("the large tokenize: %.300s", body);
+    if (answered_first)
+        fail_msg("/health was answered only after the large prompt's tokens: the tokenizer ran on the loop");
+    free(body);
+    router_stop(&r);
+    kvf_log_set_level(KVF_LOG_INFO);
+    kvf_log_set_sink(NULL, NULL);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
@@ -428,6 +511,7 @@ int main(void)
         cmocka_unit_test(test_validation),
         cmocka_unit_test(test_answers),
         cmocka_unit_test(test_http_cors),
+        cmocka_unit_test(test_off_the_loop),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
