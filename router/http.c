@@ -1,11 +1,12 @@
 /* http.c: the router's HTTP glue on one libevent loop: the routes (/v1/completions and
  * /v1/chat/completions handed to request.c, /tokenize and /detokenize to its prep threads as
  * tokenize.c's jobs; /health, /ready, /metrics, /v1/models answered here), CORS headers and
- * preflights (cors.c's rules), the bytes of every answer, and the loop's wake-ups: Generate and WatchKv streams wake
- * it when a message or their end arrives (an atomic flag per stream and one libevent user
- * event), and a 100 ms safety timer notices clients that left plain requests and logs index
- * health. Everything runs on the loop thread, so no lock guards the requests. One request's
- * life is request.c's, the pools and WatchKv watch.c's, membership and health fleet.c's. */
+ * preflights (cors.c's rules), the bytes of every answer, and the loop's wake-ups: Generate and
+ * WatchKv streams wake it when a message or their end arrives (an atomic flag per stream and one
+ * libevent user event), and a 100 ms safety timer notices clients that left plain requests and
+ * logs index health. Everything runs on the loop thread, so no lock guards the requests. One
+ * request's life is request.c's, the pools and WatchKv watch.c's, membership and health
+ * fleet.c's. */
 #include "router/http.h"
 
 #include <ctype.h>

@@ -70,16 +70,14 @@ static kvf_status only_fields(const json_t *o, const char *const *allowed, const
         bool ok = false;
         for (size_t i = 0; allowed[i] && !ok; i++)
             ok = strcmp(key, allowed[i]) == 0;
-        if (!ok)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", key, "unknown_parameter",
-                                            "Unrecognized request argument supplied: '%.60s' (%s takes: %s)", key,
-                                            form,
-                                            allowed == chat_fields
-                                                ? "model, messages, add_generation_prompt, continue_final_message, "
-                                                  "add_special_tokens, chat_template_kwargs, tools, return_token_strs"
-                                            : allowed == prompt_fields
-                                                ? "model, prompt, add_special_tokens, return_token_strs"
-                                                : "model, tokens");
+        if (ok)
+            continue;
+        char list[256] = "";
+        for (size_t i = 0, n = 0; allowed[i] && n < sizeof list; i++)
+            n += (size_t)snprintf(list + n, sizeof list - n, "%s%s", i ? ", " : "", allowed[i]);
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", key, "unknown_parameter",
+                                        "Unrecognized request argument supplied: '%.60s' (%s takes: %s)", key, form,
+                                        list);
     }
     return KVF_OK;
 }
@@ -250,8 +248,8 @@ kvf_status kvf_router_tokenize_run(const kvf_router_reqs_cfg *c, const char *bod
                                       "'prompt' (a string) or 'messages' (a chat) is required");
         goto done;
     }
-    if ((st = only_fields(o, chat ? chat_fields : prompt_fields, chat ? "/tokenize with messages" : "/tokenize with a prompt",
-                          e)) != KVF_OK ||
+    const char *form = chat ? "/tokenize with messages" : "/tokenize with a prompt";
+    if ((st = only_fields(o, chat ? chat_fields : prompt_fields, form, e)) != KVF_OK ||
         (st = opt_bool(o, "add_special_tokens", !chat, &add_special, e)) != KVF_OK ||
         (st = opt_bool(o, "return_token_strs", false, &strs, e)) != KVF_OK)
         goto done;
