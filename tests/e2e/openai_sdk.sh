@@ -26,6 +26,24 @@ trap cleanup_up EXIT
 
 M="$TMP/sdk-model"
 "$KVF_BIN" gen-model --out "$M" >/dev/null 2>&1 || fail "gen-model"
+# The engine's own answers (kvfleet generate, one process, no router) for the cases that check
+# the fleet honours issue 23's parameters exactly: {name: generate --json} in one file.
+PIDS_GEN=(5,17,33,2,250,9,61,77)
+gen() { # NAME FLAGS...
+    local name=$1; shift
+    printf '%s"%s":' "$SEP" "$name" >>"$TMP/gen.json"
+    "$KVF_BIN" generate --model "$M" --prompt-ids "${PIDS_GEN[0]}" --max-tokens 10 --json "$@" 2>>"$TMP/gen.err" \
+        >>"$TMP/gen.json" || { cat "$TMP/gen.err" >&2; fail "generate $name"; }
+    SEP=,
+}
+SEP=; printf '{' >"$TMP/gen.json"
+gen plain --logprobs 5 --prompt-logprobs
+gen frequency --frequency-penalty 1.5
+gen presence --presence-penalty 1.5
+gen repetition --repetition-penalty 1.8
+gen bias --logit-bias 7:100,9:-100
+printf '}' >>"$TMP/gen.json"
+export KVF_GEN_JSON="$TMP/gen.json" KVF_GEN_PROMPT="${PIDS_GEN[0]}"
 KEY=sk-sdk-test-0123
 ORIGIN=https://app.example.com
 "$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials \

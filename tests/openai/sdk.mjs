@@ -63,6 +63,22 @@ async function preflight(from, method = 'POST', reqHeaders = 'authorization,cont
   });
 }
 
+// The engine's own answers for the same prompt (openai_sdk.sh: kvfleet generate --json per
+// parameter set), and the prompt as token ids.
+import { readFileSync } from 'node:fs';
+const gen = process.env.KVF_GEN_JSON ? JSON.parse(readFileSync(process.env.KVF_GEN_JSON, 'utf8')) : null;
+const promptIds = (process.env.KVF_GEN_PROMPT ?? '').split(',').filter((x) => x).map(Number);
+const near = (a, b, what) => assert.ok(Math.abs(a - b) <= 1e-4, `${what}: ${a} vs ${b}`);
+
+// A completion of promptIds with these parameters, compared with generate's answer `name`.
+async function sameAsEngine(name, params) {
+  assert.ok(gen && gen[name], `no generate answer ${name}`);
+  const r = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 0, ...params });
+  assert.deepEqual(r.choices[0].token_ids, gen[name].output_ids, `${name}: fleet vs engine`);
+  assert.equal(r.choices[0].finish_reason, gen[name].finish_reason);
+  return r;
+}
+
 // ---- the cases ----------------------------------------------------------------------------------
 
 const cases = [
@@ -199,6 +215,132 @@ const cases = [
         .withResponse();
       assert.equal(response.headers.get('access-control-allow-origin'), origin);
       await drain(data, (c) => c.delta?.content);
+    },
+  },
+  // ---- issue 23: every parameter honoured exactly (the engine's answer) or refused by name ----
+  {
+    name: 'logprobs equal the engine\'s log-softmax; the greedy token has the top one',
+    run: async () => {
+      const r = await sameAsEngine('plain', { logprobs: 5 });
+      const lp = r.choices[0].logprobs;
+      assert.equal(lp.tokens.length, gen.plain.output_ids.length);
+      gen.plain.logprobs.forEach((g, i) => {
+        near(lp.token_logprobs[i], g.logprob, `token ${i}`);
+        const tops = Object.values(lp.top_logprobs[i]).sort((a, b) => b - a);
+        near(tops[0], g.top[0].logprob, `top of token ${i}`);
+        near(lp.token_logprobs[i], Math.max(...tops), `greedy token ${i} is the top`);
+        assert.ok(lp.text_offset[i] >= (i ? lp.text_offset[i - 1] : 0));
+      });
+      const s = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 0, logprobs: 5, stream: true });
+      const streamed = [];
+      for await (const c of s) streamed.push(...(c.choices[0]?.logprobs?.token_logprobs ?? []));
+      assert.equal(streamed.length, gen.plain.logprobs.length);
+      streamed.forEach((v, i) => near(v, gen.plain.logprobs[i].logprob, `streamed token ${i}`));
+    },
+  },
+  {
+    name: 'chat logprobs and top_logprobs, plain and streamed',
+    run: async () => {
+      const req = { model, messages, max_tokens: 4, temperature: 0, logprobs: true, top_logprobs: 3 };
+      const plain = await client.chat.completions.create(req);
+      const content = plain.choices[0].logprobs.content;
+      assert.equal(content.length, plain.usage.completion_tokens);
+      for (const t of content) {
+        assert.equal(t.top_logprobs.length, 3);
+        near(t.logprob, t.top_logprobs[0].logprob, 'greedy token is the top');
+        assert.ok(Array.isArray(t.bytes) && typeof t.token === 'string');
+      }
+      const got = [];
+      for await (const c of await client.chat.completions.create({ ...req, stream: true }))
+        got.push(...(c.choices[0]?.logprobs?.content ?? []));
+      assert.deepEqual(got.map((t) => t.logprob), content.map((t) => t.logprob));
+    },
+  },
+  {
+    name: 'echo with logprobs: the prompt\'s logprobs equal the engine\'s',
+    run: async () => {
+      const r = await client.completions.create({ model, prompt: promptIds, max_tokens: 2, temperature: 0, logprobs: 2, echo: true });
+      const lp = r.choices[0].logprobs;
+      assert.equal(lp.token_logprobs.length, promptIds.length + 2);
+      assert.equal(lp.token_logprobs[0], null);
+      for (let i = 1; i < promptIds.length; i++) near(lp.token_logprobs[i], gen.plain.prompt_logprobs[i].logprob, `prompt token ${i}`);
+      near(lp.token_logprobs[promptIds.length], gen.plain.logprobs[0].logprob, 'first new token');
+    },
+  },
+  { name: 'frequency_penalty as the engine applies it', run: () => sameAsEngine('frequency', { frequency_penalty: 1.5 }) },
+  { name: 'presence_penalty as the engine applies it', run: () => sameAsEngine('presence', { presence_penalty: 1.5 }) },
+  { name: 'repetition_penalty as the engine applies it', run: () => sameAsEngine('repetition', { repetition_penalty: 1.8 }) },
+  {
+    name: 'logit_bias: +100 forces a token (greedy and sampled, streamed too)',
+    run: async () => {
+      await sameAsEngine('bias', { logit_bias: { 7: 100, 9: -100 } });
+      const r = await client.completions.create({ model, prompt: 'x', max_tokens: 6, temperature: 1, seed: 5, logit_bias: { 7: 100 } });
+      assert.deepEqual(r.choices[0].token_ids, [7, 7, 7, 7, 7, 7]);
+      const s = await client.chat.completions.create({ model, messages, max_tokens: 3, logit_bias: { 7: 100 }, stream: true });
+      const ids = [];
+      for await (const c of s) ids.push(...(c.choices[0]?.token_ids ?? []));
+      assert.deepEqual(ids, [7, 7, 7]);
+    },
+  },
+  {
+    name: 'stop_token_ids end the answer with finish_reason stop; min_tokens holds them back',
+    run: async () => {
+      const stopAt = gen.plain.output_ids[2];
+      const r = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 0, stop_token_ids: [stopAt] });
+      const ids = r.choices[0].token_ids;
+      assert.equal(r.choices[0].finish_reason, 'stop');
+      assert.equal(ids[ids.length - 1], stopAt);
+      assert.ok(ids.length <= 3);
+      const held = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 0, stop_token_ids: [stopAt], min_tokens: 8 });
+      assert.ok(held.choices[0].token_ids.length >= 8, 'min_tokens let a stop id end it early');
+    },
+  },
+  {
+    name: 'min_p 1 at temperature 1 keeps only the likeliest token; top_k 1 too',
+    run: async () => {
+      const a = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 1, seed: 9, min_p: 1 });
+      const b = await client.completions.create({ model, prompt: promptIds, max_tokens: 10, temperature: 1, seed: 10, top_k: 1 });
+      assert.deepEqual(a.choices[0].token_ids, gen.plain.output_ids);
+      assert.deepEqual(b.choices[0].token_ids, gen.plain.output_ids);
+    },
+  },
+  {
+    name: 'a list of prompts: choices prompt × n + i, each its own prompt\'s answer',
+    run: async () => {
+      const single = await client.completions.create({ model, prompt: 'The sea is', ...greedy });
+      const r = await client.completions.create({ model, prompt: [promptIds, 'The sea is'], n: 2, ...greedy });
+      assert.equal(r.choices.length, 4);
+      r.choices.forEach((c, i) => assert.equal(c.index, i));
+      assert.deepEqual(r.choices[0].token_ids.slice(0, gen.plain.output_ids.length), gen.plain.output_ids);
+      assert.equal(r.choices[2].text, single.choices[0].text);
+      assert.equal(r.choices[3].text, single.choices[0].text);
+      const s = await drain(await client.completions.create({ model, prompt: ['The sea is', 'The sea is'], ...greedy, stream: true }), (c) => c.text);
+      assert.equal(s.text.length, 2 * single.choices[0].text.length);
+    },
+  },
+  {
+    name: 'best_of answers the n likeliest samples; echo leads with the prompt',
+    run: async () => {
+      const r = await client.completions.create({ model, prompt: 'The sea is', max_tokens: 4, temperature: 1, seed: 3, best_of: 4, n: 2, logprobs: 0 });
+      assert.equal(r.choices.length, 2);
+      const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+      assert.ok(sum(r.choices[0]) >= sum(r.choices[1]));
+      const e = await client.completions.create({ model, prompt: 'The sea is', max_tokens: 3, temperature: 0, echo: true });
+      assert.ok(e.choices[0].text.startsWith('The sea is'));
+    },
+  },
+  {
+    name: 'what this server does not have is refused by name, never ignored',
+    run: async () => {
+      await expectError(OpenAI.BadRequestError, 400, 'suffix', () => client.completions.create({ model, prompt: 'x', suffix: 'y' }));
+      await expectError(OpenAI.BadRequestError, 400, 'response_format', () =>
+        client.chat.completions.create({ model, messages, response_format: { type: 'json_object' } }));
+      await expectError(OpenAI.BadRequestError, 400, 'some_new_field', () => client.completions.create({ model, prompt: 'x', some_new_field: 1 }));
+      await expectError(OpenAI.BadRequestError, 400, 'best_of', () => client.completions.create({ model, prompt: 'x', best_of: 3, stream: true }));
+      await expectError(OpenAI.BadRequestError, 400, 'logit_bias', () => client.completions.create({ model, prompt: 'x', logit_bias: { 999999: 5 } }));
+      await expectError(OpenAI.BadRequestError, 400, 'top_logprobs', () => client.chat.completions.create({ model, messages, top_logprobs: 2 }));
+      const ok = await client.completions.create({ model, prompt: 'x', max_tokens: 1, user: 'u-1' }); // a harmless field
+      assert.equal(ok.choices.length, 1);
     },
   },
 ];
