@@ -11,6 +11,7 @@
 
 #include "common/sbuf.h"
 #include "common/status.h"
+#include "router/toolcall.h"
 
 #define KVF_ROUTER_OAI_MAX_STOP 4 /* stop strings per request, as OpenAI allows */
 #define KVF_ROUTER_OAI_MAX_N 64   /* choices per request (KVF_RPC_MAX_N) */
@@ -44,7 +45,9 @@ typedef struct kvf_router_oai_req {
     char *prompt_text;    /* completions with a text prompt, else NULL */
     int32_t *prompt_ids;  /* completions with token ids, else NULL */
     size_t n_prompt_ids;
-    json_t *messages;     /* chat: the messages array (a reference the request holds) */
+    json_t *messages;     /* chat: the messages as the chat template takes them (a copy:
+                             content parts joined into a string, null content "", tool call
+                             arguments decoded from their JSON strings), as vLLM passes them */
     json_t *chat_extra;   /* chat: chat_template_kwargs object, or NULL */
     int32_t max_tokens;   /* 0 when the client gave none */
     double temperature;   /* default 1 */
@@ -60,6 +63,9 @@ typedef struct kvf_router_oai_req {
     bool ignore_eos;      /* extension */
     bool skip_special_tokens; /* extension; default true */
     char *cache_salt;     /* extension; NULL = none */
+    json_t *tools;        /* chat: the checked tools array (a reference), or NULL */
+    bool tool_choice_none;    /* chat: tool_choice "none" (tools rendered, output not parsed) */
+    bool parallel_tool_calls; /* chat: default true; false keeps the first parsed call */
 } kvf_router_oai_req;
 
 /* Parses and validates a request body. Unknown fields are ignored; a known field of the wrong
@@ -75,6 +81,7 @@ typedef enum kvf_router_oai_finish {
     KVF_ROUTER_OAI_FINISH_STOP,
     KVF_ROUTER_OAI_FINISH_LENGTH,
     KVF_ROUTER_OAI_FINISH_ABORT, /* cancelled or failed mid-way ("abort", as vLLM says) */
+    KVF_ROUTER_OAI_FINISH_TOOL_CALLS, /* chat: the answer ended in tool calls */
 } kvf_router_oai_finish;
 const char *kvf_router_oai_finish_str(kvf_router_oai_finish f);
 
@@ -87,6 +94,11 @@ typedef struct kvf_router_oai_choice {
     size_t n_ids;
     kvf_router_oai_finish finish;
     bool first_chunk;       /* chat streaming: the delta also carries role "assistant" */
+    /* chat: tool calls (message.tool_calls, or a delta's, indexed from 0), their ids beside */
+    const kvf_router_toolcall *tool_calls;
+    const char (*tool_call_ids)[32]; /* [n_tool_calls] */
+    size_t n_tool_calls;
+    bool content_null;      /* chat answer with tool calls: "content": null */
 } kvf_router_oai_choice;
 
 typedef struct kvf_router_oai_usage {
