@@ -633,7 +633,7 @@ static kvf_status tool_parser_resolve(const kvf_router_http *h, kvf_router_toolc
     if (*out == KVF_ROUTER_TOOLCALL_AUTO)
         *out = kvf_router_toolcall_detect(h->tmpl ? kvf_text_chat_template_text(h->tmpl) : NULL);
     kvf_log(KVF_LOG_INFO, "router: tool calls in chat answers: %s%s", kvf_router_toolcall_format_name(*out),
-            strcmp(name, "auto") == 0 ? " (from the chat template)" : "");
+            strcmp(name, "auto") != 0 ? "" : h->tmpl ? " (from the chat template)" : " (no chat template)");
     return KVF_OK;
 }
 
