@@ -233,6 +233,25 @@ static kvf_status salt_request(kvf_router_req *r, kvf_router_oai_error *e)
     return KVF_OK;
 }
 
+/* Tools are honoured or refused: a template that never mentions them would drop them, and
+ * without a tool-call parser "auto" could never answer tool_calls (vLLM refuses it the same way
+ * without --tool-call-parser); tool_choice "none" only needs the template. */
+static kvf_status check_tools(const kvf_router_reqs *rs, const kvf_router_req *r, kvf_router_oai_error *e)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    if (r->oai.kind != KVF_ROUTER_OAI_CHAT || !json_array_size(r->oai.tools) || !c->tmpl)
+        return KVF_OK;
+    if (!strstr(kvf_text_chat_template_text(c->tmpl), "tools"))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tools", "unsupported_parameter",
+                                        "model '%s' has a chat template (%s) that does not render tools",
+                                        c->served, kvf_text_chat_template_source(c->tmpl));
+    if (!r->oai.tool_choice_none && c->tool_parser == KVF_ROUTER_TOOLCALL_NONE)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
+                                        "tool_choice \"auto\" needs a tool-call parser and this router has none "
+                                        "(start it with --tool-call-parser hermes or llama3_json); \"none\" works");
+    return KVF_OK;
+}
+
 /* A chat with tools (tool_choice not "none") has its answers parsed for tool calls in the
  * router's format. Hermes tags may be special tokens in some vocabularies: their text is kept
  * (skip_special_tokens off), as vLLM's hermes parser does; the stop token's text never shows
@@ -268,7 +287,7 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
     if (r->oai.n_stop && !c->tok)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "no_tokenizer",
                                         "'stop' strings need a tokenizer and model '%s' has none", c->served);
-    if (build_prompt(rs, r, e) != KVF_OK)
+    if (check_tools(rs, r, e) != KVF_OK || build_prompt(rs, r, e) != KVF_OK)
         return KVF_ERR_INVALID;
     if (r->n_prompt == 0)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",

@@ -324,6 +324,7 @@ typedef struct fixture {
 static const char *g_decode_dns; /* set by the DNS test */
 static int32_t g_block_size;      /* set by the block size test */
 static int32_t g_max_model_len;   /* set by the tool calls test (the tiny tokenizer is verbose) */
+static const char *g_tool_parser; /* set by the tool calls test */
 
 static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
@@ -331,6 +332,7 @@ static void router_start_model(fixture *x, const char *model, const char *decode
     c.fleet.decode_dns = g_decode_dns;
     c.fleet.block_size = g_block_size;
     c.max_model_len = g_max_model_len;
+    c.tool_call_parser = g_tool_parser;
     c.fleet.resolve_interval_ms = 200;
     c.host = "127.0.0.1";
     c.model = model;
@@ -1325,8 +1327,41 @@ static void test_tool_calls(void **state)
     assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "stop");
     json_decref(j);
     free(r.body);
-
     router_stop(&x);
+
+    /* --tool-call-parser none: "auto" cannot be honoured (400 naming tool_choice), "none" can */
+    g_max_model_len = 4096;
+    g_tool_parser = "none";
+    router_start_model(&x, mdir, d, 256);
+    g_max_model_len = 0;
+    g_tool_parser = NULL;
+    wait_ready(&x, 200);
+    snprintf(cmd, sizeof cmd, conv, "");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "\"param\":\"tool_choice\""));
+    assert_non_null(strstr(r.body, "--tool-call-parser"));
+    free(r.body);
+    snprintf(cmd, sizeof cmd, conv, ",\"tool_choice\":\"none\"");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    router_stop(&x);
+
+    /* a chat template that never renders tools: a request with tools is refused */
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    fputs("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", f);
+    fclose(f);
+    router_start_model(&x, mdir, d, 256);
+    wait_ready(&x, 200);
+    snprintf(cmd, sizeof cmd, conv, ",\"tool_choice\":\"none\"");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "\"param\":\"tools\""));
+    free(r.body);
+    router_stop(&x);
+
     fake_stop(&x.f[0]);
     json_decref(qcfg);
     kvf_text_tokenizer_destroy(tok);
