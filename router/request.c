@@ -676,7 +676,7 @@ static size_t safe_end(const kvf_router_req *r, const seq_state *s)
     while (end > s->emitted && end < s->text.len && ((unsigned char)s->text.data[end] & 0xC0) == 0x80)
         end--;
     if (r->tool_fmt != KVF_ROUTER_TOOLCALL_NONE) {
-        size_t tc = kvf_router_toolcall_safe_len(r->tool_fmt, s->text.data, s->text.len);
+        size_t tc = kvf_router_toolcall_safe_len(r->tool_fmt, s->text.data, s->text.len, s->emitted);
         end = tc < end ? tc : end;
     }
     return end < s->emitted ? s->emitted : end;

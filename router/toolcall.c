@@ -233,13 +233,26 @@ static size_t partial_suffix(const char *t, size_t len, const char *s, size_t n)
     return 0;
 }
 
-size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *text, size_t len)
+size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *text, size_t len,
+                                    size_t from)
 {
     if (!text)
         return 0;
-    size_t i = skip_ws(text, len, 0);
     if (f != KVF_ROUTER_TOOLCALL_HERMES && f != KVF_ROUTER_TOOLCALL_LLAMA3_JSON)
         return len;
+    if (from > len)
+        from = len;
+    size_t on = sizeof HERMES_OPEN - 1;
+    if (from > 0) {
+        /* text[0..from) held something other than white space and no tag can start in it (a
+         * tag, whole or begun, was never let through): llama3_json decided content; hermes
+         * looks for a tag from there on */
+        if (f == KVF_ROUTER_TOOLCALL_LLAMA3_JSON)
+            return len;
+        size_t tag = find(text, len, from, HERMES_OPEN, on);
+        return tag < len ? tag : len - partial_suffix(text, len, HERMES_OPEN, on);
+    }
+    size_t i = skip_ws(text, len, 0);
     if (i == len)
         return 0; /* white space only: content null if calls follow */
     if (f == KVF_ROUTER_TOOLCALL_LLAMA3_JSON) {
@@ -248,7 +261,6 @@ size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *te
             return 0; /* a call, or the start of one: decided at the end */
         return len;
     }
-    size_t on = sizeof HERMES_OPEN - 1;
     size_t tag = find(text, len, 0, HERMES_OPEN, on);
     if (tag < len)
         return all_ws(text, tag) ? 0 : tag;

@@ -54,8 +54,11 @@ void kvf_router_toolcall_result_fini(kvf_router_toolcall_result *r);
  * next (they may be sent now); the rest may start a tool call and is held until the answer
  * ends, when kvf_router_toolcall_parse decides. The held part never shrinks as text grows, so
  * content streamed this way, followed at the end by what parse gives beyond it, is the content
- * parse gives for the whole text (null content: nothing streamed). */
-size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *text, size_t len);
+ * parse gives for the whole text (null content: nothing streamed). `from`: 0, or at most what
+ * this function answered for a shorter text of the same answer; the search starts there, so a
+ * stream that passes what it has sent scans each byte about once. */
+size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *text, size_t len,
+                                    size_t from);
 
 /* A call id, "call_" and 24 letters or digits derived from the request id, the choice and the
  * call's index (stable, so a retried request names its calls alike). out: at least 32 bytes. */

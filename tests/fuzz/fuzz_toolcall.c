@@ -38,12 +38,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     size_t emitted = 0;
     for (size_t p = 0; p <= len; p += 1 + p / 64) {
-        size_t safe = kvf_router_toolcall_safe_len(f, text, p);
-        if (safe > p || safe < emitted)
+        size_t safe = kvf_router_toolcall_safe_len(f, text, p, 0);
+        if (safe > p || safe < emitted || kvf_router_toolcall_safe_len(f, text, p, emitted) != safe ||
+            kvf_router_toolcall_safe_len(f, text, p, emitted / 2) != safe)
             abort();
         emitted = safe;
     }
-    size_t safe = kvf_router_toolcall_safe_len(f, text, len);
+    size_t safe = kvf_router_toolcall_safe_len(f, text, len, 0);
     if (safe < emitted || (!r.content && safe) || (r.content && safe > r.content_len))
         abort();
     kvf_router_toolcall_result_fini(&r);

@@ -108,9 +108,14 @@ static void test_streaming_every_split(void **state)
         const tc_case *c = &cases[i];
         size_t len = strlen(c->text), emitted = 0;
         for (size_t p = 0; p <= len; p++) {
-            size_t safe = kvf_router_toolcall_safe_len(c->f, c->text, p);
+            size_t safe = kvf_router_toolcall_safe_len(c->f, c->text, p, 0);
             if (safe > p || safe < emitted)
                 fail_msg("[%s]: prefix %zu: safe %zu after %zu", c->text, p, safe, emitted);
+            /* resuming from anything it let through before gives the same */
+            for (size_t from = 0; from <= emitted; from++)
+                if (kvf_router_toolcall_safe_len(c->f, c->text, p, from) != safe)
+                    fail_msg("[%s]: prefix %zu from %zu: %zu, want %zu", c->text, p, from,
+                             kvf_router_toolcall_safe_len(c->f, c->text, p, from), safe);
             emitted = safe;
         }
         kvf_router_toolcall_result r;
