@@ -179,7 +179,8 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
                                      .extra = r->oai.chat_extra, .tools = r->oai.tools};
         bool raised = false;
         if (kvf_text_chat_template_render(c->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err.msg);
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s%s",
+                                            raised ? "" : "the model's chat template cannot render these messages: ", err.msg);
         add_special = false; /* the template writes BOS itself */
     }
     const char *src = text ? text : r->oai.prompt_text;

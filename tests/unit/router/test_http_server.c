@@ -1121,9 +1121,9 @@ static void test_text_stop_and_chat(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
-/* Streamed chat: the content deltas joined, every tool-call delta of choice 0, the last
+/* Streamed chat: choice idx's content deltas joined, its tool-call deltas, its last
  * finish_reason. */
-static json_t *sse_tool_calls(const char *body, kvf_sbuf *content, char *finish, size_t cap)
+static json_t *sse_tool_calls(const char *body, int idx, kvf_sbuf *content, char *finish, size_t cap)
 {
     json_t *calls = json_array();
     finish[0] = 0;
@@ -1134,6 +1134,10 @@ static json_t *sse_tool_calls(const char *body, kvf_sbuf *content, char *finish,
         json_t *j = json_loads(p, JSON_DISABLE_EOF_CHECK, NULL);
         json_t *c = json_array_get(json_object_get(j, "choices"), 0), *d = json_object_get(c, "delta");
         json_t *tv = json_object_get(d, "content");
+        if (json_integer_value(json_object_get(c, "index")) != idx) {
+            json_decref(j);
+            continue;
+        }
         if (json_is_string(tv))
             kvf_sbuf_append(content, json_string_value(tv), json_string_length(tv));
         size_t k;
@@ -1286,22 +1290,26 @@ static void test_tool_calls(void **state)
     free(r.body);
 
     /* streamed: the text before the calls as content, then the calls as deltas */
-    snprintf(cmd, sizeof cmd, conv, ",\"stream\":true");
+    snprintf(cmd, sizeof cmd, conv, ",\"stream\":true,\"n\":2");
     http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
     assert_int_equal(r.status, 200);
-    kvf_sbuf t;
-    kvf_sbuf_init(&t);
-    char fin[32];
-    json_t *calls = sse_tool_calls(r.body, &t, fin, sizeof fin);
-    assert_string_equal(fin, "tool_calls");
-    if (t.len != strlen("Let me check.\n") || memcmp(t.data, "Let me check.\n", t.len) != 0)
-        fail_msg("streamed content [%.*s]", (int)t.len, t.data ? t.data : "");
-    assert_int_equal(json_array_size(calls), 2);
-    assert_int_equal(json_integer_value(json_object_get(json_array_get(calls, 1), "index")), 1);
-    assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(calls, 0), "function"), "arguments")),
-                        "{\"city\":\"Paris\"}");
-    json_decref(calls);
-    kvf_sbuf_fini(&t);
+    for (int idx = 0; idx < 2; idx++) {
+        kvf_sbuf t;
+        kvf_sbuf_init(&t);
+        char fin[32];
+        json_t *calls = sse_tool_calls(r.body, idx, &t, fin, sizeof fin);
+        assert_string_equal(fin, "tool_calls");
+        if (t.len != strlen("Let me check.\n") || memcmp(t.data, "Let me check.\n", t.len) != 0)
+            fail_msg("choice %d: streamed content [%.*s]", idx, (int)t.len, t.data ? t.data : "");
+        assert_int_equal(json_array_size(calls), 2);
+        assert_int_equal(json_integer_value(json_object_get(json_array_get(calls, 1), "index")), 1);
+        assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(calls, 0), "function"), "arguments")),
+                            "{\"city\":\"Paris\"}");
+        assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(calls, 1), "function"), "name")),
+                            "get_time");
+        json_decref(calls);
+        kvf_sbuf_fini(&t);
+    }
     free(r.body);
 
     /* parallel_tool_calls false: the first call only */
