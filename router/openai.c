@@ -714,7 +714,8 @@ kvf_status kvf_router_oai_chunk_sse(kvf_router_oai_kind kind, const char *id, co
             if (c->first_chunk)
                 json_object_set_new(delta, "role", json_string("assistant"));
             if (c->text_len || c->first_chunk)
-                json_object_set_new(delta, "content", text_json(c->text, c->text_len));
+                json_object_set_new(delta, "content", c->content_null && !c->text_len ? json_null()
+                                                      : text_json(c->text, c->text_len));
             if (c->n_tool_calls)
                 json_object_set_new(delta, "tool_calls", tool_calls_json(c, true));
             json_object_set_new(ch, "delta", delta);

@@ -384,6 +384,17 @@ static void test_tool_call_answer_json(void **state)
     assert_null(json_object_get(d, "content"));
     json_decref(j);
     kvf_sbuf_fini(&b);
+    /* the stream's first delta: role, content null, the calls */
+    ch.first_chunk = true;
+    kvf_sbuf_init(&b);
+    assert_int_equal(kvf_router_oai_chunk_sse(KVF_ROUTER_OAI_CHAT, "chatcmpl-1", "m", 1, &ch, 1, NULL, false, &b), KVF_OK);
+    j = json_loads(b.data + 6, JSON_DISABLE_EOF_CHECK, NULL);
+    d = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "delta");
+    assert_string_equal(json_string_value(json_object_get(d, "role")), "assistant");
+    assert_true(json_is_null(json_object_get(d, "content")));
+    assert_int_equal(json_array_size(json_object_get(d, "tool_calls")), 2);
+    json_decref(j);
+    kvf_sbuf_fini(&b);
 }
 
 int main(void)
