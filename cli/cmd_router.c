@@ -30,6 +30,8 @@ static const kvf_cfg_opt router_opts[] = {
     {"prefill-dns", NULL, "name:port re-resolved periodically; every address is a prefill worker", offsetof(router_cfg, h.fleet.prefill_dns), KVF_CFG_STR},
     {"policy", "kv", "routing policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(router_cfg, h.policy), KVF_CFG_STR},
     {"max-model-len", "0", "context length (0: the model's max_position_embeddings)", offsetof(router_cfg, h.max_model_len), KVF_CFG_INT},
+    {"tool-call-parser", "auto", "tool calls in chat answers to requests with tools: auto (from the chat template: "
+     "<tool_call> hermes, <|python_tag|> or ipython llama3_json, else none), hermes, llama3_json, none", offsetof(router_cfg, h.tool_call_parser), KVF_CFG_STR},
     {"chat-template", NULL, "built-in chat template when the model has none (llama2, llama3, chatml, mistral)", offsetof(router_cfg, h.chat_family), KVF_CFG_STR},
     {"max-inflight", "256", "requests per decode worker before it counts as saturated (then 429)", offsetof(router_cfg, h.max_inflight), KVF_CFG_INT},
     {"max-attempts", "3", "decode workers tried per request (a failure before the first token, or mid-stream with n = 1, moves it)", offsetof(router_cfg, h.max_attempts), KVF_CFG_INT},

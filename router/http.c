@@ -697,6 +697,20 @@ static kvf_status load_model(kvf_router_http *h, kvf_err *err)
     return h->served ? KVF_OK : kvf_err_set(err, KVF_ERR_NOMEM, "router: out of memory");
 }
 
+/* --tool-call-parser: a named format, or under "auto" the one the chat template implies. */
+static kvf_status tool_parser_resolve(const kvf_router_http *h, kvf_router_toolcall_format *out, kvf_err *err)
+{
+    const char *name = h->cfg.tool_call_parser && *h->cfg.tool_call_parser ? h->cfg.tool_call_parser : "auto";
+    kvf_status st = kvf_router_toolcall_format_parse(name, out, err);
+    if (st != KVF_OK)
+        return st;
+    if (*out == KVF_ROUTER_TOOLCALL_AUTO)
+        *out = kvf_router_toolcall_detect(h->tmpl ? kvf_text_chat_template_text(h->tmpl) : NULL);
+    kvf_log(KVF_LOG_INFO, "router: tool calls in chat answers: %s%s", kvf_router_toolcall_format_name(*out),
+            strcmp(name, "auto") != 0 ? "" : h->tmpl ? " (from the chat template)" : " (no chat template)");
+    return KVF_OK;
+}
+
 kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_http **out,
                                   kvf_err *err)
 {
@@ -781,6 +795,8 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         .request_timeout_ms = h->cfg.request_timeout_ms,
         .prep_threads = h->cfg.prep_threads > 0 ? h->cfg.prep_threads : 2,
     };
+    if ((st = tool_parser_resolve(h, &rc.tool_parser, err)) != KVF_OK)
+        goto fail;
     if (h->tok) {
         rc.eos_ids = kvf_text_tokenizer_eos_ids(h->tok, &rc.n_eos);
         /* A text prompt of more bytes than the context's tokens can hold is refused untokenized. */

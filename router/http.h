@@ -20,6 +20,8 @@ typedef struct kvf_router_http_cfg {
     const char *served_name;     /* the model name clients send; NULL: the directory's name */
     int32_t max_model_len;       /* 0: config.json's max_position_embeddings */
     const char *chat_family;     /* built-in chat template when the model has none, or NULL */
+    const char *tool_call_parser; /* chat answers to requests with tools: "auto" (NULL: from the
+                                     chat template), "hermes", "llama3_json" or "none" */
     const char *policy;          /* "round-robin", "least-loaded", "kv", "sticky" */
     int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
     int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */

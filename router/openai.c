@@ -27,6 +27,15 @@ kvf_status kvf_router_oai_error_set(kvf_router_oai_error *e, int http_status, co
     return KVF_ERR_INVALID;
 }
 
+const char *kvf_router_oai_template_error(const char *msg, char *buf, size_t cap)
+{
+    const char *p = strncmp(msg, "chat template (", 15) == 0 ? strstr(msg, "): ") : NULL;
+    if (!p)
+        return msg;
+    snprintf(buf, cap, "chat template: %s", p + 3);
+    return buf;
+}
+
 kvf_status kvf_router_oai_error_json(const kvf_router_oai_error *e, kvf_sbuf *out)
 {
     json_t *err = json_object();
@@ -59,6 +68,7 @@ void kvf_router_oai_req_fini(kvf_router_oai_req *req)
     free(req->cache_salt);
     free(req->bias_ids);
     free(req->bias_vals);
+    json_decref(req->tools);
     memset(req, 0, sizeof *req);
 }
 
@@ -193,6 +203,243 @@ static kvf_status parse_prompt(const json_t *p, kvf_router_oai_req *r, kvf_route
     return KVF_OK;
 }
 
+/* ---- chat messages as the template takes them; tools and tool_choice ----------------------- */
+
+static kvf_status missing(kvf_router_oai_error *e, const char *param)
+{
+    return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "missing_required_parameter",
+                                    "'%s' is required", param);
+}
+
+/* Message i's content as one string (vLLM's "string" content format): a string as it is, null
+ * or absent as "", an array of text parts joined by "\n"; other part types are refused. */
+static kvf_status content_string(size_t i, const json_t *c, json_t **out, kvf_router_oai_error *e)
+{
+    char param[96];
+    if (!c || json_is_null(c) || json_is_string(c)) {
+        *out = c && json_is_string(c) ? json_incref((json_t *)c) : json_string("");
+        return *out ? KVF_OK : KVF_ERR_NOMEM;
+    }
+    snprintf(param, sizeof param, "messages.[%zu].content", i);
+    if (!json_is_array(c))
+        return bad_type(e, param, "a string or an array of content parts", c);
+    kvf_sbuf b;
+    kvf_sbuf_init(&b);
+    size_t j;
+    const json_t *part;
+    json_array_foreach(c, j, part) {
+        const json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
+        kvf_status st = KVF_OK;
+        if (!json_is_object(part)) {
+            snprintf(param, sizeof param, "messages.[%zu].content.[%zu]", i, j);
+            st = bad_type(e, param, "a content part object", part);
+        } else if (!json_is_string(type)) {
+            snprintf(param, sizeof param, "messages.[%zu].content.[%zu].type", i, j);
+            st = type ? bad_type(e, param, "a string", type) : missing(e, param);
+        } else if (strcmp(json_string_value(type), "text") != 0) {
+            snprintf(param, sizeof param, "messages.[%zu].content.[%zu].type", i, j);
+            st = kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "unsupported_content_type",
+                                          "content part type '%.40s' is not supported by this server (only 'text'; "
+                                          "the model takes no images, audio, video or files)", json_string_value(type));
+        } else if (!json_is_string(text)) {
+            snprintf(param, sizeof param, "messages.[%zu].content.[%zu].text", i, j);
+            st = text ? bad_type(e, param, "a string", text) : missing(e, param);
+        }
+        if (st != KVF_OK) {
+            kvf_sbuf_fini(&b);
+            return st;
+        }
+        if (j)
+            kvf_sbuf_putc(&b, '\n');
+        kvf_sbuf_append(&b, json_string_value(text), json_string_length(text));
+    }
+    *out = b.oom ? NULL : json_stringn_nocheck(b.data ? b.data : "", b.len);
+    kvf_sbuf_fini(&b);
+    return *out ? KVF_OK : KVF_ERR_NOMEM;
+}
+
+/* An assistant message's tool_calls, checked; each function.arguments (a JSON string) becomes
+ * the value it holds, as HF templates expect (`arguments | tojson`) and vLLM passes them. */
+static kvf_status tool_calls_decoded(size_t i, json_t *calls, kvf_router_oai_error *e)
+{
+    char param[96];
+    snprintf(param, sizeof param, "messages.[%zu].tool_calls", i);
+    if (!json_is_array(calls))
+        return bad_type(e, param, "an array", calls);
+    size_t k;
+    json_t *tc;
+    json_array_foreach(calls, k, tc) {
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu]", i, k);
+        if (!json_is_object(tc))
+            return bad_type(e, param, "an object", tc);
+        const json_t *type = json_object_get(tc, "type"), *id = json_object_get(tc, "id");
+        json_t *fn = json_object_get(tc, "function");
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu].type", i, k);
+        if (type && !(json_is_string(type) && strcmp(json_string_value(type), "function") == 0))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                            "'%s' must be \"function\"", param);
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu].id", i, k);
+        if (id && !json_is_null(id) && !json_is_string(id))
+            return bad_type(e, param, "a string", id);
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu].function", i, k);
+        if (!json_is_object(fn))
+            return fn ? bad_type(e, param, "an object", fn) : missing(e, param);
+        const json_t *name = json_object_get(fn, "name"), *args = json_object_get(fn, "arguments");
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu].function.name", i, k);
+        if (!json_is_string(name))
+            return name ? bad_type(e, param, "a string", name) : missing(e, param);
+        snprintf(param, sizeof param, "messages.[%zu].tool_calls.[%zu].function.arguments", i, k);
+        if (!json_is_string(args))
+            return args ? bad_type(e, param, "a string of JSON", args) : missing(e, param);
+        json_error_t je;
+        json_t *v = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, &je);
+        if (!v)
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                            "'%s' is not valid JSON: %s (column %d)", param, je.text, je.column);
+        json_object_set_new(fn, "arguments", v);
+    }
+    return KVF_OK;
+}
+
+/* r->messages: a copy of m as the chat template takes it (see openai.h). */
+static kvf_status normalize_messages(const json_t *m, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    json_t *out = json_array();
+    kvf_status st = out ? KVF_OK : KVF_ERR_NOMEM;
+    size_t i;
+    const json_t *msg;
+    json_array_foreach(m, i, msg) {
+        json_t *copy = json_deep_copy(msg), *content = NULL;
+        if (!copy || json_array_append_new(out, copy) != 0) {
+            st = KVF_ERR_NOMEM;
+            break;
+        }
+        if ((st = content_string(i, json_object_get(msg, "content"), &content, e)) != KVF_OK)
+            break;
+        json_object_set_new(copy, "content", content);
+        const char *role = json_string_value(json_object_get(msg, "role"));
+        json_t *calls = json_object_get(copy, "tool_calls");
+        if (calls && json_is_null(calls))
+            json_object_del(copy, "tool_calls");
+        else if (calls && strcmp(role, "assistant") == 0 && (st = tool_calls_decoded(i, calls, e)) != KVF_OK)
+            break;
+        const json_t *tcid = json_object_get(msg, "tool_call_id");
+        char param[64];
+        snprintf(param, sizeof param, "messages.[%zu].tool_call_id", i);
+        if (strcmp(role, "tool") == 0 && !json_is_string(tcid)) {
+            st = tcid && !json_is_null(tcid) ? bad_type(e, param, "a string", tcid) : missing(e, param);
+            break;
+        }
+    }
+    if (st != KVF_OK) {
+        json_decref(out);
+        return st;
+    }
+    r->messages = out;
+    return KVF_OK;
+}
+
+/* A function name as OpenAI allows it: [a-zA-Z0-9_-]{1,64}. */
+static bool function_name_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n < 1 || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
+              s[i] == '_' || s[i] == '-'))
+            return false;
+    return true;
+}
+
+static kvf_status check_tool(size_t i, const json_t *t, kvf_router_oai_error *e)
+{
+    char param[64];
+    snprintf(param, sizeof param, "tools.[%zu]", i);
+    if (!json_is_object(t))
+        return bad_type(e, param, "an object", t);
+    const json_t *type = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+    snprintf(param, sizeof param, "tools.[%zu].type", i);
+    if (!json_is_string(type))
+        return type ? bad_type(e, param, "a string", type) : missing(e, param);
+    if (strcmp(json_string_value(type), "function") != 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                        "tool type '%.40s' is not supported (only \"function\")", json_string_value(type));
+    snprintf(param, sizeof param, "tools.[%zu].function", i);
+    if (!json_is_object(fn))
+        return fn ? bad_type(e, param, "an object", fn) : missing(e, param);
+    const json_t *name = json_object_get(fn, "name"), *desc = json_object_get(fn, "description"),
+                 *params = json_object_get(fn, "parameters"), *strict = json_object_get(fn, "strict");
+    snprintf(param, sizeof param, "tools.[%zu].function.name", i);
+    if (!json_is_string(name))
+        return name ? bad_type(e, param, "a string", name) : missing(e, param);
+    if (!function_name_ok(json_string_value(name)))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                        "'%s' is '%.80s'; allowed: 1 to 64 of a-z, A-Z, 0-9, _ and -", param,
+                                        json_string_value(name));
+    snprintf(param, sizeof param, "tools.[%zu].function.description", i);
+    if (desc && !json_is_null(desc) && !json_is_string(desc))
+        return bad_type(e, param, "a string", desc);
+    snprintf(param, sizeof param, "tools.[%zu].function.parameters", i);
+    if (params && !json_is_null(params) && !json_is_object(params))
+        return bad_type(e, param, "an object (a JSON Schema)", params);
+    snprintf(param, sizeof param, "tools.[%zu].function.strict", i);
+    if (strict && !json_is_null(strict) && !json_is_boolean(strict))
+        return bad_type(e, param, "a boolean", strict);
+    return KVF_OK;
+}
+
+/* tools, tool_choice and parallel_tool_calls of a chat request (vLLM's rules: tool_choice other
+ * than "none" needs tools; "required" and a named function need constrained decoding). */
+static kvf_status parse_tools(const json_t *o, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    const json_t *tools = json_object_get(o, "tools"), *choice = json_object_get(o, "tool_choice");
+    static const char *const legacy[] = {"functions", "function_call"};
+    for (size_t i = 0; i < 2; i++) {
+        const json_t *v = json_object_get(o, legacy[i]);
+        if (v && !json_is_null(v))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", legacy[i], "unsupported_parameter",
+                                            "'%s' (deprecated by OpenAI) is not supported; use 'tools' and 'tool_choice'",
+                                            legacy[i]);
+    }
+    kvf_status st = opt_bool(o, "parallel_tool_calls", &r->parallel_tool_calls, e);
+    if (st != KVF_OK)
+        return st;
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools))
+            return bad_type(e, "tools", "an array", tools);
+        size_t i;
+        const json_t *t;
+        json_array_foreach(tools, i, t)
+            if ((st = check_tool(i, t, e)) != KVF_OK)
+                return st;
+    } else {
+        tools = NULL;
+    }
+    if (choice && !json_is_null(choice)) {
+        if (json_is_string(choice) && strcmp(json_string_value(choice), "none") == 0) {
+            r->tool_choice_none = true;
+        } else if (!tools) {
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
+                                            "'tool_choice' other than \"none\" needs 'tools'");
+        } else if (json_is_string(choice) && strcmp(json_string_value(choice), "required") == 0) {
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
+                                            "tool_choice \"required\" needs constrained decoding, which this server does "
+                                            "not have yet; use \"auto\" or \"none\"");
+        } else if (json_is_object(choice)) {
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
+                                            "a named tool_choice needs constrained decoding, which this server does not "
+                                            "have yet; use \"auto\" or \"none\"");
+        } else if (!json_is_string(choice) || strcmp(json_string_value(choice), "auto") != 0) {
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
+                                            "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                                            "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+        }
+    }
+    r->tools = tools ? json_incref((json_t *)tools) : NULL;
+    return KVF_OK;
+}
+
 static kvf_status parse_messages(const json_t *m, kvf_router_oai_req *r, kvf_router_oai_error *e)
 {
     if (!m || json_is_null(m))
@@ -217,14 +464,8 @@ static kvf_status parse_messages(const json_t *m, kvf_router_oai_req *r, kvf_rou
                         : kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "missing_required_parameter",
                                                    "'%s' is required", param);
         }
-        const json_t *content = json_object_get(msg, "content");
-        if (content && !json_is_null(content) && !json_is_string(content) && !json_is_array(content)) {
-            snprintf(param, sizeof param, "messages.[%zu].content", i);
-            return bad_type(e, param, "a string or an array of content parts", content);
-        }
     }
-    r->messages = json_incref((json_t *)m);
-    return KVF_OK;
+    return normalize_messages(m, r, e);
 }
 
 static kvf_status parse_stop(const json_t *s, kvf_router_oai_req *r, kvf_router_oai_error *e)
@@ -536,6 +777,9 @@ kvf_status kvf_router_oai_parse_at(kvf_router_oai_kind kind, const char *body, s
         }
         req->chat_extra = json_incref((json_t *)kw);
     }
+    req->parallel_tool_calls = true;
+    if (kind == KVF_ROUTER_OAI_CHAT && (st = parse_tools(o, req, e)) != KVF_OK)
+        goto fail;
     json_decref(o);
     return KVF_OK;
 fail:
@@ -552,6 +796,7 @@ const char *kvf_router_oai_finish_str(kvf_router_oai_finish f)
     case KVF_ROUTER_OAI_FINISH_STOP: return "stop";
     case KVF_ROUTER_OAI_FINISH_LENGTH: return "length";
     case KVF_ROUTER_OAI_FINISH_ABORT: return "abort";
+    case KVF_ROUTER_OAI_FINISH_TOOL_CALLS: return "tool_calls";
     default: return NULL;
     }
 }
@@ -616,6 +861,23 @@ static void choice_end(json_t *ch, const kvf_router_oai_choice *c, json_t *arr)
     json_array_append_new(arr, ch);
 }
 
+/* A choice's tool calls as OpenAI writes them (deltas carry their index). */
+static json_t *tool_calls_json(const kvf_router_oai_choice *c, bool delta)
+{
+    json_t *a = json_array();
+    for (size_t k = 0; k < c->n_tool_calls; k++) {
+        json_t *tc = json_object();
+        if (delta)
+            json_object_set_new(tc, "index", json_integer((json_int_t)k));
+        json_object_set_new(tc, "id", json_string(c->tool_call_ids[k]));
+        json_object_set_new(tc, "type", json_string("function"));
+        json_object_set_new(tc, "function", json_pack("{s:s,s:s}", "name", c->tool_calls[k].name,
+                                                      "arguments", c->tool_calls[k].arguments));
+        json_array_append_new(a, tc);
+    }
+    return a;
+}
+
 kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
                                       const char *model, int64_t created,
                                       const kvf_router_oai_choice *choices, size_t n_choices,
@@ -628,7 +890,9 @@ kvf_status kvf_router_oai_answer_json(kvf_router_oai_kind kind, const char *id,
         json_t *ch = json_pack("{s:i}", "index", c->index);
         if (kind == KVF_ROUTER_OAI_CHAT) {
             json_t *msg = json_pack("{s:s}", "role", "assistant");
-            json_object_set_new(msg, "content", text_json(c->text, c->text_len));
+            json_object_set_new(msg, "content", c->content_null ? json_null() : text_json(c->text, c->text_len));
+            if (c->n_tool_calls)
+                json_object_set_new(msg, "tool_calls", tool_calls_json(c, false));
             json_object_set_new(ch, "message", msg);
         } else {
             json_object_set_new(ch, "text", text_json(c->text, c->text_len));
@@ -656,7 +920,10 @@ kvf_status kvf_router_oai_chunk_sse(kvf_router_oai_kind kind, const char *id, co
             if (c->first_chunk)
                 json_object_set_new(delta, "role", json_string("assistant"));
             if (c->text_len || c->first_chunk)
-                json_object_set_new(delta, "content", text_json(c->text, c->text_len));
+                json_object_set_new(delta, "content", c->content_null && !c->text_len ? json_null()
+                                                      : text_json(c->text, c->text_len));
+            if (c->n_tool_calls)
+                json_object_set_new(delta, "tool_calls", tool_calls_json(c, true));
             json_object_set_new(ch, "delta", delta);
         } else {
             json_object_set_new(ch, "text", text_json(c->text, c->text_len));

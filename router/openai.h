@@ -11,6 +11,7 @@
 
 #include "common/sbuf.h"
 #include "common/status.h"
+#include "router/toolcall.h"
 
 #define KVF_ROUTER_OAI_MAX_STOP 4 /* stop strings per request, as OpenAI allows */
 #define KVF_ROUTER_OAI_MAX_N 64   /* choices per request (KVF_RPC_MAX_N) */
@@ -38,6 +39,9 @@ typedef struct kvf_router_oai_error {
 kvf_status kvf_router_oai_error_set(kvf_router_oai_error *e, int http_status, const char *type,
                                     const char *param, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));
+/* A chat template's error as a client may read it: the template file's path is the server's
+ * business, so "chat template (PATH): WHAT" becomes "chat template: WHAT" (written to buf). */
+const char *kvf_router_oai_template_error(const char *msg, char *buf, size_t cap);
 /* Appends {"error":{...}} to out. */
 kvf_status kvf_router_oai_error_json(const kvf_router_oai_error *e, kvf_sbuf *out);
 
@@ -51,7 +55,9 @@ typedef struct kvf_router_oai_req {
     int32_t n_prompts;    /* completions: prompts in the request's list (1 for a lone prompt);
                            * prompt_text/prompt_ids hold the one at prompt_index */
     int32_t prompt_index;
-    json_t *messages;     /* chat: the messages array (a reference the request holds) */
+    json_t *messages;     /* chat: the messages as the chat template takes them (a copy:
+                             content parts joined into a string, null content "", tool call
+                             arguments decoded from their JSON strings), as vLLM passes them */
     json_t *chat_extra;   /* chat: chat_template_kwargs object, or NULL */
     int32_t max_tokens;   /* 0 when the client gave none */
     double temperature;   /* default 1 */
@@ -84,6 +90,9 @@ typedef struct kvf_router_oai_req {
     bool echo;            /* completions: the prompt leads each choice's text */
     int32_t best_of;      /* completions: samples drawn, the n with the highest cumulative
                            * logprob returned; 0 when not given (= n) */
+    json_t *tools;        /* chat: the checked tools array (a reference), or NULL */
+    bool tool_choice_none;    /* chat: tool_choice "none" (tools rendered, output not parsed) */
+    bool parallel_tool_calls; /* chat: default true; false keeps the first parsed call */
 } kvf_router_oai_req;
 
 /* Parses and validates a request body. Unknown fields are ignored; a known field of the wrong
@@ -103,6 +112,7 @@ typedef enum kvf_router_oai_finish {
     KVF_ROUTER_OAI_FINISH_STOP,
     KVF_ROUTER_OAI_FINISH_LENGTH,
     KVF_ROUTER_OAI_FINISH_ABORT, /* cancelled or failed mid-way ("abort", as vLLM says) */
+    KVF_ROUTER_OAI_FINISH_TOOL_CALLS, /* chat: the answer ended in tool calls */
 } kvf_router_oai_finish;
 const char *kvf_router_oai_finish_str(kvf_router_oai_finish f);
 
@@ -116,6 +126,11 @@ typedef struct kvf_router_oai_choice {
     kvf_router_oai_finish finish;
     bool first_chunk;       /* chat streaming: the delta also carries role "assistant" */
     json_t *logprobs;       /* borrowed (kvf_router_oai_lp_append); NULL writes null */
+    /* chat: tool calls (message.tool_calls, or a delta's, indexed from 0), their ids beside */
+    const kvf_router_toolcall *tool_calls;
+    const char (*tool_call_ids)[32]; /* [n_tool_calls] */
+    size_t n_tool_calls;
+    bool content_null;      /* chat answer with tool calls: "content": null */
 } kvf_router_oai_choice;
 
 /* One position's log-probabilities as an answer shows them: the token's bytes (a token may hold

@@ -76,6 +76,7 @@ struct kvf_router_req {
     uint32_t overlap; /* prompt blocks the index says the decode worker holds */
     int64_t next_peek_ns;
     size_t max_stop;
+    kvf_router_toolcall_format tool_fmt; /* the answers' tool-call parser (none: no tools) */
     kvf_router_req *prev, *next; /* the list in flight, or the list being prepared */
     /* Being prepared (step 0): the body and kind in, the status and error out. The prep thread
      * owns the request from the queue until it is on the done list; the loop only sets gone. */
@@ -221,10 +222,13 @@ static kvf_status build_prompt(kvf_router_reqs *rs, kvf_router_req *r, kvf_route
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "no_chat_template",
                                             "model '%s' has no chat template: %s", c->served, c->tmpl_err);
         kvf_text_chat_request cr = {.messages = r->oai.messages, .add_generation_prompt = true,
-                                     .extra = r->oai.chat_extra};
+                                     .extra = r->oai.chat_extra, .tools = r->oai.tools};
         bool raised = false;
+        char buf[KVF_ERR_MSG_MAX];
         if (kvf_text_chat_template_render(c->tmpl, &cr, &text, &len, &raised, &err) != KVF_OK)
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s", err.msg);
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s%s",
+                                            raised ? "" : "the model's chat template cannot render these messages: ",
+                                            kvf_router_oai_template_error(err.msg, buf, sizeof buf));
         add_special = false; /* the template writes BOS itself */
     }
     const char *src = text ? text : r->oai.prompt_text;
@@ -336,6 +340,39 @@ static kvf_status accept_sampling(kvf_router_reqs *rs, kvf_router_req *r, kvf_ro
     return KVF_OK;
 }
 
+/* Tools are honoured or refused: a template that never mentions them would drop them, and
+ * without a tool-call parser "auto" could never answer tool_calls (vLLM refuses it the same way
+ * without --tool-call-parser); tool_choice "none" only needs the template. */
+static kvf_status check_tools(const kvf_router_reqs *rs, const kvf_router_req *r, kvf_router_oai_error *e)
+{
+    const kvf_router_reqs_cfg *c = &rs->cfg;
+    if (r->oai.kind != KVF_ROUTER_OAI_CHAT || !json_array_size(r->oai.tools) || !c->tmpl)
+        return KVF_OK;
+    if (!strstr(kvf_text_chat_template_text(c->tmpl), "tools"))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tools", "unsupported_parameter",
+                                        "model '%s' has a chat template that does not render tools",
+                                        c->served);
+    if (!r->oai.tool_choice_none && c->tool_parser == KVF_ROUTER_TOOLCALL_NONE)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
+                                        "tool_choice \"auto\" needs a tool-call parser and this router has none "
+                                        "(start it with --tool-call-parser hermes or llama3_json); \"none\" works");
+    return KVF_OK;
+}
+
+/* A chat with tools (tool_choice not "none") has its answers parsed for tool calls in the
+ * router's format. Hermes tags may be special tokens in some vocabularies: their text is kept
+ * (skip_special_tokens off), as vLLM's hermes parser does; the stop token's text never shows
+ * (handle_msg). */
+static void pick_tool_parser(const kvf_router_reqs *rs, kvf_router_req *r)
+{
+    r->tool_fmt = KVF_ROUTER_TOOLCALL_NONE;
+    if (r->oai.kind != KVF_ROUTER_OAI_CHAT || !json_array_size(r->oai.tools) || r->oai.tool_choice_none)
+        return;
+    r->tool_fmt = rs->cfg.tool_parser;
+    if (r->tool_fmt == KVF_ROUTER_TOOLCALL_HERMES)
+        r->oai.skip_special_tokens = false;
+}
+
 /* Parses and checks the request, builds its prompt and settles max_tokens and the longest stop
  * string. Fills e (a 4xx) when the request cannot be served as it is. */
 static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_kind kind,
@@ -357,7 +394,7 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
     if (r->oai.n_stop && !c->tok)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop", "no_tokenizer",
                                         "'stop' strings need a tokenizer and model '%s' has none", c->served);
-    if (build_prompt(rs, r, e) != KVF_OK)
+    if (check_tools(rs, r, e) != KVF_OK || build_prompt(rs, r, e) != KVF_OK)
         return KVF_ERR_INVALID;
     if (r->n_prompt == 0)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "prompt", "invalid_value",
@@ -374,6 +411,7 @@ static kvf_status accept_request(kvf_router_reqs *rs, kvf_router_req *r, kvf_rou
     for (size_t i = 0; i < r->oai.n_stop; i++)
         if (strlen(r->oai.stop[i]) > r->max_stop)
             r->max_stop = strlen(r->oai.stop[i]);
+    pick_tool_parser(rs, r);
     return accept_sampling(rs, r, e);
 }
 
@@ -1028,6 +1066,10 @@ static size_t safe_end(const kvf_router_req *r, const seq_state *s)
         end = end > r->max_stop - 1 ? end - (r->max_stop - 1) : 0;
     while (end > s->emitted && end < s->text.len && ((unsigned char)s->text.data[end] & 0xC0) == 0x80)
         end--;
+    if (r->tool_fmt != KVF_ROUTER_TOOLCALL_NONE) {
+        size_t tc = kvf_router_toolcall_safe_len(r->tool_fmt, s->text.data, s->text.len, s->emitted);
+        end = tc < end ? tc : end;
+    }
     return end < s->emitted ? s->emitted : end;
 }
 
@@ -1051,6 +1093,54 @@ static void send_chunk(kvf_router_req *r, const kvf_router_oai_choice *c, size_t
     kvf_sbuf_fini(&b);
 }
 
+/* The tool calls of a finished sequence (none when the request has no parser or the text holds
+ * no well-formed call; with parallel_tool_calls false only the first), with their ids. */
+typedef struct seq_calls {
+    kvf_router_toolcall_result res;
+    char (*ids)[32];
+} seq_calls;
+
+static void seq_calls_find(const kvf_router_req *r, int32_t idx, seq_calls *out)
+{
+    memset(out, 0, sizeof *out);
+    const seq_state *s = &r->seqs[idx];
+    if (r->tool_fmt == KVF_ROUTER_TOOLCALL_NONE ||
+        kvf_router_toolcall_parse(r->tool_fmt, s->text.data, s->text.len, &out->res) != KVF_OK)
+        return;
+    while (!r->oai.parallel_tool_calls && out->res.n_calls > 1) {
+        kvf_router_toolcall *c = &out->res.calls[--out->res.n_calls];
+        free(c->name);
+        free(c->arguments);
+    }
+    if (out->res.n_calls && !(out->ids = calloc(out->res.n_calls, sizeof *out->ids))) {
+        kvf_router_toolcall_result_fini(&out->res);
+        return;
+    }
+    for (size_t k = 0; k < out->res.n_calls; k++)
+        kvf_router_toolcall_id(r->id, idx, k, out->ids[k]);
+}
+
+static void seq_calls_fini(seq_calls *sc)
+{
+    kvf_router_toolcall_result_fini(&sc->res);
+    free(sc->ids);
+}
+
+/* A finished choice whose text held tool calls: its content is the text before them (from
+ * `from` on, for the last chunk of a stream), finish_reason "tool_calls" unless "length". */
+static void choice_with_calls(kvf_router_oai_choice *c, const seq_calls *sc, size_t from)
+{
+    if (!sc->res.n_calls)
+        return;
+    c->text_len = sc->res.content_len > from ? sc->res.content_len - from : 0;
+    c->content_null = !sc->res.content;
+    c->tool_calls = sc->res.calls;
+    c->tool_call_ids = (const char (*)[32])sc->ids;
+    c->n_tool_calls = sc->res.n_calls;
+    if (c->finish == KVF_ROUTER_OAI_FINISH_STOP)
+        c->finish = KVF_ROUTER_OAI_FINISH_TOOL_CALLS;
+}
+
 /* Sends what sequence idx has that the client has not seen (streaming). */
 static void emit_seq(kvf_router_req *r, int32_t idx)
 {
@@ -1068,6 +1158,10 @@ static void emit_seq(kvf_router_req *r, int32_t idx)
         .first_chunk = !s->first_sent,
         .logprobs = seq_lps(r, s, s->ids_emitted, s->n_ids, !s->first_sent),
     };
+    seq_calls sc = {0};
+    if (s->done)
+        seq_calls_find(r, idx, &sc);
+    choice_with_calls(&c, &sc, s->emitted);
     kvf_sbuf echo;
     kvf_sbuf_init(&echo);
     if (r->echo_text && !s->first_sent) { /* echo: the prompt leads the first chunk */
@@ -1079,6 +1173,7 @@ static void emit_seq(kvf_router_req *r, int32_t idx)
     send_chunk(r, &c, 1, NULL);
     kvf_sbuf_fini(&echo);
     json_decref(c.logprobs);
+    seq_calls_fini(&sc);
     s->first_sent = true;
     s->emitted = end;
     s->ids_emitted = s->n_ids;
@@ -1126,6 +1221,18 @@ static bool all_done(const kvf_router_req *r)
     return true;
 }
 
+/* How many of a message's tokens become text: all but an EOS that ended the sequence (its text,
+ * "<|im_end|>" when special tokens are kept, is never part of the answer, as in vLLM). */
+static size_t text_ids(const kvf_router_req *r, const kvf_rpc_generate_resp *m)
+{
+    if (m->finish != KVF_RPC_FINISH_STOP || !m->n_token_ids || r->oai.ignore_eos)
+        return m->n_token_ids;
+    for (size_t i = 0; i < r->rs->cfg.n_eos; i++)
+        if (m->token_ids[m->n_token_ids - 1] == r->rs->cfg.eos_ids[i])
+            return m->n_token_ids - 1;
+    return m->n_token_ids;
+}
+
 /* Applies one GenerateResponse: its tokens join their sequence, become text, are checked for
  * stop strings and (streaming) go to the client. */
 static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
@@ -1167,8 +1274,8 @@ static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
     for (size_t k = 0; s->lps && k < m->n_token_ids; k++)
         s->lps[first + k] = m->logprobs ? m->logprobs[k] : (kvf_rpc_logprob){.logprob = NAN};
     /* with logprobs, one token at a time: each token's text offset is the text before it */
-    size_t step = s->offs ? 1 : m->n_token_ids;
-    for (size_t k = 0; s->detok && k < m->n_token_ids; k += step) {
+    size_t n_text = text_ids(r, m), step = s->offs ? 1 : n_text;
+    for (size_t k = 0; s->detok && k < n_text; k += step) {
         if (s->offs)
             s->offs[first + k] = text_chars(s);
         kvf_err err = {0};
@@ -1257,7 +1364,8 @@ static void answer_ok(kvf_router_req *const *ms, int32_t n_ms, kvf_router_client
         int32_t per = r->n_return, n = per * n_ms;
         kvf_router_oai_choice *cs = calloc((size_t)n, sizeof *cs);
         kvf_sbuf *texts = calloc((size_t)n, sizeof *texts);
-        bool ok = cs && texts;
+        seq_calls *calls = calloc((size_t)n, sizeof *calls);
+        bool ok = cs && texts && calls;
         kvf_sbuf b;
         kvf_sbuf_init(&b);
         for (int32_t k = 0; ok && k < n_ms; k++) {
@@ -1274,6 +1382,8 @@ static void answer_ok(kvf_router_req *const *ms, int32_t n_ms, kvf_router_client
                 cs[i] = (kvf_router_oai_choice){.index = i, .text = texts[i].data, .text_len = texts[i].len,
                                                 .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish,
                                                 .logprobs = seq_lps(m, s, 0, s->n_ids, true)};
+                seq_calls_find(m, order[j], &calls[i]);
+                choice_with_calls(&cs[i], &calls[i], 0);
             }
             free(order);
         }
@@ -1287,6 +1397,9 @@ static void answer_ok(kvf_router_req *const *ms, int32_t n_ms, kvf_router_client
             json_decref(cs[i].logprobs);
         }
         free(texts);
+        for (int32_t i = 0; calls && i < n; i++)
+            seq_calls_fini(&calls[i]);
+        free(calls);
         free(cs);
     }
     kvf_metric_observe(rs->m_e2e, kvf_now_s() - r->t0);

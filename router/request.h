@@ -18,6 +18,7 @@
 #include "router/fleet.h"
 #include "router/http_int.h"
 #include "router/openai.h"
+#include "router/toolcall.h"
 #include "router/policy.h"
 #include "router/watch.h"
 
@@ -39,6 +40,8 @@ typedef struct kvf_router_reqs_cfg {
     const kvf_text_tokenizer *tok;        /* NULL: token id prompts only */
     const kvf_text_chat_template *tmpl;   /* NULL: chat requests answer 400 with tmpl_err */
     const char *tmpl_err;
+    kvf_router_toolcall_format tool_parser; /* how chat answers with tools are parsed for tool
+                                               calls: none, hermes or llama3_json (resolved) */
     const int32_t *eos_ids;    /* [n_eos] stop tokens unless the request ignores EOS */
     size_t n_eos;
     /* limits */

@@ -176,11 +176,9 @@ static kvf_status chat_text(const kvf_router_reqs_cfg *c, const json_t *o, char 
                                 .extra = json_is_object(kw) ? kw : NULL};
     kvf_err err = {0};
     if (kvf_text_chat_template_render(c->tmpl, &cr, text_out, len_out, NULL, &err) != KVF_OK) {
-        /* the template's file path is the server's business: "chat template (PATH): ..." goes
-         * to the client as "chat template: ..." */
-        const char *m = err.msg, *p = strncmp(m, "chat template (", 15) == 0 ? strstr(m, "): ") : NULL;
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s%s",
-                                        p ? "chat template: " : "", p ? p + 3 : m);
+        char buf[KVF_ERR_MSG_MAX];
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s",
+                                        kvf_router_oai_template_error(err.msg, buf, sizeof buf));
     }
     if (cont && (st = cut_after_final(messages, *text_out, len_out, e)) != KVF_OK) {
         free(*text_out);

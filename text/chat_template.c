@@ -15,6 +15,7 @@ struct kvf_text_chat_template {
     kvf_text_jinja *jinja;
     json_t *vars; /* special-token variables from tokenizer_config.json (an object) */
     char source[600];
+    char *text; /* the template's Jinja source */
 };
 
 /* ---- built-in templates (written for kvfleet; the prompt formats are the families' own) ---- */
@@ -110,7 +111,9 @@ static kvf_status make(const char *src, size_t len, const char *source,
                        kvf_text_chat_template **out, kvf_err *err)
 {
     kvf_text_chat_template *t = calloc(1, sizeof *t);
-    if (!t || !(t->vars = json_object())) {
+    if (!t || !(t->vars = json_object()) || !(t->text = strndup(src, len))) {
+        if (t)
+            json_decref(t->vars);
         free(t);
         return kvf_err_set(err, KVF_ERR_NOMEM, "chat template: out of memory");
     }
@@ -152,12 +155,18 @@ void kvf_text_chat_template_destroy(kvf_text_chat_template *t)
         return;
     kvf_text_jinja_destroy(t->jinja);
     json_decref(t->vars);
+    free(t->text);
     free(t);
 }
 
 const char *kvf_text_chat_template_source(const kvf_text_chat_template *t)
 {
     return t->source;
+}
+
+const char *kvf_text_chat_template_text(const kvf_text_chat_template *t)
+{
+    return t->text;
 }
 
 /* ---- load from a model directory ---------------------------------------------------------- */

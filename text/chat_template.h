@@ -41,6 +41,8 @@ void kvf_text_chat_template_destroy(kvf_text_chat_template *t); /* NULL is fine 
 
 /* Where the template came from: "DIR/tokenizer_config.json", "built-in llama3", ... (borrowed) */
 const char *kvf_text_chat_template_source(const kvf_text_chat_template *t);
+/* The template's Jinja source, NUL-terminated (borrowed; e.g. to tell its tool-call format). */
+const char *kvf_text_chat_template_text(const kvf_text_chat_template *t);
 
 typedef struct kvf_text_chat_request {
     const json_t *messages;     /* array of {role, content (string or list of parts),

@@ -2110,6 +2110,11 @@ static __attribute__((noinline)) bool eval_filter_or_test(rstate *R, const jnode
     bool ok, r;
     if (!eval(R, n->a, f, &a))
         return false;
+    /* A global function's bare name is defined, as in Jinja: Llama 3.2's template renders
+     * today's date only when `strftime_now is defined`. */
+    if (n->kind == JN_TEST && (n->fn == JT_DEFINED || n->fn == JT_UNDEFINED) && a.t == JV_UNDEF &&
+        n->a->kind == JN_NAME && kvf_text_jinja_global_id(n->a->name) != JG_UNKNOWN)
+        a = jv_bool(true);
     if (!eval_args(R, n, f, &ar)) {
         jv_release(a);
         return false;

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "router/openai.h"
+#include "text/chat_template.h"
 #include "testutil.h"
 
 /* Parses body expecting failure; checks the status, param and a piece of the message. */
@@ -302,6 +303,200 @@ static void test_find_stop(void **state)
     assert_int_equal(kvf_router_oai_find_stop("", 0, 0, stops, 2), -1);
 }
 
+/* Content parts, tool messages, assistant tool_calls, tools and tool_choice (issue 23). */
+static void test_chat_tools_parse(void **state)
+{
+    (void)state;
+    const kvf_router_oai_kind H = KVF_ROUTER_OAI_CHAT;
+#define MSG "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":%s}]%s}"
+    char b[2048];
+    snprintf(b, sizeof b, MSG, "[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"image_url\",\"image_url\":{\"url\":\"x\"}}]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[1].type", "'image_url' is not supported");
+    snprintf(b, sizeof b, MSG, "[{\"type\":\"input_audio\",\"input_audio\":{}}]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[0].type", "'input_audio'");
+    snprintf(b, sizeof b, MSG, "[{\"type\":\"text\"}]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[0].text", "required");
+    snprintf(b, sizeof b, MSG, "[{\"type\":\"text\",\"text\":5}]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[0].text", "a string");
+    snprintf(b, sizeof b, MSG, "[{\"text\":\"a\"}]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[0].type", "required");
+    snprintf(b, sizeof b, MSG, "[\"a\"]", "");
+    expect_bad(H, b, 400, "messages.[0].content.[0]", "a content part object");
+    /* tools and tool_choice */
+    const char *fn = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
+    char extra[1024];
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"required\"", fn);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    expect_bad(H, b, 400, "tool_choice", "constrained decoding");
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}", fn);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    expect_bad(H, b, 400, "tool_choice", "constrained decoding");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tool_choice\":\"auto\"");
+    expect_bad(H, b, 400, "tool_choice", "needs 'tools'");
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"sometimes\"", fn);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    expect_bad(H, b, 400, "tool_choice", "must be");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":{}");
+    expect_bad(H, b, 400, "tools", "an array");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"retrieval\"}]");
+    expect_bad(H, b, 400, "tools.[0].type", "'retrieval' is not supported");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"function\"}]");
+    expect_bad(H, b, 400, "tools.[0].function", "required");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"function\",\"function\":{\"description\":\"d\"}}]");
+    expect_bad(H, b, 400, "tools.[0].function.name", "required");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a b\"}}]");
+    expect_bad(H, b, 400, "tools.[0].function.name", "a-z, A-Z, 0-9");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\",\"parameters\":[]}}]");
+    expect_bad(H, b, 400, "tools.[0].function.parameters", "an object");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\",\"strict\":1}}]");
+    expect_bad(H, b, 400, "tools.[0].function.strict", "a boolean");
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"parallel_tool_calls\":\"no\"", fn);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    expect_bad(H, b, 400, "parallel_tool_calls", "a boolean");
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"functions\":[]");
+    expect_bad(H, b, 400, "functions", "use 'tools'");
+    /* tool messages and assistant tool calls */
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"tool\",\"content\":\"r\"}]}", 400,
+               "messages.[0].tool_call_id", "required");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\","
+                  "\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{nope\"}}]}]}",
+               400, "messages.[0].tool_calls.[0].function.arguments", "not valid JSON");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"type\":\"function\","
+                  "\"function\":{\"name\":\"f\",\"arguments\":{}}}]}]}",
+               400, "messages.[0].tool_calls.[0].function.arguments", "a string of JSON");
+    expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"type\":\"code\","
+                  "\"function\":{\"name\":\"f\",\"arguments\":\"{}\"}}]}]}",
+               400, "messages.[0].tool_calls.[0].type", "\"function\"");
+
+    /* accepted: text parts joined, null content "", arguments decoded, tools kept */
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"parallel_tool_calls\":false", fn);
+    snprintf(b, sizeof b, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+             "{\"type\":\"text\",\"text\":\"b\"}]},{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"call_1\","
+             "\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Paris\\\"}\"}}]},"
+             "{\"role\":\"tool\",\"tool_call_id\":\"call_1\",\"content\":\"sunny\"}]%s}", extra);
+    kvf_router_oai_req r;
+    kvf_router_oai_error e = {0};
+    if (kvf_router_oai_parse(H, b, strlen(b), &r, &e) != KVF_OK)
+        fail_msg("%s: %s", e.param, e.message);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(r.messages, 0), "content")), "a\nb");
+    json_t *a = json_array_get(r.messages, 1);
+    assert_string_equal(json_string_value(json_object_get(a, "content")), "");
+    json_t *args = json_object_get(json_object_get(json_array_get(json_object_get(a, "tool_calls"), 0), "function"), "arguments");
+    assert_true(json_is_object(args));
+    assert_string_equal(json_string_value(json_object_get(args, "city")), "Paris");
+    assert_int_equal(json_array_size(r.tools), 1);
+    assert_false(r.tool_choice_none);
+    assert_false(r.parallel_tool_calls);
+    kvf_router_oai_req_fini(&r);
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"none\"", fn);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    assert_int_equal(kvf_router_oai_parse(H, b, strlen(b), &r, &e), KVF_OK);
+    assert_true(r.tool_choice_none && r.parallel_tool_calls);
+    kvf_router_oai_req_fini(&r);
+    snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tool_choice\":\"none\"");
+    assert_int_equal(kvf_router_oai_parse(H, b, strlen(b), &r, &e), KVF_OK);
+    assert_null(r.tools);
+    kvf_router_oai_req_fini(&r);
+#undef MSG
+}
+
+/* An OpenAI-shaped tool conversation (content null, arguments as a JSON string, tool_call_id)
+ * renders through Qwen3's own template exactly as the reference rendering of the same
+ * conversation in HF's shape (qwen3 chat case 06). */
+static void test_chat_tools_render_qwen3(void **state)
+{
+    (void)state;
+    char path[4200];
+    const char *dir = kvf_test_shared_path("fixtures/tokenizers/qwen3");
+    snprintf(path, sizeof path, "%s/chat_cases.json", dir);
+    json_t *cc = json_load_file(path, 0, NULL);
+    assert_non_null(cc);
+    json_t *c = NULL, *x;
+    size_t i;
+    json_array_foreach(json_object_get(cc, "cases"), i, x)
+        if (strcmp(json_string_value(json_object_get(x, "id")), "qwen3-chat-06") == 0)
+            c = x;
+    assert_non_null(c);
+    json_t *body = json_pack("{s:s,s:O}", "model", "m", "tools", json_object_get(c, "tools"));
+    json_t *msgs = json_deep_copy(json_object_get(c, "messages"));
+    json_t *asst = json_array_get(msgs, 2), *tc = json_array_get(json_object_get(asst, "tool_calls"), 0);
+    json_object_set_new(asst, "content", json_null());
+    json_object_set_new(tc, "id", json_string("call_0"));
+    json_t *fn = json_object_get(tc, "function");
+    char *args = json_dumps(json_object_get(fn, "arguments"), 0);
+    json_object_set_new(fn, "arguments", json_string(args));
+    free(args);
+    json_object_set_new(json_array_get(msgs, 3), "tool_call_id", json_string("call_0"));
+    json_object_set_new(body, "messages", msgs);
+    char *b = json_dumps(body, 0);
+    kvf_router_oai_req r;
+    kvf_router_oai_error e = {0};
+    if (kvf_router_oai_parse(KVF_ROUTER_OAI_CHAT, b, strlen(b), &r, &e) != KVF_OK)
+        fail_msg("%s: %s", e.param, e.message);
+    kvf_text_chat_template *t;
+    kvf_err err = {0};
+    if (kvf_text_chat_template_load(dir, NULL, false, NULL, &t, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    kvf_text_chat_request cr = {.messages = r.messages, .tools = r.tools, .add_generation_prompt = true};
+    char *out = NULL;
+    if (kvf_text_chat_template_render(t, &cr, &out, NULL, NULL, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    assert_string_equal(out, json_string_value(json_object_get(c, "rendered")));
+    free(out);
+    kvf_text_chat_template_destroy(t);
+    kvf_router_oai_req_fini(&r);
+    free(b);
+    json_decref(body);
+    json_decref(cc);
+}
+
+/* Tool calls in answers and deltas; finish_reason "tool_calls". */
+static void test_tool_call_answer_json(void **state)
+{
+    (void)state;
+    kvf_router_toolcall calls[2] = {{"get_weather", "{\"city\":\"Paris\"}"}, {"now", "{}"}};
+    char ids[2][32] = {"call_a", "call_b"};
+    kvf_router_oai_choice ch = {.index = 0, .text = "", .text_len = 0, .finish = KVF_ROUTER_OAI_FINISH_TOOL_CALLS,
+                                .tool_calls = calls, .tool_call_ids = (const char (*)[32])ids, .n_tool_calls = 2,
+                                .content_null = true};
+    kvf_sbuf b;
+    kvf_sbuf_init(&b);
+    assert_int_equal(kvf_router_oai_answer_json(KVF_ROUTER_OAI_CHAT, "chatcmpl-1", "m", 1, &ch, 1, NULL, &b), KVF_OK);
+    json_t *j = json_loads(b.data, 0, NULL);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0), *msg = json_object_get(c, "message");
+    assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "tool_calls");
+    assert_true(json_is_null(json_object_get(msg, "content")));
+    json_t *t1 = json_array_get(json_object_get(msg, "tool_calls"), 1);
+    assert_string_equal(json_string_value(json_object_get(t1, "id")), "call_b");
+    assert_string_equal(json_string_value(json_object_get(t1, "type")), "function");
+    assert_string_equal(json_string_value(json_object_get(json_object_get(t1, "function"), "name")), "now");
+    assert_null(json_object_get(t1, "index"));
+    json_decref(j);
+    kvf_sbuf_fini(&b);
+    kvf_sbuf_init(&b);
+    assert_int_equal(kvf_router_oai_chunk_sse(KVF_ROUTER_OAI_CHAT, "chatcmpl-1", "m", 1, &ch, 1, NULL, false, &b), KVF_OK);
+    j = json_loads(b.data + 6, JSON_DISABLE_EOF_CHECK, NULL);
+    json_t *d = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "delta");
+    json_t *t0 = json_array_get(json_object_get(d, "tool_calls"), 0);
+    assert_int_equal(json_integer_value(json_object_get(t0, "index")), 0);
+    assert_string_equal(json_string_value(json_object_get(json_object_get(t0, "function"), "arguments")),
+                        "{\"city\":\"Paris\"}");
+    assert_null(json_object_get(d, "content"));
+    json_decref(j);
+    kvf_sbuf_fini(&b);
+    /* the stream's first delta: role, content null, the calls */
+    ch.first_chunk = true;
+    kvf_sbuf_init(&b);
+    assert_int_equal(kvf_router_oai_chunk_sse(KVF_ROUTER_OAI_CHAT, "chatcmpl-1", "m", 1, &ch, 1, NULL, false, &b), KVF_OK);
+    j = json_loads(b.data + 6, JSON_DISABLE_EOF_CHECK, NULL);
+    d = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "delta");
+    assert_string_equal(json_string_value(json_object_get(d, "role")), "assistant");
+    assert_true(json_is_null(json_object_get(d, "content")));
+    assert_int_equal(json_array_size(json_object_get(d, "tool_calls")), 2);
+    json_decref(j);
+    kvf_sbuf_fini(&b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -311,6 +506,9 @@ int main(void)
         cmocka_unit_test(test_error_json),
         cmocka_unit_test(test_answer_and_chunks),
         cmocka_unit_test(test_find_stop),
+        cmocka_unit_test(test_chat_tools_parse),
+        cmocka_unit_test(test_chat_tools_render_qwen3),
+        cmocka_unit_test(test_tool_call_answer_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

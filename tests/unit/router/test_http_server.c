@@ -35,7 +35,8 @@
 /* A fake decode worker                                                                      */
 
 enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW, FAKE_MID /* 3 tokens, then lost */,
-       FAKE_HOLD /* sends nothing until cancelled (10 s at most) */ };
+       FAKE_HOLD /* sends nothing until cancelled (10 s at most) */,
+       FAKE_SCRIPT /* sends g_script's tokens one by one to every sequence, then stops */ };
 
 typedef struct fake {
     kvf_rpc_server *srv;
@@ -47,6 +48,10 @@ typedef struct fake {
     char last_id[128];
     pthread_mutex_t mu;
 } fake;
+
+/* FAKE_SCRIPT's answer: recorded model output as token ids, its last one ending it (STOP). */
+static int32_t g_script[512];
+static size_t g_n_script;
 
 /* The fake's tokens: seq i of a prompt ending in t yields t+1+k+7i (mod 320). */
 static int32_t fake_token(int32_t last, int32_t k, int32_t i)
@@ -121,6 +126,16 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g
         if (cancelled)
             atomic_fetch_add(&f->n_cancelled, 1);
         kvf_rpc_call_finish(call, cancelled ? KVF_ERR_CANCELLED : KVF_OK, NULL);
+        return;
+    }
+    if (mode == FAKE_SCRIPT) {
+        int32_t n = g->sampling.n, np = (int32_t)g->n_token_ids;
+        free(g);
+        for (size_t k = 0; k < g_n_script; k++)
+            for (int32_t i = 0; i < n; i++)
+                send_tokens(call, i, &g_script[k], 1, k + 1 == g_n_script ? KVF_RPC_FINISH_STOP : KVF_RPC_FINISH_NONE,
+                            np, (int32_t)k + 1, false);
+        kvf_rpc_call_finish(call, KVF_OK, NULL);
         return;
     }
     int32_t last = g->token_ids[g->n_token_ids - 1], max = g->sampling.max_tokens;
@@ -317,12 +332,16 @@ typedef struct fixture {
 
 static const char *g_decode_dns; /* set by the DNS test */
 static int32_t g_block_size;      /* set by the block size test */
+static int32_t g_max_model_len;   /* set by the tool calls test (the tiny tokenizer is verbose) */
+static const char *g_tool_parser; /* set by the tool calls test */
 
 static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
     kvf_router_http_cfg c = {0};
     c.fleet.decode_dns = g_decode_dns;
     c.fleet.block_size = g_block_size;
+    c.max_model_len = g_max_model_len;
+    c.tool_call_parser = g_tool_parser;
     c.fleet.resolve_interval_ms = 200;
     c.host = "127.0.0.1";
     c.model = model;
@@ -1260,6 +1279,262 @@ static void test_text_stop_and_chat(void **state)
     assert_int_equal(system(cmd), 0);
 }
 
+/* Streamed chat: choice idx's content deltas joined, its tool-call deltas, its last
+ * finish_reason. */
+static json_t *sse_tool_calls(const char *body, int idx, kvf_sbuf *content, char *finish, size_t cap)
+{
+    json_t *calls = json_array();
+    finish[0] = 0;
+    for (const char *p = body; (p = strstr(p, "data: ")); ) {
+        p += 6;
+        if (strncmp(p, "[DONE]", 6) == 0)
+            break;
+        json_t *j = json_loads(p, JSON_DISABLE_EOF_CHECK, NULL);
+        json_t *c = json_array_get(json_object_get(j, "choices"), 0), *d = json_object_get(c, "delta");
+        json_t *tv = json_object_get(d, "content");
+        if (json_integer_value(json_object_get(c, "index")) != idx) {
+            json_decref(j);
+            continue;
+        }
+        if (json_is_string(tv))
+            kvf_sbuf_append(content, json_string_value(tv), json_string_length(tv));
+        size_t k;
+        json_t *tc;
+        json_array_foreach(json_object_get(d, "tool_calls"), k, tc)
+            json_array_append(calls, tc);
+        if (json_is_string(json_object_get(c, "finish_reason")))
+            snprintf(finish, cap, "%s", json_string_value(json_object_get(c, "finish_reason")));
+        json_decref(j);
+    }
+    return calls;
+}
+
+/* Issue 23's tools end to end over HTTP: a model whose chat template is Qwen3's (so the hermes
+ * parser is picked), requests refused with a 400 naming the field, a conversation with tools,
+ * an assistant tool call (content null, arguments a JSON string) and a tool message rendered to
+ * the prompt the worker gets, and a recorded hermes answer turned into tool_calls, plain and
+ * streamed, n = 2; with tool_choice "none" the same answer stays text. */
+static void test_tool_calls(void **state)
+{
+    (void)state;
+    const char *bin = getenv("KVF_BIN");
+    if (!bin || !*bin) {
+        fprintf(stderr, "skip: KVF_BIN is not set (run under ctest)\n");
+        return;
+    }
+    char dir[] = "/tmp/kvf_http_tools_XXXXXX", cmd[4096], mdir[64], path[128];
+    assert_non_null(mkdtemp(dir));
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --preset tiny --out '%s/m' >/dev/null 2>&1", bin, dir);
+    assert_int_equal(system(cmd), 0);
+    snprintf(mdir, sizeof mdir, "%s/m", dir);
+    /* Qwen3's own template as the model's chat_template.jinja */
+    char qpath[4200];
+    snprintf(qpath, sizeof qpath, "%s/tokenizer_config.json", kvf_test_shared_path("fixtures/tokenizers/qwen3"));
+    json_t *qcfg = json_load_file(qpath, 0, NULL);
+    assert_non_null(qcfg);
+    snprintf(path, sizeof path, "%s/chat_template.jinja", mdir);
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    fputs(json_string_value(json_object_get(qcfg, "chat_template")), f);
+    fclose(f);
+    kvf_text_tokenizer *tok = NULL;
+    kvf_err e = {0};
+    assert_int_equal(kvf_text_tokenizer_load(mdir, &tok, &e), KVF_OK);
+    /* the recorded answer, as the tiny model's tokens, then its EOS */
+    const char *answer = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+                         "</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    assert_int_equal(kvf_text_tokenizer_encode(tok, answer, strlen(answer), false, &ids, &n_ids, &e), KVF_OK);
+    assert_true(n_ids + 1 < sizeof g_script / sizeof g_script[0]);
+    memcpy(g_script, ids, n_ids * sizeof *ids);
+    g_script[n_ids] = kvf_text_tokenizer_eos_id(tok);
+    g_n_script = n_ids + 1;
+    free(ids);
+
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_SCRIPT);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    g_max_model_len = 4096;
+    router_start_model(&x, mdir, d, 256);
+    g_max_model_len = 0;
+    wait_ready(&x, 200);
+
+    /* refused, naming the field */
+    static const struct {
+        const char *extra, *param, *msg;
+    } bad[] = {
+        {"\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":{\"url\":\"http://x/a.png\"}}]}]",
+         "messages.[0].content.[0].type", "not supported"},
+        {"\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":1}]}]", "messages.[0].content.[0].text", "a string"},
+        {"\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+         "\"tool_choice\":\"required\"", "tool_choice", "constrained decoding"},
+        {"\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{}}]",
+         "tools.[0].function.name", "required"},
+        {"\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+         "\"function\":{\"name\":\"f\",\"arguments\":\"{\"}}]}]", "messages.[0].tool_calls.[0].function.arguments", "not valid JSON"},
+    };
+    resp r;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(cmd, sizeof cmd, "{\"model\":\"tiny-gqa-f32\",%s}", bad[i].extra);
+        http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+        json_t *j = json_loads(r.body, 0, NULL);
+        json_t *err = json_object_get(j, "error");
+        if (r.status != 400 || !json_is_string(json_object_get(err, "param")) ||
+            strcmp(json_string_value(json_object_get(err, "param")), bad[i].param) != 0 ||
+            !strstr(json_string_value(json_object_get(err, "message")), bad[i].msg))
+            fail_msg("%s: got %d %s", bad[i].extra, r.status, r.body);
+        json_decref(j);
+        free(r.body);
+    }
+
+    /* a whole tool conversation: the prompt is the template's rendering of it */
+    const char *conv =
+        "{\"model\":\"tiny-gqa-f32\",\"messages\":["
+        "{\"role\":\"system\",\"content\":\"You are a helpful assistant.\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"What's the weather\"},{\"type\":\"text\",\"text\":\"in Paris?\"}]},"
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"call_0\",\"type\":\"function\","
+        "\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\\\": \\\"Paris\\\"}\"}}]},"
+        "{\"role\":\"tool\",\"tool_call_id\":\"call_0\",\"content\":\"{\\\"temp_c\\\": 18}\"}],"
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather now.\","
+        "\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}},"
+        "{\"type\":\"function\",\"function\":{\"name\":\"get_time\"}}]%s}";
+    const char *want_prompt =
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist with "
+        "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"Weather now.\", \"parameters\": "
+        "{\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n"
+        "{\"type\": \"function\", \"function\": {\"name\": \"get_time\"}}\n</tools>\n\nFor each function call, return a json "
+        "object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+        "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nWhat's the weather\n"
+        "in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
+        "\"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{\"temp_c\": 18}\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n";
+    int32_t *pids = NULL;
+    size_t np = 0;
+    assert_int_equal(kvf_text_tokenizer_encode(tok, want_prompt, strlen(want_prompt), false, &pids, &np, &e), KVF_OK);
+    free(pids);
+
+    snprintf(cmd, sizeof cmd, conv, ",\"n\":2");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    if (r.status != 200)
+        fail_msg("tool conversation: %d %s", r.status, r.body);
+    assert_int_equal(atomic_load(&x.f[0].last_n_tokens), (int)np);
+    json_t *j = json_loads(r.body, 0, NULL);
+    assert_int_equal(json_integer_value(json_object_get(json_object_get(j, "usage"), "prompt_tokens")), (json_int_t)np);
+    char first_id[64] = "";
+    for (size_t i = 0; i < 2; i++) {
+        json_t *c = json_array_get(json_object_get(j, "choices"), i), *m = json_object_get(c, "message");
+        assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "tool_calls");
+        assert_string_equal(json_string_value(json_object_get(m, "content")), "Let me check.\n");
+        json_t *tcs = json_object_get(m, "tool_calls");
+        assert_int_equal(json_array_size(tcs), 2);
+        json_t *t0 = json_array_get(tcs, 0), *t1 = json_array_get(tcs, 1);
+        assert_string_equal(json_string_value(json_object_get(json_object_get(t0, "function"), "name")), "get_weather");
+        assert_string_equal(json_string_value(json_object_get(json_object_get(t0, "function"), "arguments")), "{\"city\":\"Paris\"}");
+        assert_string_equal(json_string_value(json_object_get(json_object_get(t1, "function"), "name")), "get_time");
+        assert_string_equal(json_string_value(json_object_get(json_object_get(t1, "function"), "arguments")), "{}");
+        assert_string_equal(json_string_value(json_object_get(t0, "type")), "function");
+        const char *id = json_string_value(json_object_get(t0, "id"));
+        assert_true(id && strncmp(id, "call_", 5) == 0 && strlen(id) == 29);
+        if (i == 0)
+            snprintf(first_id, sizeof first_id, "%s", id);
+        else
+            assert_string_not_equal(first_id, id);
+    }
+    json_decref(j);
+    free(r.body);
+
+    /* streamed: the text before the calls as content, then the calls as deltas */
+    snprintf(cmd, sizeof cmd, conv, ",\"stream\":true,\"n\":2");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    for (int idx = 0; idx < 2; idx++) {
+        kvf_sbuf t;
+        kvf_sbuf_init(&t);
+        char fin[32];
+        json_t *calls = sse_tool_calls(r.body, idx, &t, fin, sizeof fin);
+        assert_string_equal(fin, "tool_calls");
+        if (t.len != strlen("Let me check.\n") || memcmp(t.data, "Let me check.\n", t.len) != 0)
+            fail_msg("choice %d: streamed content [%.*s]", idx, (int)t.len, t.data ? t.data : "");
+        assert_int_equal(json_array_size(calls), 2);
+        assert_int_equal(json_integer_value(json_object_get(json_array_get(calls, 1), "index")), 1);
+        assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(calls, 0), "function"), "arguments")),
+                            "{\"city\":\"Paris\"}");
+        assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(calls, 1), "function"), "name")),
+                            "get_time");
+        json_decref(calls);
+        kvf_sbuf_fini(&t);
+    }
+    free(r.body);
+
+    /* parallel_tool_calls false: the first call only */
+    snprintf(cmd, sizeof cmd, conv, ",\"parallel_tool_calls\":false");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    j = json_loads(r.body, 0, NULL);
+    json_t *m = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
+    assert_int_equal(json_array_size(json_object_get(m, "tool_calls")), 1);
+    json_decref(j);
+    free(r.body);
+
+    /* tool_choice "none": tools still rendered, the answer stays text (no EOS text in it) */
+    snprintf(cmd, sizeof cmd, conv, ",\"tool_choice\":\"none\",\"skip_special_tokens\":false");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(atomic_load(&x.f[0].last_n_tokens), (int)np);
+    j = json_loads(r.body, 0, NULL);
+    json_t *c = json_array_get(json_object_get(j, "choices"), 0);
+    m = json_object_get(c, "message");
+    assert_string_equal(json_string_value(json_object_get(m, "content")), answer);
+    assert_null(json_object_get(m, "tool_calls"));
+    assert_string_equal(json_string_value(json_object_get(c, "finish_reason")), "stop");
+    json_decref(j);
+    free(r.body);
+    router_stop(&x);
+
+    /* --tool-call-parser none: "auto" cannot be honoured (400 naming tool_choice), "none" can */
+    g_max_model_len = 4096;
+    g_tool_parser = "none";
+    router_start_model(&x, mdir, d, 256);
+    g_max_model_len = 0;
+    g_tool_parser = NULL;
+    wait_ready(&x, 200);
+    snprintf(cmd, sizeof cmd, conv, "");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "\"param\":\"tool_choice\""));
+    assert_non_null(strstr(r.body, "--tool-call-parser"));
+    free(r.body);
+    snprintf(cmd, sizeof cmd, conv, ",\"tool_choice\":\"none\"");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    router_stop(&x);
+
+    /* a chat template that never renders tools: a request with tools is refused */
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    fputs("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", f);
+    fclose(f);
+    router_start_model(&x, mdir, d, 256);
+    wait_ready(&x, 200);
+    snprintf(cmd, sizeof cmd, conv, ",\"tool_choice\":\"none\"");
+    http(x.r.port, "POST", "/v1/chat/completions", cmd, NULL, &r);
+    assert_int_equal(r.status, 400);
+    assert_non_null(strstr(r.body, "\"param\":\"tools\""));
+    free(r.body);
+    router_stop(&x);
+
+    fake_stop(&x.f[0]);
+    json_decref(qcfg);
+    kvf_text_tokenizer_destroy(tok);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* Bytes sent as they are; the answer read to the end. */
 static void raw(int port, const char *bytes, resp *r)
 {
@@ -1337,6 +1612,7 @@ int main(void)
         cmocka_unit_test(test_dns_membership),
         cmocka_unit_test(test_block_size_refused),
         cmocka_unit_test(test_text_stop_and_chat),
+        cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_wire_framing_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -125,6 +125,11 @@ static void test_methods_and_globals(void **state)
         {"{% for i in range(3) %}{{ loop.cycle('a', 'b') }}{% endfor %}", "aba"},
         {"{% set ns = namespace(a=1) %}{{ ns.a }}{{ dict(b=2) }}", "1{'b': 2}"},
         {"{{ strftime_now('%%') }}", "%"},
+        /* a global function's name is defined (Llama 3.2: `if strftime_now is defined`); an
+         * attribute of that name is not */
+        {"{{ strftime_now is defined }}{{ raise_exception is undefined }}{{ range is not defined }}"
+         "{{ nosuch is defined }}{{ {}.strftime_now is defined }}",
+         "TrueFalseFalseFalseFalse"},
         /* a variable named like a global wins, as in Jinja */
         {"{% set range = 'r' %}{{ range }}", "r"},
     };
