@@ -633,6 +633,27 @@ static kvf_status check_fields(kvf_router_oai_kind kind, const json_t *o, kvf_ro
     return KVF_OK;
 }
 
+kvf_status kvf_router_oai_chat_inputs(const json_t *o, json_t **messages_out, json_t **tools_out,
+                                      kvf_router_oai_error *e)
+{
+    kvf_router_oai_req r;
+    memset(&r, 0, sizeof r);
+    r.kind = KVF_ROUTER_OAI_CHAT;
+    *messages_out = *tools_out = NULL;
+    kvf_status st = parse_messages(json_object_get(o, "messages"), &r, e);
+    if (st == KVF_OK)
+        st = parse_tools(o, &r, e);
+    if (st == KVF_OK) {
+        *messages_out = r.messages;
+        *tools_out = r.tools;
+        r.messages = r.tools = NULL;
+    }
+    kvf_router_oai_req_fini(&r);
+    if (st == KVF_ERR_NOMEM)
+        kvf_router_oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+    return st;
+}
+
 kvf_status kvf_router_oai_parse(kvf_router_oai_kind kind, const char *body, size_t len,
                                 kvf_router_oai_req *req, kvf_router_oai_error *e)
 {

@@ -106,6 +106,13 @@ kvf_status kvf_router_oai_parse_at(kvf_router_oai_kind kind, const char *body, s
                                    int32_t prompt_index, kvf_router_oai_req *req,
                                    kvf_router_oai_error *e);
 
+/* A chat body's messages and tools as the chat template takes them, checked as
+ * kvf_router_oai_parse checks them (content parts joined, null content "", tool call arguments
+ * decoded): for /tokenize, so it counts exactly what /v1/chat/completions renders. Both outputs
+ * are the caller's references (tools NULL when none). */
+kvf_status kvf_router_oai_chat_inputs(const json_t *o, json_t **messages_out, json_t **tools_out,
+                                      kvf_router_oai_error *e);
+
 /* OpenAI's finish_reason strings: "stop", "length", or NULL (JSON null) while running. */
 typedef enum kvf_router_oai_finish {
     KVF_ROUTER_OAI_FINISH_NONE = 0,

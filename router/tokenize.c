@@ -148,19 +148,11 @@ static kvf_status cut_after_final(const json_t *messages, char *text, size_t *le
 static kvf_status chat_text(const kvf_router_reqs_cfg *c, const json_t *o, char **text_out, size_t *len_out,
                             kvf_router_oai_error *e)
 {
-    const json_t *messages = json_object_get(o, "messages");
-    const json_t *kw = json_object_get(o, "chat_template_kwargs"), *tools = json_object_get(o, "tools");
+    const json_t *kw = json_object_get(o, "chat_template_kwargs");
     bool gen, cont;
     kvf_status st;
-    if (!json_is_array(messages))
-        return bad_type(e, "messages", "an array", messages);
-    if (!json_array_size(messages))
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "invalid_value",
-                                        "'messages' is empty");
     if (kw && !json_is_null(kw) && !json_is_object(kw))
         return bad_type(e, "chat_template_kwargs", "an object", kw);
-    if (tools && !json_is_null(tools) && !json_is_array(tools))
-        return bad_type(e, "tools", "an array", tools);
     if ((st = opt_bool(o, "add_generation_prompt", true, &gen, e)) != KVF_OK ||
         (st = opt_bool(o, "continue_final_message", false, &cont, e)) != KVF_OK)
         return st;
@@ -171,21 +163,24 @@ static kvf_status chat_text(const kvf_router_reqs_cfg *c, const json_t *o, char 
     if (!c->tmpl)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", "no_chat_template",
                                         "model '%s' has no chat template: %s", c->served, c->tmpl_err);
-    kvf_text_chat_request cr = {.messages = messages, .add_generation_prompt = gen,
-                                .tools = json_is_array(tools) ? tools : NULL,
+    /* the messages and tools exactly as /v1/chat/completions hands them to the template */
+    json_t *messages = NULL, *tools = NULL;
+    if ((st = kvf_router_oai_chat_inputs(o, &messages, &tools, e)) != KVF_OK)
+        return st;
+    kvf_text_chat_request cr = {.messages = messages, .add_generation_prompt = gen, .tools = tools,
                                 .extra = json_is_object(kw) ? kw : NULL};
     kvf_err err = {0};
     if (kvf_text_chat_template_render(c->tmpl, &cr, text_out, len_out, NULL, &err) != KVF_OK) {
         char buf[KVF_ERR_MSG_MAX];
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s",
-                                        kvf_router_oai_template_error(err.msg, buf, sizeof buf));
-    }
-    if (cont && (st = cut_after_final(messages, *text_out, len_out, e)) != KVF_OK) {
+        st = kvf_router_oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "%s",
+                                      kvf_router_oai_template_error(err.msg, buf, sizeof buf));
+    } else if (cont && (st = cut_after_final(messages, *text_out, len_out, e)) != KVF_OK) {
         free(*text_out);
         *text_out = NULL;
-        return st;
     }
-    return KVF_OK;
+    json_decref(messages);
+    json_decref(tools);
+    return st;
 }
 
 /* Appends the answer: {"count", "max_model_len", "tokens", "token_strs"}. */

@@ -24,8 +24,12 @@ cleanup_up() {
 }
 trap cleanup_up EXIT
 
+# A tiny random model speaking Qwen3's tokenizer and chat template (the fixture's), so tools,
+# tool messages and the hermes tool-call parser run through a real template.
 M="$TMP/sdk-model"
-"$KVF_BIN" gen-model --out "$M" >/dev/null 2>&1 || fail "gen-model"
+"$KVF_BIN" gen-model --out "$M" --vocab-size 151936 >/dev/null 2>&1 || fail "gen-model"
+cp "$KVF_SHARED/fixtures/tokenizers/qwen3/tokenizer.json" "$KVF_SHARED/fixtures/tokenizers/qwen3/tokenizer_config.json" "$M/" \
+    || fail "the Qwen3 tokenizer fixture"
 # The engine's own answers (kvfleet generate, one process, no router) for the cases that check
 # the fleet honours issue 23's parameters exactly: {name: generate --json} in one file.
 PIDS_GEN=(5,17,33,2,250,9,61,77)

@@ -330,6 +330,46 @@ const cases = [
     },
   },
   {
+    name: 'chat content parts: text parts joined as one string; an image part refused by position',
+    run: async () => {
+      const parts = await client.chat.completions.create({
+        model, max_tokens: 1, messages: [{ role: 'user', content: [{ type: 'text', text: 'a' }, { type: 'text', text: 'b' }] }],
+      });
+      const joined = await client.chat.completions.create({ model, max_tokens: 1, messages: [{ role: 'user', content: 'a\nb' }] });
+      assert.equal(parts.usage.prompt_tokens, joined.usage.prompt_tokens);
+      await expectError(OpenAI.BadRequestError, 400, 'messages.[0].content.[1].type', () =>
+        client.chat.completions.create({
+          model, messages: [{ role: 'user', content: [{ type: 'text', text: 'a' }, { type: 'image_url', image_url: { url: 'https://x/y.png' } }] }],
+        }));
+    },
+  },
+  {
+    name: 'tools: a tool conversation renders through the model\'s template, plain and streamed',
+    run: async () => {
+      const tools = [{ type: 'function', function: { name: 'get_weather', description: 'Weather in a city',
+        parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } }];
+      const convo = [
+        { role: 'user', content: 'Weather in Paris?' },
+        { role: 'assistant', content: null, tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }] },
+        { role: 'tool', tool_call_id: 'call_1', content: '{"temp_c": 21}' },
+      ];
+      const r = await client.chat.completions.create({ model, messages: convo, tools, max_tokens: 4, temperature: 0 });
+      assert.ok(['stop', 'length', 'tool_calls'].includes(r.choices[0].finish_reason));
+      const t = await post('/tokenize', { model, messages: convo, tools });
+      assert.equal(t.status, 200, JSON.stringify(t.json));
+      assert.equal(t.json.count, r.usage.prompt_tokens); // the tools reached the template
+      const bare = await post('/tokenize', { model, messages: [convo[0]] });
+      assert.ok(t.json.count > bare.json.count + 20);
+      const s = await drain(await client.chat.completions.create({ model, messages: convo, tools, max_tokens: 4, temperature: 0, stream: true }),
+        (c) => c.delta?.content);
+      assert.ok(s.finish);
+      await expectError(OpenAI.BadRequestError, 400, 'tool_choice', () =>
+        client.chat.completions.create({ model, messages: convo, tools, tool_choice: 'required' }));
+      await expectError(OpenAI.BadRequestError, 400, 'messages.[1].tool_calls.[0].function.arguments', () =>
+        client.chat.completions.create({ model, tools, messages: [convo[0], { ...convo[1], tool_calls: [{ ...convo[1].tool_calls[0], function: { name: 'get_weather', arguments: '{bad' } }] }] }));
+    },
+  },
+  {
     name: 'what this server does not have is refused by name, never ignored',
     run: async () => {
       await expectError(OpenAI.BadRequestError, 400, 'suffix', () => client.completions.create({ model, prompt: 'x', suffix: 'y' }));

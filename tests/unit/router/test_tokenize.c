@@ -152,10 +152,25 @@ static void test_validation(void **state)
         json_decref(j);
     }
     free(body);
-    /* a template that fails: the template's error, without the server's file path */
+    /* a template that fails (it adds a number to the text): the template's error, without the
+     * server's file path */
+    char bad[96], cmd[1024];
+    snprintf(bad, sizeof bad, "%s/bad", g_dir);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s' && cp '%s/config.json' '%s/' && printf '%%s' "
+             "'{\"chat_template\": \"{{ messages[0].content + 1 }}\"}' > '%s/tokenizer_config.json'",
+             bad, g_dir, bad, bad);
+    assert_int_equal(system(cmd), 0);
+    kvf_text_chat_template *bad_tmpl = NULL;
+    kvf_err le = {0};
+    if (kvf_text_chat_template_load(bad, NULL, false, NULL, &bad_tmpl, &le) != KVF_OK)
+        fail_msg("%s", le.msg);
+    const kvf_text_chat_template *good_tmpl = c.tmpl;
+    c.tmpl = bad_tmpl;
     kvf_router_oai_error e;
     assert_null(run(&kvf_router_tokenize_job, &c,
                     "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}]}]}", &e));
+    c.tmpl = good_tmpl;
+    kvf_text_chat_template_destroy(bad_tmpl);
     assert_int_equal(e.http_status, 400);
     assert_string_equal(e.param, "messages");
     if (strncmp(e.message, "chat template: ", 15) != 0 || strstr(e.message, g_dir) || strstr(e.message, "tokenizer_config"))
