@@ -1427,13 +1427,13 @@ static void send_err(kvf_router_reqs *rs, kvf_router_client *client, bool sse, c
     }
 }
 
-/* The other members of r's group stop: each cancels and ends through finish_gone. */
-static void group_stop_others(kvf_router_req *r)
+/* Every member of g but `except` (NULL: all) stops as if its client left: its Generate is
+ * cancelled and it ends through finish_gone (one being prepared, through group_prepared). */
+static void group_stop(rq_group *g, const kvf_router_req *except)
 {
-    rq_group *g = r->group;
     for (int32_t i = 0; i < g->n; i++) {
         kvf_router_req *m = g->m[i];
-        if (!m || m == r || m->client_gone)
+        if (!m || m == except || m->client_gone)
             continue;
         m->client_gone = true;
         atomic_store(&m->gone, true);
@@ -1484,7 +1484,7 @@ static void finish_err(kvf_router_req *r, const kvf_router_oai_error *e, int ret
             kvf_router_client_on_close(r->rs->cfg.h, g->client, NULL);
             send_err(r->rs, g->client, r->oai.stream, g->m[0]->id, e, retry_after);
             g->failed = true;
-            group_stop_others(r);
+            group_stop(r->group, r);
             for (int32_t i = 0; i < g->n; i++) /* answered: no member may touch it again */
                 if (g->m[i])
                     g->m[i]->client = NULL;
@@ -1506,7 +1506,7 @@ static void finish_gone(kvf_router_req *r)
         kvf_rpc_stream_cancel(r->stream);
     if (r->group) {
         r->group->gone = true;
-        group_stop_others(r);
+        group_stop(r->group, r);
         group_done(r);
         return;
     }
@@ -1519,18 +1519,8 @@ static void finish_gone(kvf_router_req *r)
 void kvf_router_req_client_left(kvf_router_req *r)
 {
     if (r && r->group) { /* every member: the prepared ones answer through the group */
-        rq_group *g = r->group;
-        g->gone = true;
-        for (int32_t i = 0; i < g->n; i++) {
-            kvf_router_req *m = g->m[i];
-            if (!m || m->client_gone)
-                continue;
-            m->client_gone = true;
-            atomic_store(&m->gone, true);
-            if (m->stream)
-                kvf_rpc_stream_cancel(m->stream);
-            kvf_router_wake_notify(&m->wake);
-        }
+        r->group->gone = true;
+        group_stop(r->group, NULL);
         return;
     }
     if (!r || r->client_gone)
