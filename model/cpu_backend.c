@@ -21,13 +21,14 @@
 /* How long pool threads spin for the next op (and the caller for the workers) before they
  * sleep: longer than the gap between two ops of a forward pass, short enough that an idle
  * server gives its CPUs back at once. */
-#define CPU_SPIN_NS 100000
+#define CPU_SPIN_NS 50000
 
 typedef struct cpu_ctx cpu_ctx;
 struct cpu_ctx {
     int32_t n_threads;
     bool half_weights;
     bool own_sgemv; /* batch-1 matmul by kern->sgemv rather than OpenBLAS's sgemv */
+    int64_t spin_ns; /* the pool's spin before sleeping */
     float k_scale, v_scale; /* fp8 KV: stored = fp8(value / scale) */
     const kvf_cpu_kernels *kern;
     kvf_cpu_pool *pool;
@@ -63,9 +64,10 @@ static void cpu_log_choice(const cpu_ctx *c)
     const char *core;
     kvf_cpu_features_str(feat, sizeof feat);
     kvf_cpu_blas_core(&core, better, sizeof better);
-    kvf_log(KVF_LOG_INFO, "model: cpu: features %s; OpenBLAS core %s%s%s%s; kernels %s, batch-1 matmul by %s",
-            feat, core, better[0] ? " (this CPU could run " : "", better, better[0] ? ")" : "",
-            c->kern->name, c->own_sgemv ? "kvfleet's sgemv" : "OpenBLAS sgemv");
+    kvf_log(KVF_LOG_INFO, "model: cpu: features %s; OpenBLAS core %s%s%s%s; kernels %s, batch-1 matmul by %s; "
+            "%d threads spin %.0f us", feat, core, better[0] ? " (this CPU could run " : "", better,
+            better[0] ? ")" : "", c->kern->name, c->own_sgemv ? "kvfleet's sgemv" : "OpenBLAS sgemv",
+            c->n_threads, (double)c->spin_ns / 1e3);
 }
 
 static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err)
@@ -99,7 +101,13 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
         cpu_destroy(c);
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
     }
-    kvf_status st = kvf_cpu_pool_create(n, CPU_SPIN_NS, &c->pool, err);
+    /* KVFLEET_CPU_SPIN_US overrides the spin (0: sleep at once), to tune it on a machine */
+    const char *sp = getenv("KVFLEET_CPU_SPIN_US");
+    int64_t spin_ns = sp && *sp ? (int64_t)(strtod(sp, NULL) * 1e3) : CPU_SPIN_NS;
+    if (spin_ns < 0 || spin_ns > 100000000)
+        spin_ns = CPU_SPIN_NS;
+    c->spin_ns = spin_ns;
+    kvf_status st = kvf_cpu_pool_create(n, spin_ns, &c->pool, err);
     if (st != KVF_OK) {
         cpu_destroy(c);
         return st;

@@ -5,6 +5,7 @@
 #include "model/cpu_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -53,8 +54,10 @@ static int64_t now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* Spins until done(p, ctx) or spin_ns have passed (the clock is read every 64 polls); returns
- * whether done. */
+/* Spins until done(p, v) or spin_ns have passed (the clock is read every 64 polls); returns
+ * whether done. After the first 256 polls (a few microseconds) each poll also yields: on a
+ * machine with more runnable threads than CPUs the thread we wait for may be queued behind us on
+ * our own CPU, and a pure spin would hold it off for a whole time slice per op. */
 static bool spin_until(const kvf_cpu_pool *p, bool (*done)(const kvf_cpu_pool *, uint64_t), uint64_t v)
 {
     if (p->spin_ns <= 0)
@@ -70,7 +73,10 @@ static bool spin_until(const kvf_cpu_pool *p, bool (*done)(const kvf_cpu_pool *,
             else if (t - t0 > p->spin_ns)
                 return false;
         }
-        cpu_relax();
+        if (i >= 256)
+            sched_yield();
+        else
+            cpu_relax();
     }
 }
 
