@@ -1,7 +1,9 @@
 /* engine.c: `kvfleet bench engine`: prefill and decode tokens/s of the engine at several batch
  * sizes for the gen-model presets (random weights written to a temporary directory), with one
  * backend thread and with all of them, and the memory bandwidth a decode step achieves (weight
- * bytes read per second) next to a plain memory read measured in the same run. */
+ * bytes read per second) next to baselines measured in the same run with the same thread count:
+ * a plain memory read, the BLAS library's own sgemv (decode) and sgemm (prefill). */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -17,6 +19,7 @@
 #include "common/progress.h"
 #include "common/time.h"
 #include "engine/engine.h"
+#include "model/cpu_kernels.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "engine/backends.h"
@@ -56,6 +59,10 @@ static const kvf_cfg_spec engine_bench_spec = {
                "cpu_util: process CPU time / wall time while decoding (100% a thread; lower means\n"
                "the machine was busy with something else). engine%: share of the decode steps' time\n"
                "spent in the engine itself (scheduling, block allocation, sampling), not the forward pass.\n"
+               "Baselines, per thread count, in the same run: a plain read of --memread-bytes split\n"
+               "over the threads (vs_read), OpenBLAS's own threaded sgemv over a 48 MiB matrix\n"
+               "(vs_gemv: decode weight bytes/s over its bytes/s) and sgemm of 64x2048x768\n"
+               "(pf_vs_gemm: prefill FLOP/s, 2 x parameters x tokens, over its FLOP/s).\n"
                "Ends with: decode_b32_over_b1=<x> (the aim is at least 8).",
     .opts = engine_bench_opts,
 };
@@ -65,6 +72,7 @@ static const kvf_cfg_spec engine_bench_spec = {
 
 typedef struct run_result {
     double prefill_tps, decode_tps, step_ms, weight_bps;
+    double prefill_flops; /* 2 x matmul parameters x prompt tokens per second */
     double decode_cpu; /* process CPU seconds per wall second while decoding */
     double overhead;   /* share of decode step time spent outside the forward pass */
 } run_result;
@@ -192,12 +200,50 @@ static kvf_status run_batch(const engine_bench_cfg *c, kvf_engine *e, const kvf_
         kvf_progress_update(pr, ++*done);
     }
     out->prefill_tps = t_prefill > 0 ? (double)B * P / t_prefill : 0;
+    out->prefill_flops = out->prefill_tps * 2.0 * decode_weight_bytes(&m->cfg, 1.0);
     out->decode_tps = t_decode > 0 ? (double)decode_tokens / t_decode : 0;
     out->step_ms = decode_steps ? 1e3 * t_decode / decode_steps : 0;
     out->decode_cpu = t_decode > 0 ? c_decode / t_decode : 0;
     out->overhead = step_ns > 0 ? (double)(step_ns - fwd_ns) / (double)step_ns : 0;
     out->weight_bps = t_decode > 0 ? decode_weight_bytes(&m->cfg, bytes_per_param) * decode_steps / t_decode : 0;
     return KVF_OK;
+}
+
+/* The plain read baseline with n threads, each reading its own slice of buf at once. */
+typedef struct memread_arg {
+    const uint8_t *buf;
+    size_t n;
+    double bps;
+} memread_arg;
+
+static void *memread_thread(void *p)
+{
+    memread_arg *a = p;
+    a->bps = kvf_bench_memread_bps(a->buf, a->n, 1.0);
+    return NULL;
+}
+
+static double memread_threads_bps(const void *buf, size_t n, int32_t threads)
+{
+    memread_arg args[64];
+    pthread_t th[64];
+    if (threads > 64)
+        threads = 64;
+    size_t per = n / (size_t)threads / 64 * 64;
+    bool started[64] = {false};
+    for (int32_t i = 0; i < threads; i++) {
+        args[i] = (memread_arg){.buf = (const uint8_t *)buf + (size_t)i * per, .n = per};
+        if (i > 0)
+            started[i] = pthread_create(&th[i], NULL, memread_thread, &args[i]) == 0;
+    }
+    memread_thread(&args[0]);
+    double sum = args[0].bps;
+    for (int32_t i = 1; i < threads; i++)
+        if (started[i]) {
+            pthread_join(th[i], NULL);
+            sum += args[i].bps;
+        }
+    return sum;
 }
 
 int kvf_bench_engine_main(int argc, char **argv)
@@ -249,7 +295,17 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 1;
     }
     memset(mr, 1, mr_bytes);
-    double memread_bps = kvf_bench_memread_bps(mr, mr_bytes, 1.0);
+    double read_bps[2] = {0}, memread_bps;
+    kvf_cpu_blas_rates blas[2] = {0};
+    for (int t = 0; t < n_thread_runs; t++) {
+        read_bps[t] = memread_threads_bps(mr, mr_bytes, thread_runs[t]);
+        if (!gpu && (st = kvf_cpu_blas_measure(thread_runs[t], 1.0, &blas[t], &err)) != KVF_OK) {
+            fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+            free(mr);
+            return 1;
+        }
+    }
+    memread_bps = read_bps[0];
     free(mr);
 
     char presets[256];
@@ -275,10 +331,27 @@ int kvf_bench_engine_main(int argc, char **argv)
            "%s, prefix cache off, %ld online CPUs\n", kvf_backend_name(be), bc.prompt, bc.budget, how, online);
     if (gpu)
         printf("(cuda: weight_GB/s counts 2 bytes a parameter; vs_read and cpu_util still compare with the host)\n");
-    printf("plain memory read (one thread, %zu MiB): %.2f GB/s\n\n", mr_bytes >> 20, memread_bps / 1e9);
-    printf("%-7s %7s %5s %14s %13s %10s %12s %9s %9s %9s\n", "preset", "threads", "batch",
-           "prefill_tok/s", "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "cpu_util",
-           "engine%");
+    if (!gpu) {
+        char feat[128], better[32];
+        const char *core;
+        kvf_cpu_features_str(feat, sizeof feat);
+        kvf_cpu_blas_core(&core, better, sizeof better);
+        printf("cpu: %s; OpenBLAS core %s%s%s; kvfleet kernels %s\n", feat, core,
+               better[0] ? ", slower than this CPU's " : "", better,
+               kvf_cpu_kernels_get(kvf_cpu_isa_best())->name);
+    }
+    for (int t = 0; t < n_thread_runs; t++) {
+        printf("baselines, %d thread%s: plain memory read (%zu MiB) %.2f GB/s", thread_runs[t],
+               thread_runs[t] > 1 ? "s" : "", mr_bytes >> 20, read_bps[t] / 1e9);
+        if (!gpu)
+            printf("; OpenBLAS sgemv %.2f GB/s, sgemm %.1f GFLOP/s; kvfleet sgemv %.2f GB/s (%.2fx OpenBLAS)",
+                   blas[t].sgemv_gbps, blas[t].sgemm_gflops, blas[t].own_sgemv_gbps,
+                   blas[t].own_sgemv_gbps / blas[t].sgemv_gbps);
+        printf("\n");
+    }
+    printf("\n%-7s %7s %5s %14s %13s %10s %12s %9s %9s %10s %9s %9s\n", "preset", "threads", "batch",
+           "prefill_tok/s", "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "vs_gemv",
+           "pf_vs_gemm", "cpu_util", "engine%");
     int rc = 0;
     double ratio_32 = -1, ratio_worst = 1e30;
     char *save = NULL;
@@ -346,9 +419,11 @@ int kvf_bench_engine_main(int argc, char **argv)
                 break;
             double b1 = 0;
             for (int i = 0; i < n_batches; i++) {
-                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.0f%% %8.2f%%\n",
+                double gemv = blas[t].sgemv_gbps * 1e9, gemm = blas[t].sgemm_gflops * 1e9;
+                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.2fx %9.2fx %8.0f%% %8.2f%%\n",
                        preset, thread_runs[t], batches[i], res[i].prefill_tps, res[i].decode_tps,
-                       res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / memread_bps,
+                       res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / read_bps[t],
+                       gemv > 0 ? res[i].weight_bps / gemv : 0, gemm > 0 ? res[i].prefill_flops / gemm : 0,
                        100 * res[i].decode_cpu, 100 * res[i].overhead);
                 if (batches[i] == 1)
                     b1 = res[i].decode_tps;

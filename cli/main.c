@@ -1,10 +1,13 @@
 /* main.c: the `kvfleet` entry point: picks a subcommand from the table and runs it. Every
  * subcommand lives in its own cmd_*.c; --help on any of them prints its flags. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "common/log.h"
+#include "model/cpu_kernels.h"
 
 typedef struct kvf_cli_cmd {
     const char *name;
@@ -50,8 +53,31 @@ static void usage(FILE *out)
     fprintf(out, "\nEvery flag can also be set as KVFLEET_<FLAG> in the environment.\n");
 }
 
+/* OpenBLAS picks its kernels once, when it loads, and reads OPENBLAS_CORETYPE only then: when it
+ * chose a core slower than this CPU runs (0.3.21 takes Zen 4 for Haswell, unknown Xeons for
+ * Prescott), set the right one and start again, once (KVFLEET_BLAS_REEXEC guards the loop).
+ * Done first, before any thread exists. A user's own OPENBLAS_CORETYPE is kept. */
+static void blas_core_reexec(char **argv)
+{
+    if (getenv("OPENBLAS_CORETYPE") || getenv("KVFLEET_BLAS_REEXEC"))
+        return;
+    const char *core;
+    char better[32];
+    kvf_cpu_blas_core(&core, better, sizeof better);
+    if (!better[0])
+        return;
+    kvf_log(KVF_LOG_INFO, "cli: OpenBLAS chose its %s kernels on a CPU that runs %s's: restarting with "
+            "OPENBLAS_CORETYPE=%s", core, better, better);
+    if (setenv("OPENBLAS_CORETYPE", better, 1) != 0 || setenv("KVFLEET_BLAS_REEXEC", "1", 1) != 0)
+        return;
+    execv("/proc/self/exe", argv);
+    kvf_log(KVF_LOG_WARN, "cli: cannot restart /proc/self/exe; going on with OpenBLAS's %s kernels", core);
+    unsetenv("OPENBLAS_CORETYPE");
+}
+
 int main(int argc, char **argv)
 {
+    blas_core_reexec(argv);
     if (argc < 2) {
         usage(stderr);
         return 2;

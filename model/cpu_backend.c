@@ -3,7 +3,6 @@
  * plain loops for the elementwise ops. Weights become f32 at load (aligned f32 is borrowed). */
 #include <cblas.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -13,93 +12,33 @@
 #include "common/log.h"
 #include "model/backend_impl.h"
 #include "model/config.h"
-
-/* ---- a persistent thread pool: run(fn, n_items) hands items out through an atomic counter;
- * the calling thread works too (as thread 0). No allocation per run. */
-typedef void (*cpu_job_fn)(void *arg, int64_t item, int32_t thread /* 0..n_threads-1 */);
-
-typedef struct cpu_ctx cpu_ctx;
-typedef struct cpu_worker {
-    pthread_t th;
-    cpu_ctx *c;
-    int32_t idx; /* 1..n_threads-1; the calling thread is 0 */
-} cpu_worker;
+#include "model/cpu_kernels.h"
+#include "model/cpu_pool.h"
 
 /* Rows of a half-precision weight converted to f32 at a time (per thread scratch). */
 #define CPU_CONV_ROWS 64
 
+/* How long pool threads spin for the next op (and the caller for the workers) before they
+ * sleep: longer than the gap between two ops of a forward pass, short enough that an idle
+ * server gives its CPUs back at once. */
+#define CPU_SPIN_NS 50000
+
+typedef struct cpu_ctx cpu_ctx;
 struct cpu_ctx {
     int32_t n_threads;
     bool half_weights;
+    bool own_sgemv; /* batch-1 matmul by kern->sgemv rather than OpenBLAS's sgemv */
+    int64_t spin_ns; /* the pool's spin before sleeping */
     float k_scale, v_scale; /* fp8 KV: stored = fp8(value / scale) */
-    cpu_worker *workers; /* n_threads - 1 */
-    int32_t n_workers;
+    const kvf_cpu_kernels *kern;
+    kvf_cpu_pool *pool;
     float **conv;     /* [n_threads] scratch of conv_cap floats, grown at weight_load */
     int64_t conv_cap;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_start, cv_done;
-    uint64_t generation;
-    int32_t n_done;
-    bool stop;
-    cpu_job_fn fn;
-    void *arg;
-    int64_t n_items;
-    atomic_llong next;
 };
 
-static void pool_drain(cpu_ctx *c, int32_t thread)
+static void pool_run(cpu_ctx *c, kvf_cpu_job_fn fn, void *arg, int64_t n_items)
 {
-    for (;;) {
-        long long i = atomic_fetch_add(&c->next, 1);
-        if (i >= c->n_items)
-            break;
-        c->fn(c->arg, i, thread);
-    }
-}
-
-static void *pool_worker(void *p)
-{
-    cpu_worker *w = p;
-    cpu_ctx *c = w->c;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&c->mu);
-    for (;;) {
-        while (!c->stop && c->generation == seen)
-            pthread_cond_wait(&c->cv_start, &c->mu);
-        if (c->stop)
-            break;
-        seen = c->generation;
-        pthread_mutex_unlock(&c->mu);
-        pool_drain(c, w->idx);
-        pthread_mutex_lock(&c->mu);
-        if (++c->n_done == c->n_workers)
-            pthread_cond_signal(&c->cv_done);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return NULL;
-}
-
-static void pool_run(cpu_ctx *c, cpu_job_fn fn, void *arg, int64_t n_items)
-{
-    if (c->n_workers == 0 || n_items < 2) {
-        for (int64_t i = 0; i < n_items; i++)
-            fn(arg, i, 0);
-        return;
-    }
-    pthread_mutex_lock(&c->mu);
-    c->fn = fn;
-    c->arg = arg;
-    c->n_items = n_items;
-    atomic_store(&c->next, 0);
-    c->n_done = 0;
-    c->generation++;
-    pthread_cond_broadcast(&c->cv_start);
-    pthread_mutex_unlock(&c->mu);
-    pool_drain(c, 0);
-    pthread_mutex_lock(&c->mu);
-    while (c->n_done < c->n_workers)
-        pthread_cond_wait(&c->cv_done, &c->mu);
-    pthread_mutex_unlock(&c->mu);
+    kvf_cpu_pool_run(c->pool, fn, arg, n_items);
 }
 
 static void cpu_destroy(void *ctx)
@@ -107,21 +46,28 @@ static void cpu_destroy(void *ctx)
     cpu_ctx *c = ctx;
     if (!c)
         return;
-    pthread_mutex_lock(&c->mu);
-    c->stop = true;
-    pthread_cond_broadcast(&c->cv_start);
-    pthread_mutex_unlock(&c->mu);
-    for (int32_t i = 0; i < c->n_workers; i++)
-        pthread_join(c->workers[i].th, NULL);
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->cv_start);
-    pthread_cond_destroy(&c->cv_done);
-    free(c->workers);
+    kvf_cpu_pool_destroy(c->pool);
     if (c->conv)
         for (int32_t i = 0; i < c->n_threads; i++)
             free(c->conv[i]);
     free(c->conv);
     free(c);
+}
+
+/* Logs once per process what this CPU can do, OpenBLAS's core and the kernels chosen. */
+static void cpu_log_choice(const cpu_ctx *c)
+{
+    static atomic_flag logged = ATOMIC_FLAG_INIT;
+    if (atomic_flag_test_and_set(&logged))
+        return;
+    char feat[128], better[32];
+    const char *core;
+    kvf_cpu_features_str(feat, sizeof feat);
+    kvf_cpu_blas_core(&core, better, sizeof better);
+    kvf_log(KVF_LOG_INFO, "model: cpu: features %s; OpenBLAS core %s%s%s%s; kernels %s, batch-1 matmul by %s; "
+            "%d threads spin %.0f us", feat, core, better[0] ? " (this CPU could run " : "", better,
+            better[0] ? ")" : "", c->kern->name, c->own_sgemv ? "kvfleet's sgemv" : "OpenBLAS sgemv",
+            c->n_threads, (double)c->spin_ns / 1e3);
 }
 
 static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err)
@@ -144,32 +90,30 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
     c->half_weights = opts && opts->half_weights;
     c->k_scale = ks > 0.0f ? ks : 1.0f;
     c->v_scale = vs > 0.0f ? vs : 1.0f;
-    pthread_mutex_init(&c->mu, NULL);
-    pthread_cond_init(&c->cv_start, NULL);
-    pthread_cond_init(&c->cv_done, NULL);
-    atomic_init(&c->next, 0);
+    c->kern = kvf_cpu_kernels_get(kvf_cpu_isa_best());
+    /* KVFLEET_CPU_SGEMV=blas|own overrides the choice (to compare the two) */
+    const char *sg = getenv("KVFLEET_CPU_SGEMV");
+    c->own_sgemv = sg && strcmp(sg, "blas") == 0 ? false
+                   : sg && strcmp(sg, "own") == 0 ? true
+                   : c->kern->isa != KVF_CPU_ISA_SCALAR;
     c->conv = calloc((size_t)n, sizeof *c->conv);
     if (!c->conv) {
         cpu_destroy(c);
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
     }
-    if (n > 1) {
-        c->workers = calloc((size_t)n - 1, sizeof *c->workers);
-        if (!c->workers) {
-            cpu_destroy(c);
-            return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
-        }
-        for (int32_t i = 0; i < n - 1; i++) {
-            c->workers[i].c = c;
-            c->workers[i].idx = i + 1;
-            if (pthread_create(&c->workers[i].th, NULL, pool_worker, &c->workers[i]) != 0) {
-                cpu_destroy(c);
-                return kvf_err_set(err, KVF_ERR_INTERNAL, "model: cpu backend: cannot start thread %d of %d", i + 1, n);
-            }
-            c->n_workers++;
-        }
+    /* KVFLEET_CPU_SPIN_US overrides the spin (0: sleep at once), to tune it on a machine */
+    const char *sp = getenv("KVFLEET_CPU_SPIN_US");
+    int64_t spin_ns = sp && *sp ? (int64_t)(strtod(sp, NULL) * 1e3) : CPU_SPIN_NS;
+    if (spin_ns < 0 || spin_ns > 100000000)
+        spin_ns = CPU_SPIN_NS;
+    c->spin_ns = spin_ns;
+    kvf_status st = kvf_cpu_pool_create(n, spin_ns, &c->pool, err);
+    if (st != KVF_OK) {
+        cpu_destroy(c);
+        return st;
     }
     openblas_set_num_threads(1); /* the pool parallelizes; see cpu_matmul */
+    cpu_log_choice(c);
     *ctx_out = c;
     return KVF_OK;
 }
@@ -351,10 +295,12 @@ typedef struct cpu_mm_job {
 } cpu_mm_job;
 
 /* y[:, r0:r1] = x @ W[r0:r1]^T for f32 rows W (row stride cols). */
-static void mm_rows(const float *x, int64_t n, const float *W, int64_t r0, int64_t r1, int64_t cols,
-                    float *y, int64_t rows)
+static void mm_rows(const cpu_ctx *c, const float *x, int64_t n, const float *W, int64_t r0, int64_t r1,
+                    int64_t cols, float *y, int64_t rows)
 {
-    if (n == 1)
+    if (n == 1 && c->own_sgemv)
+        c->kern->sgemv(W, r1 - r0, cols, cols, x, y + r0);
+    else if (n == 1)
         cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, W,
                     (blasint)cols, x, 1, 0.0f, y + r0, 1);
     else
@@ -373,14 +319,14 @@ static void cpu_mm_item(void *arg, int64_t item, int32_t thread)
         return;
     int64_t cols = j->w->cols, rows = j->w->rows;
     if (j->w->dtype == KVF_DTYPE_F32) {
-        mm_rows(j->x, j->n, (const float *)j->w->data + r0 * cols, r0, r1, cols, j->y, rows);
+        mm_rows(j->c, j->x, j->n, (const float *)j->w->data + r0 * cols, r0, r1, cols, j->y, rows);
     } else {
         float *conv = j->c->conv[thread];
         size_t es = kvf_dtype_size(j->w->dtype);
         for (int64_t r = r0; r < r1; r += CPU_CONV_ROWS) {
             int64_t re = r + CPU_CONV_ROWS < r1 ? r + CPU_CONV_ROWS : r1;
             load_f32((const uint8_t *)j->w->data + (size_t)(r * cols) * es, j->w->dtype, (re - r) * cols, conv);
-            mm_rows(j->x, j->n, conv, r, re, cols, j->y, rows);
+            mm_rows(j->c, j->x, j->n, conv, r, re, cols, j->y, rows);
         }
     }
     if (j->bias) {
@@ -408,17 +354,10 @@ static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_w
 static void cpu_rmsnorm(void *ctx, const float *x, int64_t n, const kvf_backend_weight *w, float eps,
                         float *out)
 {
-    const float *g = w->data;
+    const cpu_ctx *c = ctx;
     int64_t d = w->cols;
-    for (int64_t i = 0; i < n; i++) {
-        const float *xi = x + i * d;
-        double ss = 0;
-        for (int64_t j = 0; j < d; j++)
-            ss += (double)xi[j] * xi[j];
-        float r = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
-        for (int64_t j = 0; j < d; j++)
-            out[i * d + j] = xi[j] * r * g[j];
-    }
+    for (int64_t i = 0; i < n; i++)
+        c->kern->rmsnorm(x + i * d, w->data, d, eps, out + i * d);
 }
 
 static void cpu_rope(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t head_dim,
@@ -441,16 +380,14 @@ static void cpu_rope(void *ctx, float *x, int64_t n, int32_t n_heads, int32_t he
 
 static void cpu_swiglu(void *ctx, const float *gate, const float *up, int64_t n, float *out)
 {
-    for (int64_t i = 0; i < n; i++) {
-        float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
-    }
+    const cpu_ctx *c = ctx;
+    c->kern->swiglu(gate, up, n, out);
 }
 
 static void cpu_add(void *ctx, float *x, const float *y, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++)
-        x[i] += y[i];
+    const cpu_ctx *c = ctx;
+    c->kern->add(x, y, n);
 }
 
 static void cpu_gather(void *ctx, const float *x, int64_t row_len, const int32_t *rows, int64_t n,
@@ -491,20 +428,6 @@ static void cpu_kv_write(void *ctx, void *pool, const kvf_kv_layout *l, int32_t 
     }
 }
 
-/* A dot product with eight independent partial sums, so the compiler can vectorize it. */
-static inline float dot_f32(const float *a, const float *b, int32_t n)
-{
-    float s[8] = {0};
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++)
-            s[k] += a[i + k] * b[i + k];
-    float t = 0.0f;
-    for (; i < n; i++)
-        t += a[i] * b[i];
-    return t + ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-}
-
 /* One attention job: the arguments of a call, shared by the pool's items. */
 typedef struct cpu_attn_job {
     const float *q;
@@ -514,6 +437,7 @@ typedef struct cpu_attn_job {
     const kvf_backend_attn *a;
     float *out;
     float k_scale, v_scale; /* 1 unless the KV is fp8 */
+    const kvf_cpu_kernels *kern;
 } cpu_attn_job;
 
 /* Item = (token, head): online softmax over the token's visible positions, a block at a time. */
@@ -534,7 +458,7 @@ static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
     bool f32 = l->dtype == KVF_DTYPE_F32;
     size_t es = kvf_dtype_size(l->dtype);
 
-    float acc[KVF_MODEL_MAX_HEAD_DIM], row[KVF_MODEL_MAX_HEAD_DIM], s[KVF_KV_MAX_BLOCK_SIZE];
+    float acc[KVF_MODEL_MAX_HEAD_DIM], row[KVF_MODEL_MAX_HEAD_DIM], s[KVF_KV_MAX_BLOCK_SIZE + 1];
     float m = -INFINITY, sum = 0.0f;
     for (int32_t d = 0; d < hd; d++)
         acc[d] = 0.0f;
@@ -553,25 +477,27 @@ static void cpu_attn_item(void *arg, int64_t item, int32_t thread)
                 load_f32(kb + (size_t)i * hd * es, l->dtype, hd, row);
                 kr = row;
             }
-            s[i] = dot_f32(q, kr, hd) * j->k_scale * a->scale;
+            s[i] = j->kern->dot(q, kr, hd) * j->k_scale * a->scale;
             if (s[i] > bm)
                 bm = s[i];
         }
-        /* rescale what was accumulated to the new maximum, then add this block */
-        float corr = expf(m - bm);
+        /* weights exp(s - max) of the block, all at once; then rescale what was accumulated to
+         * the new maximum while adding the block's first row, and add the others */
+        for (int32_t i = 0; i < cnt; i++)
+            s[i] -= bm;
+        s[cnt] = m - bm; /* the correction, exp'd with them */
+        j->kern->exp(s, s, cnt + 1);
+        float corr = s[cnt];
         sum *= corr;
-        for (int32_t d = 0; d < hd; d++)
-            acc[d] *= corr;
         for (int32_t i = 0; i < cnt; i++) {
-            float w = expf(s[i] - bm);
+            float w = s[i];
             sum += w;
             const float *vr = (const float *)(vb + (size_t)i * hd * es);
             if (!f32) {
                 load_f32(vb + (size_t)i * hd * es, l->dtype, hd, row);
                 vr = row;
             }
-            for (int32_t d = 0; d < hd; d++)
-                acc[d] += w * vr[d];
+            j->kern->scale_axpy(acc, i == 0 ? corr : 1.0f, w, vr, hd);
         }
         m = bm;
         p0 += cnt;
@@ -587,7 +513,8 @@ static void cpu_attention(void *ctx, const float *q, const void *pool, const kvf
     const cpu_ctx *c = ctx;
     bool fp8 = l->dtype == KVF_DTYPE_FP8_E4M3;
     cpu_attn_job job = {.q = q, .pool = pool, .l = l, .layer = layer, .a = a, .out = out,
-                        .k_scale = fp8 ? c->k_scale : 1.0f, .v_scale = fp8 ? c->v_scale : 1.0f};
+                        .k_scale = fp8 ? c->k_scale : 1.0f, .v_scale = fp8 ? c->v_scale : 1.0f,
+                        .kern = c->kern};
     pool_run(ctx, cpu_attn_item, &job, (int64_t)a->n_tokens * a->n_heads);
 }
 
