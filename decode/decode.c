@@ -591,7 +591,8 @@ static void on_output(void *ctx, const kvf_engine_output *o)
                 lp = q->first_lp;
             else
                 kvf_worker_logprob(o, &lp);
-            r.logprobs = &lp;
+            if (lp.logprob == lp.logprob) /* NaN: none known (the wire says so by leaving it out) */
+                r.logprobs = &lp;
         }
         q->completion_tokens++;
         kvf_metric_add(d->m_tokens, 1);

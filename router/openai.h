@@ -18,7 +18,8 @@
 #define KVF_ROUTER_OAI_MAX_PROMPTS 64   /* prompts in one completions request */
 #define KVF_ROUTER_OAI_MAX_LOGPROBS 20  /* top logprobs per token (KVF_RPC_MAX_LOGPROBS) */
 #define KVF_ROUTER_OAI_MAX_BIAS 1024    /* logit_bias entries (KVF_RPC_MAX_BIAS) */
-#define KVF_ROUTER_OAI_MAX_STOP_IDS 48  /* stop_token_ids (the wire's 64 less the model's eos) */
+#define KVF_ROUTER_OAI_MAX_STOP_IDS 16  /* stop_token_ids with the model's eos ids: what a sequence
+                                         * holds (KVF_ENGINE_MAX_STOP) */
 
 typedef enum kvf_router_oai_kind {
     KVF_ROUTER_OAI_COMPLETIONS, /* POST /v1/completions */

@@ -163,6 +163,8 @@ static void rq_free(kvf_router_req *r)
             free(r->seqs[i].offs);
         }
     free(r->seqs);
+    free(r->body); /* a list's first member keeps it until its siblings are made */
+    r->body = NULL;
     free(r->echo_text);
     free(r->prompt_lps);
     free(r->prompt);
@@ -299,6 +301,12 @@ static kvf_status accept_sampling(kvf_router_reqs *rs, kvf_router_req *r, kvf_ro
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "logit_bias", "invalid_value",
                                             "'logit_bias' names token id %d; this model's ids are 0 to %d",
                                             r->oai.bias_ids[i], vocab - 1);
+    size_t n_eos = r->oai.ignore_eos ? 0 : c->n_eos;
+    if (r->oai.n_stop_ids + n_eos > KVF_ROUTER_OAI_MAX_STOP_IDS)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop_token_ids", "invalid_value",
+                                        "'stop_token_ids' has %zu ids; with this model's %zu end-of-sequence ids at most "
+                                        "%zu are allowed", r->oai.n_stop_ids, n_eos,
+                                        KVF_ROUTER_OAI_MAX_STOP_IDS > n_eos ? KVF_ROUTER_OAI_MAX_STOP_IDS - n_eos : 0);
     for (size_t i = 0; i < r->oai.n_stop_ids; i++)
         if (r->oai.stop_ids[i] >= vocab)
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "stop_token_ids", "invalid_value",
@@ -915,6 +923,12 @@ static void start_prepared(kvf_router_reqs *rs, kvf_router_req *r)
         goto fail;
     }
     if (r->oai.n_prompts > 1) {
+        if (rs->n_prep + r->oai.n_prompts - 1 > MAX_PREP) { /* each prompt is parsed on its own */
+            kvf_router_oai_error_set(&e, 503, "server_error", NULL, "overloaded",
+                                     "%d requests are being tokenized already; retry later", MAX_PREP);
+            retry_after = 1;
+            goto fail;
+        }
         if (group_spawn(rs, r, client, &e) != KVF_OK)
             goto fail;
         group_prepared(rs, r);
@@ -1145,6 +1159,8 @@ static void choice_with_calls(kvf_router_oai_choice *c, const seq_calls *sc, siz
 static void emit_seq(kvf_router_req *r, int32_t idx)
 {
     seq_state *s = &r->seqs[idx];
+    if (r->prompt_lps && !r->have_prompt_lps && r->n_prompt > 1 && !s->first_sent && !s->done)
+        return; /* echo: the first chunk carries the prompt's logprobs, which index 0 brings */
     size_t end = safe_end(r, s);
     if (end == s->emitted && s->ids_emitted == s->n_ids && !s->done)
         return;
@@ -1282,6 +1298,8 @@ static void handle_msg(kvf_router_req *r, const kvf_rpc_generate_resp *m)
         if (kvf_text_detok_feed(s->detok, m->token_ids + k, step, &s->text, &err) != KVF_OK)
             kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
     }
+    for (size_t k = n_text; s->offs && k < m->n_token_ids; k++) /* a final EOS: no text, at the end */
+        s->offs[first + k] = text_chars(s);
     if (cut_at_stop(r, s, prev)) {
         s->finish = KVF_ROUTER_OAI_FINISH_STOP;
         s->done = true;
@@ -1330,7 +1348,7 @@ static int32_t *best_order(const kvf_router_req *r)
         o[i] = i;
         const seq_state *s = &r->seqs[i];
         for (size_t k = 0; s->lps && k < s->n_ids; k++)
-            sum[i] += s->lps[k].logprob == s->lps[k].logprob ? (double)s->lps[k].logprob : 0.0;
+            sum[i] += s->lps[k].logprob == s->lps[k].logprob ? (double)s->lps[k].logprob : -INFINITY;
     }
     if (r->n_return < n)
         for (int32_t i = 1; i < n; i++) /* insertion sort: n <= 64 */
@@ -1767,8 +1785,7 @@ void kvf_router_reqs_destroy(kvf_router_reqs *rs)
             kvf_router_client_on_close(rs->cfg.h, r->client, NULL);
             kvf_router_client_abandon(r->client);
         }
-        free(r->body);
-        rq_free(r);
+        rq_free(r); /* the body too */
     }
     while (rs->head) {
         kvf_router_req *r = rs->head;

@@ -47,7 +47,7 @@ gen presence --presence-penalty 1.5
 gen repetition --repetition-penalty 1.8
 gen bias --logit-bias 7:100,9:-100
 printf '}' >>"$TMP/gen.json"
-export KVF_GEN_JSON="$TMP/gen.json" KVF_GEN_PROMPT="${PIDS_GEN[0]}"
+export KVF_GEN_JSON="$TMP/gen.json" KVF_GEN_PROMPT="${PIDS_GEN[0]}" KVF_MODEL_DIR="$M"
 KEY=sk-sdk-test-0123
 ORIGIN=https://app.example.com
 "$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials \

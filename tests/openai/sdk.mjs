@@ -370,6 +370,23 @@ const cases = [
     },
   },
   {
+    name: 'an answer ended by EOS: its logprob is there, its offset at the end of the text',
+    run: async () => {
+      const cfg = JSON.parse(readFileSync(`${process.env.KVF_MODEL_DIR}/config.json`, 'utf8'));
+      const eos = [].concat(cfg.eos_token_id)[0];
+      const r = await client.completions.create({ model, prompt: promptIds, max_tokens: 3, temperature: 0, logprobs: 1, logit_bias: { [eos]: 100 } });
+      const c = r.choices[0];
+      assert.equal(c.finish_reason, 'stop');
+      assert.deepEqual(c.token_ids, [eos]);
+      assert.equal(c.text, '');
+      assert.deepEqual(c.logprobs.text_offset, [0]);
+      assert.ok(c.logprobs.token_logprobs[0] <= 0);
+      const many = Array.from({ length: 16 }, (_, i) => i + 1);
+      await expectError(OpenAI.BadRequestError, 400, 'stop_token_ids', () =>
+        client.completions.create({ model, prompt: 'x', max_tokens: 1, stop_token_ids: many }));
+    },
+  },
+  {
     name: 'what this server does not have is refused by name, never ignored',
     run: async () => {
       await expectError(OpenAI.BadRequestError, 400, 'suffix', () => client.completions.create({ model, prompt: 'x', suffix: 'y' }));
