@@ -22,16 +22,18 @@
 #include "model/backend.h"
 #include "engine/engine.h"
 #include "model/model.h"
+#include "text/guide.h"
 #include "text/tokenizer.h"
 #include "engine/backends.h"
 
 typedef struct gen_cfg {
     const char *model, *prompt_ids, *prompt, *kv_dtype, *device, *attn_decode, *logit_bias;
+    const char *json_schema, *regex, *choice;
     int32_t max_tokens, block_size, threads, prefill_chunk, top_k, min_tokens, logprobs;
     int64_t kv_memory, seed;
     double temperature, top_p, kv_k_scale, kv_v_scale;
     double presence_penalty, frequency_penalty, repetition_penalty, min_p;
-    bool json, ignore_eos, half_weights, no_graphs, profile, prompt_logprobs;
+    bool json, ignore_eos, half_weights, no_graphs, profile, prompt_logprobs, json_object;
 } gen_cfg;
 
 static const kvf_cfg_opt gen_opts[] = {
@@ -52,6 +54,10 @@ static const kvf_cfg_opt gen_opts[] = {
     {"logprobs", "-1", "print each token's log-probability and the N most likely beside it in --json (0 to 20; -1: none)", offsetof(gen_cfg, logprobs), KVF_CFG_INT},
     {"prompt-logprobs", NULL, "print every prompt token's log-probability in --json (with --logprobs N's top N); the prompt then runs one token a step", offsetof(gen_cfg, prompt_logprobs), KVF_CFG_BOOL},
     {"ignore-eos", NULL, "keep generating past an end-of-sequence token", offsetof(gen_cfg, ignore_eos), KVF_CFG_BOOL},
+    {"json-schema", NULL, "constrain the output to JSON valid under this JSON Schema (JSON text, or @FILE)", offsetof(gen_cfg, json_schema), KVF_CFG_STR},
+    {"json-object", NULL, "constrain the output to a JSON object", offsetof(gen_cfg, json_object), KVF_CFG_BOOL},
+    {"regex", NULL, "constrain the output to a match of this regular expression", offsetof(gen_cfg, regex), KVF_CFG_STR},
+    {"choice", NULL, "constrain the output to one of these strings (a JSON list: [\"yes\",\"no\"])", offsetof(gen_cfg, choice), KVF_CFG_STR},
     {"block-size", "16", "tokens per KV block (a power of two)", offsetof(gen_cfg, block_size), KVF_CFG_INT},
     {"kv-dtype", "f32", "KV cache dtype: f32, f16, bf16 or fp8-e4m3", offsetof(gen_cfg, kv_dtype), KVF_CFG_STR},
     {"kv-k-scale", "1", "fp8-e4m3 KV: K is stored as fp8(K / scale)", offsetof(gen_cfg, kv_k_scale), KVF_CFG_DOUBLE},
@@ -80,6 +86,46 @@ static const kvf_cfg_spec gen_spec = {
                "Text streams to the terminal as it is generated; --json prints one object at the end.",
     .opts = gen_opts,
 };
+
+/* The guide of --json-schema, --json-object, --regex or --choice (one at most) into s; *text_out
+ * owns what s->guide points at (a @FILE's contents). */
+static kvf_status pick_guide(const gen_cfg *c, kvf_engine_sampling *s, char **text_out, kvf_err *err)
+{
+    *text_out = NULL;
+    int n = !!c->json_schema + !!c->json_object + !!c->regex + !!c->choice;
+    if (n > 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "generate: give one of --json-schema, --json-object, --regex and --choice");
+    const char *t = c->json_schema ? c->json_schema : c->regex ? c->regex : c->choice;
+    s->guide_kind = c->json_schema ? KVF_TEXT_GUIDE_JSON_SCHEMA : c->regex ? KVF_TEXT_GUIDE_REGEX
+                    : c->choice    ? KVF_TEXT_GUIDE_CHOICE
+                    : c->json_object ? KVF_TEXT_GUIDE_JSON_OBJECT : KVF_TEXT_GUIDE_NONE;
+    if (c->json_schema && c->json_schema[0] == '@') {
+        FILE *f = fopen(c->json_schema + 1, "rb");
+        char *buf = NULL;
+        size_t len = 0;
+        if (f) {
+            kvf_sbuf sb;
+            kvf_sbuf_init(&sb);
+            char chunk[4096];
+            size_t got;
+            while ((got = fread(chunk, 1, sizeof chunk, f)) > 0)
+                kvf_sbuf_append(&sb, chunk, got);
+            fclose(f);
+            len = sb.len;
+            buf = kvf_sbuf_take(&sb);
+        }
+        if (!buf)
+            return kvf_err_set(err, KVF_ERR_IO, "generate: --json-schema=%s: %s cannot be read or is empty", c->json_schema,
+                               c->json_schema + 1);
+        *text_out = buf;
+        s->guide = buf;
+        s->guide_len = len;
+        return KVF_OK;
+    }
+    s->guide = t;
+    s->guide_len = t ? strlen(t) : 0;
+    return KVF_OK;
+}
 
 /* Adds the ID:BIAS pairs of one --logit-bias value (comma-separated) to s. */
 static kvf_status parse_bias(const char *v, kvf_engine_sampling *s, kvf_err *err)
@@ -233,6 +279,7 @@ int kvf_cli_generate(int argc, char **argv)
     kvf_engine *eng = NULL;
     int32_t *prompt = NULL, *out = NULL, n_prompt = 0;
     json_t *lps = NULL, *plps = NULL; /* --json's "logprobs" and "prompt_logprobs" */
+    char *guide_text = NULL;          /* --json-schema @FILE's contents */
     int rc = 1;
 
     if ((st = kvf_model_load(c.model, &m, &err)) != KVF_OK)
@@ -314,6 +361,8 @@ int kvf_cli_generate(int argc, char **argv)
     ec.no_graphs = c.no_graphs;
     ec.attn_decode = attn_decode;
     ec.model_id = c.model;
+    if (c.json_schema || c.json_object || c.regex || c.choice)
+        ec.tokenizer_dir = c.model; /* the guide masks its tokens */
     if ((st = kvf_engine_create(m, be, &ec, &eng, &err)) != KVF_OK)
         goto fail;
     kvf_model_fwd_prof prof = {0};
@@ -334,7 +383,8 @@ int kvf_cli_generate(int argc, char **argv)
     req.sampling.logprobs = c.logprobs >= 0;
     req.sampling.top_logprobs = c.logprobs > 0 ? c.logprobs : 0;
     req.sampling.prompt_logprobs = c.prompt_logprobs;
-    if ((st = collect_bias(argc, argv, c.logit_bias, &req.sampling, &err)) != KVF_OK)
+    if ((st = collect_bias(argc, argv, c.logit_bias, &req.sampling, &err)) != KVF_OK ||
+        (st = pick_guide(&c, &req.sampling, &guide_text, &err)) != KVF_OK)
         goto fail;
     if (req.sampling.logprobs)
         lps = json_array();
@@ -479,5 +529,6 @@ done:
     kvf_model_destroy(m);
     free(prompt);
     free(out);
+    free(guide_text);
     return rc;
 }

@@ -28,6 +28,8 @@ typedef struct dreq {
     char hint[256];
     kvf_engine_sampling samp;
     kvf_rpc_sampling wire_samp; /* as it came: passed on to the prefill worker */
+    char *guide;                /* the guide's text that samp and wire_samp point at */
+    int32_t n_prior;            /* GenerateRequest.n_prior_output_tokens */
     int n_done;
     int32_t completion_tokens, cached_tokens, remote_tokens;
     /* remote prefill in flight */
@@ -91,6 +93,7 @@ static void dreq_free(dreq *q)
     free(q->cancel);
     free(q->prompt);
     free(q->salt);
+    free(q->guide);
     free(q);
 }
 
@@ -224,7 +227,8 @@ static void start_local(kvf_decode *d, dreq *q)
 {
     kvf_err err = {0};
     kvf_engine_request er = {.id = ++d->next_eng_id, .prompt = q->prompt, .n_prompt = q->n_prompt,
-                             .cache_salt = q->salt, .sampling = q->samp};
+                             .cache_salt = q->salt, .sampling = q->samp,
+                             .n_prior_output = q->n_prior};
     kvf_status st = kvf_engine_add(kvf_worker_engine(d->w), &er, &err);
     if (st != KVF_OK) {
         kvf_log(KVF_LOG_WARN, "decode: req %s: %s", q->id, err.msg);
@@ -377,7 +381,8 @@ static bool start_remote(kvf_decode *d, dreq *q, pconn *p)
     int64_t n_cached = 0;
     int32_t nb = 0;
     kvf_engine_request er = {.id = ++d->next_eng_id, .prompt = q->prompt, .n_prompt = q->n_prompt,
-                             .cache_salt = q->salt, .sampling = q->samp};
+                             .cache_salt = q->salt, .sampling = q->samp,
+                             .n_prior_output = q->n_prior};
     kvf_status st = kvf_engine_add_remote(e, &er, blocks, cap, &nb, &n_cached, &err);
     if (st != KVF_OK) {
         kvf_log(KVF_LOG_INFO, "decode: req %s: no remote prefill: %s", q->id, err.msg);
@@ -474,8 +479,10 @@ static void start_job(kvf_worker *w, void *arg)
     const kvf_worker_cfg *cfg = kvf_worker_config(w);
     const kvf_kv_layout *l = kvf_worker_layout(w);
     /* prompt log-probabilities come from a local prefill (the engine computes them token by
-     * token); a prefill worker sends only the first token's */
-    if (q->hint[0] && q->samp.n == 1 && !q->samp.prompt_logprobs) {
+     * token); a prefill worker sends only the first token's. A resumed guided stream prefills
+     * here too: the prefill worker's guide would not know the output already streamed. */
+    if (q->hint[0] && q->samp.n == 1 && !q->samp.prompt_logprobs &&
+        !(q->n_prior > 0 && q->samp.guide_kind != 0)) {
         const char *mid = kvf_worker_model_id(w);
         uint64_t root = kvf_kv_hash_root(mid, q->salt, q->salt ? strlen(q->salt) : 0);
         int32_t hit = kvf_kv_prefix_probe(kvf_worker_pool(w), root, q->prompt, q->n_prompt);
@@ -693,7 +700,8 @@ static void h_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *m)
     kvf_decode *d = ctx;
     dreq *q = calloc(1, sizeof *q);
     if (!q || !(q->prompt = malloc(m->n_token_ids * sizeof *q->prompt)) ||
-        (m->cache_salt[0] && !(q->salt = strdup(m->cache_salt)))) {
+        (m->cache_salt[0] && !(q->salt = strdup(m->cache_salt))) ||
+        (m->sampling.guide_len && !(q->guide = malloc(m->sampling.guide_len)))) {
         kvf_rpc_call_finish(call, KVF_ERR_NOMEM, "decode: out of memory");
         if (q)
             dreq_free(q);
@@ -707,8 +715,13 @@ static void h_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *m)
     q->deadline_wall_ms = m->deadline_unix_ms;
     memcpy(q->prompt, m->token_ids, m->n_token_ids * sizeof *q->prompt);
     snprintf(q->hint, sizeof q->hint, "%s", m->prefill_addr);
+    q->n_prior = m->n_prior_output_tokens;
     q->wire_samp = m->sampling;
-    kvf_worker_sampling(d->w, &m->sampling, &q->samp);
+    if (q->guide) { /* the message's block goes now: both copies point at q's */
+        memcpy(q->guide, m->sampling.guide, m->sampling.guide_len);
+        q->wire_samp.guide = q->guide;
+    }
+    kvf_worker_sampling(d->w, &q->wire_samp, &q->samp);
     free(m);
     if (q->samp.n > KVF_ENGINE_MAX_N) {
         char msg[400];

@@ -17,8 +17,10 @@
 #include "engine/engine.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/time.h"
@@ -26,6 +28,8 @@
 #include "kv/hash.h"
 #include "kv/swap.h"
 #include "model/forward.h"
+#include "text/guide.h"
+#include "text/tokenizer.h"
 
 typedef enum seq_state {
     SEQ_FREE = 0,
@@ -68,7 +72,23 @@ typedef struct eng_seq {
     kvf_engine_logprob *plp; /* [n_prompt - 1][1 + top_logprobs] */
     int32_t n_plp;           /* rows written so far (in order; recompute does not rewrite) */
     bool plp_given;          /* handed out on an output already */
+    struct guide_ent *guide; /* sp.guide_kind's compiled grammar (a reference), or NULL */
+    kvf_text_matcher *gm;    /* this sample's position in it */
 } eng_seq;
+
+/* A compiled guide, kept by its text while sequences use it and, unreferenced, among the
+ * ENGINE_GUIDES_KEPT most recent (a client sends the same schema again and again). */
+typedef struct guide_ent {
+    int32_t kind;
+    char *text;
+    size_t len;
+    kvf_text_grammar *g;
+    int32_t refs;
+    uint64_t last_use;
+    struct guide_ent *next;
+} guide_ent;
+
+#define ENGINE_GUIDES_KEPT 16
 
 /* A new token's log-probabilities (sampling.logprobs), for its output. */
 typedef struct tok_lp {
@@ -116,6 +136,12 @@ struct kvf_engine {
     kvf_engine_logprob **plp_dead; /* [n_slots] prompt-logprob rows of freed slots: their last
                                     * output may point at them until the next step */
     int32_t n_plp_dead;
+    /* constrained decoding: the tokenizer's bytes as a trie, compiled guides, a mask */
+    kvf_text_tokenizer *tok;
+    kvf_text_vocab *gvocab;
+    guide_ent *guides;
+    uint64_t guide_clock;
+    uint32_t *gmask; /* [kvf_text_vocab_mask_words] */
     kvf_engine_stats st;
 };
 
@@ -218,8 +244,19 @@ void kvf_engine_destroy(kvf_engine *e)
     kvf_backend_destroy(e->be, e->be_ctx);
     kvf_engine_sampler_fini(&e->sampler);
     if (e->seqs)
-        for (int32_t i = 0; i < e->n_slots; i++)
+        for (int32_t i = 0; i < e->n_slots; i++) {
             free(e->seqs[i].plp);
+            kvf_text_matcher_destroy(e->seqs[i].gm);
+        }
+    for (guide_ent *g = e->guides, *n; g; g = n) {
+        n = g->next;
+        kvf_text_grammar_destroy(g->g);
+        free(g->text);
+        free(g);
+    }
+    kvf_text_vocab_destroy(e->gvocab);
+    kvf_text_tokenizer_destroy(e->tok);
+    free(e->gmask);
     for (int32_t i = 0; i < e->n_plp_dead; i++)
         free(e->plp_dead[i]);
     free(e->plp_dead);
@@ -237,6 +274,115 @@ void kvf_engine_destroy(kvf_engine *e)
     free(e->outs);
     free(e->live);
     free(e);
+}
+
+/* ---- constrained decoding: the vocabulary and compiled guides ----------------------------- */
+
+/* Loads dir's tokenizer.json for constrained decoding; a directory without one leaves guides
+ * refused (a model given as bare weights still serves everything else). */
+static kvf_status guide_setup(kvf_engine *e, const char *dir, kvf_err *err)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (access(path, R_OK) != 0) {
+        kvf_log(KVF_LOG_INFO, "engine: no %s: constrained decoding (guides) is off", path);
+        return KVF_OK;
+    }
+    kvf_status st = kvf_text_tokenizer_load(dir, &e->tok, err);
+    if (st == KVF_OK)
+        st = kvf_text_vocab_create(e->tok, e->vocab, &e->gvocab, err);
+    if (st != KVF_OK)
+        return kvf_err_prefix(err, "engine: the tokenizer for constrained decoding");
+    e->gmask = malloc(kvf_text_vocab_mask_words(e->gvocab) * sizeof *e->gmask);
+    if (!e->gmask)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for a token mask");
+    return KVF_OK;
+}
+
+/* The compiled grammar of a guide, with a reference taken: the kept one of the same text, or
+ * a new compile (then the least recently used unreferenced ones past ENGINE_GUIDES_KEPT go). */
+static kvf_status guide_acquire(kvf_engine *e, int32_t kind, const char *text, size_t len,
+                                guide_ent **out, kvf_err *err)
+{
+    for (guide_ent *g = e->guides; g; g = g->next)
+        if (g->kind == kind && g->len == len && (len == 0 || memcmp(g->text, text, len) == 0)) {
+            g->refs++;
+            g->last_use = ++e->guide_clock;
+            *out = g;
+            return KVF_OK;
+        }
+    guide_ent *g = calloc(1, sizeof *g);
+    if (!g || !(g->text = malloc(len + 1))) {
+        free(g);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "out of memory for a %zu-byte guide", len);
+    }
+    if (len)
+        memcpy(g->text, text, len);
+    g->text[len] = '\0';
+    int64_t t0 = kvf_now_ns();
+    kvf_status st = kvf_text_guide_compile(kind, g->text, len, &g->g, err);
+    if (st != KVF_OK) {
+        free(g->text);
+        free(g);
+        return st;
+    }
+    kvf_log(KVF_LOG_DEBUG, "engine: compiled a %s guide of %zu bytes in %.2f ms",
+            kvf_text_guide_kind_name(kind), len, (double)(kvf_now_ns() - t0) / 1e6);
+    g->kind = kind;
+    g->len = len;
+    g->refs = 1;
+    g->last_use = ++e->guide_clock;
+    g->next = e->guides;
+    e->guides = g;
+    int32_t idle = 0;
+    for (guide_ent *q = e->guides; q; q = q->next)
+        idle += q->refs == 0;
+    while (idle > ENGINE_GUIDES_KEPT) {
+        guide_ent **victim = NULL;
+        for (guide_ent **pp = &e->guides; *pp; pp = &(*pp)->next)
+            if ((*pp)->refs == 0 && (!victim || (*pp)->last_use < (*victim)->last_use))
+                victim = pp;
+        guide_ent *v = *victim;
+        *victim = v->next;
+        kvf_text_grammar_destroy(v->g);
+        free(v->text);
+        free(v);
+        idle--;
+    }
+    *out = g;
+    return KVF_OK;
+}
+
+/* Drops s's matcher and its reference to its guide (idempotent). */
+static void guide_drop(eng_seq *s)
+{
+    kvf_text_matcher_destroy(s->gm);
+    s->gm = NULL;
+    if (s->guide)
+        s->guide->refs--;
+    s->guide = NULL;
+}
+
+/* s's matcher over g, with its end ids (stop and eos), advanced over the prompt's trailing
+ * n_prior output tokens. */
+static kvf_status guide_start(kvf_engine *e, eng_seq *s, guide_ent *g, const int32_t *prompt,
+                              int32_t n_prompt, int32_t n_prior, kvf_err *err)
+{
+    int32_t ends[2 * KVF_ENGINE_MAX_STOP];
+    size_t n_end = 0;
+    for (int32_t i = 0; i < s->sp.n_stop; i++)
+        ends[n_end++] = s->sp.stop_ids[i];
+    for (int32_t i = 0; i < s->sp.n_eos; i++)
+        ends[n_end++] = s->sp.eos_ids[i];
+    kvf_status st = kvf_text_matcher_create(g->g, e->gvocab, ends, n_end, &s->gm, err);
+    if (st != KVF_OK)
+        return st;
+    s->guide = g;
+    g->refs++;
+    for (int32_t i = n_prompt - n_prior; i < n_prompt; i++)
+        if ((st = kvf_text_matcher_accept(s->gm, prompt[i], err)) != KVF_OK)
+            return kvf_err_prefix(err, "the output already streamed does not follow the guide");
+    return KVF_OK;
 }
 
 kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kvf_engine_cfg *cfg,
@@ -324,6 +470,8 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
         e->seqs[i].tokens = e->tok_buf + i * (size_t)e->max_ctx;
         e->seqs[i].parent = -1;
     }
+    if (cfg->tokenizer_dir && (st = guide_setup(e, cfg->tokenizer_dir, err)) != KVF_OK)
+        goto fail;
     kvf_log(KVF_LOG_DEBUG, "engine: %d blocks of %d tokens (%s), budget %d tokens, %d running, "
             "%d queued, %d swap slots, prefix cache %s", (int)n_blocks, cfg->block_size,
             kvf_dtype_name(cfg->kv_dtype), cfg->max_batch_tokens, cfg->max_seqs, cfg->max_queued,
@@ -408,6 +556,7 @@ static void emit(kvf_engine *e, eng_seq *s, int32_t token, kvf_engine_finish fin
 static void finish_seq(kvf_engine *e, eng_seq *s, kvf_engine_finish why, bool with_output)
 {
     kv_release(s);
+    guide_drop(s);
     s->state = SEQ_FINISHED;
     s->finish = why;
     e->st.finished++;
@@ -432,6 +581,7 @@ static void take_token(kvf_engine *e, eng_seq *s, int32_t tok, const tok_lp *lp)
     if (s->prefill_only) {
         s->n_generated++;
         s->state = SEQ_KEPT;
+        guide_drop(s); /* its one token is drawn */
         emit(e, s, tok, KVF_ENGINE_FINISH_PREFILLED, lp);
         kvf_log(KVF_LOG_DEBUG, "engine: req %llu: prefilled (%d tokens, %lld cached); %d blocks "
                 "kept", (unsigned long long)s->id, s->n_prompt, (long long)s->n_cached,
@@ -467,7 +617,7 @@ static int32_t sample_for(kvf_engine *e, eng_seq *s, const float *row, int32_t g
  * never takes the backend's draw or argmax. */
 static bool host_path(const eng_seq *s)
 {
-    return s->sp.logprobs || kvf_engine_processes(&s->sp, s->n_generated);
+    return s->sp.logprobs || s->gm || kvf_engine_processes(&s->sp, s->n_generated);
 }
 
 /* Chooses s's next token from its raw row and takes it. A host-path sequence processes a copy
@@ -482,13 +632,59 @@ static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t gree
         return;
     }
     const float *use = row;
-    if (kvf_engine_processes(&s->sp, s->n_generated)) {
+    if (s->gm) {
+        kvf_err gerr = {0};
+        if (kvf_text_matcher_done(s->gm)) { /* complete, and nothing may follow */
+            finish_seq(e, s, KVF_ENGINE_FINISH_STOP, true);
+            return;
+        }
+        if (kvf_text_matcher_mask(s->gm, e->gmask, &gerr) != KVF_OK) {
+            kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: guide: %s", (unsigned long long)s->id,
+                    s->index, gerr.msg);
+            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+            return;
+        }
         memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
+        int32_t allowed = 0;
+        for (int32_t id = 0; id < e->vocab; id++) {
+            if (e->gmask[id >> 5] >> (id & 31) & 1u)
+                allowed++;
+            else
+                e->proc_row[id] = -INFINITY;
+        }
+        if (allowed == 0) { /* complete with no end id to take (ignore_eos), or a dead end */
+            finish_seq(e, s, kvf_text_matcher_accepting(s->gm) ? KVF_ENGINE_FINISH_STOP
+                                                               : KVF_ENGINE_FINISH_ERROR, true);
+            return;
+        }
+        use = e->proc_row;
+    }
+    if (kvf_engine_processes(&s->sp, s->n_generated)) {
+        if (use != e->proc_row)
+            memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
         kvf_engine_process_logits(&e->sampler, e->proc_row, &s->sp, s->tokens, s->n_prompt,
                                   s->n_generated);
         use = e->proc_row;
     }
     int32_t tok = sample_for(e, s, use, -1);
+    if (s->gm) {
+        /* processing may have pushed every allowed logit to -inf (a bias, min_p), and the
+         * draw's argmax fallback then ignores the mask: take the best allowed one instead */
+        if (!(e->gmask[tok >> 5] >> (tok & 31) & 1u)) {
+            int32_t best = -1;
+            for (int32_t id = 0; id < e->vocab; id++)
+                if (e->gmask[id >> 5] >> (id & 31) & 1u && (best < 0 || row[id] > row[best]))
+                    best = id;
+            tok = best;
+        }
+        kvf_err gerr = {0};
+        if (kvf_text_matcher_accept(s->gm, tok, &gerr) != KVF_OK) {
+            kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: guide: %s", (unsigned long long)s->id,
+                    s->index, gerr.msg);
+            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+            return;
+        }
+    }
     if (!s->sp.logprobs) {
         take_token(e, s, tok, NULL);
         return;
@@ -643,6 +839,22 @@ static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: top_logprobs %d is not "
                            "allowed (0 to %d)", (unsigned long long)r->id, p->top_logprobs,
                            KVF_ENGINE_MAX_LOGPROBS < e->vocab ? KVF_ENGINE_MAX_LOGPROBS : e->vocab);
+    if (p->guide_kind != KVF_TEXT_GUIDE_NONE) {
+        if (p->guide_kind < 0 || p->guide_kind > KVF_TEXT_GUIDE_JSON_OBJECT)
+            return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: guide kind %d is not "
+                               "known", (unsigned long long)r->id, p->guide_kind);
+        if (!e->gvocab)
+            return kvf_err_set(err, KVF_ERR_UNSUPPORTED, "engine: req %llu: constrained decoding "
+                               "needs the model's tokenizer.json, which this worker did not load",
+                               (unsigned long long)r->id);
+        if (p->guide_len && !p->guide)
+            return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: a guide of %zu bytes "
+                               "without its text", (unsigned long long)r->id, p->guide_len);
+    }
+    if (r->n_prior_output < 0 || r->n_prior_output >= r->n_prompt)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n_prior_output %d is not "
+                           "allowed (0 to %d: fewer than the prompt)", (unsigned long long)r->id,
+                           r->n_prior_output, r->n_prompt - 1);
     if (r->prefill_only && p->n != 1)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n %d with prefill_only is not "
                            "allowed (use 1)", (unsigned long long)r->id, p->n);
@@ -713,6 +925,33 @@ static kvf_status enqueue(kvf_engine *e, const kvf_engine_request *r, eng_seq **
         if (got == 0)
             first = slot;
         got++;
+    }
+    if (r->sampling.guide_kind != KVF_TEXT_GUIDE_NONE) {
+        guide_ent *g = NULL;
+        kvf_status st = guide_acquire(e, r->sampling.guide_kind, r->sampling.guide,
+                                      r->sampling.guide_len, &g, err);
+        for (int32_t i = 0; i < got && st == KVF_OK; i++)
+            st = guide_start(e, slot_seq(e, e->order[e->n_order - got + i]), g, r->prompt,
+                             r->n_prompt, r->n_prior_output, err);
+        if (g)
+            g->refs--; /* the sequences hold their own */
+        if (st != KVF_OK) {
+            for (int32_t i = 0; i < got; i++) {
+                eng_seq *q = slot_seq(e, e->order[e->n_order - 1 - i]);
+                guide_drop(q);
+                kv_release(q);
+                free(q->plp);
+                q->plp = NULL;
+                q->state = SEQ_FREE;
+            }
+            e->n_order -= got;
+            return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)r->id);
+        }
+    }
+    for (int32_t i = 0; i < got; i++) { /* the text was the caller's */
+        eng_seq *q = slot_seq(e, e->order[e->n_order - got + i]);
+        q->sp.guide = NULL;
+        q->sp.guide_len = 0;
     }
     *first_out = slot_seq(e, first);
     return KVF_OK;
@@ -791,6 +1030,7 @@ kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
     return KVF_OK;
 undo:
     kv_release(s);
+    guide_drop(s);
     s->state = SEQ_FINISHED;
     s->pending = false;
     e->n_order--; /* it was appended last */
@@ -808,6 +1048,9 @@ kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_toke
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: first token %d is outside "
                            "the vocabulary (0 to %d)", (unsigned long long)id, first_token,
                            e->vocab - 1);
+    if (s->gm && kvf_text_matcher_accept(s->gm, first_token, err) != KVF_OK)
+        return kvf_err_prefix(err, "engine: req %llu: the remote prefill's first token",
+                              (unsigned long long)id);
     s->n_computed = s->n_prompt;
     if (e->cfg.prefix_cache) {
         kvf_status st = kvf_kv_seq_commit(&s->kv, s->tokens, s->n_computed, err);
@@ -1067,6 +1310,7 @@ static void reclaim(kvf_engine *e)
         eng_seq *s = slot_seq(e, e->order[i]);
         if (s->state == SEQ_FINISHED && !s->pending) {
             s->state = SEQ_FREE;
+            guide_drop(s);
             if (s->plp) /* its last output may point at it: freed at the next step */
                 e->plp_dead[e->n_plp_dead++] = s->plp;
             s->plp = NULL;

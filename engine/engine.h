@@ -77,6 +77,10 @@ typedef struct kvf_engine_cfg {
     void *event_ctx;
     /* Cost model for PREEMPT_AUTO: compute rate (FLOP/s) and host copy rate (bytes/s). */
     double flops_per_s, copy_bytes_per_s;
+    /* A directory with the model's tokenizer.json: its token bytes are what constrained
+     * decoding masks (kvf_engine_sampling.guide_kind). NULL, or a directory without one: guides
+     * are refused. */
+    const char *tokenizer_dir;
 } kvf_engine_cfg;
 
 /* Defaults: 512 blocks of 16 f32 tokens, 512 tokens a step, 32 running, 256 held, 256 swap
@@ -120,6 +124,15 @@ typedef struct kvf_engine_sampling {
      * prompt is then computed without the prefix cache, one token per step. Sample 0 only;
      * refused with a remote prefill (kvf_engine_add_remote). */
     bool prompt_logprobs;
+    /* Constrained decoding (text/guide.h, text/grammar.h): every token keeps the output inside
+     * the guide (its mask applied to the row before any processing), an end id (stop or eos)
+     * only where the output is complete, and a sequence whose output is complete with no end
+     * id to take finishes STOP. guide_kind is a kvf_text_guide_kind; the text is borrowed for
+     * kvf_engine_add only (the engine compiles it, keeping recent grammars by their text).
+     * Needs kvf_engine_cfg.tokenizer_dir. Such a sequence takes the host path. */
+    int32_t guide_kind;
+    const char *guide;
+    size_t guide_len;
 } kvf_engine_sampling;
 
 /* Greedy, n 1, max_tokens 16, top_p 1, no stop or eos ids. */
@@ -138,6 +151,9 @@ typedef struct kvf_engine_request {
      * (a prefill worker ships them to a decode worker first). n must be 1; max_tokens, stop and
      * eos ids are not used. Such requests batch with every other request of the engine. */
     bool prefill_only;
+    /* The last n_prior_output tokens of prompt are output already (a stream resumed on another
+     * worker): a guide is advanced over them before the first new token. */
+    int32_t n_prior_output;
 } kvf_engine_request;
 
 typedef enum kvf_engine_finish {

@@ -218,8 +218,30 @@ static kvf_status check_sampling(const char *msg, const Kvfleet__V1__SamplingPar
                                "%d, bias %g (token >= 0, bias -100..100)", msg, i,
                                b ? (int)b->token_id : -1, b ? (double)b->bias : 0.0);
     }
+    if (s->guide) {
+        const Kvfleet__V1__Guide *g = s->guide;
+        size_t tl = g->text ? strlen(g->text) : 0;
+        int kind = (int)g->kind;
+        if (kind < KVF_RPC_GUIDE_NONE || kind > KVF_RPC_GUIDE_JSON_OBJECT)
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.guide.kind is %d (allowed "
+                               "0..%d)", msg, kind, KVF_RPC_GUIDE_JSON_OBJECT);
+        if (tl > KVF_RPC_MAX_GUIDE_BYTES)
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.guide.text has %zu bytes "
+                               "(at most %d)", msg, tl, KVF_RPC_MAX_GUIDE_BYTES);
+        bool needs_text = kind == KVF_RPC_GUIDE_JSON_SCHEMA || kind == KVF_RPC_GUIDE_REGEX ||
+                          kind == KVF_RPC_GUIDE_CHOICE;
+        if (needs_text && tl == 0)
+            return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.guide of kind %d has no "
+                               "text", msg, kind);
+    }
     return check_nonneg(msg, "sampling.stop_token_ids", s->stop_token_ids, s->n_stop_token_ids,
                         err);
+}
+
+/* The guide text's share of a decoded message's block. */
+static size_t guide_size(const Kvfleet__V1__SamplingParams *m)
+{
+    return m && m->guide ? str_size(m->guide->text) : 0;
 }
 
 /* ---- the shared pieces: dtype, layout, sampling, transport (each converted here only) -------- */
@@ -291,12 +313,16 @@ void kvf_rpc_sampling_default(kvf_rpc_sampling *s)
 typedef struct bias_msgs {
     Kvfleet__V1__LogitBias *b;
     Kvfleet__V1__LogitBias **p;
+    Kvfleet__V1__Guide *g; /* and the guide, with its NUL-terminated text */
+    char *text;
 } bias_msgs;
 
 static void bias_msgs_free(bias_msgs *bm)
 {
     free(bm->b);
     free(bm->p);
+    free(bm->g);
+    free(bm->text);
 }
 
 /* Refuses what the struct cannot hold (n_stop or n_bias beyond its array) before anything
@@ -305,6 +331,13 @@ static kvf_status sampling_to_msg(const char *msg, const kvf_rpc_sampling *s,
                                   Kvfleet__V1__SamplingParams *m, bias_msgs *bm, kvf_err *err)
 {
     *bm = (bias_msgs){0};
+    if (s->guide_kind < KVF_RPC_GUIDE_NONE || s->guide_kind > KVF_RPC_GUIDE_JSON_OBJECT ||
+        s->guide_len > KVF_RPC_MAX_GUIDE_BYTES || (s->guide_len && !s->guide) ||
+        (s->guide_len && memchr(s->guide, '\0', s->guide_len)))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.guide: kind %d with %zu "
+                           "bytes of text (kinds 0..%d, at most %d bytes, no NUL)", msg,
+                           (int)s->guide_kind, s->guide_len, KVF_RPC_GUIDE_JSON_OBJECT,
+                           KVF_RPC_MAX_GUIDE_BYTES);
     if (s->n_stop < 0 || s->n_stop > KVF_RPC_MAX_STOP_TOKENS)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: %s.sampling.n_stop is %d (allowed 0..%d)",
                            msg, (int)s->n_stop, KVF_RPC_MAX_STOP_TOKENS);
@@ -346,16 +379,39 @@ static kvf_status sampling_to_msg(const char *msg, const kvf_rpc_sampling *s,
     m->ignore_eos = s->ignore_eos;
     m->n_stop_token_ids = (size_t)s->n_stop;
     m->stop_token_ids = (int32_t *)s->stop_ids;
+    if (s->guide_kind != KVF_RPC_GUIDE_NONE) {
+        /* the text must be NUL-terminated for protobuf-c: bm owns that copy too */
+        bm->g = malloc(sizeof *bm->g);
+        bm->text = malloc(s->guide_len + 1);
+        if (!bm->g || !bm->text) {
+            bias_msgs_free(bm);
+            return kvf_err_set(err, KVF_ERR_NOMEM, "rpc: no memory for a %zu-byte guide",
+                               s->guide_len);
+        }
+        if (s->guide_len)
+            memcpy(bm->text, s->guide, s->guide_len);
+        bm->text[s->guide_len] = '\0';
+        kvfleet__v1__guide__init(bm->g);
+        bm->g->kind = (Kvfleet__V1__Guide__Kind)s->guide_kind;
+        bm->g->text = bm->text;
+        m->guide = bm->g;
+    }
     return KVF_OK;
 }
 
 /* A checked sampling block (check_sampling ran), or the defaults when there is none: top_p 0
  * and n 0 are the wire's "off". */
-static void sampling_from_msg(const Kvfleet__V1__SamplingParams *m, kvf_rpc_sampling *s)
+static void sampling_from_msg(const Kvfleet__V1__SamplingParams *m, carve *c,
+                              kvf_rpc_sampling *s)
 {
     kvf_rpc_sampling_default(s);
     if (!m)
         return;
+    if (m->guide && m->guide->kind != KVFLEET__V1__GUIDE__KIND__NONE) {
+        s->guide_kind = (int32_t)m->guide->kind;
+        s->guide = carve_str(c, m->guide->text ? m->guide->text : "");
+        s->guide_len = strlen(s->guide);
+    }
     s->max_tokens = m->max_tokens;
     s->temperature = m->temperature;
     s->top_p = m->top_p > 0 && m->top_p < 1 ? m->top_p : 1.0f;
@@ -631,7 +687,8 @@ kvf_status kvf_rpc_generate_req_decode(const uint8_t *data, size_t len,
     carve c;
     kvf_rpc_generate_req *r =
         block_new(sizeof *r, str_size(m->request_id) + str_size(m->cache_salt) + str_size(addr) +
-                                 AL(m->n_token_ids * sizeof *m->token_ids),
+                                 AL(m->n_token_ids * sizeof *m->token_ids) +
+                                 guide_size(m->sampling),
                   &c, "GenerateRequest", err);
     if (!r) {
         st = KVF_ERR_NOMEM;
@@ -640,7 +697,7 @@ kvf_status kvf_rpc_generate_req_decode(const uint8_t *data, size_t len,
     r->request_id = carve_str(&c, m->request_id);
     r->n_token_ids = m->n_token_ids;
     r->token_ids = carve_copy(&c, m->token_ids, m->n_token_ids * sizeof *m->token_ids);
-    sampling_from_msg(m->sampling, &r->sampling);
+    sampling_from_msg(m->sampling, &c, &r->sampling);
     r->cache_salt = carve_str(&c, m->cache_salt);
     r->prefill_addr = carve_str(&c, addr);
     r->deadline_unix_ms = m->deadline_unix_ms;
@@ -865,7 +922,7 @@ kvf_status kvf_rpc_remote_prefill_req_decode(const uint8_t *data, size_t len,
                                  AL(m->n_token_ids * sizeof *m->token_ids) +
                                  AL((m->n_dst_block_ids ? m->n_dst_block_ids : 1) *
                                     sizeof *m->dst_block_ids) +
-                                 transport_size(m->dst),
+                                 transport_size(m->dst) + guide_size(m->sampling),
                   &c, "RemotePrefillRequest", err);
     if (!r) {
         st = KVF_ERR_NOMEM;
@@ -883,7 +940,7 @@ kvf_status kvf_rpc_remote_prefill_req_decode(const uint8_t *data, size_t len,
     if (m->transfer_token.len == KVF_RPC_TRANSFER_TOKEN_BYTES)
         memcpy(r->transfer_token, m->transfer_token.data, KVF_RPC_TRANSFER_TOKEN_BYTES);
     r->cache_salt = carve_str(&c, m->cache_salt);
-    sampling_from_msg(m->sampling, &r->sampling);
+    sampling_from_msg(m->sampling, &c, &r->sampling);
     r->deadline_unix_ms = m->deadline_unix_ms;
     r->has_dst_layout = m->dst_layout != NULL;
     r->dst_layout = layout;

@@ -36,6 +36,16 @@
 #define KVF_RPC_MAX_N 64               /* sequences per prompt */
 #define KVF_RPC_MAX_BIAS 1024          /* logit_bias entries */
 #define KVF_RPC_MAX_LOGPROBS 20        /* top logprobs per position */
+#define KVF_RPC_MAX_GUIDE_BYTES (256 * 1024) /* a guide's schema or regex text */
+
+/* SamplingParams.guide.kind (proto/kvfleet.proto's Guide.Kind). */
+typedef enum kvf_rpc_guide_kind {
+    KVF_RPC_GUIDE_NONE = 0,
+    KVF_RPC_GUIDE_JSON_SCHEMA = 1,
+    KVF_RPC_GUIDE_REGEX = 2,
+    KVF_RPC_GUIDE_CHOICE = 3, /* text: a JSON array of strings */
+    KVF_RPC_GUIDE_JSON_OBJECT = 4,
+} kvf_rpc_guide_kind;
 #define KVF_RPC_MAX_PROMPT_LPS 4096    /* prompt logprob rows per GenerateResponse */
 
 typedef enum kvf_rpc_role {
@@ -93,6 +103,11 @@ typedef struct kvf_rpc_sampling {
     bool logprobs;
     int32_t top_logprobs;     /* 0..KVF_RPC_MAX_LOGPROBS */
     bool prompt_logprobs;
+    /* constrained decoding: kind, and its text (not NUL-terminated; borrowed from the decoded
+     * message's block or the encoder's caller) */
+    int32_t guide_kind;       /* kvf_rpc_guide_kind */
+    const char *guide;        /* [guide_len] */
+    size_t guide_len;         /* <= KVF_RPC_MAX_GUIDE_BYTES */
 } kvf_rpc_sampling;
 
 /* One position's log-probabilities (<= 0, or -inf): the token's own and the n_top largest. */

@@ -4,6 +4,7 @@
 #include "router/openai.h"
 
 #include "common/json.h"
+#include "text/guide.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -69,6 +70,8 @@ void kvf_router_oai_req_fini(kvf_router_oai_req *req)
     free(req->bias_ids);
     free(req->bias_vals);
     json_decref(req->tools);
+    free(req->guide);
+    free(req->tool_forced);
     memset(req, 0, sizeof *req);
 }
 
@@ -389,8 +392,247 @@ static kvf_status check_tool(size_t i, const json_t *t, kvf_router_oai_error *e)
     return KVF_OK;
 }
 
+/* ---- structured output: response_format, vLLM's guided_*, tool_choice forcing a tool ------- */
+
+/* Makes text (malloc'd; NULL for json_object) r's guide, from field param. A second guide is
+ * refused by name: each would constrain the same output. */
+static kvf_status set_guide(kvf_router_oai_req *r, const char *param, int32_t kind, char *text,
+                            kvf_router_oai_error *e)
+{
+    if (r->guide_kind != KVF_TEXT_GUIDE_NONE) {
+        free(text);
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                        "'%s' and '%s' both constrain the output; give one of them", r->guide_param,
+                                        param);
+    }
+    r->guide_kind = kind;
+    r->guide = text;
+    r->guide_len = text ? strlen(text) : 0;
+    snprintf(r->guide_param, sizeof r->guide_param, "%s", param);
+    return KVF_OK;
+}
+
+static char *dump_compact(const json_t *v)
+{
+    return json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY);
+}
+
+/* A JSON Schema given as an object, or (guided_json) as JSON text. */
+static kvf_status guide_schema(kvf_router_oai_req *r, const char *param, const json_t *v,
+                               bool text_ok, kvf_router_oai_error *e)
+{
+    json_t *parsed = NULL;
+    if (text_ok && json_is_string(v)) {
+        json_error_t je;
+        if (!(parsed = json_loadb(json_string_value(v), json_string_length(v), JSON_REJECT_DUPLICATES, &je)))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                            "'%s' is not valid JSON: %s", param, je.text);
+        v = parsed;
+    }
+    if (!json_is_object(v) && !json_is_boolean(v)) {
+        kvf_status st = bad_type(e, param, "an object (a JSON Schema)", v);
+        json_decref(parsed);
+        return st;
+    }
+    char *text = dump_compact(v);
+    json_decref(parsed);
+    if (!text)
+        return KVF_ERR_NOMEM;
+    return set_guide(r, param, KVF_TEXT_GUIDE_JSON_SCHEMA, text, e);
+}
+
+static kvf_status guide_regex(kvf_router_oai_req *r, const char *param, const json_t *v,
+                              kvf_router_oai_error *e)
+{
+    if (!json_is_string(v))
+        return bad_type(e, param, "a string (a regular expression)", v);
+    char *text = strdup(json_string_value(v));
+    if (!text)
+        return KVF_ERR_NOMEM;
+    return set_guide(r, param, KVF_TEXT_GUIDE_REGEX, text, e);
+}
+
+static kvf_status guide_choice(kvf_router_oai_req *r, const char *param, const json_t *v,
+                               kvf_router_oai_error *e)
+{
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                        "'%s' must be a non-empty list of strings", param);
+    size_t i;
+    const json_t *c;
+    json_array_foreach(v, i, c)
+        if (!json_is_string(c))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_type",
+                                            "'%s'[%zu] must be a string, got %s", param, i, kvf_json_kind(c));
+    char *text = dump_compact(v);
+    if (!text)
+        return KVF_ERR_NOMEM;
+    return set_guide(r, param, KVF_TEXT_GUIDE_CHOICE, text, e);
+}
+
+static kvf_status parse_response_format(const json_t *rf, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (!json_is_object(rf))
+        return bad_type(e, "response_format", "an object", rf);
+    const json_t *t = json_object_get(rf, "type");
+    if (!json_is_string(t))
+        return t ? bad_type(e, "response_format.type", "a string", t) : missing(e, "response_format.type");
+    const char *ts = json_string_value(t);
+    if (strcmp(ts, "text") == 0)
+        return KVF_OK;
+    if (strcmp(ts, "json_object") == 0)
+        return set_guide(r, "response_format", KVF_TEXT_GUIDE_JSON_OBJECT, NULL, e);
+    if (strcmp(ts, "json_schema") != 0)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "response_format.type", "invalid_value",
+                                        "response_format type '%.40s' is not one of \"text\", \"json_object\" and "
+                                        "\"json_schema\"", ts);
+    const json_t *js = json_object_get(rf, "json_schema");
+    if (!json_is_object(js))
+        return js ? bad_type(e, "response_format.json_schema", "an object", js)
+                  : missing(e, "response_format.json_schema");
+    const json_t *name = json_object_get(js, "name"), *strict = json_object_get(js, "strict"),
+                 *schema = json_object_get(js, "schema");
+    if (name && !json_is_null(name) && !json_is_string(name))
+        return bad_type(e, "response_format.json_schema.name", "a string", name);
+    if (strict && !json_is_null(strict) && !json_is_boolean(strict))
+        return bad_type(e, "response_format.json_schema.strict", "a boolean", strict);
+    if (!schema || json_is_null(schema))
+        return missing(e, "response_format.json_schema.schema");
+    return guide_schema(r, "response_format.json_schema.schema", schema, false, e);
+}
+
+/* response_format, guided_json / guided_regex / guided_choice (vLLM's extras), and vLLM's newer
+ * structured_outputs object holding the same as json / regex / choice / json_object. */
+static kvf_status parse_guides(const json_t *o, kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    kvf_status st = KVF_OK;
+    const json_t *v;
+    if ((v = json_object_get(o, "response_format")) && !json_is_null(v) &&
+        (st = parse_response_format(v, r, e)) != KVF_OK)
+        return st;
+    if ((v = json_object_get(o, "guided_json")) && !json_is_null(v) &&
+        (st = guide_schema(r, "guided_json", v, true, e)) != KVF_OK)
+        return st;
+    if ((v = json_object_get(o, "guided_regex")) && !json_is_null(v) &&
+        (st = guide_regex(r, "guided_regex", v, e)) != KVF_OK)
+        return st;
+    if ((v = json_object_get(o, "guided_choice")) && !json_is_null(v) &&
+        (st = guide_choice(r, "guided_choice", v, e)) != KVF_OK)
+        return st;
+    if ((v = json_object_get(o, "guided_decoding_backend")) && !json_is_null(v) && !json_is_string(v))
+        return bad_type(e, "guided_decoding_backend", "a string", v);
+    const json_t *so = json_object_get(o, "structured_outputs");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so))
+            return bad_type(e, "structured_outputs", "an object", so);
+        const char *k;
+        json_object_foreach((json_t *)so, k, v) {
+            if (json_is_null(v))
+                continue;
+            char param[48];
+            snprintf(param, sizeof param, "structured_outputs.%.24s", k);
+            if (strcmp(k, "json") == 0)
+                st = guide_schema(r, param, v, true, e);
+            else if (strcmp(k, "regex") == 0)
+                st = guide_regex(r, param, v, e);
+            else if (strcmp(k, "choice") == 0)
+                st = guide_choice(r, param, v, e);
+            else if (strcmp(k, "json_object") == 0 && json_is_boolean(v))
+                st = json_is_true(v) ? set_guide(r, param, KVF_TEXT_GUIDE_JSON_OBJECT, NULL, e) : KVF_OK;
+            else
+                st = kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "unsupported_parameter",
+                                              "'%s' is not supported (json, regex, choice and json_object are)", param);
+            if (st != KVF_OK)
+                return st;
+        }
+    }
+    return KVF_OK;
+}
+
+/* The guide compiles, or the request is a 400 naming the field and what the compiler found. */
+static kvf_status check_guide(const kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    if (r->guide_kind == KVF_TEXT_GUIDE_NONE)
+        return KVF_OK;
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    kvf_status st = kvf_text_guide_compile(r->guide_kind, r->guide, r->guide_len, &g, &err);
+    kvf_text_grammar_destroy(g);
+    if (st == KVF_ERR_NOMEM)
+        return st;
+    if (st != KVF_OK)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", r->guide_param, "invalid_value",
+                                        "%s: %s", r->guide_param, err.msg);
+    return KVF_OK;
+}
+
+/* tool_choice {"type": "function", "function": {"name": N}}: N must be one of tools. */
+static kvf_status named_tool(const json_t *choice, const json_t *tools, kvf_router_oai_req *r,
+                             kvf_router_oai_error *e)
+{
+    const json_t *type = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
+    const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+    if (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0 || !json_is_string(name))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
+                                        "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": ...}}");
+    size_t i;
+    const json_t *t;
+    json_array_foreach(tools, i, t) {
+        const json_t *tn = json_object_get(json_object_get(t, "function"), "name");
+        if (json_is_string(tn) && strcmp(json_string_value(tn), json_string_value(name)) == 0) {
+            if (!(r->tool_forced = strdup(json_string_value(name))))
+                return KVF_ERR_NOMEM;
+            return KVF_OK;
+        }
+    }
+    return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
+                                    "tool_choice names function '%.64s', which is not in 'tools'", json_string_value(name));
+}
+
+/* A tool's parameters schema; a tool without one takes any object. */
+static json_t *tool_params(const json_t *t)
+{
+    const json_t *p = json_object_get(json_object_get(t, "function"), "parameters");
+    return json_is_object(p) ? json_incref((json_t *)p) : json_pack("{s:s}", "type", "object");
+}
+
+/* The guide of a forced tool choice, as vLLM builds it: a named function's output is its
+ * arguments (its parameters schema); "required" outputs a JSON list of one or more
+ * {"name", "parameters"} objects, one of the tools each (one at most without parallel calls). */
+static kvf_status force_tools(kvf_router_oai_req *r, kvf_router_oai_error *e)
+{
+    json_t *schema = NULL;
+    if (r->tool_forced) {
+        size_t i;
+        const json_t *t;
+        json_array_foreach(r->tools, i, t) {
+            const json_t *tn = json_object_get(json_object_get(t, "function"), "name");
+            if (json_is_string(tn) && strcmp(json_string_value(tn), r->tool_forced) == 0)
+                schema = tool_params(t);
+        }
+    } else {
+        json_t *any = json_array();
+        size_t i;
+        const json_t *t;
+        json_array_foreach(r->tools, i, t) {
+            const json_t *tn = json_object_get(json_object_get(t, "function"), "name");
+            json_array_append_new(any, json_pack("{s:s, s:{s:{s:O}, s:o}, s:[s,s], s:b}", "type", "object",
+                                                 "properties", "name", "const", tn, "parameters", tool_params(t),
+                                                 "required", "name", "parameters", "additionalProperties", 0));
+        }
+        schema = json_pack("{s:s, s:i, s:{s:o}}", "type", "array", "minItems", 1, "items", "anyOf", any);
+        if (schema && !r->parallel_tool_calls)
+            json_object_set_new(schema, "maxItems", json_integer(1));
+    }
+    char *text = schema ? dump_compact(schema) : NULL;
+    json_decref(schema);
+    if (!text)
+        return KVF_ERR_NOMEM;
+    return set_guide(r, "tool_choice", KVF_TEXT_GUIDE_JSON_SCHEMA, text, e);
+}
+
 /* tools, tool_choice and parallel_tool_calls of a chat request (vLLM's rules: tool_choice other
- * than "none" needs tools; "required" and a named function need constrained decoding). */
+ * than "none" needs tools; "required" and a named function force a guide, force_tools). */
 static kvf_status parse_tools(const json_t *o, kvf_router_oai_req *r, kvf_router_oai_error *e)
 {
     const json_t *tools = json_object_get(o, "tools"), *choice = json_object_get(o, "tool_choice");
@@ -423,13 +665,10 @@ static kvf_status parse_tools(const json_t *o, kvf_router_oai_req *r, kvf_router
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
                                             "'tool_choice' other than \"none\" needs 'tools'");
         } else if (json_is_string(choice) && strcmp(json_string_value(choice), "required") == 0) {
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
-                                            "tool_choice \"required\" needs constrained decoding, which this server does "
-                                            "not have yet; use \"auto\" or \"none\"");
+            r->tool_required = true;
         } else if (json_is_object(choice)) {
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
-                                            "a named tool_choice needs constrained decoding, which this server does not "
-                                            "have yet; use \"auto\" or \"none\"");
+            if ((st = named_tool(choice, tools, r, e)) != KVF_OK)
+                return st;
         } else if (!json_is_string(choice) || strcmp(json_string_value(choice), "auto") != 0) {
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
                                             "'tool_choice' must be \"auto\", \"none\", \"required\" or "
@@ -437,6 +676,8 @@ static kvf_status parse_tools(const json_t *o, kvf_router_oai_req *r, kvf_router
         }
     }
     r->tools = tools ? json_incref((json_t *)tools) : NULL;
+    if (r->tool_required || r->tool_forced)
+        return force_tools(r, e);
     return KVF_OK;
 }
 
@@ -592,7 +833,9 @@ static const char *const known_common[] = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "seed",
     "n", "stop", "ignore_eos", "skip_special_tokens", "cache_salt", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-    "stop_token_ids", "logprobs", "user", "metadata", "store", "service_tier", NULL};
+    "stop_token_ids", "logprobs", "user", "metadata", "store", "service_tier", "response_format",
+    "guided_json", "guided_regex", "guided_choice", "guided_decoding_backend", "structured_outputs",
+    NULL};
 static const char *const known_completions[] = {"prompt", "echo", "best_of", NULL};
 static const char *const known_chat[] = {
     "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools",
@@ -615,16 +858,15 @@ static kvf_status check_fields(kvf_router_oai_kind kind, const json_t *o, kvf_ro
             in_list(kind == KVF_ROUTER_OAI_CHAT ? known_chat : known_completions, k))
             continue;
         const char *why = strcmp(k, "suffix") == 0 ? " (text insertion is not supported)"
-                          : strcmp(k, "response_format") == 0 || strncmp(k, "guided_", 7) == 0
-                              ? " (structured output is not supported yet)"
+                          : strcmp(k, "guided_grammar") == 0
+                              ? " (EBNF grammars are not; use guided_json, guided_regex or guided_choice)"
+                          : strncmp(k, "guided_", 7) == 0
+                              ? " (guided_json, guided_regex and guided_choice are)"
                           : strcmp(k, "functions") == 0 || strcmp(k, "function_call") == 0
                               ? " (use 'tools' and 'tool_choice')"
                               : "";
         /* null and the neutral value of a few known-elsewhere fields ask for nothing */
         if (json_is_null(v) ||
-            (strcmp(k, "response_format") == 0 && json_is_object(v) &&
-             json_is_string(json_object_get(v, "type")) &&
-             strcmp(json_string_value(json_object_get(v, "type")), "text") == 0) ||
             (strcmp(k, "suffix") == 0 && json_is_string(v) && !json_string_length(v)))
             continue;
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", k, "unsupported_parameter",
@@ -799,7 +1041,11 @@ kvf_status kvf_router_oai_parse_at(kvf_router_oai_kind kind, const char *body, s
         req->chat_extra = json_incref((json_t *)kw);
     }
     req->parallel_tool_calls = true;
+    if ((st = parse_guides(o, req, e)) != KVF_OK)
+        goto fail;
     if (kind == KVF_ROUTER_OAI_CHAT && (st = parse_tools(o, req, e)) != KVF_OK)
+        goto fail;
+    if ((st = check_guide(req, e)) != KVF_OK)
         goto fail;
     json_decref(o);
     return KVF_OK;

@@ -94,6 +94,17 @@ typedef struct kvf_router_oai_req {
     json_t *tools;        /* chat: the checked tools array (a reference), or NULL */
     bool tool_choice_none;    /* chat: tool_choice "none" (tools rendered, output not parsed) */
     bool parallel_tool_calls; /* chat: default true; false keeps the first parsed call */
+    /* Structured output (text/guide.h): response_format, vLLM's guided_json / guided_regex /
+     * guided_choice (or structured_outputs), or tool_choice forcing a tool; compiled once here
+     * so a bad one is a 400 naming it. */
+    int32_t guide_kind;   /* kvf_text_guide_kind; NONE: unconstrained */
+    char *guide;          /* its text (NUL-terminated), NULL for json_object */
+    size_t guide_len;
+    char guide_param[48]; /* the field it came from, for errors */
+    /* chat: tool_choice "required" (the output is a JSON list of {"name", "parameters"}) or
+     * naming a function (the output is its arguments): the guide makes the output so */
+    bool tool_required;
+    char *tool_forced;    /* the named function, or NULL */
 } kvf_router_oai_req;
 
 /* Parses and validates a request body. Unknown fields are ignored; a known field of the wrong

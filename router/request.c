@@ -360,7 +360,8 @@ static kvf_status check_tools(const kvf_router_reqs *rs, const kvf_router_req *r
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tools", "unsupported_parameter",
                                         "model '%s' has a chat template that does not render tools",
                                         c->served);
-    if (!r->oai.tool_choice_none && c->tool_parser == KVF_ROUTER_TOOLCALL_NONE)
+    if (!r->oai.tool_choice_none && !r->oai.tool_required && !r->oai.tool_forced &&
+        c->tool_parser == KVF_ROUTER_TOOLCALL_NONE)
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "unsupported_value",
                                         "tool_choice \"auto\" needs a tool-call parser and this router has none "
                                         "(start it with --tool-call-parser hermes or llama3_json); \"none\" works");
@@ -377,6 +378,8 @@ static void pick_tool_parser(const kvf_router_reqs *rs, kvf_router_req *r)
     if (r->oai.kind != KVF_ROUTER_OAI_CHAT || !json_array_size(r->oai.tools) || r->oai.tool_choice_none)
         return;
     r->tool_fmt = rs->cfg.tool_parser;
+    if (r->oai.tool_required || r->oai.tool_forced) /* the guide made the output a call */
+        r->tool_fmt = KVF_ROUTER_TOOLCALL_FORCED;
     if (r->tool_fmt == KVF_ROUTER_TOOLCALL_HERMES)
         r->oai.skip_special_tokens = false;
 }
@@ -559,6 +562,9 @@ static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *e
     sp->logprobs = r->oai.logprobs || r->n_return < r->oai.n;
     sp->top_logprobs = r->oai.top_logprobs;
     sp->prompt_logprobs = r->prompt_lps && !r->have_prompt_lps;
+    sp->guide_kind = r->oai.guide_kind; /* the same numbers (text/guide.h, proto/worker.h) */
+    sp->guide = r->oai.guide;
+    sp->guide_len = r->oai.guide_len;
     g.cache_salt = r->oai.cache_salt ? r->oai.cache_salt : "";
     if (r->prefill >= 0)
         g.prefill_addr = prefill_worker(r)->address;
@@ -1118,8 +1124,12 @@ static void seq_calls_find(const kvf_router_req *r, int32_t idx, seq_calls *out)
 {
     memset(out, 0, sizeof *out);
     const seq_state *s = &r->seqs[idx];
-    if (r->tool_fmt == KVF_ROUTER_TOOLCALL_NONE ||
-        kvf_router_toolcall_parse(r->tool_fmt, s->text.data, s->text.len, &out->res) != KVF_OK)
+    if (r->tool_fmt == KVF_ROUTER_TOOLCALL_NONE)
+        return;
+    kvf_status st = r->tool_fmt == KVF_ROUTER_TOOLCALL_FORCED
+                        ? kvf_router_toolcall_parse_forced(r->oai.tool_forced, s->text.data, s->text.len, &out->res)
+                        : kvf_router_toolcall_parse(r->tool_fmt, s->text.data, s->text.len, &out->res);
+    if (st != KVF_OK)
         return;
     while (!r->oai.parallel_tool_calls && out->res.n_calls > 1) {
         kvf_router_toolcall *c = &out->res.calls[--out->res.n_calls];
@@ -1141,8 +1151,10 @@ static void seq_calls_fini(seq_calls *sc)
 }
 
 /* A finished choice whose text held tool calls: its content is the text before them (from
- * `from` on, for the last chunk of a stream), finish_reason "tool_calls" unless "length". */
-static void choice_with_calls(kvf_router_oai_choice *c, const seq_calls *sc, size_t from)
+ * `from` on, for the last chunk of a stream), finish_reason "tool_calls" unless "length" (or
+ * "stop" for a function the client named in tool_choice, as OpenAI answers). */
+static void choice_with_calls(kvf_router_oai_choice *c, const seq_calls *sc, size_t from,
+                              bool forced_named)
 {
     if (!sc->res.n_calls)
         return;
@@ -1151,7 +1163,7 @@ static void choice_with_calls(kvf_router_oai_choice *c, const seq_calls *sc, siz
     c->tool_calls = sc->res.calls;
     c->tool_call_ids = (const char (*)[32])sc->ids;
     c->n_tool_calls = sc->res.n_calls;
-    if (c->finish == KVF_ROUTER_OAI_FINISH_STOP)
+    if (c->finish == KVF_ROUTER_OAI_FINISH_STOP && !forced_named)
         c->finish = KVF_ROUTER_OAI_FINISH_TOOL_CALLS;
 }
 
@@ -1177,7 +1189,7 @@ static void emit_seq(kvf_router_req *r, int32_t idx)
     seq_calls sc = {0};
     if (s->done)
         seq_calls_find(r, idx, &sc);
-    choice_with_calls(&c, &sc, s->emitted);
+    choice_with_calls(&c, &sc, s->emitted, r->oai.tool_forced != NULL);
     kvf_sbuf echo;
     kvf_sbuf_init(&echo);
     if (r->echo_text && !s->first_sent) { /* echo: the prompt leads the first chunk */
@@ -1401,7 +1413,7 @@ static void answer_ok(kvf_router_req *const *ms, int32_t n_ms, kvf_router_client
                                                 .token_ids = s->ids, .n_ids = s->n_ids, .finish = s->finish,
                                                 .logprobs = seq_lps(m, s, 0, s->n_ids, true)};
                 seq_calls_find(m, order[j], &calls[i]);
-                choice_with_calls(&cs[i], &calls[i], 0);
+                choice_with_calls(&cs[i], &calls[i], 0, r->oai.tool_forced != NULL);
             }
             free(order);
         }

@@ -222,6 +222,37 @@ kvf_status kvf_router_toolcall_parse(kvf_router_toolcall_format f, const char *t
     return KVF_OK;
 }
 
+kvf_status kvf_router_toolcall_parse_forced(const char *name, const char *text, size_t len,
+                                            kvf_router_toolcall_result *out)
+{
+    memset(out, 0, sizeof *out);
+    json_error_t je;
+    json_t *v = text ? json_loadb(text, len, 0, &je) : NULL;
+    bool oom = false, ok = false;
+    if (name && json_is_object(v)) {
+        json_t *o = json_pack("{s:s, s:O}", "name", name, "arguments", v);
+        ok = o && add_call(out, o, false, &oom);
+        oom = oom || !o;
+        json_decref(o);
+    } else if (!name && json_is_array(v) && json_array_size(v) > 0) {
+        size_t i;
+        const json_t *o;
+        ok = true;
+        json_array_foreach(v, i, o)
+            if (!(ok = add_call(out, o, true, &oom)))
+                break;
+    }
+    json_decref(v);
+    if (oom) {
+        kvf_router_toolcall_result_fini(out);
+        return KVF_ERR_NOMEM;
+    }
+    if (ok)
+        return KVF_OK; /* calls, content null */
+    kvf_router_toolcall_result_fini(out);
+    return kvf_router_toolcall_parse(KVF_ROUTER_TOOLCALL_NONE, text, len, out);
+}
+
 /* ---- streaming ---------------------------------------------------------------------------- */
 
 /* The longest suffix of t[0..len) that is a proper prefix of s: where a tag may be starting. */
@@ -238,6 +269,8 @@ size_t kvf_router_toolcall_safe_len(kvf_router_toolcall_format f, const char *te
 {
     if (!text)
         return 0;
+    if (f == KVF_ROUTER_TOOLCALL_FORCED)
+        return 0; /* the answer is calls, or (cut short) content: known at its end */
     if (f != KVF_ROUTER_TOOLCALL_HERMES && f != KVF_ROUTER_TOOLCALL_LLAMA3_JSON)
         return len;
     if (from > len)

@@ -16,6 +16,8 @@ typedef enum kvf_router_toolcall_format {
     KVF_ROUTER_TOOLCALL_NONE = 0,  /* never parsed: the text stays content */
     KVF_ROUTER_TOOLCALL_HERMES,
     KVF_ROUTER_TOOLCALL_LLAMA3_JSON,
+    KVF_ROUTER_TOOLCALL_FORCED, /* tool_choice forced a call through a guide: never a flag's
+                                 * value; parsed by kvf_router_toolcall_parse_forced */
 } kvf_router_toolcall_format;
 
 /* --tool-call-parser NAME: "auto", "hermes", "llama3_json" or "none". Anything else gives
@@ -49,6 +51,13 @@ typedef struct kvf_router_toolcall_result {
 kvf_status kvf_router_toolcall_parse(kvf_router_toolcall_format f, const char *text, size_t len,
                                      kvf_router_toolcall_result *out);
 void kvf_router_toolcall_result_fini(kvf_router_toolcall_result *r);
+
+/* An answer a guide forced into calls (tool_choice): with name (a function the client named),
+ * the whole text is its arguments object; without, a JSON list of {"name", "parameters"}
+ * objects. Text that is not that (a guided answer cut by max_tokens) is all content. As
+ * kvf_router_toolcall_parse otherwise; streaming holds the whole answer (safe_len 0). */
+kvf_status kvf_router_toolcall_parse_forced(const char *name, const char *text, size_t len,
+                                            kvf_router_toolcall_result *out);
 
 /* Streaming: of the text generated so far, how many leading bytes are content whatever comes
  * next (they may be sent now); the rest may start a tool call and is held until the answer

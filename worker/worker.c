@@ -200,6 +200,10 @@ void kvf_worker_sampling(const kvf_worker *w, const kvf_rpc_sampling *s, kvf_eng
     out->logprobs = s->logprobs;
     out->top_logprobs = s->top_logprobs;
     out->prompt_logprobs = s->prompt_logprobs;
+    /* the kinds are the same numbers (proto/worker.h, text/guide.h); the text stays borrowed */
+    out->guide_kind = s->guide_kind;
+    out->guide = s->guide;
+    out->guide_len = s->guide_len;
 }
 
 void kvf_worker_logprob(const kvf_engine_output *o, kvf_rpc_logprob *out)
@@ -977,6 +981,7 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     ec.threads = cfg->threads;
     ec.attn_decode = attn_decode;
     ec.model_id = w->model_id;
+    ec.tokenizer_dir = cfg->model; /* constrained decoding masks its tokens */
     ec.on_event = on_kv_event;
     ec.event_ctx = w;
     if ((st = kvf_engine_create(w->model, be, &ec, &w->engine, err)) != KVF_OK)

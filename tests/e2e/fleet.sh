@@ -12,6 +12,32 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# cleanup_up: for tests that run `kvfleet up` (trap cleanup_up EXIT): up's children too (cleanup
+# kills PIDS only), then cleanup.
+cleanup_up() {
+    for p in "${PIDS[@]}"; do
+        for k in $(pgrep -P "$p" 2>/dev/null); do kill -9 "$k" 2>/dev/null || true; done
+    done
+    cleanup
+}
+
+# up_serve NAME UP_ARGS...: `kvfleet up UP_ARGS` in the background until it prints its "serving
+# ... at http://ADDR" line (once the router reaches a decode worker; 180 s at most); sets URL and
+# UP (its pid). Output in $TMP/NAME.out and .err.
+up_serve() {
+    local name=$1; shift
+    "$KVF_BIN" up "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
+    UP=$!
+    PIDS+=("$UP")
+    for _ in $(seq 1800); do
+        grep -q "serving .* at http://" "$TMP/$name.out" 2>/dev/null && break
+        kill -0 "$UP" 2>/dev/null || { cat "$TMP/$name.err" >&2; fail "kvfleet up exited before serving"; }
+        sleep 0.1
+    done
+    URL=$(sed -n 's/.*serving .* at \(http:\/\/[^ ]*\).*/\1/p' "$TMP/$name.out" | head -1)
+    [ -n "$URL" ] || { cat "$TMP/$name.err" >&2; fail "kvfleet up did not serve within 180 s"; }
+}
+
 # start NAME ARGS...: `kvfleet ARGS` in the background; waits (START_S) for its ready line; sets
 # ADDR (grpc= or http=), ADMIN (admin=, workers) and PID.
 start() {

@@ -15,13 +15,6 @@ if [ ! -f "$SDK/node_modules/openai/package.json" ]; then
     echo "skip: the openai npm client is not installed in $SDK/node_modules (run scripts/install-deps.sh, or npm ci there)"
     exit 77
 fi
-cleanup_up() {
-    # kvfleet up's children too (fleet.sh's cleanup kills PIDS only), then fleet.sh's cleanup
-    for p in "${PIDS[@]}"; do
-        for k in $(pgrep -P "$p" 2>/dev/null); do kill -9 "$k" 2>/dev/null || true; done
-    done
-    cleanup
-}
 trap cleanup_up EXIT
 
 # A tiny random model speaking Qwen3's tokenizer and chat template (the fixture's), so tools,
@@ -50,18 +43,7 @@ printf '}' >>"$TMP/gen.json"
 export KVF_GEN_JSON="$TMP/gen.json" KVF_GEN_PROMPT="${PIDS_GEN[0]}" KVF_MODEL_DIR="$M"
 KEY=sk-sdk-test-0123
 ORIGIN=https://app.example.com
-"$KVF_BIN" up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials \
-    >"$TMP/up.out" 2>"$TMP/up.err" &
-UP=$!
-PIDS+=("$UP")
-# up prints its "serving ... at http://ADDR" line once the router reaches a decode worker
-for _ in $(seq 1800); do
-    grep -q "serving .* at http://" "$TMP/up.out" 2>/dev/null && break
-    kill -0 "$UP" 2>/dev/null || { cat "$TMP/up.err" >&2; fail "kvfleet up exited before serving"; }
-    sleep 0.1
-done
-URL=$(sed -n 's/.*serving .* at \(http:\/\/[^ ]*\).*/\1/p' "$TMP/up.out" | head -1)
-[ -n "$URL" ] || { cat "$TMP/up.err" >&2; fail "kvfleet up did not serve within 180 s"; }
+up_serve up --model "$M" --port 0 --prefill 1 --decode 1 --api-key "$KEY" --allowed-origins "$ORIGIN" --allow-credentials
 echo "fleet at $URL"
 node "$SDK/sdk.mjs" "$URL" sdk-model "$KEY" "$ORIGIN" "${SDK_CASE:-}" || { tail -20 "$TMP/up.err" >&2; fail "openai SDK cases"; }
 grep -q "$KEY" "$TMP/up.err" && fail "the API key reached the log"

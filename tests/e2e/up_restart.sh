@@ -9,13 +9,6 @@ source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
 source "$(dirname "$0")/fleet.sh"
 M="$KVF_SHARED/fixtures/models/tiny-gqa-f32"
-cleanup_up() {
-    # kvfleet up's children too (fleet.sh's cleanup kills PIDS only), then fleet.sh's cleanup
-    for p in "${PIDS[@]}"; do
-        for k in $(pgrep -P "$p" 2>/dev/null); do kill -9 "$k" 2>/dev/null || true; done
-    done
-    cleanup
-}
 trap cleanup_up EXIT
 
 # wait_for FILE PATTERN SECONDS PID: FILE has a line matching PATTERN (grep -E) within SECONDS,

@@ -132,6 +132,10 @@ static void assert_sampling_equal(const kvf_rpc_sampling *a, const kvf_rpc_sampl
     assert_int_equal(a->logprobs, b->logprobs);
     assert_int_equal(a->top_logprobs, b->top_logprobs);
     assert_int_equal(a->prompt_logprobs, b->prompt_logprobs);
+    assert_int_equal(a->guide_kind, b->guide_kind);
+    assert_int_equal(a->guide_len, b->guide_len);
+    if (a->guide_len)
+        assert_memory_equal(a->guide, b->guide, a->guide_len);
 }
 
 static kvf_rpc_info info_fixture(const uint8_t *blob, size_t blob_len)
@@ -431,6 +435,7 @@ static kvf_status prefill_decode(const kvf_rpc_remote_prefill_req *r, kvf_err *e
     assert_int_equal(out->has_dst_layout, r->has_dst_layout);
     if (r->has_dst_layout)
         assert_layout_equal(&out->dst_layout, &r->dst_layout);
+    assert_sampling_equal(&out->sampling, &r->sampling);
     free(out);
     return st;
 }
@@ -886,6 +891,78 @@ static void test_malformed_bytes(void **state)
     }
 }
 
+/* A guide (issue 24) travels whole in Generate and RemotePrefill, its text in the decoded
+ * message's own block (not NUL-terminated on the way in); a kind past the enum, text past the
+ * bound, a kind that needs text without it, and a NUL in the text are refused by name. */
+static void test_guide_field(void **state)
+{
+    (void)state;
+    int32_t toks[3] = {1, 2, 3};
+    kvf_rpc_generate_req g = {.request_id = "req-g", .token_ids = toks, .n_token_ids = 3};
+    kvf_rpc_sampling *sp = &g.sampling;
+    kvf_rpc_sampling_default(sp);
+    const char schema[] = "{\"type\":\"object\"}TRAILING";
+    sp->guide_kind = KVF_RPC_GUIDE_JSON_SCHEMA;
+    sp->guide = schema;
+    sp->guide_len = strlen("{\"type\":\"object\"}");
+    kvf_rpc_generate_req *out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_int_equal(out->sampling.guide_kind, KVF_RPC_GUIDE_JSON_SCHEMA);
+    assert_int_equal(out->sampling.guide_len, sp->guide_len);
+    assert_memory_equal(out->sampling.guide, "{\"type\":\"object\"}", sp->guide_len);
+    assert_int_equal(out->sampling.guide[out->sampling.guide_len], '\0');
+    free(out);
+    sp->guide_kind = KVF_RPC_GUIDE_JSON_OBJECT; /* no text */
+    sp->guide = NULL;
+    sp->guide_len = 0;
+    out = generate_roundtrip(&g, KVF_OK, NULL);
+    assert_int_equal(out->sampling.guide_kind, KVF_RPC_GUIDE_JSON_OBJECT);
+    assert_int_equal(out->sampling.guide_len, 0);
+    free(out);
+
+    uint8_t blob[1] = {1};
+    int32_t blocks[1] = {4};
+    kvf_rpc_remote_prefill_req r = {
+        .request_id = "req-g", .token_ids = toks, .n_token_ids = 3, .dst_block_ids = blocks,
+        .n_dst_block_ids = 1, .dst = {.backend = "local", .blob = blob, .blob_len = 1}};
+    kvf_rpc_sampling_default(&r.sampling);
+    r.sampling.guide_kind = KVF_RPC_GUIDE_REGEX;
+    r.sampling.guide = "[a-z]+";
+    r.sampling.guide_len = 6;
+    kvf_err e;
+    assert_int_equal(prefill_decode(&r, &e), KVF_OK); /* compares the sampling, guide too */
+
+    /* the encoder refuses what it cannot send */
+    kvf_rpc_buf b = {0};
+    sp->guide_kind = 9;
+    assert_int_equal(kvf_rpc_generate_req_encode(&g, &b, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "sampling.guide: kind 9");
+    sp->guide_kind = KVF_RPC_GUIDE_REGEX;
+    sp->guide = "a\0b";
+    sp->guide_len = 3;
+    assert_int_equal(kvf_rpc_generate_req_encode(&g, &b, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "no NUL");
+
+    /* the decoder refuses what a peer may send: written by hand */
+    pbw guide = {0}, samp = {0}, m = {0};
+    pb_int(&guide, 1, 9);
+    pb_msg(&samp, 18, &guide);
+    pb_str(&m, 1, "req-g");
+    pb_int(&m, 2, 1);
+    pb_msg(&m, 3, &samp);
+    kvf_rpc_generate_req *got = (void *)1;
+    assert_int_equal(kvf_rpc_generate_req_decode(m.b, m.n, &got, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "sampling.guide.kind is 9");
+    guide = samp = m = (pbw){0};
+    pb_int(&guide, 1, KVF_RPC_GUIDE_REGEX); /* a regex without its text */
+    pb_msg(&samp, 18, &guide);
+    pb_str(&m, 1, "req-g");
+    pb_int(&m, 2, 1);
+    pb_msg(&m, 3, &samp);
+    assert_int_equal(kvf_rpc_generate_req_decode(m.b, m.n, &got, &e), KVF_ERR_INVALID);
+    assert_msg_has(&e, "has no text");
+    assert_ptr_equal(got, (void *)1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -898,6 +975,7 @@ int main(void)
         cmocka_unit_test(test_watch_and_small_messages),
         cmocka_unit_test(test_enum_out_of_range),
         cmocka_unit_test(test_malformed_bytes),
+        cmocka_unit_test(test_guide_field),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
