@@ -364,7 +364,7 @@ const cases = [
         (c) => c.delta?.content);
       assert.ok(s.finish);
       await expectError(OpenAI.BadRequestError, 400, 'tool_choice', () =>
-        client.chat.completions.create({ model, messages: convo, tools, tool_choice: 'required' }));
+        client.chat.completions.create({ model, messages: convo, tools, tool_choice: { type: 'function', function: { name: 'nope' } } }));
       await expectError(OpenAI.BadRequestError, 400, 'messages.[1].tool_calls.[0].function.arguments', () =>
         client.chat.completions.create({ model, tools, messages: [convo[0], { ...convo[1], tool_calls: [{ ...convo[1].tool_calls[0], function: { name: 'get_weather', arguments: '{bad' } }] }] }));
     },
@@ -390,8 +390,8 @@ const cases = [
     name: 'what this server does not have is refused by name, never ignored',
     run: async () => {
       await expectError(OpenAI.BadRequestError, 400, 'suffix', () => client.completions.create({ model, prompt: 'x', suffix: 'y' }));
-      await expectError(OpenAI.BadRequestError, 400, 'response_format', () =>
-        client.chat.completions.create({ model, messages, response_format: { type: 'json_object' } }));
+      await expectError(OpenAI.BadRequestError, 400, 'response_format.type', () =>
+        client.chat.completions.create({ model, messages, response_format: { type: 'yaml' } }));
       await expectError(OpenAI.BadRequestError, 400, 'some_new_field', () => client.completions.create({ model, prompt: 'x', some_new_field: 1 }));
       await expectError(OpenAI.BadRequestError, 400, 'best_of', () => client.completions.create({ model, prompt: 'x', best_of: 3, stream: true }));
       await expectError(OpenAI.BadRequestError, 400, 'logit_bias', () => client.completions.create({ model, prompt: 'x', logit_bias: { 999999: 5 } }));

@@ -184,8 +184,23 @@ static void test_parse_errors(void **state)
     /* nothing is silently ignored: an unknown field, and the ones not built yet, are refused */
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"unknown_field\":{\"x\":1}}", 400, "unknown_field", "not supported");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"suffix\":\"end\"}", 400, "suffix", "not supported");
-    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"response_format\":{\"type\":\"json_object\"}}", 400,
-               "response_format", "structured output");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_grammar\":\"root ::= x\"}", 400,
+               "guided_grammar", "EBNF");
+    /* structured output: a guide that does not compile is a 400 naming its field */
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"response_format\":{\"type\":\"xml\"}}", 400,
+               "response_format.type", "not one of");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"response_format\":{\"type\":\"json_schema\"}}", 400,
+               "response_format.json_schema", "required");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"response_format\":{\"type\":\"json_schema\","
+               "\"json_schema\":{\"name\":\"x\",\"schema\":{\"type\":\"object\",\"if\":{}}}}}", 400,
+               "response_format.json_schema.schema", "\"if\"");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_regex\":\"(a\"}", 400, "guided_regex", "guided_regex");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_json\":\"{bad\"}", 400, "guided_json", "not valid JSON");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_choice\":[\"a\",2]}", 400, "guided_choice", "must be a string");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_regex\":\"a\",\"guided_json\":{}}", 400,
+               "guided_json", "give one");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"structured_outputs\":{\"grammar\":\"x\"}}", 400,
+               "structured_outputs.grammar", "not supported");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"top_logprobs\":2}", 400, "top_logprobs", "not supported");
     expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", 400,
                "echo", "not supported");
@@ -325,12 +340,12 @@ static void test_chat_tools_parse(void **state)
     /* tools and tool_choice */
     const char *fn = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}]";
     char extra[1024];
-    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"required\"", fn);
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"other\"}}", fn);
     snprintf(b, sizeof b, MSG, "\"hi\"", extra);
-    expect_bad(H, b, 400, "tool_choice", "constrained decoding");
-    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}", fn);
+    expect_bad(H, b, 400, "tool_choice", "not in 'tools'");
+    snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"}", fn);
     snprintf(b, sizeof b, MSG, "\"hi\"", extra);
-    expect_bad(H, b, 400, "tool_choice", "constrained decoding");
+    expect_bad(H, b, 400, "tool_choice", "give one");
     snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tool_choice\":\"auto\"");
     expect_bad(H, b, 400, "tool_choice", "needs 'tools'");
     snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"sometimes\"", fn);

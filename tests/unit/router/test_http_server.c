@@ -1370,7 +1370,7 @@ static void test_tool_calls(void **state)
          "messages.[0].content.[0].type", "not supported"},
         {"\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":1}]}]", "messages.[0].content.[0].text", "a string"},
         {"\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
-         "\"tool_choice\":\"required\"", "tool_choice", "constrained decoding"},
+         "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}", "tool_choice", "not in 'tools'"},
         {"\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":[{\"type\":\"function\",\"function\":{}}]",
          "tools.[0].function.name", "required"},
         {"\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","

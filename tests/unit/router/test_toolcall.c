@@ -170,6 +170,42 @@ static void test_ids(void **state)
         assert_true((a[i] >= 'a' && a[i] <= 'z') || (a[i] >= 'A' && a[i] <= 'Z') || (a[i] >= '0' && a[i] <= '9'));
 }
 
+/* tool_choice forced a call through a guide: a named function's whole answer is its arguments,
+ * "required" answers a list of {"name", "parameters"}; an answer cut short is content, and
+ * streaming holds everything until the end. */
+static void test_forced(void **state)
+{
+    (void)state;
+    kvf_router_toolcall_result r;
+    const char *args = "{\"a\": 1, \"b\": [2]}";
+    assert_int_equal(kvf_router_toolcall_parse_forced("add", args, strlen(args), &r), KVF_OK);
+    assert_int_equal(r.n_calls, 1);
+    assert_null(r.content);
+    assert_string_equal(r.calls[0].name, "add");
+    assert_string_equal(r.calls[0].arguments, "{\"a\":1,\"b\":[2]}");
+    kvf_router_toolcall_result_fini(&r);
+    const char *list = "[{\"name\":\"f\",\"parameters\":{\"x\":\"y\"}},{\"name\":\"g\",\"parameters\":{}}]";
+    assert_int_equal(kvf_router_toolcall_parse_forced(NULL, list, strlen(list), &r), KVF_OK);
+    assert_int_equal(r.n_calls, 2);
+    assert_string_equal(r.calls[0].name, "f");
+    assert_string_equal(r.calls[0].arguments, "{\"x\":\"y\"}");
+    assert_string_equal(r.calls[1].name, "g");
+    kvf_router_toolcall_result_fini(&r);
+    const char *cut = "[{\"name\":\"f\",\"param";
+    assert_int_equal(kvf_router_toolcall_parse_forced(NULL, cut, strlen(cut), &r), KVF_OK);
+    assert_int_equal(r.n_calls, 0);
+    assert_string_equal(r.content, cut);
+    kvf_router_toolcall_result_fini(&r);
+    assert_int_equal(kvf_router_toolcall_parse_forced("add", "[1]", 3, &r), KVF_OK); /* not an object */
+    assert_int_equal(r.n_calls, 0);
+    assert_string_equal(r.content, "[1]");
+    kvf_router_toolcall_result_fini(&r);
+    assert_int_equal(kvf_router_toolcall_parse_forced(NULL, "[]", 2, &r), KVF_OK); /* no call */
+    assert_int_equal(r.n_calls, 0);
+    kvf_router_toolcall_result_fini(&r);
+    assert_int_equal(kvf_router_toolcall_safe_len(KVF_ROUTER_TOOLCALL_FORCED, list, strlen(list), 0), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -177,6 +213,7 @@ int main(void)
         cmocka_unit_test(test_streaming_every_split),
         cmocka_unit_test(test_format_names_and_detect),
         cmocka_unit_test(test_ids),
+        cmocka_unit_test(test_forced),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
