@@ -72,6 +72,8 @@ typedef struct eng_seq {
     kvf_engine_logprob *plp; /* [n_prompt - 1][1 + top_logprobs] */
     int32_t n_plp;           /* rows written so far (in order; recompute does not rewrite) */
     bool plp_given;          /* handed out on an output already */
+    int32_t n_prior;         /* the prompt's trailing tokens that are output already (a
+                              * resumed stream): counted as output by the penalties */
     struct guide_ent *guide; /* sp.guide_kind's compiled grammar (a reference), or NULL */
     kvf_text_matcher *gm;    /* this sample's position in it */
 } eng_seq;
@@ -662,8 +664,12 @@ static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t gree
     if (kvf_engine_processes(&s->sp, s->n_generated)) {
         if (use != e->proc_row)
             memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
-        kvf_engine_process_logits(&e->sampler, e->proc_row, &s->sp, s->tokens, s->n_prompt,
-                                  s->n_generated);
+        /* output already streamed (n_prior) counts as output; min_tokens came reduced by it */
+        kvf_engine_sampling sp = s->sp;
+        if (sp.min_tokens > 0)
+            sp.min_tokens += s->n_prior;
+        kvf_engine_process_logits(&e->sampler, e->proc_row, &sp, s->tokens,
+                                  s->n_prompt - s->n_prior, s->n_generated + s->n_prior);
         use = e->proc_row;
     }
     int32_t tok = sample_for(e, s, use, -1);
@@ -895,6 +901,10 @@ static kvf_status enqueue(kvf_engine *e, const kvf_engine_request *r, eng_seq **
         s->prefill_only = r->prefill_only;
         s->root = root;
         kvf_engine_rng_seed(&s->rng, r->sampling.seed, (uint64_t)got);
+        /* a resumed stream goes on with the draws it would have made: one per token drawn */
+        s->n_prior = r->n_prior_output;
+        for (int32_t i = 0; r->sampling.temperature > 0 && i < r->n_prior_output; i++)
+            (void)kvf_engine_rng_uniform(&s->rng);
         s->n_prompt = r->n_prompt;
         if (got == 0) {
             memcpy(s->tokens, r->prompt, (size_t)r->n_prompt * sizeof *s->tokens);
@@ -1058,6 +1068,10 @@ kvf_status kvf_engine_remote_done(kvf_engine *e, uint64_t id, int32_t first_toke
             return kvf_err_prefix(err, "engine: req %llu", (unsigned long long)id);
     }
     s->state = SEQ_RUNNING;
+    /* the prefill worker drew the first token with this sequence's first uniform (same seed,
+     * same stream): the next draw here is the second, as a local prefill's would be */
+    if (s->sp.temperature > 0)
+        (void)kvf_engine_rng_uniform(&s->rng);
     take_token(e, s, first_token, NULL);
     return KVF_OK;
 }

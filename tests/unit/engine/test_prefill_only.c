@@ -302,12 +302,80 @@ static void test_waits_for_kept_blocks_and_cancel(void **state)
     kvf_engine_destroy(e);
 }
 
+/* A moved stream is the same stream (issue 21): a seeded sampled request with penalties,
+ * prefilled on one engine and continued on another, and one resumed at any point from its output
+ * so far (n_prior_output: another decode worker taking over mid-stream), give the tokens of one
+ * local run: the sampler's draws and the penalties' counts go on where they were. */
+static void test_seeded_moves(void **state)
+{
+    et_fixture *f = *state;
+    const et_case *k = et_find(f, "hundred");
+    kvf_engine_cfg cfg;
+    et_cfg(&cfg);
+    enum { N = 24 };
+    kvf_engine_request base = et_req(0, k->prompt, k->n_prompt, N);
+    base.sampling.temperature = 1.2f;
+    base.sampling.top_k = 50;
+    base.sampling.seed = 77;
+    base.sampling.frequency_penalty = 0.8f;
+    base.sampling.presence_penalty = 0.3f;
+    kvf_engine *e = et_engine(f->m, &cfg);
+    et_result *want = calloc(1, sizeof *want), *got = calloc(1, sizeof *got);
+    add(e, &base);
+    et_run(e, want, 1);
+    kvf_engine_destroy(e);
+    assert_int_equal(want->n[0], N);
+
+    /* prefilled elsewhere */
+    kvf_engine *pre = et_engine(f->m, &cfg), *dec = et_engine(f->m, &cfg);
+    kvf_engine_request r = base;
+    r.prefill_only = true;
+    r.sampling.max_tokens = 1;
+    add(pre, &r);
+    int32_t tok = until_prefilled(pre, 0, NULL);
+    assert_int_equal(tok, want->tokens[0][0]);
+    kvf_engine_req_info info;
+    kvf_err err = {0};
+    assert_int_equal(kvf_engine_req_info_get(pre, 0, &info, &err), KVF_OK);
+    int32_t ids[64], nb = 0;
+    assert_int_equal(kvf_engine_add_remote(dec, &base, ids, 64, &nb, NULL, &err), KVF_OK);
+    copy_blocks(pre, info.blocks, dec, ids, nb);
+    assert_int_equal(kvf_engine_remote_done(dec, 0, tok, &err), KVF_OK);
+    et_run(dec, got, 1);
+    et_assert_tokens("prefilled elsewhere", got->tokens[0], got->n[0], want->tokens[0], N);
+    kvf_engine_destroy(pre);
+    kvf_engine_destroy(dec);
+
+    /* resumed with its output so far */
+    int32_t prompt[ET_MAX_TOK];
+    memcpy(prompt, k->prompt, (size_t)k->n_prompt * sizeof *prompt);
+    for (int32_t j = 1; j < N; j += 8) {
+        memcpy(prompt + k->n_prompt, want->tokens[0], (size_t)j * sizeof *prompt);
+        kvf_engine_request q = base;
+        q.prompt = prompt;
+        q.n_prompt = k->n_prompt + j;
+        q.n_prior_output = j;
+        q.sampling.max_tokens = N - j;
+        memset(got, 0, sizeof *got);
+        e = et_engine(f->m, &cfg);
+        add(e, &q);
+        et_run(e, got, 1);
+        kvf_engine_destroy(e);
+        char what[64];
+        snprintf(what, sizeof what, "resumed after %d tokens", j);
+        et_assert_tokens(what, got->tokens[0], got->n[0], want->tokens[0] + j, N - j);
+    }
+    free(want);
+    free(got);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_first_token_and_kept_blocks),
         cmocka_unit_test(test_hand_over_gives_greedy_list),
         cmocka_unit_test(test_seeded_first_token),
+        cmocka_unit_test(test_seeded_moves),
         cmocka_unit_test(test_batching_and_prefix_cache),
         cmocka_unit_test(test_waits_for_kept_blocks_and_cancel),
     };
