@@ -479,10 +479,10 @@ static void start_job(kvf_worker *w, void *arg)
     const kvf_worker_cfg *cfg = kvf_worker_config(w);
     const kvf_kv_layout *l = kvf_worker_layout(w);
     /* prompt log-probabilities come from a local prefill (the engine computes them token by
-     * token); a prefill worker sends only the first token's. A resumed guided stream prefills
-     * here too: the prefill worker's guide would not know the output already streamed. */
-    if (q->hint[0] && q->samp.n == 1 && !q->samp.prompt_logprobs &&
-        !(q->n_prior > 0 && q->samp.guide_kind != 0)) {
+     * token); a prefill worker sends only the first token's. A resumed stream (output already
+     * streamed, n_prior) prefills here too: its next draw, penalty counts and guide go on from
+     * that output, which a prefill worker would not know. */
+    if (q->hint[0] && q->samp.n == 1 && !q->samp.prompt_logprobs && q->n_prior == 0) {
         const char *mid = kvf_worker_model_id(w);
         uint64_t root = kvf_kv_hash_root(mid, q->salt, q->salt ? strlen(q->salt) : 0);
         int32_t hit = kvf_kv_prefix_probe(kvf_worker_pool(w), root, q->prompt, q->n_prompt);
