@@ -41,8 +41,10 @@ typedef struct cuda_ctx {
     size_t conv_bytes;
     void *attn_ws;         /* kvf_cuda_attention's split-context partials */
     size_t attn_ws_bytes;
-    int32_t *small;        /* argmax / sample outputs and sample rows */
+    int32_t *small;        /* argmax / sample outputs, sample rows and their masks */
     size_t small_bytes;
+    kvf_cuda_sample_row *h_rows; /* host: sample rows as the kernel reads them (device masks) */
+    int64_t h_rows_cap;
 
     /* graphs */
     kvf_cuda_graph_cache graphs;
@@ -111,6 +113,7 @@ static void cuda_destroy(void *ctx)
     cudaFree(c->conv);
     cudaFree(c->attn_ws);
     cudaFree(c->small);
+    free(c->h_rows);
     for (int32_t i = 0; i < c->n_prof_ev; i++)
         cudaEventDestroy(c->prof_ev[i]);
     free(c->prof_ev);
@@ -763,13 +766,42 @@ extern "C" kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t
                                "cuda: sample: row %lld: temperature %g (> 0), top_k %d (>= 0), top_p %g (0 < p <= 1), u %g (0 <= u < 1)",
                                (long long)i, (double)r->temperature, r->top_k, (double)r->top_p, (double)r->u);
     }
+    /* rows with a mask (constrained decoding): each mask is copied beside the rows and the
+     * rows the kernel reads point at the copies */
+    int64_t words = (vocab + 31) / 32, n_masked = 0;
+    for (int64_t i = 0; i < n; i++)
+        n_masked += rows_host[i].mask != NULL;
     size_t out_b = ((size_t)n * sizeof(int32_t) + 15) / 16 * 16;
-    size_t need = out_b + (size_t)n * sizeof(kvf_cuda_sample_row);
+    size_t rows_b = ((size_t)n * sizeof(kvf_cuda_sample_row) + 15) / 16 * 16;
+    size_t need = out_b + rows_b + (size_t)n_masked * (size_t)words * sizeof(uint32_t);
     if (!grow(c, (void **)&c->small, &c->small_bytes, need, "cuda: sample", false))
         return cuda_sync(c, err);
     kvf_cuda_sample_row *d_rows = (kvf_cuda_sample_row *)((uint8_t *)c->small + out_b);
-    kvf_status st = mem_copy(c, d_rows, rows_host, (size_t)n * sizeof *rows_host,
-                             cudaMemcpyHostToDevice, "cuda: sample rows", err);
+    uint32_t *d_masks = (uint32_t *)((uint8_t *)c->small + out_b + rows_b);
+    const kvf_cuda_sample_row *send = rows_host;
+    kvf_status st;
+    if (n_masked > 0) {
+        if (c->h_rows_cap < n) {
+            kvf_cuda_sample_row *h = (kvf_cuda_sample_row *)realloc(c->h_rows, (size_t)n * sizeof *h);
+            if (!h)
+                return kvf_err_set(err, KVF_ERR_NOMEM, "cuda: sample: no host memory for %lld rows", (long long)n);
+            c->h_rows = h;
+            c->h_rows_cap = n;
+        }
+        for (int64_t i = 0, k = 0; i < n; i++) {
+            c->h_rows[i] = rows_host[i];
+            if (!rows_host[i].mask)
+                continue;
+            uint32_t *dm = d_masks + k++ * words;
+            if ((st = mem_copy(c, dm, rows_host[i].mask, (size_t)words * sizeof(uint32_t),
+                               cudaMemcpyHostToDevice, "cuda: sample mask", err)) != KVF_OK)
+                return st;
+            c->h_rows[i].mask = dm;
+        }
+        send = c->h_rows;
+    }
+    st = mem_copy(c, d_rows, send, (size_t)n * sizeof *rows_host, cudaMemcpyHostToDevice,
+                  "cuda: sample rows", err);
     if (st != KVF_OK)
         return st;
     kvf_cuda_sample_params p = {};

@@ -39,17 +39,20 @@ typedef struct kvf_cuda_stats {
 } kvf_cuda_stats;
 void kvf_cuda_backend_stats(void *be_ctx, kvf_cuda_stats *out);
 
-/* One row's sampling parameters for kvf_cuda_sample. */
-typedef kvf_backend_sample_row kvf_cuda_sample_row; /* top_k >= vocab also means all */
+/* One row's sampling parameters for kvf_cuda_sample. top_k >= vocab also means all. mask: a
+ * host bitset from the caller; in the rows the kernel reads, the device copy kvf_cuda_sample
+ * made of it. */
+typedef kvf_backend_sample_row kvf_cuda_sample_row;
 
 /* One token per row of logits (device memory of a kvf_cuda_backend context, [n][vocab]) into
- * out_host[n], finished on return. The rule: NaN logits are never kept; K = the tokens whose
+ * out_host[n], finished on return. The rule: NaN logits and ids a row's mask leaves out are
+ * never kept; K = the tokens whose
  * logit is >= the k-th largest logit (all when top_k is 0 or >= vocab; ties at the cut are all
  * kept); w_i = exp((logit_i - max) / temperature); P = the tokens of K whose logit is >= the
  * largest threshold whose kept w-mass is >= top_p * (w-mass of K); then the token i of P, in id
  * order, at which the running sum of w first exceeds u * (w-mass of P); a row whose largest
- * non-NaN logit is +inf, or whose 1/temperature overflows a float, takes the lowest id holding
- * its largest logit instead (the weights would be NaN). Rows that fail the
+ * kept logit is +inf or -inf, or whose 1/temperature overflows a float, takes the lowest kept id
+ * holding its largest logit instead (the weights would be NaN; 0 when no id is kept). Rows that fail the
  * parameter check (temperature <= 0, top_p outside (0, 1], u outside [0, 1), top_k < 0) are
  * refused with ERR_INVALID naming the row. The backend's `sample` op (kvf_backend_sample in
  * model/backend.h), which the engine uses for rows that draw with a temperature. */

@@ -58,26 +58,29 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
     __shared__ int32_t pick, neg_first;
     const float *r = logits + (int64_t)blockIdx.x * vocab;
     kvf_cuda_sample_row p = rows[blockIdx.x];
+    const uint32_t *mk = p.mask; /* the device copy, or NULL */
     float inv_t = 1.0f / p.temperature;
+/* id j may be kept: not NaN, and allowed by the row's mask */
+#define KEEP(j) (r[j] == r[j] && (!mk || (mk[(j) >> 5] >> ((j) & 31) & 1u)))
 
     /* 1. the largest logit (NaN never counts) */
     float m = -INFINITY;
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-        if (r[j] == r[j])
+        if (KEEP(j))
             m = fmaxf(m, r[j]);
     m = block_max(m, buf);
-    if (m == INFINITY || inv_t == INFINITY) { /* the rule's argmax case (the same in every thread) */
+    if (m == INFINITY || m == -INFINITY || inv_t == INFINITY) { /* the rule's argmax case */
         if (threadIdx.x == 0)
             neg_first = -0x7fffffff - 1;
         __syncthreads();
         for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-            if (r[j] == m) {
+            if (r[j] == m && KEEP(j)) {
                 atomicMax(&neg_first, (int32_t)-j); /* the lowest id, negated */
                 break;
             }
         __syncthreads();
-        if (threadIdx.x == 0)
-            out[blockIdx.x] = -neg_first;
+        if (threadIdx.x == 0) /* no id kept at all (a mask allowing none): 0 */
+            out[blockIdx.x] = neg_first == -0x7fffffff - 1 ? 0 : -neg_first;
         return;
     }
 
@@ -88,7 +91,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
             uint32_t cand = kk | (1u << bit);
             float c = 0.0f;
             for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-                c += (r[j] == r[j] && fkey(r[j]) >= cand) ? 1.0f : 0.0f;
+                c += (KEEP(j) && fkey(r[j]) >= cand) ? 1.0f : 0.0f;
             if (block_sum(c, buf) >= (float)p.top_k)
                 kk = cand;
         }
@@ -97,7 +100,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
     /* 3. top-p: the largest key P >= K whose kept mass reaches top_p of the top-k mass */
     float z = 0.0f;
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-        if (r[j] == r[j] && fkey(r[j]) >= kk)
+        if (KEEP(j) && fkey(r[j]) >= kk)
             z += expf((r[j] - m) * inv_t);
     z = block_sum(z, buf);
     uint32_t thr = kk;
@@ -109,7 +112,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
             uint32_t t = cand > kk ? cand : kk;
             float s = 0.0f;
             for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-                if (r[j] == r[j] && fkey(r[j]) >= t)
+                if (KEEP(j) && fkey(r[j]) >= t)
                     s += expf((r[j] - m) * inv_t);
             if (block_sum(s, buf) >= want)
                 pk = cand;
@@ -124,7 +127,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
     float mine = 0.0f;
     int32_t last_kept = -1;
     for (int64_t j = j0; j < j1; j++)
-        if (r[j] == r[j] && fkey(r[j]) >= thr) {
+        if (KEEP(j) && fkey(r[j]) >= thr) {
             mine += expf((r[j] - m) * inv_t);
             last_kept = (int32_t)j;
         }
@@ -147,7 +150,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
         float acc = lo;
         int32_t got = last_kept;
         for (int64_t j = j0; j < j1; j++)
-            if (r[j] == r[j] && fkey(r[j]) >= thr) {
+            if (KEEP(j) && fkey(r[j]) >= thr) {
                 acc += expf((r[j] - m) * inv_t);
                 if (target < acc) {
                     got = (int32_t)j;
@@ -162,6 +165,7 @@ static __global__ void sample_kernel(const float *logits, int64_t vocab,
     __syncthreads();
     if (threadIdx.x == 0)
         out[blockIdx.x] = pick < 0 ? 0 : pick;
+#undef KEEP
 }
 
 #ifndef KVF_CUDA_HOST_EMU /* the launchers; tests/unit/cuda/host_ops_emu.cpp runs the kernels on the host */

@@ -76,6 +76,7 @@ typedef struct eng_seq {
                               * resumed stream): counted as output by the penalties */
     struct guide_ent *guide; /* sp.guide_kind's compiled grammar (a reference), or NULL */
     kvf_text_matcher *gm;    /* this sample's position in it */
+    bool gdraw;              /* this step's token is drawn on the backend under its mask */
 } eng_seq;
 
 /* A compiled guide, kept by its text while sequences use it and, unreferenced, among the
@@ -143,7 +144,8 @@ struct kvf_engine {
     kvf_text_vocab *gvocab;
     guide_ent *guides;
     uint64_t guide_clock;
-    uint32_t *gmask; /* [kvf_text_vocab_mask_words] */
+    uint32_t *gmask;  /* [kvf_text_vocab_mask_words] */
+    uint32_t *gmasks; /* [max_seqs][words]: masks of the step's backend draws */
     kvf_engine_stats st;
 };
 
@@ -259,6 +261,7 @@ void kvf_engine_destroy(kvf_engine *e)
     kvf_text_vocab_destroy(e->gvocab);
     kvf_text_tokenizer_destroy(e->tok);
     free(e->gmask);
+    free(e->gmasks);
     for (int32_t i = 0; i < e->n_plp_dead; i++)
         free(e->plp_dead[i]);
     free(e->plp_dead);
@@ -295,8 +298,10 @@ static kvf_status guide_setup(kvf_engine *e, const char *dir, kvf_err *err)
         st = kvf_text_vocab_create(e->tok, e->vocab, &e->gvocab, err);
     if (st != KVF_OK)
         return kvf_err_prefix(err, "engine: the tokenizer for constrained decoding");
-    e->gmask = malloc(kvf_text_vocab_mask_words(e->gvocab) * sizeof *e->gmask);
-    if (!e->gmask)
+    size_t words = kvf_text_vocab_mask_words(e->gvocab);
+    e->gmask = malloc(words * sizeof *e->gmask);
+    e->gmasks = malloc((size_t)e->cfg.max_seqs * words * sizeof *e->gmasks);
+    if (!e->gmask || !e->gmasks)
         return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for a token mask");
     return KVF_OK;
 }
@@ -629,6 +634,18 @@ static bool host_path(const eng_seq *s)
 static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy,
                        int32_t drawn)
 {
+    if (s->gdraw) { /* drawn on the backend under the guide's mask */
+        s->gdraw = false;
+        kvf_err gerr = {0};
+        if (drawn < 0 || kvf_text_matcher_accept(s->gm, drawn, &gerr) != KVF_OK) {
+            kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: guide: the backend drew %d: %s",
+                    (unsigned long long)s->id, s->index, drawn, gerr.msg);
+            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+            return;
+        }
+        take_token(e, s, drawn, NULL);
+        return;
+    }
     if (!host_path(s)) {
         take_token(e, s, drawn >= 0 ? drawn : sample_for(e, s, row, greedy), NULL);
         return;
@@ -1453,6 +1470,43 @@ static void fork_siblings(kvf_engine *e, eng_seq *s, const float *row, int32_t g
     s->forked = true;
 }
 
+/* A guided sequence whose token nothing else needs on the host (no log-probabilities, no logit
+ * processing, no siblings to fork) draws on the backend with its guide's mask (the bitset the
+ * GPU sampler reads; a greedy one as top_k 1, u 0: the largest allowed logit), so its row never
+ * leaves the device. True when set up as set row i's draw; false leaves it to the host path
+ * (which also ends a complete or dead-ended match). */
+static bool guide_draw(kvf_engine *e, eng_seq *s, int32_t i)
+{
+    if (!s->gm || s->sp.logprobs || kvf_engine_processes(&s->sp, s->n_generated) ||
+        plp_active(s) || (s->index == 0 && s->n > 1 && !s->forked) ||
+        kvf_text_matcher_done(s->gm))
+        return false;
+    size_t words = kvf_text_vocab_mask_words(e->gvocab);
+    uint32_t *mask = e->gmasks + (size_t)i * words;
+    kvf_err gerr = {0};
+    if (kvf_text_matcher_mask(s->gm, mask, &gerr) != KVF_OK)
+        return false;
+    bool any = false;
+    for (size_t w = 0; w < words && !any; w++)
+        any = mask[w] != 0;
+    if (!any)
+        return false;
+    if (s->sp.temperature > 0) {
+        float u = (float)kvf_engine_rng_uniform(&s->rng);
+        e->draw[i] = (kvf_backend_sample_row){.temperature = s->sp.temperature,
+                                              .top_k = s->sp.top_k, .top_p = s->sp.top_p,
+                                              .u = u < 1.0f ? u : nextafterf(1.0f, 0.0f),
+                                              .mask = mask};
+    } else {
+        e->draw[i] = (kvf_backend_sample_row){.temperature = 1.0f, .top_k = 1, .top_p = 1.0f,
+                                              .mask = mask};
+    }
+    e->mseq[i].sample = &e->draw[i];
+    e->st.backend_draws++;
+    s->gdraw = true;
+    return true;
+}
+
 kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int32_t *n_out,
                            kvf_err *err)
 {
@@ -1516,6 +1570,8 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     for (int32_t i = 0; i < e->n_set; i++) {
         eng_seq *s = slot_seq(e, e->set[i]);
         bool emits = s->n_computed + (int32_t)e->set_n[i] >= s->n_tokens;
+        if (emits && backend_draws && guide_draw(e, s, i))
+            continue; /* drawn on the backend under its guide's mask */
         if (plp_active(s) || (emits && host_path(s)))
             need_logits = true;
         if (!emits || !(s->sp.temperature > 0) || host_path(s))

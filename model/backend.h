@@ -102,12 +102,16 @@ typedef struct kvf_backend_step_key {
 } kvf_backend_step_key;
 
 /* One sequence's draw for kvf_backend_sample: temperature > 0, top_k >= 0 (0: all), top_p
- * in (0, 1] (1: all), u in [0, 1) from the caller's generator. */
+ * in (0, 1] (1: all), u in [0, 1) from the caller's generator. mask (constrained decoding):
+ * NULL, or a host bitset of (vocab + 31) / 32 words, bit id % 32 of word id / 32 set for the ids
+ * the draw may take; the others count as absent (as NaN logits do), so top_k 1 with u 0 is the
+ * argmax among the allowed ids. The backend copies it before kvf_backend_sample returns. */
 typedef struct kvf_backend_sample_row {
     float temperature;
     int32_t top_k;
     float top_p;
     float u;
+    const uint32_t *mask;
 } kvf_backend_sample_row;
 
 /* A backend: a const table of ops (backend_impl.h), one per implementation, never freed. Its

@@ -6,7 +6,7 @@
  * fixture's tokens, and the CPU engine, drawing on the host by the same rule, draws the same
  * tokens); a sequence with issue 23's processing or logprobs takes the host path (its row
  * downloaded, never the backend's draw) beside one that still draws on the backend, with the
- * CPU engine's tokens and logprobs. */
+ * CPU engine's tokens and logprobs; guided sequences draw on the backend under their mask. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +24,13 @@
 #include "engine/sample.h"
 #include "emu_side.h"
 #include "sample_ref.h"
+#include "text/guide.h"
+#include "text/tokenizer.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 /* one side per backend: f32 matrices, so the emulated GPU's logits are the CPU's up to rounding */
 static void sample_side(side *s, const kvf_backend *be, const kvf_model *m)
@@ -88,6 +95,42 @@ static void test_forward_draws_follow_the_rule(void **state)
         }
     }
     assert_true(differ > 0); /* some draws were not the argmax: sampling really happened */
+
+    /* constrained decoding: a mask keeps a fifth of the ids; a sampled row draws among them by
+     * the rule, and a greedy row (top_k 1, u 0) takes the largest allowed logit */
+    size_t words = ((size_t)V + 31) / 32;
+    uint32_t *mask = calloc(words, sizeof *mask);
+    for (int32_t id = 0; id < V; id++)
+        if ((uint32_t)id * 2654435761u >> 7 & 1 && id % 5 == 0)
+            mask[id >> 5] |= 1u << (id & 31);
+    int masked_off = 0;
+    for (int round = 0; round < 8; round++) {
+        kvf_backend_sample_row draw[2];
+        draw[0] = shapes[round % n_shapes];
+        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+        draw[0].u = (float)((x >> 40) / (double)(1 << 24));
+        draw[0].mask = mask;
+        draw[1] = (kvf_backend_sample_row){.temperature = 1.0f, .top_k = 1, .top_p = 1.0f, .mask = mask};
+        int32_t next[3] = {-1, -1, -1};
+        if (three_seqs(&s, fx, draw, logits, next, &err) != KVF_OK)
+            fail_msg("masked round %d: %s", round, err.msg);
+        for (int j = 0; j < 2; j++) {
+            const float *row = logits + (size_t)(j + 1) * V;
+            int32_t want = kvf_test_sample_ref(row, V, &draw[j], kept);
+            if (next[j + 1] != want)
+                fail_msg("masked round %d, row %d: drew %d, the rule says %d", round, j + 1, next[j + 1], want);
+            assert_true(mask[want >> 5] >> (want & 31) & 1u);
+            masked_off += kvf_engine_argmax(row, V) != want; /* the mask changed the answer */
+        }
+        int32_t best = -1; /* the greedy row: the largest allowed logit, the lowest such id */
+        const float *row = logits + (size_t)2 * V;
+        for (int32_t id = 0; id < V; id++)
+            if (mask[id >> 5] >> (id & 31) & 1u && (best < 0 || row[id] > row[best]))
+                best = id;
+        assert_int_equal(next[2], best);
+    }
+    assert_true(masked_off > 0);
+    free(mask);
 
     /* a bad draw is refused before the step, naming the sequence */
     kvf_backend_sample_row bad[2] = {{.temperature = 1.0f, .top_p = 1.0f, .u = 0.5f},
@@ -255,6 +298,91 @@ static void test_engine_processing_takes_the_host_path(void **state)
     et_close(fx);
 }
 
+/* Constrained decoding on the emulated GPU (issue 24): guided sequences without other host needs
+ * draw on the backend under their guide's mask (the bitset the sampler reads; greedy as the
+ * largest allowed logit), and give the CPU engine's tokens, which apply the same mask on the
+ * host. The tokenizer is the default one written for the model's ids. */
+static void test_engine_guides_draw_on_the_backend(void **state)
+{
+    (void)state;
+    et_fixture *fx = et_open("tiny-gqa-f32");
+    char dir[] = "/tmp/kvf-guide-emu-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    kvf_err err = {0};
+    if (kvf_text_tokenizer_write_default(dir, fx->m->cfg.vocab_size, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    kvf_text_tokenizer *tok = NULL;
+    if (kvf_text_tokenizer_load(dir, &tok, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    int32_t eos = kvf_text_tokenizer_eos_id(tok);
+    const et_case *c0 = &fx->cases[0];
+    et_result *r[2];
+    int64_t draws[2];
+    for (int run = 0; run < 2; run++) { /* the emulated GPU, then the CPU */
+        kvf_engine_cfg cfg;
+        et_cfg(&cfg);
+        cfg.n_blocks = 64;
+        cfg.max_ctx = 256;
+        cfg.threads = 1;
+        cfg.matrix_dtype = KVF_BACKEND_MATRIX_F32;
+        cfg.tokenizer_dir = dir;
+        kvf_engine *e = NULL;
+        if (kvf_engine_create(fx->m, run == 0 ? kvf_cuda_backend() : kvf_model_backend_cpu(), &cfg, &e, &err) != KVF_OK)
+            fail_msg("%s", err.msg);
+        r[run] = calloc(1, sizeof *r[run]);
+        for (uint64_t id = 0; id < 4; id++) {
+            kvf_engine_request q = et_req(id, c0->prompt, c0->n_prompt, 40);
+            q.sampling.temperature = id == 0 ? 0.0f : 1.3f;
+            q.sampling.seed = 30 + id;
+            q.sampling.guide_kind = id == 3 ? KVF_TEXT_GUIDE_JSON_OBJECT : KVF_TEXT_GUIDE_REGEX;
+            q.sampling.guide = id == 3 ? NULL : "[a-c]{3,6}x";
+            q.sampling.guide_len = id == 3 ? 0 : strlen("[a-c]{3,6}x");
+            q.sampling.eos_ids[0] = eos;
+            q.sampling.n_eos = 1;
+            et_add(e, &q);
+        }
+        et_run(e, r[run], 1);
+        kvf_engine_stats st;
+        kvf_engine_get_stats(e, &st);
+        draws[run] = st.backend_draws;
+        kvf_engine_destroy(e);
+    }
+    assert_int_equal(draws[1], 0);
+    int64_t tokens = 0;
+    for (int k = 0; k < 4; k++) {
+        et_assert_tokens("guided: CPU against the emulated GPU", r[1]->tokens[k], r[1]->n[k],
+                         r[0]->tokens[k], r[0]->n[k]);
+        tokens += r[0]->n[k];
+        if (k < 3) { /* the regex: a-c, then x, then the end id */
+            char *t = NULL;
+            size_t len = 0;
+            assert_int_equal(r[0]->finish[k], KVF_ENGINE_FINISH_STOP);
+            assert_int_equal(kvf_text_tokenizer_decode(tok, r[0]->tokens[k], (size_t)r[0]->n[k] - 1, false, &t, &len, &err), KVF_OK);
+            assert_true(len >= 4 && len <= 7 && t[len - 1] == 'x');
+            for (size_t i = 0; i + 1 < len; i++)
+                assert_true(t[i] >= 'a' && t[i] <= 'c');
+            free(t);
+        }
+    }
+    /* every token of the four was drawn on the backend but the end ids (drawn there too) */
+    assert_int_equal(draws[0], tokens);
+    kvf_text_tokenizer_destroy(tok);
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    char path[512];
+    while (d && (de = readdir(d)))
+        if (de->d_name[0] != '.') {
+            snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+            unlink(path);
+        }
+    if (d)
+        closedir(d);
+    rmdir(dir);
+    for (int run = 0; run < 2; run++)
+        free(r[run]);
+    et_close(fx);
+}
+
 int main(void)
 {
     char why[256];
@@ -266,6 +394,7 @@ int main(void)
         cmocka_unit_test(test_forward_draws_follow_the_rule),
         cmocka_unit_test(test_engine_draws_on_the_backend),
         cmocka_unit_test(test_engine_processing_takes_the_host_path),
+        cmocka_unit_test(test_engine_guides_draw_on_the_backend),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -27,10 +27,20 @@ static inline double kvf_test_rel_err(const float *a, const float *b, int64_t n)
 /* The rule of kvf_cuda_sample in double precision on the host; kept[vocab] gets the kept set. */
 static inline int32_t kvf_test_sample_ref(const float *r, int64_t vocab, const kvf_cuda_sample_row *p, bool *kept)
 {
+    if (p->mask) { /* the ids the mask leaves out count as NaN: never kept */
+        float *m = (float *)malloc((size_t)vocab * 4);
+        for (int64_t j = 0; j < vocab; j++)
+            m[j] = p->mask[j >> 5] >> (j & 31) & 1u ? r[j] : NAN;
+        kvf_cuda_sample_row q = *p;
+        q.mask = NULL;
+        int32_t t = kvf_test_sample_ref(m, vocab, &q, kept);
+        free(m);
+        return t;
+    }
     float mx = -INFINITY;
     for (int64_t j = 0; j < vocab; j++)
         mx = fmaxf(mx, r[j]);
-    if (mx == INFINITY || 1.0f / p->temperature == INFINITY) { /* the argmax: the lowest id */
+    if (mx == INFINITY || mx == -INFINITY || 1.0f / p->temperature == INFINITY) { /* the argmax: the lowest id */
         int64_t first = 0;
         while (first < vocab && r[first] != mx)
             first++;
@@ -45,7 +55,7 @@ static inline int32_t kvf_test_sample_ref(const float *r, int64_t vocab, const k
         for (int32_t i = 0; i < p->top_k; i++) { /* partial selection, small k in tests */
             int64_t b = i;
             for (int64_t j = i + 1; j < vocab; j++)
-                if (c[j] > c[b])
+                if (c[j] > c[b] || (c[b] != c[b] && c[j] == c[j])) /* NaN ranks last */
                     b = j;
             float t = c[i];
             c[i] = c[b];
