@@ -60,24 +60,32 @@ install_deploy_tools() {
   echo "install-deps: deploy tools in $dir"
 }
 
-# tests/e2e/openai_sdk.sh (ctest e2e_openai_sdk): the official openai npm client at the version
-# tests/openai/package.json pins (package-lock.json: the exact tarball and its hash), installed
-# with `npm ci` into tests/openai/node_modules (git-ignored). Skipped with KVF_OPENAI_SDK=0 or no
-# npm (the test then skips, saying why).
+# The npm packages tests/openai/package.json pins (package-lock.json: the exact tarballs and
+# their hashes), installed with `npm ci` into tests/openai/node_modules (git-ignored): the
+# official openai client (e2e_openai_sdk), ajv and ajv-formats (the independent JSON Schema
+# validator of text_schema_ajv and e2e_structured). Skipped with KVF_OPENAI_SDK=0 or no npm (the
+# tests then skip, saying why). npm ci runs again whenever an installed version differs from a
+# pinned one.
 install_openai_sdk() {
   local dir="$ROOT/tests/openai"
   if [ "${KVF_OPENAI_SDK:-1}" = "0" ]; then return 0; fi
   if ! command -v npm >/dev/null; then
-    echo "install-deps: no npm: the openai SDK skipped (e2e_openai_sdk will skip)"; return 0
+    echo "install-deps: no npm: the openai SDK and ajv skipped (their tests will skip)"; return 0
   fi
-  local want have
-  want=$(node -p "require('$dir/package.json').dependencies.openai")
-  have=$(node -p "try { require('$dir/node_modules/openai/package.json').version } catch (e) { '' }")
-  if [ "$want" != "$have" ]; then
+  local stale
+  stale=$(node -e "
+    const deps = require('$dir/package.json').dependencies;
+    for (const [name, want] of Object.entries(deps)) {
+      let have = '';
+      try { have = require('$dir/node_modules/' + name + '/package.json').version; } catch (e) {}
+      if (have !== want) console.log(name + ' ' + (have || 'missing') + ' -> ' + want);
+    }")
+  if [ -n "$stale" ]; then
+    echo "install-deps: npm packages to install in $dir: $(echo "$stale" | tr '\n' ';')"
     ( cd "$dir" && npm ci --silent --no-audit --no-fund ) ||
       { echo "install-deps: npm ci in $dir failed"; return 1; }
   fi
-  echo "install-deps: openai $want (npm) in $dir/node_modules"
+  echo "install-deps: $(node -p "Object.entries(require('$dir/package.json').dependencies).map(([n, v]) => n + ' ' + v).join(', ')") (npm) in $dir/node_modules"
 }
 
 SUDO=""
