@@ -774,7 +774,10 @@ static char *pattern_to_json(const char *re, size_t len)
             }
             cset_emit(&out, &s, neg);
         } else if (ch == '.') {
-            oom |= !cset_add(&s, '\n', '\n');
+            /* any character but line terminators: \n for Python, also \r U+2028 U+2029 for
+             * ECMAScript (what JSON Schema validators use) */
+            oom |= !cset_add(&s, '\n', '\n') || !cset_add(&s, '\r', '\r') ||
+                   !cset_add(&s, 0x2028, 0x2029);
             cset_emit(&out, &s, true);
             i++;
         } else if (ch == '[') {
@@ -1230,11 +1233,12 @@ static int cmp_str(const void *a, const void *b)
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* An extra property: a key that is none of the listed names, ":" and a value of vs. */
-static kvf_text_gx *extra_member(sc *c, const json_t *props, kvf_text_gx *value)
+/* An extra property: a key that is none of the listed or required names, ":" and a value. */
+static kvf_text_gx *extra_member(sc *c, const json_t *props, const json_t *req,
+                                 kvf_text_gx *value)
 {
     size_t n = json_object_size(props);
-    const char **names = calloc(n ? n : 1, sizeof *names);
+    const char **names = calloc(n + json_array_size(req) + 1, sizeof *names);
     if (!names) {
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;
@@ -1243,6 +1247,10 @@ static kvf_text_gx *extra_member(sc *c, const json_t *props, kvf_text_gx *value)
     const char *key;
     const json_t *v;
     json_object_foreach((json_t *)props, key, v) names[k++] = key;
+    for (size_t i = 0; i < json_array_size(req); i++)
+        if (!json_object_get(props, json_string_value(json_array_get(req, i))))
+            names[k++] = json_string_value(json_array_get(req, i));
+    n = k;
     qsort(names, n, sizeof *names, cmp_str);
     kvf_text_gx *kx = seq2(c, lit(c, "\""), key_except(c, names, n, 0, 0));
     free(names);
@@ -1337,7 +1345,7 @@ static kvf_text_gx *sc_object(sc *c, const json_t *s, int depth)
     kvf_text_gx *sep = seq3(c, ws(c), lit(c, ","), ws(c));
     kvf_text_gx *after, *first;
     if (extra_value) {
-        kvf_text_gx *em = extra_member(c, props, extra_value);
+        kvf_text_gx *em = extra_member(c, props, req, extra_value);
         kvf_text_gx *more = kvf_text_gx_rep(c->b, seq2(c, sep, em), 0, -1);
         after = sc_ref_rule(c, sc_rule_of(c, more));
         first = opt(c, seq3(c, ws(c), em, after));
