@@ -46,6 +46,9 @@ void kvf_text_gb_destroy(kvf_text_gb *b); /* NULL is fine; grammars built from i
  * kvf_text_gb_finish refuses such a grammar by name. */
 int32_t kvf_text_gb_rule(kvf_text_gb *b);
 kvf_status kvf_text_gb_define(kvf_text_gb *b, int32_t rule, kvf_text_gx *body, kvf_err *err);
+/* Optional: a name for a rule that errors use ("rule 3 (/properties/a) is left-recursive"), such
+ * as a schema's JSON pointer; copied (up to 200 bytes). */
+kvf_status kvf_text_gb_rule_name(kvf_text_gb *b, int32_t rule, const char *name);
 
 kvf_text_gx *kvf_text_gx_lit(kvf_text_gb *b, const void *bytes, size_t n); /* n == 0: empty */
 kvf_text_gx *kvf_text_gx_bytes(kvf_text_gb *b, uint8_t lo, uint8_t hi);   /* one byte in [lo, hi] */
