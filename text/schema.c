@@ -11,8 +11,9 @@
  *   out. additionalProperties absent means false when "properties" lists any (xgrammar's strict
  *   mode, what vLLM uses and OpenAI's strict schemas require) and true when it lists none (a
  *   bare {"type": "object"} is a free-form object). Extra properties (true or a schema) come
- *   after the listed ones, any number of them, with keys of unescaped characters that are none
- *   of the listed names (so a key never repeats).
+ *   after the listed ones, any number of them, with keys of 1 to 64 unescaped characters that
+ *   are none of the listed or required names (so a key never repeats, and a model cannot spend
+ *   its budget on one key).
  * - arrays: "items" absent means any values when there is no "prefixItems", and no items past
  *   them when there is (strict mode again). "items" given as an array is "prefixItems".
  * - integers: minimum / maximum / exclusive* are exact (decimal range grammars); bounds beyond
@@ -40,6 +41,7 @@
 
 #define SC_PATH_MAX 512            /* JSON pointer shown in errors; longer ones are cut */
 #define SC_LIT_BUDGET (1u << 20)   /* bytes of enum/const/key literals in one schema */
+#define SC_KEY_MAX 64              /* characters of an extra property's key */
 #define SC_INT_CAP 100000000000000000LL /* 10^17: integer bounds pulled in to +-this */
 
 typedef struct sc_ref {
@@ -59,6 +61,7 @@ typedef struct sc {
     size_t lit_bytes;
     /* shared rules, made on first use (-1 until then) */
     int32_t r_ws, r_char, r_value, r_object, r_array, r_string, r_number, r_key_char;
+    int32_t r_key_rest[SC_KEY_MAX]; /* [k]: up to k more key characters and the quote; 0: none yet */
 } sc;
 
 /* ---- errors and the JSON pointer of the schema being compiled ---- */
@@ -1183,33 +1186,43 @@ static kvf_text_gx *key_char(sc *c)
     return sc_ref_rule(c, c->r_key_char);
 }
 
-/* Keys (content then closing quote) that continue none of names[0..n) past prefix depth d:
- * at a trie node, either end here (when no name ends here), or take a character no name takes
- * next and then anything, or take one that some name takes and recurse. names are sorted. */
-static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, int depth)
+/* Up to k key characters and the closing quote, one rule per k (trie nodes share them). */
+static kvf_text_gx *key_rest(sc *c, int k)
 {
-    if (depth > 64 * KVF_TEXT_GRAMMAR_MAX_DEPTH)
-        return sc_fail(c, "property names too long to exclude from extra keys");
-    kvf_text_gx *rest = seq2(c, kvf_text_gx_rep(c->b, key_char(c), 0, -1), lit(c, "\""));
+    if (!c->r_key_rest[k])
+        c->r_key_rest[k] = 1 + sc_rule_of(c, seq2(c, kvf_text_gx_rep(c->b, key_char(c), 0, k),
+                                                  lit(c, "\"")));
+    return sc_ref_rule(c, c->r_key_rest[k] - 1);
+}
+
+/* Keys (content then closing quote) of 1..SC_KEY_MAX characters that continue none of
+ * names[0..n) past the nc characters (d bytes) already written: at a trie node, either end here
+ * (when no name ends here), or take a character no name takes next and then anything, or take
+ * one that some name takes and recurse. names are sorted. Keys are bounded so that a model (or
+ * a random walk) cannot spend its budget on one. */
+static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, int nc)
+{
     sc_alts a = {0};
     bool ends_here = false;
+    size_t i = 0;
+    while (i < n && names[i][d] == 0)
+        ends_here = true, i++;
+    if (!ends_here && d > 0)
+        alts_add(c, &a, lit(c, "\""));
+    if (nc >= SC_KEY_MAX)
+        return a.n ? alts_done(c, &a) : kvf_text_gx_alt(c->b, NULL, 0);
     uint32_t(*taken)[2] = malloc((n + 3) * sizeof *taken);
     size_t nt = 0;
     if (!taken) {
+        free(a.xs);
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;
     }
     taken[nt][0] = 0, taken[nt][1] = 0x1f, nt++;
     taken[nt][0] = '"', taken[nt][1] = '"', nt++;
     taken[nt][0] = '\\', taken[nt][1] = '\\', nt++;
-    size_t i = 0;
     while (i < n && c->st == KVF_OK) {
         size_t len = strlen(names[i]);
-        if (len <= d) {
-            ends_here = true;
-            i++;
-            continue;
-        }
         uint32_t cp;
         size_t cl = utf8_dec(names[i] + d, len - d, &cp);
         size_t j = i;
@@ -1218,12 +1231,11 @@ static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, in
         taken[nt][0] = cp, taken[nt][1] = cp, nt++;
         if (cp >= 0x20 && cp != '"' && cp != '\\')
             alts_add(c, &a, seq2(c, kvf_text_gx_lit(c->b, names[i] + d, cl),
-                                 key_except(c, names + i, j - i, d + cl, depth + 1)));
+                                 key_except(c, names + i, j - i, d + cl, nc + 1)));
         i = j;
     }
-    if (!ends_here && d > 0)
-        alts_add(c, &a, lit(c, "\""));
-    alts_add(c, &a, seq2(c, kvf_text_gx_chars(c->b, (const uint32_t(*)[2])taken, nt, true), rest));
+    alts_add(c, &a, seq2(c, kvf_text_gx_chars(c->b, (const uint32_t(*)[2])taken, nt, true),
+                         key_rest(c, SC_KEY_MAX - nc - 1)));
     free(taken);
     return alts_done(c, &a);
 }

@@ -65,7 +65,7 @@ for (const line of run.stdout.split("\n")) {
   if (why) {
     c.bad++;
     bad++;
-    if (c.bad <= 3) console.log(`FAIL ${rec.schema}: ${why}\n  ${JSON.stringify(rec.doc)}`);
+    if (c.bad <= 3) console.log(`FAIL ${rec.schema}: ${why}\n  ${JSON.stringify(rec.doc).slice(0, 600)}`);
   } else {
     c.ok++;
   }
