@@ -756,9 +756,11 @@ static bool esc_set(const char *re, size_t len, size_t *i, bool in_class, sc_cse
 /* The pattern rewritten so that what it matches is the JSON-escaped text of the content it
  * matched: every character set ("." classes, escapes, literals) becomes a group of its safe
  * members and the escapes of the others; the rest (groups, alternation, quantifiers, anchors)
- * is copied. Returns NULL when memory runs out. */
-static char *pattern_to_json(const char *re, size_t len)
+ * is copied. Returns NULL when memory runs out, or with *bad_at set to its offset when a class
+ * is one this rewrite does not read (nothing unread is ever copied into a JSON string). */
+static char *pattern_to_json(const char *re, size_t len, size_t *bad_at)
 {
+    *bad_at = SIZE_MAX;
     sc_buf out = {0};
     bool oom = false;
     size_t i = 0;
@@ -805,13 +807,19 @@ static char *pattern_to_json(const char *re, size_t len)
                         break; /* not a set: leave the class to the compiler */
                     }
                     if (tneg || t.n != 1 || t.r[0][0] != t.r[0][1]) {
-                        /* a shorthand inside a class: its ranges (negated ones unsupported) */
-                        if (tneg) {
-                            free(t.r);
-                            break;
+                        /* a shorthand inside a class: its ranges, or their complement */
+                        qsort(t.r, t.n, sizeof *t.r, cmp_range);
+                        uint32_t next = 0;
+                        for (size_t q = 0; q < t.n; q++) {
+                            if (!tneg)
+                                oom |= !cset_add(&s, t.r[q][0], t.r[q][1]);
+                            else if (t.r[q][0] > next)
+                                oom |= !cset_add(&s, next, t.r[q][0] - 1);
+                            if (t.r[q][1] + 1 > next)
+                                next = t.r[q][1] + 1;
                         }
-                        for (size_t q = 0; q < t.n; q++)
-                            oom |= !cset_add(&s, t.r[q][0], t.r[q][1]);
+                        if (tneg && next <= 0x10FFFF)
+                            oom |= !cset_add(&s, next, 0x10FFFF);
                         free(t.r);
                         j = k;
                         continue;
@@ -845,8 +853,8 @@ static char *pattern_to_json(const char *re, size_t len)
                 }
                 oom |= !cset_add(&s, lo, hi);
             }
-            if (!closed) { /* copy it as written: the compiler's error names it */
-                buf_add(&out, re + i, len - i);
+            if (!closed) { /* a class not read to its end: refused, never copied */
+                *bad_at = i;
                 free(s.r);
                 break;
             }
@@ -866,7 +874,7 @@ static char *pattern_to_json(const char *re, size_t len)
         }
         free(s.r);
     }
-    if (oom || out.oom) {
+    if (oom || out.oom || *bad_at != SIZE_MAX) {
         free(out.p);
         return NULL;
     }
@@ -887,7 +895,12 @@ static kvf_text_gx *sc_pattern(sc *c, const char *re, size_t len, const char *wh
     kvf_text_gb_destroy(scratch);
     if (st != KVF_OK)
         return sc_fail(c, "%s: %s", what, e.msg);
-    char *json_re = pattern_to_json(re, len);
+    size_t bad_at;
+    char *json_re = pattern_to_json(re, len, &bad_at);
+    if (!json_re && bad_at != SIZE_MAX)
+        return sc_fail(c, "%s: the character class at offset %zu is not supported inside a JSON "
+                          "string (write it with plain characters, ranges and \\d \\w \\s)",
+                       what, bad_at);
     if (!json_re) {
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;

@@ -147,8 +147,13 @@ static const schema_case cases[] = {
     /* additional properties under a schema, after the listed ones, never a listed name */
     {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
      "\"additionalProperties\":{\"type\":\"string\"}}",
-     {"{\"a\":1,\"b\":\"x\"}", "{\"b\":\"x\"}", "{}", "{\"a\":1}", "{\"ab\":\"x\",\"c\":\"\"}"},
-     {"{\"a\":1,\"a\":\"x\"}", "{\"b\":1}", "{\"b\":\"x\",\"a\":1}"}},
+     {"{\"a\":1,\"b\":\"x\"}", "{\"b\":\"x\"}", "{}", "{\"a\":1}", "{\"ab\":\"x\",\"c\":\"\"}",
+      "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}"},
+     {"{\"a\":1,\"a\":\"x\"}", "{\"b\":1}", "{\"b\":\"x\",\"a\":1}", "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}",
+      "{\"\":\"x\"}", "{\"a\\u0062\":\"x\"}"}},
+    /* a negated shorthand inside a class */
+    {"{\"type\":\"string\",\"pattern\":\"^[\\\\D]{2}$\"}", {"\"a\\\"\"", "\"xy\""},
+     {"\"a1\"", "\"abc\""}},
     /* anything */
     {"{}", {"1", "{\"a\":[1,{\"b\":null}]}", "\"x\"", "[]", "-0.5e+10"}, {"", "{", "tru"}},
     {"{\"const\":{\"k\":[true,null]}}", {"{\"k\":[true,null]}"}, {"{\"k\":[true]}"}},
