@@ -2173,3 +2173,32 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
     }
     return KVF_OK;
 }
+
+kvf_status kvf_text_matcher_next_bytes(kvf_text_matcher *m, uint32_t set[8], kvf_err *err)
+{
+    memset(set, 0, 8 * sizeof *set);
+    if (m->ended)
+        return KVF_OK;
+    scratch *s = &m->sc;
+    int32_t fn;
+    kvf_status st = load_state(s, m->state, m->state_n, &fn, err);
+    if (st != KVF_OK)
+        return st;
+    uint64_t cand[4];
+    bits_of_frontier(m->g, s, 0, fn, cand);
+    for (unsigned b = 0; b < 256; b++) {
+        if (!((cand[b >> 6] >> (b & 63)) & 1))
+            continue;
+        /* a BYTE state may lead only into a dead end (an empty choice): take one step to know */
+        int32_t mark = s->n, nn;
+        size_t noff = s->fr_n;
+        st = step(m->g, s, 0, fn, (uint8_t)b, &nn, err);
+        if (st != KVF_OK)
+            return st;
+        if (nn)
+            set[b >> 5] |= 1u << (b & 31);
+        s->n = mark;
+        s->fr_n = noff;
+    }
+    return KVF_OK;
+}
