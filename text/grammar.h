@@ -140,7 +140,9 @@ void kvf_text_matcher_reset(kvf_text_matcher *m);
 /* The ids allowed next, into mask[kvf_text_vocab_mask_words(v)]: a token is allowed when all
  * its bytes can follow the output so far inside the grammar; end ids when the output is a
  * complete match. Cached per automaton state in the grammar (a state reached again costs a
- * lookup and a copy). Once done, nothing is allowed. An error only past a running bound. */
+ * lookup and a copy). Once an end id was accepted, nothing is allowed. An error only past a
+ * running bound. The cache holds at most 64 MiB of keys and masks per grammar; when a new mask
+ * would pass that, it is emptied and starts again. */
 kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *err);
 /* Advances on token id. KVF_ERR_INVALID (naming the id) and no change when the mask would not
  * allow it. */
@@ -149,9 +151,13 @@ kvf_status kvf_text_matcher_accept(kvf_text_matcher *m, int32_t id, kvf_err *err
  * cannot follow. */
 kvf_status kvf_text_matcher_accept_bytes(kvf_text_matcher *m, const void *bytes, size_t n,
                                          kvf_err *err);
+/* The bytes that can come next (one step each, exact), into set: bit (b % 32) of set[b / 32].
+ * For tests, fuzzing and tools that walk a grammar byte by byte; the engine uses masks. */
+kvf_status kvf_text_matcher_next_bytes(kvf_text_matcher *m, uint32_t set[8], kvf_err *err);
 /* The output so far is a complete match (an end id would be allowed). */
 bool kvf_text_matcher_accepting(const kvf_text_matcher *m);
-/* An end id was accepted, or the output is complete and no byte can follow it. */
+/* An end id was accepted, or the output is complete and no byte can follow it (then only end
+ * ids are allowed; once one is accepted, nothing is). */
 bool kvf_text_matcher_done(const kvf_text_matcher *m);
 
 #endif
