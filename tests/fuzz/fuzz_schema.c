@@ -4,7 +4,10 @@
  * content). Properties: no crash, no unbounded time or memory; a refusal carries a message; a
  * compiled grammar runs: a walk of up to 24 tokens over the masks of a small byte-level
  * vocabulary (the default tokenizer, written to a temporary directory), choosing tokens with the
- * input's bytes, where every chosen token is accepted and the end id only where accepting. */
+ * input's bytes, where every chosen token is accepted and the end id only where accepting. In
+ * pattern mode, a byte walk (next_bytes) to a complete document must give a JSON string whose
+ * content the pattern itself (kvf_text_grammar_regex) matches: the rewrite to JSON-escaped
+ * content neither breaks JSON nor leaves the pattern's language. */
 #include <jansson.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -80,6 +83,68 @@ static void walk(kvf_text_grammar *g, const uint8_t *data, size_t size)
     kvf_text_matcher_destroy(m);
 }
 
+/* Pattern mode: walk bytes chosen by the input to a complete document (if one comes), decode it,
+ * and check the content against the pattern compiled as a plain regex. */
+static void check_pattern(kvf_text_grammar *g, const uint8_t *data, size_t size)
+{
+    kvf_text_matcher *m = NULL, *rm = NULL;
+    kvf_text_grammar *rg = NULL;
+    kvf_err err = {0};
+    int32_t end = 0;
+    char out[256];
+    size_t n = 0;
+    if (kvf_text_matcher_create(g, vocab, &end, 1, &m, &err) != KVF_OK)
+        return;
+    for (size_t step = 0; n < sizeof out; step++) {
+        uint32_t set[8];
+        if (kvf_text_matcher_next_bytes(m, set, &err) != KVF_OK)
+            goto done;
+        uint8_t pick = size ? data[(step * 7 + 3) % size] : 0;
+        if (kvf_text_matcher_accepting(m) && (pick & 3) == 0)
+            break;
+        int seen = 0, want = pick % 64, chosen = -1, first = -1;
+        for (int b = 0; b < 256 && chosen < 0; b++) {
+            if (!(set[b / 32] >> (b % 32) & 1))
+                continue;
+            if (first < 0)
+                first = b;
+            if (seen++ == want)
+                chosen = b;
+        }
+        if (chosen < 0)
+            chosen = first;
+        if (chosen < 0)
+            break;
+        uint8_t byte = (uint8_t)chosen;
+        if (kvf_text_matcher_accept_bytes(m, &byte, 1, &err) != KVF_OK)
+            abort(); /* next_bytes offered it */
+        out[n++] = (char)byte;
+    }
+    if (!kvf_text_matcher_accepting(m))
+        goto done;
+    json_error_t je;
+    json_t *v = json_loadb(out, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
+    if (!json_is_string(v)) {
+        fprintf(stderr, "fuzz_schema: not a JSON string: %.*s\n", (int)n, out);
+        abort();
+    }
+    if (kvf_text_grammar_regex((const char *)data + 1, size - 1, &rg, &err) == KVF_OK &&
+        kvf_text_matcher_create(rg, vocab, &end, 1, &rm, &err) == KVF_OK) {
+        if (kvf_text_matcher_accept_bytes(rm, json_string_value(v), json_string_length(v),
+                                          &err) != KVF_OK ||
+            !kvf_text_matcher_accepting(rm)) {
+            fprintf(stderr, "fuzz_schema: pattern %.*s does not match the content of %.*s\n",
+                    (int)(size - 1), (const char *)data + 1, (int)n, out);
+            abort();
+        }
+    }
+    kvf_text_matcher_destroy(rm);
+    kvf_text_grammar_destroy(rg);
+    json_decref(v);
+done:
+    kvf_text_matcher_destroy(m);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (!vocab)
@@ -107,6 +172,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     walk(g, data, size);
+    if (data[0] % 2 == 1)
+        check_pattern(g, data, size);
     kvf_text_grammar_destroy(g);
     return 0;
 }
