@@ -151,6 +151,22 @@ static const schema_case cases[] = {
       "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}"},
      {"{\"a\":1,\"a\":\"x\"}", "{\"b\":1}", "{\"b\":\"x\",\"a\":1}", "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}",
       "{\"\":\"x\"}", "{\"a\\u0062\":\"x\"}"}},
+    /* what Pydantic v2 writes: $defs, a $ref with a description beside it, Optional as anyOf
+     * with null and a default, a dict as additionalProperties, a tuple as prefixItems */
+    {"{\"$defs\":{\"Color\":{\"enum\":[\"red\",\"blue\"],\"title\":\"Color\",\"type\":"
+     "\"string\"}},\"properties\":{\"color\":{\"$ref\":\"#/$defs/Color\",\"description\":"
+     "\"paint\"},\"size\":{\"anyOf\":[{\"type\":\"integer\",\"minimum\":0},{\"type\":"
+     "\"null\"}],\"default\":null,\"title\":\"Size\"},\"extra\":{\"additionalProperties\":"
+     "{\"type\":\"integer\"},\"title\":\"Extra\",\"type\":\"object\"},\"pair\":{"
+     "\"maxItems\":2,\"minItems\":2,\"prefixItems\":[{\"type\":\"integer\"},{\"type\":"
+     "\"string\"}],\"title\":\"Pair\",\"type\":\"array\"}},\"required\":[\"color\",\"pair\"],"
+     "\"title\":\"Model\",\"type\":\"object\"}",
+     {"{\"color\":\"red\",\"pair\":[1,\"a\"]}",
+      "{\"color\": \"blue\", \"size\": null, \"extra\": {\"k\": 3}, \"pair\": [2, \"b\"]}",
+      "{\"color\":\"red\",\"size\":7,\"pair\":[1,\"a\"]}"},
+     {"{\"color\":\"green\",\"pair\":[1,\"a\"]}", "{\"color\":\"red\",\"pair\":[1]}",
+      "{\"color\":\"red\",\"size\":-1,\"pair\":[1,\"a\"]}",
+      "{\"color\":\"red\",\"extra\":{\"k\":\"v\"},\"pair\":[1,\"a\"]}"}},
     /* a negated shorthand inside a class */
     {"{\"type\":\"string\",\"pattern\":\"^[\\\\D]{2}$\"}", {"\"a\\\"\"", "\"xy\""},
      {"\"a1\"", "\"abc\""}},
