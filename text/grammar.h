@@ -79,10 +79,12 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
  * ECMAScript: literals; escapes \\ \. \n \t \r \f \v \0 \xHH \uHHHH \u{H...} and escaped
  * punctuation; \d \D \w \W \s \S (ASCII classes); "." (any character but \n); classes [...]
  * with ranges, negation and the escapes above; groups ( ), (?: ) and named (?P<n> ) / (?<n> );
- * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy or possessive suffix is accepted:
- * the language is the same); ^ at the very start and $ at the very end. Anything else
- * (backreferences, lookaround, \b, inline flags, ^ or $ elsewhere) is refused by name with its
- * offset. Characters are code points, encoded as UTF-8. */
+ * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy suffix ? is accepted: the language
+ * is the same); ^ at the very start and $ at the very end. Anything else (backreferences,
+ * lookaround, \b, inline flags, possessive quantifiers, which change the language, {,n}, which
+ * Python and ECMAScript read differently, ^ or $ elsewhere) is refused by name with its
+ * offset. Characters are code points, encoded as UTF-8; \v is U+000B (as in Python and
+ * ECMAScript, not PCRE's vertical-space class). */
 kvf_status kvf_text_regex_compile(kvf_text_gb *b, const char *re, size_t len,
                                   kvf_text_gx **out, kvf_err *err);
 kvf_status kvf_text_grammar_regex(const char *re, size_t len, kvf_text_grammar **out,
@@ -125,7 +127,8 @@ size_t kvf_text_vocab_mask_words(const kvf_text_vocab *v);
 
 /* One sequence's position in a grammar. end_ids (EOS and stop ids, copied) are allowed exactly
  * where the output so far is a complete match; accepting one ends the match (done). g and v must
- * outlive the matcher. */
+ * outlive the matcher. v may be NULL for a matcher that only follows bytes (no masks, no
+ * accept by id). */
 typedef struct kvf_text_matcher kvf_text_matcher;
 kvf_status kvf_text_matcher_create(kvf_text_grammar *g, const kvf_text_vocab *v,
                                    const int32_t *end_ids, size_t n_end,
