@@ -531,6 +531,7 @@ typedef struct gstate {
 
 typedef struct cache_ent {
     uint64_t hash;
+    uint64_t vocab; /* the serial of the vocabulary the mask is over */
     int32_t *key; /* canonical state */
     size_t key_n;
     uint32_t *mask;
@@ -546,8 +547,7 @@ struct kvf_text_grammar {
     int32_t *clo;        /* the closures: BYTE, REF and FINAL states */
     int32_t *init;       /* canonical initial state */
     size_t init_n;
-    /* mask cache: open addressing over ents, keyed by canonical state; one vocabulary at a time */
-    uint64_t cache_vocab;
+    /* mask cache: open addressing over ents, keyed by (vocabulary, canonical state) */
     cache_ent *ents;
     size_t ents_cap, ents_n, cache_bytes;
     uint64_t cache_hits, cache_misses;
@@ -1617,6 +1617,15 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g)
     free(g);
 }
 
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out)
+{
+    out->n_states = g->n_st;
+    out->cache_entries = g->ents_n;
+    out->cache_bytes = g->cache_bytes;
+    out->cache_hits = g->cache_hits;
+    out->cache_misses = g->cache_misses;
+}
+
 kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *lens, size_t n,
                                    kvf_text_grammar **out, kvf_err *err)
 {
@@ -1775,6 +1784,16 @@ kvf_status kvf_text_vocab_create(const kvf_text_tokenizer *tok, int32_t n_ids,
      * at the node created last (or, for equal strings, at the same one), so ids are appended in
      * node order */
     v->n_nodes = nn;
+    /* shared prefixes leave the arrays, sized for one node per byte, partly unused */
+    uint8_t *byte = realloc(v->byte, (size_t)nn);
+    int32_t *end = realloc(v->end, (size_t)nn * sizeof *end);
+    int32_t *ids_off = realloc(v->ids_off, ((size_t)nn + 1) * sizeof *ids_off);
+    if (byte)
+        v->byte = byte;
+    if (end)
+        v->end = end;
+    if (ids_off)
+        v->ids_off = ids_off;
     free(path);
     free(ents);
     *out = v;
@@ -2282,7 +2301,8 @@ static uint64_t hash_state(const int32_t *s, size_t n, uint64_t seed)
     return h | 1; /* 0 marks an empty slot */
 }
 
-static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n)
+static cache_ent *cache_find(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                             size_t n)
 {
     if (!g->ents_cap)
         return NULL;
@@ -2291,14 +2311,15 @@ static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key
         cache_ent *e = &g->ents[i];
         if (!e->hash)
             return NULL;
-        if (e->hash == h && e->key_n == n && !memcmp(e->key, key, n * sizeof *key))
+        if (e->hash == h && e->vocab == vocab && e->key_n == n &&
+            !memcmp(e->key, key, n * sizeof *key))
             return e;
     }
 }
 
 /* Adds a copy of (key, mask) to the cache; a failure only means it is not cached. */
-static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n,
-                      const uint32_t *mask, size_t words)
+static void cache_put(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                      size_t n, const uint32_t *mask, size_t words)
 {
     size_t bytes = n * sizeof *key + words * sizeof *mask + sizeof(cache_ent) * 2;
     if (g->cache_bytes + bytes > G_CACHE_MAX_BYTES)
@@ -2336,6 +2357,7 @@ static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_
     while (g->ents[j].hash)
         j = (j + 1) & (g->ents_cap - 1);
     g->ents[j].hash = h;
+    g->ents[j].vocab = vocab;
     g->ents[j].key = k;
     g->ents[j].key_n = n;
     g->ents[j].mask = mk;
@@ -2354,12 +2376,8 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         return KVF_OK;
     }
     kvf_text_grammar *g = m->g;
-    if (g->cache_vocab != v->serial) { /* masks of another vocabulary are of no use */
-        cache_clear(g);
-        g->cache_vocab = v->serial;
-    }
     uint64_t h = hash_state(m->state, m->state_n, v->serial);
-    cache_ent *e = cache_find(g, h, m->state, m->state_n);
+    cache_ent *e = cache_find(g, v->serial, h, m->state, m->state_n);
     if (e) {
         g->cache_hits++;
         memcpy(mask, e->mask, words * sizeof *mask);
@@ -2368,7 +2386,7 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         kvf_status st = mask_walk(m, mask, err);
         if (st != KVF_OK)
             return st;
-        cache_put(g, h, m->state, m->state_n, mask, words);
+        cache_put(g, v->serial, h, m->state, m->state_n, mask, words);
     }
     /* end ids: exactly where the output is complete */
     for (size_t i = 0; i < m->n_end; i++) {

@@ -70,6 +70,15 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
 
 void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
 
+/* For benchmarks and metrics: the automaton's states, and its mask cache (entries, bytes held,
+ * lookups that hit and that missed). */
+typedef struct kvf_text_grammar_stats {
+    int32_t n_states;
+    size_t cache_entries, cache_bytes;
+    uint64_t cache_hits, cache_misses;
+} kvf_text_grammar_stats;
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out);
+
 /* ---- compilers ----
  * Errors name what was wrong in err->msg, in words a client can act on (the keyword, the
  * offset in the regex); they never carry server paths. */
