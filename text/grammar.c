@@ -518,6 +518,98 @@ kvf_text_gx *kvf_text_gx_chars(kvf_text_gb *b, const uint32_t (*ranges)[2], size
     return x;
 }
 
+typedef struct choice_str {
+    const uint8_t *p;
+    size_t len;
+} choice_str;
+
+static int cmp_choice(const void *a, const void *b)
+{
+    const choice_str *x = a, *y = b;
+    size_t n = x->len < y->len ? x->len : y->len;
+    int c = memcmp(x->p, y->p, n);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* The strings xs[0..n) (sorted, distinct), all sharing their first `at` bytes, as a trie of
+ * expressions from byte `at` on: the common prefix as a literal, then a choice among what
+ * follows (the empty string among it when one string ends there). depth counts the branching
+ * levels, bounded so that the expression's nesting stays within the builder's. */
+static kvf_text_gx *choice_trie(kvf_text_gb *b, const choice_str *xs, size_t n, size_t at, int depth)
+{
+    /* common prefix beyond `at` */
+    size_t cp = xs[0].len;
+    for (size_t i = 1; i < n && cp > at; i++) {
+        size_t k = at;
+        while (k < cp && k < xs[i].len && xs[i].p[k] == xs[0].p[k])
+            k++;
+        cp = k;
+    }
+    kvf_text_gx *pre = kvf_text_gx_lit(b, xs[0].p + at, cp - at);
+    if (n == 1 || !pre)
+        return pre;
+    /* groups by the byte after the prefix; the string that ends at cp (sorted first) alone */
+    kvf_text_gx **alts = malloc((n < 257 ? n : 257) * sizeof *alts);
+    if (!alts) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    size_t na = 0, i = 0;
+    if (xs[0].len == cp) {
+        alts[na++] = kvf_text_gx_lit(b, "", 0);
+        i = 1;
+    }
+    while (i < n) {
+        size_t j = i + 1;
+        while (j < n && xs[j].p[cp] == xs[i].p[cp])
+            j++;
+        if (depth < GB_MAX_DEPTH / 4) {
+            alts[na++] = choice_trie(b, xs + i, j - i, cp, depth + 1);
+        } else { /* too deep a trie: the rest as plain literals */
+            kvf_text_gx **lits = malloc((j - i) * sizeof *lits);
+            if (!lits) {
+                free(alts);
+                gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+                return NULL;
+            }
+            for (size_t k = i; k < j; k++)
+                lits[k - i] = kvf_text_gx_lit(b, xs[k].p + cp, xs[k].len - cp);
+            alts[na++] = kvf_text_gx_alt(b, lits, j - i);
+            free(lits);
+        }
+        i = j;
+    }
+    kvf_text_gx *parts[2] = {pre, kvf_text_gx_alt(b, alts, na)};
+    free(alts);
+    return kvf_text_gx_seq(b, parts, 2);
+}
+
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n)
+{
+    if (b->fail != KVF_OK)
+        return NULL;
+    if (n == 0)
+        return kvf_text_gx_alt(b, NULL, 0);
+    choice_str *xs = malloc(n * sizeof *xs);
+    if (!xs) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        xs[i].p = (const uint8_t *)strs[i];
+        xs[i].len = lens ? lens[i] : strlen(strs[i]);
+    }
+    qsort(xs, n, sizeof *xs, cmp_choice);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!m || cmp_choice(&xs[m - 1], &xs[i]) != 0)
+            xs[m++] = xs[i];
+    kvf_text_gx *x = choice_trie(b, xs, m, 0, 0);
+    free(xs);
+    return x;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* compiled grammar                                                                            */
 
@@ -1635,15 +1727,7 @@ kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *len
     kvf_status st = kvf_text_gb_create(&b, err);
     if (st != KVF_OK)
         return st;
-    kvf_text_gx **xs = malloc(n * sizeof *xs);
-    if (!xs) {
-        kvf_text_gb_destroy(b);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "guided_choice: out of memory");
-    }
-    for (size_t i = 0; i < n; i++)
-        xs[i] = kvf_text_gx_lit(b, choices[i], lens ? lens[i] : strlen(choices[i]));
-    kvf_text_gx *root = kvf_text_gx_alt(b, xs, n);
-    free(xs);
+    kvf_text_gx *root = kvf_text_gx_choice(b, choices, lens, n);
     st = kvf_text_gb_finish(b, root, out, err);
     kvf_text_gb_destroy(b);
     if (st != KVF_OK)

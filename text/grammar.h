@@ -62,6 +62,12 @@ kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n); 
 /* x repeated min..max times; max -1: unbounded. */
 kvf_text_gx *kvf_text_gx_rep(kvf_text_gb *b, kvf_text_gx *x, int32_t min, int32_t max);
 kvf_text_gx *kvf_text_gx_ref(kvf_text_gb *b, int32_t rule);
+/* One of n byte strings (lens[i] bytes each; lens NULL: NUL-terminated), with shared prefixes
+ * merged so that a state stays a few stacks however many strings there are (a plain
+ * kvf_text_gx_alt of n literals keeps one stack per literal alive and passes
+ * KVF_TEXT_GRAMMAR_MAX_STACKS past about a thousand of them). For enums and choices. */
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n);
 
 /* The grammar whose language is root's. Every rule referred to must be defined. b may be
  * destroyed afterwards (or used for nothing else). */
