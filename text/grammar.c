@@ -518,6 +518,98 @@ kvf_text_gx *kvf_text_gx_chars(kvf_text_gb *b, const uint32_t (*ranges)[2], size
     return x;
 }
 
+typedef struct choice_str {
+    const uint8_t *p;
+    size_t len;
+} choice_str;
+
+static int cmp_choice(const void *a, const void *b)
+{
+    const choice_str *x = a, *y = b;
+    size_t n = x->len < y->len ? x->len : y->len;
+    int c = memcmp(x->p, y->p, n);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* The strings xs[0..n) (sorted, distinct), all sharing their first `at` bytes, as a trie of
+ * expressions from byte `at` on: the common prefix as a literal, then a choice among what
+ * follows (the empty string among it when one string ends there). depth counts the branching
+ * levels, bounded so that the expression's nesting stays within the builder's. */
+static kvf_text_gx *choice_trie(kvf_text_gb *b, const choice_str *xs, size_t n, size_t at, int depth)
+{
+    /* common prefix beyond `at` */
+    size_t cp = xs[0].len;
+    for (size_t i = 1; i < n && cp > at; i++) {
+        size_t k = at;
+        while (k < cp && k < xs[i].len && xs[i].p[k] == xs[0].p[k])
+            k++;
+        cp = k;
+    }
+    kvf_text_gx *pre = kvf_text_gx_lit(b, xs[0].p + at, cp - at);
+    if (n == 1 || !pre)
+        return pre;
+    /* groups by the byte after the prefix; the string that ends at cp (sorted first) alone */
+    kvf_text_gx **alts = malloc((n < 257 ? n : 257) * sizeof *alts);
+    if (!alts) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    size_t na = 0, i = 0;
+    if (xs[0].len == cp) {
+        alts[na++] = kvf_text_gx_lit(b, "", 0);
+        i = 1;
+    }
+    while (i < n) {
+        size_t j = i + 1;
+        while (j < n && xs[j].p[cp] == xs[i].p[cp])
+            j++;
+        if (depth < GB_MAX_DEPTH / 4) {
+            alts[na++] = choice_trie(b, xs + i, j - i, cp, depth + 1);
+        } else { /* too deep a trie: the rest as plain literals */
+            kvf_text_gx **lits = malloc((j - i) * sizeof *lits);
+            if (!lits) {
+                free(alts);
+                gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+                return NULL;
+            }
+            for (size_t k = i; k < j; k++)
+                lits[k - i] = kvf_text_gx_lit(b, xs[k].p + cp, xs[k].len - cp);
+            alts[na++] = kvf_text_gx_alt(b, lits, j - i);
+            free(lits);
+        }
+        i = j;
+    }
+    kvf_text_gx *parts[2] = {pre, kvf_text_gx_alt(b, alts, na)};
+    free(alts);
+    return kvf_text_gx_seq(b, parts, 2);
+}
+
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n)
+{
+    if (b->fail != KVF_OK)
+        return NULL;
+    if (n == 0)
+        return kvf_text_gx_alt(b, NULL, 0);
+    choice_str *xs = malloc(n * sizeof *xs);
+    if (!xs) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        xs[i].p = (const uint8_t *)strs[i];
+        xs[i].len = lens ? lens[i] : strlen(strs[i]);
+    }
+    qsort(xs, n, sizeof *xs, cmp_choice);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!m || cmp_choice(&xs[m - 1], &xs[i]) != 0)
+            xs[m++] = xs[i];
+    kvf_text_gx *x = choice_trie(b, xs, m, 0, 0);
+    free(xs);
+    return x;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* compiled grammar                                                                            */
 
@@ -531,6 +623,7 @@ typedef struct gstate {
 
 typedef struct cache_ent {
     uint64_t hash;
+    uint64_t vocab; /* the serial of the vocabulary the mask is over */
     int32_t *key; /* canonical state */
     size_t key_n;
     uint32_t *mask;
@@ -546,8 +639,7 @@ struct kvf_text_grammar {
     int32_t *clo;        /* the closures: BYTE, REF and FINAL states */
     int32_t *init;       /* canonical initial state */
     size_t init_n;
-    /* mask cache: open addressing over ents, keyed by canonical state; one vocabulary at a time */
-    uint64_t cache_vocab;
+    /* mask cache: open addressing over ents, keyed by (vocabulary, canonical state) */
     cache_ent *ents;
     size_t ents_cap, ents_n, cache_bytes;
     uint64_t cache_hits, cache_misses;
@@ -1617,6 +1709,15 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g)
     free(g);
 }
 
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out)
+{
+    out->n_states = g->n_st;
+    out->cache_entries = g->ents_n;
+    out->cache_bytes = g->cache_bytes;
+    out->cache_hits = g->cache_hits;
+    out->cache_misses = g->cache_misses;
+}
+
 kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *lens, size_t n,
                                    kvf_text_grammar **out, kvf_err *err)
 {
@@ -1626,15 +1727,7 @@ kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *len
     kvf_status st = kvf_text_gb_create(&b, err);
     if (st != KVF_OK)
         return st;
-    kvf_text_gx **xs = malloc(n * sizeof *xs);
-    if (!xs) {
-        kvf_text_gb_destroy(b);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "guided_choice: out of memory");
-    }
-    for (size_t i = 0; i < n; i++)
-        xs[i] = kvf_text_gx_lit(b, choices[i], lens ? lens[i] : strlen(choices[i]));
-    kvf_text_gx *root = kvf_text_gx_alt(b, xs, n);
-    free(xs);
+    kvf_text_gx *root = kvf_text_gx_choice(b, choices, lens, n);
     st = kvf_text_gb_finish(b, root, out, err);
     kvf_text_gb_destroy(b);
     if (st != KVF_OK)
@@ -1775,6 +1868,16 @@ kvf_status kvf_text_vocab_create(const kvf_text_tokenizer *tok, int32_t n_ids,
      * at the node created last (or, for equal strings, at the same one), so ids are appended in
      * node order */
     v->n_nodes = nn;
+    /* shared prefixes leave the arrays, sized for one node per byte, partly unused */
+    uint8_t *byte = realloc(v->byte, (size_t)nn);
+    int32_t *end = realloc(v->end, (size_t)nn * sizeof *end);
+    int32_t *ids_off = realloc(v->ids_off, ((size_t)nn + 1) * sizeof *ids_off);
+    if (byte)
+        v->byte = byte;
+    if (end)
+        v->end = end;
+    if (ids_off)
+        v->ids_off = ids_off;
     free(path);
     free(ents);
     *out = v;
@@ -2282,7 +2385,8 @@ static uint64_t hash_state(const int32_t *s, size_t n, uint64_t seed)
     return h | 1; /* 0 marks an empty slot */
 }
 
-static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n)
+static cache_ent *cache_find(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                             size_t n)
 {
     if (!g->ents_cap)
         return NULL;
@@ -2291,14 +2395,15 @@ static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key
         cache_ent *e = &g->ents[i];
         if (!e->hash)
             return NULL;
-        if (e->hash == h && e->key_n == n && !memcmp(e->key, key, n * sizeof *key))
+        if (e->hash == h && e->vocab == vocab && e->key_n == n &&
+            !memcmp(e->key, key, n * sizeof *key))
             return e;
     }
 }
 
 /* Adds a copy of (key, mask) to the cache; a failure only means it is not cached. */
-static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n,
-                      const uint32_t *mask, size_t words)
+static void cache_put(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                      size_t n, const uint32_t *mask, size_t words)
 {
     size_t bytes = n * sizeof *key + words * sizeof *mask + sizeof(cache_ent) * 2;
     if (g->cache_bytes + bytes > G_CACHE_MAX_BYTES)
@@ -2336,6 +2441,7 @@ static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_
     while (g->ents[j].hash)
         j = (j + 1) & (g->ents_cap - 1);
     g->ents[j].hash = h;
+    g->ents[j].vocab = vocab;
     g->ents[j].key = k;
     g->ents[j].key_n = n;
     g->ents[j].mask = mk;
@@ -2354,12 +2460,8 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         return KVF_OK;
     }
     kvf_text_grammar *g = m->g;
-    if (g->cache_vocab != v->serial) { /* masks of another vocabulary are of no use */
-        cache_clear(g);
-        g->cache_vocab = v->serial;
-    }
     uint64_t h = hash_state(m->state, m->state_n, v->serial);
-    cache_ent *e = cache_find(g, h, m->state, m->state_n);
+    cache_ent *e = cache_find(g, v->serial, h, m->state, m->state_n);
     if (e) {
         g->cache_hits++;
         memcpy(mask, e->mask, words * sizeof *mask);
@@ -2368,7 +2470,7 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         kvf_status st = mask_walk(m, mask, err);
         if (st != KVF_OK)
             return st;
-        cache_put(g, h, m->state, m->state_n, mask, words);
+        cache_put(g, v->serial, h, m->state, m->state_n, mask, words);
     }
     /* end ids: exactly where the output is complete */
     for (size_t i = 0; i < m->n_end; i++) {

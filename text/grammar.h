@@ -62,6 +62,12 @@ kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n); 
 /* x repeated min..max times; max -1: unbounded. */
 kvf_text_gx *kvf_text_gx_rep(kvf_text_gb *b, kvf_text_gx *x, int32_t min, int32_t max);
 kvf_text_gx *kvf_text_gx_ref(kvf_text_gb *b, int32_t rule);
+/* One of n byte strings (lens[i] bytes each; lens NULL: NUL-terminated), with shared prefixes
+ * merged so that a state stays a few stacks however many strings there are (a plain
+ * kvf_text_gx_alt of n literals keeps one stack per literal alive and passes
+ * KVF_TEXT_GRAMMAR_MAX_STACKS past about a thousand of them). For enums and choices. */
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n);
 
 /* The grammar whose language is root's. Every rule referred to must be defined. b may be
  * destroyed afterwards (or used for nothing else). */
@@ -69,6 +75,15 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
                               kvf_err *err);
 
 void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
+
+/* For benchmarks and metrics: the automaton's states, and its mask cache (entries, bytes held,
+ * lookups that hit and that missed). */
+typedef struct kvf_text_grammar_stats {
+    int32_t n_states;
+    size_t cache_entries, cache_bytes;
+    uint64_t cache_hits, cache_misses;
+} kvf_text_grammar_stats;
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out);
 
 /* ---- compilers ----
  * Errors name what was wrong in err->msg, in words a client can act on (the keyword, the
@@ -79,10 +94,12 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
  * ECMAScript: literals; escapes \\ \. \n \t \r \f \v \0 \xHH \uHHHH \u{H...} and escaped
  * punctuation; \d \D \w \W \s \S (ASCII classes); "." (any character but \n); classes [...]
  * with ranges, negation and the escapes above; groups ( ), (?: ) and named (?P<n> ) / (?<n> );
- * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy or possessive suffix is accepted:
- * the language is the same); ^ at the very start and $ at the very end. Anything else
- * (backreferences, lookaround, \b, inline flags, ^ or $ elsewhere) is refused by name with its
- * offset. Characters are code points, encoded as UTF-8. */
+ * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy suffix ? is accepted: the language
+ * is the same); ^ at the very start and $ at the very end. Anything else (backreferences,
+ * lookaround, \b, inline flags, possessive quantifiers, which change the language, {,n}, which
+ * Python and ECMAScript read differently, ^ or $ elsewhere) is refused by name with its
+ * offset. Characters are code points, encoded as UTF-8; \v is U+000B (as in Python and
+ * ECMAScript, not PCRE's vertical-space class). */
 kvf_status kvf_text_regex_compile(kvf_text_gb *b, const char *re, size_t len,
                                   kvf_text_gx **out, kvf_err *err);
 kvf_status kvf_text_grammar_regex(const char *re, size_t len, kvf_text_grammar **out,
@@ -125,7 +142,8 @@ size_t kvf_text_vocab_mask_words(const kvf_text_vocab *v);
 
 /* One sequence's position in a grammar. end_ids (EOS and stop ids, copied) are allowed exactly
  * where the output so far is a complete match; accepting one ends the match (done). g and v must
- * outlive the matcher. */
+ * outlive the matcher. v may be NULL for a matcher that only follows bytes (no masks, no
+ * accept by id). */
 typedef struct kvf_text_matcher kvf_text_matcher;
 kvf_status kvf_text_matcher_create(kvf_text_grammar *g, const kvf_text_vocab *v,
                                    const int32_t *end_ids, size_t n_end,

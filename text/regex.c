@@ -591,9 +591,15 @@ static kvf_text_gx *parse_seq(re_parser *p)
                     re_fail(p, KVF_ERR_PARSE, "a bad quantifier at offset %zu", qat);
                 break;
             }
-            /* lazy or possessive: the same language */
-            if (p->pos < p->len && (p->s[p->pos] == '?' || p->s[p->pos] == '+'))
+            /* lazy: the same language. Possessive is not (a*+a matches nothing) and is not
+             * ECMAScript: refused. */
+            if (p->pos < p->len && p->s[p->pos] == '?') {
                 p->pos++;
+            } else if (p->pos < p->len && p->s[p->pos] == '+') {
+                re_fail(p, KVF_ERR_UNSUPPORTED,
+                        "the possessive quantifier at offset %zu is not supported", qat);
+                break;
+            }
             if (is_quant_at(p)) {
                 re_fail(p, KVF_ERR_PARSE, "multiple repeat at offset %zu (group it: (...){m})",
                         p->pos);

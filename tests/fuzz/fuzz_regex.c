@@ -2,8 +2,12 @@
  * first NUL byte, if any) bytes to run through a matcher. Any regex either compiles or is refused
  * with a message; when it compiles, checks: accept_bytes takes a byte exactly when next_bytes
  * lists it, a refused byte changes nothing, clone and reset agree with the original, and at the
- * start and the end the mask over a small vocabulary (the default tokenizer) equals brute force.
+ * start and the end the mask over a small vocabulary (the default tokenizer) equals brute force;
+ * when PCRE2 compiles the regex too (anchored at both ends, UTF), both agree on whether the bytes
+ * are one whole match (PCRE2 reads \v as a class, so regexes with it are not compared).
  * Running bounds (stack depth, live stacks) may stop a matcher; that is an answer, not a crash. */
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,6 +68,33 @@ static void check_mask(kvf_text_matcher *m, const int32_t *ends, size_t n_end)
     free(mask);
 }
 
+/* Whole-match agreement with PCRE2 on the input bytes, when PCRE2 takes the regex too (ours is
+ * a match when every byte was taken and the end is accepting). */
+static void compare_pcre2(const uint8_t *re, size_t re_len, const uint8_t *in, size_t in_len,
+                          bool ours)
+{
+    int ec;
+    PCRE2_SIZE eo;
+    pcre2_compile_context *cc = pcre2_compile_context_create(NULL);
+    pcre2_set_newline(cc, PCRE2_NEWLINE_LF);
+    pcre2_set_compile_extra_options(cc, PCRE2_EXTRA_ALT_BSUX);
+    pcre2_code *c = pcre2_compile(re, re_len, PCRE2_UTF | PCRE2_ALT_BSUX | PCRE2_DOLLAR_ENDONLY,
+                                  &ec, &eo, cc);
+    pcre2_compile_context_free(cc);
+    if (!c)
+        return;
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(c, NULL);
+    int rc = pcre2_match(c, in, in_len, 0, PCRE2_ANCHORED | PCRE2_ENDANCHORED, md, NULL);
+    pcre2_match_data_free(md);
+    pcre2_code_free(c);
+    if (rc < PCRE2_ERROR_NOMATCH)
+        return; /* invalid UTF-8 in the subject, or a match limit */
+    if ((rc >= 0) != ours) {
+        fprintf(stderr, "fuzz_regex: PCRE2 says %d, the matcher %d\n", rc >= 0, ours);
+        abort();
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (!vocab)
@@ -90,15 +121,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvf_text_matcher *twin = NULL;
     if (kvf_text_matcher_clone(m, &twin, &err) != KVF_OK)
         abort();
+    bool i_all = true, bounded = false; /* every input byte was taken; a running bound hit */
     for (size_t i = 0; i < in_len; i++) {
         uint32_t set[8];
-        if (kvf_text_matcher_next_bytes(m, set, &err) != KVF_OK)
+        if (kvf_text_matcher_next_bytes(m, set, &err) != KVF_OK) {
+            bounded = true;
             break;
+        }
         bool listed = (set[in[i] >> 5] >> (in[i] & 31)) & 1;
         bool acc_before = kvf_text_matcher_accepting(m);
         st = kvf_text_matcher_accept_bytes(m, &in[i], 1, &err);
-        if (st != KVF_OK && st != KVF_ERR_INVALID)
+        if (st != KVF_OK && st != KVF_ERR_INVALID) {
+            bounded = true;
             break;
+        }
+        if (st != KVF_OK)
+            i_all = false;
         if ((st == KVF_OK) != listed)
             abort();
         if (st != KVF_OK && kvf_text_matcher_accepting(m) != acc_before)
@@ -108,6 +146,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     if (kvf_text_matcher_accepting(m) != kvf_text_matcher_accepting(twin))
         abort();
+    if (!bounded && !memmem(data, re_len, "\\v", 2))
+        compare_pcre2(data, re_len, in, in_len, i_all && kvf_text_matcher_accepting(m));
     check_mask(m, ends, 1);
     kvf_text_matcher_reset(twin);
     kvf_text_matcher_destroy(twin);

@@ -105,6 +105,49 @@ static void test_done_and_choice(void **state)
     assert_int_equal(kvf_text_grammar_choice(ch, NULL, 0, &g, &err), KVF_ERR_INVALID);
 }
 
+/* Many strings: merged prefixes keep a state small; a plain alternation of as many literals
+ * passes the live-stack bound and is refused, not run without bound. */
+static void test_many_choices(void **state)
+{
+    (void)state;
+    enum { N = 6000 };
+    char **strs = malloc(N * sizeof *strs);
+    for (int i = 0; i < N; i++) {
+        strs[i] = malloc(32);
+        /* prefixes of each other too: "k1", "k10", "k100" */
+        snprintf(strs[i], 32, "k%d", i);
+    }
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    assert_int_equal(kvf_text_grammar_choice((const char *const *)strs, NULL, N, &g, &err), KVF_OK);
+    for (int i = 0; i < N; i += 7)
+        assert_int_equal(matches(g, strs[i], strlen(strs[i])), 1);
+    assert_int_equal(MATCHES(g, "k"), 0);
+    assert_int_equal(MATCHES(g, "k6000"), 0);
+    assert_int_equal(MATCHES(g, "k01"), 0);
+    kvf_text_matcher *m = matcher(g);
+    assert_int_equal(kvf_text_matcher_accept_bytes(m, "k59", 3, &err), KVF_OK);
+    assert_true(kvf_text_matcher_accepting(m));
+    assert_false(kvf_text_matcher_done(m)); /* k590..k599, k5900.. */
+    assert_int_equal(kvf_text_matcher_accept_bytes(m, "99", 2, &err), KVF_OK);
+    assert_true(kvf_text_matcher_done(m));
+    kvf_text_matcher_destroy(m);
+    kvf_text_grammar_destroy(g);
+
+    kvf_text_gb *b;
+    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
+    kvf_text_gx **xs = malloc(N * sizeof *xs);
+    for (int i = 0; i < N; i++)
+        xs[i] = kvf_text_gx_lit(b, strs[i], strlen(strs[i]));
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_alt(b, xs, N), &g, &err), KVF_ERR_LIMIT);
+    assert_non_null(strstr(err.msg, "live automaton stacks"));
+    kvf_text_gb_destroy(b);
+    free(xs);
+    for (int i = 0; i < N; i++)
+        free(strs[i]);
+    free(strs);
+}
+
 static void test_chars_utf8(void **state)
 {
     (void)state;
@@ -398,6 +441,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_literal_alt_rep),
         cmocka_unit_test(test_done_and_choice),
+        cmocka_unit_test(test_many_choices),
         cmocka_unit_test(test_chars_utf8),
         cmocka_unit_test(test_recursion_parens),
         cmocka_unit_test(test_left_recursion_refused),

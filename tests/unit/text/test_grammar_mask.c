@@ -220,7 +220,7 @@ static void test_regex_masks(void **state)
 }
 
 /* A state reached again by another path hits the cache (same canonical state); a grammar used
- * with a second vocabulary does not mix the two. */
+ * with two vocabularies keeps their masks apart. */
 static void test_cache_and_two_vocabs(void **state)
 {
     (void)state;
@@ -246,8 +246,24 @@ static void test_cache_and_two_vocabs(void **state)
         assert_int_equal(kvf_text_matcher_mask(b, m1, &err), KVF_OK);
         check_mask(toks[1], v1, b, NULL, 0, "mistral after qwen3", false);
     }
-    /* inside the same string at the same depth: the same state, the same mask */
+    /* a string in the first member and in a later one: different positions, the same mask */
     assert_memory_equal(m0, m0b, w0 * 4);
+    /* more of the same string: the same canonical state, so a cache hit and no new walk */
+    kvf_text_grammar_stats gs, gs2;
+    kvf_text_grammar_stats_get(g, &gs);
+    kvf_text_matcher_reset(a);
+    const char *more = "{\"z\": \"abc de";
+    assert_int_equal(kvf_text_matcher_accept_bytes(a, more, strlen(more), &err), KVF_OK);
+    assert_int_equal(kvf_text_matcher_mask(a, m0b, &err), KVF_OK);
+    assert_memory_equal(m0, m0b, w0 * 4);
+    kvf_text_grammar_stats_get(g, &gs2);
+    assert_int_equal(gs2.cache_misses, gs.cache_misses);
+    assert_int_equal(gs2.cache_hits, gs.cache_hits + 1);
+    gs = gs2;
+    fprintf(stderr, "json grammar: %d states; cache %zu entries, %zu bytes, %llu hits, %llu misses\n",
+            (int)gs.n_states, gs.cache_entries, gs.cache_bytes, (unsigned long long)gs.cache_hits,
+            (unsigned long long)gs.cache_misses);
+    assert_true(gs.cache_entries >= 1 && gs.cache_hits >= 1);
     free(m0);
     free(m1);
     free(m0b);

@@ -55,7 +55,7 @@ static const char *const corpus[] = {
     "(true|false|null)",
     "[A-Za-z_][A-Za-z0-9_]*",
     "((a|b)(c|d))+?",
-    "a{2,3}?b*+",
+    "a{2,3}?b*?",
     "\\t\\n\\r\\f\\0",
     "(a*)*b",
     "(|a)+",
@@ -322,6 +322,7 @@ static void test_refusals(void **state)
         {"a{100001}", "counts past"},
         {"ab\xff", "invalid UTF-8 at offset 2"},
         {"(?#comment)", "group (?#"},
+        {"a*+a", "possessive quantifier at offset 1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         kvf_text_grammar *g = NULL;
