@@ -1121,19 +1121,27 @@ static kvf_text_gx *sc_dollar_ref(sc *c, const json_t *s, int depth)
     return kvf_text_gx_ref(c->b, rule);
 }
 
+/* enum / const: the values that fit "type", serialized compactly, as one choice (shared
+ * prefixes merged, so a large enum stays a few automaton stacks). */
 static kvf_text_gx *sc_enum(sc *c, const json_t *s, unsigned types)
 {
     const json_t *en = json_object_get(s, "enum"), *cn = json_object_get(s, "const");
     if (en && !json_is_array(en))
         return sc_fail(c, "\"enum\" must be an array");
-    sc_alts a = {0};
-    size_t n = cn ? 1 : json_array_size(en);
+    size_t n = cn ? 1 : json_array_size(en), k = 0;
+    char **txts = calloc(n ? n : 1, sizeof *txts);
+    size_t *lens = calloc(n ? n : 1, sizeof *lens);
+    kvf_text_gx *x = NULL;
+    if (!txts || !lens) {
+        c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
+        goto out;
+    }
     for (size_t i = 0; i < n && c->st == KVF_OK; i++) {
         const json_t *v = cn ? cn : json_array_get(en, i);
         if (cn && en) { /* const wins; enum must hold it */
             bool found = false;
-            for (size_t k = 0; k < json_array_size(en); k++)
-                found |= json_equal((json_t *)v, json_array_get(en, k));
+            for (size_t j = 0; j < json_array_size(en); j++)
+                found |= json_equal((json_t *)v, json_array_get(en, j));
             if (!found)
                 continue;
         }
@@ -1152,23 +1160,27 @@ static kvf_text_gx *sc_enum(sc *c, const json_t *s, unsigned types)
             c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
             break;
         }
-        size_t len = strlen(txt);
-        c->lit_bytes += len;
+        txts[k] = txt;
+        lens[k] = strlen(txt);
+        c->lit_bytes += lens[k++];
         if (c->lit_bytes > SC_LIT_BUDGET) {
-            free(txt);
-            free(a.xs);
-            return sc_fail(c, "enum/const values exceed %u bytes in all", SC_LIT_BUDGET);
+            sc_fail(c, "enum/const values exceed %u bytes in all", SC_LIT_BUDGET);
+            break;
         }
-        alts_add(c, &a, kvf_text_gx_lit(c->b, txt, len));
-        free(txt);
     }
-    if (c->st != KVF_OK) {
-        free(a.xs);
-        return NULL;
+    if (c->st != KVF_OK)
+        goto out;
+    if (!k) {
+        sc_fail(c, "\"%s\" admits no value of the schema's type", cn ? "const" : "enum");
+        goto out;
     }
-    if (!a.n)
-        return sc_fail(c, "\"%s\" admits no value of the schema's type", cn ? "const" : "enum");
-    return alts_done(c, &a);
+    x = kvf_text_gx_choice(c->b, (const char *const *)txts, lens, k);
+out:
+    for (size_t i = 0; i < k; i++)
+        free(txts[i]);
+    free(txts);
+    free(lens);
+    return x;
 }
 
 /* A JSON string literal of key (escaped by jansson). */

@@ -266,6 +266,30 @@ static void test_unsupported_keywords(void **state)
     expect_error("{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "together");
 }
 
+/* An enum of 5000 strings: one choice, so masks stay within the automaton's stack bound. */
+static void test_large_enum(void **state)
+{
+    (void)state;
+    size_t n_vals = 5000;
+    char *s = malloc(n_vals * 16 + 32);
+    assert_non_null(s);
+    size_t n = (size_t)sprintf(s, "{\"enum\":[");
+    for (size_t i = 0; i < n_vals; i++)
+        n += (size_t)sprintf(s + n, "%s\"item-%zu\"", i ? "," : "", i);
+    n += (size_t)sprintf(s + n, "]}");
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    if (kvf_text_grammar_schema(s, n, &g, &err) != KVF_OK)
+        fail_msg("enum of %zu: %s", n_vals, err.msg);
+    assert_true(admits(g, "\"item-4999\""));
+    assert_true(admits(g, "\"item-0\""));
+    assert_false(admits(g, "\"item-5000\""));
+    assert_false(admits(g, "\"item-\""));
+    admits_by_tokens(g, "\"item-1234\"");
+    kvf_text_grammar_destroy(g);
+    free(s);
+}
+
 static void test_hostile(void **state)
 {
     (void)state;
@@ -360,6 +384,7 @@ int main(void)
         cmocka_unit_test(test_cases),
         cmocka_unit_test(test_json_object),
         cmocka_unit_test(test_unsupported_keywords),
+        cmocka_unit_test(test_large_enum),
         cmocka_unit_test(test_hostile),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
