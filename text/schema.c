@@ -13,7 +13,8 @@
  *   bare {"type": "object"} is a free-form object). Extra properties (true or a schema) come
  *   after the listed ones, any number of them, with keys of 1 to 64 unescaped characters that
  *   are none of the listed or required names (so a key never repeats, and a model cannot spend
- *   its budget on one key).
+ *   its budget on one key). At most 256 optional properties in a row (each that may come next
+ *   is a live automaton stack); longer runs are refused by name at compile time.
  * - arrays: "items" absent means any values when there is no "prefixItems", and no items past
  *   them when there is (strict mode again). "items" given as an array is "prefixItems".
  * - integers: minimum / maximum / exclusive* are exact (decimal range grammars); bounds beyond
@@ -41,6 +42,8 @@
 
 #define SC_PATH_MAX 512            /* JSON pointer shown in errors; longer ones are cut */
 #define SC_LIT_BUDGET (1u << 20)   /* bytes of enum/const/key literals in one schema */
+#define SC_OBJ_MAX_OPTIONAL_RUN 256 /* optional properties in a row (see sc_object) */
+#define SC_OBJ_BLOCK 16            /* members per shared block of an object's rest */
 #define SC_KEY_MAX 64              /* characters of an extra property's key */
 #define SC_INT_CAP 100000000000000000LL /* 10^17: integer bounds pulled in to +-this */
 
@@ -1376,37 +1379,95 @@ static kvf_text_gx *sc_object(sc *c, const json_t *s, int depth)
         free(ms);
         return NULL;
     }
-    /* Right to left: after[i] is the rest from member i once something was written (each
-     * member preceded by ","), first[i] the rest when nothing was yet. Each is a rule when it
-     * is referred to twice, so optional members cost linear size. */
-    kvf_text_gx *sep = seq3(c, ws(c), lit(c, ","), ws(c));
-    kvf_text_gx *after, *first;
+    /* Once something was written, the rest is flat: item i is "," and member i, optional
+     * unless required, then the extra properties' tail. What is written first has no comma: it
+     * is member j for some j up to the first required one (or an extra, or nothing when none is
+     * required), followed by the items after j. Those suffixes share blocks of SC_OBJ_BLOCK
+     * items as rules, so the size stays linear (SC_OBJ_BLOCK items per suffix) and the
+     * automaton's stack grows by one per block passed, not per optional property. */
+    /* Each member carries the ws after it, so an item starts with the "," byte itself: one
+     * automaton stack per item that may come next, where a leading ws would make three. */
+    kvf_text_gx *sep = seq2(c, lit(c, ","), ws(c));
+    kvf_text_gx *tail = lit(c, ""), *extra_first = NULL;
     if (extra_value) {
-        kvf_text_gx *em = extra_member(c, props, req, extra_value);
-        kvf_text_gx *more = kvf_text_gx_rep(c->b, seq2(c, sep, em), 0, -1);
-        after = sc_ref_rule(c, sc_rule_of(c, more));
-        first = opt(c, seq3(c, ws(c), em, after));
-    } else {
-        after = lit(c, "");
-        first = lit(c, "");
+        kvf_text_gx *em = sc_ref_rule(
+            c, sc_rule_of(c, seq2(c, extra_member(c, props, req, extra_value), ws(c))));
+        tail = sc_ref_rule(c, sc_rule_of(c, kvf_text_gx_rep(c->b, seq2(c, sep, em), 0, -1)));
+        extra_first = seq2(c, em, tail);
     }
-    for (size_t i = n; i-- > 0 && c->st == KVF_OK;) {
-        kvf_text_gx *m = ms[i].x;
-        if (ms[i].required) {
-            first = seq3(c, ws(c), m, after);
-            after = seq3(c, sep, m, after);
-        } else {
-            /* each is referred to twice below: rules */
-            kvf_text_gx *after_ref = sc_ref_rule(c, sc_rule_of(c, after));
-            kvf_text_gx *first_ref = sc_ref_rule(c, sc_rule_of(c, first));
-            kvf_text_gx *m_ref = sc_ref_rule(c, sc_rule_of(c, m));
-            after = alt2(c, seq3(c, sep, m_ref, after_ref), after_ref);
-            first = alt2(c, seq3(c, ws(c), m_ref, after_ref), first_ref);
+    /* Every optional member that may come next is a live automaton stack (three while the ws
+     * after its comma is open), and the matcher allows KVF_TEXT_GRAMMAR_MAX_STACKS: a long run
+     * of optional members is refused here, by name, rather than failing mid-generation. */
+    size_t run = 0, longest = 0;
+    for (size_t i = 0; i < n; i++) {
+        run = ms[i].required ? 0 : run + 1;
+        longest = run > longest ? run : longest;
+    }
+    if (longest > SC_OBJ_MAX_OPTIONAL_RUN) {
+        free(ms);
+        return sc_fail(c, "%zu optional properties in a row (at most %d: mark some required, or "
+                          "split the object)", longest, SC_OBJ_MAX_OPTIONAL_RUN);
+    }
+    size_t r0 = 0; /* the first required member, n when none is */
+    while (r0 < n && !ms[r0].required)
+        r0++;
+    int32_t *mrule = calloc(n + 1, sizeof *mrule);
+    size_t n_blocks = (n + SC_OBJ_BLOCK - 1) / SC_OBJ_BLOCK;
+    int32_t *blk = calloc(n_blocks + 1, sizeof *blk);
+    if (!mrule || !blk) {
+        free(mrule);
+        free(blk);
+        free(ms);
+        c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++)
+        mrule[i] = sc_rule_of(c, seq2(c, ms[i].x, ws(c)));
+    /* blk[b]: items of blocks b.. and the tail; defined last to first */
+    for (size_t b = n_blocks + 1; b-- > 0 && c->st == KVF_OK;) {
+        if (b == n_blocks) {
+            blk[b] = sc_rule_of(c, tail);
+            continue;
         }
+        sc_alts a = {0};
+        for (size_t i = b * SC_OBJ_BLOCK; i < n && i < (b + 1) * SC_OBJ_BLOCK; i++) {
+            kvf_text_gx *item = seq2(c, sep, sc_ref_rule(c, mrule[i]));
+            alts_add(c, &a, ms[i].required ? item : opt(c, item));
+        }
+        alts_add(c, &a, sc_ref_rule(c, blk[b + 1]));
+        blk[b] = sc_rule_of(c, kvf_text_gx_seq(c->b, a.xs, a.n));
+        free(a.xs);
     }
+    sc_alts firsts = {0};
+    for (size_t j = 0; j <= r0 && j < n && c->st == KVF_OK; j++) {
+        /* member j first, then the items after it: the rest of its block, then the blocks */
+        sc_alts a = {0};
+        alts_add(c, &a, sc_ref_rule(c, mrule[j]));
+        size_t b = (j + 1) / SC_OBJ_BLOCK;
+        for (size_t i = j + 1; i < n && i < (b + 1) * SC_OBJ_BLOCK; i++) {
+            kvf_text_gx *item = seq2(c, sep, sc_ref_rule(c, mrule[i]));
+            alts_add(c, &a, ms[i].required ? item : opt(c, item));
+        }
+        alts_add(c, &a, sc_ref_rule(c, blk[b < n_blocks ? b + 1 : n_blocks]));
+        alts_add(c, &firsts, kvf_text_gx_seq(c->b, a.xs, a.n));
+        free(a.xs);
+    }
+    if (r0 == n && extra_first) /* nothing required: an extra may come first */
+        alts_add(c, &firsts, extra_first);
+    /* one ws after "{" (not one per alternative: fewer live stacks); the last member's ws
+     * is the one before "}" */
+    kvf_text_gx *first = NULL;
+    if (c->st == KVF_OK && firsts.n)
+        first = alts_done(c, &firsts);
+    if (c->st == KVF_OK && r0 == n) /* nothing required: the object may stay empty */
+        first = first ? opt(c, first) : lit(c, "");
+    first = seq2(c, ws(c), first);
+    free(firsts.xs);
+    free(mrule);
+    free(blk);
     free(ms);
-    /* "{" first ws "}": when nothing is written, first is empty and this is "{" ws "}" */
-    return seq3(c, lit(c, "{"), first, seq2(c, ws(c), lit(c, "}")));
+    /* "{" ws [member ws ("," ws member ws)*] "}" */
+    return seq3(c, lit(c, "{"), first, lit(c, "}"));
 }
 
 static kvf_text_gx *sc_array(sc *c, const json_t *s, int depth)

@@ -370,6 +370,30 @@ static void test_hostile(void **state)
             fail_msg("shared definitions: %s", err.msg);
         kvf_text_grammar_destroy(g);
     }
+    /* optional properties: 250 in a row run through the masks; 300 are refused by name */
+    {
+        static char s[32768];
+        for (int k = 0; k < 2; k++) {
+            int n_props = k ? 300 : 250;
+            n = (size_t)sprintf(s, "{\"type\":\"object\",\"properties\":{");
+            for (int i = 0; i < n_props; i++)
+                n += (size_t)sprintf(s + n, "%s\"p%d\":{\"type\":\"integer\"}", i ? "," : "", i);
+            n += (size_t)sprintf(s + n, "}}");
+            kvf_text_grammar *g = NULL;
+            kvf_err err = {0};
+            kvf_status st = kvf_text_grammar_schema(s, n, &g, &err);
+            if (k) {
+                assert_int_not_equal(st, KVF_OK);
+                assert_non_null(strstr(err.msg, "300 optional properties in a row"));
+                continue;
+            }
+            if (st != KVF_OK)
+                fail_msg("250 optional properties: %s", err.msg);
+            admits_by_tokens(g, "{\"p0\": 1, \"p5\": 22, \"p249\": 3}");
+            admits_by_tokens(g, "{}");
+            kvf_text_grammar_destroy(g);
+        }
+    }
     /* bad arguments */
     {
         kvf_text_grammar *g = NULL;
