@@ -1318,7 +1318,6 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
              * small however many optional copies there are */
             frag opt = frag_bad();
             bool have_opt = false;
-            int32_t last_body_start = -1;
             frag chain = frag_bad();
             for (int32_t i = 0; i < x->max - x->min && n->fail == KVF_OK; i++) {
                 frag g = compile_x(n, body);
@@ -1342,9 +1341,7 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
                     opt.tail = t.tail;
                 }
                 chain = g;
-                last_body_start = g.start;
             }
-            (void)last_body_start;
             if (n->fail != KVF_OK)
                 return frag_bad();
             /* the last copy's own end is an end too */

@@ -3,9 +3,9 @@
  * with a message; when it compiles, checks: accept_bytes takes a byte exactly when next_bytes
  * lists it, a refused byte changes nothing, clone and reset agree with the original, and (for one
  * input in four) at the start and the end the mask over a small vocabulary (the default
- * tokenizer) equals brute force;
- * when PCRE2 compiles the regex too (anchored at both ends, UTF), both agree on whether the bytes
- * are one whole match (PCRE2 reads \v as a class, so regexes with it are not compared).
+ * tokenizer) equals brute force; when PCRE2 compiles the regex too (anchored at both ends, UTF),
+ * both agree on whether the bytes are one whole match (PCRE2 reads \v as a class, so regexes
+ * with it are not compared).
  * Running bounds (stack depth, live stacks) may stop a matcher; that is an answer, not a crash. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
