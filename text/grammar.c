@@ -292,10 +292,23 @@ kvf_text_gx *kvf_text_gx_seq(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
     return gx_list(b, GX_SEQ, xs, n);
 }
 
+static kvf_text_gx *gx_lits_choice(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n);
+
+/* Literals at or past this many alternatives are merged by their prefixes (kvf_text_gx_choice):
+ * an enum written as a plain choice of literals then stays a few live stacks. */
+#define GB_MERGE_LITS 8
+
 kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
 {
     if (n == 1)
         return xs[0];
+    if (n >= GB_MERGE_LITS && b->fail == KVF_OK) {
+        size_t i = 0;
+        while (i < n && xs[i] && xs[i]->kind == GX_LIT)
+            i++;
+        if (i == n)
+            return gx_lits_choice(b, xs, n);
+    }
     return gx_list(b, GX_ALT, xs, n);
 }
 
@@ -574,14 +587,34 @@ static kvf_text_gx *choice_trie(kvf_text_gb *b, const choice_str *xs, size_t n, 
             }
             for (size_t k = i; k < j; k++)
                 lits[k - i] = kvf_text_gx_lit(b, xs[k].p + cp, xs[k].len - cp);
-            alts[na++] = kvf_text_gx_alt(b, lits, j - i);
+            alts[na++] = j - i == 1 ? lits[0] : gx_list(b, GX_ALT, lits, j - i);
             free(lits);
         }
         i = j;
     }
-    kvf_text_gx *parts[2] = {pre, kvf_text_gx_alt(b, alts, na)};
+    /* gx_list, not kvf_text_gx_alt: these are merged already */
+    kvf_text_gx *parts[2] = {pre, na == 1 ? alts[0] : gx_list(b, GX_ALT, alts, na)};
     free(alts);
     return kvf_text_gx_seq(b, parts, 2);
+}
+
+static kvf_text_gx *gx_lits_choice(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
+{
+    const char **strs = malloc(n * sizeof *strs);
+    size_t *lens = malloc(n * sizeof *lens);
+    kvf_text_gx *x = NULL;
+    if (!strs || !lens) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            strs[i] = xs[i]->n ? (const char *)xs[i]->bytes : "";
+            lens[i] = xs[i]->n;
+        }
+        x = kvf_text_gx_choice(b, strs, lens, n);
+    }
+    free(strs);
+    free(lens);
+    return x;
 }
 
 kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
@@ -1318,7 +1351,6 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
              * small however many optional copies there are */
             frag opt = frag_bad();
             bool have_opt = false;
-            int32_t last_body_start = -1;
             frag chain = frag_bad();
             for (int32_t i = 0; i < x->max - x->min && n->fail == KVF_OK; i++) {
                 frag g = compile_x(n, body);
@@ -1342,9 +1374,7 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
                     opt.tail = t.tail;
                 }
                 chain = g;
-                last_body_start = g.start;
             }
-            (void)last_body_start;
             if (n->fail != KVF_OK)
                 return frag_bad();
             /* the last copy's own end is an end too */

@@ -63,9 +63,10 @@ kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n); 
 kvf_text_gx *kvf_text_gx_rep(kvf_text_gb *b, kvf_text_gx *x, int32_t min, int32_t max);
 kvf_text_gx *kvf_text_gx_ref(kvf_text_gb *b, int32_t rule);
 /* One of n byte strings (lens[i] bytes each; lens NULL: NUL-terminated), with shared prefixes
- * merged so that a state stays a few stacks however many strings there are (a plain
- * kvf_text_gx_alt of n literals keeps one stack per literal alive and passes
- * KVF_TEXT_GRAMMAR_MAX_STACKS past about a thousand of them). For enums and choices. */
+ * merged so that a state stays a few stacks however many strings there are. For enums and
+ * choices. kvf_text_gx_alt of 8 or more literals (kvf_text_gx_lit) merges them the same way;
+ * an alternation of other expressions keeps a stack per live branch, and past
+ * KVF_TEXT_GRAMMAR_MAX_STACKS of them compiling (or a step) fails. */
 kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
                                 size_t n);
 

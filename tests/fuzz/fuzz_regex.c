@@ -1,10 +1,11 @@
 /* fuzz_regex.c: the regex compiler and the automaton it feeds. Input: a regex, then (after the
  * first NUL byte, if any) bytes to run through a matcher. Any regex either compiles or is refused
  * with a message; when it compiles, checks: accept_bytes takes a byte exactly when next_bytes
- * lists it, a refused byte changes nothing, clone and reset agree with the original, and at the
- * start and the end the mask over a small vocabulary (the default tokenizer) equals brute force;
- * when PCRE2 compiles the regex too (anchored at both ends, UTF), both agree on whether the bytes
- * are one whole match (PCRE2 reads \v as a class, so regexes with it are not compared).
+ * lists it, a refused byte changes nothing, clone and reset agree with the original, and (for one
+ * input in four) at the start and the end the mask over a small vocabulary (the default
+ * tokenizer) equals brute force; when PCRE2 compiles the regex too (anchored at both ends, UTF),
+ * both agree on whether the bytes are one whole match (PCRE2 reads \v as a class, so regexes
+ * with it are not compared).
  * Running bounds (stack depth, live stacks) may stop a matcher; that is an answer, not a crash. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -117,7 +118,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvf_text_matcher *m = NULL;
     if (kvf_text_matcher_create(g, vocab, ends, 1, &m, &err) != KVF_OK)
         abort();
-    check_mask(m, ends, 1);
+    /* the brute-force mask check costs a clone per id: one input in four, to keep fuzzing fast */
+    bool deep = size % 4 == 0;
+    if (deep)
+        check_mask(m, ends, 1);
     kvf_text_matcher *twin = NULL;
     if (kvf_text_matcher_clone(m, &twin, &err) != KVF_OK)
         abort();
@@ -148,7 +152,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         abort();
     if (!bounded && !memmem(data, re_len, "\\v", 2))
         compare_pcre2(data, re_len, in, in_len, i_all && kvf_text_matcher_accepting(m));
-    check_mask(m, ends, 1);
+    if (deep)
+        check_mask(m, ends, 1);
     kvf_text_matcher_reset(twin);
     kvf_text_matcher_destroy(twin);
     kvf_text_matcher_destroy(m);

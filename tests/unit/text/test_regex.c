@@ -62,6 +62,8 @@ static const char *const corpus[] = {
     "()",
     "",
     "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}",
+    "(alpha|beta|gamma|delta|epsilon|zeta|eta|theta|iota|kappa|alphabet|)",
+    "x(ab|a|abc|b|ba|bab|c|ca|cab|Ã©|Ã¨)+y",
 };
 
 static pcre2_code *pcre(const char *re, size_t len)
@@ -373,12 +375,36 @@ static void test_regex_in_grammar(void **state)
     kvf_text_grammar_destroy(g);
 }
 
+/* A long list of plain alternatives is merged into one choice: it compiles and runs where as
+ * many separate branches would pass the live-stack bound. */
+static void test_long_alternation(void **state)
+{
+    (void)state;
+    size_t cap = 64 * 1024, n = 0;
+    char *re = malloc(cap);
+    re[n++] = '(';
+    for (int i = 0; i < 5000; i++)
+        n += (size_t)snprintf(re + n, cap - n, "%sw%d", i ? "|" : "", i);
+    re[n++] = ')';
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    if (kvf_text_grammar_regex(re, n, &g, &err) != KVF_OK)
+        fail_msg("%s", err.msg);
+    assert_true(ours_full(g, (const unsigned char *)"w1234", 5));
+    assert_true(ours_full(g, (const unsigned char *)"w4999", 5));
+    assert_false(ours_full(g, (const unsigned char *)"w5000", 5));
+    assert_false(ours_full(g, (const unsigned char *)"w", 1));
+    kvf_text_grammar_destroy(g);
+    free(re);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_corpus_vs_pcre2),
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_regex_in_grammar),
+        cmocka_unit_test(test_long_alternation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
