@@ -14,6 +14,7 @@ int kvf_bench_router_main(int argc, char **argv); /* bench/router.c */
 int kvf_bench_serve_main(int argc, char **argv); /* bench/serve.c */
 int kvf_bench_attn_main(int argc, char **argv); /* bench/attn.c */
 int kvf_bench_sample_main(int argc, char **argv); /* bench/sample.c */
+int kvf_bench_grammar_main(int argc, char **argv); /* bench/grammar.c */
 
 /* Bytes per second of a plain sequential read of n bytes (the memory baseline several
  * benchmarks compare with); repeats until at least min_s seconds have passed. */

@@ -19,6 +19,7 @@ static const kvf_cli_bench_entry benches[] = {
     {"serve", kvf_bench_serve_main, "TTFT / ITL / throughput of fleets it starts (colocated vs disaggregated, kv vs round-robin)"},
     {"attn", kvf_bench_attn_main, "paged decode attention KV bandwidth on a GPU vs a device-to-device copy"},
     {"sample", kvf_bench_sample_main, "host sampler microseconds per draw vs argmax and a full sort of the row"},
+    {"grammar", kvf_bench_grammar_main, "constrained decoding: JSON Schema compile ms, token mask us (uncached, cached) over a vocabulary"},
 };
 
 int kvf_cli_bench(int argc, char **argv)

@@ -292,10 +292,23 @@ kvf_text_gx *kvf_text_gx_seq(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
     return gx_list(b, GX_SEQ, xs, n);
 }
 
+static kvf_text_gx *gx_lits_choice(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n);
+
+/* Literals at or past this many alternatives are merged by their prefixes (kvf_text_gx_choice):
+ * an enum written as a plain choice of literals then stays a few live stacks. */
+#define GB_MERGE_LITS 8
+
 kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
 {
     if (n == 1)
         return xs[0];
+    if (n >= GB_MERGE_LITS && b->fail == KVF_OK) {
+        size_t i = 0;
+        while (i < n && xs[i] && xs[i]->kind == GX_LIT)
+            i++;
+        if (i == n)
+            return gx_lits_choice(b, xs, n);
+    }
     return gx_list(b, GX_ALT, xs, n);
 }
 
@@ -518,6 +531,118 @@ kvf_text_gx *kvf_text_gx_chars(kvf_text_gb *b, const uint32_t (*ranges)[2], size
     return x;
 }
 
+typedef struct choice_str {
+    const uint8_t *p;
+    size_t len;
+} choice_str;
+
+static int cmp_choice(const void *a, const void *b)
+{
+    const choice_str *x = a, *y = b;
+    size_t n = x->len < y->len ? x->len : y->len;
+    int c = memcmp(x->p, y->p, n);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* The strings xs[0..n) (sorted, distinct), all sharing their first `at` bytes, as a trie of
+ * expressions from byte `at` on: the common prefix as a literal, then a choice among what
+ * follows (the empty string among it when one string ends there). depth counts the branching
+ * levels, bounded so that the expression's nesting stays within the builder's. */
+static kvf_text_gx *choice_trie(kvf_text_gb *b, const choice_str *xs, size_t n, size_t at, int depth)
+{
+    /* common prefix beyond `at` */
+    size_t cp = xs[0].len;
+    for (size_t i = 1; i < n && cp > at; i++) {
+        size_t k = at;
+        while (k < cp && k < xs[i].len && xs[i].p[k] == xs[0].p[k])
+            k++;
+        cp = k;
+    }
+    kvf_text_gx *pre = kvf_text_gx_lit(b, xs[0].p + at, cp - at);
+    if (n == 1 || !pre)
+        return pre;
+    /* groups by the byte after the prefix; the string that ends at cp (sorted first) alone */
+    kvf_text_gx **alts = malloc((n < 257 ? n : 257) * sizeof *alts);
+    if (!alts) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    size_t na = 0, i = 0;
+    if (xs[0].len == cp) {
+        alts[na++] = kvf_text_gx_lit(b, "", 0);
+        i = 1;
+    }
+    while (i < n) {
+        size_t j = i + 1;
+        while (j < n && xs[j].p[cp] == xs[i].p[cp])
+            j++;
+        if (depth < GB_MAX_DEPTH / 4) {
+            alts[na++] = choice_trie(b, xs + i, j - i, cp, depth + 1);
+        } else { /* too deep a trie: the rest as plain literals */
+            kvf_text_gx **lits = malloc((j - i) * sizeof *lits);
+            if (!lits) {
+                free(alts);
+                gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+                return NULL;
+            }
+            for (size_t k = i; k < j; k++)
+                lits[k - i] = kvf_text_gx_lit(b, xs[k].p + cp, xs[k].len - cp);
+            alts[na++] = j - i == 1 ? lits[0] : gx_list(b, GX_ALT, lits, j - i);
+            free(lits);
+        }
+        i = j;
+    }
+    /* gx_list, not kvf_text_gx_alt: these are merged already */
+    kvf_text_gx *parts[2] = {pre, na == 1 ? alts[0] : gx_list(b, GX_ALT, alts, na)};
+    free(alts);
+    return kvf_text_gx_seq(b, parts, 2);
+}
+
+static kvf_text_gx *gx_lits_choice(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n)
+{
+    const char **strs = malloc(n * sizeof *strs);
+    size_t *lens = malloc(n * sizeof *lens);
+    kvf_text_gx *x = NULL;
+    if (!strs || !lens) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            strs[i] = xs[i]->n ? (const char *)xs[i]->bytes : "";
+            lens[i] = xs[i]->n;
+        }
+        x = kvf_text_gx_choice(b, strs, lens, n);
+    }
+    free(strs);
+    free(lens);
+    return x;
+}
+
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n)
+{
+    if (b->fail != KVF_OK)
+        return NULL;
+    if (n == 0)
+        return kvf_text_gx_alt(b, NULL, 0);
+    choice_str *xs = malloc(n * sizeof *xs);
+    if (!xs) {
+        gb_failf(b, KVF_ERR_NOMEM, "grammar: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        xs[i].p = (const uint8_t *)strs[i];
+        xs[i].len = lens ? lens[i] : strlen(strs[i]);
+    }
+    qsort(xs, n, sizeof *xs, cmp_choice);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (!m || cmp_choice(&xs[m - 1], &xs[i]) != 0)
+            xs[m++] = xs[i];
+    kvf_text_gx *x = choice_trie(b, xs, m, 0, 0);
+    free(xs);
+    return x;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* compiled grammar                                                                            */
 
@@ -531,6 +656,7 @@ typedef struct gstate {
 
 typedef struct cache_ent {
     uint64_t hash;
+    uint64_t vocab; /* the serial of the vocabulary the mask is over */
     int32_t *key; /* canonical state */
     size_t key_n;
     uint32_t *mask;
@@ -546,8 +672,7 @@ struct kvf_text_grammar {
     int32_t *clo;        /* the closures: BYTE, REF and FINAL states */
     int32_t *init;       /* canonical initial state */
     size_t init_n;
-    /* mask cache: open addressing over ents, keyed by canonical state; one vocabulary at a time */
-    uint64_t cache_vocab;
+    /* mask cache: open addressing over ents, keyed by (vocabulary, canonical state) */
     cache_ent *ents;
     size_t ents_cap, ents_n, cache_bytes;
     uint64_t cache_hits, cache_misses;
@@ -571,7 +696,26 @@ typedef struct scratch {
     size_t work_cap;
     int32_t *fr; /* frontiers, one after another */
     size_t fr_n, fr_cap;
+    /* The mask walk's memo, a lazy DFA over frontiers valid for one walk: frontiers interned by
+     * content (fz, fe), and (frontier, byte) -> next frontier. Inside a JSON string almost every
+     * byte leads back to the same frontier, so most trie nodes cost one lookup. */
+    int32_t *fz; /* interned frontiers' contents */
+    size_t fz_n, fz_cap;
+    struct fz_ent *fe;
+    int32_t fe_n, fe_cap;
+    int32_t *fe_tab; /* content hash -> frontier id + 1 */
+    uint32_t fe_tab_cap;
+    uint32_t *mo_key; /* fid * 256 + byte + 1; 0 empty */
+    int32_t *mo_val;  /* next frontier id, or -1: dead */
+    uint32_t mo_cap, mo_n;
 } scratch;
+
+typedef struct fz_ent {
+    size_t off;
+    int32_t n;
+    uint32_t hash;
+    uint64_t bits[4]; /* the bytes some top can take */
+} fz_ent;
 
 static void scratch_fini(scratch *s)
 {
@@ -579,6 +723,11 @@ static void scratch_fini(scratch *s)
     free(s->tab);
     free(s->work);
     free(s->fr);
+    free(s->fz);
+    free(s->fe);
+    free(s->fe_tab);
+    free(s->mo_key);
+    free(s->mo_val);
     memset(s, 0, sizeof *s);
 }
 
@@ -800,8 +949,8 @@ static kvf_status work_reserve(scratch *s, size_t pairs)
 
 /* One byte: the frontier at s->fr[in_off .. in_off + in_n) advanced by b, appended to s->fr;
  * *out_n its size (0: b cannot follow). */
-static kvf_status step(const kvf_text_grammar *g, scratch *s, size_t in_off, int32_t in_n,
-                       uint8_t b, int32_t *out_n, kvf_err *err)
+static kvf_status step_from(const kvf_text_grammar *g, scratch *s, const int32_t *in, int32_t in_n,
+                            uint8_t b, int32_t *out_n, kvf_err *err)
 {
     uint32_t stamp = next_stamp(s);
     *out_n = 0;
@@ -810,7 +959,7 @@ static kvf_status step(const kvf_text_grammar *g, scratch *s, size_t in_off, int
         return kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
     size_t wn = 0;
     for (int32_t i = 0; i < in_n; i++) {
-        int32_t id = s->fr[in_off + (size_t)i];
+        int32_t id = in[i];
         if (id < 0)
             continue;
         const gstate *st = &g->st[s->nodes[id].pos];
@@ -823,6 +972,16 @@ static kvf_status step(const kvf_text_grammar *g, scratch *s, size_t in_off, int
     if (!wn)
         return KVF_OK;
     return expand(g, s, wn, stamp, out_n, &accept_seen, err);
+}
+
+/* step_from with the input in s->fr itself: room for the largest output is made first, so
+ * appending cannot move the input. */
+static kvf_status step(const kvf_text_grammar *g, scratch *s, size_t in_off, int32_t in_n,
+                       uint8_t b, int32_t *out_n, kvf_err *err)
+{
+    if (fr_reserve(s, KVF_TEXT_GRAMMAR_MAX_STACKS + 2) != KVF_OK)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
+    return step_from(g, s, s->fr + in_off, in_n, b, out_n, err);
 }
 
 /* The start: the root rule's closure, into a reset scratch's frontier. */
@@ -1192,7 +1351,6 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
              * small however many optional copies there are */
             frag opt = frag_bad();
             bool have_opt = false;
-            int32_t last_body_start = -1;
             frag chain = frag_bad();
             for (int32_t i = 0; i < x->max - x->min && n->fail == KVF_OK; i++) {
                 frag g = compile_x(n, body);
@@ -1216,9 +1374,7 @@ static frag compile_x(nfa_b *n, const kvf_text_gx *x)
                     opt.tail = t.tail;
                 }
                 chain = g;
-                last_body_start = g.start;
             }
-            (void)last_body_start;
             if (n->fail != KVF_OK)
                 return frag_bad();
             /* the last copy's own end is an end too */
@@ -1583,6 +1739,15 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g)
     free(g);
 }
 
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out)
+{
+    out->n_states = g->n_st;
+    out->cache_entries = g->ents_n;
+    out->cache_bytes = g->cache_bytes;
+    out->cache_hits = g->cache_hits;
+    out->cache_misses = g->cache_misses;
+}
+
 kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *lens, size_t n,
                                    kvf_text_grammar **out, kvf_err *err)
 {
@@ -1592,15 +1757,7 @@ kvf_status kvf_text_grammar_choice(const char *const *choices, const size_t *len
     kvf_status st = kvf_text_gb_create(&b, err);
     if (st != KVF_OK)
         return st;
-    kvf_text_gx **xs = malloc(n * sizeof *xs);
-    if (!xs) {
-        kvf_text_gb_destroy(b);
-        return kvf_err_set(err, KVF_ERR_NOMEM, "guided_choice: out of memory");
-    }
-    for (size_t i = 0; i < n; i++)
-        xs[i] = kvf_text_gx_lit(b, choices[i], lens ? lens[i] : strlen(choices[i]));
-    kvf_text_gx *root = kvf_text_gx_alt(b, xs, n);
-    free(xs);
+    kvf_text_gx *root = kvf_text_gx_choice(b, choices, lens, n);
     st = kvf_text_gb_finish(b, root, out, err);
     kvf_text_gb_destroy(b);
     if (st != KVF_OK)
@@ -1741,6 +1898,16 @@ kvf_status kvf_text_vocab_create(const kvf_text_tokenizer *tok, int32_t n_ids,
      * at the node created last (or, for equal strings, at the same one), so ids are appended in
      * node order */
     v->n_nodes = nn;
+    /* shared prefixes leave the arrays, sized for one node per byte, partly unused */
+    uint8_t *byte = realloc(v->byte, (size_t)nn);
+    int32_t *end = realloc(v->end, (size_t)nn * sizeof *end);
+    int32_t *ids_off = realloc(v->ids_off, ((size_t)nn + 1) * sizeof *ids_off);
+    if (byte)
+        v->byte = byte;
+    if (end)
+        v->end = end;
+    if (ids_off)
+        v->ids_off = ids_off;
     free(path);
     free(ents);
     *out = v;
@@ -1787,8 +1954,9 @@ struct kvf_text_matcher {
 };
 
 typedef struct walk_frame {
-    size_t fr_off;
+    size_t fr_off; /* the frontier in s->fr, when fid < 0 */
     int32_t fr_n;
+    int32_t fid; /* the interned frontier, or -1 */
     int32_t node;  /* the trie node whose children are being visited */
     int32_t child; /* the next child to visit */
     int32_t mark;  /* scratch nodes to release to when leaving */
@@ -1974,12 +2142,12 @@ kvf_status kvf_text_matcher_accept(kvf_text_matcher *m, int32_t id, kvf_err *err
     return st;
 }
 
-static inline void bits_of_frontier(const kvf_text_grammar *g, const scratch *s, size_t off,
-                                    int32_t n, uint64_t bits[4])
+static inline void bits_of(const kvf_text_grammar *g, const scratch *s, const int32_t *f,
+                           int32_t n, uint64_t bits[4])
 {
     bits[0] = bits[1] = bits[2] = bits[3] = 0;
     for (int32_t i = 0; i < n; i++) {
-        int32_t id = s->fr[off + (size_t)i];
+        int32_t id = f[i];
         if (id < 0)
             continue;
         const gstate *st = &g->st[s->nodes[id].pos];
@@ -1992,8 +2160,141 @@ static inline void bits_of_frontier(const kvf_text_grammar *g, const scratch *s,
     }
 }
 
+/* Limits of the memo; past them a walk goes on without it (correct, slower). */
+#define MEMO_MAX_NODES (1 << 18)
+#define MEMO_MAX_FRONTIERS (1 << 16)
+#define MEMO_MAX_ENTRIES (1u << 20)
+
+static void memo_reset(scratch *s)
+{
+    s->fz_n = 0;
+    s->fe_n = 0;
+    if (s->fe_tab)
+        memset(s->fe_tab, 0, s->fe_tab_cap * sizeof *s->fe_tab);
+    if (s->mo_key)
+        memset(s->mo_key, 0, s->mo_cap * sizeof *s->mo_key);
+    s->mo_n = 0;
+}
+
+static uint32_t hash_frontier(const int32_t *f, int32_t n)
+{
+    uint64_t h = 0x9E3779B97F4A7C15ull;
+    for (int32_t i = 0; i < n; i++)
+        h = (h ^ (uint32_t)f[i]) * 0xff51afd7ed558ccdull;
+    return (uint32_t)(h >> 32);
+}
+
+/* The id of frontier f (interned by content), -1 past the memo's limits or out of memory. */
+static int32_t fz_intern(const kvf_text_grammar *g, scratch *s, const int32_t *f, int32_t n)
+{
+    if (s->fe_n >= MEMO_MAX_FRONTIERS)
+        return -1;
+    if (!s->fe_tab || (uint32_t)(s->fe_n + 1) * 2 > s->fe_tab_cap) {
+        uint32_t cap = s->fe_tab_cap ? s->fe_tab_cap * 2 : 256;
+        int32_t *t = calloc(cap, sizeof *t);
+        if (!t)
+            return -1;
+        for (int32_t i = 0; i < s->fe_n; i++) {
+            uint32_t h = s->fe[i].hash & (cap - 1);
+            while (t[h])
+                h = (h + 1) & (cap - 1);
+            t[h] = i + 1;
+        }
+        free(s->fe_tab);
+        s->fe_tab = t;
+        s->fe_tab_cap = cap;
+    }
+    uint32_t hash = hash_frontier(f, n), mask = s->fe_tab_cap - 1, h = hash & mask;
+    for (; s->fe_tab[h]; h = (h + 1) & mask) {
+        const fz_ent *e = &s->fe[s->fe_tab[h] - 1];
+        if (e->hash == hash && e->n == n && !memcmp(s->fz + e->off, f, (size_t)n * sizeof *f))
+            return s->fe_tab[h] - 1;
+    }
+    if (s->fe_n == s->fe_cap) {
+        int32_t cap = s->fe_cap ? s->fe_cap * 2 : 64;
+        fz_ent *fe = realloc(s->fe, (size_t)cap * sizeof *fe);
+        if (!fe)
+            return -1;
+        s->fe = fe;
+        s->fe_cap = cap;
+    }
+    if (s->fz_n + (size_t)n > s->fz_cap) {
+        size_t cap = s->fz_cap ? s->fz_cap : 1024;
+        while (cap < s->fz_n + (size_t)n)
+            cap *= 2;
+        int32_t *fz = realloc(s->fz, cap * sizeof *fz);
+        if (!fz)
+            return -1;
+        s->fz = fz;
+        s->fz_cap = cap;
+    }
+    int32_t id = s->fe_n++;
+    fz_ent *e = &s->fe[id];
+    e->off = s->fz_n;
+    e->n = n;
+    e->hash = hash;
+    memcpy(s->fz + s->fz_n, f, (size_t)n * sizeof *f);
+    s->fz_n += (size_t)n;
+    bits_of(g, s, f, n, e->bits);
+    s->fe_tab[h] = id + 1;
+    return id;
+}
+
+#define MEMO_ABSENT INT32_MIN
+
+static inline int32_t memo_get(const scratch *s, int32_t fid, uint8_t b)
+{
+    if (!s->mo_cap)
+        return MEMO_ABSENT;
+    uint32_t key = (uint32_t)fid * 256u + b + 1u, mask = s->mo_cap - 1;
+    for (uint32_t h = (key * 0x9E3779B1u) & mask; s->mo_key[h]; h = (h + 1) & mask)
+        if (s->mo_key[h] == key)
+            return s->mo_val[h];
+    return MEMO_ABSENT;
+}
+
+/* false past the memo's limits or out of memory */
+static bool memo_put(scratch *s, int32_t fid, uint8_t b, int32_t next)
+{
+    if (s->mo_n >= MEMO_MAX_ENTRIES)
+        return false;
+    if ((s->mo_n + 1) * 2 > s->mo_cap) {
+        uint32_t cap = s->mo_cap ? s->mo_cap * 2 : 1024;
+        uint32_t *k = calloc(cap, sizeof *k);
+        int32_t *v = malloc(cap * sizeof *v);
+        if (!k || !v) {
+            free(k);
+            free(v);
+            return false;
+        }
+        for (uint32_t i = 0; i < s->mo_cap; i++) {
+            if (!s->mo_key[i])
+                continue;
+            uint32_t h = (s->mo_key[i] * 0x9E3779B1u) & (cap - 1);
+            while (k[h])
+                h = (h + 1) & (cap - 1);
+            k[h] = s->mo_key[i];
+            v[h] = s->mo_val[i];
+        }
+        free(s->mo_key);
+        free(s->mo_val);
+        s->mo_key = k;
+        s->mo_val = v;
+        s->mo_cap = cap;
+    }
+    uint32_t key = (uint32_t)fid * 256u + b + 1u, mask = s->mo_cap - 1, h = (key * 0x9E3779B1u) & mask;
+    while (s->mo_key[h])
+        h = (h + 1) & mask;
+    s->mo_key[h] = key;
+    s->mo_val[h] = next;
+    s->mo_n++;
+    return true;
+}
+
 /* The mask of the current state without end ids: a depth-first walk of the trie, each frame
- * holding the frontier reached by its path's bytes. */
+ * holding the frontier its path's bytes reach. While the memo is on, frontiers are interned and
+ * scratch nodes are kept (memo entries refer to them); past the memo's limits the walk turns it
+ * off and goes on releasing each subtree's nodes when it leaves it. */
 static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
 {
     const kvf_text_vocab *v = m->v;
@@ -2004,14 +2305,19 @@ static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
     kvf_status st = load_state(s, m->state, m->state_n, &fn, err);
     if (st != KVF_OK)
         return st;
+    memo_reset(s);
+    bool memo = true;
     walk_frame *f = m->frames;
     int32_t d = 0;
     f[0].fr_off = 0;
     f[0].fr_n = fn;
+    f[0].fid = fz_intern(g, s, s->fr, fn);
+    if (f[0].fid < 0)
+        memo = false;
     f[0].node = 0;
     f[0].child = 1;
     f[0].mark = s->n;
-    bits_of_frontier(g, s, 0, fn, f[0].bits);
+    bits_of(g, s, s->fr, fn, f[0].bits);
     for (;;) {
         walk_frame *cf = &f[d];
         int32_t c = cf->child;
@@ -2019,9 +2325,10 @@ static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
             if (d == 0)
                 break;
             d--;
-            /* release what the child frame made */
-            s->n = f[d].mark;
-            s->fr_n = f[d].fr_off + (size_t)f[d].fr_n;
+            if (!memo) { /* release what the child frame made */
+                s->n = f[d].mark;
+                s->fr_n = f[d].fid >= 0 ? 0 : f[d].fr_off + (size_t)f[d].fr_n;
+            }
             continue;
         }
         cf->child = v->end[c];
@@ -2029,14 +2336,37 @@ static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
         if (!((cf->bits[b >> 6] >> (b & 63)) & 1))
             continue;
         cf->mark = s->n;
+        int32_t next = memo && cf->fid >= 0 ? memo_get(s, cf->fid, b) : MEMO_ABSENT;
         size_t noff = s->fr_n;
-        int32_t nn;
-        st = step(g, s, cf->fr_off, cf->fr_n, b, &nn, err);
-        if (st != KVF_OK)
-            return st;
-        if (nn == 0) {
-            s->n = cf->mark;
-            s->fr_n = noff;
+        int32_t nn = 0;
+        if (next == MEMO_ABSENT) {
+            const int32_t *in;
+            if (cf->fid >= 0) {
+                in = s->fz + s->fe[cf->fid].off;
+            } else {
+                if (fr_reserve(s, KVF_TEXT_GRAMMAR_MAX_STACKS + 2) != KVF_OK)
+                    return kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
+                in = s->fr + cf->fr_off;
+            }
+            st = step_from(g, s, in, cf->fid >= 0 ? s->fe[cf->fid].n : cf->fr_n, b, &nn, err);
+            if (st != KVF_OK)
+                return st;
+            if (memo && cf->fid >= 0) {
+                next = nn ? fz_intern(g, s, s->fr + noff, nn) : -1;
+                if ((nn && next < 0) || s->n > MEMO_MAX_NODES || !memo_put(s, cf->fid, b, next)) {
+                    memo = false; /* from here on, frames carry their frontiers in s->fr */
+                    next = MEMO_ABSENT;
+                } else {
+                    s->fr_n = noff;
+                }
+            }
+        }
+        bool live = next == MEMO_ABSENT ? nn > 0 : next >= 0;
+        if (!live) {
+            if (!memo) {
+                s->n = cf->mark;
+                s->fr_n = noff;
+            }
             continue;
         }
         for (int32_t i = v->ids_off[c]; i < v->ids_off[c + 1]; i++) {
@@ -2045,8 +2375,13 @@ static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
         }
         if (v->end[c] > c + 1) {
             walk_frame *nf = &f[d + 1];
-            bits_of_frontier(g, s, noff, nn, nf->bits);
+            if (next != MEMO_ABSENT) {
+                memcpy(nf->bits, s->fe[next].bits, sizeof nf->bits);
+            } else {
+                bits_of(g, s, s->fr + noff, nn, nf->bits);
+            }
             if (nf->bits[0] | nf->bits[1] | nf->bits[2] | nf->bits[3]) {
+                nf->fid = next != MEMO_ABSENT ? next : -1;
                 nf->fr_off = noff;
                 nf->fr_n = nn;
                 nf->node = c;
@@ -2056,9 +2391,16 @@ static kvf_status mask_walk(kvf_text_matcher *m, uint32_t *mask, kvf_err *err)
                 continue;
             }
         }
-        s->n = cf->mark;
-        s->fr_n = noff;
+        if (!memo) {
+            s->n = cf->mark;
+            s->fr_n = noff;
+        }
     }
+    /* a pathological walk may have grown the scratch: give it back rather than keep it per
+     * matcher */
+    if ((size_t)s->cap * sizeof *s->nodes + s->fz_cap * sizeof *s->fz + s->mo_cap * 8u >
+        ((size_t)16 << 20))
+        scratch_fini(s);
     return KVF_OK;
 }
 
@@ -2073,7 +2415,8 @@ static uint64_t hash_state(const int32_t *s, size_t n, uint64_t seed)
     return h | 1; /* 0 marks an empty slot */
 }
 
-static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n)
+static cache_ent *cache_find(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                             size_t n)
 {
     if (!g->ents_cap)
         return NULL;
@@ -2082,14 +2425,15 @@ static cache_ent *cache_find(kvf_text_grammar *g, uint64_t h, const int32_t *key
         cache_ent *e = &g->ents[i];
         if (!e->hash)
             return NULL;
-        if (e->hash == h && e->key_n == n && !memcmp(e->key, key, n * sizeof *key))
+        if (e->hash == h && e->vocab == vocab && e->key_n == n &&
+            !memcmp(e->key, key, n * sizeof *key))
             return e;
     }
 }
 
 /* Adds a copy of (key, mask) to the cache; a failure only means it is not cached. */
-static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_t n,
-                      const uint32_t *mask, size_t words)
+static void cache_put(kvf_text_grammar *g, uint64_t vocab, uint64_t h, const int32_t *key,
+                      size_t n, const uint32_t *mask, size_t words)
 {
     size_t bytes = n * sizeof *key + words * sizeof *mask + sizeof(cache_ent) * 2;
     if (g->cache_bytes + bytes > G_CACHE_MAX_BYTES)
@@ -2127,6 +2471,7 @@ static void cache_put(kvf_text_grammar *g, uint64_t h, const int32_t *key, size_
     while (g->ents[j].hash)
         j = (j + 1) & (g->ents_cap - 1);
     g->ents[j].hash = h;
+    g->ents[j].vocab = vocab;
     g->ents[j].key = k;
     g->ents[j].key_n = n;
     g->ents[j].mask = mk;
@@ -2145,12 +2490,8 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         return KVF_OK;
     }
     kvf_text_grammar *g = m->g;
-    if (g->cache_vocab != v->serial) { /* masks of another vocabulary are of no use */
-        cache_clear(g);
-        g->cache_vocab = v->serial;
-    }
     uint64_t h = hash_state(m->state, m->state_n, v->serial);
-    cache_ent *e = cache_find(g, h, m->state, m->state_n);
+    cache_ent *e = cache_find(g, v->serial, h, m->state, m->state_n);
     if (e) {
         g->cache_hits++;
         memcpy(mask, e->mask, words * sizeof *mask);
@@ -2159,7 +2500,7 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
         kvf_status st = mask_walk(m, mask, err);
         if (st != KVF_OK)
             return st;
-        cache_put(g, h, m->state, m->state_n, mask, words);
+        cache_put(g, v->serial, h, m->state, m->state_n, mask, words);
     }
     /* end ids: exactly where the output is complete */
     for (size_t i = 0; i < m->n_end; i++) {
@@ -2170,6 +2511,35 @@ kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *e
             mask[id >> 5] |= 1u << (id & 31);
         else
             mask[id >> 5] &= ~(1u << (id & 31));
+    }
+    return KVF_OK;
+}
+
+kvf_status kvf_text_matcher_next_bytes(kvf_text_matcher *m, uint32_t set[8], kvf_err *err)
+{
+    memset(set, 0, 8 * sizeof *set);
+    if (m->ended)
+        return KVF_OK;
+    scratch *s = &m->sc;
+    int32_t fn;
+    kvf_status st = load_state(s, m->state, m->state_n, &fn, err);
+    if (st != KVF_OK)
+        return st;
+    uint64_t cand[4];
+    bits_of(m->g, s, s->fr, fn, cand);
+    for (unsigned b = 0; b < 256; b++) {
+        if (!((cand[b >> 6] >> (b & 63)) & 1))
+            continue;
+        /* a BYTE state may lead only into a dead end (an empty choice): take one step to know */
+        int32_t mark = s->n, nn;
+        size_t noff = s->fr_n;
+        st = step(m->g, s, 0, fn, (uint8_t)b, &nn, err);
+        if (st != KVF_OK)
+            return st;
+        if (nn)
+            set[b >> 5] |= 1u << (b & 31);
+        s->n = mark;
+        s->fr_n = noff;
     }
     return KVF_OK;
 }

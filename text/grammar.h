@@ -62,6 +62,13 @@ kvf_text_gx *kvf_text_gx_alt(kvf_text_gb *b, kvf_text_gx *const *xs, size_t n); 
 /* x repeated min..max times; max -1: unbounded. */
 kvf_text_gx *kvf_text_gx_rep(kvf_text_gb *b, kvf_text_gx *x, int32_t min, int32_t max);
 kvf_text_gx *kvf_text_gx_ref(kvf_text_gb *b, int32_t rule);
+/* One of n byte strings (lens[i] bytes each; lens NULL: NUL-terminated), with shared prefixes
+ * merged so that a state stays a few stacks however many strings there are. For enums and
+ * choices. kvf_text_gx_alt of 8 or more literals (kvf_text_gx_lit) merges them the same way;
+ * an alternation of other expressions keeps a stack per live branch, and past
+ * KVF_TEXT_GRAMMAR_MAX_STACKS of them compiling (or a step) fails. */
+kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
+                                size_t n);
 
 /* The grammar whose language is root's. Every rule referred to must be defined. b may be
  * destroyed afterwards (or used for nothing else). */
@@ -69,6 +76,15 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
                               kvf_err *err);
 
 void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
+
+/* For benchmarks and metrics: the automaton's states, and its mask cache (entries, bytes held,
+ * lookups that hit and that missed). */
+typedef struct kvf_text_grammar_stats {
+    int32_t n_states;
+    size_t cache_entries, cache_bytes;
+    uint64_t cache_hits, cache_misses;
+} kvf_text_grammar_stats;
+void kvf_text_grammar_stats_get(const kvf_text_grammar *g, kvf_text_grammar_stats *out);
 
 /* ---- compilers ----
  * Errors name what was wrong in err->msg, in words a client can act on (the keyword, the
@@ -79,10 +95,12 @@ void kvf_text_grammar_destroy(kvf_text_grammar *g); /* NULL is fine */
  * ECMAScript: literals; escapes \\ \. \n \t \r \f \v \0 \xHH \uHHHH \u{H...} and escaped
  * punctuation; \d \D \w \W \s \S (ASCII classes); "." (any character but \n); classes [...]
  * with ranges, negation and the escapes above; groups ( ), (?: ) and named (?P<n> ) / (?<n> );
- * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy or possessive suffix is accepted:
- * the language is the same); ^ at the very start and $ at the very end. Anything else
- * (backreferences, lookaround, \b, inline flags, ^ or $ elsewhere) is refused by name with its
- * offset. Characters are code points, encoded as UTF-8. */
+ * alternation |; quantifiers * + ? {m} {m,} {m,n} (a lazy suffix ? is accepted: the language
+ * is the same); ^ at the very start and $ at the very end. Anything else (backreferences,
+ * lookaround, \b, inline flags, possessive quantifiers, which change the language, {,n}, which
+ * Python and ECMAScript read differently, ^ or $ elsewhere) is refused by name with its
+ * offset. Characters are code points, encoded as UTF-8; \v is U+000B (as in Python and
+ * ECMAScript, not PCRE's vertical-space class). */
 kvf_status kvf_text_regex_compile(kvf_text_gb *b, const char *re, size_t len,
                                   kvf_text_gx **out, kvf_err *err);
 kvf_status kvf_text_grammar_regex(const char *re, size_t len, kvf_text_grammar **out,
@@ -125,7 +143,8 @@ size_t kvf_text_vocab_mask_words(const kvf_text_vocab *v);
 
 /* One sequence's position in a grammar. end_ids (EOS and stop ids, copied) are allowed exactly
  * where the output so far is a complete match; accepting one ends the match (done). g and v must
- * outlive the matcher. */
+ * outlive the matcher. v may be NULL for a matcher that only follows bytes (no masks, no
+ * accept by id). */
 typedef struct kvf_text_matcher kvf_text_matcher;
 kvf_status kvf_text_matcher_create(kvf_text_grammar *g, const kvf_text_vocab *v,
                                    const int32_t *end_ids, size_t n_end,
@@ -140,7 +159,9 @@ void kvf_text_matcher_reset(kvf_text_matcher *m);
 /* The ids allowed next, into mask[kvf_text_vocab_mask_words(v)]: a token is allowed when all
  * its bytes can follow the output so far inside the grammar; end ids when the output is a
  * complete match. Cached per automaton state in the grammar (a state reached again costs a
- * lookup and a copy). Once done, nothing is allowed. An error only past a running bound. */
+ * lookup and a copy). Once an end id was accepted, nothing is allowed. An error only past a
+ * running bound. The cache holds at most 64 MiB of keys and masks per grammar; when a new mask
+ * would pass that, it is emptied and starts again. */
 kvf_status kvf_text_matcher_mask(kvf_text_matcher *m, uint32_t *mask, kvf_err *err);
 /* Advances on token id. KVF_ERR_INVALID (naming the id) and no change when the mask would not
  * allow it. */
@@ -149,9 +170,13 @@ kvf_status kvf_text_matcher_accept(kvf_text_matcher *m, int32_t id, kvf_err *err
  * cannot follow. */
 kvf_status kvf_text_matcher_accept_bytes(kvf_text_matcher *m, const void *bytes, size_t n,
                                          kvf_err *err);
+/* The bytes that can come next (one step each, exact), into set: bit (b % 32) of set[b / 32].
+ * For tests, fuzzing and tools that walk a grammar byte by byte; the engine uses masks. */
+kvf_status kvf_text_matcher_next_bytes(kvf_text_matcher *m, uint32_t set[8], kvf_err *err);
 /* The output so far is a complete match (an end id would be allowed). */
 bool kvf_text_matcher_accepting(const kvf_text_matcher *m);
-/* An end id was accepted, or the output is complete and no byte can follow it. */
+/* An end id was accepted, or the output is complete and no byte can follow it (then only end
+ * ids are allowed; once one is accepted, nothing is). */
 bool kvf_text_matcher_done(const kvf_text_matcher *m);
 
 #endif

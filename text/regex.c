@@ -20,6 +20,7 @@ typedef struct re_parser {
     int depth;
     kvf_err *err;
     kvf_status st;
+    bool plain; /* the last sequence parsed was literal characters only, as written */
 } re_parser;
 
 typedef struct cp_set {
@@ -512,11 +513,14 @@ static kvf_text_gx *parse_seq(re_parser *p)
     kvf_text_gx **xs = NULL;
     size_t n = 0, cap = 0;
     kvf_text_gx *res = NULL;
+    bool plain = true;
     while (p->st == KVF_OK && p->pos < p->len) {
         size_t at = p->pos;
         unsigned c = p->s[p->pos];
         if (c == '|' || c == ')')
             break;
+        if (c == '^' || c == '$' || c == '(' || c == '[' || c == '.' || c == '\\')
+            plain = false;
         kvf_text_gx *x = NULL;
         if (c == '^') {
             p->pos++;
@@ -574,6 +578,7 @@ static kvf_text_gx *parse_seq(re_parser *p)
             break;
         /* quantifiers */
         if (is_quant_at(p)) {
+            plain = false;
             size_t qat = p->pos;
             unsigned q = p->s[p->pos];
             int32_t min, max;
@@ -591,9 +596,15 @@ static kvf_text_gx *parse_seq(re_parser *p)
                     re_fail(p, KVF_ERR_PARSE, "a bad quantifier at offset %zu", qat);
                 break;
             }
-            /* lazy or possessive: the same language */
-            if (p->pos < p->len && (p->s[p->pos] == '?' || p->s[p->pos] == '+'))
+            /* lazy: the same language. Possessive is not (a*+a matches nothing) and is not
+             * ECMAScript: refused. */
+            if (p->pos < p->len && p->s[p->pos] == '?') {
                 p->pos++;
+            } else if (p->pos < p->len && p->s[p->pos] == '+') {
+                re_fail(p, KVF_ERR_UNSUPPORTED,
+                        "the possessive quantifier at offset %zu is not supported", qat);
+                break;
+            }
             if (is_quant_at(p)) {
                 re_fail(p, KVF_ERR_PARSE, "multiple repeat at offset %zu (group it: (...){m})",
                         p->pos);
@@ -619,6 +630,7 @@ static kvf_text_gx *parse_seq(re_parser *p)
         }
         xs[n++] = x;
     }
+    p->plain = plain;
     if (p->st == KVF_OK) {
         res = kvf_text_gx_seq(p->b, xs, n);
         if (!res)
@@ -629,24 +641,38 @@ static kvf_text_gx *parse_seq(re_parser *p)
     return res;
 }
 
+/* Alternatives that are all plain literals (a|bc|bd...) become one merged choice: as separate
+ * branches each keeps a stack alive, and a long list would pass the live-stack bound. */
+#define RE_MERGE_MIN 8
+
 static kvf_text_gx *parse_alt(re_parser *p)
 {
     kvf_text_gx **xs = NULL;
     size_t n = 0, cap = 0;
     kvf_text_gx *res = NULL;
+    size_t *spans = NULL; /* start, end of each alternative in the regex text */
+    bool all_plain = true;
     for (;;) {
+        size_t start = p->pos;
         kvf_text_gx *x = parse_seq(p);
         if (!x)
             break;
+        all_plain &= p->plain;
         if (n == cap) {
             cap = cap ? cap * 2 : 8;
             kvf_text_gx **nx = realloc(xs, cap * sizeof *nx);
-            if (!nx) {
+            size_t *ns = realloc(spans, cap * 2 * sizeof *ns);
+            if (nx)
+                xs = nx;
+            if (ns)
+                spans = ns;
+            if (!nx || !ns) {
                 re_fail(p, KVF_ERR_NOMEM, "out of memory");
                 break;
             }
-            xs = nx;
         }
+        spans[2 * n] = start;
+        spans[2 * n + 1] = p->pos;
         xs[n++] = x;
         if (p->pos < p->len && p->s[p->pos] == '|') {
             p->pos++;
@@ -654,13 +680,30 @@ static kvf_text_gx *parse_alt(re_parser *p)
         }
         break;
     }
-    if (p->st == KVF_OK) {
+    if (p->st == KVF_OK && all_plain && n >= RE_MERGE_MIN) {
+        const char **strs = malloc(n * sizeof *strs);
+        size_t *lens = malloc(n * sizeof *lens);
+        if (strs && lens) {
+            for (size_t i = 0; i < n; i++) {
+                strs[i] = (const char *)p->s + spans[2 * i];
+                lens[i] = spans[2 * i + 1] - spans[2 * i];
+            }
+            res = kvf_text_gx_choice(p->b, strs, lens, n);
+        }
+        free(strs);
+        free(lens);
+        if (!res)
+            re_fail(p, KVF_ERR_LIMIT, "the grammar is too large (more than %d nodes)",
+                    KVF_TEXT_GRAMMAR_MAX_NODES);
+    } else if (p->st == KVF_OK) {
         res = kvf_text_gx_alt(p->b, xs, n);
         if (!res)
             re_fail(p, KVF_ERR_LIMIT, "the grammar is too large (more than %d nodes)",
                     KVF_TEXT_GRAMMAR_MAX_NODES);
     }
+    p->plain = false;
     free(xs);
+    free(spans);
     return res;
 }
 

@@ -11,8 +11,10 @@
  *   out. additionalProperties absent means false when "properties" lists any (xgrammar's strict
  *   mode, what vLLM uses and OpenAI's strict schemas require) and true when it lists none (a
  *   bare {"type": "object"} is a free-form object). Extra properties (true or a schema) come
- *   after the listed ones, any number of them, with keys of unescaped characters that are none
- *   of the listed names (so a key never repeats).
+ *   after the listed ones, any number of them, with keys of 1 to 64 unescaped characters that
+ *   are none of the listed or required names (so a key never repeats, and a model cannot spend
+ *   its budget on one key). At most 256 optional properties in a row (each that may come next
+ *   is a live automaton stack); longer runs are refused by name at compile time.
  * - arrays: "items" absent means any values when there is no "prefixItems", and no items past
  *   them when there is (strict mode again). "items" given as an array is "prefixItems".
  * - integers: minimum / maximum / exclusive* are exact (decimal range grammars); bounds beyond
@@ -40,6 +42,9 @@
 
 #define SC_PATH_MAX 512            /* JSON pointer shown in errors; longer ones are cut */
 #define SC_LIT_BUDGET (1u << 20)   /* bytes of enum/const/key literals in one schema */
+#define SC_OBJ_MAX_OPTIONAL_RUN 256 /* optional properties in a row (see sc_object) */
+#define SC_OBJ_BLOCK 16            /* members per shared block of an object's rest */
+#define SC_KEY_MAX 64              /* characters of an extra property's key */
 #define SC_INT_CAP 100000000000000000LL /* 10^17: integer bounds pulled in to +-this */
 
 typedef struct sc_ref {
@@ -59,6 +64,7 @@ typedef struct sc {
     size_t lit_bytes;
     /* shared rules, made on first use (-1 until then) */
     int32_t r_ws, r_char, r_value, r_object, r_array, r_string, r_number, r_key_char;
+    int32_t r_key_rest[SC_KEY_MAX]; /* [k]: up to k more key characters and the quote; 0: none yet */
 } sc;
 
 /* ---- errors and the JSON pointer of the schema being compiled ---- */
@@ -753,9 +759,11 @@ static bool esc_set(const char *re, size_t len, size_t *i, bool in_class, sc_cse
 /* The pattern rewritten so that what it matches is the JSON-escaped text of the content it
  * matched: every character set ("." classes, escapes, literals) becomes a group of its safe
  * members and the escapes of the others; the rest (groups, alternation, quantifiers, anchors)
- * is copied. Returns NULL when memory runs out. */
-static char *pattern_to_json(const char *re, size_t len)
+ * is copied. Returns NULL when memory runs out, or with *bad_at set to its offset when a class
+ * is one this rewrite does not read (nothing unread is ever copied into a JSON string). */
+static char *pattern_to_json(const char *re, size_t len, size_t *bad_at)
 {
+    *bad_at = SIZE_MAX;
     sc_buf out = {0};
     bool oom = false;
     size_t i = 0;
@@ -774,7 +782,10 @@ static char *pattern_to_json(const char *re, size_t len)
             }
             cset_emit(&out, &s, neg);
         } else if (ch == '.') {
-            oom |= !cset_add(&s, '\n', '\n');
+            /* any character but line terminators: \n for Python, also \r U+2028 U+2029 for
+             * ECMAScript (what JSON Schema validators use) */
+            oom |= !cset_add(&s, '\n', '\n') || !cset_add(&s, '\r', '\r') ||
+                   !cset_add(&s, 0x2028, 0x2029);
             cset_emit(&out, &s, true);
             i++;
         } else if (ch == '[') {
@@ -799,13 +810,19 @@ static char *pattern_to_json(const char *re, size_t len)
                         break; /* not a set: leave the class to the compiler */
                     }
                     if (tneg || t.n != 1 || t.r[0][0] != t.r[0][1]) {
-                        /* a shorthand inside a class: its ranges (negated ones unsupported) */
-                        if (tneg) {
-                            free(t.r);
-                            break;
+                        /* a shorthand inside a class: its ranges, or their complement */
+                        qsort(t.r, t.n, sizeof *t.r, cmp_range);
+                        uint32_t next = 0;
+                        for (size_t q = 0; q < t.n; q++) {
+                            if (!tneg)
+                                oom |= !cset_add(&s, t.r[q][0], t.r[q][1]);
+                            else if (t.r[q][0] > next)
+                                oom |= !cset_add(&s, next, t.r[q][0] - 1);
+                            if (t.r[q][1] + 1 > next)
+                                next = t.r[q][1] + 1;
                         }
-                        for (size_t q = 0; q < t.n; q++)
-                            oom |= !cset_add(&s, t.r[q][0], t.r[q][1]);
+                        if (tneg && next <= 0x10FFFF)
+                            oom |= !cset_add(&s, next, 0x10FFFF);
                         free(t.r);
                         j = k;
                         continue;
@@ -839,8 +856,8 @@ static char *pattern_to_json(const char *re, size_t len)
                 }
                 oom |= !cset_add(&s, lo, hi);
             }
-            if (!closed) { /* copy it as written: the compiler's error names it */
-                buf_add(&out, re + i, len - i);
+            if (!closed) { /* a class not read to its end: refused, never copied */
+                *bad_at = i;
                 free(s.r);
                 break;
             }
@@ -860,7 +877,7 @@ static char *pattern_to_json(const char *re, size_t len)
         }
         free(s.r);
     }
-    if (oom || out.oom) {
+    if (oom || out.oom || *bad_at != SIZE_MAX) {
         free(out.p);
         return NULL;
     }
@@ -881,7 +898,12 @@ static kvf_text_gx *sc_pattern(sc *c, const char *re, size_t len, const char *wh
     kvf_text_gb_destroy(scratch);
     if (st != KVF_OK)
         return sc_fail(c, "%s: %s", what, e.msg);
-    char *json_re = pattern_to_json(re, len);
+    size_t bad_at;
+    char *json_re = pattern_to_json(re, len, &bad_at);
+    if (!json_re && bad_at != SIZE_MAX)
+        return sc_fail(c, "%s: the character class at offset %zu is not supported inside a JSON "
+                          "string (write it with plain characters, ranges and \\d \\w \\s)",
+                       what, bad_at);
     if (!json_re) {
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;
@@ -1102,19 +1124,27 @@ static kvf_text_gx *sc_dollar_ref(sc *c, const json_t *s, int depth)
     return kvf_text_gx_ref(c->b, rule);
 }
 
+/* enum / const: the values that fit "type", serialized compactly, as one choice (shared
+ * prefixes merged, so a large enum stays a few automaton stacks). */
 static kvf_text_gx *sc_enum(sc *c, const json_t *s, unsigned types)
 {
     const json_t *en = json_object_get(s, "enum"), *cn = json_object_get(s, "const");
     if (en && !json_is_array(en))
         return sc_fail(c, "\"enum\" must be an array");
-    sc_alts a = {0};
-    size_t n = cn ? 1 : json_array_size(en);
+    size_t n = cn ? 1 : json_array_size(en), k = 0;
+    char **txts = calloc(n ? n : 1, sizeof *txts);
+    size_t *lens = calloc(n ? n : 1, sizeof *lens);
+    kvf_text_gx *x = NULL;
+    if (!txts || !lens) {
+        c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
+        goto out;
+    }
     for (size_t i = 0; i < n && c->st == KVF_OK; i++) {
         const json_t *v = cn ? cn : json_array_get(en, i);
         if (cn && en) { /* const wins; enum must hold it */
             bool found = false;
-            for (size_t k = 0; k < json_array_size(en); k++)
-                found |= json_equal((json_t *)v, json_array_get(en, k));
+            for (size_t j = 0; j < json_array_size(en); j++)
+                found |= json_equal((json_t *)v, json_array_get(en, j));
             if (!found)
                 continue;
         }
@@ -1133,23 +1163,27 @@ static kvf_text_gx *sc_enum(sc *c, const json_t *s, unsigned types)
             c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
             break;
         }
-        size_t len = strlen(txt);
-        c->lit_bytes += len;
+        txts[k] = txt;
+        lens[k] = strlen(txt);
+        c->lit_bytes += lens[k++];
         if (c->lit_bytes > SC_LIT_BUDGET) {
-            free(txt);
-            free(a.xs);
-            return sc_fail(c, "enum/const values exceed %u bytes in all", SC_LIT_BUDGET);
+            sc_fail(c, "enum/const values exceed %u bytes in all", SC_LIT_BUDGET);
+            break;
         }
-        alts_add(c, &a, kvf_text_gx_lit(c->b, txt, len));
-        free(txt);
     }
-    if (c->st != KVF_OK) {
-        free(a.xs);
-        return NULL;
+    if (c->st != KVF_OK)
+        goto out;
+    if (!k) {
+        sc_fail(c, "\"%s\" admits no value of the schema's type", cn ? "const" : "enum");
+        goto out;
     }
-    if (!a.n)
-        return sc_fail(c, "\"%s\" admits no value of the schema's type", cn ? "const" : "enum");
-    return alts_done(c, &a);
+    x = kvf_text_gx_choice(c->b, (const char *const *)txts, lens, k);
+out:
+    for (size_t i = 0; i < k; i++)
+        free(txts[i]);
+    free(txts);
+    free(lens);
+    return x;
 }
 
 /* A JSON string literal of key (escaped by jansson). */
@@ -1180,33 +1214,43 @@ static kvf_text_gx *key_char(sc *c)
     return sc_ref_rule(c, c->r_key_char);
 }
 
-/* Keys (content then closing quote) that continue none of names[0..n) past prefix depth d:
- * at a trie node, either end here (when no name ends here), or take a character no name takes
- * next and then anything, or take one that some name takes and recurse. names are sorted. */
-static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, int depth)
+/* Up to k key characters and the closing quote, one rule per k (trie nodes share them). */
+static kvf_text_gx *key_rest(sc *c, int k)
 {
-    if (depth > 64 * KVF_TEXT_GRAMMAR_MAX_DEPTH)
-        return sc_fail(c, "property names too long to exclude from extra keys");
-    kvf_text_gx *rest = seq2(c, kvf_text_gx_rep(c->b, key_char(c), 0, -1), lit(c, "\""));
+    if (!c->r_key_rest[k])
+        c->r_key_rest[k] = 1 + sc_rule_of(c, seq2(c, kvf_text_gx_rep(c->b, key_char(c), 0, k),
+                                                  lit(c, "\"")));
+    return sc_ref_rule(c, c->r_key_rest[k] - 1);
+}
+
+/* Keys (content then closing quote) of 1..SC_KEY_MAX characters that continue none of
+ * names[0..n) past the nc characters (d bytes) already written: at a trie node, either end here
+ * (when no name ends here), or take a character no name takes next and then anything, or take
+ * one that some name takes and recurse. names are sorted. Keys are bounded so that a model (or
+ * a random walk) cannot spend its budget on one. */
+static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, int nc)
+{
     sc_alts a = {0};
     bool ends_here = false;
+    size_t i = 0;
+    while (i < n && names[i][d] == 0)
+        ends_here = true, i++;
+    if (!ends_here && d > 0)
+        alts_add(c, &a, lit(c, "\""));
+    if (nc >= SC_KEY_MAX)
+        return a.n ? alts_done(c, &a) : kvf_text_gx_alt(c->b, NULL, 0);
     uint32_t(*taken)[2] = malloc((n + 3) * sizeof *taken);
     size_t nt = 0;
     if (!taken) {
+        free(a.xs);
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;
     }
     taken[nt][0] = 0, taken[nt][1] = 0x1f, nt++;
     taken[nt][0] = '"', taken[nt][1] = '"', nt++;
     taken[nt][0] = '\\', taken[nt][1] = '\\', nt++;
-    size_t i = 0;
     while (i < n && c->st == KVF_OK) {
         size_t len = strlen(names[i]);
-        if (len <= d) {
-            ends_here = true;
-            i++;
-            continue;
-        }
         uint32_t cp;
         size_t cl = utf8_dec(names[i] + d, len - d, &cp);
         size_t j = i;
@@ -1215,12 +1259,11 @@ static kvf_text_gx *key_except(sc *c, const char **names, size_t n, size_t d, in
         taken[nt][0] = cp, taken[nt][1] = cp, nt++;
         if (cp >= 0x20 && cp != '"' && cp != '\\')
             alts_add(c, &a, seq2(c, kvf_text_gx_lit(c->b, names[i] + d, cl),
-                                 key_except(c, names + i, j - i, d + cl, depth + 1)));
+                                 key_except(c, names + i, j - i, d + cl, nc + 1)));
         i = j;
     }
-    if (!ends_here && d > 0)
-        alts_add(c, &a, lit(c, "\""));
-    alts_add(c, &a, seq2(c, kvf_text_gx_chars(c->b, (const uint32_t(*)[2])taken, nt, true), rest));
+    alts_add(c, &a, seq2(c, kvf_text_gx_chars(c->b, (const uint32_t(*)[2])taken, nt, true),
+                         key_rest(c, SC_KEY_MAX - nc - 1)));
     free(taken);
     return alts_done(c, &a);
 }
@@ -1230,11 +1273,12 @@ static int cmp_str(const void *a, const void *b)
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* An extra property: a key that is none of the listed names, ":" and a value of vs. */
-static kvf_text_gx *extra_member(sc *c, const json_t *props, kvf_text_gx *value)
+/* An extra property: a key that is none of the listed or required names, ":" and a value. */
+static kvf_text_gx *extra_member(sc *c, const json_t *props, const json_t *req,
+                                 kvf_text_gx *value)
 {
     size_t n = json_object_size(props);
-    const char **names = calloc(n ? n : 1, sizeof *names);
+    const char **names = calloc(n + json_array_size(req) + 1, sizeof *names);
     if (!names) {
         c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
         return NULL;
@@ -1243,6 +1287,10 @@ static kvf_text_gx *extra_member(sc *c, const json_t *props, kvf_text_gx *value)
     const char *key;
     const json_t *v;
     json_object_foreach((json_t *)props, key, v) names[k++] = key;
+    for (size_t i = 0; i < json_array_size(req); i++)
+        if (!json_object_get(props, json_string_value(json_array_get(req, i))))
+            names[k++] = json_string_value(json_array_get(req, i));
+    n = k;
     qsort(names, n, sizeof *names, cmp_str);
     kvf_text_gx *kx = seq2(c, lit(c, "\""), key_except(c, names, n, 0, 0));
     free(names);
@@ -1331,37 +1379,95 @@ static kvf_text_gx *sc_object(sc *c, const json_t *s, int depth)
         free(ms);
         return NULL;
     }
-    /* Right to left: after[i] is the rest from member i once something was written (each
-     * member preceded by ","), first[i] the rest when nothing was yet. Each is a rule when it
-     * is referred to twice, so optional members cost linear size. */
-    kvf_text_gx *sep = seq3(c, ws(c), lit(c, ","), ws(c));
-    kvf_text_gx *after, *first;
+    /* Once something was written, the rest is flat: item i is "," and member i, optional
+     * unless required, then the extra properties' tail. What is written first has no comma: it
+     * is member j for some j up to the first required one (or an extra, or nothing when none is
+     * required), followed by the items after j. Those suffixes share blocks of SC_OBJ_BLOCK
+     * items as rules, so the size stays linear (SC_OBJ_BLOCK items per suffix) and the
+     * automaton's stack grows by one per block passed, not per optional property. */
+    /* Each member carries the ws after it, so an item starts with the "," byte itself: one
+     * automaton stack per item that may come next, where a leading ws would make three. */
+    kvf_text_gx *sep = seq2(c, lit(c, ","), ws(c));
+    kvf_text_gx *tail = lit(c, ""), *extra_first = NULL;
     if (extra_value) {
-        kvf_text_gx *em = extra_member(c, props, extra_value);
-        kvf_text_gx *more = kvf_text_gx_rep(c->b, seq2(c, sep, em), 0, -1);
-        after = sc_ref_rule(c, sc_rule_of(c, more));
-        first = opt(c, seq3(c, ws(c), em, after));
-    } else {
-        after = lit(c, "");
-        first = lit(c, "");
+        kvf_text_gx *em = sc_ref_rule(
+            c, sc_rule_of(c, seq2(c, extra_member(c, props, req, extra_value), ws(c))));
+        tail = sc_ref_rule(c, sc_rule_of(c, kvf_text_gx_rep(c->b, seq2(c, sep, em), 0, -1)));
+        extra_first = seq2(c, em, tail);
     }
-    for (size_t i = n; i-- > 0 && c->st == KVF_OK;) {
-        kvf_text_gx *m = ms[i].x;
-        if (ms[i].required) {
-            first = seq3(c, ws(c), m, after);
-            after = seq3(c, sep, m, after);
-        } else {
-            /* each is referred to twice below: rules */
-            kvf_text_gx *after_ref = sc_ref_rule(c, sc_rule_of(c, after));
-            kvf_text_gx *first_ref = sc_ref_rule(c, sc_rule_of(c, first));
-            kvf_text_gx *m_ref = sc_ref_rule(c, sc_rule_of(c, m));
-            after = alt2(c, seq3(c, sep, m_ref, after_ref), after_ref);
-            first = alt2(c, seq3(c, ws(c), m_ref, after_ref), first_ref);
+    /* Every optional member that may come next is a live automaton stack (three while the ws
+     * after its comma is open), and the matcher allows KVF_TEXT_GRAMMAR_MAX_STACKS: a long run
+     * of optional members is refused here, by name, rather than failing mid-generation. */
+    size_t run = 0, longest = 0;
+    for (size_t i = 0; i < n; i++) {
+        run = ms[i].required ? 0 : run + 1;
+        longest = run > longest ? run : longest;
+    }
+    if (longest > SC_OBJ_MAX_OPTIONAL_RUN) {
+        free(ms);
+        return sc_fail(c, "%zu optional properties in a row (at most %d: mark some required, or "
+                          "split the object)", longest, SC_OBJ_MAX_OPTIONAL_RUN);
+    }
+    size_t r0 = 0; /* the first required member, n when none is */
+    while (r0 < n && !ms[r0].required)
+        r0++;
+    int32_t *mrule = calloc(n + 1, sizeof *mrule);
+    size_t n_blocks = (n + SC_OBJ_BLOCK - 1) / SC_OBJ_BLOCK;
+    int32_t *blk = calloc(n_blocks + 1, sizeof *blk);
+    if (!mrule || !blk) {
+        free(mrule);
+        free(blk);
+        free(ms);
+        c->st = kvf_err_set(c->err, KVF_ERR_NOMEM, "json schema: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++)
+        mrule[i] = sc_rule_of(c, seq2(c, ms[i].x, ws(c)));
+    /* blk[b]: items of blocks b.. and the tail; defined last to first */
+    for (size_t b = n_blocks + 1; b-- > 0 && c->st == KVF_OK;) {
+        if (b == n_blocks) {
+            blk[b] = sc_rule_of(c, tail);
+            continue;
         }
+        sc_alts a = {0};
+        for (size_t i = b * SC_OBJ_BLOCK; i < n && i < (b + 1) * SC_OBJ_BLOCK; i++) {
+            kvf_text_gx *item = seq2(c, sep, sc_ref_rule(c, mrule[i]));
+            alts_add(c, &a, ms[i].required ? item : opt(c, item));
+        }
+        alts_add(c, &a, sc_ref_rule(c, blk[b + 1]));
+        blk[b] = sc_rule_of(c, kvf_text_gx_seq(c->b, a.xs, a.n));
+        free(a.xs);
     }
+    sc_alts firsts = {0};
+    for (size_t j = 0; j <= r0 && j < n && c->st == KVF_OK; j++) {
+        /* member j first, then the items after it: the rest of its block, then the blocks */
+        sc_alts a = {0};
+        alts_add(c, &a, sc_ref_rule(c, mrule[j]));
+        size_t b = (j + 1) / SC_OBJ_BLOCK;
+        for (size_t i = j + 1; i < n && i < (b + 1) * SC_OBJ_BLOCK; i++) {
+            kvf_text_gx *item = seq2(c, sep, sc_ref_rule(c, mrule[i]));
+            alts_add(c, &a, ms[i].required ? item : opt(c, item));
+        }
+        alts_add(c, &a, sc_ref_rule(c, blk[b < n_blocks ? b + 1 : n_blocks]));
+        alts_add(c, &firsts, kvf_text_gx_seq(c->b, a.xs, a.n));
+        free(a.xs);
+    }
+    if (r0 == n && extra_first) /* nothing required: an extra may come first */
+        alts_add(c, &firsts, extra_first);
+    /* one ws after "{" (not one per alternative: fewer live stacks); the last member's ws
+     * is the one before "}" */
+    kvf_text_gx *first = NULL;
+    if (c->st == KVF_OK && firsts.n)
+        first = alts_done(c, &firsts);
+    if (c->st == KVF_OK && r0 == n) /* nothing required: the object may stay empty */
+        first = first ? opt(c, first) : lit(c, "");
+    first = seq2(c, ws(c), first);
+    free(firsts.xs);
+    free(mrule);
+    free(blk);
     free(ms);
-    /* "{" first ws "}": when nothing is written, first is empty and this is "{" ws "}" */
-    return seq3(c, lit(c, "{"), first, seq2(c, ws(c), lit(c, "}")));
+    /* "{" ws [member ws ("," ws member ws)*] "}" */
+    return seq3(c, lit(c, "{"), first, lit(c, "}"));
 }
 
 static kvf_text_gx *sc_array(sc *c, const json_t *s, int depth)

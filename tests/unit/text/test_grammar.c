@@ -13,6 +13,7 @@
 
 #include "text/grammar.h"
 #include "testutil.h"
+#include "grammar_fixtures.h"
 
 /* A matcher without a vocabulary: enough for accept_bytes. */
 static kvf_text_matcher *matcher(kvf_text_grammar *g)
@@ -102,6 +103,62 @@ static void test_done_and_choice(void **state)
     kvf_text_matcher_destroy(m);
     kvf_text_grammar_destroy(g);
     assert_int_equal(kvf_text_grammar_choice(ch, NULL, 0, &g, &err), KVF_ERR_INVALID);
+}
+
+/* Many strings: merged prefixes keep a state small (kvf_text_gx_choice, and kvf_text_gx_alt of
+ * literals); an alternation of as many sequences passes the live-stack bound and is refused,
+ * not run without bound. */
+static void test_many_choices(void **state)
+{
+    (void)state;
+    enum { N = 6000 };
+    char **strs = malloc(N * sizeof *strs);
+    for (int i = 0; i < N; i++) {
+        strs[i] = malloc(32);
+        /* prefixes of each other too: "k1", "k10", "k100" */
+        snprintf(strs[i], 32, "k%d", i);
+    }
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    assert_int_equal(kvf_text_grammar_choice((const char *const *)strs, NULL, N, &g, &err), KVF_OK);
+    for (int i = 0; i < N; i += 7)
+        assert_int_equal(matches(g, strs[i], strlen(strs[i])), 1);
+    assert_int_equal(MATCHES(g, "k"), 0);
+    assert_int_equal(MATCHES(g, "k6000"), 0);
+    assert_int_equal(MATCHES(g, "k01"), 0);
+    kvf_text_matcher *m = matcher(g);
+    assert_int_equal(kvf_text_matcher_accept_bytes(m, "k59", 3, &err), KVF_OK);
+    assert_true(kvf_text_matcher_accepting(m));
+    assert_false(kvf_text_matcher_done(m)); /* k590..k599, k5900.. */
+    assert_int_equal(kvf_text_matcher_accept_bytes(m, "99", 2, &err), KVF_OK);
+    assert_true(kvf_text_matcher_done(m));
+    kvf_text_matcher_destroy(m);
+    kvf_text_grammar_destroy(g);
+
+    /* a plain alternation of the literals is merged the same way */
+    kvf_text_gb *b;
+    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
+    kvf_text_gx **xs = malloc(N * sizeof *xs);
+    for (int i = 0; i < N; i++)
+        xs[i] = kvf_text_gx_lit(b, strs[i], strlen(strs[i]));
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_alt(b, xs, N), &g, &err), KVF_OK);
+    kvf_text_gb_destroy(b);
+    assert_int_equal(MATCHES(g, "k4321"), 1);
+    assert_int_equal(MATCHES(g, "k43210"), 0);
+    kvf_text_grammar_destroy(g);
+    /* but as many sequences (not literals) are not: the live-stack bound refuses them, by name */
+    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
+    for (int i = 0; i < N; i++) {
+        kvf_text_gx *two[2] = {kvf_text_gx_lit(b, "k", 1), kvf_text_gx_lit(b, strs[i] + 1, strlen(strs[i]) - 1)};
+        xs[i] = kvf_text_gx_seq(b, two, 2);
+    }
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_alt(b, xs, N), &g, &err), KVF_ERR_LIMIT);
+    assert_non_null(strstr(err.msg, "live automaton stacks"));
+    kvf_text_gb_destroy(b);
+    free(xs);
+    for (int i = 0; i < N; i++)
+        free(strs[i]);
+    free(strs);
 }
 
 static void test_chars_utf8(void **state)
@@ -376,61 +433,6 @@ static void test_limits(void **state)
     kvf_text_grammar_destroy(g);
 }
 
-/* A JSON-like grammar by hand (objects, arrays, strings with escapes, numbers, literals, bounded
- * whitespace), as the schema compiler will make. */
-kvf_text_grammar *json_grammar(void);
-kvf_text_grammar *json_grammar(void)
-{
-    kvf_text_gb *b;
-    kvf_text_grammar *g;
-    kvf_err err = {0};
-    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
-    int32_t value = kvf_text_gb_rule(b), str = kvf_text_gb_rule(b);
-    kvf_text_gx *ws_c[2] = {kvf_text_gx_lit(b, " ", 1), kvf_text_gx_lit(b, "\n", 1)};
-    kvf_text_gx *ws = kvf_text_gx_rep(b, kvf_text_gx_alt(b, ws_c, 2), 0, 2);
-    /* string */
-    const uint32_t plain[3][2] = {{0, 0x1F}, {'"', '"'}, {'\\', '\\'}};
-    kvf_text_gx *hex = kvf_text_gx_chars(b, (const uint32_t[][2]){{'0', '9'}, {'a', 'f'}, {'A', 'F'}}, 3, false);
-    kvf_text_gx *u4[2] = {kvf_text_gx_lit(b, "u", 1), kvf_text_gx_rep(b, hex, 4, 4)};
-    kvf_text_gx *esc_c[2] = {kvf_text_gx_chars(b, (const uint32_t[][2]){{'"', '"'}, {'\\', '\\'}, {'/', '/'}, {'b', 'b'}, {'f', 'f'}, {'n', 'n'}, {'r', 'r'}, {'t', 't'}}, 8, false),
-                             kvf_text_gx_seq(b, u4, 2)};
-    kvf_text_gx *esc[2] = {kvf_text_gx_lit(b, "\\", 1), kvf_text_gx_alt(b, esc_c, 2)};
-    kvf_text_gx *ch[2] = {kvf_text_gx_chars(b, plain, 3, true), kvf_text_gx_seq(b, esc, 2)};
-    kvf_text_gx *s[3] = {kvf_text_gx_lit(b, "\"", 1), kvf_text_gx_rep(b, kvf_text_gx_alt(b, ch, 2), 0, -1),
-                         kvf_text_gx_lit(b, "\"", 1)};
-    kvf_text_gb_define(b, str, kvf_text_gx_seq(b, s, 3), &err);
-    /* number: -?(0|[1-9][0-9]*)(\.[0-9]+)? */
-    kvf_text_gx *digits = kvf_text_gx_rep(b, kvf_text_gx_bytes(b, '0', '9'), 1, -1);
-    kvf_text_gx *nz[2] = {kvf_text_gx_bytes(b, '1', '9'), kvf_text_gx_rep(b, kvf_text_gx_bytes(b, '0', '9'), 0, -1)};
-    kvf_text_gx *intp[2] = {kvf_text_gx_lit(b, "0", 1), kvf_text_gx_seq(b, nz, 2)};
-    kvf_text_gx *frac[2] = {kvf_text_gx_lit(b, ".", 1), digits};
-    kvf_text_gx *num[3] = {kvf_text_gx_rep(b, kvf_text_gx_lit(b, "-", 1), 0, 1), kvf_text_gx_alt(b, intp, 2),
-                           kvf_text_gx_rep(b, kvf_text_gx_seq(b, frac, 2), 0, 1)};
-    /* object: { ws (str ws : ws value ws (, ws str ws : ws value ws)*)? } */
-    kvf_text_gx *member[7] = {kvf_text_gx_ref(b, str), ws, kvf_text_gx_lit(b, ":", 1), ws,
-                              kvf_text_gx_ref(b, value), ws};
-    kvf_text_gx *mem = kvf_text_gx_seq(b, member, 6);
-    kvf_text_gx *more_m[3] = {kvf_text_gx_lit(b, ",", 1), ws, mem};
-    kvf_text_gx *members[2] = {mem, kvf_text_gx_rep(b, kvf_text_gx_seq(b, more_m, 3), 0, -1)};
-    kvf_text_gx *obj[4] = {kvf_text_gx_lit(b, "{", 1), ws,
-                           kvf_text_gx_rep(b, kvf_text_gx_seq(b, members, 2), 0, 1), kvf_text_gx_lit(b, "}", 1)};
-    kvf_text_gx *elem[2] = {kvf_text_gx_ref(b, value), ws};
-    kvf_text_gx *el = kvf_text_gx_seq(b, elem, 2);
-    kvf_text_gx *more_e[3] = {kvf_text_gx_lit(b, ",", 1), ws, el};
-    kvf_text_gx *elems[2] = {el, kvf_text_gx_rep(b, kvf_text_gx_seq(b, more_e, 3), 0, -1)};
-    kvf_text_gx *arr[4] = {kvf_text_gx_lit(b, "[", 1), ws,
-                           kvf_text_gx_rep(b, kvf_text_gx_seq(b, elems, 2), 0, 1), kvf_text_gx_lit(b, "]", 1)};
-    kvf_text_gx *vals[7] = {kvf_text_gx_seq(b, obj, 4), kvf_text_gx_seq(b, arr, 4), kvf_text_gx_ref(b, str),
-                            kvf_text_gx_seq(b, num, 3), kvf_text_gx_lit(b, "true", 4),
-                            kvf_text_gx_lit(b, "false", 5), kvf_text_gx_lit(b, "null", 4)};
-    assert_int_equal(kvf_text_gb_define(b, value, kvf_text_gx_alt(b, vals, 7), &err), KVF_OK);
-    kvf_status st = kvf_text_gb_finish(b, kvf_text_gx_seq(b, obj, 4), &g, &err);
-    if (st != KVF_OK)
-        fail_msg("json grammar: %s", err.msg);
-    kvf_text_gb_destroy(b);
-    return g;
-}
-
 static void test_json_like(void **state)
 {
     (void)state;
@@ -452,6 +454,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_literal_alt_rep),
         cmocka_unit_test(test_done_and_choice),
+        cmocka_unit_test(test_many_choices),
         cmocka_unit_test(test_chars_utf8),
         cmocka_unit_test(test_recursion_parens),
         cmocka_unit_test(test_left_recursion_refused),

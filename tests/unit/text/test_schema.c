@@ -147,8 +147,29 @@ static const schema_case cases[] = {
     /* additional properties under a schema, after the listed ones, never a listed name */
     {"{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
      "\"additionalProperties\":{\"type\":\"string\"}}",
-     {"{\"a\":1,\"b\":\"x\"}", "{\"b\":\"x\"}", "{}", "{\"a\":1}", "{\"ab\":\"x\",\"c\":\"\"}"},
-     {"{\"a\":1,\"a\":\"x\"}", "{\"b\":1}", "{\"b\":\"x\",\"a\":1}"}},
+     {"{\"a\":1,\"b\":\"x\"}", "{\"b\":\"x\"}", "{}", "{\"a\":1}", "{\"ab\":\"x\",\"c\":\"\"}",
+      "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}"},
+     {"{\"a\":1,\"a\":\"x\"}", "{\"b\":1}", "{\"b\":\"x\",\"a\":1}", "{\"kkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkkk\":\"x\"}",
+      "{\"\":\"x\"}", "{\"a\\u0062\":\"x\"}"}},
+    /* what Pydantic v2 writes: $defs, a $ref with a description beside it, Optional as anyOf
+     * with null and a default, a dict as additionalProperties, a tuple as prefixItems */
+    {"{\"$defs\":{\"Color\":{\"enum\":[\"red\",\"blue\"],\"title\":\"Color\",\"type\":"
+     "\"string\"}},\"properties\":{\"color\":{\"$ref\":\"#/$defs/Color\",\"description\":"
+     "\"paint\"},\"size\":{\"anyOf\":[{\"type\":\"integer\",\"minimum\":0},{\"type\":"
+     "\"null\"}],\"default\":null,\"title\":\"Size\"},\"extra\":{\"additionalProperties\":"
+     "{\"type\":\"integer\"},\"title\":\"Extra\",\"type\":\"object\"},\"pair\":{"
+     "\"maxItems\":2,\"minItems\":2,\"prefixItems\":[{\"type\":\"integer\"},{\"type\":"
+     "\"string\"}],\"title\":\"Pair\",\"type\":\"array\"}},\"required\":[\"color\",\"pair\"],"
+     "\"title\":\"Model\",\"type\":\"object\"}",
+     {"{\"color\":\"red\",\"pair\":[1,\"a\"]}",
+      "{\"color\": \"blue\", \"size\": null, \"extra\": {\"k\": 3}, \"pair\": [2, \"b\"]}",
+      "{\"color\":\"red\",\"size\":7,\"pair\":[1,\"a\"]}"},
+     {"{\"color\":\"green\",\"pair\":[1,\"a\"]}", "{\"color\":\"red\",\"pair\":[1]}",
+      "{\"color\":\"red\",\"size\":-1,\"pair\":[1,\"a\"]}",
+      "{\"color\":\"red\",\"extra\":{\"k\":\"v\"},\"pair\":[1,\"a\"]}"}},
+    /* a negated shorthand inside a class */
+    {"{\"type\":\"string\",\"pattern\":\"^[\\\\D]{2}$\"}", {"\"a\\\"\"", "\"xy\""},
+     {"\"a1\"", "\"abc\""}},
     /* anything */
     {"{}", {"1", "{\"a\":[1,{\"b\":null}]}", "\"x\"", "[]", "-0.5e+10"}, {"", "{", "tru"}},
     {"{\"const\":{\"k\":[true,null]}}", {"{\"k\":[true,null]}"}, {"{\"k\":[true]}"}},
@@ -245,6 +266,30 @@ static void test_unsupported_keywords(void **state)
     expect_error("{\"type\":\"string\",\"pattern\":\"a\",\"maxLength\":3}", "together");
 }
 
+/* An enum of 5000 strings: one choice, so masks stay within the automaton's stack bound. */
+static void test_large_enum(void **state)
+{
+    (void)state;
+    size_t n_vals = 5000;
+    char *s = malloc(n_vals * 16 + 32);
+    assert_non_null(s);
+    size_t n = (size_t)sprintf(s, "{\"enum\":[");
+    for (size_t i = 0; i < n_vals; i++)
+        n += (size_t)sprintf(s + n, "%s\"item-%zu\"", i ? "," : "", i);
+    n += (size_t)sprintf(s + n, "]}");
+    kvf_text_grammar *g = NULL;
+    kvf_err err = {0};
+    if (kvf_text_grammar_schema(s, n, &g, &err) != KVF_OK)
+        fail_msg("enum of %zu: %s", n_vals, err.msg);
+    assert_true(admits(g, "\"item-4999\""));
+    assert_true(admits(g, "\"item-0\""));
+    assert_false(admits(g, "\"item-5000\""));
+    assert_false(admits(g, "\"item-\""));
+    admits_by_tokens(g, "\"item-1234\"");
+    kvf_text_grammar_destroy(g);
+    free(s);
+}
+
 static void test_hostile(void **state)
 {
     (void)state;
@@ -325,6 +370,30 @@ static void test_hostile(void **state)
             fail_msg("shared definitions: %s", err.msg);
         kvf_text_grammar_destroy(g);
     }
+    /* optional properties: 250 in a row run through the masks; 300 are refused by name */
+    {
+        static char s[32768];
+        for (int k = 0; k < 2; k++) {
+            int n_props = k ? 300 : 250;
+            n = (size_t)sprintf(s, "{\"type\":\"object\",\"properties\":{");
+            for (int i = 0; i < n_props; i++)
+                n += (size_t)sprintf(s + n, "%s\"p%d\":{\"type\":\"integer\"}", i ? "," : "", i);
+            n += (size_t)sprintf(s + n, "}}");
+            kvf_text_grammar *g = NULL;
+            kvf_err err = {0};
+            kvf_status st = kvf_text_grammar_schema(s, n, &g, &err);
+            if (k) {
+                assert_int_not_equal(st, KVF_OK);
+                assert_non_null(strstr(err.msg, "300 optional properties in a row"));
+                continue;
+            }
+            if (st != KVF_OK)
+                fail_msg("250 optional properties: %s", err.msg);
+            admits_by_tokens(g, "{\"p0\": 1, \"p5\": 22, \"p249\": 3}");
+            admits_by_tokens(g, "{}");
+            kvf_text_grammar_destroy(g);
+        }
+    }
     /* bad arguments */
     {
         kvf_text_grammar *g = NULL;
@@ -339,6 +408,7 @@ int main(void)
         cmocka_unit_test(test_cases),
         cmocka_unit_test(test_json_object),
         cmocka_unit_test(test_unsupported_keywords),
+        cmocka_unit_test(test_large_enum),
         cmocka_unit_test(test_hostile),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
