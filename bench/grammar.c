@@ -3,8 +3,8 @@
  * <= 50 ms for 50, and a few others), and the token mask per step over a real vocabulary (Qwen3's
  * ~151k tokens by default) along a document: uncached (a fresh grammar, each state's mask computed
  * on first visit) and cached (the same walk again), next to the cost of accepting the token.
- * Constrained vs unconstrained decode throughput (the engine's part) is left to its own section
- * below, to be filled when the engine applies masks. */
+ * Then the engine's side: constrained vs unconstrained decode throughput at batch 1 and 8 on a
+ * random-weight model of a gen-model preset speaking that tokenizer (goal: >= 0.9x at batch 8). */
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -17,12 +17,19 @@
 #include "common/cfg.h"
 #include "common/progress.h"
 #include "common/time.h"
+#include "engine/engine.h"
+#include "model/backend.h"
+#include "model/model.h"
+#include "model/weights.h"
 #include "text/grammar.h"
+#include "text/guide.h"
 #include "text/tokenizer.h"
 
+#include <sys/stat.h>
+
 typedef struct grammar_bench_cfg {
-    const char *tokenizer;
-    int32_t properties;
+    const char *tokenizer, *preset;
+    int32_t properties, decode_tokens, threads, rounds;
     double seconds;
 } grammar_bench_cfg;
 
@@ -30,6 +37,10 @@ static const kvf_cfg_opt grammar_bench_opts[] = {
     {"tokenizer", "../shared/fixtures/tokenizers/qwen3", "tokenizer directory (or tokenizer.json) whose vocabulary the masks cover", offsetof(grammar_bench_cfg, tokenizer), KVF_CFG_STR},
     {"properties", "50", "properties of the generated schema (1 to 2000)", offsetof(grammar_bench_cfg, properties), KVF_CFG_INT},
     {"seconds", "0.5", "minimum seconds per compile measurement", offsetof(grammar_bench_cfg, seconds), KVF_CFG_DOUBLE},
+    {"preset", "small", "gen-model preset of the decode comparison's random-weight model (with the tokenizer's vocabulary); none: skip it", offsetof(grammar_bench_cfg, preset), KVF_CFG_STR},
+    {"decode-tokens", "64", "new tokens per sequence in the decode comparison", offsetof(grammar_bench_cfg, decode_tokens), KVF_CFG_INT},
+    {"threads", "0", "CPU threads of the decode comparison (0: one per CPU)", offsetof(grammar_bench_cfg, threads), KVF_CFG_INT},
+    {"rounds", "3", "alternating rounds per batch size in the decode comparison (medians)", offsetof(grammar_bench_cfg, rounds), KVF_CFG_INT},
     {NULL},
 };
 
@@ -39,8 +50,11 @@ static const kvf_cfg_spec grammar_bench_spec = {
                "schema of --properties properties, goal <= 50 ms for 50, and a few others), then\n"
                "the token mask per step over the tokenizer's vocabulary along a document of each\n"
                "schema: uncached (a fresh grammar: each automaton state computed on first visit)\n"
-               "and cached (the same walk again), and accepting the token. Ends with a summary\n"
-               "line: compile_ms=<x> mask_uncached_us=<y> mask_cached_us=<z>.",
+               "and cached (the same walk again), and accepting the token. Then decode throughput\n"
+               "with and without a JSON Schema guide at batch 1 and 8 on a random-weight model\n"
+               "(--preset), alternating rounds, medians. Ends with a summary line:\n"
+               "compile_ms=<x> mask_uncached_us=<y> mask_cached_us=<z> decode_ratio_b1=<r>\n"
+               "decode_ratio_b8=<r>.",
     .opts = grammar_bench_opts,
 };
 
@@ -214,14 +228,175 @@ static kvf_status walk_doc(kvf_text_matcher *m, const int32_t *ids, size_t n, in
     return KVF_OK;
 }
 
-/* ---- constrained vs unconstrained decode throughput ----
- * The engine's side (batch 1 and 8, goal >= 0.9x at batch 8) belongs here once the engine applies
- * masks: load a model, decode the same prompts with and without a grammar, print both rates and
- * their ratio. Until then the section prints that it is not measured. */
-static void decode_section(void)
+/* ---- the engine: constrained vs unconstrained decode ---- */
+
+/* The guide of the decode comparison: an object holding a list of strings, which a random model
+ * keeps writing for many tokens (most steps inside a string: the cached state of real use). */
+static const char decode_schema[] =
+    "{\"type\":\"object\",\"properties\":{\"notes\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}}},"
+    "\"required\":[\"notes\"],\"additionalProperties\":false}";
+
+static int cmp_double(const void *a, const void *b)
 {
-    printf("\nconstrained vs unconstrained decode: not measured yet (the engine's constrained "
-           "decoding, issue 24, adds it here)\n");
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* B sequences of a 3-token prompt, sampled (temperature 1), up to D new tokens each, guided or
+ * not, run to the end: new tokens per second over the whole run. */
+static kvf_status decode_run(kvf_engine *e, int32_t B, int32_t D, bool guided, uint64_t *next_id,
+                             double *tok_s, kvf_err *err)
+{
+    static const int32_t prompt[3] = {5, 17, 33};
+    for (int32_t b = 0; b < B; b++) {
+        kvf_engine_request q = {.id = (*next_id)++, .prompt = prompt, .n_prompt = 3};
+        kvf_engine_sampling_default(&q.sampling);
+        q.sampling.max_tokens = D;
+        q.sampling.temperature = 1.0f;
+        q.sampling.seed = q.id;
+        if (guided) {
+            q.sampling.guide_kind = KVF_TEXT_GUIDE_JSON_SCHEMA;
+            q.sampling.guide = decode_schema;
+            q.sampling.guide_len = sizeof decode_schema - 1;
+        }
+        kvf_status st = kvf_engine_add(e, &q, err);
+        if (st != KVF_OK)
+            return st;
+    }
+    int64_t tokens = 0;
+    double t0 = kvf_now_s();
+    while (kvf_engine_busy(e)) {
+        const kvf_engine_output *o;
+        int32_t n;
+        kvf_status st = kvf_engine_step(e, &o, &n, err);
+        if (st != KVF_OK)
+            return st;
+        for (int32_t i = 0; i < n; i++)
+            tokens += o[i].token >= 0;
+    }
+    *tok_s = (double)tokens / (kvf_now_s() - t0);
+    return KVF_OK;
+}
+
+/* A random-weight model of the preset with the tokenizer's vocabulary, written to dir with the
+ * tokenizer files beside it. */
+static kvf_status decode_model(const grammar_bench_cfg *c, const char *dir, int32_t vocab,
+                               kvf_err *err)
+{
+    kvf_model_config mc;
+    kvf_status st = kvf_model_preset(c->preset, vocab, &mc, err);
+    if (st != KVF_OK)
+        return st;
+    char path[1200], src[1200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if ((st = kvf_model_config_write(path, &mc, KVF_DTYPE_F32, err)) != KVF_OK)
+        return st;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if ((st = kvf_model_weights_write_random(path, &mc, KVF_DTYPE_F32, 1234, err)) != KVF_OK)
+        return st;
+    struct stat sb;
+    const char *names[2] = {"tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 2; i++) {
+        bool is_dir = stat(c->tokenizer, &sb) == 0 && S_ISDIR(sb.st_mode);
+        if (is_dir)
+            snprintf(src, sizeof src, "%s/%s", c->tokenizer, names[i]);
+        else if (i == 0)
+            snprintf(src, sizeof src, "%s", c->tokenizer);
+        else
+            continue;
+        FILE *in = fopen(src, "rb");
+        if (!in) {
+            if (i == 0)
+                return kvf_err_set(err, KVF_ERR_IO, "bench grammar: cannot read %s", src);
+            continue;
+        }
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        FILE *out = fopen(path, "wb");
+        char buf[65536];
+        size_t got;
+        while (out && (got = fread(buf, 1, sizeof buf, in)) > 0)
+            fwrite(buf, 1, got, out);
+        fclose(in);
+        if (!out || fclose(out) != 0)
+            return kvf_err_set(err, KVF_ERR_IO, "bench grammar: cannot write %s", path);
+    }
+    return KVF_OK;
+}
+
+/* Decode throughput with and without the guide, batch 1 and 8, alternating rounds; the medians'
+ * ratios into ratio_out[2] (0 when not measured). */
+static void decode_section(const grammar_bench_cfg *c, int32_t vocab, double *ratio_out)
+{
+    ratio_out[0] = ratio_out[1] = 0;
+    if (strcmp(c->preset, "none") == 0) {
+        printf("\nconstrained vs unconstrained decode: skipped (--preset none)\n");
+        return;
+    }
+    char dir[] = "/tmp/kvf-bench-grammar-XXXXXX";
+    kvf_err err = {0};
+    kvf_model *m = NULL;
+    kvf_engine *e = NULL;
+    if (!mkdtemp(dir)) {
+        printf("\nconstrained vs unconstrained decode: skipped: no temporary directory\n");
+        return;
+    }
+    printf("\nconstrained vs unconstrained decode: preset %s, %d new tokens a sequence, "
+           "temperature 1, guide %s\n", c->preset, c->decode_tokens, decode_schema);
+    kvf_status st = decode_model(c, dir, vocab, &err);
+    kvf_engine_cfg ec;
+    kvf_engine_cfg_default(&ec);
+    ec.n_blocks = 8 * ((3 + c->decode_tokens) / 16 + 2);
+    ec.max_seqs = 8;
+    ec.max_queued = 16;
+    ec.max_batch_tokens = 64;
+    ec.threads = c->threads;
+    ec.tokenizer_dir = dir;
+    if (st == KVF_OK)
+        st = kvf_model_load(dir, &m, &err);
+    if (st == KVF_OK)
+        st = kvf_engine_create(m, kvf_model_backend_cpu(), &ec, &e, &err);
+    uint64_t next_id = 1;
+    double warm;
+    if (st == KVF_OK) /* compiles the guide and visits its states once, as a server would have */
+        st = decode_run(e, 8, c->decode_tokens, true, &next_id, &warm, &err);
+    const int32_t batches[2] = {1, 8};
+    int rounds = c->rounds > 0 && c->rounds <= 15 ? c->rounds : 3;
+    kvf_progress prog;
+    kvf_progress_init(&prog, "bench grammar: decode", 2 * 2 * rounds);
+    int64_t done = 0;
+    if (st == KVF_OK)
+        printf("\n%-6s %16s %16s %8s\n", "batch", "plain tok/s", "guided tok/s", "ratio");
+    for (int bi = 0; bi < 2 && st == KVF_OK; bi++) {
+        double plain[15], guided[15];
+        for (int r = 0; r < rounds && st == KVF_OK; r++) {
+            st = decode_run(e, batches[bi], c->decode_tokens, false, &next_id, &plain[r], &err);
+            kvf_progress_update(&prog, ++done);
+            if (st == KVF_OK)
+                st = decode_run(e, batches[bi], c->decode_tokens, true, &next_id, &guided[r], &err);
+            kvf_progress_update(&prog, ++done);
+        }
+        if (st != KVF_OK)
+            break;
+        qsort(plain, (size_t)rounds, sizeof *plain, cmp_double);
+        qsort(guided, (size_t)rounds, sizeof *guided, cmp_double);
+        double p = plain[rounds / 2], g = guided[rounds / 2];
+        ratio_out[bi] = p > 0 ? g / p : 0;
+        kvf_progress_finish(&prog);
+        printf("%-6d %16.1f %16.1f %7.2fx%s\n", batches[bi], p, g, ratio_out[bi],
+               batches[bi] == 8 ? (ratio_out[bi] >= 0.9 ? "  (goal >= 0.9: met)" : "  (goal >= 0.9: MISSED)") : "");
+    }
+    kvf_progress_finish(&prog);
+    if (st != KVF_OK)
+        printf("constrained vs unconstrained decode: failed: %s\n", err.msg);
+    kvf_engine_destroy(e);
+    kvf_model_destroy(m);
+    const char *names[4] = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"};
+    char path[1200];
+    for (int i = 0; i < 4; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        unlink(path);
+    }
+    rmdir(dir);
 }
 
 int kvf_bench_grammar_main(int argc, char **argv)
@@ -289,7 +464,6 @@ int kvf_bench_grammar_main(int argc, char **argv)
         printf("\nmasks: skipped: --tokenizer=%s: %s\n", c.tokenizer, err.msg);
         printf("\ncompile_ms=%.2f (%d properties) mask_uncached_us=n/a mask_cached_us=n/a\n",
                big_ms, c.properties);
-        decode_section();
         goto out;
     }
     double t1 = kvf_now_s();
@@ -346,14 +520,16 @@ int kvf_bench_grammar_main(int argc, char **argv)
     }
     kvf_progress_finish(&prog);
     free(mask);
+    int32_t n_vocab = kvf_text_vocab_size(vocab);
     kvf_text_vocab_destroy(vocab);
     kvf_text_tokenizer_destroy(tok);
     if (rc == 0) {
-        decode_section();
+        double ratio[2];
+        decode_section(&c, n_vocab, ratio);
         printf("\ncompile_ms=%.2f (%d properties%s) mask_uncached_us=%.1f mask_cached_us=%.2f "
-               "(per token along its document, %s)\n",
+               "(per token along its document, %s) decode_ratio_b1=%.2f decode_ratio_b8=%.2f%s\n",
                big_ms, c.properties, c.properties == 50 ? ", goal <= 50" : "", big_unc, big_cached,
-               schemas[0].name);
+               schemas[0].name, ratio[0], ratio[1], ratio[1] > 0 ? " (goal >= 0.9)" : "");
     }
 out:
     free(big.p);

@@ -665,11 +665,17 @@ static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t gree
         }
         memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
         int32_t allowed = 0;
-        for (int32_t id = 0; id < e->vocab; id++) {
-            if (e->gmask[id >> 5] >> (id & 31) & 1u)
-                allowed++;
-            else
-                e->proc_row[id] = -INFINITY;
+        for (int32_t w = 0, base = 0; base < e->vocab; w++, base += 32) {
+            uint32_t m = e->gmask[w];
+            int32_t n = e->vocab - base < 32 ? e->vocab - base : 32;
+            if (m == UINT32_MAX && n == 32) { /* a whole word allowed: inside a string, most */
+                allowed += 32;
+                continue;
+            }
+            allowed += __builtin_popcount(m);
+            for (int32_t b = 0; b < n; b++)
+                if (!(m >> b & 1u))
+                    e->proc_row[base + b] = -INFINITY;
         }
         if (allowed == 0) { /* complete with no end id to take (ignore_eos), or a dead end */
             finish_seq(e, s, kvf_text_matcher_accepting(s->gm) ? KVF_ENGINE_FINISH_STOP
