@@ -1407,8 +1407,97 @@ typedef struct walk {
 } walk;
 
 /* The BYTE, REF and FINAL states reachable from s over epsilon edges, appended to *out. */
-static kvf_status closure_of(const gstate *st, walk *w, int32_t s, int32_t **out, size_t *n,
-                             size_t *cap)
+/* live[s]: from state s its rule can still end (reach its FINAL) over bytes, epsilons and
+ * references to rules that can end. Closures leave the other states out, so no byte a mask or
+ * next_bytes allows leads into a dead end (an empty choice or class). Returns NULL when out of
+ * memory; *root_ok: the root can end at all. */
+static uint8_t *live_states(const kvf_text_grammar *g, const int32_t *rule_final, bool *root_ok)
+{
+    int32_t n = g->n_st, nr = g->n_rules;
+    uint8_t *live = calloc((size_t)n, 1);
+    bool *productive = calloc((size_t)nr, sizeof *productive);
+    int32_t *rev_off = calloc((size_t)n + 2, sizeof *rev_off), *rev = NULL, *queue = NULL;
+    if (!live || !productive || !rev_off)
+        goto nomem;
+    /* reverse edges, once; a REF edge counts only while its rule is productive, which the
+     * fixpoint below decides: rules become productive as their starts become live */
+    for (int32_t t = 0; t < n; t++) {
+        const gstate *x = &g->st[t];
+        if (x->kind == ST_BYTE || x->kind == ST_REF || x->kind == ST_EPS)
+            rev_off[x->next + 1]++;
+        if (x->kind == ST_EPS && x->arg >= 0)
+            rev_off[x->arg + 1]++;
+    }
+    for (int32_t t = 0; t < n; t++)
+        rev_off[t + 1] += rev_off[t];
+    rev = malloc(((size_t)rev_off[n] + 1) * sizeof *rev);
+    queue = malloc(((size_t)n + 1) * sizeof *queue);
+    if (!rev || !queue)
+        goto nomem;
+    {
+        int32_t *fill = malloc(((size_t)n + 1) * sizeof *fill);
+        if (!fill)
+            goto nomem;
+        memcpy(fill, rev_off, (size_t)n * sizeof *fill);
+        for (int32_t t = 0; t < n; t++) {
+            const gstate *x = &g->st[t];
+            if (x->kind == ST_BYTE || x->kind == ST_REF || x->kind == ST_EPS)
+                rev[fill[x->next]++] = t;
+            if (x->kind == ST_EPS && x->arg >= 0)
+                rev[fill[x->arg]++] = t;
+        }
+        free(fill);
+    }
+    /* backwards from every FINAL; a REF state is live when its successor is and its rule is
+     * productive; a rule turns productive when its start turns live, which may make REF states
+     * waiting on it live: rescan them then (a few rounds at most in practice) */
+    size_t qn = 0;
+    for (int32_t r = 0; r < nr; r++)
+        if (rule_final[r] >= 0) {
+            live[rule_final[r]] = 1;
+            queue[qn++] = rule_final[r];
+        }
+    for (;;) {
+        while (qn) {
+            int32_t t = queue[--qn];
+            for (int32_t i = rev_off[t]; i < rev_off[t + 1]; i++) {
+                int32_t u = rev[i];
+                if (live[u] || (g->st[u].kind == ST_REF && !productive[g->st[u].arg]))
+                    continue;
+                live[u] = 1;
+                queue[qn++] = u;
+            }
+        }
+        bool changed = false;
+        for (int32_t r = 0; r < nr; r++)
+            if (!productive[r] && g->rule_start[r] >= 0 && live[g->rule_start[r]])
+                productive[r] = changed = true;
+        if (!changed)
+            break;
+        for (int32_t u = 0; u < n; u++) /* REF states whose rule just turned productive */
+            if (!live[u] && g->st[u].kind == ST_REF && productive[g->st[u].arg] &&
+                live[g->st[u].next]) {
+                live[u] = 1;
+                queue[qn++] = u;
+            }
+    }
+    *root_ok = productive[nr - 1];
+    free(productive);
+    free(rev_off);
+    free(rev);
+    free(queue);
+    return live;
+nomem:
+    free(live);
+    free(productive);
+    free(rev_off);
+    free(rev);
+    free(queue);
+    return NULL;
+}
+
+static kvf_status closure_of(const gstate *st, const uint8_t *live, walk *w, int32_t s,
+                             int32_t **out, size_t *n, size_t *cap)
 {
     w->stamp++;
     size_t sp = 0;
@@ -1425,7 +1514,7 @@ static kvf_status closure_of(const gstate *st, walk *w, int32_t s, int32_t **out
                     w->stack[sp++] = nx[k];
                 }
             }
-        } else if (x->kind != ST_DEAD) {
+        } else if (x->kind != ST_DEAD && live[t]) {
             if (*n == *cap) {
                 if (*cap >= G_MAX_CLOSURE)
                     return KVF_ERR_LIMIT;
@@ -1456,6 +1545,7 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
     int32_t *rule_final = NULL;
     bool *nullable = NULL;
     int32_t *color = NULL, *path = NULL, *clo = NULL;
+    uint8_t *live = NULL;
     size_t clo_n = 0, clo_cap = 0;
     if (!g)
         return kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
@@ -1490,53 +1580,14 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
     g->n_st = n.n;
     n.st = NULL;
 
-    /* 2. closures of the states stacks continue from: rule starts, BYTE and REF successors */
     w.stack = malloc((size_t)g->n_st * sizeof *w.stack);
     w.seen = calloc((size_t)g->n_st, sizeof *w.seen);
-    g->clo_off = malloc((size_t)g->n_st * sizeof *g->clo_off);
-    g->clo_len = calloc((size_t)g->n_st, sizeof *g->clo_len);
-    if (!w.stack || !w.seen || !g->clo_off || !g->clo_len) {
+    if (!w.stack || !w.seen) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
         goto fail;
     }
-    for (int32_t s = 0; s < g->n_st; s++)
-        g->clo_off[s] = -1;
-    for (int32_t s = -nr; s < g->n_st; s++) {
-        int32_t t;
-        if (s < 0)
-            t = g->rule_start[s + nr];
-        else if (g->st[s].kind == ST_BYTE || g->st[s].kind == ST_REF)
-            t = g->st[s].next;
-        else
-            continue;
-        if (t < 0 || g->clo_off[t] >= 0)
-            continue;
-        size_t at = clo_n;
-        kvf_status cs = closure_of(g->st, &w, t, &clo, &clo_n, &clo_cap);
-        if (cs == KVF_ERR_LIMIT) {
-            st = kvf_err_set(err, KVF_ERR_LIMIT,
-                             "grammar: too ambiguous: its epsilon closures pass %d states",
-                             G_MAX_CLOSURE);
-            goto fail;
-        }
-        if (cs != KVF_OK) {
-            st = kvf_err_set(err, cs, "grammar: out of memory");
-            goto fail;
-        }
-        g->clo_off[t] = (int32_t)at;
-        g->clo_len[t] = (int32_t)(clo_n - at);
-    }
-    g->clo = clo;
-    clo = NULL;
-    if (!g->clo) {
-        g->clo = malloc(sizeof *g->clo);
-        if (!g->clo) {
-            st = kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
-            goto fail;
-        }
-    }
 
-    /* 3. nullable rules (a fixpoint), then the graph "R may enter S before consuming a byte":
+    /* 2. nullable rules (a fixpoint), then the graph "R may enter S before consuming a byte":
      * a cycle in it is left recursion, which would make a step's expansion unbounded */
     nullable = calloc((size_t)nr, sizeof *nullable);
     color = calloc((size_t)nr, sizeof *color);
@@ -1677,7 +1728,67 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
         }
     }
 
-    /* 4. the initial state */
+    /* 3. the states from which the output can still end; a root that cannot end is refused */
+    {
+        bool root_ok = false;
+        live = live_states(g, rule_final, &root_ok);
+        if (!live) {
+            st = kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
+            goto fail;
+        }
+        if (!root_ok) {
+            st = kvf_err_set(err, KVF_ERR_INVALID,
+                             "grammar: no output can match it (an empty choice or class, or "
+                             "rules that never end)");
+            goto fail;
+        }
+    }
+
+    /* 4. closures of the states stacks continue from: rule starts, BYTE and REF successors */
+    g->clo_off = malloc((size_t)g->n_st * sizeof *g->clo_off);
+    g->clo_len = calloc((size_t)g->n_st, sizeof *g->clo_len);
+    if (!g->clo_off || !g->clo_len) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
+        goto fail;
+    }
+    for (int32_t s = 0; s < g->n_st; s++)
+        g->clo_off[s] = -1;
+    for (int32_t s = -nr; s < g->n_st; s++) {
+        int32_t t;
+        if (s < 0)
+            t = g->rule_start[s + nr];
+        else if (g->st[s].kind == ST_BYTE || g->st[s].kind == ST_REF)
+            t = g->st[s].next;
+        else
+            continue;
+        if (t < 0 || g->clo_off[t] >= 0)
+            continue;
+        size_t at = clo_n;
+        kvf_status cs = closure_of(g->st, live, &w, t, &clo, &clo_n, &clo_cap);
+        if (cs == KVF_ERR_LIMIT) {
+            st = kvf_err_set(err, KVF_ERR_LIMIT,
+                             "grammar: too ambiguous: its epsilon closures pass %d states",
+                             G_MAX_CLOSURE);
+            goto fail;
+        }
+        if (cs != KVF_OK) {
+            st = kvf_err_set(err, cs, "grammar: out of memory");
+            goto fail;
+        }
+        g->clo_off[t] = (int32_t)at;
+        g->clo_len[t] = (int32_t)(clo_n - at);
+    }
+    g->clo = clo;
+    clo = NULL;
+    if (!g->clo) {
+        g->clo = malloc(sizeof *g->clo);
+        if (!g->clo) {
+            st = kvf_err_set(err, KVF_ERR_NOMEM, "grammar: out of memory");
+            goto fail;
+        }
+    }
+
+    /* 5. the initial state */
     {
         scratch s = {0};
         int32_t fn = 0;
@@ -1697,6 +1808,7 @@ kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_gramma
     free(nullable);
     free(color);
     free(path);
+    free(live);
     *out = g;
     return KVF_OK;
 fail:
@@ -1710,6 +1822,7 @@ fail:
     free(color);
     free(path);
     free(clo);
+    free(live);
     kvf_text_grammar_destroy(g);
     return st;
 }

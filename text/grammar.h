@@ -70,8 +70,10 @@ kvf_text_gx *kvf_text_gx_ref(kvf_text_gb *b, int32_t rule);
 kvf_text_gx *kvf_text_gx_choice(kvf_text_gb *b, const char *const *strs, const size_t *lens,
                                 size_t n);
 
-/* The grammar whose language is root's. Every rule referred to must be defined. b may be
- * destroyed afterwards (or used for nothing else). */
+/* The grammar whose language is root's. Every rule referred to must be defined. A grammar no
+ * output can match is refused, and branches that can never end (an empty choice or class) are
+ * pruned, so a byte or token a matcher allows never leads into a dead end. b may be destroyed
+ * afterwards (or used for nothing else). */
 kvf_status kvf_text_gb_finish(kvf_text_gb *b, kvf_text_gx *root, kvf_text_grammar **out,
                               kvf_err *err);
 

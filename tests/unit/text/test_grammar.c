@@ -345,12 +345,34 @@ static void test_undefined_and_misuse(void **state)
     kvf_text_gb_destroy(NULL);
     kvf_text_grammar_destroy(NULL);
 
-    /* the empty alternation matches nothing; an empty sequence the empty string */
+    /* a grammar no output can match is refused (the engine could allow no token at all) */
     assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
-    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_alt(b, NULL, 0), &g, &err), KVF_OK);
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_alt(b, NULL, 0), &g, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "no output can match"));
     kvf_text_gb_destroy(b);
-    assert_int_equal(MATCHES(g, ""), 0);
-    assert_int_equal(MATCHES(g, "a"), 0);
+    /* as is a rule that never ends: R = "a" R */
+    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
+    r = kvf_text_gb_rule(b);
+    kvf_text_gx *ar[2] = {kvf_text_gx_lit(b, "a", 1), kvf_text_gx_ref(b, r)};
+    assert_int_equal(kvf_text_gb_define(b, r, kvf_text_gx_seq(b, ar, 2), &err), KVF_OK);
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_ref(b, r), &g, &err), KVF_ERR_INVALID);
+    kvf_text_gb_destroy(b);
+    /* dead branches are pruned: "a" followed by nothing never lets "a" through, so no byte
+     * leads into a dead end */
+    assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
+    kvf_text_gx *dead[2] = {kvf_text_gx_lit(b, "a", 1), kvf_text_gx_alt(b, NULL, 0)};
+    kvf_text_gx *alts[2] = {kvf_text_gx_seq(b, dead, 2), kvf_text_gx_lit(b, "ab", 2)};
+    kvf_text_gx *rest[2] = {kvf_text_gx_lit(b, "x", 1), kvf_text_gx_alt(b, alts, 2)};
+    assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_seq(b, rest, 2), &g, &err), KVF_OK);
+    kvf_text_gb_destroy(b);
+    kvf_text_matcher *dm = matcher(g);
+    assert_int_equal(kvf_text_matcher_accept_bytes(dm, "xa", 2, &err), KVF_OK);
+    uint32_t set[8];
+    assert_int_equal(kvf_text_matcher_next_bytes(dm, set, &err), KVF_OK);
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(set[i], i == 'b' / 32 ? 1u << ('b' % 32) : 0u);
+    kvf_text_matcher_destroy(dm);
+    assert_int_equal(MATCHES(g, "xab"), 1);
     kvf_text_grammar_destroy(g);
     assert_int_equal(kvf_text_gb_create(&b, &err), KVF_OK);
     assert_int_equal(kvf_text_gb_finish(b, kvf_text_gx_seq(b, NULL, 0), &g, &err), KVF_OK);
