@@ -198,7 +198,7 @@ static void test_parse_errors(void **state)
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_json\":\"{bad\"}", 400, "guided_json", "not valid JSON");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_choice\":[\"a\",2]}", 400, "guided_choice", "must be a string");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_regex\":\"a\",\"guided_json\":{}}", 400,
-               "guided_json", "give one");
+               "guided_regex", "give one");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"structured_outputs\":{\"grammar\":\"x\"}}", 400,
                "structured_outputs.grammar", "not supported");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"top_logprobs\":2}", 400, "top_logprobs", "not supported");
