@@ -25,7 +25,7 @@
 #include "engine/backends.h"
 
 typedef struct engine_bench_cfg {
-    const char *presets, *batches, *dir, *weights, *device;
+    const char *presets, *batches, *dir, *weights, *device, *weight_dtype;
     int32_t prompt, decode, decode_medium, vocab, budget, threads;
     int64_t memread_bytes;
     double temperature, top_p;
@@ -41,6 +41,7 @@ static const kvf_cfg_opt engine_bench_opts[] = {
     {"budget", "2048", "token budget of one step (max_batch_tokens)", offsetof(engine_bench_cfg, budget), KVF_CFG_INT},
     {"threads", "0", "threads of the multi-threaded runs (0: one per online CPU)", offsetof(engine_bench_cfg, threads), KVF_CFG_INT},
     {"weights", "bf16", "weight dtype written to disk (f32, f16, bf16)", offsetof(engine_bench_cfg, weights), KVF_CFG_STR},
+    {"weight-dtype", "f32", "cpu: matrices at load, f32 or q8 (int8 blocks of 32 and an f32 scale: weight_GB/s then counts 36/32 bytes a parameter)", offsetof(engine_bench_cfg, weight_dtype), KVF_CFG_STR},
     {"device", "cpu", "backend: cpu, or cuda (GPU 0; one run, weights kept as bf16/f16 on the device)", offsetof(engine_bench_cfg, device), KVF_CFG_STR},
     {"dir", NULL, "where to write the models (default: a new directory under $TMPDIR or /tmp, removed after)", offsetof(engine_bench_cfg, dir), KVF_CFG_STR},
     {"temperature", "0", "sampling temperature of every sequence (0: greedy); with a temperature a GPU draws on the device, the CPU on the host", offsetof(engine_bench_cfg, temperature), KVF_CFG_DOUBLE},
@@ -278,7 +279,14 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 2;
     }
     bool gpu = be != kvf_model_backend_cpu();
-    double bytes_per_param = gpu ? 2.0 : 4.0;
+    int weight_dtype = kvf_backend_weight_dtype_parse(bc.weight_dtype);
+    if (weight_dtype < 0) {
+        fprintf(stderr, "kvfleet: bench engine: --weight-dtype=%s is not supported (use f32 or q8)\n",
+                bc.weight_dtype ? bc.weight_dtype : "");
+        return 2;
+    }
+    /* q8: 32 int8 and a 4-byte scale per block of 32 */
+    double bytes_per_param = gpu ? 2.0 : weight_dtype == KVF_BACKEND_WEIGHT_Q8 ? 36.0 / 32.0 : 4.0;
     int32_t max_b = 1;
     for (int i = 0; i < n_batches; i++)
         max_b = batches[i] > max_b ? batches[i] : max_b;
@@ -391,6 +399,7 @@ int kvf_bench_engine_main(int argc, char **argv)
             ec.swap_slots = 0;
             ec.prefix_cache = false;
             ec.threads = thread_runs[t];
+            ec.weight_dtype = weight_dtype;
             kvf_engine *e = NULL;
             if ((st = kvf_engine_create(m, be, &ec, &e, &err)) != KVF_OK) {
                 fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
