@@ -24,6 +24,7 @@
  * token); larger ones dequantize CPU_CONV_ROWS rows at a time to f32 for OpenBLAS's sgemm,
  * whose compute then outweighs the conversion. */
 #define CPU_Q8_DOT_MAX_N 8
+#define CPU_Q8_DOT_CAP 64 /* the most KVFLEET_CPU_Q8_DOT_MAX_N may set (scratch rows) */
 #define CPU_Q8_TILE_ROWS 16
 
 /* How long pool threads spin for the next op (and the caller for the workers) before they
@@ -43,8 +44,9 @@ struct cpu_ctx {
     float **conv;     /* [n_threads] scratch of conv_cap floats, grown at weight_load */
     int64_t conv_cap;
     bool q8;          /* matrices quantized to q8 at load */
-    int8_t *xq;       /* q8: the activations of a small batch, [CPU_Q8_DOT_MAX_N][xq_blocks * 32] */
-    float *xd;        /* and their scales [CPU_Q8_DOT_MAX_N][xq_blocks]; grown at weight_load */
+    int32_t q8_dot_max_n; /* CPU_Q8_DOT_MAX_N unless KVFLEET_CPU_Q8_DOT_MAX_N says otherwise */
+    int8_t *xq;       /* q8: the activations of a small batch, [CPU_Q8_DOT_CAP][xq_blocks * 32] */
+    float *xd;        /* and their scales [CPU_Q8_DOT_CAP][xq_blocks]; grown at weight_load */
     int64_t xq_blocks;
 };
 
@@ -103,6 +105,11 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
     c->n_threads = n;
     c->half_weights = opts && opts->half_weights;
     c->q8 = opts && opts->weight_dtype == KVF_BACKEND_WEIGHT_Q8;
+    /* KVFLEET_CPU_Q8_DOT_MAX_N=0..64 moves the batch size where q8 matmuls switch from integer
+     * dot products to dequantized tiles and sgemm (to measure the two on a machine) */
+    const char *dm = getenv("KVFLEET_CPU_Q8_DOT_MAX_N");
+    long dmn = dm && *dm ? strtol(dm, NULL, 10) : CPU_Q8_DOT_MAX_N;
+    c->q8_dot_max_n = dmn >= 0 && dmn <= CPU_Q8_DOT_CAP ? (int32_t)dmn : CPU_Q8_DOT_MAX_N;
     if (c->q8 && c->half_weights) {
         free(c);
         return kvf_err_set(err, KVF_ERR_INVALID, "model: cpu backend: --half-weights and --weight-dtype q8 "
@@ -294,10 +301,10 @@ static kvf_status q8_load(cpu_ctx *c, const kvf_model_tensor *t, kvf_backend_wei
     if (st != KVF_OK)
         return st;
     if (kb > c->xq_blocks) {
-        int8_t *q = realloc(c->xq, (size_t)(CPU_Q8_DOT_MAX_N * ld));
+        int8_t *q = realloc(c->xq, (size_t)(CPU_Q8_DOT_CAP * ld));
         if (q)
             c->xq = q;
-        float *d = realloc(c->xd, (size_t)(CPU_Q8_DOT_MAX_N * kb) * sizeof(float));
+        float *d = realloc(c->xd, (size_t)(CPU_Q8_DOT_CAP * kb) * sizeof(float));
         if (d)
             c->xd = d;
         if (!q || !d)
@@ -414,14 +421,14 @@ static void mm_rows(const cpu_ctx *c, const float *x, int64_t n, const float *W,
 }
 
 /* y[:, r0:r1] for q8 W: integer dots against the activations cpu_matmul quantized into c->xq
- * (n <= CPU_Q8_DOT_MAX_N), a tile of rows for every token while it is in L1; else f32 tiles of
+ * (n <= c->q8_dot_max_n), a tile of rows for every token while it is in L1; else f32 tiles of
  * CPU_CONV_ROWS rows in this thread's scratch, for sgemm. */
 static void mm_rows_q8(const cpu_ctx *c, const float *x, int64_t n, const kvf_backend_weight *w, int64_t r0,
                        int64_t r1, float *y, float *conv)
 {
     int64_t kb = kvf_cpu_q8_blocks(w->cols), ld = kb * KVF_CPU_Q8_BLOCK, rows = w->rows;
     const int8_t *q = w->data;
-    if (n <= CPU_Q8_DOT_MAX_N) {
+    if (n <= c->q8_dot_max_n) {
         for (int64_t r = r0; r < r1; r += CPU_Q8_TILE_ROWS) {
             int64_t re = r + CPU_Q8_TILE_ROWS < r1 ? r + CPU_Q8_TILE_ROWS : r1;
             for (int64_t i = 0; i < n; i++)
@@ -477,7 +484,7 @@ static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_w
         items = 1;
     int64_t per = (w->rows + items - 1) / items;
     per = (per + 15) / 16 * 16;
-    if (w->q8_scales && n <= CPU_Q8_DOT_MAX_N) { /* once here, not once per slice */
+    if (w->q8_scales && n <= c->q8_dot_max_n) { /* once here, not once per slice */
         int64_t kb = kvf_cpu_q8_blocks(w->cols);
         for (int64_t i = 0; i < n; i++)
             kvf_cpu_q8_quantize(x + i * w->cols, w->cols, c->xq + i * kb * KVF_CPU_Q8_BLOCK, c->xd + i * kb);
