@@ -1,7 +1,7 @@
-/* cpu_kernels.h: the CPU backend's inner loops (matrix-vector product, vector exp, the
- * elementwise ops of a layer, attention's dot and axpy), one table per instruction set, chosen
- * at run time from CPUID; and what OpenBLAS chose on this CPU. Internal to model/, its tests and
- * `kvfleet bench engine` (the BLAS baselines). */
+/* cpu_kernels.h: the CPU backend's inner loops (matrix-vector product, q8 dot products and
+ * dequantization, vector exp, the elementwise ops of a layer, attention's dot and axpy), one
+ * table per instruction set, chosen at run time from CPUID; and what OpenBLAS chose on this
+ * CPU. Internal to model/, its tests and `kvfleet bench engine` (the BLAS baselines). */
 #ifndef KVF_MODEL_CPU_KERNELS_H
 #define KVF_MODEL_CPU_KERNELS_H
 
