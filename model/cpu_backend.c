@@ -248,6 +248,7 @@ static void cpu_conv_item(void *arg, int64_t item, int32_t thread)
     int64_t i0 = item * CPU_CONV_CHUNK, n = j->n - i0 < CPU_CONV_CHUNK ? j->n - i0 : CPU_CONV_CHUNK;
     load_f32((const uint8_t *)j->src + (size_t)i0 * kvf_dtype_size(j->dt), j->dt, n, j->out + i0);
 }
+
 /* Grows every thread's conversion scratch to `need` floats. */
 static kvf_status conv_reserve(cpu_ctx *c, int64_t need, const char *name, kvf_err *err)
 {
