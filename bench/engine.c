@@ -25,7 +25,7 @@
 #include "engine/backends.h"
 
 typedef struct engine_bench_cfg {
-    const char *presets, *batches, *dir, *weights, *device;
+    const char *presets, *batches, *dir, *weights, *device, *weight_dtype;
     int32_t prompt, decode, decode_medium, vocab, budget, threads;
     int64_t memread_bytes;
     double temperature, top_p;
@@ -41,6 +41,7 @@ static const kvf_cfg_opt engine_bench_opts[] = {
     {"budget", "2048", "token budget of one step (max_batch_tokens)", offsetof(engine_bench_cfg, budget), KVF_CFG_INT},
     {"threads", "0", "threads of the multi-threaded runs (0: one per online CPU)", offsetof(engine_bench_cfg, threads), KVF_CFG_INT},
     {"weights", "bf16", "weight dtype written to disk (f32, f16, bf16)", offsetof(engine_bench_cfg, weights), KVF_CFG_STR},
+    {"weight-dtype", "f32", "cpu: matrices at load, f32 or q8 (int8 blocks of 32 and an f32 scale: weight_GB/s then counts 36/32 bytes a parameter); f32,q8 runs both, one after the other for each thread count, and prints q8's ratios to f32", offsetof(engine_bench_cfg, weight_dtype), KVF_CFG_STR},
     {"device", "cpu", "backend: cpu, or cuda (GPU 0; one run, weights kept as bf16/f16 on the device)", offsetof(engine_bench_cfg, device), KVF_CFG_STR},
     {"dir", NULL, "where to write the models (default: a new directory under $TMPDIR or /tmp, removed after)", offsetof(engine_bench_cfg, dir), KVF_CFG_STR},
     {"temperature", "0", "sampling temperature of every sequence (0: greedy); with a temperature a GPU draws on the device, the CPU on the host", offsetof(engine_bench_cfg, temperature), KVF_CFG_DOUBLE},
@@ -54,8 +55,9 @@ static const kvf_cfg_spec engine_bench_spec = {
     .summary = "For each preset (random weights written once) and for 1 thread and all threads: runs\n"
                "each batch size B as B sequences of --prompt tokens and --decode new tokens through\n"
                "the engine (prefix cache off, f32 KV), timing the prefill steps and the decode steps\n"
-               "apart. Decode bandwidth = weight bytes read per step (f32 compute form, embedding rows\n"
-               "not counted) x steps / time, next to a plain sequential read of --memread-bytes.\n"
+               "apart. Decode bandwidth = weight bytes read per step (f32 compute form, or q8's 36 bytes\n"
+               "a block of 32; embedding rows not counted) x steps / time, next to a plain sequential\n"
+               "read of --memread-bytes. --weight-dtype f32,q8 runs both and prints q8 over f32.\n"
                "cpu_util: process CPU time / wall time while decoding (100% a thread; lower means\n"
                "the machine was busy with something else). engine%: share of the decode steps' time\n"
                "spent in the engine itself (scheduling, block allocation, sampling), not the forward pass.\n"
@@ -278,7 +280,27 @@ int kvf_bench_engine_main(int argc, char **argv)
         return 2;
     }
     bool gpu = be != kvf_model_backend_cpu();
-    double bytes_per_param = gpu ? 2.0 : 4.0;
+    /* --weight-dtype: one dtype, or a list run one after the other (ratios to the first) */
+    int32_t wdts[KVF_BACKEND_WEIGHT_COUNT];
+    int n_wdt = 0;
+    {
+        char wlist[64];
+        snprintf(wlist, sizeof wlist, "%s", bc.weight_dtype ? bc.weight_dtype : "");
+        char *wsave = NULL;
+        for (char *w = strtok_r(wlist, ",", &wsave); w; w = strtok_r(NULL, ",", &wsave)) {
+            int k = kvf_backend_weight_dtype_parse(w);
+            if (k < 0 || n_wdt == KVF_BACKEND_WEIGHT_COUNT) {
+                fprintf(stderr, "kvfleet: bench engine: --weight-dtype=%s is not supported (use f32, q8 "
+                        "or f32,q8)\n", bc.weight_dtype ? bc.weight_dtype : "");
+                return 2;
+            }
+            wdts[n_wdt++] = k;
+        }
+        if (n_wdt == 0) {
+            fprintf(stderr, "kvfleet: bench engine: --weight-dtype is empty (use f32, q8 or f32,q8)\n");
+            return 2;
+        }
+    }
     int32_t max_b = 1;
     for (int i = 0; i < n_batches; i++)
         max_b = batches[i] > max_b ? batches[i] : max_b;
@@ -349,7 +371,7 @@ int kvf_bench_engine_main(int argc, char **argv)
                    blas[t].own_sgemv_gbps / blas[t].sgemv_gbps);
         printf("\n");
     }
-    printf("\n%-7s %7s %5s %14s %13s %10s %12s %9s %9s %10s %9s %9s\n", "preset", "threads", "batch",
+    printf("\n%-7s %7s %7s %5s %14s %13s %10s %12s %9s %9s %10s %9s %9s\n", "preset", "weights", "threads", "batch",
            "prefill_tok/s", "decode_tok/s", "step_ms", "weight_GB/s", "vs_read", "vs_gemv",
            "pf_vs_gemm", "cpu_util", "engine%");
     int rc = 0;
@@ -381,62 +403,78 @@ int kvf_bench_engine_main(int argc, char **argv)
                 kvf_model_config_n_params(&m->cfg) / 1e6, kvf_now_s() - tw);
         int32_t D = strcmp(preset, "medium") == 0 ? bc.decode_medium : bc.decode;
         for (int t = 0; t < n_thread_runs && rc == 0; t++) {
-            kvf_engine_cfg ec;
-            kvf_engine_cfg_default(&ec);
-            ec.max_batch_tokens = bc.budget;
-            ec.max_seqs = max_b < bc.budget ? max_b : bc.budget;
-            ec.max_queued = max_b;
-            ec.max_ctx = bc.prompt + D + 2 < m->cfg.max_pos ? bc.prompt + D + 2 : m->cfg.max_pos;
-            ec.n_blocks = (int32_t)(max_b * kvf_kv_blocks_for(ec.max_ctx, ec.block_size) + 8);
-            ec.swap_slots = 0;
-            ec.prefix_cache = false;
-            ec.threads = thread_runs[t];
-            kvf_engine *e = NULL;
-            if ((st = kvf_engine_create(m, be, &ec, &e, &err)) != KVF_OK) {
-                fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
-                rc = 1;
-                break;
-            }
-            int64_t total = 0, done = 0;
-            for (int i = 0; i < n_batches; i++)
-                total += (int64_t)kvf_kv_blocks_for((int64_t)batches[i] * bc.prompt, bc.budget) + D + 1;
-            char label[64];
-            snprintf(label, sizeof label, "engine %s, %d thread%s", preset, thread_runs[t],
-                     thread_runs[t] > 1 ? "s" : "");
-            kvf_progress pr;
-            kvf_progress_init(&pr, label, total);
-            run_result res[MAX_BATCHES];
-            uint64_t rng = 99;
-            for (int i = 0; i < n_batches && rc == 0; i++) {
-                if ((st = run_batch(&bc, e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
+            run_result res_w[KVF_BACKEND_WEIGHT_COUNT][MAX_BATCHES];
+            for (int wi = 0; wi < n_wdt && rc == 0; wi++) {
+                /* bytes a parameter: bf16/f16 on a GPU; q8 is 32 int8 and a 4-byte scale a block */
+                double bytes_per_param = gpu ? 2.0 : wdts[wi] == KVF_BACKEND_WEIGHT_Q8 ? 36.0 / 32.0 : 4.0;
+                kvf_engine_cfg ec;
+                kvf_engine_cfg_default(&ec);
+                ec.max_batch_tokens = bc.budget;
+                ec.max_seqs = max_b < bc.budget ? max_b : bc.budget;
+                ec.max_queued = max_b;
+                ec.max_ctx = bc.prompt + D + 2 < m->cfg.max_pos ? bc.prompt + D + 2 : m->cfg.max_pos;
+                ec.n_blocks = (int32_t)(max_b * kvf_kv_blocks_for(ec.max_ctx, ec.block_size) + 8);
+                ec.swap_slots = 0;
+                ec.prefix_cache = false;
+                ec.threads = thread_runs[t];
+                ec.weight_dtype = wdts[wi];
+                kvf_engine *e = NULL;
+                if ((st = kvf_engine_create(m, be, &ec, &e, &err)) != KVF_OK) {
                     fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
                     rc = 1;
+                    break;
                 }
+                int64_t total = 0, done = 0;
+                for (int i = 0; i < n_batches; i++)
+                    total += (int64_t)kvf_kv_blocks_for((int64_t)batches[i] * bc.prompt, bc.budget) + D + 1;
+                char label[64];
+                snprintf(label, sizeof label, "engine %s %s, %d thread%s", preset,
+                         kvf_backend_weight_dtype_name(wdts[wi]), thread_runs[t], thread_runs[t] > 1 ? "s" : "");
+                kvf_progress pr;
+                kvf_progress_init(&pr, label, total);
+                run_result *res = res_w[wi];
+                uint64_t rng = 99;
+                for (int i = 0; i < n_batches && rc == 0; i++) {
+                    if ((st = run_batch(&bc, e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
+                        fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+                        rc = 1;
+                    }
+                }
+                kvf_progress_finish(&pr);
+                kvf_engine_destroy(e);
+                if (rc)
+                    break;
+                double b1 = 0;
+                for (int i = 0; i < n_batches; i++) {
+                    double gemv = blas[t].sgemv_gbps * 1e9, gemm = blas[t].sgemm_gflops * 1e9;
+                    printf("%-7s %7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.2fx %9.2fx %8.0f%% %8.2f%%\n",
+                           preset, kvf_backend_weight_dtype_name(wdts[wi]), thread_runs[t], batches[i],
+                           res[i].prefill_tps, res[i].decode_tps,
+                           res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / read_bps[t],
+                           gemv > 0 ? res[i].weight_bps / gemv : 0, gemm > 0 ? res[i].prefill_flops / gemm : 0,
+                           100 * res[i].decode_cpu, 100 * res[i].overhead);
+                    if (batches[i] == 1)
+                        b1 = res[i].decode_tps;
+                }
+                for (int i = 0; i < n_batches && b1 > 0; i++) {
+                    if (batches[i] != 32)
+                        continue;
+                    double r = res[i].decode_tps / b1;
+                    printf("%-7s %7s %7d  decode tokens/s at batch 32 / batch 1: %.1fx (aim: at least 8x)\n",
+                           preset, kvf_backend_weight_dtype_name(wdts[wi]), thread_runs[t], r);
+                    ratio_worst = r < ratio_worst ? r : ratio_worst;
+                    ratio_32 = ratio_worst;
+                }
+                fflush(stdout);
             }
-            kvf_progress_finish(&pr);
-            kvf_engine_destroy(e);
-            if (rc)
-                break;
-            double b1 = 0;
-            for (int i = 0; i < n_batches; i++) {
-                double gemv = blas[t].sgemv_gbps * 1e9, gemm = blas[t].sgemm_gflops * 1e9;
-                printf("%-7s %7d %5d %14.0f %13.1f %10.2f %12.2f %8.2fx %8.2fx %9.2fx %8.0f%% %8.2f%%\n",
-                       preset, thread_runs[t], batches[i], res[i].prefill_tps, res[i].decode_tps,
-                       res[i].step_ms, res[i].weight_bps / 1e9, res[i].weight_bps / read_bps[t],
-                       gemv > 0 ? res[i].weight_bps / gemv : 0, gemm > 0 ? res[i].prefill_flops / gemm : 0,
-                       100 * res[i].decode_cpu, 100 * res[i].overhead);
-                if (batches[i] == 1)
-                    b1 = res[i].decode_tps;
-            }
-            for (int i = 0; i < n_batches && b1 > 0; i++) {
-                if (batches[i] != 32)
-                    continue;
-                double r = res[i].decode_tps / b1;
-                printf("%-7s %7d  decode tokens/s at batch 32 / batch 1: %.1fx (aim: at least 8x)\n",
-                       preset, thread_runs[t], r);
-                ratio_worst = r < ratio_worst ? r : ratio_worst;
-                ratio_32 = ratio_worst;
-            }
+            /* the later dtypes against the first, measured one after the other in this run */
+            for (int wi = 1; wi < n_wdt && rc == 0; wi++)
+                for (int i = 0; i < n_batches; i++)
+                    printf("%-7s %7s %7d %5d  %s over %s: prefill %.2fx, decode %.2fx\n", preset,
+                           kvf_backend_weight_dtype_name(wdts[wi]), thread_runs[t], batches[i],
+                           kvf_backend_weight_dtype_name(wdts[wi]), kvf_backend_weight_dtype_name(wdts[0]),
+                           res_w[wi][i].prefill_tps / res_w[0][i].prefill_tps,
+                           res_w[wi][i].decode_tps / res_w[0][i].decode_tps);
             fflush(stdout);
         }
         kvf_model_destroy(m);

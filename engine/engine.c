@@ -430,6 +430,7 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
     /* the backend first: the pool is one allocation in the backend's memory (device memory on
      * a GPU), made through its kv_mem ops */
     kvf_backend_opts bo = {.n_threads = cfg->threads, .half_weights = cfg->half_weights,
+                           .weight_dtype = cfg->weight_dtype,
                            .kv_k_scale = cfg->kv_k_scale, .kv_v_scale = cfg->kv_v_scale,
                            .matrix_dtype = cfg->matrix_dtype, .no_graphs = cfg->no_graphs,
                            .attn_decode = cfg->attn_decode};

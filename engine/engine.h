@@ -68,6 +68,7 @@ typedef struct kvf_engine_cfg {
     kvf_engine_preempt preempt;
     int32_t threads; /* backend threads; 0: one per online CPU */
     bool half_weights; /* keep F16/BF16 matrices as stored (half the memory, slower decode) */
+    int32_t weight_dtype; /* KVF_BACKEND_WEIGHT_* (model/backend.h): f32 (0) or q8 (CPU only) */
     int32_t matrix_dtype; /* GPU: KVF_BACKEND_MATRIX_* (model/backend.h); 0: auto */
     bool no_graphs;       /* GPU: no CUDA graphs for decode steps */
     int32_t attn_decode;  /* GPU: decode attention kernel, KVF_BACKEND_ATTN_DECODE_*; 0: auto */

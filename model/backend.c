@@ -11,6 +11,15 @@ const char *kvf_backend_name(const kvf_backend *be)
 kvf_status kvf_backend_create(const kvf_backend *be, const kvf_backend_opts *opts, void **ctx_out,
                               kvf_err *err)
 {
+    /* checked here, once for every backend, so one without q8 kernels (CUDA today) needs no
+     * code to refuse it and never silently runs f32 when q8 was asked for */
+    int32_t wd = opts ? opts->weight_dtype : KVF_BACKEND_WEIGHT_F32;
+    if (wd < 0 || wd >= KVF_BACKEND_WEIGHT_COUNT)
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: weight dtype %d is not known (use f32 or q8)", wd);
+    if (wd == KVF_BACKEND_WEIGHT_Q8 && !be->q8_weights)
+        return kvf_err_set(err, KVF_ERR_UNSUPPORTED,
+                           "model: backend %s has no q8 weights: --weight-dtype q8 runs on the CPU backend "
+                           "only (use --device cpu, or --weight-dtype f32)", be->name);
     return be->create(opts, ctx_out, err);
 }
 

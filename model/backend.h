@@ -24,6 +24,10 @@ typedef struct kvf_backend_weight {
     int64_t rows, cols; /* a 1-D tensor has rows 1 */
     kvf_dtype dtype;    /* of data: f32, or f16/bf16 for matrices only (matmul, embed) */
     void *owned;        /* what weight_unload releases; NULL when data is borrowed from the file */
+    /* CPU q8 (KVF_BACKEND_WEIGHT_Q8, matrices only): non-NULL means data is int8
+     * [rows][blocks * 32] and these are its f32 block scales [rows][blocks] (model/cpu_kernels.h
+     * says the format); dtype is then meaningless. NULL for every other weight. */
+    const float *q8_scales;
 } kvf_backend_weight;
 
 /* What attention needs about one step's tokens. Arrays are backend memory. */
@@ -57,7 +61,32 @@ typedef struct kvf_backend_opts {
     bool no_graphs;       /* GPU: never capture decode steps as CUDA graphs */
     int32_t attn_decode;  /* GPU: the kernel decode tokens' attention runs on,
                            * KVF_BACKEND_ATTN_DECODE_*; CPU ignores it */
+    /* KVF_BACKEND_WEIGHT_*: F32 (0, the default) keeps matrices as half_weights says; Q8
+     * quantizes every 2-D weight at load to int8 blocks (CPU only: kvf_backend_create refuses
+     * it, naming --weight-dtype, for a backend without q8 kernels; not with half_weights). */
+    int32_t weight_dtype;
 } kvf_backend_opts;
+
+/* How matrices are held (--weight-dtype). */
+#define KVF_BACKEND_WEIGHT_F32 0 /* f32 (or as stored, with half_weights) */
+#define KVF_BACKEND_WEIGHT_Q8 1  /* int8 blocks of 32 with an f32 scale each, from any file dtype */
+#define KVF_BACKEND_WEIGHT_COUNT 2
+
+/* "f32", "q8" for a KVF_BACKEND_WEIGHT_* value ("?" for anything else), and back from the
+ * string s (-1 for anything else, NULL included). */
+static inline const char *kvf_backend_weight_dtype_name(int32_t k)
+{
+    static const char *const names[KVF_BACKEND_WEIGHT_COUNT] = {"f32", "q8"};
+    return k >= 0 && k < KVF_BACKEND_WEIGHT_COUNT ? names[k] : "?";
+}
+
+static inline int kvf_backend_weight_dtype_parse(const char *s)
+{
+    for (int k = 0; s && k < KVF_BACKEND_WEIGHT_COUNT; k++)
+        if (strcmp(s, kvf_backend_weight_dtype_name(k)) == 0)
+            return k;
+    return -1;
+}
 
 /* Which kernel serves decode tokens on a GPU (every token of a decode-only step, the tokens
  * alone in their sequence of a step with prefill chunks). */

@@ -11,6 +11,9 @@
  * here say what an implementation must keep to. */
 struct kvf_backend {
     const char *name;
+    /* weight_load can make q8 weights (kvf_backend_opts.weight_dtype Q8) and embed/matmul take
+     * them; false (a backend that leaves it out) makes kvf_backend_create refuse Q8. */
+    bool q8_weights;
     kvf_status (*create)(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err);
     void (*destroy)(void *ctx);
 

@@ -1,6 +1,7 @@
 /* cpu_backend.c: kvf_backend on the CPU: a persistent pthread pool that splits every GEMM
  * (single-threaded OpenBLAS per slice, so OpenBLAS is set to one thread) and paged attention;
- * plain loops for the elementwise ops. Weights become f32 at load (aligned f32 is borrowed). */
+ * plain loops for the elementwise ops. Weights become f32 at load (aligned f32 is borrowed), or
+ * q8 blocks (--weight-dtype q8: integer dot products for small batches, f32 tiles for sgemm). */
 #include <cblas.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -18,6 +19,14 @@
 /* Rows of a half-precision weight converted to f32 at a time (per thread scratch). */
 #define CPU_CONV_ROWS 64
 
+/* q8 matmuls of up to this many tokens quantize the activations and run integer dot products
+ * (reading the int8 weights once, a tile of CPU_Q8_TILE_ROWS rows at a time from L1 for every
+ * token); larger ones dequantize CPU_CONV_ROWS rows at a time to f32 for OpenBLAS's sgemm,
+ * whose compute then outweighs the conversion. */
+#define CPU_Q8_DOT_MAX_N 8
+#define CPU_Q8_DOT_CAP 64 /* the most KVFLEET_CPU_Q8_DOT_MAX_N may set (scratch rows) */
+#define CPU_Q8_TILE_ROWS 16
+
 /* How long pool threads spin for the next op (and the caller for the workers) before they
  * sleep: longer than the gap between two ops of a forward pass, short enough that an idle
  * server gives its CPUs back at once. */
@@ -34,6 +43,11 @@ struct cpu_ctx {
     kvf_cpu_pool *pool;
     float **conv;     /* [n_threads] scratch of conv_cap floats, grown at weight_load */
     int64_t conv_cap;
+    bool q8;          /* matrices quantized to q8 at load */
+    int32_t q8_dot_max_n; /* CPU_Q8_DOT_MAX_N unless KVFLEET_CPU_Q8_DOT_MAX_N says otherwise */
+    int8_t *xq;       /* q8: the activations of a small batch, [CPU_Q8_DOT_CAP][xq_blocks * 32] */
+    float *xd;        /* and their scales [CPU_Q8_DOT_CAP][xq_blocks]; grown at weight_load */
+    int64_t xq_blocks;
 };
 
 static void pool_run(cpu_ctx *c, kvf_cpu_job_fn fn, void *arg, int64_t n_items)
@@ -51,6 +65,8 @@ static void cpu_destroy(void *ctx)
         for (int32_t i = 0; i < c->n_threads; i++)
             free(c->conv[i]);
     free(c->conv);
+    free(c->xq);
+    free(c->xd);
     free(c);
 }
 
@@ -65,9 +81,9 @@ static void cpu_log_choice(const cpu_ctx *c)
     kvf_cpu_features_str(feat, sizeof feat);
     kvf_cpu_blas_core(&core, better, sizeof better);
     kvf_log(KVF_LOG_INFO, "model: cpu: features %s; OpenBLAS core %s%s%s%s; kernels %s, batch-1 matmul by %s; "
-            "%d threads spin %.0f us", feat, core, better[0] ? " (this CPU could run " : "", better,
+            "%d threads spin %.0f us%s", feat, core, better[0] ? " (this CPU could run " : "", better,
             better[0] ? ")" : "", c->kern->name, c->own_sgemv ? "kvfleet's sgemv" : "OpenBLAS sgemv",
-            c->n_threads, (double)c->spin_ns / 1e3);
+            c->n_threads, (double)c->spin_ns / 1e3, c->q8 ? "; q8 weights" : "");
 }
 
 static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_err *err)
@@ -88,6 +104,17 @@ static kvf_status cpu_create(const kvf_backend_opts *opts, void **ctx_out, kvf_e
         return kvf_err_set(err, KVF_ERR_NOMEM, "model: cpu backend: out of memory");
     c->n_threads = n;
     c->half_weights = opts && opts->half_weights;
+    c->q8 = opts && opts->weight_dtype == KVF_BACKEND_WEIGHT_Q8;
+    /* KVFLEET_CPU_Q8_DOT_MAX_N=0..64 moves the batch size where q8 matmuls switch from integer
+     * dot products to dequantized tiles and sgemm (to measure the two on a machine) */
+    const char *dm = getenv("KVFLEET_CPU_Q8_DOT_MAX_N");
+    long dmn = dm && *dm ? strtol(dm, NULL, 10) : CPU_Q8_DOT_MAX_N;
+    c->q8_dot_max_n = dmn >= 0 && dmn <= CPU_Q8_DOT_CAP ? (int32_t)dmn : CPU_Q8_DOT_MAX_N;
+    if (c->q8 && c->half_weights) {
+        free(c);
+        return kvf_err_set(err, KVF_ERR_INVALID, "model: cpu backend: --half-weights and --weight-dtype q8 "
+                           "cannot be combined (q8 replaces the matrices; choose one)");
+    }
     c->k_scale = ks > 0.0f ? ks : 1.0f;
     c->v_scale = vs > 0.0f ? vs : 1.0f;
     c->kern = kvf_cpu_kernels_get(kvf_cpu_isa_best());
@@ -221,6 +248,84 @@ static void cpu_conv_item(void *arg, int64_t item, int32_t thread)
     int64_t i0 = item * CPU_CONV_CHUNK, n = j->n - i0 < CPU_CONV_CHUNK ? j->n - i0 : CPU_CONV_CHUNK;
     load_f32((const uint8_t *)j->src + (size_t)i0 * kvf_dtype_size(j->dt), j->dt, n, j->out + i0);
 }
+
+/* Grows every thread's conversion scratch to `need` floats. */
+static kvf_status conv_reserve(cpu_ctx *c, int64_t need, const char *name, kvf_err *err)
+{
+    if (need <= c->conv_cap)
+        return KVF_OK;
+    for (int32_t i = 0; i < c->n_threads; i++) {
+        float *p = realloc(c->conv[i], (size_t)need * sizeof(float));
+        if (!p)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for conversion scratch",
+                               name);
+        c->conv[i] = p;
+    }
+    c->conv_cap = need;
+    return KVF_OK;
+}
+
+/* q8 at load: rows quantized in parallel, a block at a time through a 32-float buffer (the
+ * source may be F32, F16 or BF16, aligned or not). */
+#define CPU_Q8_LOAD_ROWS 64
+
+typedef struct cpu_q8_job {
+    const uint8_t *src;
+    kvf_dtype dt;
+    int64_t rows, cols, kb;
+    int8_t *q;
+    float *d;
+} cpu_q8_job;
+
+static void cpu_q8_item(void *arg, int64_t item, int32_t thread)
+{
+    (void)thread;
+    const cpu_q8_job *j = arg;
+    size_t es = kvf_dtype_size(j->dt);
+    int64_t r1 = (item + 1) * CPU_Q8_LOAD_ROWS < j->rows ? (item + 1) * CPU_Q8_LOAD_ROWS : j->rows;
+    for (int64_t r = item * CPU_Q8_LOAD_ROWS; r < r1; r++)
+        for (int64_t b = 0; b < j->kb; b++) {
+            float buf[KVF_CPU_Q8_BLOCK];
+            int64_t c0 = b * KVF_CPU_Q8_BLOCK;
+            int64_t len = j->cols - c0 < KVF_CPU_Q8_BLOCK ? j->cols - c0 : KVF_CPU_Q8_BLOCK;
+            load_f32(j->src + (size_t)(r * j->cols + c0) * es, j->dt, len, buf);
+            kvf_cpu_q8_quantize(buf, len, j->q + (r * j->kb + b) * KVF_CPU_Q8_BLOCK, j->d + r * j->kb + b);
+        }
+}
+
+/* Quantizes the matrix t into one allocation (int8 then scales) and sizes the scratch its
+ * matmuls need: activations of a small batch, and f32 tiles for large ones. */
+static kvf_status q8_load(cpu_ctx *c, const kvf_model_tensor *t, kvf_backend_weight *w, kvf_err *err)
+{
+    int64_t kb = kvf_cpu_q8_blocks(w->cols), ld = kb * KVF_CPU_Q8_BLOCK;
+    kvf_status st = conv_reserve(c, CPU_CONV_ROWS * ld, t->name, err);
+    if (st != KVF_OK)
+        return st;
+    if (kb > c->xq_blocks) {
+        int8_t *q = realloc(c->xq, (size_t)(CPU_Q8_DOT_CAP * ld));
+        if (q)
+            c->xq = q;
+        float *d = realloc(c->xd, (size_t)(CPU_Q8_DOT_CAP * kb) * sizeof(float));
+        if (d)
+            c->xd = d;
+        if (!q || !d)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for q8 scratch", t->name);
+        c->xq_blocks = kb;
+    }
+    size_t qbytes = ((size_t)(w->rows * ld) + 63) / 64 * 64;
+    size_t bytes = qbytes + (size_t)(w->rows * kb) * sizeof(float);
+    uint8_t *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for %zu bytes of q8",
+                           t->name, bytes);
+    cpu_q8_job job = {.src = t->data, .dt = (kvf_dtype)t->dtype, .rows = w->rows, .cols = w->cols, .kb = kb,
+                      .q = (int8_t *)p, .d = (float *)(p + qbytes)};
+    pool_run(c, cpu_q8_item, &job, (w->rows + CPU_Q8_LOAD_ROWS - 1) / CPU_Q8_LOAD_ROWS);
+    w->data = w->owned = p;
+    w->q8_scales = job.d;
+    return KVF_OK;
+}
+
 static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_backend_weight *out,
                                   kvf_err *err)
 {
@@ -234,21 +339,17 @@ static kvf_status cpu_weight_load(void *ctx, const kvf_model_tensor *t, kvf_back
                             .cols = t->n_dims == 2 ? t->shape[1] : t->shape[0],
                             .dtype = KVF_DTYPE_F32};
     cpu_ctx *c = ctx;
-    if (t->dtype == KVF_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
+    if (c->q8 && t->n_dims == 2) {
+        kvf_status st = q8_load(c, t, &w, err);
+        if (st != KVF_OK)
+            return st;
+    } else if (t->dtype == KVF_DTYPE_F32 && ((uintptr_t)t->data % sizeof(float)) == 0) {
         w.data = t->data;
     } else if (c->half_weights && t->n_dims == 2 && t->dtype != KVF_DTYPE_F32) {
         /* kept as F16/BF16 in the mapping; matmul converts CPU_CONV_ROWS rows at a time */
-        int64_t need = CPU_CONV_ROWS * w.cols;
-        if (need > c->conv_cap) {
-            for (int32_t i = 0; i < c->n_threads; i++) {
-                float *p = realloc(c->conv[i], (size_t)need * sizeof(float));
-                if (!p)
-                    return kvf_err_set(err, KVF_ERR_NOMEM, "model: tensor \"%s\": out of memory for conversion scratch",
-                                       t->name);
-                c->conv[i] = p;
-            }
-            c->conv_cap = need;
-        }
+        kvf_status st = conv_reserve(c, CPU_CONV_ROWS * w.cols, t->name, err);
+        if (st != KVF_OK)
+            return st;
         w.data = t->data;
         w.dtype = (kvf_dtype)t->dtype;
     } else {
@@ -276,6 +377,17 @@ static void cpu_weight_unload(void *ctx, kvf_backend_weight *w)
 static void cpu_embed(void *ctx, const kvf_backend_weight *emb, const int32_t *tokens, int64_t n,
                       float *out)
 {
+    if (emb->q8_scales) { /* a tied LM head made the table q8: dequantize the rows asked for */
+        int64_t kb = kvf_cpu_q8_blocks(emb->cols);
+        const int8_t *q = emb->data;
+        for (int64_t i = 0; i < n; i++) {
+            const int8_t *qr = q + (int64_t)tokens[i] * kb * KVF_CPU_Q8_BLOCK;
+            const float *dr = emb->q8_scales + (int64_t)tokens[i] * kb;
+            for (int64_t j = 0; j < emb->cols; j++)
+                out[i * emb->cols + j] = (float)qr[j] * dr[j / KVF_CPU_Q8_BLOCK];
+        }
+        return;
+    }
     size_t es = kvf_dtype_size(emb->dtype);
     for (int64_t i = 0; i < n; i++)
         load_f32((const uint8_t *)emb->data + (size_t)tokens[i] * (size_t)emb->cols * es, emb->dtype, emb->cols,
@@ -294,19 +406,43 @@ typedef struct cpu_mm_job {
     int64_t rows_per_item;
 } cpu_mm_job;
 
-/* y[:, r0:r1] = x @ W[r0:r1]^T for f32 rows W (row stride cols). */
-static void mm_rows(const cpu_ctx *c, const float *x, int64_t n, const float *W, int64_t r0, int64_t r1,
-                    int64_t cols, float *y, int64_t rows)
+/* y[:, r0:r1] = x @ W[r0:r1]^T for f32 rows W (row stride ld >= cols). */
+static void mm_rows(const cpu_ctx *c, const float *x, int64_t n, const float *W, int64_t ld, int64_t r0,
+                    int64_t r1, int64_t cols, float *y, int64_t rows)
 {
     if (n == 1 && c->own_sgemv)
-        c->kern->sgemv(W, r1 - r0, cols, cols, x, y + r0);
+        c->kern->sgemv(W, r1 - r0, cols, ld, x, y + r0);
     else if (n == 1)
         cblas_sgemv(CblasRowMajor, CblasNoTrans, (blasint)(r1 - r0), (blasint)cols, 1.0f, W,
-                    (blasint)cols, x, 1, 0.0f, y + r0, 1);
+                    (blasint)ld, x, 1, 0.0f, y + r0, 1);
     else
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)n, (blasint)(r1 - r0),
-                    (blasint)cols, 1.0f, x, (blasint)cols, W, (blasint)cols, 0.0f, y + r0,
+                    (blasint)cols, 1.0f, x, (blasint)cols, W, (blasint)ld, 0.0f, y + r0,
                     (blasint)rows);
+}
+
+/* y[:, r0:r1] for q8 W: integer dots against the activations cpu_matmul quantized into c->xq
+ * (n <= c->q8_dot_max_n), a tile of rows for every token while it is in L1; else f32 tiles of
+ * CPU_CONV_ROWS rows in this thread's scratch, for sgemm. */
+static void mm_rows_q8(const cpu_ctx *c, const float *x, int64_t n, const kvf_backend_weight *w, int64_t r0,
+                       int64_t r1, float *y, float *conv)
+{
+    int64_t kb = kvf_cpu_q8_blocks(w->cols), ld = kb * KVF_CPU_Q8_BLOCK, rows = w->rows;
+    const int8_t *q = w->data;
+    if (n <= c->q8_dot_max_n) {
+        for (int64_t r = r0; r < r1; r += CPU_Q8_TILE_ROWS) {
+            int64_t re = r + CPU_Q8_TILE_ROWS < r1 ? r + CPU_Q8_TILE_ROWS : r1;
+            for (int64_t i = 0; i < n; i++)
+                c->kern->q8_gemv(q + r * ld, w->q8_scales + r * kb, re - r, kb, c->xq + i * ld, c->xd + i * kb,
+                                 y + i * rows + r);
+        }
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += CPU_CONV_ROWS) {
+        int64_t re = r + CPU_CONV_ROWS < r1 ? r + CPU_CONV_ROWS : r1;
+        c->kern->q8_dequant(q + r * ld, w->q8_scales + r * kb, (re - r) * kb, conv);
+        mm_rows(c, x, n, conv, ld, r, re, w->cols, y, rows);
+    }
 }
 
 static void cpu_mm_item(void *arg, int64_t item, int32_t thread)
@@ -318,15 +454,17 @@ static void cpu_mm_item(void *arg, int64_t item, int32_t thread)
     if (r0 >= r1)
         return;
     int64_t cols = j->w->cols, rows = j->w->rows;
-    if (j->w->dtype == KVF_DTYPE_F32) {
-        mm_rows(j->c, j->x, j->n, (const float *)j->w->data + r0 * cols, r0, r1, cols, j->y, rows);
+    if (j->w->q8_scales) {
+        mm_rows_q8(j->c, j->x, j->n, j->w, r0, r1, j->y, j->c->conv[thread]);
+    } else if (j->w->dtype == KVF_DTYPE_F32) {
+        mm_rows(j->c, j->x, j->n, (const float *)j->w->data + r0 * cols, cols, r0, r1, cols, j->y, rows);
     } else {
         float *conv = j->c->conv[thread];
         size_t es = kvf_dtype_size(j->w->dtype);
         for (int64_t r = r0; r < r1; r += CPU_CONV_ROWS) {
             int64_t re = r + CPU_CONV_ROWS < r1 ? r + CPU_CONV_ROWS : r1;
             load_f32((const uint8_t *)j->w->data + (size_t)(r * cols) * es, j->w->dtype, (re - r) * cols, conv);
-            mm_rows(j->c, j->x, j->n, conv, r, re, cols, j->y, rows);
+            mm_rows(j->c, j->x, j->n, conv, cols, r, re, cols, j->y, rows);
         }
     }
     if (j->bias) {
@@ -347,6 +485,11 @@ static void cpu_matmul(void *ctx, const float *x, int64_t n, const kvf_backend_w
         items = 1;
     int64_t per = (w->rows + items - 1) / items;
     per = (per + 15) / 16 * 16;
+    if (w->q8_scales && n <= c->q8_dot_max_n) { /* once here, not once per slice */
+        int64_t kb = kvf_cpu_q8_blocks(w->cols);
+        for (int64_t i = 0; i < n; i++)
+            kvf_cpu_q8_quantize(x + i * w->cols, w->cols, c->xq + i * kb * KVF_CPU_Q8_BLOCK, c->xd + i * kb);
+    }
     cpu_mm_job job = {.c = c, .x = x, .n = n, .w = w, .bias = bias, .y = y, .rows_per_item = per};
     pool_run(c, cpu_mm_item, &job, (w->rows + per - 1) / per);
 }
@@ -534,6 +677,7 @@ static void cpu_argmax(void *ctx, const float *logits, int64_t n, int64_t vocab,
  * for or record, no draws, matmul by matmul, the host clock) are the CPU's behaviour. */
 static const kvf_backend kvf_backend_cpu_ops = {
     .name = "cpu",
+    .q8_weights = true,
     .create = cpu_create,
     .destroy = cpu_destroy,
     .alloc = cpu_alloc,

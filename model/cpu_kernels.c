@@ -1,6 +1,6 @@
-/* cpu_kernels.c: the CPU backend's inner loops in three forms (plain C, AVX2+FMA, AVX-512),
- * compiled for any x86-64 with per-function target attributes and chosen at run time by CPUID
- * (never -march=native). Off x86-64 only the plain C table exists. Threads are cpu_backend.c's. */
+/* cpu_kernels.c: the CPU backend's inner loops in four forms (plain C, AVX2+FMA, AVX-512, and
+ * AVX-512 with VNNI, which differs in its q8 dot products only), compiled for any x86-64 with
+ * per-function target attributes and chosen at run time by CPUID (never -march=native). Off x86-64 only the plain C table exists. Threads are cpu_backend.c's. */
 #include "model/cpu_kernels.h"
 #include "model/cpu_pool.h"
 
@@ -82,10 +82,53 @@ static void scale_axpy_scalar(float *y, float s, float a, const float *x, int64_
         y[i] = y[i] * s + a * x[i];
 }
 
+void kvf_cpu_q8_quantize(const float *x, int64_t n, int8_t *q, float *d)
+{
+    int64_t nb = kvf_cpu_q8_blocks(n);
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t i0 = b * KVF_CPU_Q8_BLOCK, len = n - i0 < KVF_CPU_Q8_BLOCK ? n - i0 : KVF_CPU_Q8_BLOCK;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < len; i++)
+            amax = fmaxf(amax, fabsf(x[i0 + i]));
+        /* amax / 127 as the scale keeps every q in [-127, 127]: maddubs's pair sums then stay
+         * below 2^15 and |q| is a valid unsigned byte for the sign trick of the dot kernels */
+        float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = dd;
+        for (int64_t i = 0; i < KVF_CPU_Q8_BLOCK; i++) {
+            float v = i < len ? x[i0 + i] * id : 0.0f;
+            long r = lrintf(v);
+            q[i0 + i] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+        }
+    }
+}
+
+static void q8_gemv_scalar(const int8_t *wq, const float *wd, int64_t rows, int64_t kb, const int8_t *xq,
+                           const float *xd, float *y)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *w = wq + r * kb * KVF_CPU_Q8_BLOCK;
+        float t = 0.0f;
+        for (int64_t b = 0; b < kb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < KVF_CPU_Q8_BLOCK; i++)
+                s += (int32_t)w[b * KVF_CPU_Q8_BLOCK + i] * xq[b * KVF_CPU_Q8_BLOCK + i];
+            t += (float)s * (wd[r * kb + b] * xd[b]);
+        }
+        y[r] = t;
+    }
+}
+
+static void q8_dequant_scalar(const int8_t *q, const float *d, int64_t n_blocks, float *out)
+{
+    for (int64_t b = 0; b < n_blocks; b++)
+        for (int i = 0; i < KVF_CPU_Q8_BLOCK; i++)
+            out[b * KVF_CPU_Q8_BLOCK + i] = (float)q[b * KVF_CPU_Q8_BLOCK + i] * d[b];
+}
+
 static const kvf_cpu_kernels kernels_scalar = {
     .name = "scalar", .isa = KVF_CPU_ISA_SCALAR, .sgemv = sgemv_scalar, .exp = exp_scalar,
     .swiglu = swiglu_scalar, .add = add_scalar, .rmsnorm = rmsnorm_scalar, .dot = dot_scalar,
-    .scale_axpy = scale_axpy_scalar,
+    .scale_axpy = scale_axpy_scalar, .q8_gemv = q8_gemv_scalar, .q8_dequant = q8_dequant_scalar,
 };
 
 #if defined(__x86_64__)
@@ -275,10 +318,75 @@ __attribute__((target("avx2,fma"))) static void scale_axpy_avx2(float *y, float 
         y[i] = y[i] * s + a * x[i];
 }
 
+/* q8: per block |w| (unsigned) times x with w's sign (signed) by maddubs into 16 int16 pair
+ * sums (below 2^15 as |q| <= 127), madd to 8 int32, then one FMA with the block's two scales.
+ * Two rows at a time share the x loads; two accumulators each hide the FMA latency. */
+__attribute__((target("avx2,fma"))) static inline __m256 q8_block_avx2(__m256i w, __m256i x)
+{
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+__attribute__((target("avx2,fma"))) static void q8_gemv_avx2(const int8_t *wq, const float *wd, int64_t rows,
+                                                             int64_t kb, const int8_t *xq, const float *xd,
+                                                             float *y)
+{
+    int64_t ld = kb * KVF_CPU_Q8_BLOCK, r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const int8_t *w0 = wq + r * ld, *w1 = w0 + ld;
+        const float *d0 = wd + r * kb, *d1 = d0 + kb;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        int64_t b = 0;
+        for (; b + 2 <= kb; b += 2) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + b * 32 + 32));
+            a0 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w0 + b * 32)), x0),
+                                 _mm256_set1_ps(d0[b] * xd[b]), a0);
+            a1 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w1 + b * 32)), x0),
+                                 _mm256_set1_ps(d1[b] * xd[b]), a1);
+            b0 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w0 + b * 32 + 32)), x1),
+                                 _mm256_set1_ps(d0[b + 1] * xd[b + 1]), b0);
+            b1 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w1 + b * 32 + 32)), x1),
+                                 _mm256_set1_ps(d1[b + 1] * xd[b + 1]), b1);
+        }
+        if (b < kb) {
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+            a0 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w0 + b * 32)), x0),
+                                 _mm256_set1_ps(d0[b] * xd[b]), a0);
+            a1 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w1 + b * 32)), x0),
+                                 _mm256_set1_ps(d1[b] * xd[b]), a1);
+        }
+        y[r] = hsum8(_mm256_add_ps(a0, b0));
+        y[r + 1] = hsum8(_mm256_add_ps(a1, b1));
+    }
+    for (; r < rows; r++) {
+        const int8_t *w0 = wq + r * ld;
+        const float *d0 = wd + r * kb;
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t b = 0; b < kb; b++)
+            a0 = _mm256_fmadd_ps(q8_block_avx2(_mm256_loadu_si256((const __m256i *)(w0 + b * 32)),
+                                               _mm256_loadu_si256((const __m256i *)(xq + b * 32))),
+                                 _mm256_set1_ps(d0[b] * xd[b]), a0);
+        y[r] = hsum8(a0);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void q8_dequant_avx2(const int8_t *q, const float *d, int64_t n_blocks,
+                                                                float *out)
+{
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m256 s = _mm256_set1_ps(d[b]);
+        for (int k = 0; k < 4; k++) {
+            __m128i v = _mm_loadl_epi64((const __m128i *)(q + b * 32 + k * 8));
+            _mm256_storeu_ps(out + b * 32 + k * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
+        }
+    }
+}
+
 static const kvf_cpu_kernels kernels_avx2 = {
     .name = "avx2", .isa = KVF_CPU_ISA_AVX2, .sgemv = sgemv_avx2, .exp = exp_avx2,
     .swiglu = swiglu_avx2, .add = add_avx2, .rmsnorm = rmsnorm_avx2, .dot = dot_avx2,
-    .scale_axpy = scale_axpy_avx2,
+    .scale_axpy = scale_axpy_avx2, .q8_gemv = q8_gemv_avx2, .q8_dequant = q8_dequant_avx2,
 };
 
 /* ---- AVX-512 F: the same with 16 lanes and masked tails */
@@ -423,10 +531,76 @@ __attribute__((target("avx512f"))) static void scale_axpy_avx512(float *y, float
     }
 }
 
+__attribute__((target("avx512f"))) static void q8_dequant_avx512(const int8_t *q, const float *d, int64_t n_blocks,
+                                                                 float *out)
+{
+    for (int64_t b = 0; b < n_blocks; b++) {
+        __m512 s = _mm512_set1_ps(d[b]);
+        for (int k = 0; k < 2; k++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 32 + k * 16));
+            _mm512_storeu_ps(out + b * 32 + k * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), s));
+        }
+    }
+}
+
 static const kvf_cpu_kernels kernels_avx512 = {
     .name = "avx512", .isa = KVF_CPU_ISA_AVX512, .sgemv = sgemv_avx512, .exp = exp_avx512,
     .swiglu = swiglu_avx512, .add = add_avx512, .rmsnorm = rmsnorm_avx512, .dot = dot_avx512,
-    .scale_axpy = scale_axpy_avx512,
+    .scale_axpy = scale_axpy_avx512, .q8_gemv = q8_gemv_avx2, .q8_dequant = q8_dequant_avx512,
+};
+
+/* q8 by vpdpbusd, two blocks per 512-bit vector: |w| (unsigned) times x with w's sign, four
+ * bytes into each int32 lane, so lanes 0-7 hold block b's partial sums and 8-15 block b+1's.
+ * The per-block scale products of 16 blocks are one vector; a permute spreads blocks b and b+1
+ * over the two halves. Tails: masked loads (zero bytes add nothing, zero scales neither). */
+#define Q8_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+__attribute__((target(Q8_VNNI_TARGET))) static inline __m512 q8_pair_vnni(__m512i w, __m512i x, __m512 s,
+                                                                           __m512i idx, __m512 acc)
+{
+    __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_permutexvar_ps(idx, s), acc);
+}
+
+__attribute__((target(Q8_VNNI_TARGET))) static void q8_gemv_vnni(const int8_t *wq, const float *wd, int64_t rows,
+                                                                 int64_t kb, const int8_t *xq, const float *xd,
+                                                                 float *y)
+{
+    const __m512i idx0 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    int64_t ld = kb * KVF_CPU_Q8_BLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *w = wq + r * ld;
+        const float *d = wd + r * kb;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (int64_t b = 0; b < kb; b += 16) {
+            int64_t nb = kb - b < 16 ? kb - b : 16;
+            __mmask16 sm = tail_mask(nb);
+            __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(sm, d + b), _mm512_maskz_loadu_ps(sm, xd + b));
+            __m512i idx = idx0;
+            int64_t k = 0;
+            for (; k + 4 <= nb; k += 4) { /* two pairs: four blocks */
+                const int8_t *wp = w + (b + k) * 32, *xp = xq + (b + k) * 32;
+                a0 = q8_pair_vnni(_mm512_loadu_si512(wp), _mm512_loadu_si512(xp), s, idx, a0);
+                idx = _mm512_add_epi32(idx, two);
+                a1 = q8_pair_vnni(_mm512_loadu_si512(wp + 64), _mm512_loadu_si512(xp + 64), s, idx, a1);
+                idx = _mm512_add_epi32(idx, two);
+            }
+            for (; k < nb; k += 2) { /* one pair, or a lone last block in the low half */
+                __mmask64 m = nb - k >= 2 ? ~(__mmask64)0 : (__mmask64)0xffffffffu;
+                const int8_t *wp = w + (b + k) * 32, *xp = xq + (b + k) * 32;
+                a0 = q8_pair_vnni(_mm512_maskz_loadu_epi8(m, wp), _mm512_maskz_loadu_epi8(m, xp), s, idx, a0);
+                idx = _mm512_add_epi32(idx, two);
+            }
+        }
+        y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+}
+
+static const kvf_cpu_kernels kernels_avx512vnni = {
+    .name = "avx512vnni", .isa = KVF_CPU_ISA_AVX512VNNI, .sgemv = sgemv_avx512, .exp = exp_avx512,
+    .swiglu = swiglu_avx512, .add = add_avx512, .rmsnorm = rmsnorm_avx512, .dot = dot_avx512,
+    .scale_axpy = scale_axpy_avx512, .q8_gemv = q8_gemv_vnni, .q8_dequant = q8_dequant_avx512,
 };
 #endif /* __x86_64__ */
 
@@ -434,6 +608,9 @@ kvf_cpu_isa kvf_cpu_isa_best(void)
 {
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return KVF_CPU_ISA_AVX512VNNI;
     if (__builtin_cpu_supports("avx512f"))
         return KVF_CPU_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
@@ -448,6 +625,8 @@ const kvf_cpu_kernels *kvf_cpu_kernels_get(kvf_cpu_isa isa)
         return NULL;
     switch (isa) {
 #if defined(__x86_64__)
+    case KVF_CPU_ISA_AVX512VNNI:
+        return &kernels_avx512vnni;
     case KVF_CPU_ISA_AVX512:
         return &kernels_avx512;
     case KVF_CPU_ISA_AVX2:
@@ -464,7 +643,7 @@ void kvf_cpu_features_str(char *buf, size_t cap)
 {
     buf[0] = '\0';
 #if defined(__x86_64__)
-    static const char *const names[] = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "avx"};
+    static const char *const names[] = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma", "avx"};
     size_t len = 0;
     __builtin_cpu_init();
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -475,9 +654,10 @@ void kvf_cpu_features_str(char *buf, size_t cap)
         case 1: has = __builtin_cpu_supports("avx512bw"); break;
         case 2: has = __builtin_cpu_supports("avx512vl"); break;
         case 3: has = __builtin_cpu_supports("avx512dq"); break;
-        case 4: has = __builtin_cpu_supports("avx2"); break;
-        case 5: has = __builtin_cpu_supports("fma"); break;
-        case 6: has = __builtin_cpu_supports("avx"); break;
+        case 4: has = __builtin_cpu_supports("avx512vnni"); break;
+        case 5: has = __builtin_cpu_supports("avx2"); break;
+        case 6: has = __builtin_cpu_supports("fma"); break;
+        case 7: has = __builtin_cpu_supports("avx"); break;
         }
         if (has && len + strlen(names[i]) + 2 < cap)
             len += (size_t)snprintf(buf + len, cap - len, "%s%s", len ? " " : "", names[i]);

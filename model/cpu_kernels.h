@@ -1,7 +1,7 @@
-/* cpu_kernels.h: the CPU backend's inner loops (matrix-vector product, vector exp, the
- * elementwise ops of a layer, attention's dot and axpy), one table per instruction set, chosen
- * at run time from CPUID; and what OpenBLAS chose on this CPU. Internal to model/, its tests and
- * `kvfleet bench engine` (the BLAS baselines). */
+/* cpu_kernels.h: the CPU backend's inner loops (matrix-vector product, q8 dot products and
+ * dequantization, vector exp, the elementwise ops of a layer, attention's dot and axpy), one
+ * table per instruction set, chosen at run time from CPUID; and what OpenBLAS chose on this
+ * CPU. Internal to model/, its tests and `kvfleet bench engine` (the BLAS baselines). */
 #ifndef KVF_MODEL_CPU_KERNELS_H
 #define KVF_MODEL_CPU_KERNELS_H
 
@@ -14,13 +14,32 @@
 typedef enum kvf_cpu_isa {
     KVF_CPU_ISA_SCALAR = 0, /* plain C, any CPU */
     KVF_CPU_ISA_AVX2 = 1,   /* AVX2 + FMA */
-    KVF_CPU_ISA_AVX512 = 2, /* AVX-512 F */
-    KVF_CPU_ISA_COUNT = 3,
+    KVF_CPU_ISA_AVX512 = 2, /* AVX-512 F (its q8 kernels are AVX2's: F alone has no byte ops) */
+    KVF_CPU_ISA_AVX512VNNI = 3, /* AVX-512 F, BW, VL and VNNI: AVX-512's table with q8 by vpdpbusd */
+    KVF_CPU_ISA_COUNT = 4,
 } kvf_cpu_isa;
+
+/* q8 weights (--weight-dtype q8): each row of a matrix is cut into blocks of KVF_CPU_Q8_BLOCK
+ * values along the input dimension (the last block zero-padded), each block stored as int8
+ * q[i] in [-127, 127] with one f32 scale d, value = q[i] * d (ggml's Q8_0, with an f32 scale).
+ * A row of `cols` values has kvf_cpu_q8_blocks(cols) blocks; the int8 of a matrix are
+ * [rows][blocks * 32] and its scales [rows][blocks]. Activations are quantized the same way
+ * for the integer dot products. */
+#define KVF_CPU_Q8_BLOCK 32
+
+static inline int64_t kvf_cpu_q8_blocks(int64_t cols)
+{
+    return (cols + KVF_CPU_Q8_BLOCK - 1) / KVF_CPU_Q8_BLOCK;
+}
+
+/* Quantizes x[n] into kvf_cpu_q8_blocks(n) blocks: q[blocks * 32] (the padding 0) and d[blocks],
+ * d = max |x| of the block / 127 (0 for an all-zero block), q = round(x / d). Plain C, the same
+ * on every CPU, so every kernel table sees the same integers. */
+void kvf_cpu_q8_quantize(const float *x, int64_t n, int8_t *q, float *d);
 
 /* One instruction set's kernels. Every pointer is set; arrays need no alignment. */
 typedef struct kvf_cpu_kernels {
-    const char *name; /* "scalar", "avx2", "avx512" */
+    const char *name; /* "scalar", "avx2", "avx512", "avx512vnni" */
     kvf_cpu_isa isa;
     /* y[r] = sum_c W[r * ld + c] * x[c] for r < rows */
     void (*sgemv)(const float *W /* [rows][ld] */, int64_t rows, int64_t cols, int64_t ld,
@@ -37,6 +56,14 @@ typedef struct kvf_cpu_kernels {
     float (*dot)(const float *a, const float *b, int64_t n);
     /* y[i] = y[i] * s + a * x[i] */
     void (*scale_axpy)(float *y, float s, float a, const float *x, int64_t n);
+    /* q8 matrix x q8 vector: y[r] = sum_b wd[r * kb + b] * xd[b] * (sum_i wq[r][b * 32 + i] *
+     * xq[b * 32 + i]) for r < rows, the inner sums exact in int32 */
+    void (*q8_gemv)(const int8_t *wq /* [rows][kb * 32] */, const float *wd /* [rows][kb] */,
+                    int64_t rows, int64_t kb, const int8_t *xq /* [kb * 32] */,
+                    const float *xd /* [kb] */, float *y /* [rows] */);
+    /* out[b * 32 + i] = q[b * 32 + i] * d[b] for b < n_blocks */
+    void (*q8_dequant)(const int8_t *q /* [n_blocks * 32] */, const float *d /* [n_blocks] */,
+                       int64_t n_blocks, float *out /* [n_blocks * 32] */);
 } kvf_cpu_kernels;
 
 /* The best instruction set this CPU runs (always SCALAR off x86-64). */

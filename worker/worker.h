@@ -60,6 +60,7 @@ typedef struct kvf_worker_cfg {
     int32_t load_interval_ms;         /* WatchKv load report period (default for watchers) */
     const char *device;       /* cpu or cuda: where the model runs and the KV pool lives */
     const char *attn_decode;  /* cuda: auto, simt, mma (kvf_engine_attn_decode_pick) */
+    const char *weight_dtype; /* f32 or q8 (CPU only; model/backend.h KVF_BACKEND_WEIGHT_*) */
     /* The KV transport (transport/xfer.h's flags: --xfer-backend, --xfer-transport, ...). Its
      * gpu table is the worker's to fill; notice_host NULL means the --xfer-listen host when it
      * is an IPv4 address other than 0.0.0.0, else 127.0.0.1; listen_host is set from

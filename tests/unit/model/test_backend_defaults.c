@@ -104,6 +104,23 @@ static void test_wrapper_defaults(void **state)
     const kvf_backend *be = bare_backend();
     kvf_err err = {0};
     void *ctx = NULL;
+    /* q8 weights: refused by name where the backend has no q8 kernels (q8_weights left out, as
+     * CUDA does), and by the CPU backend together with half weights; unknown values refused */
+    kvf_backend_opts q8 = {.n_threads = 1, .weight_dtype = KVF_BACKEND_WEIGHT_Q8};
+    assert_int_equal(kvf_backend_create(be, &q8, &ctx, &err), KVF_ERR_UNSUPPORTED);
+    assert_null(ctx);
+    assert_non_null(strstr(err.msg, "--weight-dtype q8"));
+    assert_non_null(strstr(err.msg, "cpu-bare"));
+    q8.half_weights = true;
+    assert_int_equal(kvf_backend_create(kvf_model_backend_cpu(), &q8, &ctx, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "--half-weights"));
+    q8 = (kvf_backend_opts){.n_threads = 1, .weight_dtype = KVF_BACKEND_WEIGHT_COUNT};
+    assert_int_equal(kvf_backend_create(kvf_model_backend_cpu(), &q8, &ctx, &err), KVF_ERR_INVALID);
+    assert_int_equal(kvf_backend_weight_dtype_parse("q8"), KVF_BACKEND_WEIGHT_Q8);
+    assert_int_equal(kvf_backend_weight_dtype_parse("f32"), KVF_BACKEND_WEIGHT_F32);
+    assert_int_equal(kvf_backend_weight_dtype_parse("q4"), -1);
+    assert_int_equal(kvf_backend_weight_dtype_parse(NULL), -1);
+
     assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 1}, &ctx, &err), KVF_OK);
     assert_string_equal(kvf_backend_name(be), "cpu-bare");
 

@@ -155,6 +155,21 @@ static void test_generate_errors(void **state)
     assert_int_equal(run(cmd, &out), 1);
     assert_non_null(strstr(out.data, "/nonexistent/config.json"));
     kvf_sbuf_reset(&out);
+    /* --weight-dtype: an unknown value and q8 with --half-weights are refused by name; q8 runs */
+    snprintf(cmd, sizeof cmd, "'%s' generate --model '%s' --prompt-ids 1 --weight-dtype q4 2>&1", bin(), dir);
+    assert_int_equal(run(cmd, &out), 2);
+    assert_non_null(strstr(out.data, "--weight-dtype=q4 is not supported (use f32 or q8)"));
+    kvf_sbuf_reset(&out);
+    snprintf(cmd, sizeof cmd, "'%s' generate --model '%s' --prompt-ids 1 --weight-dtype q8 --half-weights 2>&1",
+             bin(), dir);
+    assert_int_equal(run(cmd, &out), 2);
+    assert_non_null(strstr(out.data, "--half-weights and --weight-dtype q8 cannot be combined"));
+    kvf_sbuf_reset(&out);
+    snprintf(cmd, sizeof cmd, "'%s' generate --model '%s' --prompt-ids 1,2,3 --max-tokens 4 --weight-dtype q8 --json 2>/dev/null",
+             bin(), dir);
+    assert_int_equal(run(cmd, &out), 0);
+    assert_non_null(strstr(out.data, "\"output_ids\""));
+    kvf_sbuf_reset(&out);
     /* capacity: the plan figures for the pool */
     snprintf(cmd, sizeof cmd, "'%s' generate --model '%s' --prompt-ids 1,2 --kv-memory 1M 2>&1 >/dev/null", bin(), dir);
     assert_int_equal(run(cmd, &out), 0);

@@ -1,6 +1,7 @@
-/* test_cpu_kernels.c: every kernel table this CPU runs (scalar, AVX2+FMA, AVX-512) against a
- * float64 reference: the vector exp over its whole range and its edges, the sgemv over odd sizes,
- * strides and misaligned arrays, and the elementwise ops; what OpenBLAS chose is named. */
+/* test_cpu_kernels.c: every kernel table this CPU runs (scalar, AVX2+FMA, AVX-512, AVX-512 VNNI)
+ * against a float64 reference: the vector exp over its whole range and its edges, the sgemv over
+ * odd sizes, strides and misaligned arrays, the elementwise ops, the q8 quantizer, dot products
+ * and dequantization; what OpenBLAS chose is named. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -162,6 +163,72 @@ static void check_elementwise(const kvf_cpu_kernels *k)
     }
 }
 
+/* q8: the quantizer's bounds (every |x - q d| <= d/2, q in [-127, 127], padding 0), then each
+ * table's q8_gemv against the same sum in double over the same integers (the integer part is
+ * exact in every form; only the order of the per-block float products differs), over odd block
+ * counts and row counts, misaligned arrays, nothing written outside y; q8_dequant exactly. */
+static void check_q8(const kvf_cpu_kernels *k)
+{
+    static const int64_t rows_l[] = {1, 2, 3, 4, 5, 16, 17};
+    static const int64_t cols_l[] = {1, 31, 32, 33, 64, 95, 96, 480, 511, 512, 544, 800};
+    enum { MAXC = 800, MAXKB = (MAXC + 31) / 32, MAXR = 17 };
+    float *w = malloc((size_t)MAXR * MAXC * sizeof *w), x[MAXC], y[MAXR + 2];
+    int8_t *wq_buf = malloc((size_t)MAXR * MAXKB * 32 + 3), xq_buf[MAXKB * 32 + 3];
+    float wd_buf[MAXR * MAXKB + 3], xd_buf[MAXKB + 3], deq[MAXKB * 32 + 1];
+    double worst = 0;
+    for (size_t ri = 0; ri < sizeof rows_l / sizeof rows_l[0]; ri++)
+        for (size_t ci = 0; ci < sizeof cols_l / sizeof cols_l[0]; ci++)
+            for (int off = 0; off < 3; off++) {
+                int64_t rows = rows_l[ri], cols = cols_l[ci], kb = kvf_cpu_q8_blocks(cols), ld = kb * 32;
+                int8_t *wq = wq_buf + off, *xq = xq_buf + (off ^ 1);
+                float *wd = wd_buf + off, *xd = xd_buf + (off ^ 1);
+                for (int64_t i = 0; i < rows * cols; i++)
+                    w[i] = frand() * (i % 37 == 0 ? 8.0f : 1.0f); /* outliers stretch a block's scale */
+                for (int64_t i = 0; i < cols; i++)
+                    x[i] = (i / 32) % 5 == 4 ? 0.0f : frand(); /* some all-zero blocks: scale 0 */
+                for (int64_t r = 0; r < rows; r++)
+                    kvf_cpu_q8_quantize(w + r * cols, cols, wq + r * ld, wd + r * kb);
+                kvf_cpu_q8_quantize(x, cols, xq, xd);
+                for (int64_t i = 0; i < ld; i++) {
+                    assert_true(xq[i] >= -127 && xq[i] <= 127);
+                    if (i >= cols)
+                        assert_int_equal(xq[i], 0);
+                    else
+                        assert_true(fabsf(x[i] - xq[i] * xd[i / 32]) <= xd[i / 32] * 0.5f * 1.0001f);
+                }
+                for (int i = 0; i < MAXR + 2; i++)
+                    y[i] = GUARD;
+                k->q8_gemv(wq, wd, rows, kb, xq, xd, y + 1);
+                assert_true(y[0] == GUARD && y[rows + 1] == GUARD);
+                for (int64_t r = 0; r < rows; r++) {
+                    double ref = 0, mag = 0;
+                    for (int64_t b = 0; b < kb; b++) {
+                        int64_t s = 0, sa = 0; /* vector forms sum lanes of partial sums */
+                        for (int i = 0; i < 32; i++) {
+                            s += (int64_t)wq[r * ld + b * 32 + i] * xq[b * 32 + i];
+                            sa += llabs((int64_t)wq[r * ld + b * 32 + i] * xq[b * 32 + i]);
+                        }
+                        double sc = (double)wd[r * kb + b] * xd[b];
+                        ref += (double)s * sc;
+                        mag += (double)sa * sc;
+                    }
+                    double e = fabs(y[r + 1] - ref);
+                    worst = e / (mag + 1e-30) > worst ? e / (mag + 1e-30) : worst;
+                    if (e > 4e-7 * mag * (2 + log2((double)kb)) + 1e-30)
+                        fail_msg("%s q8_gemv %ldx%ld row %ld: %.9g, expected %.9g", k->name, (long)rows,
+                                 (long)cols, (long)r, (double)y[r + 1], ref);
+                }
+                deq[kb * 32] = GUARD;
+                k->q8_dequant(wq, wd, kb, deq);
+                assert_true(deq[kb * 32] == GUARD);
+                for (int64_t i = 0; i < ld; i++)
+                    assert_true(deq[i] == (float)wq[i] * wd[i / 32]);
+            }
+    printf("%s: q8_gemv worst error %.3g of the sum of |terms|\n", k->name, worst);
+    free(w);
+    free(wq_buf);
+}
+
 static void test_kernels(void **state)
 {
     (void)state;
@@ -176,6 +243,7 @@ static void test_kernels(void **state)
         check_exp(k);
         check_sgemv(k);
         check_elementwise(k);
+        check_q8(k);
         ran++;
     }
     assert_true(ran >= 1);

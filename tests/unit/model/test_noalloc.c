@@ -82,10 +82,14 @@ static void test_step_allocates_nothing(void **state)
     kvf_err err = {0};
     assert_int_equal(kvf_model_load(kvf_test_shared_path("fixtures/models/small-gqa-bf16-theta5e5"), &m, &err), KVF_OK);
     const kvf_backend *be = kvf_model_backend_cpu();
-    for (int half = 0; half < 2; half++) {
+    /* mode 0: f32 weights, 1: kept bf16, 2: q8 (steps of 5 and 11 tokens: both q8 matmul paths) */
+    for (int mode = 0; mode < 3; mode++) {
+        bool half = mode == 1;
         n_allocs = 0;
         void *ctx;
-        assert_int_equal(kvf_backend_create(be, &(kvf_backend_opts){.n_threads = 2, .half_weights = half}, &ctx, &err), KVF_OK);
+        kvf_backend_opts bo = {.n_threads = 2, .half_weights = half,
+                               .weight_dtype = mode == 2 ? KVF_BACKEND_WEIGHT_Q8 : KVF_BACKEND_WEIGHT_F32};
+        assert_int_equal(kvf_backend_create(be, &bo, &ctx, &err), KVF_OK);
         kvf_kv_layout lay;
         assert_int_equal(kvf_model_kv_layout(m, 16, KVF_DTYPE_BF16, &lay, &err), KVF_OK);
         kvf_model_fwd *f;
@@ -94,8 +98,8 @@ static void test_step_allocates_nothing(void **state)
         void *pool;
         assert_int_equal(kvf_backend_alloc(be, ctx, (size_t)(32 * lay.block_bytes), &pool, &err), KVF_OK);
         int32_t t0[8] = {0, 1, 2, 3, 4, 5, 6, 7}, t1[8] = {8, 9, 10, 11, 12, 13, 14, 15};
-        int32_t prompt[40];
-        for (int i = 0; i < 40; i++)
+        int32_t prompt[64];
+        for (int i = 0; i < 64; i++)
             prompt[i] = (i * 31 + 7) % 1024;
         int32_t next[2], tok = 5;
         float *logits = malloc(2 * 1024 * sizeof *logits);
@@ -103,16 +107,19 @@ static void test_step_allocates_nothing(void **state)
         assert_int_equal(kvf_model_forward(f, &warm, 1, pool, 32, logits, next, &err), KVF_OK);
 
         counting = 1;
-        for (int step = 0; step < 6; step++) {
+        for (int step = 0, p1 = 0; step < 6; step++) {
+            int32_t take = mode == 2 && step % 2 ? 10 : 6;
             kvf_model_seq s[2] = {
                 {.tokens = &tok, .n_tokens = 1, .start_pos = 8 + step, .block_table = t0, .n_blocks = 8},
-                {.tokens = prompt + step * 6, .n_tokens = 6, .start_pos = step * 6, .block_table = t1, .n_blocks = 8},
+                {.tokens = prompt + p1, .n_tokens = take, .start_pos = p1, .block_table = t1, .n_blocks = 8},
             };
             assert_int_equal(kvf_model_forward(f, s, 2, pool, 32, logits, next, &err), KVF_OK);
             tok = next[0];
+            p1 += take;
         }
         counting = 0;
-        print_message("6 mixed steps (%s weights): %ld allocations\n", half ? "bf16" : "f32", (long)n_allocs);
+        print_message("6 mixed steps (%s weights): %ld allocations\n", mode == 2 ? "q8" : half ? "bf16" : "f32",
+                      (long)n_allocs);
         assert_int_equal(n_allocs, 0);
         free(logits);
         kvf_backend_free(be, ctx, pool);
