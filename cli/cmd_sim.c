@@ -27,6 +27,11 @@ typedef struct sim_cli_cfg {
     bool approx, json;
     double approx_ttl;
     int64_t seed;
+    const char *synth, *synth_out;
+    int64_t synth_requests;
+    int32_t synth_prefixes, synth_prefix_blocks, synth_suffix_blocks;
+    double synth_zipf_s, synth_rate;
+    double load_bound, load_window, load_penalty;
 } sim_cli_cfg;
 
 static const kvf_cfg_opt sim_opts[] = {
@@ -50,7 +55,18 @@ static const kvf_cfg_opt sim_opts[] = {
     {"sticky-bound", "1.1", "sticky: a worker takes a request while its load stays within this x the mean", offsetof(sim_cli_cfg, sticky_bound), KVF_CFG_DOUBLE},
     {"min-overlap-blocks", "1", "kv: below this best overlap the sticky ring decides (0 = never)", offsetof(sim_cli_cfg, min_overlap_blocks), KVF_CFG_INT},
     {"busy-queued-tokens", "0", "busy limit per worker: queued prefill tokens (0 = none)", offsetof(sim_cli_cfg, busy_queued_tokens), KVF_CFG_INT64},
-    {"seed", "1", "random seed for tie-breaks", offsetof(sim_cli_cfg, seed), KVF_CFG_INT64},
+    {"load-bound", "1.1", "kv: a worker whose recent computed prompt tokens exceed this x the mean is not chosen while others are not (0 = off)", offsetof(sim_cli_cfg, load_bound), KVF_CFG_DOUBLE},
+    {"load-window", "1800", "kv: seconds over which recent computed tokens decay (time constant)", offsetof(sim_cli_cfg, load_window), KVF_CFG_DOUBLE},
+    {"load-penalty", "0.5", "kv: a worker past the load line costs this x the prefill time of its excess tokens more", offsetof(sim_cli_cfg, load_penalty), KVF_CFG_DOUBLE},
+    {"seed", "1", "random seed for tie-breaks (and the synthetic trace)", offsetof(sim_cli_cfg, seed), KVF_CFG_INT64},
+    {"synth", NULL, "instead of --trace: generate a trace; \"zipf\": a Zipf choice among a few long shared prefixes, each request with its own suffix", offsetof(sim_cli_cfg, synth), KVF_CFG_STR},
+    {"synth-out", NULL, "also write the generated trace to this file (Mooncake JSON Lines)", offsetof(sim_cli_cfg, synth_out), KVF_CFG_STR},
+    {"synth-requests", "3000", "synthetic trace: requests", offsetof(sim_cli_cfg, synth_requests), KVF_CFG_INT64},
+    {"synth-prefixes", "8", "synthetic trace: distinct shared prefixes", offsetof(sim_cli_cfg, synth_prefixes), KVF_CFG_INT},
+    {"synth-zipf-s", "1.2", "synthetic trace: Zipf exponent of the prefix choice", offsetof(sim_cli_cfg, synth_zipf_s), KVF_CFG_DOUBLE},
+    {"synth-prefix-blocks", "16", "synthetic trace: trace blocks per shared prefix", offsetof(sim_cli_cfg, synth_prefix_blocks), KVF_CFG_INT},
+    {"synth-suffix-blocks", "2", "synthetic trace: unique trace blocks per request", offsetof(sim_cli_cfg, synth_suffix_blocks), KVF_CFG_INT},
+    {"synth-rate", "20", "synthetic trace: requests per second (Poisson)", offsetof(sim_cli_cfg, synth_rate), KVF_CFG_DOUBLE},
     {"json", NULL, "print one JSON object", offsetof(sim_cli_cfg, json), KVF_CFG_BOOL},
     {NULL},
 };
@@ -80,8 +96,13 @@ int kvf_cli_sim(int argc, char **argv)
     kvf_status st = kvf_cfg_parse(&sim_spec, &c, argc, argv, NULL, &err);
     if (st != KVF_OK)
         return kvf_cli_exit(st, &err);
-    if (!c.trace) {
-        kvf_err_set(&err, KVF_ERR_INVALID, "sim: --trace FILE is required (a Mooncake JSON Lines trace)");
+    if (!c.trace == !c.synth) {
+        kvf_err_set(&err, KVF_ERR_INVALID,
+                    "sim: give one of --trace FILE (a Mooncake JSON Lines trace) or --synth zipf");
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    if (c.synth && strcmp(c.synth, "zipf") != 0) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "sim: --synth=%s is not known (use zipf)", c.synth);
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
     kvf_router_sim_cfg sc;
@@ -121,10 +142,45 @@ int kvf_cli_sim(int argc, char **argv)
     double cap_blocks = c.capacity_blocks * c.trace_block_tokens / (c.block_size > 0 ? c.block_size : 1);
     sc.pool.approx_max_blocks = cap_blocks >= 1 && cap_blocks < 1e9 ? (int64_t)cap_blocks : 1;
     sc.pool.seed = (uint64_t)c.seed;
+    sc.pool.load_bound = c.load_bound;
+    sc.pool.load_window_s = c.load_window;
+    sc.pool.load_penalty = c.load_penalty;
 
     kvf_router_trace tr;
-    st = kvf_router_trace_load(c.trace, sc.pool.index.model, c.block_size, c.trace_block_tokens,
-                               (size_t)c.max_requests, &tr, &err);
+    if (c.synth) {
+        kvf_router_synth_cfg syn;
+        kvf_router_synth_cfg_default(&syn);
+        syn.n_requests = c.synth_requests;
+        syn.n_prefixes = c.synth_prefixes;
+        syn.zipf_s = c.synth_zipf_s;
+        syn.prefix_blocks = c.synth_prefix_blocks;
+        syn.suffix_blocks = c.synth_suffix_blocks;
+        syn.rate_per_s = c.synth_rate;
+        syn.trace_block_tokens = c.trace_block_tokens;
+        syn.seed = (uint64_t)c.seed;
+        char *text;
+        size_t len;
+        if ((st = kvf_router_synth_zipf(&syn, &text, &len, &err)) != KVF_OK)
+            return kvf_cli_exit(st, &err);
+        if (c.synth_out) {
+            FILE *f = fopen(c.synth_out, "w");
+            bool ok = f && fwrite(text, 1, len, f) == len;
+            if (f && fclose(f) != 0)
+                ok = false;
+            if (!ok) {
+                free(text);
+                kvf_err_set(&err, KVF_ERR_IO, "sim: --synth-out=%s: cannot write", c.synth_out);
+                return kvf_cli_exit(KVF_ERR_IO, &err);
+            }
+        }
+        c.trace = "synth:zipf";
+        st = kvf_router_trace_parse(c.trace, text, len, sc.pool.index.model, c.block_size,
+                                    c.trace_block_tokens, (size_t)c.max_requests, &tr, &err);
+        free(text);
+    } else {
+        st = kvf_router_trace_load(c.trace, sc.pool.index.model, c.block_size, c.trace_block_tokens,
+                                   (size_t)c.max_requests, &tr, &err);
+    }
     if (st != KVF_OK)
         return kvf_cli_exit(st, &err);
     kvf_router_sim_result r;

@@ -20,6 +20,7 @@ typedef struct pool_worker {
     bool present, approx;
     kvf_router_load load;
     double pending_tokens; /* work this router sent since the last load report */
+    double recent_tokens;  /* computed prompt tokens this router sent, decayed (bounded load) */
     int64_t limit_queued;
     double limit_decode;
     kvf_router_lru *pred; /* approximate mode: predicted cache contents */
@@ -35,6 +36,7 @@ struct kvf_router_pool {
     int32_t rr_next;
     int n_approx;        /* workers in approximate mode */
     double next_expire;  /* when stale workers are next checked */
+    double recent_at;    /* when recent_tokens were last decayed */
     uint64_t rng;
     ring_point *ring;
     size_t n_ring;
@@ -75,6 +77,9 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg)
     cfg->sticky_bound = 1.1;
     cfg->sticky_vnodes = 64;
     cfg->min_overlap_blocks = 1;
+    cfg->load_bound = 1.1;
+    cfg->load_window_s = 1800;
+    cfg->load_penalty = 0.5;
     cfg->approx_ttl_s = 300;
     cfg->approx_max_blocks = 1 << 20;
     cfg->seed = 1;
@@ -121,6 +126,12 @@ kvf_status kvf_router_pool_create(const kvf_router_pool_cfg *cfg, kvf_router_poo
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: sticky blocks %d (>= 1), vnodes %d (1..1024) and bound %g (>= 1) "
                            "out of range", cfg->sticky_blocks, cfg->sticky_vnodes, cfg->sticky_bound);
+    if ((cfg->load_bound != 0 && !(cfg->load_bound >= 1)) || !(cfg->load_window_s > 0) ||
+        !(cfg->load_penalty >= 0))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "router: load bound %g (0 = off, or >= 1), window %g s (> 0) and penalty "
+                           "%g (>= 0) out of range", cfg->load_bound, cfg->load_window_s,
+                           cfg->load_penalty);
     if (cfg->approx_max_blocks < 1 || cfg->approx_ttl_s <= 0)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: approximate mode needs max blocks >= 1 (got %lld) and TTL > 0 (got %g)",
@@ -287,6 +298,42 @@ static inline bool is_busy(const kvf_router_pool *p, int32_t w)
            (pw->limit_decode > 0 && pw->load.decode_load >= pw->limit_decode);
 }
 
+/* Ages every worker's recent computed tokens to now (O(workers)). */
+static void recent_decay(kvf_router_pool *p, double now)
+{
+    if (!(now > p->recent_at))
+        return;
+    double f = exp(-(now - p->recent_at) / p->cfg.load_window_s);
+    for (uint64_t m = p->present; m; m &= m - 1)
+        p->w[__builtin_ctzll(m)].recent_tokens *= f;
+    p->recent_at = now;
+}
+
+/* The bounded-load line: load_bound x the mean recent computed tokens of the candidates, with
+ * this request's tokens counted in (as consistent hashing with bounded loads counts the new
+ * ball), so the least loaded candidate is always within it. INFINITY when the bound is off. */
+static double load_line(const kvf_router_pool *p, uint64_t cand, double n_tok)
+{
+    if (!(p->cfg.load_bound >= 1))
+        return INFINITY;
+    double total = 0;
+    int n = 0;
+    for (uint64_t m = cand; m; m &= m - 1, n++)
+        total += p->w[__builtin_ctzll(m)].recent_tokens;
+    return p->cfg.load_bound * (total + n_tok) / (n ? n : 1);
+}
+
+/* Cold requests (no useful overlap anywhere) skip the workers above the line outright: they
+ * miss wherever they go, so keeping them off the busiest costs no hit. */
+static uint64_t bounded_candidates(const kvf_router_pool *p, uint64_t cand, double bound)
+{
+    uint64_t keep = 0;
+    for (uint64_t m = cand; m; m &= m - 1)
+        if (p->w[__builtin_ctzll(m)].recent_tokens <= bound)
+            keep |= m & -m;
+    return keep ? keep : cand;
+}
+
 static int32_t pick_least_loaded(kvf_router_pool *p, uint64_t cand)
 {
     int32_t best = -1;
@@ -413,6 +460,7 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
         d.all_busy = true;
     }
     approx_expire(p, now);
+    recent_decay(p, now);
     int32_t bs = p->cfg.index.block_size;
     double n_tok = (double)req->n_tokens;
     switch (p->cfg.policy) {
@@ -433,10 +481,11 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             kvf_router_index_expire(p->idx, now);
             p->next_expire = now + 0.1;
         }
+        double line = load_line(p, cand, n_tok);
         uint32_t ov[KVF_ROUTER_MAX_WORKERS];
         size_t best_ov = kvf_router_index_overlap(p->idx, req->hashes, req->n_blocks, cand, ov);
         if (best_ov < (size_t)p->cfg.min_overlap_blocks) {
-            d.worker = pick_sticky(p, req, cand);
+            d.worker = pick_sticky(p, req, bounded_candidates(p, cand, line));
             d.reason = KVF_ROUTER_BY_STICKY;
             break;
         }
@@ -451,6 +500,16 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
                        p->cfg.w_queue * p->b *
                            ((double)pw->load.queued_prefill_tokens + pw->pending_tokens) +
                        p->cfg.w_decode * pw->load.decode_load;
+            /* Bounded load for hits: every recent computed token above the line is charged as
+             * one more token to compute, so a worker past it keeps only the requests whose
+             * cached prefix saves more than its excess, and gives up the cheapest ones to move
+             * first. A hot prefix on a holder far past the line goes to the cheapest other
+             * worker, which computes it once and holds it from then on (one more replica);
+             * a long conversation stays where its history is unless its holder is far over.
+             * The excess stays within about one prompt of the line, small against a window's
+             * tokens, so the share of computed tokens is bounded on any trace. */
+            if (pw->recent_tokens > line)
+                c += p->cfg.load_penalty * p->b * (pw->recent_tokens - line);
             cost[w] = c;
             double l = load_s(p, w);
             /* lowest cost; ties by lower load, then at random */
@@ -498,6 +557,7 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
     d.cached_tokens = (cached < n_tok ? cached : n_tok) *
                       kvf_router_index_trust(p->idx, d.worker, now);
     p->w[d.worker].pending_tokens += n_tok - d.cached_tokens;
+    p->w[d.worker].recent_tokens += n_tok - d.cached_tokens;
     if (p->w[d.worker].approx)
         approx_record(p, d.worker, req, now);
     *out = d;

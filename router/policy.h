@@ -42,6 +42,16 @@ typedef struct kvf_router_pool_cfg {
     int32_t sticky_vnodes;  /* points per worker on the ring */
     int32_t min_overlap_blocks; /* kv: below this best overlap the index knows nothing useful
                                    and the sticky ring decides */
+    double load_bound;      /* kv, bounded load on skew: a worker whose recent computed prompt
+                               tokens exceed load_bound x the mean (this request counted in) is not
+                               chosen while another is not, so a hot prefix whose holders are the
+                               busiest is copied to one more replica (>= 1; 0 = off) */
+    double load_window_s;   /* recent computed tokens decay as exp(-age / load_window_s) */
+    double load_penalty;    /* a hit's cost on a worker past the line grows by this x the prefill
+                               time of its excess tokens (1: an excess token costs as much as
+                               computing one; 0.5 lets a cached prefix outweigh twice its size
+                               of excess, so conversations move less and a hot prefix still
+                               spreads) */
     bool approx;            /* every worker is approximate (publishes no events) */
     double approx_ttl_s;    /* predictions older than this are dropped */
     int64_t approx_max_blocks; /* predictions kept per worker */
@@ -50,7 +60,8 @@ typedef struct kvf_router_pool_cfg {
 
 /* Defaults: policy kv, block 16, weights 1/0.25/0.005 s, a = 0.02 s, b = 5e-5 s/token,
  * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.1 and 64 vnodes,
- * min overlap 1 block, approx TTL 300 s and 1M blocks. The index model must be set. */
+ * min overlap 1 block, load bound 1.1 over an 1800 s window, approx TTL 300 s and 1M blocks.
+ * The index model must be set. */
 void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg);
 
 typedef struct kvf_router_load {

@@ -4,6 +4,7 @@
 #include "router/sim.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -298,4 +299,102 @@ done:
     free(s.removed);
     free(ttft);
     return st;
+}
+
+void kvf_router_synth_cfg_default(kvf_router_synth_cfg *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->n_requests = 3000;
+    cfg->n_prefixes = 8;
+    cfg->zipf_s = 1.2;
+    cfg->prefix_blocks = 16;
+    cfg->suffix_blocks = 2;
+    cfg->rate_per_s = 20;
+    cfg->output_tokens = 100;
+    cfg->trace_block_tokens = 512;
+    cfg->seed = 1;
+}
+
+static inline uint64_t synth_next(uint64_t *s)
+{
+    uint64_t x = (*s += 0x9E3779B97F4A7C15ull);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static inline double synth_unit(uint64_t *s)
+{
+    return ((double)(synth_next(s) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+kvf_status kvf_router_synth_zipf(const kvf_router_synth_cfg *c, char **text_out, size_t *len_out,
+                                 kvf_err *err)
+{
+    if (c->n_requests < 1 || c->n_requests > 10000000 || c->n_prefixes < 1 ||
+        c->n_prefixes > 1000000 || !(c->zipf_s >= 0) || c->prefix_blocks < 1 ||
+        c->suffix_blocks < 1 || c->prefix_blocks + c->suffix_blocks > 4096 ||
+        !(c->rate_per_s > 0) || c->output_tokens < 0 || c->trace_block_tokens < 2)
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "sim: synthetic trace: requests %lld (1..1e7), prefixes %d (1..1e6), "
+                           "zipf s %g (>= 0), prefix %d + suffix %d blocks (each >= 1, sum <= 4096), "
+                           "rate %g (> 0), output %d (>= 0), block tokens %d (>= 2): out of range",
+                           (long long)c->n_requests, c->n_prefixes, c->zipf_s, c->prefix_blocks,
+                           c->suffix_blocks, c->rate_per_s, c->output_tokens, c->trace_block_tokens);
+    /* cumulative Zipf weights, so a draw is one binary search */
+    double *cdf = malloc((size_t)c->n_prefixes * sizeof *cdf);
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    if (!cdf || !buf) {
+        free(cdf);
+        free(buf);
+        return kvf_err_set(err, KVF_ERR_NOMEM, "sim: out of memory for the synthetic trace");
+    }
+    double sum = 0;
+    for (int32_t k = 0; k < c->n_prefixes; k++)
+        cdf[k] = sum += pow((double)k + 1, -c->zipf_s);
+    uint64_t rng = c->seed;
+    int32_t nb = c->prefix_blocks + c->suffix_blocks;
+    /* the last block is partial, as in real traces (the trace reader wants ceil(len / 512) ids) */
+    int64_t in_len = (int64_t)nb * c->trace_block_tokens - c->trace_block_tokens / 2;
+    int64_t next_id = (int64_t)c->n_prefixes * c->prefix_blocks;
+    double t = 0;
+    for (int64_t i = 0; i < c->n_requests; i++) {
+        t += -log(synth_unit(&rng)) / c->rate_per_s;
+        double u = synth_unit(&rng) * sum;
+        int32_t lo = 0, hi = c->n_prefixes - 1;
+        while (lo < hi) {
+            int32_t mid = (lo + hi) / 2;
+            if (cdf[mid] < u)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        /* one line: at most ~90 bytes of fields and 21 bytes per id */
+        size_t need = len + 128 + (size_t)nb * 22;
+        if (need > cap) {
+            while (cap < need)
+                cap *= 2;
+            char *nbuf = realloc(buf, cap);
+            if (!nbuf) {
+                free(cdf);
+                free(buf);
+                return kvf_err_set(err, KVF_ERR_NOMEM, "sim: out of memory for the synthetic trace");
+            }
+            buf = nbuf;
+        }
+        len += (size_t)snprintf(buf + len, cap - len,
+                                "{\"timestamp\": %lld, \"input_length\": %lld, \"output_length\": %d, "
+                                "\"hash_ids\": [", (long long)(t * 1000.0), (long long)in_len,
+                                c->output_tokens);
+        for (int32_t b = 0; b < nb; b++) {
+            int64_t id = b < c->prefix_blocks ? (int64_t)lo * c->prefix_blocks + b : next_id++;
+            len += (size_t)snprintf(buf + len, cap - len, "%s%lld", b ? ", " : "", (long long)id);
+        }
+        len += (size_t)snprintf(buf + len, cap - len, "]}\n");
+    }
+    free(cdf);
+    *text_out = buf;
+    *len_out = len;
+    return KVF_OK;
 }

@@ -45,4 +45,27 @@ typedef struct kvf_router_sim_result {
 kvf_status kvf_router_sim_run(const kvf_router_trace *trace, const kvf_router_sim_cfg *cfg,
                               kvf_router_sim_result *out, kvf_err *err);
 
+/* A skewed trace, for bounded-load tests: each request is one of n_prefixes long shared prefixes,
+ * chosen with Zipf probability P(k) ~ 1 / (k + 1)^zipf_s, followed by suffix_blocks trace blocks
+ * of its own; Poisson arrivals at rate_per_s. Deterministic for a seed. */
+typedef struct kvf_router_synth_cfg {
+    int64_t n_requests;    /* 1 .. 10^7 */
+    int32_t n_prefixes;    /* 1 .. 10^6 */
+    double zipf_s;         /* >= 0 (0: uniform) */
+    int32_t prefix_blocks; /* trace blocks per shared prefix, >= 1 */
+    int32_t suffix_blocks; /* unique trace blocks per request, >= 1 (the last one is partial) */
+    double rate_per_s;     /* > 0 */
+    int32_t output_tokens; /* per request, >= 0 */
+    int32_t trace_block_tokens;
+    uint64_t seed;
+} kvf_router_synth_cfg;
+
+/* Defaults: 3000 requests, 8 prefixes, s = 1.2, 16 + 2 blocks of 512 tokens, 20 req/s, 100
+ * output tokens, seed 1. */
+void kvf_router_synth_cfg_default(kvf_router_synth_cfg *cfg);
+/* Writes the trace as Mooncake JSON Lines into a malloc'd buffer (*text_out, the caller frees;
+ * *len_out bytes, NUL-terminated), ready for kvf_router_trace_parse or a file. */
+kvf_status kvf_router_synth_zipf(const kvf_router_synth_cfg *cfg, char **text_out, size_t *len_out,
+                                 kvf_err *err);
+
 #endif
