@@ -32,12 +32,19 @@ typedef struct sim_cli_cfg {
     int32_t synth_prefixes, synth_prefix_blocks, synth_suffix_blocks;
     double synth_zipf_s, synth_rate;
     double load_bound, load_window, load_penalty;
+    double host_capacity_blocks, disk_capacity_blocks, host_bandwidth, disk_bandwidth;
+    double kv_bytes_per_token;
 } sim_cli_cfg;
 
 static const kvf_cfg_opt sim_opts[] = {
     {"trace", NULL, "Mooncake trace (JSON Lines: timestamp, input_length, output_length, hash_ids)", offsetof(sim_cli_cfg, trace), KVF_CFG_STR},
     {"workers", "8", "simulated workers (1..64)", offsetof(sim_cli_cfg, workers), KVF_CFG_INT},
     {"capacity-blocks", "1250", "KV cache per worker, in trace blocks of 512 tokens (fractions allowed)", offsetof(sim_cli_cfg, capacity_blocks), KVF_CFG_DOUBLE},
+    {"host-capacity-blocks", "0", "host-memory KV tier per worker, in trace blocks (0 = none): the pool's LRU victims go there", offsetof(sim_cli_cfg, host_capacity_blocks), KVF_CFG_DOUBLE},
+    {"disk-capacity-blocks", "0", "disk KV tier per worker, in trace blocks (0 = none): the host tier's LRU victims go there", offsetof(sim_cli_cfg, disk_capacity_blocks), KVF_CFG_DOUBLE},
+    {"host-bandwidth", "20e9", "bytes/s of a promotion from the host tier into the pool", offsetof(sim_cli_cfg, host_bandwidth), KVF_CFG_DOUBLE},
+    {"disk-bandwidth", "5e9", "bytes/s of a promotion from the disk tier into the pool", offsetof(sim_cli_cfg, disk_bandwidth), KVF_CFG_DOUBLE},
+    {"kv-bytes-per-token", "131072", "KV bytes per token, all layers (131072: Llama-3-8B in f16); a block's promotion time is its bytes / bandwidth", offsetof(sim_cli_cfg, kv_bytes_per_token), KVF_CFG_DOUBLE},
     {"policy", "kv", "kv, round-robin, least-loaded, sticky, or fleet-lru (the reference: one LRU cache of workers x capacity shared by the fleet)", offsetof(sim_cli_cfg, policy), KVF_CFG_STR},
     {"approx", NULL, "workers publish no KV events: the router predicts their caches from its own decisions", offsetof(sim_cli_cfg, approx), KVF_CFG_BOOL},
     {"approx-ttl", "3600", "approximate mode: seconds a predicted block is believed (it is also bounded by the worker's capacity)", offsetof(sim_cli_cfg, approx_ttl), KVF_CFG_DOUBLE},
@@ -84,8 +91,13 @@ static const kvf_cfg_spec sim_spec = {
         "Time model: each worker prefills one request at a time, FIFO;\n"
         "  prefill = prefill-a + prefill-b x uncached tokens, TTFT = queue wait + prefill;\n"
         "  decode then takes decode-per-token per output token (blocks stay pinned).\n"
-        "Reports hit rates (16-token blocks, tokens, whole trace blocks), load balance (max/mean\n"
-        "of computed prompt tokens per worker) and TTFT p50/p99.",
+        "Tiers (--host-capacity-blocks, --disk-capacity-blocks): blocks the pool evicts go to the\n"
+        "host tier's LRU, its victims to the disk tier's; a prompt's leading block found in a\n"
+        "tier is a hit of that tier, promoted into the pool at kv-bytes-per-token x block-size /\n"
+        "bandwidth seconds, added to its prefill. The router's index keeps each block's tier and\n"
+        "the kv cost charges a tier hit its promotion time.\n"
+        "Reports hit rates (16-token blocks, tokens, whole trace blocks; per tier with tiers), load\n"
+        "balance (max/mean of computed prompt tokens per worker) and TTFT p50/p99.",
     .opts = sim_opts,
 };
 
@@ -125,6 +137,11 @@ int kvf_cli_sim(int argc, char **argv)
     sc.prefill_a_s = c.prefill_a;
     sc.prefill_b_s = c.prefill_b;
     sc.decode_s_per_token = c.decode_per_token;
+    sc.host_capacity_blocks = c.host_capacity_blocks;
+    sc.disk_capacity_blocks = c.disk_capacity_blocks;
+    sc.host_bytes_per_s = c.host_bandwidth;
+    sc.disk_bytes_per_s = c.disk_bandwidth;
+    sc.kv_bytes_per_token = c.kv_bytes_per_token;
     sc.pool.index.block_size = c.block_size;
     sc.pool.w_uncached = c.w_uncached;
     sc.pool.w_queue = c.w_queue;
@@ -203,6 +220,14 @@ int kvf_cli_sim(int argc, char **argv)
         json_object_set_new(o, "hit_rate_blocks", json_real(r.hit_rate_blocks));
         json_object_set_new(o, "hit_rate_tokens", json_real(r.hit_rate_tokens));
         json_object_set_new(o, "hit_rate_trace_blocks", json_real(r.hit_rate_trace_blocks));
+        json_object_set_new(o, "host_capacity_blocks", json_real(sc.host_capacity_blocks));
+        json_object_set_new(o, "disk_capacity_blocks", json_real(sc.disk_capacity_blocks));
+        json_object_set_new(o, "hit_rate_pool", json_real(r.hit_rate_tier[0]));
+        json_object_set_new(o, "hit_rate_host", json_real(r.hit_rate_tier[1]));
+        json_object_set_new(o, "hit_rate_disk", json_real(r.hit_rate_tier[2]));
+        json_object_set_new(o, "demoted_blocks", json_integer(r.demoted_blocks));
+        json_object_set_new(o, "promoted_blocks", json_integer(r.promoted_blocks));
+        json_object_set_new(o, "dropped_blocks", json_integer(r.dropped_blocks));
         json_object_set_new(o, "load_max_over_mean", json_real(r.load_max_over_mean));
         json_object_set_new(o, "ttft_p50_s", json_real(r.ttft_p50_s));
         json_object_set_new(o, "ttft_p99_s", json_real(r.ttft_p99_s));
@@ -230,6 +255,11 @@ int kvf_cli_sim(int argc, char **argv)
            c.approx ? " (approximate)" : "");
     printf("hit rate: blocks %.4f  tokens %.4f  trace blocks %.4f\n", r.hit_rate_blocks,
            r.hit_rate_tokens, r.hit_rate_trace_blocks);
+    if (sc.host_capacity_blocks > 0 || sc.disk_capacity_blocks > 0)
+        printf("tiers (host %g, disk %g trace blocks): block hits pool %.4f  host %.4f  disk %.4f; "
+               "%lld demoted, %lld promoted\n", sc.host_capacity_blocks, sc.disk_capacity_blocks,
+               r.hit_rate_tier[0], r.hit_rate_tier[1], r.hit_rate_tier[2],
+               (long long)r.demoted_blocks, (long long)r.promoted_blocks);
     printf("load max/mean (computed prompt tokens): %.3f\n", r.load_max_over_mean);
     printf("TTFT: p50 %.3f s  p99 %.3f s  mean %.3f s\n", r.ttft_p50_s, r.ttft_p99_s, r.ttft_mean_s);
     printf("router: prefill fit a=%.4f s b=%.3g s/token; index %lld blocks, %.1f bytes/block\n",

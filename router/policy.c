@@ -70,6 +70,9 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg)
     cfg->w_uncached = 1.0;
     cfg->w_queue = 0.25;
     cfg->w_decode = 0.005;
+    /* 16 tokens x 128 KiB (Llama-3-8B, f16) over 20 GB/s host and 5 GB/s disk copies */
+    cfg->host_s_per_block = 16 * 131072 / 20e9;
+    cfg->disk_s_per_block = 16 * 131072 / 5e9;
     cfg->prefill_a_s = 0.02;
     cfg->prefill_b_s = 5e-5;
     cfg->fit_forget = 0.995;
@@ -110,6 +113,10 @@ kvf_status kvf_router_pool_create(const kvf_router_pool_cfg *cfg, kvf_router_poo
 {
     if ((unsigned)cfg->policy > KVF_ROUTER_POLICY_STICKY)
         return kvf_err_set(err, KVF_ERR_INVALID, "router: policy %d is not known", (int)cfg->policy);
+    if (!(cfg->host_s_per_block >= 0) || !(cfg->disk_s_per_block >= 0))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "router: tier promotion times (host %g s, disk %g s a block) must not be negative",
+                           cfg->host_s_per_block, cfg->disk_s_per_block);
     if (cfg->w_uncached < 0 || cfg->w_queue < 0 || cfg->w_decode < 0 || cfg->temperature < 0)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: cost weights (%g, %g, %g) and temperature (%g) must not be negative",
@@ -489,6 +496,9 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             d.reason = KVF_ROUTER_BY_STICKY;
             break;
         }
+        /* blocks of each overlap below the pool: a hit there costs its copy back */
+        uint32_t ov_host[KVF_ROUTER_MAX_WORKERS], ov_disk[KVF_ROUTER_MAX_WORKERS];
+        kvf_router_index_overlap_tiers(p->idx, req->hashes, cand, ov, ov_host, ov_disk);
         double cost[KVF_ROUTER_MAX_WORKERS], best = INFINITY, best_load = 0;
         int ties = 0;
         for (uint64_t m = cand; m; m &= m - 1) {
@@ -496,7 +506,8 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             double cached = (double)ov[w] * bs;
             cached = (cached < n_tok ? cached : n_tok) * kvf_router_index_trust(p->idx, w, now);
             const pool_worker *pw = &p->w[w];
-            double c = p->cfg.w_uncached * (p->a + p->b * (n_tok - cached)) +
+            double promote = p->cfg.host_s_per_block * ov_host[w] + p->cfg.disk_s_per_block * ov_disk[w];
+            double c = p->cfg.w_uncached * (p->a + p->b * (n_tok - cached) + promote) +
                        p->cfg.w_queue * p->b *
                            ((double)pw->load.queued_prefill_tokens + pw->pending_tokens) +
                        p->cfg.w_decode * pw->load.decode_load;

@@ -30,6 +30,9 @@ typedef struct kvf_router_pool_cfg {
      * w_queue below 1 favours cache affinity over the queue seen now: a miss costs the fleet
      * the prefill again on later turns (0.25 meets the Mooncake targets, bench/sim_mooncake.sh) */
     double w_uncached, w_queue, w_decode;
+    /* Seconds to promote one block from a worker's host or disk tier into its pool: a cached
+     * prefix there costs this per block instead of nothing (pool) or its prefill (miss). */
+    double host_s_per_block, disk_s_per_block;
     double temperature;     /* 0: lowest cost wins; > 0: softmax over -cost / temperature (s) */
     double prefill_a_s;     /* prefill time model before any report: a + b * tokens */
     double prefill_b_s;

@@ -1,6 +1,7 @@
 /* sim.h: replays a trace through the real router (policy + index) against simulated workers: prefix
- * caches with the workers' eviction rule that publish KV events, and a prefill/decode time model;
- * `fleet-lru` is the reference: one cache of n_workers x capacity shared by the whole fleet. */
+ * caches with the workers' eviction rule that publish KV events, optional host and disk tiers under
+ * each pool, and a prefill/decode time model; `fleet-lru` is the reference: one cache (and tiers)
+ * of n_workers x capacity shared by the whole fleet. */
 #ifndef KVF_ROUTER_SIM_H
 #define KVF_ROUTER_SIM_H
 
@@ -21,15 +22,26 @@ typedef struct kvf_router_sim_cfg {
      *   prefill = prefill_a_s + prefill_b_s * uncached tokens; TTFT = queue wait + prefill;
      *   then decode takes decode_s_per_token per output token, blocks pinned until it ends. */
     double prefill_a_s, prefill_b_s, decode_s_per_token;
+    /* Tiers under each worker's pool, in trace blocks (0 = none): the pool's LRU victims are
+     * demoted to the host tier's LRU, its victims to the disk tier's, and the disk's are dropped.
+     * A prompt's leading block found in a tier is promoted back (a hit of that tier) and costs
+     * its copy, kv_bytes_per_token x block_size / bandwidth, added to the prefill time. */
+    double host_capacity_blocks, disk_capacity_blocks;
+    double host_bytes_per_s, disk_bytes_per_s;
+    double kv_bytes_per_token;
 } kvf_router_sim_cfg;
 
 /* Defaults: 8 workers, 1250 trace blocks each, policy kv, a = 0.02 s, b = 5e-5 s/token
- * (20k tokens/s per worker), 0.02 s per output token. pool.index.model is "mooncake". */
+ * (20k tokens/s per worker), 0.02 s per output token, no tiers; host 20 GB/s, disk 5 GB/s,
+ * 128 KiB of KV per token (Llama-3-8B in f16). pool.index.model is "mooncake". */
 void kvf_router_sim_cfg_default(kvf_router_sim_cfg *cfg);
 
 typedef struct kvf_router_sim_result {
     int64_t n_requests;
     int64_t blocks, blocks_hit;             /* hashed (block_size) blocks; leading hits only */
+    int64_t blocks_hit_tier[3];             /* of blocks_hit, found in the pool, host, disk */
+    double hit_rate_tier[3];                /* blocks_hit_tier / blocks */
+    int64_t demoted_blocks, promoted_blocks; /* pool -> a lower tier; a lower tier -> pool */
     int64_t tokens, tokens_hit;             /* prompt tokens; tokens served from cache */
     int64_t trace_blocks, trace_blocks_hit; /* trace blocks whose every full block hit */
     double hit_rate_blocks, hit_rate_tokens, hit_rate_trace_blocks;
@@ -37,6 +49,7 @@ typedef struct kvf_router_sim_result {
     double ttft_p50_s, ttft_p99_s, ttft_mean_s;
     int64_t computed_tokens[KVF_ROUTER_MAX_WORKERS];
     int64_t evicted_blocks, uncacheable_blocks; /* the latter: cache full of pinned blocks */
+    int64_t dropped_blocks;                 /* left the worker entirely (pool or last tier) */
     double fitted_a_s, fitted_b_s;          /* the router's prefill fit at the end */
     kvf_router_index_stats index;           /* the router's index at the end */
     double wall_s;
