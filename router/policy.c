@@ -318,7 +318,10 @@ static void recent_decay(kvf_router_pool *p, double now)
 
 /* The bounded-load line: load_bound x the mean recent computed tokens of the candidates, with
  * this request's tokens counted in (as consistent hashing with bounded loads counts the new
- * ball), so the least loaded candidate is always within it. INFINITY when the bound is off. */
+ * ball), so the least loaded candidate is always within it, plus one request of slack (as the
+ * ball count's ceiling gives there): while the window holds few requests, one long prompt is
+ * most of the mean, and without the slack conversations would be moved off their caches for
+ * noise. Against a window of thousands of requests it is negligible. INFINITY when off. */
 static double load_line(const kvf_router_pool *p, uint64_t cand, double n_tok)
 {
     if (!(p->cfg.load_bound >= 1))
@@ -327,7 +330,7 @@ static double load_line(const kvf_router_pool *p, uint64_t cand, double n_tok)
     int n = 0;
     for (uint64_t m = cand; m; m &= m - 1, n++)
         total += p->w[__builtin_ctzll(m)].recent_tokens;
-    return p->cfg.load_bound * (total + n_tok) / (n ? n : 1);
+    return p->cfg.load_bound * (total + n_tok) / (n ? n : 1) + n_tok;
 }
 
 /* Cold requests (no useful overlap anywhere) skip the workers above the line outright: they
