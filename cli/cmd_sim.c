@@ -108,9 +108,13 @@ int kvf_cli_sim(int argc, char **argv)
     kvf_status st = kvf_cfg_parse(&sim_spec, &c, argc, argv, NULL, &err);
     if (st != KVF_OK)
         return kvf_cli_exit(st, &err);
-    if (!c.trace == !c.synth) {
+    if (!c.trace && !c.synth) {
         kvf_err_set(&err, KVF_ERR_INVALID,
-                    "sim: give one of --trace FILE (a Mooncake JSON Lines trace) or --synth zipf");
+                    "sim: --trace FILE is required (a Mooncake JSON Lines trace), or --synth zipf");
+        return kvf_cli_exit(KVF_ERR_INVALID, &err);
+    }
+    if (c.trace && c.synth) {
+        kvf_err_set(&err, KVF_ERR_INVALID, "sim: --trace and --synth exclude each other (give one)");
         return kvf_cli_exit(KVF_ERR_INVALID, &err);
     }
     if (c.synth && strcmp(c.synth, "zipf") != 0) {
