@@ -62,6 +62,7 @@ typedef struct kvf_router_pool_cfg {
 } kvf_router_pool_cfg;
 
 /* Defaults: policy kv, block 16, weights 1/0.25/0.005 s, a = 0.02 s, b = 5e-5 s/token,
+ * promotion 2 MiB a block over 20 GB/s (host) and 5 GB/s (disk), penalty 0.5,
  * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.1 and 64 vnodes,
  * min overlap 1 block, load bound 1.1 over an 1800 s window, approx TTL 300 s and 1M blocks.
  * The index model must be set. */
