@@ -103,6 +103,11 @@ static const kvf_cfg_spec sim_spec = {
 
 int kvf_cli_sim(int argc, char **argv)
 {
+    /* Everything this command prints (the --help text is over 4 KiB) goes out in one write at
+     * exit: a reader that stops at the first match (`| grep -q`) then cannot kill it with
+     * SIGPIPE halfway through the text. */
+    static char out_buf[1 << 16];
+    setvbuf(stdout, out_buf, _IOFBF, sizeof out_buf);
     sim_cli_cfg c = {0};
     kvf_err err = {0};
     kvf_status st = kvf_cfg_parse(&sim_spec, &c, argc, argv, NULL, &err);
