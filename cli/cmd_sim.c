@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -100,6 +101,13 @@ static const kvf_cfg_spec sim_spec = {
         "balance (max/mean of computed prompt tokens per worker) and TTFT p50/p99.",
     .opts = sim_opts,
 };
+
+/* Progress on stderr, one line rewritten in place (only when stderr is a terminal). */
+static void sim_progress(void *arg, size_t done, size_t total)
+{
+    (void)arg;
+    fprintf(stderr, "\rsim: %zu / %zu requests%s", done, total, done == total ? "\n" : "");
+}
 
 int kvf_cli_sim(int argc, char **argv)
 {
@@ -209,6 +217,8 @@ int kvf_cli_sim(int argc, char **argv)
     }
     if (st != KVF_OK)
         return kvf_cli_exit(st, &err);
+    if (isatty(STDERR_FILENO))
+        sc.progress = sim_progress;
     kvf_router_sim_result r;
     st = kvf_router_sim_run(&tr, &sc, &r, &err);
     kvf_router_trace_fini(&tr);

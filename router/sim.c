@@ -392,6 +392,8 @@ kvf_status kvf_router_sim_run(const kvf_router_trace *t, const kvf_router_sim_cf
         }
         r.trace_blocks += q->n_trace_blocks;
         r.n_requests++;
+        if (cfg->progress && ((i + 1) % 1000 == 0 || i + 1 == t->n_reqs))
+            cfg->progress(cfg->progress_arg, i + 1, t->n_reqs);
     }
 
     /* summary */

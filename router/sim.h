@@ -29,6 +29,10 @@ typedef struct kvf_router_sim_cfg {
     double host_capacity_blocks, disk_capacity_blocks;
     double host_bytes_per_s, disk_bytes_per_s;
     double kv_bytes_per_token;
+    /* Optional: called every 1000 requests and at the end (a full trace with tiers runs for
+     * seconds to minutes; the command shows progress on a terminal). */
+    void (*progress)(void *arg, size_t done, size_t total);
+    void *progress_arg;
 } kvf_router_sim_cfg;
 
 /* Defaults: 8 workers, 1250 trace blocks each, policy kv, a = 0.02 s, b = 5e-5 s/token
