@@ -515,13 +515,13 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
                            ((double)pw->load.queued_prefill_tokens + pw->pending_tokens) +
                        p->cfg.w_decode * pw->load.decode_load;
             /* Bounded load for hits: every recent computed token above the line is charged as
-             * one more token to compute, so a worker past it keeps only the requests whose
-             * cached prefix saves more than its excess, and gives up the cheapest ones to move
-             * first. A hot prefix on a holder far past the line goes to the cheapest other
-             * worker, which computes it once and holds it from then on (one more replica);
-             * a long conversation stays where its history is unless its holder is far over.
-             * The excess stays within about one prompt of the line, small against a window's
-             * tokens, so the share of computed tokens is bounded on any trace. */
+             * load_penalty (0.5) of a token to compute, so a worker past it keeps only the
+             * requests whose cached prefix saves more than that, and gives up the cheapest
+             * ones to move first. A hot prefix on a holder far past the line goes to the
+             * cheapest other worker, which computes it once and holds it from then on (one
+             * more replica); a conversation stays with its history unless its holder is over
+             * by twice that history. The excess stays within a few prompts of the line, small
+             * against a window's tokens, so the share of computed tokens stays bounded. */
             if (pw->recent_tokens > line)
                 c += p->cfg.load_penalty * p->b * (pw->recent_tokens - line);
             cost[w] = c;
