@@ -1,6 +1,9 @@
 /* index.c: the KV index as one open-addressing table (linear probing, backward-shift deletion,
  * 16 bytes a slot: hash + worker bitset) and, per worker, an append-only list of the hashes it
- * was given, compacted when it is mostly dead, so removing a worker walks only its own blocks. */
+ * was given, compacted when it is mostly dead, so removing a worker walks only its own blocks.
+ * Tiers live in a parallel array (host and disk bitsets per slot), allocated only when a worker
+ * first reports a block below its pool: the slot a prompt's overlap reads stays 16 bytes, and a
+ * fleet without tiers pays nothing. */
 #include "router/index.h"
 
 #include <math.h>
@@ -22,6 +25,10 @@ typedef struct slot {
     uint64_t bits;
 } slot;
 
+typedef struct tier_bits {
+    uint64_t host, disk; /* workers holding the slot's block in that tier (a subset of bits) */
+} tier_bits;
+
 typedef struct worker {
     kvf_router_worker_state state; /* ABSENT, LIVE or RESYNC; STALE is derived from the clock */
     bool seq_known;
@@ -42,6 +49,8 @@ struct kvf_router_index {
     int shift;     /* 64 - log2(capacity) */
     int64_t count;
     uint64_t registered;
+    tier_bits *tiers;    /* [capacity] parallel to slots; NULL until a lower-tier block arrives */
+    int64_t lower_pairs; /* (block, worker) pairs in the host or disk tier */
     worker w[KVF_ROUTER_MAX_WORKERS];
     kvf_router_index_stats st;
 };
@@ -120,9 +129,16 @@ static kvf_status table_alloc(kvf_router_index *idx, uint64_t cap)
 static kvf_status table_grow(kvf_router_index *idx)
 {
     slot *old = idx->slots;
-    uint64_t old_cap = idx->mask + 1;
+    tier_bits *old_tiers = idx->tiers, *tiers = NULL;
+    uint64_t old_mask = idx->mask, old_cap = old_mask + 1;
+    int old_shift = idx->shift;
+    if (old_tiers && !(tiers = calloc(old_cap * 2, sizeof *tiers)))
+        return KVF_ERR_NOMEM;
     if (table_alloc(idx, old_cap * 2) != KVF_OK) {
+        free(tiers);
         idx->slots = old;
+        idx->mask = old_mask;
+        idx->shift = old_shift;
         return KVF_ERR_NOMEM;
     }
     for (uint64_t i = 0; i < old_cap; i++) {
@@ -132,9 +148,35 @@ static kvf_status table_grow(kvf_router_index *idx)
         while (idx->slots[j].key)
             j = (j + 1) & idx->mask;
         idx->slots[j] = old[i];
+        if (tiers)
+            tiers[j] = old_tiers[i];
     }
     free(old);
+    free(old_tiers);
+    idx->tiers = tiers;
     return KVF_OK;
+}
+
+/* Puts worker w's copy of the block in slot i into tier (KVF_ROUTER_TIER_*). */
+static int set_tier(kvf_router_index *idx, uint64_t i, int32_t w, int tier)
+{
+    uint64_t bit = 1ull << w;
+    if (!idx->tiers) {
+        if (tier == KVF_ROUTER_TIER_POOL)
+            return 0;
+        if (!(idx->tiers = calloc(idx->mask + 1, sizeof *idx->tiers)))
+            return -1;
+    }
+    tier_bits *t = &idx->tiers[i];
+    idx->lower_pairs -= (int64_t)((t->host & bit) != 0) + (int64_t)((t->disk & bit) != 0);
+    t->host &= ~bit;
+    t->disk &= ~bit;
+    if (tier == KVF_ROUTER_TIER_HOST)
+        t->host |= bit;
+    else if (tier == KVF_ROUTER_TIER_DISK)
+        t->disk |= bit;
+    idx->lower_pairs += tier != KVF_ROUTER_TIER_POOL;
+    return 0;
 }
 
 /* Empties slot i, shifting later members of its probe run back so lookups never need tombstones. */
@@ -150,25 +192,30 @@ static void table_delete_at(kvf_router_index *idx, uint64_t i)
         bool stays = i <= j ? (h > i && h <= j) : (h > i || h <= j);
         if (!stays) {
             idx->slots[i] = idx->slots[j];
+            if (idx->tiers)
+                idx->tiers[i] = idx->tiers[j];
             i = j;
         }
     }
     idx->slots[i].key = 0;
     idx->slots[i].bits = 0;
+    if (idx->tiers)
+        idx->tiers[i] = (tier_bits){0, 0};
     idx->count--;
 }
 
 static kvf_status held_push(kvf_router_index *idx, worker *wk, uint64_t bit, uint64_t key);
 
-/* Sets worker w's bit on key. Returns 1 if newly set, 0 if already set, <0 on no memory. */
-static int set_bit_from(kvf_router_index *idx, int32_t w, uint64_t key, uint64_t i)
+/* Sets worker w's bit on key, its copy in tier. Returns 1 if newly set, 0 if already set (the
+ * tier is updated), <0 on no memory. */
+static int set_bit_from(kvf_router_index *idx, int32_t w, uint64_t key, uint64_t i, int tier)
 {
     uint64_t bit = 1ull << w;
     for (;; i = (i + 1) & idx->mask) {
         slot *s = &idx->slots[i];
         if (s->key == key) {
             if (s->bits & bit)
-                return 0;
+                return set_tier(idx, i, w, tier) < 0 ? -1 : 0;
             s->bits |= bit;
             break;
         }
@@ -176,7 +223,7 @@ static int set_bit_from(kvf_router_index *idx, int32_t w, uint64_t key, uint64_t
             if ((uint64_t)(idx->count + 1) * 4 > (idx->mask + 1) * 3) {
                 if (table_grow(idx) != KVF_OK)
                     return -1;
-                return set_bit_from(idx, w, key, home_of(idx, key));
+                return set_bit_from(idx, w, key, home_of(idx, key), tier);
             }
             s->key = key;
             s->bits = bit;
@@ -184,9 +231,16 @@ static int set_bit_from(kvf_router_index *idx, int32_t w, uint64_t key, uint64_t
             break;
         }
     }
+    if (set_tier(idx, i, w, tier) < 0) {
+        idx->slots[i].bits &= ~bit;
+        if (!idx->slots[i].bits)
+            table_delete_at(idx, i);
+        return -1;
+    }
     if (held_push(idx, &idx->w[w], bit, key) != KVF_OK) {
         /* roll back so the reverse list never misses a set bit */
         int64_t at = find(idx, key);
+        set_tier(idx, (uint64_t)at, w, KVF_ROUTER_TIER_POOL);
         idx->slots[at].bits &= ~bit;
         if (!idx->slots[at].bits)
             table_delete_at(idx, (uint64_t)at);
@@ -203,6 +257,8 @@ static int clear_bit_from(kvf_router_index *idx, int32_t w, uint64_t key, uint64
     uint64_t bit = 1ull << w;
     if (at < 0 || !(idx->slots[at].bits & bit))
         return 0;
+    if (idx->tiers)
+        set_tier(idx, (uint64_t)at, w, KVF_ROUTER_TIER_POOL);
     idx->slots[at].bits &= ~bit;
     if (!idx->slots[at].bits)
         table_delete_at(idx, (uint64_t)at);
@@ -285,6 +341,7 @@ void kvf_router_index_destroy(kvf_router_index *idx)
     for (int w = 0; w < KVF_ROUTER_MAX_WORKERS; w++)
         free(idx->w[w].held);
     free(idx->slots);
+    free(idx->tiers);
     free(idx->model);
     free(idx);
 }
@@ -417,7 +474,7 @@ int kvf_router_index_expire(kvf_router_index *idx, double now)
 
 /* Applies hashes[0..n) to worker w, prefetching each run's home slots first. */
 static kvf_status apply_blocks(kvf_router_index *idx, int32_t w, const uint64_t *hashes, size_t n,
-                               bool add)
+                               bool add, int tier, const uint8_t *tiers)
 {
     uint64_t keys[PREFETCH_RUN], homes[PREFETCH_RUN];
     for (size_t i = 0; i < n; i += PREFETCH_RUN) {
@@ -431,7 +488,7 @@ static kvf_status apply_blocks(kvf_router_index *idx, int32_t w, const uint64_t 
         for (size_t k = 0; k < m; k++) {
             uint64_t h = idx->mask == mask_at_start ? homes[k] : home_of(idx, keys[k]);
             if (add) {
-                if (set_bit_from(idx, w, keys[k], h) < 0)
+                if (set_bit_from(idx, w, keys[k], h, tiers ? tiers[i + k] : tier) < 0)
                     return KVF_ERR_NOMEM;
             } else {
                 clear_bit_from(idx, w, keys[k], h);
@@ -456,11 +513,18 @@ kvf_status kvf_router_index_apply(kvf_router_index *idx, const kvf_router_event 
     kvf_status st = check_identity(idx, w, ev->model, ev->block_size, kind, err);
     if (st != KVF_OK)
         return st;
+    if ((unsigned)ev->tier > KVF_ROUTER_TIER_DISK)
+        return kvf_err_set(err, KVF_ERR_INVALID, "router: worker %d: %s names tier %d (use 0 pool, "
+                           "1 host, 2 disk)", w, kind, (int)ev->tier);
+    for (size_t i = 0; ev->tiers && i < ev->n; i++)
+        if (ev->tiers[i] > KVF_ROUTER_TIER_DISK)
+            return kvf_err_set(err, KVF_ERR_INVALID, "router: worker %d: %s block %zu names tier "
+                               "%d (use 0 pool, 1 host, 2 disk)", w, kind, i, (int)ev->tiers[i]);
     worker *wk = &idx->w[w];
     idx->st.events++;
     if (ev->kind == KVF_ROUTER_EV_SNAPSHOT) {
         kvf_router_index_worker_clear(idx, w);
-        if ((st = apply_blocks(idx, w, ev->hashes, ev->n, true)) != KVF_OK)
+        if ((st = apply_blocks(idx, w, ev->hashes, ev->n, true, ev->tier, ev->tiers)) != KVF_OK)
             return kvf_err_set(err, st, "router: worker %d: snapshot of %zu blocks: out of memory",
                                w, ev->n);
         for (size_t i = 0; ev->parents && i < ev->n; i++) {
@@ -497,7 +561,8 @@ kvf_status kvf_router_index_apply(kvf_router_index *idx, const kvf_router_event 
                            "router: worker %d: sequence gap (got %llu, expected %llu): resync needed",
                            w, (unsigned long long)ev->seq, (unsigned long long)wk->next_seq);
     }
-    st = apply_blocks(idx, w, ev->hashes, ev->n, ev->kind == KVF_ROUTER_EV_STORED);
+    st = apply_blocks(idx, w, ev->hashes, ev->n, ev->kind == KVF_ROUTER_EV_STORED, ev->tier,
+                      ev->tiers);
     if (st != KVF_OK) {
         wk->state = KVF_ROUTER_WORKER_RESYNC;
         wk->gap_at = now;
@@ -516,7 +581,8 @@ kvf_status kvf_router_index_block_add(kvf_router_index *idx, int32_t w, uint64_t
         return KVF_ERR_INVALID;
     uint64_t key = norm_key(hash);
     idx->st.ops++;
-    return set_bit_from(idx, w, key, home_of(idx, key)) < 0 ? KVF_ERR_NOMEM : KVF_OK;
+    return set_bit_from(idx, w, key, home_of(idx, key), KVF_ROUTER_TIER_POOL) < 0 ? KVF_ERR_NOMEM
+                                                                                  : KVF_OK;
 }
 
 void kvf_router_index_block_remove(kvf_router_index *idx, int32_t w, uint64_t hash)
@@ -647,6 +713,8 @@ void kvf_router_index_stats_get(const kvf_router_index *idx, kvf_router_index_st
     out->n_blocks = idx->count;
     out->n_pairs = 0;
     int64_t bytes = (int64_t)sizeof *idx + (int64_t)(idx->mask + 1) * (int64_t)sizeof(slot);
+    if (idx->tiers)
+        bytes += (int64_t)(idx->mask + 1) * (int64_t)sizeof(tier_bits);
     for (int w = 0; w < KVF_ROUTER_MAX_WORKERS; w++) {
         out->n_pairs += idx->w[w].n_held;
         bytes += (int64_t)idx->w[w].held_cap * 8;
@@ -658,4 +726,58 @@ void kvf_router_index_stats_get(const kvf_router_index *idx, kvf_router_index_st
 int64_t kvf_router_index_worker_blocks(const kvf_router_index *idx, int32_t w)
 {
     return worker_ok(idx, w) ? idx->w[w].n_held : 0;
+}
+
+int kvf_router_index_tier(kvf_router_index *idx, int32_t w, uint64_t hash)
+{
+    if (!worker_ok(idx, w))
+        return -1;
+    int64_t at = find(idx, norm_key(hash));
+    uint64_t bit = 1ull << w;
+    if (at < 0 || !(idx->slots[at].bits & bit))
+        return -1;
+    if (!idx->tiers)
+        return KVF_ROUTER_TIER_POOL;
+    const tier_bits *t = &idx->tiers[at];
+    return t->host & bit ? KVF_ROUTER_TIER_HOST : t->disk & bit ? KVF_ROUTER_TIER_DISK
+                                                                : KVF_ROUTER_TIER_POOL;
+}
+
+bool kvf_router_index_has_tiers(const kvf_router_index *idx) { return idx->lower_pairs > 0; }
+
+/* First position in [lo, hi) whose block worker w holds in a tier >= min_tier (hi if none),
+ * by bisection: tiers are taken to only deepen along a prompt. */
+static uint32_t first_at_tier(kvf_router_index *idx, const uint64_t *hashes, int32_t w,
+                              uint32_t lo, uint32_t hi, int min_tier)
+{
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        int t = kvf_router_index_tier(idx, w, hashes[mid]);
+        idx->st.ops++;
+        if (t >= min_tier || t < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+void kvf_router_index_overlap_tiers(kvf_router_index *idx, const uint64_t *hashes, uint64_t mask,
+                                    const uint32_t *overlap, uint32_t *host_out,
+                                    uint32_t *disk_out)
+{
+    memset(host_out, 0, KVF_ROUTER_MAX_WORKERS * sizeof *host_out);
+    memset(disk_out, 0, KVF_ROUTER_MAX_WORKERS * sizeof *disk_out);
+    if (!idx->lower_pairs)
+        return;
+    for (uint64_t m = mask & idx->registered; m; m &= m - 1) {
+        int32_t w = __builtin_ctzll(m);
+        uint32_t n = overlap[w];
+        if (!n)
+            continue;
+        uint32_t lower = first_at_tier(idx, hashes, w, 0, n, KVF_ROUTER_TIER_HOST);
+        uint32_t disk = first_at_tier(idx, hashes, w, lower, n, KVF_ROUTER_TIER_DISK);
+        host_out[w] = disk - lower;
+        disk_out[w] = n - disk;
+    }
 }

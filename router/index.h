@@ -39,9 +39,17 @@ typedef enum kvf_router_worker_state {
 
 const char *kvf_router_worker_state_name(kvf_router_worker_state s);
 
+/* Where a worker keeps a cached block: its KV pool, or a tier below it that a hit must first
+ * copy back (promote) into the pool. */
+typedef enum kvf_router_tier {
+    KVF_ROUTER_TIER_POOL = 0,
+    KVF_ROUTER_TIER_HOST = 1, /* host memory */
+    KVF_ROUTER_TIER_DISK = 2, /* local disk */
+} kvf_router_tier;
+
 typedef enum kvf_router_event_kind {
     KVF_ROUTER_EV_SNAPSHOT, /* replaces everything known about the worker; seq sets the base */
-    KVF_ROUTER_EV_STORED,   /* blocks newly cached */
+    KVF_ROUTER_EV_STORED,   /* blocks newly cached, or moved to another tier (demoted/promoted) */
     KVF_ROUTER_EV_REMOVED,  /* blocks evicted */
 } kvf_router_event_kind;
 
@@ -54,6 +62,8 @@ typedef struct kvf_router_event {
     const uint64_t *hashes;  /* [n] chained block hashes (kv/hash.h) */
     const uint64_t *parents; /* [n] each block's parent hash, or NULL (removed events) */
     size_t n;
+    int32_t tier;            /* stored and snapshot: the tier of every block (0 = pool) ... */
+    const uint8_t *tiers;    /* ... unless this gives each block's tier: [n] or NULL */
 } kvf_router_event;
 
 typedef struct kvf_router_index_stats {
@@ -100,6 +110,20 @@ kvf_status kvf_router_index_apply(kvf_router_index *idx, const kvf_router_event 
 /* Direct edits without sequence numbers (approximate mode: the router's own predictions). */
 kvf_status kvf_router_index_block_add(kvf_router_index *idx, int32_t worker, uint64_t hash);
 void kvf_router_index_block_remove(kvf_router_index *idx, int32_t worker, uint64_t hash);
+
+/* The tier of worker w's copy of one block (KVF_ROUTER_TIER_*), or -1 when it holds none. */
+int kvf_router_index_tier(kvf_router_index *idx, int32_t worker, uint64_t hash);
+/* Whether any worker holds a block below its pool (else every held block is in a pool). */
+bool kvf_router_index_has_tiers(const kvf_router_index *idx);
+/* For each worker in mask, how many of its overlap[w] leading blocks of hashes sit in the host
+ * and in the disk tier, into host_out/disk_out[KVF_ROUTER_MAX_WORKERS]; the rest are in its pool.
+ * Tiers are taken to deepen along a prompt (pool, then host, then disk: a worker demotes a
+ * prompt's tail before its head and promotes a whole hit), so two bisections per worker find
+ * the boundaries in about 2 log2(overlap) lookups; a prompt that breaks that order is priced
+ * approximately. Nothing is read while no block is below a pool. */
+void kvf_router_index_overlap_tiers(kvf_router_index *idx, const uint64_t *hashes /* [n] */,
+                                    uint64_t mask, const uint32_t *overlap /* [MAX_WORKERS] */,
+                                    uint32_t *host_out, uint32_t *disk_out);
 
 /* The workers holding one block (0 when none). */
 uint64_t kvf_router_index_lookup(kvf_router_index *idx, uint64_t hash);

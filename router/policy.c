@@ -20,6 +20,7 @@ typedef struct pool_worker {
     bool present, approx;
     kvf_router_load load;
     double pending_tokens; /* work this router sent since the last load report */
+    double recent_tokens;  /* computed prompt tokens this router sent, decayed (bounded load) */
     int64_t limit_queued;
     double limit_decode;
     kvf_router_lru *pred; /* approximate mode: predicted cache contents */
@@ -35,6 +36,7 @@ struct kvf_router_pool {
     int32_t rr_next;
     int n_approx;        /* workers in approximate mode */
     double next_expire;  /* when stale workers are next checked */
+    double recent_at;    /* when recent_tokens were last decayed */
     uint64_t rng;
     ring_point *ring;
     size_t n_ring;
@@ -68,6 +70,9 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg)
     cfg->w_uncached = 1.0;
     cfg->w_queue = 0.25;
     cfg->w_decode = 0.005;
+    /* 16 tokens x 128 KiB (Llama-3-8B, f16) over 20 GB/s host and 5 GB/s disk copies */
+    cfg->host_s_per_block = 16 * 131072 / 20e9;
+    cfg->disk_s_per_block = 16 * 131072 / 5e9;
     cfg->prefill_a_s = 0.02;
     cfg->prefill_b_s = 5e-5;
     cfg->fit_forget = 0.995;
@@ -75,6 +80,9 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg)
     cfg->sticky_bound = 1.1;
     cfg->sticky_vnodes = 64;
     cfg->min_overlap_blocks = 1;
+    cfg->load_bound = 1.1;
+    cfg->load_window_s = 1800;
+    cfg->load_penalty = 0.5;
     cfg->approx_ttl_s = 300;
     cfg->approx_max_blocks = 1 << 20;
     cfg->seed = 1;
@@ -105,6 +113,10 @@ kvf_status kvf_router_pool_create(const kvf_router_pool_cfg *cfg, kvf_router_poo
 {
     if ((unsigned)cfg->policy > KVF_ROUTER_POLICY_STICKY)
         return kvf_err_set(err, KVF_ERR_INVALID, "router: policy %d is not known", (int)cfg->policy);
+    if (!(cfg->host_s_per_block >= 0) || !(cfg->disk_s_per_block >= 0))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "router: tier promotion times (host %g s, disk %g s a block) must not be negative",
+                           cfg->host_s_per_block, cfg->disk_s_per_block);
     if (cfg->w_uncached < 0 || cfg->w_queue < 0 || cfg->w_decode < 0 || cfg->temperature < 0)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: cost weights (%g, %g, %g) and temperature (%g) must not be negative",
@@ -121,6 +133,12 @@ kvf_status kvf_router_pool_create(const kvf_router_pool_cfg *cfg, kvf_router_poo
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: sticky blocks %d (>= 1), vnodes %d (1..1024) and bound %g (>= 1) "
                            "out of range", cfg->sticky_blocks, cfg->sticky_vnodes, cfg->sticky_bound);
+    if ((cfg->load_bound != 0 && !(cfg->load_bound >= 1)) || !(cfg->load_window_s > 0) ||
+        !(cfg->load_penalty >= 0))
+        return kvf_err_set(err, KVF_ERR_INVALID,
+                           "router: load bound %g (0 = off, or >= 1), window %g s (> 0) and penalty "
+                           "%g (>= 0) out of range", cfg->load_bound, cfg->load_window_s,
+                           cfg->load_penalty);
     if (cfg->approx_max_blocks < 1 || cfg->approx_ttl_s <= 0)
         return kvf_err_set(err, KVF_ERR_INVALID,
                            "router: approximate mode needs max blocks >= 1 (got %lld) and TTL > 0 (got %g)",
@@ -287,6 +305,45 @@ static inline bool is_busy(const kvf_router_pool *p, int32_t w)
            (pw->limit_decode > 0 && pw->load.decode_load >= pw->limit_decode);
 }
 
+/* Ages every worker's recent computed tokens to now (O(workers)). */
+static void recent_decay(kvf_router_pool *p, double now)
+{
+    if (!(now > p->recent_at))
+        return;
+    double f = exp(-(now - p->recent_at) / p->cfg.load_window_s);
+    for (uint64_t m = p->present; m; m &= m - 1)
+        p->w[__builtin_ctzll(m)].recent_tokens *= f;
+    p->recent_at = now;
+}
+
+/* The bounded-load line: load_bound x the mean recent computed tokens of the candidates, with
+ * this request's tokens counted in (as consistent hashing with bounded loads counts the new
+ * ball), so the least loaded candidate is always within it, plus one request of slack (as the
+ * ball count's ceiling gives there): while the window holds few requests, one long prompt is
+ * most of the mean, and without the slack conversations would be moved off their caches for
+ * noise. Against a window of thousands of requests it is negligible. INFINITY when off. */
+static double load_line(const kvf_router_pool *p, uint64_t cand, double n_tok)
+{
+    if (!(p->cfg.load_bound >= 1))
+        return INFINITY;
+    double total = 0;
+    int n = 0;
+    for (uint64_t m = cand; m; m &= m - 1, n++)
+        total += p->w[__builtin_ctzll(m)].recent_tokens;
+    return p->cfg.load_bound * (total + n_tok) / (n ? n : 1) + n_tok;
+}
+
+/* Cold requests (no useful overlap anywhere) skip the workers above the line outright: they
+ * miss wherever they go, so keeping them off the busiest costs no hit. */
+static uint64_t bounded_candidates(const kvf_router_pool *p, uint64_t cand, double bound)
+{
+    uint64_t keep = 0;
+    for (uint64_t m = cand; m; m &= m - 1)
+        if (p->w[__builtin_ctzll(m)].recent_tokens <= bound)
+            keep |= m & -m;
+    return keep ? keep : cand;
+}
+
 static int32_t pick_least_loaded(kvf_router_pool *p, uint64_t cand)
 {
     int32_t best = -1;
@@ -413,6 +470,7 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
         d.all_busy = true;
     }
     approx_expire(p, now);
+    recent_decay(p, now);
     int32_t bs = p->cfg.index.block_size;
     double n_tok = (double)req->n_tokens;
     switch (p->cfg.policy) {
@@ -433,13 +491,17 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             kvf_router_index_expire(p->idx, now);
             p->next_expire = now + 0.1;
         }
+        double line = load_line(p, cand, n_tok);
         uint32_t ov[KVF_ROUTER_MAX_WORKERS];
         size_t best_ov = kvf_router_index_overlap(p->idx, req->hashes, req->n_blocks, cand, ov);
         if (best_ov < (size_t)p->cfg.min_overlap_blocks) {
-            d.worker = pick_sticky(p, req, cand);
+            d.worker = pick_sticky(p, req, bounded_candidates(p, cand, line));
             d.reason = KVF_ROUTER_BY_STICKY;
             break;
         }
+        /* blocks of each overlap below the pool: a hit there costs its copy back */
+        uint32_t ov_host[KVF_ROUTER_MAX_WORKERS], ov_disk[KVF_ROUTER_MAX_WORKERS];
+        kvf_router_index_overlap_tiers(p->idx, req->hashes, cand, ov, ov_host, ov_disk);
         double cost[KVF_ROUTER_MAX_WORKERS], best = INFINITY, best_load = 0;
         int ties = 0;
         for (uint64_t m = cand; m; m &= m - 1) {
@@ -447,10 +509,21 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             double cached = (double)ov[w] * bs;
             cached = (cached < n_tok ? cached : n_tok) * kvf_router_index_trust(p->idx, w, now);
             const pool_worker *pw = &p->w[w];
-            double c = p->cfg.w_uncached * (p->a + p->b * (n_tok - cached)) +
+            double promote = p->cfg.host_s_per_block * ov_host[w] + p->cfg.disk_s_per_block * ov_disk[w];
+            double c = p->cfg.w_uncached * (p->a + p->b * (n_tok - cached) + promote) +
                        p->cfg.w_queue * p->b *
                            ((double)pw->load.queued_prefill_tokens + pw->pending_tokens) +
                        p->cfg.w_decode * pw->load.decode_load;
+            /* Bounded load for hits: every recent computed token above the line is charged as
+             * load_penalty (0.5) of a token to compute, so a worker past it keeps only the
+             * requests whose cached prefix saves more than that, and gives up the cheapest
+             * ones to move first. A hot prefix on a holder far past the line goes to the
+             * cheapest other worker, which computes it once and holds it from then on (one
+             * more replica); a conversation stays with its history unless its holder is over
+             * by twice that history. The excess stays within a few prompts of the line, small
+             * against a window's tokens, so the share of computed tokens stays bounded. */
+            if (pw->recent_tokens > line)
+                c += p->cfg.load_penalty * p->b * (pw->recent_tokens - line);
             cost[w] = c;
             double l = load_s(p, w);
             /* lowest cost; ties by lower load, then at random */
@@ -498,6 +571,7 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
     d.cached_tokens = (cached < n_tok ? cached : n_tok) *
                       kvf_router_index_trust(p->idx, d.worker, now);
     p->w[d.worker].pending_tokens += n_tok - d.cached_tokens;
+    p->w[d.worker].recent_tokens += n_tok - d.cached_tokens;
     if (p->w[d.worker].approx)
         approx_record(p, d.worker, req, now);
     *out = d;

@@ -30,6 +30,9 @@ typedef struct kvf_router_pool_cfg {
      * w_queue below 1 favours cache affinity over the queue seen now: a miss costs the fleet
      * the prefill again on later turns (0.25 meets the Mooncake targets, bench/sim_mooncake.sh) */
     double w_uncached, w_queue, w_decode;
+    /* Seconds to promote one block from a worker's host or disk tier into its pool: a cached
+     * prefix there costs this per block instead of nothing (pool) or its prefill (miss). */
+    double host_s_per_block, disk_s_per_block;
     double temperature;     /* 0: lowest cost wins; > 0: softmax over -cost / temperature (s) */
     double prefill_a_s;     /* prefill time model before any report: a + b * tokens */
     double prefill_b_s;
@@ -42,6 +45,16 @@ typedef struct kvf_router_pool_cfg {
     int32_t sticky_vnodes;  /* points per worker on the ring */
     int32_t min_overlap_blocks; /* kv: below this best overlap the index knows nothing useful
                                    and the sticky ring decides */
+    double load_bound;      /* kv, bounded load on skew: a worker whose recent computed prompt
+                               tokens exceed load_bound x the mean (this request counted in) is not
+                               chosen while another is not, so a hot prefix whose holders are the
+                               busiest is copied to one more replica (>= 1; 0 = off) */
+    double load_window_s;   /* recent computed tokens decay as exp(-age / load_window_s) */
+    double load_penalty;    /* a hit's cost on a worker past the line grows by this x the prefill
+                               time of its excess tokens (1: an excess token costs as much as
+                               computing one; 0.5 lets a cached prefix outweigh twice its size
+                               of excess, so conversations move less and a hot prefix still
+                               spreads) */
     bool approx;            /* every worker is approximate (publishes no events) */
     double approx_ttl_s;    /* predictions older than this are dropped */
     int64_t approx_max_blocks; /* predictions kept per worker */
@@ -49,8 +62,10 @@ typedef struct kvf_router_pool_cfg {
 } kvf_router_pool_cfg;
 
 /* Defaults: policy kv, block 16, weights 1/0.25/0.005 s, a = 0.02 s, b = 5e-5 s/token,
+ * promotion 2 MiB a block over 20 GB/s (host) and 5 GB/s (disk), penalty 0.5,
  * fit_forget 0.995, no busy limits, sticky on 64 blocks with bound 1.1 and 64 vnodes,
- * min overlap 1 block, approx TTL 300 s and 1M blocks. The index model must be set. */
+ * min overlap 1 block, load bound 1.1 over an 1800 s window, approx TTL 300 s and 1M blocks.
+ * The index model must be set. */
 void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg);
 
 typedef struct kvf_router_load {

@@ -34,17 +34,23 @@ static kvf_router_pool *make_pool(kvf_router_policy pol, int n, bool events, voi
     return p;
 }
 
-/* Worker w reports it holds the first n blocks of chain. */
-static void hold(kvf_router_pool *p, int w, int chain, int n)
+/* Worker w reports the first n blocks of chain in tier (moved there if it held them). */
+static void hold_tier(kvf_router_pool *p, int w, int chain, int n, int tier)
 {
     static uint64_t seq[64];
     uint64_t h[256];
     for (int i = 0; i < n; i++)
         h[i] = H(chain, i);
     kvf_router_event ev = {.kind = KVF_ROUTER_EV_STORED, .worker = w, .seq = ++seq[w], .model = "m",
-                           .block_size = BS, .hashes = h, .n = (size_t)n};
+                           .block_size = BS, .hashes = h, .n = (size_t)n, .tier = tier};
     kvf_err err = {0};
     assert_int_equal(kvf_router_index_apply(kvf_router_pool_index(p), &ev, 0, &err), KVF_OK);
+}
+
+/* Worker w reports it holds the first n blocks of chain. */
+static void hold(kvf_router_pool *p, int w, int chain, int n)
+{
+    hold_tier(p, w, chain, n, KVF_ROUTER_TIER_POOL);
 }
 
 static void load(kvf_router_pool *p, int w, int64_t queued, double decode)
@@ -133,10 +139,14 @@ static void test_saturated_worker_skipped_rest_route_by_prefix(void **state)
     kvf_router_pool_destroy(p);
 }
 
+/* These cases pick one request many times with no time passing and nothing computed: the
+ * bounded-load rule would rightly spread them, so it is off where the cost itself is tested. */
+static void unbounded_tweak(kvf_router_pool_cfg *c) { c->load_bound = 0; }
+
 static void test_ties_by_load_then_random(void **state)
 {
     (void)state;
-    kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 3, true, NULL);
+    kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 3, true, unbounded_tweak);
     hold(p, 0, 5, 20);
     hold(p, 1, 5, 20);
     hold(p, 2, 5, 20);
@@ -248,7 +258,7 @@ static void test_sticky_consistent_bounded_and_session(void **state)
 static void test_kv_falls_back_to_sticky_when_index_is_empty(void **state)
 {
     (void)state;
-    kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 8, true, NULL);
+    kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 8, true, unbounded_tweak);
     kvf_router_decision d = pick_idle(p, 8, 11, 70, NULL);
     assert_int_equal(d.reason, KVF_ROUTER_BY_STICKY);
     int w = d.worker;
@@ -353,6 +363,118 @@ static void test_bad_config_and_parse(void **state)
     kvf_router_pool_destroy(p);
 }
 
+/* A hot prefix held by one worker: without the bound every request goes there (its hits are
+ * cheapest); with it, the holder's computed tokens pass the line, the prefix is copied to other
+ * workers (they hold it from then on), and no worker computes far more than the mean. */
+static void test_bounded_load_spreads_a_hot_prefix(void **state)
+{
+    (void)state;
+    for (int bounded = 0; bounded < 2; bounded++) {
+        kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 4, true, bounded ? NULL : unbounded_tweak);
+        hold(p, 0, 1, 40);
+        bool holds[4] = {true, false, false, false};
+        double computed[4] = {0};
+        for (int i = 0; i < 400; i++) {
+            /* the hot prefix (40 blocks) and 10 more blocks each time */
+            kvf_router_decision d = pick_idle(p, 4, 1, 50, NULL);
+            computed[d.worker] += (double)(50 * BS + 5) - d.cached_tokens;
+            if (!holds[d.worker]) {
+                hold(p, d.worker, 1, 40);
+                holds[d.worker] = true;
+            }
+        }
+        double sum = 0, mx = 0;
+        for (int w = 0; w < 4; w++)
+            sum += computed[w], mx = computed[w] > mx ? computed[w] : mx;
+        if (bounded) {
+            int n_holders = holds[0] + holds[1] + holds[2] + holds[3];
+            assert_true(n_holders >= 3);
+            assert_true(mx * 4 / sum <= 1.25);
+        } else {
+            assert_true(computed[0] == sum);
+        }
+        kvf_router_pool_destroy(p);
+    }
+}
+
+static void slow_disk_tweak(kvf_router_pool_cfg *c) { c->disk_s_per_block = 1e-3; }
+
+/* A cached prefix in a lower tier costs its promotion: a pool hit beats a host hit, a host hit
+ * beats a disk hit, a disk hit beats a miss while its copy is cheaper than the prefill, and
+ * loses to it when the disk is slower than computing. */
+static void test_tier_hit_priced_by_promotion(void **state)
+{
+    (void)state;
+    for (int slow = 0; slow < 2; slow++) {
+        kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 3, true,
+                                       slow ? slow_disk_tweak : unbounded_tweak);
+        kvf_router_index *idx = kvf_router_pool_index(p);
+        hold(p, 0, 2, 30);
+        hold(p, 1, 2, 30);
+        hold_tier(p, 1, 2, 30, KVF_ROUTER_TIER_HOST);
+        assert_int_equal(kvf_router_index_tier(idx, 1, H(2, 7)), KVF_ROUTER_TIER_HOST);
+        assert_int_equal(kvf_router_index_tier(idx, 0, H(2, 7)), KVF_ROUTER_TIER_POOL);
+        assert_int_equal(kvf_router_index_tier(idx, 2, H(2, 7)), -1);
+        assert_true(kvf_router_index_has_tiers(idx));
+        if (!slow)
+            assert_int_equal(pick_idle(p, 3, 2, 30, NULL).worker, 0);
+        hold_tier(p, 1, 3, 30, KVF_ROUTER_TIER_HOST);
+        hold_tier(p, 2, 3, 30, KVF_ROUTER_TIER_DISK);
+        if (!slow)
+            assert_int_equal(pick_idle(p, 3, 3, 30, NULL).worker, 1);
+        /* worker 2: 20 blocks on disk, then 10 in its pool would break the order; keep it
+         * plain: a disk-only holder against misses */
+        hold_tier(p, 2, 4, 30, KVF_ROUTER_TIER_DISK);
+        uint32_t ov[KVF_ROUTER_MAX_WORKERS], host[KVF_ROUTER_MAX_WORKERS], disk[KVF_ROUTER_MAX_WORKERS];
+        uint64_t h[30];
+        for (int i = 0; i < 30; i++)
+            h[i] = H(4, i);
+        kvf_router_index_overlap(idx, h, 30, 7, ov);
+        kvf_router_index_overlap_tiers(idx, h, 7, ov, host, disk);
+        assert_int_equal(ov[2], 30);
+        assert_int_equal(disk[2], 30);
+        assert_int_equal(host[2], 0);
+        int w = pick_idle(p, 3, 4, 30, NULL).worker;
+        if (slow)
+            assert_int_not_equal(w, 2);
+        else
+            assert_int_equal(w, 2);
+        /* a mixed prompt: pool head, host middle, disk tail */
+        hold(p, 0, 5, 30);
+        hold_tier(p, 0, 5, 20, KVF_ROUTER_TIER_HOST);
+        hold_tier(p, 0, 5, 10, KVF_ROUTER_TIER_POOL);
+        uint64_t tail[10];
+        for (int i = 0; i < 10; i++)
+            tail[i] = H(5, 20 + i);
+        kvf_router_event ev = {.kind = KVF_ROUTER_EV_STORED, .worker = 0, .seq = 5000000,
+                               .model = "m", .block_size = BS, .hashes = tail, .n = 10,
+                               .tier = KVF_ROUTER_TIER_DISK};
+        kvf_err err = {0};
+        kvf_router_index_worker_clear(idx, 1); /* not part of this check */
+        assert_int_not_equal(kvf_router_index_apply(idx, &ev, 0, &err), KVF_OK); /* a gap */
+        kvf_router_index_worker_clear(idx, 0);
+        ev.kind = KVF_ROUTER_EV_SNAPSHOT;
+        uint64_t all[30];
+        uint8_t tiers[30];
+        for (int i = 0; i < 30; i++)
+            all[i] = H(5, i), tiers[i] = i < 10 ? 0 : i < 20 ? 1 : 2;
+        ev.hashes = all;
+        ev.n = 30;
+        ev.tiers = tiers;
+        assert_int_equal(kvf_router_index_apply(idx, &ev, 0, &err), KVF_OK);
+        kvf_router_index_overlap(idx, all, 30, 1, ov);
+        kvf_router_index_overlap_tiers(idx, all, 1, ov, host, disk);
+        assert_int_equal(ov[0], 30);
+        assert_int_equal(host[0], 10);
+        assert_int_equal(disk[0], 10);
+        /* a bad tier is refused by name */
+        tiers[3] = 7;
+        assert_int_equal(kvf_router_index_apply(idx, &ev, 0, &err), KVF_ERR_INVALID);
+        assert_non_null(strstr(err.msg, "tier 7"));
+        kvf_router_pool_destroy(p);
+    }
+}
+
 int main(void)
 {
     kvf_log_set_level(KVF_LOG_ERROR);
@@ -368,6 +490,8 @@ int main(void)
         cmocka_unit_test(test_approximate_mode_ttl_and_bound),
         cmocka_unit_test(test_prefill_and_decode_chosen_separately),
         cmocka_unit_test(test_bad_config_and_parse),
+        cmocka_unit_test(test_bounded_load_spreads_a_hot_prefix),
+        cmocka_unit_test(test_tier_hit_priced_by_promotion),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,12 +1,14 @@
 /* test_sim.c: the Mooncake trace reader (token expansion keeps the prefix structure, bad lines
  * are refused naming line and field), the LRU cache the simulated workers use, and the
  * simulator on a slice of the conversation trace from ../shared. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -217,6 +219,178 @@ static void test_sim_on_conversation_slice(void **state)
     kvf_router_trace_fini(&t);
 }
 
+static kvf_router_sim_result run_cfg(const kvf_router_trace *t, const kvf_router_sim_cfg *c)
+{
+    kvf_router_sim_result r;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_sim_run(t, c, &r, &err), KVF_OK);
+    return r;
+}
+
+/* The Zipf generator: deterministic for a seed, readable as a Mooncake trace, skewed (the
+ * first prefix is the most common), bad sizes refused by name. */
+static void test_synth_zipf_trace(void **state)
+{
+    (void)state;
+    kvf_router_synth_cfg c;
+    kvf_router_synth_cfg_default(&c);
+    c.n_requests = 500;
+    char *a, *b;
+    size_t na, nb;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_synth_zipf(&c, &a, &na, &err), KVF_OK);
+    assert_int_equal(kvf_router_synth_zipf(&c, &b, &nb, &err), KVF_OK);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na);
+    free(b);
+    kvf_router_trace t;
+    assert_int_equal(kvf_router_trace_parse("zipf", a, na, "m", 16, 512, 0, &t, &err), KVF_OK);
+    free(a);
+    assert_int_equal(t.n_reqs, 500);
+    int first[8] = {0};
+    uint64_t heads[8];
+    int n_heads = 0;
+    for (size_t i = 0; i < t.n_reqs; i++) {
+        assert_int_equal(t.reqs[i].n_trace_blocks, 18);
+        uint64_t h = t.hashes[t.reqs[i].first + 16 * 32 - 1]; /* the prefix's last block */
+        int k = 0;
+        while (k < n_heads && heads[k] != h)
+            k++;
+        if (k == n_heads) {
+            assert_true(n_heads < 8);
+            heads[n_heads++] = h;
+        }
+        first[k]++;
+        /* the suffix is the request's own */
+        if (i)
+            assert_true(t.hashes[t.reqs[i].first + 17 * 32] != t.hashes[t.reqs[i - 1].first + 17 * 32]);
+    }
+    assert_true(n_heads >= 4);
+    int mx = 0;
+    for (int k = 0; k < n_heads; k++)
+        mx = first[k] > mx ? first[k] : mx;
+    assert_true(mx > 500 / 4); /* s = 1.2 over 8: the top prefix carries about 40% */
+    kvf_router_trace_fini(&t);
+    c.zipf_s = -1;
+    assert_int_equal(kvf_router_synth_zipf(&c, &a, &na, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "zipf s -1"));
+}
+
+/* Bounded load (issue 22): on the skewed trace the kv policy without the bound piles the hot
+ * prefix on its holder (the busiest worker computes > 1.2x the mean); with it, every worker stays
+ * within 1.2x and the hit rate within 0.95x of the shared-cache reference. */
+static void test_bounded_load_on_zipf(void **state)
+{
+    (void)state;
+    kvf_router_synth_cfg sc;
+    kvf_router_synth_cfg_default(&sc);
+    char *text;
+    size_t len;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_synth_zipf(&sc, &text, &len, &err), KVF_OK);
+    kvf_router_trace t;
+    assert_int_equal(kvf_router_trace_parse("zipf", text, len, "mooncake", 16, 512, 0, &t, &err), KVF_OK);
+    free(text);
+    kvf_router_sim_cfg c;
+    kvf_router_sim_cfg_default(&c);
+    c.fleet_lru = true;
+    kvf_router_sim_result fl = run_cfg(&t, &c);
+    c.fleet_lru = false;
+    c.pool.load_bound = 0;
+    kvf_router_sim_result off = run_cfg(&t, &c);
+    kvf_router_sim_cfg_default(&c);
+    kvf_router_sim_result on = run_cfg(&t, &c);
+    assert_true(off.load_max_over_mean > 1.2);
+    assert_true(on.load_max_over_mean <= 1.2);
+    assert_true(on.hit_rate_blocks >= 0.95 * fl.hit_rate_blocks);
+    kvf_router_trace_fini(&t);
+}
+
+/* The same bound on both Mooncake traces (slices, a few seconds each). */
+static void test_bounded_load_on_mooncake(void **state)
+{
+    (void)state;
+    const char *names[2] = {"data/mooncake/conversation_trace.jsonl", "data/mooncake/synthetic_trace.jsonl"};
+    for (int k = 0; k < 2; k++) {
+        kvf_router_trace t;
+        kvf_err err = {0};
+        assert_int_equal(kvf_router_trace_load(kvf_test_shared_path(names[k]), "mooncake", 16, 512,
+                                               4000, &t, &err), KVF_OK);
+        kvf_router_sim_cfg c;
+        kvf_router_sim_cfg_default(&c);
+        c.fleet_lru = true;
+        kvf_router_sim_result fl = run_cfg(&t, &c);
+        c.fleet_lru = false;
+        kvf_router_sim_result kv = run_cfg(&t, &c);
+        print_message("%s: kv hit %.4f (%.3f x fleet-lru), load max/mean %.3f\n", names[k],
+                      kv.hit_rate_blocks, kv.hit_rate_blocks / fl.hit_rate_blocks,
+                      kv.load_max_over_mean);
+        assert_true(kv.load_max_over_mean <= 1.2);
+        assert_true(kv.hit_rate_blocks >= 0.95 * fl.hit_rate_blocks);
+        kvf_router_trace_fini(&t);
+    }
+}
+
+/* Tier mechanics on a handmade trace: one worker, one 16-token block per trace block, a pool of
+ * 2 blocks, host 2, disk 2, requests far apart (each finished before the next):
+ *   t=0 [1,2]  t=10 [3,4]: 2, 1 demoted to host   t=20 [5,6]: 4, 3 to host, 2, 1 on to disk
+ *   t=30 [1,2]: two disk hits (promoted)           t=40 [5,6]: two host hits
+ *   t=50 [7,8], t=60 [9,10]: the disk tier is full and drops its oldest
+ * A promotion costs 1 s a block from host and 2 s from disk (16 bytes a block at 16 and 8 B/s). */
+static void test_sim_tiers_on_handmade_trace(void **state)
+{
+    (void)state;
+    const char *text =
+        "{\"timestamp\": 0, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [1, 2]}\n"
+        "{\"timestamp\": 10000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [3, 4]}\n"
+        "{\"timestamp\": 20000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [5, 6]}\n"
+        "{\"timestamp\": 30000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [1, 2]}\n"
+        "{\"timestamp\": 40000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [5, 6]}\n"
+        "{\"timestamp\": 50000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [7, 8]}\n"
+        "{\"timestamp\": 60000, \"input_length\": 32, \"output_length\": 1, \"hash_ids\": [9, 10]}\n";
+    kvf_router_trace t;
+    kvf_err err = {0};
+    assert_int_equal(kvf_router_trace_parse("tiers", text, strlen(text), "mooncake", 16, 16, 0, &t, &err), KVF_OK);
+    kvf_router_sim_cfg c;
+    kvf_router_sim_cfg_default(&c);
+    c.n_workers = 1;
+    c.capacity_blocks = 2;
+    c.host_capacity_blocks = 2;
+    c.disk_capacity_blocks = 2;
+    c.kv_bytes_per_token = 1;
+    c.host_bytes_per_s = 16;
+    c.disk_bytes_per_s = 8;
+    kvf_router_sim_result r = run_cfg(&t, &c);
+    assert_int_equal(r.blocks, 14);
+    assert_int_equal(r.blocks_hit_tier[0], 0);
+    assert_int_equal(r.blocks_hit_tier[1], 2); /* [5,6] came back from host */
+    assert_int_equal(r.blocks_hit_tier[2], 2); /* [1,2] came back from disk, below host */
+    assert_int_equal(r.blocks_hit, 4);
+    assert_int_equal(r.promoted_blocks, 4);
+    assert_true(r.hit_rate_tier[1] == 2.0 / 14);
+    /* capacity respected: the pool, host and disk hold 2 each, the rest was dropped */
+    assert_int_equal(r.index.n_pairs, 6);
+    assert_int_equal(r.dropped_blocks, 10 - 6);
+    /* TTFT: five prefills of 32 tokens; [1,2] waits 2 x 2 s for disk, [5,6] 2 x 1 s for host */
+    double cold = c.prefill_a_s + c.prefill_b_s * 32, warm = c.prefill_a_s;
+    double want = (5 * cold + (warm + 4) + (warm + 2)) / 7;
+    assert_true(fabs(r.ttft_mean_s - want) < 1e-9);
+    /* without tiers nothing comes back */
+    c.host_capacity_blocks = c.disk_capacity_blocks = 0;
+    r = run_cfg(&t, &c);
+    assert_int_equal(r.blocks_hit, 0);
+    assert_int_equal(r.index.n_pairs, 2);
+    /* a disk tier alone sits right under the pool */
+    c.disk_capacity_blocks = 4;
+    r = run_cfg(&t, &c);
+    assert_int_equal(r.blocks_hit_tier[2], 4);
+    /* bad sizes are refused by name */
+    c.host_capacity_blocks = -1;
+    assert_int_equal(kvf_router_sim_run(&t, &c, &r, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "--host-capacity-blocks"));
+    kvf_router_trace_fini(&t);
+}
+
 int main(void)
 {
     kvf_log_set_level(KVF_LOG_ERROR);
@@ -226,6 +400,10 @@ int main(void)
         cmocka_unit_test(test_trace_parse_from_memory),
         cmocka_unit_test(test_lru_order_pins_and_ttl),
         cmocka_unit_test(test_sim_on_conversation_slice),
+        cmocka_unit_test(test_synth_zipf_trace),
+        cmocka_unit_test(test_bounded_load_on_zipf),
+        cmocka_unit_test(test_bounded_load_on_mooncake),
+        cmocka_unit_test(test_sim_tiers_on_handmade_trace),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
