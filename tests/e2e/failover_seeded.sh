@@ -9,7 +9,9 @@ source "$(dirname "$0")/../cli/lib.sh"
 source "$(dirname "$0")/fleet.sh"
 
 M="$TMP/model"
-"$KVF_BIN" gen-model --out "$M" >/dev/null 2>&1 || fail "gen-model"
+# the small preset (~15M) decodes at tens to a few hundred tokens a second here, so the worker is
+# still generating when the client holds 40 tokens and the kill lands mid-stream
+"$KVF_BIN" gen-model --out "$M" --preset small >/dev/null 2>&1 || fail "gen-model"
 start d1 decode --model "$M"; D1=$ADDR; P1=$PID
 start d2 decode --model "$M"; D2=$ADDR; P2=$PID
 start router router --model "$M" --port 0 --decode "$D1,$D2"; R=$ADDR
