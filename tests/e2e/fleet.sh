@@ -12,6 +12,21 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# need_npm MODULE...: tests/openai's node modules the test needs (NODE_DIR: that folder); skips
+# (exit 77, saying why) without node or one of them (scripts/install-deps.sh installs both).
+NODE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../openai" && pwd)"
+need_npm() {
+    if ! command -v node >/dev/null; then
+        echo "skip: no node (scripts/install-deps.sh installs Debian's nodejs)"; exit 77
+    fi
+    for mod in "$@"; do
+        if [ ! -f "$NODE_DIR/node_modules/$mod/package.json" ]; then
+            echo "skip: the npm module $mod is not installed in $NODE_DIR/node_modules (run scripts/install-deps.sh, or npm ci there)"
+            exit 77
+        fi
+    done
+}
+
 # cleanup_up: for tests that run `kvfleet up` (trap cleanup_up EXIT): up's children too (cleanup
 # kills PIDS only), then cleanup.
 cleanup_up() {

@@ -7,14 +7,8 @@
 # SDK_CASE=substring runs only the cases whose name has it. Every process is killed on exit.
 source "$(dirname "$0")/../cli/lib.sh"
 source "$(dirname "$0")/fleet.sh"
-SDK="$(cd "$(dirname "$0")/../openai" && pwd)"
-if ! command -v node >/dev/null; then
-    echo "skip: no node (scripts/install-deps.sh installs Debian's nodejs)"; exit 77
-fi
-if [ ! -f "$SDK/node_modules/openai/package.json" ]; then
-    echo "skip: the openai npm client is not installed in $SDK/node_modules (run scripts/install-deps.sh, or npm ci there)"
-    exit 77
-fi
+need_npm openai
+SDK=$NODE_DIR
 trap cleanup_up EXIT
 
 # A tiny random model speaking Qwen3's tokenizer and chat template (the fixture's), so tools,

@@ -6,14 +6,7 @@
 # through the fleet as `kvfleet generate --json-schema`. Skips (77) without node or ajv.
 source "$(dirname "$0")/../cli/lib.sh"
 source "$(dirname "$0")/fleet.sh"
-NODE_DIR="$(cd "$(dirname "$0")/../openai" && pwd)"
-if ! command -v node >/dev/null; then
-    echo "skip: no node (scripts/install-deps.sh installs Debian's nodejs)"; exit 77
-fi
-if [ ! -f "$NODE_DIR/node_modules/ajv/package.json" ]; then
-    echo "skip: ajv is not installed in $NODE_DIR/node_modules (run scripts/install-deps.sh, or npm ci there)"
-    exit 77
-fi
+need_npm ajv
 [ -x "${PCRE2_MATCH:-}" ] || fail "PCRE2_MATCH (the pcre2_match tool) is not set"
 trap cleanup_up EXIT
 
