@@ -45,6 +45,8 @@ typedef struct cuda_ctx {
     size_t small_bytes;
     kvf_cuda_sample_row *h_rows; /* host: sample rows as the kernel reads them (device masks) */
     int64_t h_rows_cap;
+    uint32_t *h_masks;           /* host: the rows' masks packed, copied to the device at once */
+    size_t h_masks_cap;          /* words */
 
     /* graphs */
     kvf_cuda_graph_cache graphs;
@@ -114,6 +116,7 @@ static void cuda_destroy(void *ctx)
     cudaFree(c->attn_ws);
     cudaFree(c->small);
     free(c->h_rows);
+    free(c->h_masks);
     for (int32_t i = 0; i < c->n_prof_ev; i++)
         cudaEventDestroy(c->prof_ev[i]);
     free(c->prof_ev);
@@ -781,6 +784,7 @@ extern "C" kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t
     const kvf_cuda_sample_row *send = rows_host;
     kvf_status st;
     if (n_masked > 0) {
+        size_t mask_words = (size_t)n_masked * (size_t)words;
         if (c->h_rows_cap < n) {
             kvf_cuda_sample_row *h = (kvf_cuda_sample_row *)realloc(c->h_rows, (size_t)n * sizeof *h);
             if (!h)
@@ -788,16 +792,23 @@ extern "C" kvf_status kvf_cuda_sample(void *be_ctx, const float *logits, int64_t
             c->h_rows = h;
             c->h_rows_cap = n;
         }
+        if (c->h_masks_cap < mask_words) {
+            uint32_t *h = (uint32_t *)realloc(c->h_masks, mask_words * sizeof *h);
+            if (!h)
+                return kvf_err_set(err, KVF_ERR_NOMEM, "cuda: sample: no host memory for %lld masks", (long long)n_masked);
+            c->h_masks = h;
+            c->h_masks_cap = mask_words;
+        }
         for (int64_t i = 0, k = 0; i < n; i++) {
             c->h_rows[i] = rows_host[i];
             if (!rows_host[i].mask)
                 continue;
-            uint32_t *dm = d_masks + k++ * words;
-            if ((st = mem_copy(c, dm, rows_host[i].mask, (size_t)words * sizeof(uint32_t),
-                               cudaMemcpyHostToDevice, "cuda: sample mask", err)) != KVF_OK)
-                return st;
-            c->h_rows[i].mask = dm;
+            memcpy(c->h_masks + (size_t)k * (size_t)words, rows_host[i].mask, (size_t)words * sizeof(uint32_t));
+            c->h_rows[i].mask = d_masks + k++ * words;
         }
+        if ((st = mem_copy(c, d_masks, c->h_masks, mask_words * sizeof(uint32_t), cudaMemcpyHostToDevice,
+                           "cuda: sample masks", err)) != KVF_OK)
+            return st;
         send = c->h_rows;
     }
     st = mem_copy(c, d_rows, send, (size_t)n * sizeof *rows_host, cudaMemcpyHostToDevice,

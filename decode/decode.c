@@ -717,10 +717,9 @@ static void h_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *m)
     snprintf(q->hint, sizeof q->hint, "%s", m->prefill_addr);
     q->n_prior = m->n_prior_output_tokens;
     q->wire_samp = m->sampling;
-    if (q->guide) { /* the message's block goes now: both copies point at q's */
+    if (q->guide) /* the message's block goes now: both copies point at q's */
         memcpy(q->guide, m->sampling.guide, m->sampling.guide_len);
-        q->wire_samp.guide = q->guide;
-    }
+    q->wire_samp.guide = q->guide; /* NULL for a guide without text */
     kvf_worker_sampling(d->w, &q->wire_samp, &q->samp);
     free(m);
     if (q->samp.n > KVF_ENGINE_MAX_N) {

@@ -92,6 +92,9 @@ typedef struct guide_ent {
 } guide_ent;
 
 #define ENGINE_GUIDES_KEPT 16
+/* ... and their mask caches (each grammar's is bounded by text/grammar.h) at most this many
+ * bytes together, so distinct hostile schemas cannot hold a worker's memory */
+#define ENGINE_GUIDES_IDLE_BYTES ((size_t)256 << 20)
 
 /* A new token's log-probabilities (sampling.logprobs), for its output. */
 typedef struct tok_lp {
@@ -293,11 +296,20 @@ static kvf_status guide_setup(kvf_engine *e, const char *dir, kvf_err *err)
         kvf_log(KVF_LOG_INFO, "engine: no %s: constrained decoding (guides) is off", path);
         return KVF_OK;
     }
-    kvf_status st = kvf_text_tokenizer_load(dir, &e->tok, err);
+    /* a tokenizer this build cannot read costs guides only: the worker still serves the rest */
+    kvf_err terr = {0};
+    kvf_status st = kvf_text_tokenizer_load(dir, &e->tok, &terr);
     if (st == KVF_OK)
-        st = kvf_text_vocab_create(e->tok, e->vocab, &e->gvocab, err);
-    if (st != KVF_OK)
-        return kvf_err_prefix(err, "engine: the tokenizer for constrained decoding");
+        st = kvf_text_vocab_create(e->tok, e->vocab, &e->gvocab, &terr);
+    if (st == KVF_ERR_NOMEM)
+        return kvf_err_set(err, st, "engine: the tokenizer for constrained decoding: %s", terr.msg);
+    if (st != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "engine: constrained decoding (guides) is off: %s", terr.msg);
+        kvf_text_tokenizer_destroy(e->tok);
+        e->tok = NULL;
+        e->gvocab = NULL;
+        return KVF_OK;
+    }
     size_t words = kvf_text_vocab_mask_words(e->gvocab);
     e->gmask = malloc(words * sizeof *e->gmask);
     e->gmasks = malloc((size_t)e->cfg.max_seqs * words * sizeof *e->gmasks);
@@ -305,6 +317,8 @@ static kvf_status guide_setup(kvf_engine *e, const char *dir, kvf_err *err)
         return kvf_err_set(err, KVF_ERR_NOMEM, "engine: out of memory for a token mask");
     return KVF_OK;
 }
+
+static void guide_trim(kvf_engine *e);
 
 /* The compiled grammar of a guide, with a reference taken: the kept one of the same text, or
  * a new compile (then the least recently used unreferenced ones past ENGINE_GUIDES_KEPT go). */
@@ -341,23 +355,40 @@ static kvf_status guide_acquire(kvf_engine *e, int32_t kind, const char *text, s
     g->last_use = ++e->guide_clock;
     g->next = e->guides;
     e->guides = g;
+    guide_trim(e);
+    *out = g;
+    return KVF_OK;
+}
+
+/* Forgets the least recently used unreferenced guides past ENGINE_GUIDES_KEPT of them or past
+ * ENGINE_GUIDES_IDLE_BYTES of mask cache. */
+static void guide_trim(kvf_engine *e)
+{
     int32_t idle = 0;
-    for (guide_ent *q = e->guides; q; q = q->next)
-        idle += q->refs == 0;
-    while (idle > ENGINE_GUIDES_KEPT) {
+    size_t bytes = 0;
+    for (guide_ent *q = e->guides; q; q = q->next) {
+        if (q->refs)
+            continue;
+        kvf_text_grammar_stats gs;
+        kvf_text_grammar_stats_get(q->g, &gs);
+        idle++;
+        bytes += gs.cache_bytes;
+    }
+    while (idle > ENGINE_GUIDES_KEPT || (idle > 0 && bytes > ENGINE_GUIDES_IDLE_BYTES)) {
         guide_ent **victim = NULL;
         for (guide_ent **pp = &e->guides; *pp; pp = &(*pp)->next)
             if ((*pp)->refs == 0 && (!victim || (*pp)->last_use < (*victim)->last_use))
                 victim = pp;
         guide_ent *v = *victim;
         *victim = v->next;
+        kvf_text_grammar_stats gs;
+        kvf_text_grammar_stats_get(v->g, &gs);
+        bytes -= gs.cache_bytes < bytes ? gs.cache_bytes : bytes;
         kvf_text_grammar_destroy(v->g);
         free(v->text);
         free(v);
         idle--;
     }
-    *out = g;
-    return KVF_OK;
 }
 
 /* Drops s's matcher and its reference to its guide (idempotent). */
@@ -605,6 +636,8 @@ static void take_token(kvf_engine *e, eng_seq *s, int32_t tok, const tok_lp *lp)
     for (int32_t i = 0; i < s->sp.n_eos && !fin; i++)
         if (tok == s->sp.eos_ids[i])
             fin = KVF_ENGINE_FINISH_STOP;
+    if (!fin && s->gm && kvf_text_matcher_done(s->gm)) /* complete: nothing may follow */
+        fin = KVF_ENGINE_FINISH_STOP;
     if (!fin && (s->n_generated >= s->sp.max_tokens || s->n_tokens >= e->max_ctx))
         fin = KVF_ENGINE_FINISH_LENGTH;
     emit(e, s, tok, fin, lp);
@@ -628,14 +661,76 @@ static bool host_path(const eng_seq *s)
     return s->sp.logprobs || s->gm || kvf_engine_processes(&s->sp, s->n_generated);
 }
 
-/* Chooses s's next token from its raw row and takes it. A host-path sequence processes a copy
- * of the row (siblings share it) and draws from that (greedy: its argmax), with the raw row's
- * log-probabilities when asked; any other takes drawn (the backend's draw, >= 0) or samples
- * the row itself (greedy: the backend's argmax when known). */
+/* Copies row into proc_row with every id s's guide does not allow now at -inf (a 32-id word of
+ * the mask at a time: inside a string most words are wholly allowed). False, with s finished,
+ * when nothing is left to draw: the output complete and nothing may follow (STOP), complete with
+ * no end id to take (ignore_eos: STOP), a dead end or a running bound (ERROR). */
+static bool guide_mask_row(kvf_engine *e, eng_seq *s, const float *row)
+{
+    kvf_err gerr = {0};
+    if (kvf_text_matcher_done(s->gm)) {
+        finish_seq(e, s, KVF_ENGINE_FINISH_STOP, true);
+        return false;
+    }
+    if (kvf_text_matcher_mask(s->gm, e->gmask, &gerr) != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: guide: %s", (unsigned long long)s->id,
+                s->index, gerr.msg);
+        finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+        return false;
+    }
+    memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
+    int32_t allowed = 0;
+    for (int32_t w = 0, base = 0; base < e->vocab; w++, base += 32) {
+        uint32_t m = e->gmask[w];
+        int32_t n = e->vocab - base < 32 ? e->vocab - base : 32;
+        if (m == UINT32_MAX && n == 32) {
+            allowed += 32;
+            continue;
+        }
+        allowed += __builtin_popcount(m);
+        for (int32_t b = 0; b < n; b++)
+            if (!(m >> b & 1u))
+                e->proc_row[base + b] = -INFINITY;
+    }
+    if (allowed == 0) {
+        finish_seq(e, s, kvf_text_matcher_accepting(s->gm) ? KVF_ENGINE_FINISH_STOP
+                                                           : KVF_ENGINE_FINISH_ERROR, true);
+        return false;
+    }
+    return true;
+}
+
+/* Advances s's guide on tok (drawn under its mask; processing may have pushed every allowed
+ * logit to -inf, when the draw's argmax fallback ignores the mask: the best allowed id of the
+ * raw row is taken instead). Returns the token taken, or -1 with s finished (ERROR). */
+static int32_t guide_accept(kvf_engine *e, eng_seq *s, const float *row, int32_t tok)
+{
+    if (tok < 0 || !(e->gmask[tok >> 5] >> (tok & 31) & 1u)) {
+        int32_t best = -1;
+        for (int32_t id = 0; id < e->vocab; id++)
+            if (e->gmask[id >> 5] >> (id & 31) & 1u && (best < 0 || row[id] > row[best]))
+                best = id;
+        tok = best;
+    }
+    kvf_err gerr = {0};
+    if (tok < 0 || kvf_text_matcher_accept(s->gm, tok, &gerr) != KVF_OK) {
+        kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: guide: token %d: %s", (unsigned long long)s->id,
+                s->index, tok, gerr.msg);
+        finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
+        return -1;
+    }
+    return tok;
+}
+
+/* Chooses s's next token from its raw row and takes it. A token drawn on the backend under a
+ * guide's mask (gdraw) only advances the guide. A host-path sequence works on a copy of the row
+ * (siblings share it): the guide's mask, then the logit processing, then the draw (greedy: its
+ * argmax), with the raw row's log-probabilities when asked; any other takes drawn (the backend's
+ * draw, >= 0) or samples the row itself (greedy: the backend's argmax when known). */
 static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t greedy,
                        int32_t drawn)
 {
-    if (s->gdraw) { /* drawn on the backend under the guide's mask */
+    if (s->gdraw) {
         s->gdraw = false;
         kvf_err gerr = {0};
         if (drawn < 0 || kvf_text_matcher_accept(s->gm, drawn, &gerr) != KVF_OK) {
@@ -653,36 +748,8 @@ static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t gree
     }
     const float *use = row;
     if (s->gm) {
-        kvf_err gerr = {0};
-        if (kvf_text_matcher_done(s->gm)) { /* complete, and nothing may follow */
-            finish_seq(e, s, KVF_ENGINE_FINISH_STOP, true);
+        if (!guide_mask_row(e, s, row))
             return;
-        }
-        if (kvf_text_matcher_mask(s->gm, e->gmask, &gerr) != KVF_OK) {
-            kvf_log(KVF_LOG_WARN, "engine: req %llu.%d: guide: %s", (unsigned long long)s->id,
-                    s->index, gerr.msg);
-            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
-            return;
-        }
-        memcpy(e->proc_row, row, (size_t)e->vocab * sizeof *e->proc_row);
-        int32_t allowed = 0;
-        for (int32_t w = 0, base = 0; base < e->vocab; w++, base += 32) {
-            uint32_t m = e->gmask[w];
-            int32_t n = e->vocab - base < 32 ? e->vocab - base : 32;
-            if (m == UINT32_MAX && n == 32) { /* a whole word allowed: inside a string, most */
-                allowed += 32;
-                continue;
-            }
-            allowed += __builtin_popcount(m);
-            for (int32_t b = 0; b < n; b++)
-                if (!(m >> b & 1u))
-                    e->proc_row[base + b] = -INFINITY;
-        }
-        if (allowed == 0) { /* complete with no end id to take (ignore_eos), or a dead end */
-            finish_seq(e, s, kvf_text_matcher_accepting(s->gm) ? KVF_ENGINE_FINISH_STOP
-                                                               : KVF_ENGINE_FINISH_ERROR, true);
-            return;
-        }
         use = e->proc_row;
     }
     if (kvf_engine_processes(&s->sp, s->n_generated)) {
@@ -697,24 +764,8 @@ static void next_token(kvf_engine *e, eng_seq *s, const float *row, int32_t gree
         use = e->proc_row;
     }
     int32_t tok = sample_for(e, s, use, -1);
-    if (s->gm) {
-        /* processing may have pushed every allowed logit to -inf (a bias, min_p), and the
-         * draw's argmax fallback then ignores the mask: take the best allowed one instead */
-        if (!(e->gmask[tok >> 5] >> (tok & 31) & 1u)) {
-            int32_t best = -1;
-            for (int32_t id = 0; id < e->vocab; id++)
-                if (e->gmask[id >> 5] >> (id & 31) & 1u && (best < 0 || row[id] > row[best]))
-                    best = id;
-            tok = best;
-        }
-        kvf_err gerr = {0};
-        if (kvf_text_matcher_accept(s->gm, tok, &gerr) != KVF_OK) {
-            kvf_log(KVF_LOG_ERROR, "engine: req %llu.%d: guide: %s", (unsigned long long)s->id,
-                    s->index, gerr.msg);
-            finish_seq(e, s, KVF_ENGINE_FINISH_ERROR, true);
-            return;
-        }
-    }
+    if (s->gm && (tok = guide_accept(e, s, row, tok)) < 0)
+        return;
     if (!s->sp.logprobs) {
         take_token(e, s, tok, NULL);
         return;
@@ -881,6 +932,10 @@ static kvf_status check_request(kvf_engine *e, const kvf_engine_request *r, kvf_
             return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: a guide of %zu bytes "
                                "without its text", (unsigned long long)r->id, p->guide_len);
     }
+    if (r->n_prior_output > 0 && p->n != 1)
+        return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n_prior_output %d with n %d "
+                           "is not allowed (a resumed stream is one sample)",
+                           (unsigned long long)r->id, r->n_prior_output, p->n);
     if (r->n_prior_output < 0 || r->n_prior_output >= r->n_prompt)
         return kvf_err_set(err, KVF_ERR_INVALID, "engine: req %llu: n_prior_output %d is not "
                            "allowed (0 to %d: fewer than the prompt)", (unsigned long long)r->id,

@@ -129,8 +129,12 @@ typedef struct kvf_engine_sampling {
      * the guide (its mask applied to the row before any processing), an end id (stop or eos)
      * only where the output is complete, and a sequence whose output is complete with no end
      * id to take finishes STOP. guide_kind is a kvf_text_guide_kind; the text is borrowed for
-     * kvf_engine_add only (the engine compiles it, keeping recent grammars by their text).
-     * Needs kvf_engine_cfg.tokenizer_dir. Such a sequence takes the host path. */
+     * kvf_engine_add only (the engine compiles it there, on the caller's thread: a new schema
+     * holds the step loop for its compile, about 1 ms for 50 properties and 150 ms for 2000
+     * (docs/BENCHMARKS.md); recent grammars are kept by their text, so a schema sent again costs
+     * nothing). Needs kvf_engine_cfg.tokenizer_dir. Such a sequence draws under the guide's
+     * mask: on the backend when it needs nothing else on the host (the GPU sampler reads the
+     * mask), else on the host path. A resumed stream (n_prior_output) must have n 1. */
     int32_t guide_kind;
     const char *guide;
     size_t guide_len;

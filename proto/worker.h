@@ -37,15 +37,6 @@
 #define KVF_RPC_MAX_BIAS 1024          /* logit_bias entries */
 #define KVF_RPC_MAX_LOGPROBS 20        /* top logprobs per position */
 #define KVF_RPC_MAX_GUIDE_BYTES (256 * 1024) /* a guide's schema or regex text */
-
-/* SamplingParams.guide.kind (proto/kvfleet.proto's Guide.Kind). */
-typedef enum kvf_rpc_guide_kind {
-    KVF_RPC_GUIDE_NONE = 0,
-    KVF_RPC_GUIDE_JSON_SCHEMA = 1,
-    KVF_RPC_GUIDE_REGEX = 2,
-    KVF_RPC_GUIDE_CHOICE = 3, /* text: a JSON array of strings */
-    KVF_RPC_GUIDE_JSON_OBJECT = 4,
-} kvf_rpc_guide_kind;
 #define KVF_RPC_MAX_PROMPT_LPS 4096    /* prompt logprob rows per GenerateResponse */
 
 typedef enum kvf_rpc_role {
@@ -77,6 +68,15 @@ typedef enum kvf_rpc_kv_event_kind {
     KVF_RPC_KV_REMOVED = 3,
     KVF_RPC_KV_CLEARED = 4,  /* every block dropped */
 } kvf_rpc_kv_event_kind;
+
+/* SamplingParams.guide.kind (proto/kvfleet.proto's Guide.Kind). */
+typedef enum kvf_rpc_guide_kind {
+    KVF_RPC_GUIDE_NONE = 0,
+    KVF_RPC_GUIDE_JSON_SCHEMA = 1,
+    KVF_RPC_GUIDE_REGEX = 2,
+    KVF_RPC_GUIDE_CHOICE = 3, /* text: a JSON array of strings */
+    KVF_RPC_GUIDE_JSON_OBJECT = 4,
+} kvf_rpc_guide_kind;
 
 typedef struct kvf_rpc_bias {
     int32_t id;  /* >= 0 (the vocabulary is the worker's to check) */

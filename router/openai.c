@@ -4,6 +4,7 @@
 #include "router/openai.h"
 
 #include "common/json.h"
+#include "proto/worker.h"
 #include "text/guide.h"
 
 #include <math.h>
@@ -424,6 +425,9 @@ static kvf_status guide_schema(kvf_router_oai_req *r, const char *param, const j
     json_t *parsed = NULL;
     if (text_ok && json_is_string(v)) {
         json_error_t je;
+        if (strlen(json_string_value(v)) != json_string_length(v))
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                            "'%s' must not hold a NUL character", param);
         if (!(parsed = json_loadb(json_string_value(v), json_string_length(v), JSON_REJECT_DUPLICATES, &je)))
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
                                             "'%s' is not valid JSON: %s", param, je.text);
@@ -446,6 +450,9 @@ static kvf_status guide_regex(kvf_router_oai_req *r, const char *param, const js
 {
     if (!json_is_string(v))
         return bad_type(e, param, "a string (a regular expression)", v);
+    if (strlen(json_string_value(v)) != json_string_length(v))
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                        "'%s' must not hold a NUL character", param);
     char *text = strdup(json_string_value(v));
     if (!text)
         return KVF_ERR_NOMEM;
@@ -537,8 +544,10 @@ static kvf_status parse_guides(const json_t *o, kvf_router_oai_req *r, kvf_route
                 st = guide_regex(r, param, v, e);
             else if (strcmp(k, "choice") == 0)
                 st = guide_choice(r, param, v, e);
-            else if (strcmp(k, "json_object") == 0 && json_is_boolean(v))
-                st = json_is_true(v) ? set_guide(r, param, KVF_TEXT_GUIDE_JSON_OBJECT, NULL, e) : KVF_OK;
+            else if (strcmp(k, "json_object") == 0)
+                st = !json_is_boolean(v) ? bad_type(e, param, "a boolean", v)
+                     : json_is_true(v)   ? set_guide(r, param, KVF_TEXT_GUIDE_JSON_OBJECT, NULL, e)
+                                         : KVF_OK;
             else
                 st = kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "unsupported_parameter",
                                               "'%s' is not supported (json, regex, choice and json_object are)", param);
@@ -554,6 +563,10 @@ static kvf_status check_guide(const kvf_router_oai_req *r, kvf_router_oai_error 
 {
     if (r->guide_kind == KVF_TEXT_GUIDE_NONE)
         return KVF_OK;
+    if (r->guide_len > KVF_RPC_MAX_GUIDE_BYTES)
+        return kvf_router_oai_error_set(e, 400, "invalid_request_error", r->guide_param, "invalid_value",
+                                        "%s is %zu bytes as JSON; at most %d are allowed", r->guide_param,
+                                        r->guide_len, KVF_RPC_MAX_GUIDE_BYTES);
     kvf_text_grammar *g = NULL;
     kvf_err err = {0};
     kvf_status st = kvf_text_guide_compile(r->guide_kind, r->guide, r->guide_len, &g, &err);
@@ -574,7 +587,8 @@ static kvf_status named_tool(const json_t *choice, const json_t *tools, kvf_rout
     const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
     if (!json_is_string(type) || strcmp(json_string_value(type), "function") != 0 || !json_is_string(name))
         return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
-                                        "a named 'tool_choice' is {\"type\": \"function\", \"function\": {\"name\": ...}}");
+                                        "a named 'tool_choice' is "
+                                        "{\"type\": \"function\", \"function\": {\"name\": ...}}");
     size_t i;
     const json_t *t;
     json_array_foreach(tools, i, t) {
@@ -586,7 +600,8 @@ static kvf_status named_tool(const json_t *choice, const json_t *tools, kvf_rout
         }
     }
     return kvf_router_oai_error_set(e, 400, "invalid_request_error", "tool_choice", "invalid_value",
-                                    "tool_choice names function '%.64s', which is not in 'tools'", json_string_value(name));
+                                    "tool_choice names function '%.64s', which is not in 'tools'",
+                                    json_string_value(name));
 }
 
 /* A tool's parameters schema; a tool without one takes any object. */
@@ -607,8 +622,10 @@ static kvf_status force_tools(kvf_router_oai_req *r, kvf_router_oai_error *e)
         const json_t *t;
         json_array_foreach(r->tools, i, t) {
             const json_t *tn = json_object_get(json_object_get(t, "function"), "name");
-            if (json_is_string(tn) && strcmp(json_string_value(tn), r->tool_forced) == 0)
+            if (json_is_string(tn) && strcmp(json_string_value(tn), r->tool_forced) == 0) {
                 schema = tool_params(t);
+                break;
+            }
         }
     } else {
         json_t *any = json_array();
@@ -652,9 +669,19 @@ static kvf_status parse_tools(const json_t *o, kvf_router_oai_req *r, kvf_router
             return bad_type(e, "tools", "an array", tools);
         size_t i;
         const json_t *t;
-        json_array_foreach(tools, i, t)
+        json_array_foreach(tools, i, t) {
             if ((st = check_tool(i, t, e)) != KVF_OK)
                 return st;
+            const char *name = json_string_value(json_object_get(json_object_get(t, "function"), "name"));
+            for (size_t k = 0; k < i; k++)
+                if (strcmp(name, json_string_value(json_object_get(
+                                     json_object_get(json_array_get(tools, k), "function"), "name"))) == 0) {
+                    char param[64];
+                    snprintf(param, sizeof param, "tools.[%zu].function.name", i);
+                    return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
+                                                    "two tools are named '%s'", name);
+                }
+        }
     } else {
         tools = NULL;
     }

@@ -69,6 +69,7 @@ struct kvf_router_req {
     int32_t worker, prefill;
     int64_t prefill_tokens; /* queued on the prefill worker until the first token */
     int attempts;
+    bool unsendable; /* its GenerateRequest could not be encoded (never a worker's fault) */
     bool got_token, client_gone, started;
     int64_t created;
     double t0;
@@ -573,8 +574,10 @@ static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *e
     kvf_rpc_buf b = {0};
     kvf_status st = kvf_rpc_generate_req_encode(&g, &b, err);
     free(joined);
-    if (st != KVF_OK)
+    if (st != KVF_OK) {
+        r->unsendable = true; /* the request's fault, not the worker's */
         return st;
+    }
     int64_t to = c->request_timeout_ms > 0 ? c->request_timeout_ms : KVF_RPC_NO_DEADLINE;
     st = kvf_rpc_stream_open(decode_worker(r)->channel, KVF_RPC_WORKER_GENERATE, b.data, b.len, to,
                              &r->stream, err);
@@ -763,6 +766,11 @@ static kvf_status launch(kvf_router_reqs *rs, kvf_router_req *r, kvf_router_oai_
     for (;;) {
         if (open_stream(rs, r, &err) == KVF_OK)
             return KVF_OK;
+        if (r->unsendable) { /* no worker would take it: say so, and mark none failed */
+            kvf_log(KVF_LOG_WARN, "router: req %s: %s", r->id, err.msg);
+            return kvf_router_oai_error_set(e, 400, "invalid_request_error", NULL, "invalid_value",
+                                            "the request cannot be sent to a worker: %s", err.msg);
+        }
         kvf_router_fleet_mark_failed(c->fleet, KVF_ROUTER_ROLE_DECODE, r->worker);
         if (++r->attempts >= c->max_attempts || pick_workers(rs, r, e, retry_after) != KVF_OK) {
             if (r->attempts >= c->max_attempts) {

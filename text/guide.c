@@ -25,8 +25,8 @@ static kvf_status compile_choice(const char *text, size_t len, kvf_text_grammar 
     if (!a || !json_is_array(a) || json_array_size(a) == 0 ||
         json_array_size(a) > KVF_TEXT_GUIDE_MAX_CHOICES) {
         json_decref(a);
-        return kvf_err_set(err, KVF_ERR_INVALID, "guided_choice must be a list of 1 to %d "
-                           "strings", KVF_TEXT_GUIDE_MAX_CHOICES);
+        return kvf_err_set(err, KVF_ERR_INVALID, "a choice guide is a list of 1 to %d strings",
+                           KVF_TEXT_GUIDE_MAX_CHOICES);
     }
     size_t n = json_array_size(a);
     const char **s = malloc(n * sizeof *s);
@@ -39,7 +39,7 @@ static kvf_status compile_choice(const char *text, size_t len, kvf_text_grammar 
     for (size_t i = 0; i < n; i++) {
         const json_t *v = json_array_get(a, i);
         if (!json_is_string(v)) {
-            st = kvf_err_set(err, KVF_ERR_INVALID, "guided_choice[%zu] is not a string", i);
+            st = kvf_err_set(err, KVF_ERR_INVALID, "choice %zu is not a string", i);
             goto done;
         }
         s[i] = json_string_value(v);

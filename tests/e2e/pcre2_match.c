@@ -1,7 +1,8 @@
 /* pcre2_match: the independent check of guided_regex outputs (tests/e2e/structured.sh). Usage:
- * pcre2_match REGEX FILE, FILE holding outputs separated by NUL bytes; each must match REGEX as a
- * whole under PCRE2 (UTF, anchored at both ends). Prints "N of M match" and each output that does
- * not; exit 0 when all match, 1 when one does not, 2 on a usage or regex error. */
+ * pcre2_match REGEX FILE COUNT, FILE holding COUNT outputs, each ended by a NUL byte (an empty
+ * output too); each must match REGEX as a whole under PCRE2 (UTF, anchored at both ends). Prints
+ * "N of M match" and each output that does not; exit 0 when all COUNT match, 1 when one does not
+ * or FILE holds another number of outputs, 2 on a usage or regex error. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <stdio.h>
@@ -10,10 +11,11 @@
 
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: pcre2_match REGEX FILE\n");
+    if (argc != 4 || atoi(argv[3]) < 1) {
+        fprintf(stderr, "usage: pcre2_match REGEX FILE COUNT\n");
         return 2;
     }
+    int want = atoi(argv[3]);
     int ec;
     PCRE2_SIZE eo;
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)argv[1], PCRE2_ZERO_TERMINATED,
@@ -51,9 +53,9 @@ int main(int argc, char **argv)
             printf("no match: \"%.*s\"\n", (int)(j - i), buf + i);
         i = j + 1;
     }
-    printf("%d of %d match %s\n", ok, n, argv[1]);
+    printf("%d of %d match %s%s\n", ok, n, argv[1], n == want ? "" : " (the file holds another number of outputs)");
     pcre2_match_data_free(md);
     pcre2_code_free(re);
     free(buf);
-    return ok == n && n > 0 ? 0 : 1;
+    return ok == n && n == want ? 0 : 1;
 }

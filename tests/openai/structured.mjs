@@ -4,7 +4,7 @@
 // - every JSON Schema below: 100 generations at temperature 1 (10 requests of n=10, half through
 //   chat's response_format json_schema, half through completions' guided_json); each answer must
 //   end "stop", parse as JSON and validate under ajv, an independent validator;
-// - every regex: 100 generations (guided_regex) written to OUTDIR/regex-K.txt (NUL-separated) with
+// - every regex: 100 generations (guided_regex) written to OUTDIR/regex-K.txt (each ended by a NUL) with
 //   the regex in OUTDIR/regex-K.re, for PCRE2 (pcre2_match) to check; guided_choice and
 //   response_format json_object the same way, checked here;
 // - tool_choice "required" and a named function: the calls name a tool and their arguments
@@ -170,7 +170,7 @@ regexes.forEach((re, k) => {
       const out = await hundred(null, { guided_regex: re });
       for (const o of out) assert.equal(o.finish, 'stop', `finish ${o.finish} for ${JSON.stringify(o.text)}`);
       writeFileSync(`${outdir}/regex-${k}.re`, re);
-      writeFileSync(`${outdir}/regex-${k}.txt`, out.map((o) => o.text).join('\0'));
+      writeFileSync(`${outdir}/regex-${k}.txt`, out.map((o) => `${o.text}\0`).join(''));
       return `100 written for PCRE2, e.g. ${JSON.stringify(out[0].text)}`;
     },
   });

@@ -326,6 +326,36 @@ static void test_refusals(void **state)
     assert_int_equal(kvf_engine_add(e, &q, &err), KVF_ERR_UNSUPPORTED);
     assert_non_null(strstr(err.msg, "tokenizer.json"));
     kvf_engine_destroy(e);
+
+    /* a tokenizer.json this build cannot read: the engine serves, guides are refused */
+    char bad_dir[] = "/tmp/kvf-guide-bad-XXXXXX", path[128];
+    assert_non_null(mkdtemp(bad_dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", bad_dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("{\"model\": {\"type\": \"WordLevel\"}}", f);
+    fclose(f);
+    c.tokenizer_dir = bad_dir;
+    e = et_engine(g_fx->m, &c);
+    assert_int_equal(kvf_engine_add(e, &q, &err), KVF_ERR_UNSUPPORTED);
+    const et_case *k = &g_fx->cases[0];
+    kvf_engine_request plain = et_req(1, k->prompt, k->n_prompt, g_fx->n_new);
+    et_add(e, &plain);
+    memset(&r, 0, sizeof r);
+    et_run(e, &r, 1);
+    et_assert_tokens("beside a bad tokenizer", r.tokens[1], r.n[1], k->greedy, k->n_greedy);
+    kvf_engine_destroy(e);
+    unlink(path);
+    rmdir(bad_dir);
+
+    /* a resumed stream is one sample */
+    e = guide_engine(0);
+    q = guided(2, KVF_TEXT_GUIDE_REGEX, "a+", 1.0f, 8);
+    q.sampling.n = 2;
+    q.n_prior_output = 1;
+    assert_int_equal(kvf_engine_add(e, &q, &err), KVF_ERR_INVALID);
+    assert_non_null(strstr(err.msg, "n_prior_output 1 with n 2"));
+    kvf_engine_destroy(e);
 }
 
 int main(void)

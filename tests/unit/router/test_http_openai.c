@@ -201,6 +201,17 @@ static void test_parse_errors(void **state)
                "guided_regex", "give one");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"structured_outputs\":{\"grammar\":\"x\"}}", 400,
                "structured_outputs.grammar", "not supported");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"structured_outputs\":{\"json_object\":1}}", 400,
+               "structured_outputs.json_object", "a boolean");
+    expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_regex\":\"a\\u0000b\"}", 400, "guided_regex", "NUL");
+    /* a guide past what the wire carries is the client's 400, never a worker's failure */
+    size_t big = 300 * 1024;
+    char *body = malloc(big + 256);
+    int k = snprintf(body, 256, "{\"model\":\"m\",\"prompt\":[1],\"guided_json\":{\"type\":\"object\",\"description\":\"");
+    memset(body + k, 'x', big);
+    snprintf(body + k + big, 64, "\"}}");
+    expect_bad(C, body, 400, "guided_json", "at most 262144");
+    free(body);
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"top_logprobs\":2}", 400, "top_logprobs", "not supported");
     expect_bad(H, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", 400,
                "echo", "not supported");
@@ -346,6 +357,9 @@ static void test_chat_tools_parse(void **state)
     snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"}", fn);
     snprintf(b, sizeof b, MSG, "\"hi\"", extra);
     expect_bad(H, b, 400, "tool_choice", "give one");
+    snprintf(extra, sizeof extra, ",\"tools\":[%.*s,%.*s]", (int)strlen(fn) - 2, fn + 1, (int)strlen(fn) - 2, fn + 1);
+    snprintf(b, sizeof b, MSG, "\"hi\"", extra);
+    expect_bad(H, b, 400, "tools.[1].function.name", "two tools are named 'get_weather'");
     snprintf(b, sizeof b, MSG, "\"hi\"", ",\"tool_choice\":\"auto\"");
     expect_bad(H, b, 400, "tool_choice", "needs 'tools'");
     snprintf(extra, sizeof extra, ",\"tools\":%s,\"tool_choice\":\"sometimes\"", fn);
