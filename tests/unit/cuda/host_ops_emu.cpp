@@ -261,6 +261,7 @@ static void test_sample_rule(void **state)
      * overflows: both the argmax, whatever u says (their weights would be NaN) */
     x[6 * V + 250] = INFINITY, x[6 * V + 17] = INFINITY, x[6 * V + 3] = -INFINITY;
     kvf_cuda_sample_row rows[N];
+    memset(rows, 0, sizeof rows); /* no masks */
     const int32_t ks[N] = {0, 1, 5, 40, 0, 299, 0, 0};
     const float ps[N] = {1.0f, 1.0f, 0.7f, 0.9f, 0.5f, 1.0f, 1.0f, 0.8f};
     for (int i = 0; i < N; i++) {

@@ -342,6 +342,7 @@ static void test_sample(void **state)
     enum { N = 64, V = 300 };
     float *x = rnd_array((int64_t)N * V, 4.0f);
     kvf_cuda_sample_row rows[N];
+    memset(rows, 0, sizeof rows); /* no masks */
     for (int i = 0; i < N; i++) {
         rows[i].temperature = i % 4 == 0 ? 0.3f : 1.0f + 0.1f * (float)(i % 5);
         rows[i].top_k = i % 3 == 0 ? 0 : (i % 3 == 1 ? 5 : 40);
