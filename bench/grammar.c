@@ -16,6 +16,7 @@
 #include "bench/bench.h"
 #include "common/cfg.h"
 #include "common/progress.h"
+#include "common/sbuf.h"
 #include "common/time.h"
 #include "engine/engine.h"
 #include "model/backend.h"
@@ -295,29 +296,28 @@ static kvf_status decode_model(const grammar_bench_cfg *c, const char *dir, int3
     if ((st = kvf_model_weights_write_random(path, &mc, KVF_DTYPE_F32, 1234, err)) != KVF_OK)
         return st;
     struct stat sb;
+    bool is_dir = stat(c->tokenizer, &sb) == 0 && S_ISDIR(sb.st_mode);
     const char *names[2] = {"tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 2; i++) {
-        bool is_dir = stat(c->tokenizer, &sb) == 0 && S_ISDIR(sb.st_mode);
+    for (int i = 0; i < (is_dir ? 2 : 1); i++) {
         if (is_dir)
             snprintf(src, sizeof src, "%s/%s", c->tokenizer, names[i]);
-        else if (i == 0)
-            snprintf(src, sizeof src, "%s", c->tokenizer);
         else
-            continue;
-        FILE *in = fopen(src, "rb");
-        if (!in) {
+            snprintf(src, sizeof src, "%s", c->tokenizer);
+        kvf_sbuf text;
+        kvf_sbuf_init(&text);
+        if ((st = kvf_sbuf_read_file(&text, src, err)) != KVF_OK) {
+            kvf_sbuf_fini(&text);
             if (i == 0)
-                return kvf_err_set(err, KVF_ERR_IO, "bench grammar: cannot read %s", src);
-            continue;
+                return kvf_err_prefix(err, "bench grammar: the tokenizer");
+            continue; /* tokenizer_config.json is optional */
         }
         snprintf(path, sizeof path, "%s/%s", dir, names[i]);
         FILE *out = fopen(path, "wb");
-        char buf[65536];
-        size_t got;
-        while (out && (got = fread(buf, 1, sizeof buf, in)) > 0)
-            fwrite(buf, 1, got, out);
-        fclose(in);
-        if (!out || fclose(out) != 0)
+        bool ok = out && fwrite(text.data, 1, text.len, out) == text.len;
+        if (out && fclose(out) != 0)
+            ok = false;
+        kvf_sbuf_fini(&text);
+        if (!ok)
             return kvf_err_set(err, KVF_ERR_IO, "bench grammar: cannot write %s", path);
     }
     return KVF_OK;

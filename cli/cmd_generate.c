@@ -102,27 +102,16 @@ static kvf_status pick_guide(const gen_cfg *c, kvf_engine_sampling *s, char **te
                     : c->choice    ? KVF_TEXT_GUIDE_CHOICE
                     : c->json_object ? KVF_TEXT_GUIDE_JSON_OBJECT : KVF_TEXT_GUIDE_NONE;
     if (c->json_schema && c->json_schema[0] == '@') {
-        FILE *f = fopen(c->json_schema + 1, "rb");
-        char *buf = NULL;
-        size_t len = 0;
-        if (f) {
-            kvf_sbuf sb;
-            kvf_sbuf_init(&sb);
-            char chunk[4096];
-            size_t got;
-            while ((got = fread(chunk, 1, sizeof chunk, f)) > 0)
-                kvf_sbuf_append(&sb, chunk, got);
-            fclose(f);
-            len = sb.len;
-            buf = kvf_sbuf_take(&sb);
+        kvf_sbuf sb;
+        kvf_sbuf_init(&sb);
+        kvf_status st = kvf_sbuf_read_file(&sb, c->json_schema + 1, err);
+        if (st != KVF_OK) {
+            kvf_sbuf_fini(&sb);
+            return kvf_err_prefix(err, "generate: --json-schema=%s", c->json_schema);
         }
-        if (!buf)
-            return kvf_err_set(err, KVF_ERR_IO, "generate: --json-schema=%s: %s cannot be read or is empty", c->json_schema,
-                               c->json_schema + 1);
-        *text_out = buf;
-        s->guide = buf;
-        s->guide_len = len;
-        return KVF_OK;
+        s->guide_len = sb.len;
+        s->guide = *text_out = kvf_sbuf_take(&sb);
+        return *text_out ? KVF_OK : kvf_err_set(err, KVF_ERR_NOMEM, "generate: out of memory");
     }
     s->guide = t;
     s->guide_len = t ? strlen(t) : 0;

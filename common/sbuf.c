@@ -88,3 +88,21 @@ char *kvf_sbuf_take(kvf_sbuf *b)
     memset(b, 0, sizeof *b);
     return p;
 }
+
+kvf_status kvf_sbuf_read_file(kvf_sbuf *b, const char *path, kvf_err *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return kvf_err_set(err, KVF_ERR_IO, "cannot open %s", path);
+    char chunk[65536];
+    size_t got;
+    while ((got = fread(chunk, 1, sizeof chunk, f)) > 0)
+        kvf_sbuf_append(b, chunk, got);
+    bool bad = ferror(f) != 0;
+    fclose(f);
+    if (bad)
+        return kvf_err_set(err, KVF_ERR_IO, "cannot read %s", path);
+    if (b->oom)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "out of memory reading %s", path);
+    return KVF_OK;
+}

@@ -26,5 +26,8 @@ kvf_status kvf_sbuf_printf(kvf_sbuf *b, const char *fmt, ...) __attribute__((for
 kvf_status kvf_sbuf_vprintf(kvf_sbuf *b, const char *fmt, va_list ap);
 /* Hands the bytes to the caller (free() them); the buffer is left empty. */
 char *kvf_sbuf_take(kvf_sbuf *b);
+/* Appends the whole file at path. KVF_ERR_IO naming the path when it cannot be opened or read,
+ * KVF_ERR_NOMEM when the buffer cannot grow. */
+kvf_status kvf_sbuf_read_file(kvf_sbuf *b, const char *path, kvf_err *err);
 
 #endif

@@ -425,9 +425,6 @@ static kvf_status guide_schema(kvf_router_oai_req *r, const char *param, const j
     json_t *parsed = NULL;
     if (text_ok && json_is_string(v)) {
         json_error_t je;
-        if (strlen(json_string_value(v)) != json_string_length(v))
-            return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
-                                            "'%s' must not hold a NUL character", param);
         if (!(parsed = json_loadb(json_string_value(v), json_string_length(v), JSON_REJECT_DUPLICATES, &je)))
             return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
                                             "'%s' is not valid JSON: %s", param, je.text);
@@ -450,9 +447,6 @@ static kvf_status guide_regex(kvf_router_oai_req *r, const char *param, const js
 {
     if (!json_is_string(v))
         return bad_type(e, param, "a string (a regular expression)", v);
-    if (strlen(json_string_value(v)) != json_string_length(v))
-        return kvf_router_oai_error_set(e, 400, "invalid_request_error", param, "invalid_value",
-                                        "'%s' must not hold a NUL character", param);
     char *text = strdup(json_string_value(v));
     if (!text)
         return KVF_ERR_NOMEM;

@@ -203,8 +203,7 @@ static void test_parse_errors(void **state)
                "structured_outputs.grammar", "not supported");
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"structured_outputs\":{\"json_object\":1}}", 400,
                "structured_outputs.json_object", "a boolean");
-    /* a NUL inside a string never gets past the JSON reader (the guide's own check is a second
-     * line) */
+    /* a NUL inside a string never gets past the JSON reader, so a guide never holds one */
     expect_bad(C, "{\"model\":\"m\",\"prompt\":[1],\"guided_regex\":\"a\\u0000b\"}", 400, "", "not valid JSON");
     /* a guide past what the wire carries is the client's 400, never a worker's failure */
     size_t big = 300 * 1024;
