@@ -1064,6 +1064,8 @@ kvf_status kvf_rpc_watch_msg_encode(const kvf_rpc_watch_msg *w, kvf_rpc_buf *out
         lr.prefill_ms_p90 = l->prefill_ms_p90;
         lr.prefill_tokens_per_s = l->prefill_tokens_per_s;
         lr.unix_ms = l->unix_ms;
+        lr.host_promote_s_per_block = l->host_promote_s_per_block;
+        lr.disk_promote_s_per_block = l->disk_promote_s_per_block;
         m.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_LOAD;
         m.load = &lr;
     } else {
@@ -1077,6 +1079,7 @@ kvf_status kvf_rpc_watch_msg_encode(const kvf_rpc_watch_msg *w, kvf_rpc_buf *out
         ev.block_size = e->block_size;
         ev.model_id = (char *)(e->model_id ? e->model_id : "");
         ev.snapshot_done = e->snapshot_done;
+        ev.tier = e->tier;
         m.body_case = KVFLEET__V1__WATCH_KV_RESPONSE__BODY_EVENT;
         m.event = &ev;
     }
@@ -1096,6 +1099,20 @@ static kvf_status check_event(const Kvfleet__V1__KvEvent *e, kvf_err *err)
         e->kind > KVFLEET__V1__KV_EVENT__KIND__KIND_CLEARED)
         return kvf_err_set(err, KVF_ERR_INVALID, "rpc: KvEvent %llu: kind is %d (allowed 0..4)",
                            (unsigned long long)e->seq, (int)e->kind);
+    if (e->tier < KVF_RPC_TIER_POOL || e->tier > KVF_RPC_TIER_DISK)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: KvEvent %llu: tier is %d (allowed 0..2)",
+                           (unsigned long long)e->seq, (int)e->tier);
+    return KVF_OK;
+}
+
+static kvf_status check_load(const Kvfleet__V1__LoadReport *l, kvf_err *err)
+{
+    /* a router divides and compares with these: NaN, infinite or negative is refused */
+    if (!(l->host_promote_s_per_block >= 0 && l->host_promote_s_per_block < 1e6) ||
+        !(l->disk_promote_s_per_block >= 0 && l->disk_promote_s_per_block < 1e6))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: LoadReport: host_promote_s_per_block %g "
+                           "or disk_promote_s_per_block %g out of range [0, 1e6)",
+                           l->host_promote_s_per_block, l->disk_promote_s_per_block);
     return KVF_OK;
 }
 
@@ -1118,6 +1135,8 @@ kvf_status kvf_rpc_watch_msg_decode(const uint8_t *data, size_t len, kvf_rpc_wat
     }
     if (e && (st = check_event(e, err)) != KVF_OK)
         goto done;
+    if (l && (st = check_load(l, err)) != KVF_OK)
+        goto done;
     size_t hb = e ? AL((e->n_block_hashes ? e->n_block_hashes : 1) * sizeof(uint64_t)) : 0;
     carve c;
     kvf_rpc_watch_msg *w = block_new(sizeof *w, e ? 2 * hb + str_size(e->model_id) : 0, &c,
@@ -1135,7 +1154,9 @@ kvf_status kvf_rpc_watch_msg_decode(const uint8_t *data, size_t len, kvf_rpc_wat
                                  .prefill_ms_mean = l->prefill_ms_mean,
                                  .prefill_ms_p90 = l->prefill_ms_p90,
                                  .prefill_tokens_per_s = l->prefill_tokens_per_s,
-                                 .unix_ms = l->unix_ms};
+                                 .unix_ms = l->unix_ms,
+                                 .host_promote_s_per_block = l->host_promote_s_per_block,
+                                 .disk_promote_s_per_block = l->disk_promote_s_per_block};
     } else {
         kvf_rpc_kv_event *o = &w->event;
         o->seq = e->seq;
@@ -1149,6 +1170,7 @@ kvf_status kvf_rpc_watch_msg_decode(const uint8_t *data, size_t len, kvf_rpc_wat
         o->block_size = e->block_size;
         o->model_id = carve_str(&c, e->model_id);
         o->snapshot_done = e->snapshot_done;
+        o->tier = e->tier;
     }
     *out = w;
 done:

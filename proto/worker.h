@@ -215,6 +215,9 @@ typedef struct kvf_rpc_watch_req {
     uint32_t load_interval_ms; /* 0: the worker's default */
 } kvf_rpc_watch_req;
 
+/* Where a worker keeps a block (KvEvent.tier). */
+enum { KVF_RPC_TIER_POOL = 0, KVF_RPC_TIER_HOST = 1, KVF_RPC_TIER_DISK = 2 };
+
 typedef struct kvf_rpc_kv_event {
     uint64_t seq;                 /* per worker, increasing by one per event */
     kvf_rpc_kv_event_kind kind;
@@ -224,6 +227,8 @@ typedef struct kvf_rpc_kv_event {
     int32_t block_size;
     const char *model_id;
     bool snapshot_done;           /* the last event of a snapshot */
+    int32_t tier;                 /* SNAPSHOT/STORED: KVF_RPC_TIER_* of every block; a STORED of a
+                                     held hash moves it there */
 } kvf_rpc_kv_event;
 
 typedef struct kvf_rpc_load {
@@ -232,6 +237,8 @@ typedef struct kvf_rpc_load {
     int64_t queued_prefill_tokens;
     double prefill_ms_mean, prefill_ms_p90, prefill_tokens_per_s;
     int64_t unix_ms;
+    /* measured seconds to promote one block from the host / disk tier (0: none measured) */
+    double host_promote_s_per_block, disk_promote_s_per_block;
 } kvf_rpc_load;
 
 /* A WatchKv stream message: a KV event or a load report. */

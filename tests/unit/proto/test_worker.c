@@ -653,7 +653,29 @@ static void test_watch_and_small_messages(void **state)
     assert_int_equal(out->event.n, 2);
     assert_null(out->event.parent_hashes);
     assert_true(out->event.snapshot_done);
+    assert_int_equal(out->event.tier, KVF_RPC_TIER_POOL);
     free(out);
+    /* A block moved to the host tier (demoted) keeps its tier across the wire; a tier past
+     * disk is refused by name. */
+    w.event.kind = KVF_RPC_KV_STORED;
+    w.event.parent_hashes = parents;
+    w.event.snapshot_done = false;
+    w.event.tier = KVF_RPC_TIER_HOST;
+    out = watch_roundtrip(&w);
+    assert_int_equal(out->event.tier, KVF_RPC_TIER_HOST);
+    free(out);
+    {
+        kvf_err te;
+        kvf_rpc_buf tb = {0};
+        w.event.tier = 3;
+        assert_int_equal(kvf_rpc_watch_msg_encode(&w, &tb, &te), KVF_OK);
+        kvf_rpc_watch_msg *tout = (void *)1;
+        assert_int_equal(kvf_rpc_watch_msg_decode(tb.data, tb.len, &tout, &te), KVF_ERR_INVALID);
+        assert_ptr_equal(tout, (void *)1);
+        assert_msg_has(&te, "tier is 3 (allowed 0..2)");
+        kvf_rpc_buf_free(&tb);
+        w.event.tier = 0;
+    }
 
     /* Parents that do not match the blocks (one count in the typed struct: raw bytes). */
     kvf_err e;
@@ -689,7 +711,26 @@ static void test_watch_and_small_messages(void **state)
     assert_true(out->load.prefill_ms_p90 == 12.5);
     assert_true(out->load.prefill_tokens_per_s == 5000);
     assert_int_equal(out->load.unix_ms, 1700000000999);
+    assert_true(out->load.host_promote_s_per_block == 0);
     free(out);
+    /* Measured promotion times travel; a negative or NaN one is refused (the router divides by
+     * and compares with them). */
+    lw.load.host_promote_s_per_block = 2.5e-5;
+    lw.load.disk_promote_s_per_block = 4e-4;
+    out = watch_roundtrip(&lw);
+    assert_true(out->load.host_promote_s_per_block == 2.5e-5);
+    assert_true(out->load.disk_promote_s_per_block == 4e-4);
+    free(out);
+    for (int bad = 0; bad < 2; bad++) {
+        kvf_rpc_buf lb = {0};
+        lw.load.disk_promote_s_per_block = bad ? NAN : -1;
+        assert_int_equal(kvf_rpc_watch_msg_encode(&lw, &lb, &e), KVF_OK);
+        kvf_rpc_watch_msg *lout = (void *)1;
+        assert_int_equal(kvf_rpc_watch_msg_decode(lb.data, lb.len, &lout, &e), KVF_ERR_INVALID);
+        assert_ptr_equal(lout, (void *)1);
+        assert_msg_has(&e, "disk_promote_s_per_block");
+        kvf_rpc_buf_free(&lb);
+    }
 
     /* WatchKvRequest */
     kvf_rpc_buf b = {0};
