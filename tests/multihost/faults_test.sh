@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# faults_test.sh: the first fault scenarios of issue 21 through a namespaced fleet (router, two
+# prefill and two decode workers, and the fault proxy, each in its own namespace). The router
+# finds decode workers by the name decode.kvf, which its /etc/hosts maps to d1 and to the proxy,
+# which forwards to d2: the router's gRPC to d2 crosses the proxy, everything else is direct.
+# Each scenario sends 100 greedy requests (tiny model, 120-250 tokens, mixed prompt lengths,
+# streamed and plain, 16 at a time, at most 100 a second, on until a second after the fault healed)
+# and injects its fault once streams are under way:
+#   baseline     no fault (the latencies the others are compared with)
+#   reset        the proxy RSTs every router<->d2 connection mid-stream
+#   blackhole    the proxy stops forwarding router<->d2 (no RST, no FIN) past the router's
+#                deadline, then passes again
+#   link-down    d1's veth goes down mid-stream past the router's deadline, then up
+#   sigstop      d1 is stopped past the router's deadline, then continued
+#   kill         d1 is killed (-9) mid-stream, then started again on its address
+# Every request must end with the reference tokens (kvfleet generate) or a clean HTTP/SSE error
+# within its deadline: none lost (hung, cut off), none wrong. After each scenario every worker's
+# pool returns to idle (kvfleet_kv_used_blocks 0, kvfleet_decode_held_blocks 0). A table at the
+# end; MH_SCENARIOS (space-separated) picks scenarios.
+source "$(dirname "$0")/../cli/lib.sh"
+: "${FAULTPROXY:?FAULTPROXY must name the faultproxy binary}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+source "$HERE/netns.sh"
+mh_need_root
+
+TIMEOUT_MS=4000   # the router's deadline of one attempt (--request-timeout-ms)
+ATTEMPTS=3        # its --max-attempts
+HOLD_S=5          # how long blackhole, link-down and sigstop last: past the deadline
+DEADLINE_S=$((ATTEMPTS * TIMEOUT_MS / 1000 + HOLD_S + 10)) # the client's, per request
+N=${MH_N:-100}
+SCENARIOS=${MH_SCENARIOS:-"baseline reset blackhole link-down sigstop kill"}
+
+M="$TMP/tiny"
+"$KVF_BIN" gen-model --preset tiny --out "$M" >/dev/null 2>&1 || fail "gen-model"
+
+# --- references: 8 prompts of mixed lengths, 250 greedy tokens each from kvfleet generate ----
+$PY - "$TMP/prompts" <<'EOF'
+import random, sys
+rnd = random.Random(21)
+with open(sys.argv[1], "w") as f:
+    for n in (1, 5, 17, 33, 64, 100, 150, 220):
+        print(",".join(str(rnd.randrange(3, 512)) for _ in range(n)), file=f)
+EOF
+echo "[" >"$TMP/refs.json"
+sep=""
+while read -r ids; do
+    out=$("$KVF_BIN" generate --model "$M" --prompt-ids "$ids" --max-tokens 250 --ignore-eos --json --threads 1 2>/dev/null)
+    g=$(json_get "$out" "','.join(map(str, j['output_ids']))")
+    echo "$sep{\"prompt\": [$ids], \"greedy\": [$g]}" >>"$TMP/refs.json"
+    sep=","
+done <"$TMP/prompts"
+echo "]" >>"$TMP/refs.json"
+pass "references: 8 prompts (1 to 220 tokens), 250 greedy tokens each from kvfleet generate"
+
+# --- the fleet ------------------------------------------------------------------------------
+mh_net_up r p1 p2 d1 d2 px
+mh_hosts r "${IP[d1]} decode.kvf" "${IP[px]} decode.kvf" \
+           "${IP[p1]} prefill.kvf" "${IP[p2]} prefill.kvf"
+wargs() { echo --model "$M" --listen "${IP[$1]}:$2" --admin-listen "${IP[$1]}:9100" --threads 1 \
+               --xfer-backend ucx --xfer-transport tcp --xfer-net-devices "${DEV[$1]}"; }
+declare -A WPID
+start_decode() {
+    # shellcheck disable=SC2046
+    mh_start "$1-$(date +%s%N)" "$1" decode --local-prefill-max-tokens 0 $(wargs "$1" 7001)
+    WPID[$1]=$PID
+}
+for p in p1 p2; do
+    # shellcheck disable=SC2046
+    mh_start "$p" "$p" prefill $(wargs "$p" 7002); WPID[$p]=$PID
+done
+start_decode d1
+start_decode d2
+mh_x px "$FAULTPROXY" serve "${IP[px]}:7001" "${IP[d2]}:7001" "$TMP/fp.ctl" >"$TMP/fp.out" 2>"$TMP/fp.err" &
+PIDS+=($!)
+for _ in $(seq 100); do grep -q "faultproxy: listening" "$TMP/fp.out" && break; sleep 0.1; done
+grep -q "faultproxy: listening" "$TMP/fp.out" || fail "the fault proxy did not listen"
+fpctl() { "$FAULTPROXY" ctl "$TMP/fp.ctl" "$@"; }
+mh_start router r router --model "$M" --host "${IP[r]}" --port 8000 --policy round-robin \
+    --decode-dns decode.kvf:7001 --prefill-dns prefill.kvf:7002 --resolve-interval-ms 1000 \
+    --health-interval-ms 500 --request-timeout-ms $TIMEOUT_MS --max-attempts $ATTEMPTS
+R="${IP[r]}:8000"
+mh_wait_ready r "http://$R"
+mh_wait_metric r "$R" 'kvfleet_router_healthy_workers{role="decode"}' 2
+mh_wait_metric r "$R" 'kvfleet_router_healthy_workers{role="prefill"}' 2
+pass "fleet up: router, p1, p2, d1, d2 (router->d2 through the proxy)"
+
+# every pool idle: no block in use or held on any worker, nothing in flight at the router
+pools_idle() {
+    local w role
+    for w in p1 p2 d1 d2; do
+        role=prefill; [ "${w#d}" != "$w" ] && role=decode
+        mh_wait_metric "$w" "${IP[$w]}:9100" "kvfleet_kv_used_blocks{role=\"$role\"}" 0 30
+        [ $role = decode ] && mh_wait_metric "$w" "${IP[$w]}:9100" 'kvfleet_decode_held_blocks{role="decode"}' 0 30
+    done
+    mh_wait_metric r "$R" kvfleet_router_requests_in_flight 0 30
+}
+
+# run_scenario NAME FAULT HEAL HEAL_AFTER_S
+declare -A RES
+run_scenario() {
+    local name=$1 fault=$2 heal=$3 after=$4 out
+    local args=(--host "${IP[r]}" --port 8000 --model tiny --refs "$TMP/refs.json" --n "$N"
+                --conc 16 --deadline "$DEADLINE_S" --min-tokens 120 --max-tokens 250 --pace 0.01)
+    [ -n "$fault" ] && args+=(--fault "$fault" --heal "$heal" --heal-after "$after")
+    out=$(mh_x r $PY "$HERE/load.py" "${args[@]}") || fail "$name: the client failed: $out"
+    RES[$name]=$out
+    echo "$out" >"$TMP/res-$name.json"
+    $PY - "$out" "$name" <<'EOF'
+import json, sys
+j, name = json.loads(sys.argv[1]), sys.argv[2]
+print(f"  {name}: {j['n']} requests in {j['wall_s']} s: {j['correct']} correct, {j['error']} errors, "
+      f"{j['lost']} lost, {j['wrong']} wrong")
+for f in j["faults"]:
+    print(f"    fault: {f['cmd']} -> rc {f['rc']} {f['out']}")
+for p in j["problems"]:
+    print(f"    req {p['i']}: {p['outcome']}: {p['why']}" + (f" got {p['got']} want {p['want']}" if p["got"] else ""))
+EOF
+}
+
+for s in $SCENARIOS; do
+    case $s in
+    baseline)  run_scenario baseline "" "" 0 ;;
+    reset)     run_scenario reset "$FAULTPROXY ctl $TMP/fp.ctl reset" "" 0 ;;
+    blackhole) run_scenario blackhole "$FAULTPROXY ctl $TMP/fp.ctl blackhole" \
+                   "$FAULTPROXY ctl $TMP/fp.ctl pass" $HOLD_S ;;
+    link-down) run_scenario link-down "ip -n ${NS[d1]} link set ${DEV[d1]} down" \
+                   "ip -n ${NS[d1]} link set ${DEV[d1]} up" $HOLD_S ;;
+    sigstop)   run_scenario sigstop "kill -STOP ${WPID[d1]}" "kill -CONT ${WPID[d1]}" $HOLD_S ;;
+    kill)      run_scenario kill "kill -9 ${WPID[d1]}" "" 0
+               kill -9 "${WPID[d1]}" 2>/dev/null || true # if the fault never fired
+               wait "${WPID[d1]}" 2>/dev/null || true
+               start_decode d1
+               mh_wait_metric r "$R" 'kvfleet_router_healthy_workers{role="decode"}' 2 30 ;;
+    *) fail "unknown scenario $s" ;;
+    esac
+    # every worker process is still there (d1 was started again after kill)
+    for w in p1 p2 d1 d2; do kill -0 "${WPID[$w]}" 2>/dev/null || fail "$s: worker $w died"; done
+    pools_idle
+    mh_wait_metric r "$R" 'kvfleet_router_healthy_workers{role="decode"}' 2 30
+    pass "$s: every pool back to idle, both decode workers healthy again"
+done
+
+# --- the table ------------------------------------------------------------------------------
+$PY - "$TMP" $SCENARIOS <<'EOF' || fail "lost or wrong answers (table above)"
+import json, math, os, sys
+tmp, names = sys.argv[1], sys.argv[2:]
+res = {n: json.load(open(f"{tmp}/res-{n}.json")) for n in names}
+def p99(ms):
+    return ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)] if ms else float("nan")
+base = p99(res["baseline"]["ms"]) if "baseline" in res else 0.0
+print(f"{'scenario':<11} {'requests':>8} {'correct':>8} {'clean err':>9} {'lost':>5} {'wrong':>6} {'p99 added ms':>13}")
+tot = {"lost": 0, "wrong": 0}
+bad = False
+for n in names:
+    j = res[n]
+    print(f"{n:<11} {j['n']:>8} {j['correct']:>8} {j['error']:>9} {j['lost']:>5} {j['wrong']:>6} "
+          f"{p99(j['ms']) - base:>13.0f}")
+    tot["lost"] += j["lost"]; tot["wrong"] += j["wrong"]
+    if n != "baseline" and not j["faults"]:
+        print(f"{n}: the fault never fired"); bad = True
+    if any(f["rc"] != 0 for f in j["faults"]):
+        print(f"{n}: a fault command failed"); bad = True
+    if j["n"] < int(os.environ.get("MH_N", 100)) or j["correct"] + j["error"] + j["lost"] + j["wrong"] != j["n"]:
+        bad = True
+print(f"lost={tot['lost']} wrong={tot['wrong']}")
+sys.exit(1 if bad or tot["lost"] or tot["wrong"] or res.get("baseline", {"correct": 100})["correct"] != res.get("baseline", {"n": 100})["n"] else 0)
+EOF
+pass "every request correct or a clean error: lost=0 wrong=0"
+finish
