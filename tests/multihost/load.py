@@ -17,7 +17,7 @@ ap.add_argument("--host"); ap.add_argument("--port", type=int); ap.add_argument(
 ap.add_argument("--refs"); ap.add_argument("--n", type=int, default=100)
 ap.add_argument("--conc", type=int, default=16); ap.add_argument("--deadline", type=float, default=30)
 ap.add_argument("--fault"); ap.add_argument("--heal"); ap.add_argument("--heal-after", type=float, default=0)
-ap.add_argument("--after", type=int, default=25)
+ap.add_argument("--after", type=int, default=25); ap.add_argument("--tag", default="mh")
 ap.add_argument("--min-tokens", type=int, default=8); ap.add_argument("--max-tokens", type=int, default=16)
 ap.add_argument("--pace", type=float, default=0, help="request i starts no sooner than i*PACE s in")
 a = ap.parse_args()
@@ -43,7 +43,7 @@ def one(i):
     try:
         c = http.client.HTTPConnection(a.host, a.port, timeout=a.deadline)
         c.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
-                                                    "X-Request-Id": f"mh-{i}"})
+                                                    "X-Request-Id": f"{a.tag}-{i}"})
         r = c.getresponse()
         if r.status != 200:
             j = json.loads(r.read() or b"{}")

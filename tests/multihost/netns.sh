@@ -12,6 +12,7 @@
 #                                up to its ready line; sets ADDR, ADMIN, PID; logs in $TMP/TAG.*
 #   mh_metric NAME ADMIN METRIC  one sample's value, read from inside NAME
 #   mh_wait_ready NAME URL       /ready answers 200 (READY_S, default 30 s)
+# MH_LOGS=DIR keeps a copy of the temporary folder (logs, results) there.
 PY=/usr/bin/python3
 MH_ID=$$
 MH_PFX=kvfmh$MH_ID
@@ -46,6 +47,7 @@ mh_cleanup() {
             tail -15 "$f" >&2
         done
     fi
+    [ -n "${MH_LOGS:-}" ] && mkdir -p "$MH_LOGS" && cp -r "$TMP"/. "$MH_LOGS"/
     rm -rf "$TMP"
     exit "$rc"
 }
