@@ -28,6 +28,7 @@ source "$(dirname "$0")/../cli/lib.sh"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/netns.sh"
 mh_need_root
+mh_watchdog 280
 
 TIMEOUT_MS=4000   # the router's deadline of one attempt (--request-timeout-ms)
 ATTEMPTS=3        # its --max-attempts

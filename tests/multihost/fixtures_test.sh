@@ -10,6 +10,7 @@ source "$(dirname "$0")/../cli/lib.sh"
 : "${KVF_SHARED:=../shared}"
 source "$(dirname "$0")/netns.sh"
 mh_need_root
+mh_watchdog 170
 
 mh_net_up r p1 p2 d1 d2
 mh_hosts r "${IP[d1]} decode.kvf" "${IP[d2]} decode.kvf" \

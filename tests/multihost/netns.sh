@@ -5,7 +5,9 @@
 # removed by mh_cleanup (trapped on EXIT, INT, TERM), also when the test fails. Needs root.
 #
 #   mh_need_root                 exit 77 (skip) with the reason unless namespaces can be made
+#   mh_watchdog SECONDS          fail (and clean up) past SECONDS, before ctest's TIMEOUT would kill
 #   mh_net_up NAME...            bridge + one namespace per NAME; sets NS[NAME], IP[NAME], DEV[NAME]
+#                                (first removing what runs that no longer exist left behind)
 #   mh_hosts NAME "IP name"...   /etc/hosts of NAME's namespace
 #   mh_x NAME CMD...             CMD inside NAME's namespace
 #   mh_start TAG NAME ARGS...    `kvfleet ARGS` inside NAME (UCX_TLS=tcp, UCX_NET_DEVICES=its veth)
@@ -25,6 +27,7 @@ MH_BR=""
 mh_cleanup() {
     local rc=$?
     set +e
+    [ -n "${MH_WATCHDOG:-}" ] && kill "$MH_WATCHDOG" 2>/dev/null
     for p in "${PIDS[@]}"; do kill -CONT "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done
     # anything else still running in our namespaces was started by this test
     for n in "${MH_NAMES[@]}"; do
@@ -68,6 +71,40 @@ mh_need_root() {
 }
 
 # mh_subnet: 10.77.K.0/24, K from the PID, moved on while any host address uses it
+# mh_sweep: namespaces, links and /etc/netns files of earlier runs whose process is gone (a run
+# killed outright, as ctest does at its timeout, cannot run its trap); other runs are left alone
+mh_sweep() {
+    local ns pid l
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^kvfmh[0-9]+-'); do
+        pid=${ns#kvfmh}; pid=${pid%%-*}
+        kill -0 "$pid" 2>/dev/null && continue
+        echo "removing $ns, left by run $pid" >&2
+        for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+        ip netns del "$ns" 2>/dev/null || true
+        rm -rf "/etc/netns/$ns"
+    done
+    for l in $(ip -o link show 2>/dev/null | sed -n 's/^[0-9]*: \(kvfmh[0-9]*[bhn][0-9]*\)[:@].*/\1/p'); do
+        pid=${l#kvfmh}; pid=${pid%%[bhn]*}
+        kill -0 "$pid" 2>/dev/null || ip link del "$l" 2>/dev/null || true
+    done
+}
+
+# mh_watchdog SECONDS: past this the test fails on its own (before ctest's TIMEOUT kills it and
+# its trap with it): the processes in its namespaces die, so the shell's foreground command ends
+# and the EXIT trap cleans up
+mh_watchdog() {
+    set -- "${MH_LIMIT_S:-$1}"
+    ( trap 'kill "$sp" 2>/dev/null; exit 0' TERM
+      sleep "$1" & sp=$!
+      wait "$sp"
+      echo "FAIL: the test ran past its own bound of $1 s" >&2
+      kill -TERM "$MH_ID" 2>/dev/null
+      for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$MH_PFX-"); do
+          for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+      done ) &
+    MH_WATCHDOG=$!
+}
+
 mh_subnet() {
     local k=$((MH_ID % 200 + 20)) i
     for i in $(seq 200); do
@@ -79,6 +116,7 @@ mh_subnet() {
 
 mh_net_up() {
     local net i=0 n
+    mh_sweep
     net=$(mh_subnet)
     MH_BR="${MH_PFX}b"
     ip link add "$MH_BR" type bridge || fail "ip link add $MH_BR type bridge"
