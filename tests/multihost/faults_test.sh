@@ -108,12 +108,24 @@ pools_idle() {
     mh_wait_metric r "$R" kvfleet_router_requests_in_flight 0 30
 }
 
-# fallbacks: remote prefills the decode workers gave up for a local one, both together
+# fallbacks: "D1 D2", remote prefills each decode worker gave up for a local one ("-": no answer)
 fallbacks() {
-    local a b
-    a=$(mh_metric d1 "${IP[d1]}:9100" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')
-    b=$(mh_metric d2 "${IP[d2]}:9100" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')
-    echo $((${a%.*} + ${b%.*}))
+    local d v out=""
+    for d in d1 d2; do
+        v=$(mh_metric $d "${IP[$d]}:9100" 'kvfleet_decode_prefill_fallbacks_total{role="decode"}')
+        out+="${v:--} "
+    done
+    echo "$out"
+}
+# fallbacks_delta "BEFORE" "AFTER": the sum over workers that answered both times with no restart
+fallbacks_delta() {
+    local -a b=($1) a=($2)
+    local i sum=0
+    for i in 0 1; do
+        [ "${b[$i]}" != - ] && [ "${a[$i]}" != - ] && [ "${a[$i]%.*}" -ge "${b[$i]%.*}" ] &&
+            sum=$((sum + ${a[$i]%.*} - ${b[$i]%.*}))
+    done
+    echo $sum
 }
 
 # run_scenario NAME FAULT HEAL HEAL_AFTER_S
@@ -136,7 +148,7 @@ run_scenario() {
           "$(( $(grep -cE "failed after [1-9][0-9]* tokens" "$TMP/router.err" || true) - m0 ))")
     f1=$(fallbacks)
     out=$($PY -c 'import json, sys; j = json.loads(sys.argv[1]); j["fallbacks"] = int(sys.argv[2]); print(json.dumps(j))' \
-          "$out" $((f1 - f0)))
+          "$out" "$(fallbacks_delta "$f0" "$f1")")
     RES[$name]=$out
     echo "$out" >"$TMP/res-$name.json"
     $PY - "$out" "$name" <<'EOF'

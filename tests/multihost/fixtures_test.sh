@@ -67,7 +67,7 @@ for m in tiny-gqa-f32 tiny-mha-tied-f32 tiny-mqa-bf16 small-gqa-bf16-theta5e5; d
     done
     pass "$m: both decode workers received KV from other namespaces, both prefill workers sent"
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
+    wait "${PIDS[@]}" 2>/dev/null || true # not the watchdog
     PIDS=()
 done
 finish

@@ -97,6 +97,7 @@ mh_watchdog() {
     ( trap 'kill "$sp" 2>/dev/null; exit 0' TERM
       sleep "$1" & sp=$!
       wait "$sp"
+      trap '' TERM # from here it ends by itself (the cleanup's kill must not cut it midway)
       echo "FAIL: the test ran past its own bound of $1 s" >&2
       kill -TERM "$MH_ID" 2>/dev/null
       for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$MH_PFX-"); do
