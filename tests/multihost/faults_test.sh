@@ -11,8 +11,12 @@
 #   blackhole    the proxy stops forwarding router<->d2 (no RST, no FIN) past the router's
 #                deadline, then passes again
 #   link-down    d1's veth goes down mid-stream past the router's deadline, then up
+#   link-flap    d1's veth goes down and up five times, 300 ms each
 #   sigstop      d1 is stopped past the router's deadline, then continued
 #   kill         d1 is killed (-9) mid-stream, then started again on its address
+#   partition    d1 drops every packet from and to p1 and p2 (iptables in d1's namespace) past
+#                the decode workers' --prefill-timeout-ms: RemotePrefill and KV transfers stall,
+#                d1 falls back to local prefills; then healed
 #   prefill-delay, prefill-throttle   a second proxy in front of p2 (decode.kvf's twin
 #                prefill.kvf names p1 and it) adds 200 ms to every chunk, or caps each
 #                direction at 1 MB/s, for 3 s: RemotePrefill calls, Health and WatchKv slow down
@@ -36,7 +40,7 @@ HOLD_S=5          # how long blackhole, link-down and sigstop last: past the dea
 PREFILL_TIMEOUT_MS=2000 # the decode workers' remote prefill deadline before a local fallback
 DEADLINE_S=$((ATTEMPTS * TIMEOUT_MS / 1000 + HOLD_S + 10)) # the client's, per request
 N=${MH_N:-100}
-SCENARIOS=${MH_SCENARIOS:-"baseline reset blackhole link-down sigstop kill prefill-delay prefill-throttle prefill-reset prefill-blackhole"}
+SCENARIOS=${MH_SCENARIOS:-"baseline reset blackhole link-down link-flap sigstop kill partition prefill-delay prefill-throttle prefill-reset prefill-blackhole"}
 
 M="$TMP/tiny"
 "$KVF_BIN" gen-model --preset tiny --out "$M" >/dev/null 2>&1 || fail "gen-model"
@@ -128,6 +132,17 @@ fallbacks_delta() {
     echo $sum
 }
 
+# partition_cmd -A|-D: the command that cuts (-A) or heals (-D) d1 from both prefill workers in
+# both directions (iptables inside d1's namespace only): RemotePrefill and the KV path alike
+partition_cmd() {
+    local c="" p
+    for p in p1 p2; do
+        c+="ip netns exec ${NS[d1]} iptables $1 INPUT -s ${IP[$p]} -j DROP && "
+        c+="ip netns exec ${NS[d1]} iptables $1 OUTPUT -d ${IP[$p]} -j DROP && "
+    done
+    echo "${c}true"
+}
+
 # run_scenario NAME FAULT HEAL HEAL_AFTER_S
 declare -A RES
 run_scenario() {
@@ -171,6 +186,8 @@ for s in $SCENARIOS; do
                    "$FAULTPROXY ctl $TMP/fp.ctl pass" $HOLD_S ;;
     link-down) run_scenario link-down "ip -n ${NS[d1]} link set ${DEV[d1]} down" \
                    "ip -n ${NS[d1]} link set ${DEV[d1]} up" $HOLD_S ;;
+    link-flap) run_scenario link-flap "for k in 1 2 3 4 5; do ip -n ${NS[d1]} link set ${DEV[d1]} down; sleep 0.3; ip -n ${NS[d1]} link set ${DEV[d1]} up; sleep 0.3; done" "" 0 ;;
+    partition) run_scenario partition "$(partition_cmd -A)" "$(partition_cmd -D)" $HOLD_S ;;
     prefill-delay)     run_scenario $s "$FAULTPROXY ctl $TMP/fpp.ctl delay 200" \
                            "$FAULTPROXY ctl $TMP/fpp.ctl pass" 3 ;;
     prefill-throttle)  run_scenario $s "$FAULTPROXY ctl $TMP/fpp.ctl throttle 1000000" \
@@ -212,7 +229,7 @@ for n in names:
     tot["lost"] += j["lost"]; tot["wrong"] += j["wrong"]
     if n != "baseline" and not j["faults"]:
         print(f"{n}: the fault never fired"); bad = True
-    elif n != "baseline" and not n.startswith("prefill-") and j["moved"] + j["error"] == 0:
+    elif n not in ("baseline", "partition", "link-flap") and not n.startswith("prefill-") and j["moved"] + j["error"] == 0:
         print(f"{n}: the fault touched no request (none moved, none failed)"); bad = True
     if any(f["rc"] != 0 for f in j["faults"]):
         print(f"{n}: a fault command failed"); bad = True
