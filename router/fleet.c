@@ -21,6 +21,7 @@ typedef struct fleet_slot {
     bool used, info_ok;
     bool from_dns;
     bool refused;               /* its last Info had another block size (logged once a value) */
+    bool silent;                /* its last Info or Health call got no answer at all */
     int32_t refused_block_size;
 } fleet_slot;
 
@@ -173,13 +174,14 @@ static void check_one(kvf_router_fleet *f, int role, int32_t i)
     kvf_err err = {0};
     kvf_rpc_buf resp = {0};
     kvf_rpc_info *info = NULL;
-    bool healthy = false;
+    bool healthy = false, answered = false;
     if (!info_ok) {
         kvf_rpc_buf rq = {0};
         if (kvf_rpc_info_req_encode(&rq, &err) != KVF_OK)
             goto done;
         kvf_status st = kvf_rpc_unary(ch, KVF_RPC_WORKER_INFO, rq.data, rq.len, to, &resp, &err);
         kvf_rpc_buf_free(&rq);
+        answered = st == KVF_OK;
         if (st != KVF_OK || kvf_rpc_info_decode(resp.data, resp.len, &info, &err) != KVF_OK) {
             kvf_log(KVF_LOG_DEBUG, "router: Info from %s: %s", addr, err.msg);
             goto done;
@@ -206,6 +208,7 @@ static void check_one(kvf_router_fleet *f, int role, int32_t i)
             goto done;
         kvf_status st = kvf_rpc_unary(ch, KVF_RPC_WORKER_HEALTH, rq.data, rq.len, to, &resp, &err);
         kvf_rpc_buf_free(&rq);
+        answered = st == KVF_OK; /* SERVING or not (DRAINING), it answers */
         if (st == KVF_OK && kvf_rpc_health_decode(resp.data, resp.len, &h, &err) == KVF_OK)
             healthy = h->status == KVF_RPC_SERVING;
         free(h);
@@ -222,6 +225,7 @@ done:
         s->w.max_n = info->max_n;
     }
     healthy = healthy && s->info_ok;
+    s->silent = !answered;
     if (healthy != s->w.healthy)
         kvf_log(healthy ? KVF_LOG_INFO : KVF_LOG_WARN, "router: %s worker %s is %s", role ? "prefill" : "decode",
                 addr, healthy ? "healthy" : "not healthy");
@@ -354,6 +358,16 @@ void kvf_router_fleet_mark_failed(kvf_router_fleet *f, kvf_router_role role, int
     s->w.healthy = false;
     s->info_ok = false;
     pthread_mutex_unlock(&f->mu);
+}
+
+bool kvf_router_fleet_silent(kvf_router_fleet *f, kvf_router_role role, int32_t id)
+{
+    if (id < 0 || id >= KVF_ROUTER_MAX_WORKERS)
+        return false;
+    pthread_mutex_lock(&f->mu);
+    bool silent = f->slots[role][id].used && f->slots[role][id].silent;
+    pthread_mutex_unlock(&f->mu);
+    return silent;
 }
 
 int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role)

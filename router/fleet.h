@@ -59,6 +59,10 @@ int32_t kvf_router_fleet_snapshot(kvf_router_fleet *f, kvf_router_role role,
                                   kvf_router_worker *out);
 /* A call to the worker failed (peer lost): it counts as unhealthy until a Health check passes. */
 void kvf_router_fleet_mark_failed(kvf_router_fleet *f, kvf_router_role role, int32_t id);
+/* The worker's last Info or Health call got no answer at all (timed out, or the connection
+ * failed): stopped, cut off or gone, as against one that answers DRAINING or NOT_SERVING.
+ * Any thread. */
+bool kvf_router_fleet_silent(kvf_router_fleet *f, kvf_router_role role, int32_t id);
 /* Healthy workers of a role right now. */
 int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role);
 /* Tokens per KV block of every admitted worker, prefill and decode alike (DESIGN section 3):

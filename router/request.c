@@ -1656,8 +1656,19 @@ static void pump(kvf_router_req *r)
         bool done = false;
         kvf_err err = {0};
         kvf_status st = kvf_rpc_stream_read(r->stream, 0, &m, &done, &err);
-        if (!done && st == KVF_ERR_TIMEOUT)
+        bool resumable = !r->got_token || (r->oai.n == 1 && !r->seqs[0].done);
+        if (!done && st == KVF_ERR_TIMEOUT) {
+            /* Nothing yet. A decode worker that leaves its health checks unanswered (stopped,
+             * cut off, silent) would hold this stream to its deadline: move it now, as if the
+             * worker were lost (the safety timer pumps every request, so this is noticed
+             * within one health period and a timer tick). */
+            if (resumable && kvf_router_fleet_silent(r->rs->cfg.fleet, KVF_ROUTER_ROLE_DECODE, r->worker)) {
+                if (!retry(r, KVF_ERR_PEER_LOST, "its health checks go unanswered"))
+                    return;
+                continue;
+            }
             return;
+        }
         if (!done && st == KVF_OK) {
             kvf_rpc_generate_resp *g = NULL;
             if (kvf_rpc_generate_resp_decode(m.data, m.len, &g, &err) != KVF_OK)
@@ -1680,7 +1691,6 @@ static void pump(kvf_router_req *r)
             finish_ok(r);
             return;
         }
-        bool resumable = !r->got_token || (r->oai.n == 1 && !r->seqs[0].done);
         if (resumable && retryable(st)) {
             if (!retry(r, st, err.msg))
                 return;
