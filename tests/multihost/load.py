@@ -6,7 +6,7 @@
 #   lost     no answer within the client's deadline, or a connection that ended without one
 #   wrong    tokens that are not the reference's (a prefix on an error)
 # Request i starts no sooner than i*PACE s after the start, so the load spans the fault.
-# With --fault CMD it runs CMD (bash) once --after requests have finished and at least 2 streams
+# With --fault CMD it runs CMD (bash) once --after requests have finished and at least 4 streams
 # are mid-stream, then --heal CMD --heal-after seconds later (or at once), and the load goes on
 # until a second after the heal (so more than N requests then). Prints one JSON line:
 # counts, latencies (ms) of the answered requests, and the first few problems.
@@ -123,7 +123,7 @@ def injector():
     t_give_up = time.monotonic() + 20
     while True:
         with lock:
-            ready = state["finished"] >= a.after and state["midstream"] >= 2
+            ready = state["finished"] >= a.after and state["midstream"] >= 4
         if ready:
             break
         if time.monotonic() > t_give_up:
