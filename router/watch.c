@@ -34,6 +34,7 @@ struct kvf_router_watch {
     kvf_metric *m_up[2];            /* healthy workers, per role */
     kvf_metric *m_idx_state[2][3];  /* kv policy: workers live / stale / resync, per role */
     kvf_metric *m_idx_blocks[2];    /* kv policy: blocks in each role's index */
+    kvf_metric *m_idx_tier[2][3];   /* kv policy: (block, worker) pairs per tier, per role */
 };
 
 static const char *role_name(int role)
@@ -355,6 +356,9 @@ int32_t kvf_router_watch_health(kvf_router_watch *w)
             kvf_router_index_stats is;
             kvf_router_index_stats_get(kvf_router_pool_index(w->pool[role]), &is);
             kvf_metric_set(w->m_idx_blocks[role], (double)is.n_blocks);
+            kvf_metric_set(w->m_idx_tier[role][0], (double)(is.n_pairs - is.n_pairs_host - is.n_pairs_disk));
+            kvf_metric_set(w->m_idx_tier[role][1], (double)is.n_pairs_host);
+            kvf_metric_set(w->m_idx_tier[role][2], (double)is.n_pairs_disk);
         }
     }
     return unsynced;
@@ -446,6 +450,15 @@ kvf_status kvf_router_watch_create(kvf_router_fleet *fleet, kvf_router_policy po
         if ((st = kvf_metrics_gauge(m, "kvfleet_router_index_blocks", labels, "kv policy: blocks in the index",
                                     &w->m_idx_blocks[r], err)) != KVF_OK)
             goto fail;
+        static const char *const tiers[3] = {"pool", "host", "disk"};
+        for (int t = 0; t < 3; t++) {
+            snprintf(labels, sizeof labels, "role=\"%s\",tier=\"%s\"", role_name(r), tiers[t]);
+            if ((st = kvf_metrics_gauge(m, "kvfleet_router_index_worker_blocks", labels,
+                                        "kv policy: blocks the index says workers hold, once per worker "
+                                        "holding each, by the tier they are in (pool, host memory, disk)",
+                                        &w->m_idx_tier[r][t], err)) != KVF_OK)
+                goto fail;
+        }
     }
     *out = w;
     return KVF_OK;

@@ -66,5 +66,7 @@ ans=$(curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
 expect_contains "up: a completion" "$ans" '"text_completion"'
 metrics=$(curl -sf "$url/metrics")
 expect_contains "up: predicted blocks in the index" "$metrics" 'kvfleet_router_index_blocks{role="decode"} 2'
+expect_contains "up: predicted blocks in the pool tier" "$metrics" 'kvfleet_router_index_worker_blocks{role="decode",tier="pool"} 2'
+expect_contains "up: none in the host tier" "$metrics" 'kvfleet_router_index_worker_blocks{role="decode",tier="host"} 0'
 kill -INT "$up_pid"; wait "$up_pid" || true; up_pid=
 finish

@@ -1,7 +1,8 @@
 /* test_watch.c: the router's reader of WatchKv messages (router/watch.h's kvf_router_feed), fed
  * decoded messages as a worker with host and disk KV tiers sends them: snapshot parts in
  * different tiers, blocks moved between tiers by STORED events, REMOVED dropping them from every
- * tier, load reports carrying promotion prices, and approximate mode ignoring every event.
+ * tier, load reports carrying promotion prices, and approximate mode ignoring every event;
+ * the index's counts per tier (/metrics) follow.
  * The streams themselves (gRPC) are tests/e2e's. */
 #include <math.h>
 #include <setjmp.h>
@@ -67,6 +68,17 @@ static int tier(kvf_router_pool *p, int w, int i)
     return kvf_router_index_tier(kvf_router_pool_index(p), w, H(i));
 }
 
+/* (block, worker) pairs per tier in the index's stats (what /metrics exports). */
+static void expect_pairs(kvf_router_pool *p, int64_t pool, int64_t host, int64_t disk)
+{
+    kvf_router_index_stats st;
+    kvf_router_index_stats_get(kvf_router_pool_index(p), &st);
+    if (st.n_pairs - st.n_pairs_host - st.n_pairs_disk != pool || st.n_pairs_host != host || st.n_pairs_disk != disk)
+        fail_msg("pairs pool %lld host %lld disk %lld, want %lld %lld %lld",
+                 (long long)(st.n_pairs - st.n_pairs_host - st.n_pairs_disk), (long long)st.n_pairs_host,
+                 (long long)st.n_pairs_disk, (long long)pool, (long long)host, (long long)disk);
+}
+
 static int32_t pick(kvf_router_pool *p, int first, int n)
 {
     uint64_t h[64];
@@ -96,6 +108,7 @@ static void test_tier_moves(void **state)
     assert_int_equal(tier(p, 0, 4), KVF_ROUTER_TIER_HOST);
     assert_int_equal(tier(p, 0, 5), KVF_ROUTER_TIER_HOST);
     assert_int_equal(kvf_router_index_worker_blocks(kvf_router_pool_index(p), 0), 6);
+    expect_pairs(p, 4, 2, 0);
 
     /* block 3: stored pool (held already: stays), host, pool, disk, removed */
     static const int steps[] = {KVF_RPC_TIER_POOL, KVF_RPC_TIER_HOST, KVF_RPC_TIER_POOL, KVF_RPC_TIER_DISK};
@@ -106,6 +119,7 @@ static void test_tier_moves(void **state)
         assert_int_equal(kvf_router_index_worker_blocks(kvf_router_pool_index(p), 0), 6); /* moved, not added */
     }
     assert_int_equal(tier(p, 0, 2), KVF_ROUTER_TIER_POOL); /* its neighbours did not move */
+    expect_pairs(p, 3, 2, 1);
     assert_int_equal(feed_event(&f, p, 0, false, KVF_RPC_KV_REMOVED, ++seq, 3, 1, 0, false), KVF_OK);
     assert_int_equal(tier(p, 0, 3), -1);
     assert_int_equal(kvf_router_index_lookup(kvf_router_pool_index(p), H(3)), 0);
@@ -113,6 +127,7 @@ static void test_tier_moves(void **state)
     assert_int_equal(feed_event(&f, p, 0, false, KVF_RPC_KV_REMOVED, ++seq, 5, 1, 0, false), KVF_OK);
     assert_int_equal(tier(p, 0, 5), -1);
     assert_int_equal(kvf_router_index_worker_blocks(kvf_router_pool_index(p), 0), 4);
+    expect_pairs(p, 3, 1, 0);
     /* a new block stored straight into the disk tier (a worker restoring it from disk) */
     assert_int_equal(feed_event(&f, p, 0, false, KVF_RPC_KV_STORED, ++seq, 20, 2, KVF_RPC_TIER_DISK, false), KVF_OK);
     assert_int_equal(tier(p, 0, 21), KVF_ROUTER_TIER_DISK);
@@ -120,6 +135,7 @@ static void test_tier_moves(void **state)
     assert_int_equal(feed_event(&f, p, 1, false, KVF_RPC_KV_SNAPSHOT, 1, 20, 2, KVF_RPC_TIER_POOL, true), KVF_OK);
     assert_int_equal(tier(p, 1, 21), KVF_ROUTER_TIER_POOL);
     assert_int_equal(tier(p, 0, 21), KVF_ROUTER_TIER_DISK);
+    expect_pairs(p, 5, 1, 2);
     /* a tier the wire does not have is refused by name, the index unchanged */
     kvf_rpc_watch_msg bad = {.event = {.seq = seq + 1, .kind = KVF_RPC_KV_STORED, .block_hashes = (uint64_t[]){H(0)},
                                        .n = 1, .block_size = BS, .model_id = "m", .tier = 3}};
