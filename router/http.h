@@ -25,7 +25,8 @@ typedef struct kvf_router_kv_cfg {
     int64_t approx_max_blocks; /* predictions per worker (>= 1); a worker's Info capacity bounds it further */
 } kvf_router_kv_cfg;
 
-/* kvf_router_pool_cfg_default's knobs, but an approximate TTL of 3600 s; approx off. */
+/* kvf_router_pool_cfg_default's knobs, but an approximate TTL of 3600 s; approx off. These two
+ * live in watch.c, which hands the knobs to the pools. */
 void kvf_router_kv_cfg_default(kvf_router_kv_cfg *cfg);
 /* Refuses a value out of range naming its flag, the value and what is allowed. */
 kvf_status kvf_router_kv_cfg_check(const kvf_router_kv_cfg *cfg, kvf_err *err);
