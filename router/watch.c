@@ -127,9 +127,13 @@ kvf_status kvf_router_feed_apply(kvf_router_feed *f, kvf_router_pool *p, int32_t
     if (approx)
         return KVF_OK; /* the pool predicts this worker's cache from the router's own decisions */
     const kvf_rpc_kv_event *e = &m->event;
-    if (e->tier < 0 || e->tier > KVF_RPC_TIER_DISK)
-        return kvf_err_set(err, KVF_ERR_INVALID, "router: worker %d: KV event names tier %d (use 0 pool, "
-                           "1 host, 2 disk)", (int)id, (int)e->tier);
+    if (e->tier < 0 || e->tier > KVF_RPC_TIER_DISK) { /* proto/ refuses these; never half a snapshot */
+        bool snap = e->kind == KVF_RPC_KV_SNAPSHOT;
+        f->snap_n = snap ? 0 : f->snap_n;
+        return kvf_err_set(err, snap ? KVF_ERR_STATE : KVF_ERR_INVALID, "router: worker %d: KV event names "
+                           "tier %d (use 0 pool, 1 host, 2 disk)%s", (int)id, (int)e->tier,
+                           snap ? "; a new snapshot is asked for" : "");
+    }
     kvf_router_event ev = {.worker = id, .seq = e->seq, .model = e->model_id, .block_size = e->block_size,
                            .hashes = e->block_hashes, .parents = e->parent_hashes, .n = e->n,
                            .tier = e->tier};

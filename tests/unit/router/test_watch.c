@@ -143,6 +143,10 @@ static void test_tier_moves(void **state)
     assert_int_equal(kvf_router_feed_apply(&f, p, 0, &bad, false, 0, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "tier 3"));
     assert_int_equal(tier(p, 0, 0), KVF_ROUTER_TIER_POOL);
+    /* ... and in a snapshot part, the parts gathered so far are dropped and a new stream asked for */
+    assert_int_equal(feed_event(&f, p, 1, false, KVF_RPC_KV_SNAPSHOT, 5, 40, 2, KVF_RPC_TIER_POOL, false), KVF_OK);
+    assert_int_equal(feed_event(&f, p, 1, false, KVF_RPC_KV_SNAPSHOT, 5, 42, 2, 9, false), KVF_ERR_STATE);
+    assert_int_equal(f.snap_n, 0);
     /* a sequence gap asks for a new stream */
     assert_int_equal(feed_event(&f, p, 0, false, KVF_RPC_KV_STORED, seq + 5, 30, 1, 0, false), KVF_ERR_STATE);
     /* a cleared worker is an empty snapshot */
