@@ -416,8 +416,8 @@ void kvf_router_watch_drop(kvf_router_watch *w, kvf_router_role role, int32_t id
 /* Life cycle                                                                                */
 
 kvf_status kvf_router_watch_create(kvf_router_fleet *fleet, kvf_router_policy policy,
-                                   const kvf_router_kv_cfg *kv, kvf_metrics *m, kvf_router_http *h, kvf_router_watch **out,
-                                   kvf_err *err)
+                                   const kvf_router_kv_cfg *kv, kvf_metrics *m, kvf_router_http *h,
+                                   kvf_router_watch **out, kvf_err *err)
 {
     kvf_router_watch *w = calloc(1, sizeof *w);
     if (!w)
