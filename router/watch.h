@@ -44,7 +44,8 @@ void kvf_router_feed_fini(kvf_router_feed *f); /* frees the buffers */
 
 /* Registers its metrics in m (healthy workers per role; index workers by state and index blocks,
  * kept under the kv policy). kv (the pools' knobs) is copied. Borrows fleet, m and h (whose
- * loop its streams wake) for its life. Pools are created at the first sync that finds a healthy worker of their role. */
+ * loop its streams wake) for its life. Pools are created at the first sync that finds a healthy
+ * worker of their role. */
 kvf_status kvf_router_watch_create(kvf_router_fleet *fleet, kvf_router_policy policy,
                                    const kvf_router_kv_cfg *kv, kvf_metrics *m, kvf_router_http *h,
                                    kvf_router_watch **out, kvf_err *err);
