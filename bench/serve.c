@@ -663,6 +663,30 @@ static void out_range(const serve_conf *cf, const serve_cfg *c, int32_t *lo, int
     *lo = c->out_min < *hi ? c->out_min : *hi;
 }
 
+/* Before the measured arrivals: one short request (16 tokens, 2 out) per decode worker, one
+ * after the other, so that a worker's or the router's first request (a round-robin router was
+ * seen holding its first requests for about a second after it was ready) is not measured;
+ * *hit_out / *routed_out the prefix counters after them, to subtract. */
+static void fleet_warm_up(const serve_ctx *sc, const serve_conf *cf, const serve_fleet *f,
+                          double *hit_out, double *routed_out)
+{
+    int n = 1;
+    for (int i = 0; cf->up_args[i]; i++)
+        if (strncmp(cf->up_args[i], "--decode=", 9) == 0)
+            n = atoi(cf->up_args[i] + 9);
+    uint64_t s = mix64(0x5eed);
+    for (int i = 0; i < n; i++) {
+        int32_t prompt[16], out_ids[2];
+        double itl[2];
+        random_ids(&s, sc->vocab, prompt, 16);
+        serve_result r = {.cap = 2, .itl = itl, .out_ids = out_ids};
+        run_request(sc, prompt, 16, 2, &r);
+        if (!r.ok)
+            fprintf(stderr, "kvfleet bench serve: %s: warm-up request %d: %s\n", cf->name, i + 1, r.err);
+    }
+    fleet_prefix_hits(f, hit_out, routed_out);
+}
+
 /* Starts cf's fleet, sends it the workload (progress under label) and stops it; *out the
  * statistics. -1 when the fleet did not start. */
 static int run_conf(const serve_env *e, const serve_conf *cf, const char *label, serve_stats *out)
@@ -676,6 +700,8 @@ static int run_conf(const serve_env *e, const serve_conf *cf, const char *label,
     }
     serve_ctx sc = {.host = f.host, .port = f.port, .model_id = e->model_id, .vocab = e->vocab,
                     .api_key = cf->api_key};
+    double warm_hit, warm_routed;
+    fleet_warm_up(&sc, cf, &f, &warm_hit, &warm_routed);
     int64_t n_jobs = c->requests > 0 ? c->requests : (int64_t)ceil(c->rate * c->duration * 1.5) + 1;
     if (n_jobs > SERVE_MAX_REQS)
         n_jobs = SERVE_MAX_REQS;
@@ -726,6 +752,8 @@ static int run_conf(const serve_env *e, const serve_conf *cf, const char *label,
     kvf_progress_finish(&pg);
     double hit_tok, routed_tok;
     fleet_prefix_hits(&f, &hit_tok, &routed_tok);
+    hit_tok -= warm_hit;
+    routed_tok -= warm_routed;
     fleet_stop(&f);
 
     /* statistics over every request sent (conversation turns never sent do not count) */
