@@ -47,7 +47,7 @@ static const kvf_cfg_opt serve_opts[] = {
     {"out-min", "16", "fewest output tokens per request", offsetof(serve_cfg, out_min), KVF_CFG_INT},
     {"out-max", "64", "most output tokens per request", offsetof(serve_cfg, out_max), KVF_CFG_INT},
     {"turns", "4", "turns per conversation (multiturn, multiturn-tier)", offsetof(serve_cfg, turns), KVF_CFG_INT},
-    {"think-s", "2", "mean seconds between an answer and the conversation's next turn (exponential; multiturn-tier, whose pool is sized from it; 0 to 600)", offsetof(serve_cfg, think_s), KVF_CFG_DOUBLE},
+    {"think-s", "3", "mean seconds between an answer and the conversation's next turn (exponential; multiturn-tier, whose pool is sized from it; 0 to 600)", offsetof(serve_cfg, think_s), KVF_CFG_DOUBLE},
     {"host-tier-bytes", "0", "each worker's host KV tier (--kv-host-memory) in multiturn-tier's tier configuration (K/M/G suffixes; 0: 4x the pool's bytes)", offsetof(serve_cfg, host_tier_bytes), KVF_CFG_SIZE},
     {"tenants", "8", "tenants, each with its own system prefix, chosen uniformly per request (tenants; 1 to 64)", offsetof(serve_cfg, tenants), KVF_CFG_INT},
     {"ready-timeout-s", "120", "how long to wait for each fleet to be ready", offsetof(serve_cfg, ready_timeout_s), KVF_CFG_INT},
@@ -942,7 +942,8 @@ static int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
  * by Little's law rate * (turns - 1) * think_s / 2 conversations wait between turns, each
  * holding its history (the first prompt + about turns/2 answers and user turns); the pool is a
  * quarter of that, but never less than 1.25x the longest sequence the workload makes (so every
- * request fits, with room for another to run). */
+ * request fits, with room for another to run) nor than one sequence of the model's full context
+ * (the workers' own minimum). */
 static int wl_multiturn_tier(const serve_env *e, int *rc)
 {
     const serve_cfg *c = e->c;
@@ -959,6 +960,8 @@ static int wl_multiturn_tier(const serve_env *e, int *rc)
     if (longest > e->max_pos - 1)
         longest = e->max_pos - 1;
     int64_t floor_blocks = div_up(div_up(longest + 1, bs) * 5, 4);
+    if (floor_blocks < div_up(e->max_pos, bs))
+        floor_blocks = div_up(e->max_pos, bs); /* a worker refuses a pool without room for one full context */
     int64_t pool = div_up(ws, 4) > floor_blocks ? div_up(ws, 4) : floor_blocks;
     int64_t tier = c->host_tier_bytes > 0 ? c->host_tier_bytes : 4 * pool * e->block_bytes;
     if (pool > INT32_MAX / 2) {
@@ -968,11 +971,12 @@ static int wl_multiturn_tier(const serve_env *e, int *rc)
     }
     printf("  pool: --kv-blocks=%lld per worker (%lld tokens, %.1f MiB): about %.1f conversations wait "
            "between turns per worker (rate %g * %d turns after the first * think %g s / %d workers), "
-           "holding about %lld blocks of history each, %lld in all; the pool keeps %.0f%% of them, "
-           "the longest sequence needs %lld\n",
+           "holding about %lld blocks of history each, %lld in all; the pool keeps %.0f%% of them "
+           "(at least %lld blocks: the longest sequence needs %lld, the model's full context %lld)\n",
            (long long)pool, (long long)pool * bs, (double)(pool * e->block_bytes) / 1048576.0, waiting,
            c->rate, c->turns - 1, c->think_s, workers, (long long)hist_blocks, (long long)ws,
-           ws > 0 ? fmin(100, 100.0 * (double)pool / (double)ws) : 100.0, (long long)div_up(longest + 1, bs));
+           ws > 0 ? fmin(100, 100.0 * (double)pool / (double)ws) : 100.0, (long long)floor_blocks,
+           (long long)div_up(longest + 1, bs), (long long)div_up(e->max_pos, bs));
     printf("  tier: --kv-host-memory=%lld per worker (%.1f MiB, %.1fx the pool)\n", (long long)tier,
            (double)tier / 1048576.0, (double)tier / (double)(pool * e->block_bytes));
     if (2 * pool >= ws)
@@ -1003,7 +1007,8 @@ static int wl_multiturn_tier(const serve_env *e, int *rc)
 
 /* tenants: --tenants system prefixes, each request one (uniformly chosen) tenant's prefix and a
  * short question, on 4 decode workers whose pools hold about half of all the prefixes (and
- * room for a few requests' own tokens): round-robin vs kv vs kv with --approx routing. The
+ * room for a few requests' own tokens, and at least one full context): round-robin vs kv vs kv
+ * with --approx routing. The
  * prefix is the longest of 768 tokens, 3/4 of the positions and what leaves room for the
  * longest question and answer, in whole blocks. */
 static int wl_tenants(const serve_env *e, int *rc)
@@ -1028,11 +1033,16 @@ static int wl_tenants(const serve_env *e, int *rc)
     }
     int64_t prefix_blocks = prefix / bs, own_blocks = div_up(q_hi + o_hi + 1, bs) + 1;
     int64_t pool = div_up((int64_t)c->tenants * prefix_blocks, 2) + 4 * own_blocks;
+    int64_t full_ctx = div_up(e->max_pos, bs); /* a worker refuses a pool without room for one */
     printf("  %d tenants, each a %d-token prefix (%lld blocks), chosen uniformly; questions %d-%d tokens, "
            "answers %d-%d\n", c->tenants, prefix, (long long)prefix_blocks, q_lo, q_hi, o_lo, o_hi);
     printf("  pool: --kv-blocks=%lld per worker (%.1f MiB) = half of the %lld prefix blocks + %lld for 4 "
-           "requests' own tokens\n", (long long)pool, (double)(pool * e->block_bytes) / 1048576.0,
-           (long long)c->tenants * prefix_blocks, (long long)(4 * own_blocks));
+           "requests' own tokens%s\n", (long long)(pool > full_ctx ? pool : full_ctx),
+           (double)((pool > full_ctx ? pool : full_ctx) * e->block_bytes) / 1048576.0,
+           (long long)c->tenants * prefix_blocks, (long long)(4 * own_blocks),
+           pool >= full_ctx ? "" : ", raised to one sequence of the model's full context (the workers' minimum)");
+    if (pool < full_ctx)
+        pool = full_ctx;
     fflush(stdout);
     char blocks[48];
     snprintf(blocks, sizeof blocks, "--kv-blocks=%lld", (long long)pool);
