@@ -428,6 +428,7 @@ int kvf_bench_engine_main(int argc, char **argv)
                 int64_t total = 0, done = 0;
                 for (int i = 0; i < n_batches; i++)
                     total += (int64_t)kvf_kv_blocks_for((int64_t)batches[i] * bc.prompt, bc.budget) + D + 1;
+                total += (int64_t)kvf_kv_blocks_for(bc.prompt, bc.budget) + 2; /* the warm-up */
                 char label[64];
                 snprintf(label, sizeof label, "engine %s %s, %d thread%s", preset,
                          kvf_backend_weight_dtype_name(wdts[wi]), thread_runs[t], thread_runs[t] > 1 ? "s" : "");
@@ -435,6 +436,13 @@ int kvf_bench_engine_main(int argc, char **argv)
                 kvf_progress_init(&pr, label, total);
                 run_result *res = res_w[wi];
                 uint64_t rng = 99;
+                /* one untimed sequence first (as llama-bench warms up): the first pass over the
+                 * weights pays their page faults and the step buffers' first touch */
+                run_result warm;
+                if ((st = run_batch(&bc, e, m, 1, bc.prompt, 1, &rng, &pr, &done, bytes_per_param, &warm, &err)) != KVF_OK) {
+                    fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
+                    rc = 1;
+                }
                 for (int i = 0; i < n_batches && rc == 0; i++) {
                     if ((st = run_batch(&bc, e, m, batches[i], bc.prompt, D, &rng, &pr, &done, bytes_per_param, &res[i], &err)) != KVF_OK) {
                         fprintf(stderr, "kvfleet: bench engine: %s\n", err.msg);
