@@ -46,6 +46,9 @@ typedef struct fake {
     atomic_int last_prior, last_n_tokens; /* of the last GenerateRequest */
     atomic_int block_size;                /* what Info says (0: 16) */
     atomic_int n_watch_sent;              /* WatchKv messages sent (all streams) */
+    atomic_int n_health;                  /* Health calls answered */
+    atomic_int slow_health;               /* the next this many Health answers come 800 ms late
+                                             (-1: every one) */
     char last_id[128];
     pthread_mutex_t mu;
 } fake;
@@ -75,8 +78,16 @@ static kvf_status fake_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *r, kvf_
 
 static kvf_status fake_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *r, kvf_err *err)
 {
-    (void)ctx, (void)call, (void)err;
+    (void)call, (void)err;
+    fake *f = ctx;
+    int slow = atomic_load(&f->slow_health);
+    if (slow != 0) {
+        if (slow > 0)
+            atomic_fetch_sub(&f->slow_health, 1);
+        kvf_sleep_ms(800); /* past the router's 500 ms deadline */
+    }
     r->status = KVF_RPC_SERVING;
+    atomic_fetch_add(&f->n_health, 1);
     return KVF_OK;
 }
 
@@ -1108,6 +1119,54 @@ static bool bs_log_has(const char *a, const char *b, const char *c)
     return false;
 }
 
+/* A Health answer that is merely late (a loaded host) does not take a healthy worker out: two
+ * late answers in a row leave it serving, as the router never says "no decode worker" in
+ * between; a worker late every time goes out after the third and comes back when it answers in
+ * time. (Before, one late answer took the only worker out and requests got 503.) */
+static void test_late_health_tolerated(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_OK);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    router_start(&x, d, 256);
+    wait_ready(&x, 200);
+    int base = atomic_load(&x.f[0].n_health);
+    atomic_store(&x.f[0].slow_health, 2);
+    int64_t end = kvf_now_ns() + 60000000000LL;
+    resp r;
+    /* the two late answers, then one in time: the worker stays in the whole while */
+    while (atomic_load(&x.f[0].n_health) < base + 3 && kvf_now_ns() < end) {
+        http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+        if (!strstr(r.body, "kvfleet_router_healthy_workers{role=\"decode\"} 1\n"))
+            fail_msg("the worker went out after %d late Health answers",
+                     atomic_load(&x.f[0].n_health) - base);
+        free(r.body);
+        kvf_sleep_ms(20);
+    }
+    assert_true(atomic_load(&x.f[0].n_health) >= base + 3);
+    http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":3}",
+         NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    /* late every time: out after the third */
+    atomic_store(&x.f[0].slow_health, -1);
+    bool out = false;
+    while (!out && kvf_now_ns() < end) {
+        http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+        out = strstr(r.body, "kvfleet_router_healthy_workers{role=\"decode\"} 0\n") != NULL;
+        free(r.body);
+        kvf_sleep_ms(20);
+    }
+    assert_true(out);
+    atomic_store(&x.f[0].slow_health, 0);
+    wait_ready(&x, 200);
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+}
+
 /* One KV block size for the whole fleet (DESIGN section 3), checked at Info: the first worker's
  * Info sets it, and a worker whose Info disagrees is refused (never healthy, never sent a
  * request) with a warning naming both sizes and its address. A configured size refuses even the
@@ -1720,6 +1779,7 @@ int main(void)
         cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_wire_framing_json),
         cmocka_unit_test(test_kv_tiers_over_watch),
+        cmocka_unit_test(test_late_health_tolerated),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
