@@ -349,6 +349,41 @@ static void add_role_flags(const char *self, const char *role, char **fwd, int n
     }
 }
 
+/* A worker's own argv: its role's, with the disk KV tier's directory (--kv-disk-dir, as a flag
+ * or KVFLEET_KV_DISK_DIR) made DIR/<name>, since a disk tier is private to one worker and every
+ * worker of the fleet gets the same flags. DIR is made (0700) when missing. Returns wargs itself
+ * when there is no disk tier; else out, which holds the new strings in buf. */
+static char **child_argv(char **wargs, const char *name, char **out /* [UP_MAX_ARGS] */,
+                         char *buf, size_t cap)
+{
+    static const char flag[] = "--kv-disk-dir";
+    const size_t fl = sizeof flag - 1;
+    const char *dir = getenv("KVFLEET_KV_DISK_DIR");
+    int at = -1, n = 0;
+    for (int i = 0; wargs[i]; i++)
+        if (strncmp(wargs[i], flag, fl) == 0 && (wargs[i][fl] == '=' || wargs[i][fl] == 0)) {
+            at = i;
+            dir = wargs[i][fl] == '=' ? wargs[i] + fl + 1 : wargs[i + 1];
+        }
+    if (!dir || !*dir)
+        return wargs;
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        fprintf(stderr, "kvfleet up: --kv-disk-dir=%s cannot be made: %s (the workers will say "
+                "more)\n", dir, strerror(errno));
+    snprintf(buf, cap, "%s=%s/%s", flag, dir, name);
+    for (int i = 0; wargs[i] && n < UP_MAX_ARGS - 2; i++) {
+        if (i == at) {
+            if (wargs[i][fl] == 0 && wargs[i + 1])
+                i++; /* "--kv-disk-dir DIR": its value goes too */
+            continue;
+        }
+        out[n++] = wargs[i];
+    }
+    out[n++] = buf;
+    out[n] = NULL;
+    return out;
+}
+
 /* A child died while the fleet served (--restart on-failure): schedules its restart after its
  * backoff (0.5 s, doubling to 30 s; back to 0.5 s once it had stayed up 60 s), saying so. */
 static void restart_schedule(child *c, const char *how, int64_t now)
@@ -540,7 +575,9 @@ int kvf_cli_up(int argc, char **argv)
         wargs[k] = NULL;
         for (int j = 0; j < count; j++) {
             snprintf(cs[n].name, sizeof cs[n].name, "%s-%d", rname, j);
-            cs[n].argv = wargs;
+            static char *own_args[UP_MAX_CHILDREN][UP_MAX_ARGS];
+            static char disk_arg[UP_MAX_CHILDREN][PATH_MAX + 32];
+            cs[n].argv = child_argv(wargs, cs[n].name, own_args[n], disk_arg[n], sizeof disk_arg[n]);
             cs[n].addr_arg = addr_arg;
             cs[n].addr_flag = addr_flag;
             if (spawn(self, wargs, &cs[n]) != 0) {
