@@ -69,7 +69,8 @@ typedef struct child {
     size_t line_len;
     char ready[256]; /* the address from its ready line (this run of it) */
     /* --restart on-failure */
-    char *const *argv;  /* what it was started with (shared by its role; outlives the fleet) */
+    char *const *argv;  /* what it was started with (its role's, or its own with --kv-disk-dir;
+                         * outlives the fleet) */
     int addr_arg;       /* index in argv of its --listen/--port flag; 0: none */
     const char *addr_flag; /* that flag's name: "port" takes the port alone, others HOST:PORT */
     char first[256];    /* (as ready) the address from its first ready line: the one the router was given */
@@ -577,10 +578,11 @@ int kvf_cli_up(int argc, char **argv)
             snprintf(cs[n].name, sizeof cs[n].name, "%s-%d", rname, j);
             static char *own_args[UP_MAX_CHILDREN][UP_MAX_ARGS];
             static char disk_arg[UP_MAX_CHILDREN][PATH_MAX + 32];
-            cs[n].argv = child_argv(wargs, cs[n].name, own_args[n], disk_arg[n], sizeof disk_arg[n]);
+            char **cargv = child_argv(wargs, cs[n].name, own_args[n], disk_arg[n], sizeof disk_arg[n]);
+            cs[n].argv = cargv;
             cs[n].addr_arg = addr_arg;
             cs[n].addr_flag = addr_flag;
-            if (spawn(self, wargs, &cs[n]) != 0) {
+            if (spawn(self, cargv, &cs[n]) != 0) {
                 fprintf(stderr, "kvfleet up: cannot start %s: %s\n", cs[n].name, strerror(errno));
                 rc = 1;
                 goto out;
