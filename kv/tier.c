@@ -324,8 +324,8 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     int64_t n_host = cfg->host_bytes / bb;
     if (cfg->host_bytes < 0 || n_host < 1 || n_host > INT32_MAX / 2)
         return kvf_err_set(err, KVF_ERR_INVALID, "kv: host tier of %lld bytes is not allowed "
-                           "(one block of %lld bytes up to %lld blocks)", (long long)cfg->host_bytes,
-                           (long long)bb, (long long)(INT32_MAX / 2));
+                           "(one block of %lld bytes up to %lld blocks)",
+                           (long long)cfg->host_bytes, (long long)bb, (long long)(INT32_MAX / 2));
     bool disk = cfg->disk_dir && *cfg->disk_dir;
     int64_t slot_bytes = (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * 4 + bb;
     int64_t n_disk = disk ? cfg->disk_bytes / slot_bytes : 0;
@@ -575,9 +575,10 @@ int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx
         const tier_level *l = &t->lv[k];
         for (int32_t id = l->head; id >= 0; id = l->slot[id].next) {
             const tier_slot *s = &l->slot[id];
-            kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = s->hash, .parent_hash = s->parent,
-                               .block = -1, .tokens = l->tokens + (int64_t)id * t->bs,
-                               .n_tokens = t->bs, .tier = k};
+            kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = s->hash,
+                               .parent_hash = s->parent, .block = -1,
+                               .tokens = l->tokens + (int64_t)id * t->bs, .n_tokens = t->bs,
+                               .tier = k};
             if (fn)
                 fn(ctx, &ev);
             n++;
@@ -598,7 +599,8 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
         for (int32_t id = l->head; id >= 0; prev = id, id = l->slot[id].next) {
             const tier_slot *s = &l->slot[id];
             if (++walked > l->n)
-                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: the %s tier's LRU loops", nm);
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: the %s tier's LRU loops",
+                                   nm);
             if (!s->used || s->prev != prev || s->free_pos >= 0)
                 return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU entry %d "
                                    "(slot %d, used %d, prev %d expected %d, free_pos %d) is not a "

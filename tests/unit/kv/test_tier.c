@@ -416,6 +416,41 @@ static void test_recomputed_block_leaves_tier(void **state)
     env_close(&v);
 }
 
+/* One block's whole life in events: STORED pool, STORED host (demoted), STORED disk (the host
+ * tier's victim), REMOVED (the disk tier's victim: gone from every tier), nothing else. */
+static void test_events_through_every_tier(void **state)
+{
+    (void)state;
+    env v;
+    env_open(&v, 1, 1, 1);
+    for (int32_t s = 1; s <= 4; s++)
+        put_prompt(&v, s, 1);
+    uint64_t h = hash_of(&v, 1, 0);
+    int want[4][2] = {{KVF_KV_EVENT_STORED, KVF_KV_TIER_POOL},
+                      {KVF_KV_EVENT_STORED, KVF_KV_TIER_HOST},
+                      {KVF_KV_EVENT_STORED, KVF_KV_TIER_DISK},
+                      {KVF_KV_EVENT_REMOVED, KVF_KV_TIER_DISK}};
+    int n = 0;
+    for (int i = 0; i < v.e.n_ev; i++) {
+        if (v.e.ev[i].hash != h)
+            continue;
+        assert_true(n < 4);
+        assert_int_equal(v.e.ev[i].type, want[n][0]);
+        assert_int_equal(v.e.ev[i].tier, want[n][1]);
+        n++;
+    }
+    assert_int_equal(n, 4);
+    /* 2 is on disk now, 3 in the host tier, 4 in the pool: each found, each the same bytes */
+    kvf_kv_tier_stats ts;
+    kvf_kv_tier_get_stats(v.tier, &ts);
+    assert_int_equal(ts.tier[KVF_KV_TIER_DISK].dropped, 1);
+    assert_int_equal(get_prompt(&v, 2, 1), 1);
+    assert_int_equal(get_prompt(&v, 3, 1), 1);
+    assert_int_equal(get_prompt(&v, 4, 1), 1);
+    assert_int_equal(get_prompt(&v, 1, 1), 0);
+    env_close(&v);
+}
+
 /* Tier files of a previous run are removed at start; the file goes at destroy. */
 static void test_disk_dir_emptied(void **state)
 {
@@ -455,6 +490,7 @@ int main(void)
         cmocka_unit_test(test_collision_in_tier),
         cmocka_unit_test(test_disk_corrupt_and_truncated),
         cmocka_unit_test(test_recomputed_block_leaves_tier),
+        cmocka_unit_test(test_events_through_every_tier),
         cmocka_unit_test(test_disk_dir_emptied),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
