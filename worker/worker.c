@@ -897,11 +897,13 @@ static kvf_status make_tiers(kvf_worker *w, const kvf_worker_cfg *cfg, const cha
                           .disk_bytes = disk ? cfg->kv_disk_bytes : 0, .on_promote = on_promote,
                           .promote_ctx = w};
     kvf_status st = kvf_kv_tier_create(&tc, &w->layout, &w->tier, err);
-    if (st != KVF_OK)
-        return kvf_err_prefix(err, "%s: --kv-host-memory=%lld%s%s", rn,
-                              (long long)cfg->kv_host_memory, disk ? " --kv-disk-dir=" : "",
-                              disk ? cfg->kv_disk_dir : "");
-    return KVF_OK;
+    if (st == KVF_OK)
+        return KVF_OK;
+    if (disk)
+        return kvf_err_prefix(err, "%s: --kv-host-memory=%lld --kv-disk-dir=%s --kv-disk-bytes=%lld",
+                              rn, (long long)cfg->kv_host_memory, cfg->kv_disk_dir,
+                              (long long)cfg->kv_disk_bytes);
+    return kvf_err_prefix(err, "%s: --kv-host-memory=%lld", rn, (long long)cfg->kv_host_memory);
 }
 
 /* The transport --xfer-backend names (auto: cuda_ipc for a device pool, ucx for a host one),
