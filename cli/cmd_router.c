@@ -14,6 +14,7 @@
 
 typedef struct router_cfg {
     kvf_router_http_cfg h;
+    kvf_router_kv_cfg kv; /* the kv policy's knobs, h.kv */
     kvf_rpc_tls tls;
     const char *log_level;
     const char *log_format;
@@ -29,6 +30,13 @@ static const kvf_cfg_opt router_opts[] = {
     {"decode-dns", NULL, "name:port re-resolved periodically; every address is a decode worker", offsetof(router_cfg, h.fleet.decode_dns), KVF_CFG_STR},
     {"prefill-dns", NULL, "name:port re-resolved periodically; every address is a prefill worker", offsetof(router_cfg, h.fleet.prefill_dns), KVF_CFG_STR},
     {"policy", "kv", "routing policy: kv (prefix-aware, default), round-robin, least-loaded, sticky", offsetof(router_cfg, h.policy), KVF_CFG_STR},
+    {"load-bound", "1.1", "kv: bounded load: a worker whose recent computed prompt tokens exceed this x the mean pays for its excess, so a hot prefix spreads to another replica (0 = off, else >= 1)", offsetof(router_cfg, kv.load_bound), KVF_CFG_DOUBLE},
+    {"load-window", "1800", "kv: seconds over which a worker's recent computed tokens decay (time constant, > 0)", offsetof(router_cfg, kv.load_window_s), KVF_CFG_DOUBLE},
+    {"load-penalty", "0.5", "kv: a worker past the load line costs this x the prefill time of its excess tokens more (>= 0)", offsetof(router_cfg, kv.load_penalty), KVF_CFG_DOUBLE},
+    {"host-promote-s-per-block", "0.0001048576", "kv: seconds to copy one block from a worker's host-memory tier into its pool (2 MiB at 20 GB/s), used until the worker reports its own measured time", offsetof(router_cfg, kv.host_s_per_block), KVF_CFG_DOUBLE},
+    {"disk-promote-s-per-block", "0.0004194304", "kv: the same from a worker's disk tier (2 MiB at 5 GB/s), until the worker reports its own", offsetof(router_cfg, kv.disk_s_per_block), KVF_CFG_DOUBLE},
+    {"approx", "false", "kv: ignore the workers' KV events and predict their caches from this router's own decisions (each worker's at most its KV capacity); load reports still count", offsetof(router_cfg, kv.approx), KVF_CFG_BOOL},
+    {"approx-ttl", "3600", "kv with --approx: seconds a predicted block is believed (> 0)", offsetof(router_cfg, kv.approx_ttl_s), KVF_CFG_DOUBLE},
     {"max-model-len", "0", "context length (0: the model's max_position_embeddings)", offsetof(router_cfg, h.max_model_len), KVF_CFG_INT},
     {"tool-call-parser", "auto", "tool calls in chat answers to requests with tools: auto (from the chat template: "
      "<tool_call> hermes, <|python_tag|> or ipython llama3_json, else none), hermes, llama3_json, none", offsetof(router_cfg, h.tool_call_parser), KVF_CFG_STR},
@@ -74,9 +82,13 @@ static const kvf_cfg_spec router_spec = {
 int kvf_cli_router(int argc, char **argv)
 {
     router_cfg c = {0};
+    kvf_router_kv_cfg_default(&c.kv); /* what no flag sets (approx_max_blocks) */
     kvf_err err = {0};
     kvf_status st = kvf_cfg_parse(&router_spec, &c, argc, argv, NULL, &err);
     if (st != KVF_OK)
+        return kvf_cli_exit(st, &err);
+    c.h.kv = &c.kv;
+    if ((st = kvf_router_kv_cfg_check(&c.kv, &err)) != KVF_OK)
         return kvf_cli_exit(st, &err);
     int lvl = kvf_log_level_parse(c.log_level);
     if (lvl < 0) {

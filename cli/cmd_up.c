@@ -69,7 +69,8 @@ typedef struct child {
     size_t line_len;
     char ready[256]; /* the address from its ready line (this run of it) */
     /* --restart on-failure */
-    char *const *argv;  /* what it was started with (shared by its role; outlives the fleet) */
+    char *const *argv;  /* what it was started with (its role's, or its own with --kv-disk-dir;
+                         * outlives the fleet) */
     int addr_arg;       /* index in argv of its --listen/--port flag; 0: none */
     const char *addr_flag; /* that flag's name: "port" takes the port alone, others HOST:PORT */
     char first[256];    /* (as ready) the address from its first ready line: the one the router was given */
@@ -349,6 +350,41 @@ static void add_role_flags(const char *self, const char *role, char **fwd, int n
     }
 }
 
+/* A worker's own argv: its role's, with the disk KV tier's directory (--kv-disk-dir, as a flag
+ * or KVFLEET_KV_DISK_DIR) made DIR/<name>, since a disk tier is private to one worker and every
+ * worker of the fleet gets the same flags. DIR is made (0700) when missing. Returns wargs itself
+ * when there is no disk tier; else out, which holds the new strings in buf. */
+static char **child_argv(char **wargs, const char *name, char **out /* [UP_MAX_ARGS] */,
+                         char *buf, size_t cap)
+{
+    static const char flag[] = "--kv-disk-dir";
+    const size_t fl = sizeof flag - 1;
+    const char *dir = getenv("KVFLEET_KV_DISK_DIR");
+    int at = -1, n = 0;
+    for (int i = 0; wargs[i]; i++)
+        if (strncmp(wargs[i], flag, fl) == 0 && (wargs[i][fl] == '=' || wargs[i][fl] == 0)) {
+            at = i;
+            dir = wargs[i][fl] == '=' ? wargs[i] + fl + 1 : wargs[i + 1];
+        }
+    if (!dir || !*dir)
+        return wargs;
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        fprintf(stderr, "kvfleet up: --kv-disk-dir=%s cannot be made: %s (the workers will say "
+                "more)\n", dir, strerror(errno));
+    snprintf(buf, cap, "%s=%s/%s", flag, dir, name);
+    for (int i = 0; wargs[i] && n < UP_MAX_ARGS - 2; i++) {
+        if (i == at) {
+            if (wargs[i][fl] == 0 && wargs[i + 1])
+                i++; /* "--kv-disk-dir DIR": its value goes too */
+            continue;
+        }
+        out[n++] = wargs[i];
+    }
+    out[n++] = buf;
+    out[n] = NULL;
+    return out;
+}
+
 /* A child died while the fleet served (--restart on-failure): schedules its restart after its
  * backoff (0.5 s, doubling to 30 s; back to 0.5 s once it had stayed up 60 s), saying so. */
 static void restart_schedule(child *c, const char *how, int64_t now)
@@ -540,10 +576,13 @@ int kvf_cli_up(int argc, char **argv)
         wargs[k] = NULL;
         for (int j = 0; j < count; j++) {
             snprintf(cs[n].name, sizeof cs[n].name, "%s-%d", rname, j);
-            cs[n].argv = wargs;
+            static char *own_args[UP_MAX_CHILDREN][UP_MAX_ARGS];
+            static char disk_arg[UP_MAX_CHILDREN][PATH_MAX + 32];
+            char **cargv = child_argv(wargs, cs[n].name, own_args[n], disk_arg[n], sizeof disk_arg[n]);
+            cs[n].argv = cargv;
             cs[n].addr_arg = addr_arg;
             cs[n].addr_flag = addr_flag;
-            if (spawn(self, wargs, &cs[n]) != 0) {
+            if (spawn(self, cargv, &cs[n]) != 0) {
                 fprintf(stderr, "kvfleet up: cannot start %s: %s\n", cs[n].name, strerror(errno));
                 rc = 1;
                 goto out;

@@ -470,7 +470,8 @@ kvf_status kvf_engine_create(const kvf_model *m, const kvf_backend *be, const kv
     kvf_kv_pool_cfg pc = {.layout = e->layout, .n_blocks = (int32_t)n_blocks,
                           .mem = kvf_backend_kv_mem(be, e->be_ctx),
                           .mem_ctx = e->be_ctx,
-                          .on_event = cfg->on_event, .event_ctx = cfg->event_ctx};
+                          .on_event = cfg->on_event, .event_ctx = cfg->event_ctx,
+                          .tier = cfg->kv_tier};
     if ((st = kvf_kv_pool_create(&pc, &e->pool, err)) != KVF_OK)
         goto fail;
     if (cfg->swap_slots > 0 && (st = kvf_kv_swap_create(e->pool, cfg->swap_slots, &e->swap, err)) != KVF_OK)

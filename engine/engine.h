@@ -76,6 +76,10 @@ typedef struct kvf_engine_cfg {
     /* KV events of the pool (STORED/REMOVED), for a worker that publishes them; may be NULL. */
     kvf_kv_event_fn on_event;
     void *event_ctx;
+    /* Host (and disk) KV tiers under the pool (kv/tier.h), made for the layout
+     * kvf_model_kv_layout gives for block_size and kv_dtype; NULL: none. Borrowed: it must
+     * outlive the engine. */
+    kvf_kv_tier *kv_tier;
     /* Cost model for PREEMPT_AUTO: compute rate (FLOP/s) and host copy rate (bytes/s). */
     double flops_per_s, copy_bytes_per_s;
     /* A directory with the model's tokenizer.json: its token bytes are what constrained

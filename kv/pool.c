@@ -13,6 +13,7 @@
 #include "kv/hash.h"
 #include "kv/pool_internal.h"
 #include "kv/swap.h"
+#include "kv/tier_internal.h"
 
 /* ---- host memory ops ----------------------------------------------------------------------- */
 
@@ -98,6 +99,7 @@ struct kvf_kv_pool {
     uint64_t map_mask;
     int32_t n_map;
     int32_t *scratch; /* [n] counters, all zero between calls */
+    kvf_kv_tier *tier; /* cfg.tier, attached; NULL: no tiers */
     kvf_kv_pool_stats st;
 };
 
@@ -117,6 +119,14 @@ static void emit(kvf_kv_pool *p, kvf_kv_event_type type, int32_t id)
         ev.n_tokens = p->bs;
     }
     p->cfg.on_event(p->cfg.event_ctx, &ev);
+}
+
+/* Tier events go out through the pool's callback (set at attach). */
+static void pool_tier_event(void *ctx, const kvf_kv_event *ev)
+{
+    const kvf_kv_pool *p = ctx;
+    if (p->cfg.on_event)
+        p->cfg.on_event(p->cfg.event_ctx, ev);
 }
 
 /* -- hash map -- */
@@ -211,6 +221,31 @@ static void unregister(kvf_kv_pool *p, int32_t id)
     p->st.removed++;
 }
 
+/* A registered block taken off the LRU for reuse leaves the pool: with tiers it is demoted into
+ * the host tier (its bytes copied out with mem->to_host; STORED, tier HOST), else, or when the
+ * copy fails, dropped (REMOVED). */
+static void evict_registered(kvf_kv_pool *p, int32_t id)
+{
+    kv_block *b = &p->blk[id];
+    if (p->tier) {
+        int32_t slot;
+        void *dst = kvf_kv_tier_put_begin(p->tier, &slot);
+        kvf_err err = {0};
+        if (p->mem->to_host(p->cfg.mem_ctx, dst, p->base, p->block_bytes, id, &err) == KVF_OK) {
+            map_remove(p, id);
+            b->registered = 0;
+            kvf_kv_tier_put_commit(p->tier, slot, b->hash, b->parent,
+                                   p->tokens + (int64_t)id * p->bs, pool_now(p));
+            p->st.demoted++;
+            return;
+        }
+        kvf_kv_tier_put_abort(p->tier, slot);
+        kvf_log(KVF_LOG_WARN, "kv: demoting block %d to the host tier failed: %s (dropped)", id,
+                err.msg);
+    }
+    unregister(p, id);
+}
+
 /* Evicts a CACHED block to FREE. */
 static void drop_cached(kvf_kv_pool *p, int32_t id)
 {
@@ -228,7 +263,7 @@ int32_t kvf_kv_pool_take_block(kvf_kv_pool *p)
     } else if (p->lru_head >= 0) {
         id = p->lru_head;
         lru_remove(p, id);
-        unregister(p, id);
+        evict_registered(p, id);
         p->st.evicted++;
     } else {
         return -1;
@@ -349,9 +384,16 @@ kvf_status kvf_kv_pool_create(const kvf_kv_pool_cfg *cfg, kvf_kv_pool **out, kvf
                          p->n);
         goto fail_meta;
     }
-    st = mem->alloc(cfg->mem_ctx, p->bytes, &p->base, err);
-    if (st != KVF_OK)
+    if (cfg->tier &&
+        (st = kvf_kv_tier_attach(cfg->tier, l, pool_tier_event, p, err)) != KVF_OK)
         goto fail_meta;
+    st = mem->alloc(cfg->mem_ctx, p->bytes, &p->base, err);
+    if (st != KVF_OK) {
+        if (cfg->tier)
+            kvf_kv_tier_detach(cfg->tier);
+        goto fail_meta;
+    }
+    p->tier = cfg->tier;
     memset(p->map, 0xff, cap * sizeof *p->map);
     p->lru_head = p->lru_tail = -1;
     for (int32_t i = 0; i < p->n; i++) {
@@ -376,6 +418,8 @@ void kvf_kv_pool_destroy(kvf_kv_pool *p)
 {
     if (!p)
         return;
+    if (p->tier)
+        kvf_kv_tier_detach(p->tier);
     p->mem->free(p->cfg.mem_ctx, p->base, p->bytes);
     free(p->blk);
     free(p->tokens);
@@ -427,6 +471,11 @@ void kvf_kv_pool_clear_cache(kvf_kv_pool *p, int32_t *n_out)
     while (p->lru_head >= 0) {
         drop_cached(p, p->lru_head);
         n++;
+    }
+    if (p->tier) {
+        int32_t nt = 0;
+        kvf_kv_tier_clear(p->tier, &nt);
+        n += nt;
     }
     if (n_out)
         *n_out = n;
@@ -700,6 +749,8 @@ kvf_status kvf_kv_seq_commit(kvf_kv_seq *seq, const int32_t *tokens, int64_t n_t
                                    id, (long long)i, (unsigned long long)b->hash,
                                    (unsigned long long)h);
         } else if (map_find(p, h) < 0) {
+            if (p->tier)
+                kvf_kv_tier_forget(p->tier, h); /* the pool's STORED moves it up */
             b->hash = h;
             b->parent = parent;
             b->registered = 1;
@@ -809,7 +860,7 @@ kvf_status kvf_kv_seq_adopt(kvf_kv_seq *seq, const int32_t *ids, int32_t n_ids, 
         int32_t id = ids[i];
         if (p->blk[id].registered) {
             lru_remove(p, id);
-            unregister(p, id);
+            evict_registered(p, id);
             p->st.evicted++;
         } else {
             free_remove(p, id);
@@ -851,9 +902,61 @@ static kvf_status lookup_begin(kvf_kv_seq *seq, int64_t n_blocks, kvf_err *err)
     return kvf_kv_seq_reserve(seq, (int32_t)n_blocks, err);
 }
 
+/* Brings the tier block (h, parent, toks) into a new pool block, registered (STORED, tier POOL)
+ * with refcount 1; -1 when no tier holds it, no pool block is available, the disk read is
+ * refused or the copy in fails (then the hash is gone: REMOVED). */
+static int32_t promote(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks)
+{
+    kvf_kv_tier_ref r;
+    if (kvf_kv_pool_available(p) == 0 || !kvf_kv_tier_find(p->tier, h, parent, toks, true, &r))
+        return -1;
+    int64_t t0;
+    const void *src = kvf_kv_tier_take(p->tier, r, &t0); /* frees the tier slot */
+    if (!src)
+        return -1;
+    int32_t id = kvf_kv_pool_take_block(p); /* may demote another block into that slot */
+    kv_block *b = &p->blk[id];
+    kvf_err err = {0};
+    if (p->mem->from_host(p->cfg.mem_ctx, p->base, p->block_bytes, id, src, &err) != KVF_OK) {
+        kvf_log(KVF_LOG_WARN, "kv: promoting block %016llx into block %d failed: %s (dropped)",
+                (unsigned long long)h, id, err.msg);
+        release(p, id, pool_now(p));
+        if (p->cfg.on_event) {
+            kvf_kv_event ev = {.type = KVF_KV_EVENT_REMOVED, .hash = h, .parent_hash = parent,
+                               .block = -1, .tier = (int32_t)r.tier};
+            p->cfg.on_event(p->cfg.event_ctx, &ev);
+        }
+        p->st.removed++;
+        return -1;
+    }
+    b->hash = h;
+    b->parent = parent;
+    b->registered = 1;
+    memcpy(p->tokens + (int64_t)id * p->bs, toks, (size_t)p->bs * sizeof *toks);
+    map_insert(p, id);
+    p->st.promoted++;
+    emit(p, KVF_KV_EVENT_STORED, id);
+    kvf_kv_tier_promoted(p->tier, r.tier, t0);
+    return id;
+}
+
+/* The block at chain position (h, parent, toks) with a reference taken for a sequence: a live
+ * pool hit, or a tier hit promoted; -1 on a miss. */
+static int32_t lookup_one(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks,
+                          int64_t now)
+{
+    int32_t id = match_live(p, h, parent, toks, now);
+    if (id >= 0) {
+        acquire(p, id);
+        return id;
+    }
+    return p->tier ? promote(p, h, parent, toks) : -1;
+}
+
+/* Appends a block already referenced for seq. */
 static void lookup_take(kvf_kv_pool *p, kvf_kv_seq *seq, int32_t id, uint64_t h)
 {
-    acquire(p, id);
+    (void)p;
     seq->blocks[seq->n_blocks] = id;
     seq->hashes[seq->n_blocks] = h;
     seq->n_blocks++;
@@ -874,7 +977,7 @@ kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens, int64_t 
     for (int64_t i = 0; i < n_full; i++) {
         const int32_t *toks = tokens + i * p->bs;
         uint64_t h = kvf_kv_hash_block(parent, toks, p->bs);
-        int32_t id = match_live(p, h, parent, toks, now);
+        int32_t id = lookup_one(p, h, parent, toks, now);
         if (id < 0)
             break;
         lookup_take(p, seq, id, h);
@@ -904,7 +1007,7 @@ kvf_status kvf_kv_prefix_lookup_hashes(kvf_kv_seq *seq, const uint64_t *hashes,
     int64_t now = pool_now(p);
     for (int32_t i = 0; i < n_blocks; i++) {
         uint64_t parent = i ? hashes[i - 1] : seq->root;
-        int32_t id = match_live(p, hashes[i], parent, tokens + (int64_t)i * p->bs, now);
+        int32_t id = lookup_one(p, hashes[i], parent, tokens + (int64_t)i * p->bs, now);
         if (id < 0)
             break;
         lookup_take(p, seq, id, hashes[i]);
@@ -930,7 +1033,9 @@ int32_t kvf_kv_prefix_probe(const kvf_kv_pool *pool, uint64_t root, const int32_
         const int32_t *toks = tokens + i * p->bs;
         uint64_t h = kvf_kv_hash_block(parent, toks, p->bs);
         int32_t id = match_block(p, h, parent, toks);
-        if (id < 0 || expired(p, &p->blk[id], now))
+        kvf_kv_tier_ref r;
+        if (id >= 0 ? expired(p, &p->blk[id], now)
+                    : !p->tier || !kvf_kv_tier_find(p->tier, h, parent, toks, false, &r))
             break;
         n++;
         parent = h;
@@ -1017,10 +1122,17 @@ int32_t kvf_kv_prefix_snapshot(const kvf_kv_pool *p, kvf_kv_event_fn fn, void *c
             fn(ctx, &ev);
         n++;
     }
+    if (p->tier)
+        n += kvf_kv_tier_snapshot(p->tier, fn, ctx);
     return n;
 }
 
 /* ---- invariant checker --------------------------------------------------------------------- */
+
+static bool pool_has(const void *ctx, uint64_t h)
+{
+    return map_find(ctx, h) >= 0;
+}
 
 #define KV_FAIL(...) (st = kvf_err_set(err, KVF_ERR_INTERNAL, __VA_ARGS__))
 
@@ -1129,5 +1241,8 @@ kvf_status kvf_kv_check_invariants(const kvf_kv_pool *p, const kvf_kv_seq *const
                        "total %d",
                        n_free, p->n_free, n_cached, p->n_cached, walked, n_pinned, p->n_pinned,
                        n_used, p->n_used, n_reg, map_used, p->n_map, p->n);
+    /* 5. The tiers, and no hash both in them and in the pool. */
+    if (p->tier)
+        return kvf_kv_tier_check(p->tier, pool_has, p, err);
     return KVF_OK;
 }

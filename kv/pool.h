@@ -9,7 +9,10 @@
  *   PINNED   refcount 0, registered, pinned: kept, not evictable, not expiring;
  *   USED     refcount > 0 (held by that many block tables), registered or not.
  * free + cached + pinned + used == total. Allocation takes FREE blocks first, then evicts the
- * least-recently-used CACHED block (publishing a REMOVED event).
+ * least-recently-used CACHED block (publishing a REMOVED event), or, with tiers
+ * (kvf_kv_pool_cfg.tier, kv/tier.h), demotes it into the host tier (a STORED event with tier
+ * KVF_KV_TIER_HOST). Prefix lookups continue past the pool's hits into the tiers and promote
+ * what they find there back into pool blocks, synchronously, inside the lookup.
  *
  * Not thread-safe: one pool belongs to one thread (the engine's step loop). The hot calls
  * (prepare_write, alloc_step, lookup, commit, free) do not allocate memory unless a block
@@ -23,6 +26,7 @@
 
 #include "common/status.h"
 #include "kv/layout.h"
+#include "kv/tier.h"
 
 typedef struct kvf_kv_pool kvf_kv_pool;
 
@@ -52,8 +56,10 @@ extern const kvf_kv_mem_ops kvf_kv_mem_host;
 /* ---- events: what the prefill and decode workers publish --------------------------------- */
 
 typedef enum kvf_kv_event_type {
-    KVF_KV_EVENT_STORED = 1,  /* a full block was registered under hash */
-    KVF_KV_EVENT_REMOVED = 2, /* hash left the cache (evicted, expired or cleared) */
+    KVF_KV_EVENT_STORED = 1,  /* hash is now held in tier `tier`: newly registered, or moved
+                               * there by demotion or promotion */
+    KVF_KV_EVENT_REMOVED = 2, /* hash left the cache, every tier (evicted with nowhere to go,
+                               * expired, dropped or cleared) */
 } kvf_kv_event_type;
 
 /* Valid only during the callback. tokens is set for STORED ([block_size] ids), else NULL. */
@@ -61,9 +67,11 @@ typedef struct kvf_kv_event {
     kvf_kv_event_type type;
     uint64_t hash;
     uint64_t parent_hash; /* the hash of the block before it; the root for the first block */
-    int32_t block;
+    int32_t block;        /* pool block id; -1 for a block held in a lower tier */
     const int32_t *tokens;
     int32_t n_tokens;
+    int32_t tier;         /* kvf_kv_tier_kind: STORED: where it is held now; REMOVED: the
+                           * tier it was last in */
 } kvf_kv_event;
 
 /* Called synchronously from inside the pool call that caused the event; must not call back
@@ -85,15 +93,21 @@ typedef struct kvf_kv_pool_cfg {
     /* Monotonic clock for retention and LRU stamps; NULL: kvf_now_ns. Tests pass a fake. */
     int64_t (*clock_ns)(void *ctx);
     void *clock_ctx;
+    /* Host (and disk) tiers under the pool, made by kvf_kv_tier_create for the same layout;
+     * NULL: none (evicted blocks are dropped). Borrowed: it must outlive the pool, and serves
+     * one pool. Tier blocks do not expire (retention_ns is the pool's). */
+    kvf_kv_tier *tier;
 } kvf_kv_pool_cfg;
 
 typedef struct kvf_kv_pool_stats {
     int32_t total, free, cached, pinned, used; /* free + cached + pinned + used == total */
     int64_t lookups;       /* kvf_kv_prefix_lookup calls */
     int64_t lookup_blocks; /* full blocks asked for */
-    int64_t hit_blocks;    /* of those, served from the cache */
+    int64_t hit_blocks;    /* of those, served from the cache (pool hits and promotions) */
     int64_t token_mismatches; /* hash found but stored tokens or parent differed */
     int64_t stored, removed, evicted, expired, cow_copies;
+    int64_t demoted;  /* evicted blocks moved into the host tier (not removed) */
+    int64_t promoted; /* blocks lookups brought back from a tier (kvf_kv_tier_get_stats: which) */
 } kvf_kv_pool_stats;
 
 /* Creates a pool of cfg->n_blocks blocks of cfg->layout.block_bytes in one allocation made by
@@ -114,7 +128,8 @@ int32_t kvf_kv_pool_available(const kvf_kv_pool *pool);
 /* Drops idle cached blocks past the retention (REMOVED events); *n_out (may be NULL) gets
  * how many. A no-op when retention_ns is 0. */
 void kvf_kv_pool_expire(kvf_kv_pool *pool, int32_t *n_out);
-/* Drops every idle cached block (not pinned, not used), as for a model reload. */
+/* Drops every idle cached block (not pinned, not used), and every tier block, as for a model
+ * reload. */
 void kvf_kv_pool_clear_cache(kvf_kv_pool *pool, int32_t *n_out);
 
 /* ---- sequences and their block tables ---------------------------------------------------- */
@@ -205,7 +220,12 @@ kvf_status kvf_kv_seq_adopt(kvf_kv_seq *seq, const int32_t *ids /* [n_ids] */, i
  * confirmed by comparing its stored token ids and parent hash (a hash collision is a miss),
  * takes a reference on each, appends them to seq and sets n_tokens = n_hashed = hits *
  * block_size. *n_hit_tokens_out gets the tokens covered. To keep at least one token to
- * compute, pass n_tokens - 1. Expired blocks are misses (and are dropped). */
+ * compute, pass n_tokens - 1. Expired blocks are misses (and are dropped).
+ * With tiers, a block missing from the pool is looked for in the tiers (token-verified the
+ * same way) and promoted: a pool block is taken (evicting/demoting as allocation does), the
+ * bytes copied in with mem->from_host, the hash registered (STORED, tier POOL) and referenced
+ * as a pool hit. The walk stops at the first miss, when no pool block is available, or when a
+ * disk read is refused. */
 kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens /* [n_tokens] */,
                                 int64_t n_tokens, int64_t *n_hit_tokens_out, kvf_err *err);
 
@@ -216,7 +236,8 @@ kvf_status kvf_kv_prefix_lookup_hashes(kvf_kv_seq *seq, const uint64_t *hashes /
                                        int32_t n_blocks, int32_t *n_hit_blocks_out,
                                        kvf_err *err);
 
-/* How many leading full blocks of tokens are cached now (token-verified), taking nothing. */
+/* How many leading full blocks of tokens are cached now in the pool or a tier (token-verified),
+ * taking nothing (a tier block still needs a pool block to be promoted into). */
 int32_t kvf_kv_prefix_probe(const kvf_kv_pool *pool, uint64_t root,
                             const int32_t *tokens /* [n_tokens] */, int64_t n_tokens);
 
@@ -229,8 +250,9 @@ kvf_status kvf_kv_prefix_unpin(kvf_kv_pool *pool, uint64_t root, const int32_t *
 
 /* Calls fn with a STORED event for every block registered now (cached, pinned or in use), for
  * the snapshot a KV-event stream starts with (WatchKv); the deltas then come through
- * cfg.on_event. Order: by block id, not by chain. Returns how many. fn must not call back into
- * the pool. */
+ * cfg.on_event. Order: by block id, not by chain; then the host tier's blocks and the disk
+ * tier's (tier set, block -1), oldest first. Returns how many. fn must not call back into the
+ * pool. */
 int32_t kvf_kv_prefix_snapshot(const kvf_kv_pool *pool, kvf_kv_event_fn fn, void *ctx);
 
 /* ---- checking ---------------------------------------------------------------------------- */
@@ -238,8 +260,9 @@ int32_t kvf_kv_prefix_snapshot(const kvf_kv_pool *pool, kvf_kv_event_fn fn, void
 /* Checks every rule above against the complete list of live sequences of pool (ACTIVE ones
  * count; SWAPPED and RELEASED ones hold no pool blocks): each block in exactly one state,
  * refcount == number of tables holding it, free list / LRU / hash map consistent with the
- * states, LRU ordered by time, counts adding up. The first broken rule is ERR_INTERNAL with a
- * message naming the block and the values. Allocates nothing. */
+ * states, LRU ordered by time, counts adding up; with tiers, the tiers' own rules too (slot
+ * counts, LRU order, index, no hash in two tiers or in the pool and a tier). The first broken
+ * rule is ERR_INTERNAL with a message naming the block and the values. Allocates nothing. */
 kvf_status kvf_kv_check_invariants(const kvf_kv_pool *pool,
                                    const kvf_kv_seq *const *seqs /* [n_seqs] */, size_t n_seqs,
                                    kvf_err *err);

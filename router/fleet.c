@@ -16,10 +16,14 @@
 #include "common/log.h"
 #include "proto/worker.h"
 
+/* Late Health answers in a row a healthy worker may give before it is counted out. */
+#define HEALTH_SLOW_MAX 3
+
 typedef struct fleet_slot {
     kvf_router_worker w;
     bool used, info_ok;
     bool from_dns;
+    int32_t slow_checks;        /* Health calls in a row that ran past their deadline */
     bool refused;               /* its last Info had another block size (logged once a value) */
     bool silent;                /* its last Info or Health call got no answer at all */
     int32_t refused_block_size;
@@ -212,6 +216,19 @@ static void check_one(kvf_router_fleet *f, int role, int32_t i)
         if (st == KVF_OK && kvf_rpc_health_decode(resp.data, resp.len, &h, &err) == KVF_OK)
             healthy = h->status == KVF_RPC_SERVING;
         free(h);
+        /* A healthy worker whose answer is merely late (a loaded host, a long step) stays in
+         * for up to HEALTH_SLOW_MAX checks in a row; a refused connection, an error or "not
+         * serving" takes it out at once, and so does any failed Generate (kvf_router_fleet
+         * marks a worker that fails a call). */
+        pthread_mutex_lock(&f->mu);
+        if (st == KVF_ERR_TIMEOUT && s->w.healthy && ++s->slow_checks < HEALTH_SLOW_MAX) {
+            healthy = true;
+            kvf_log(KVF_LOG_DEBUG, "router: Health of %s ran past %lld ms (%d in a row)", addr,
+                    (long long)to, (int)s->slow_checks);
+        } else if (st != KVF_ERR_TIMEOUT) {
+            s->slow_checks = 0;
+        }
+        pthread_mutex_unlock(&f->mu);
     }
 done:
     kvf_rpc_buf_free(&resp);

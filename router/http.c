@@ -44,6 +44,7 @@
 
 struct kvf_router_http {
     kvf_router_http_cfg cfg;
+    kvf_router_kv_cfg kv; /* the kv policy's knobs (cfg.kv's copy) */
     char *served;
     int32_t max_len;
     kvf_model_config mcfg;
@@ -743,8 +744,32 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
                 cfg->allowed_methods ? cfg->allowed_methods : KVF_ROUTER_CORS_DEFAULT_METHODS,
                 cfg->allowed_headers ? cfg->allowed_headers : KVF_ROUTER_CORS_DEFAULT_HEADERS,
                 cfg->allow_credentials ? ", credentials" : "");
+    if (cfg->kv)
+        h->kv = *cfg->kv;
+    else
+        kvf_router_kv_cfg_default(&h->kv);
+    h->cfg.kv = NULL; /* h->kv is the copy */
     if ((st = kvf_router_policy_parse(cfg->policy ? cfg->policy : "round-robin", &h->policy, err)) != KVF_OK ||
-        (st = add_metrics(h, err)) != KVF_OK || (st = load_model(h, err)) != KVF_OK)
+        (st = kvf_router_kv_cfg_check(&h->kv, err)) != KVF_OK)
+        goto fail;
+    if (h->kv.approx && h->policy != KVF_ROUTER_POLICY_KV) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "router: --approx goes with --policy=kv (not %s): only the kv "
+                         "policy reads the predicted caches", kvf_router_policy_name(h->policy));
+        goto fail;
+    }
+    if (h->policy != KVF_ROUTER_POLICY_KV)
+        kvf_log(KVF_LOG_INFO, "router: policy %s", kvf_router_policy_name(h->policy));
+    else if (h->kv.approx)
+        kvf_log(KVF_LOG_INFO, "router: policy kv, approximate: workers' caches predicted from this router's "
+                "decisions (TTL %g s, at most each worker's KV capacity), their KV events ignored; load bound "
+                "%g over %g s, penalty %g", h->kv.approx_ttl_s, h->kv.load_bound, h->kv.load_window_s,
+                h->kv.load_penalty);
+    else
+        kvf_log(KVF_LOG_INFO, "router: policy kv, from the workers' KV events; load bound %g over %g s, "
+                "penalty %g; tier hits %g s (host), %g s (disk) a block until a worker reports its own",
+                h->kv.load_bound, h->kv.load_window_s, h->kv.load_penalty, h->kv.host_s_per_block,
+                h->kv.disk_s_per_block);
+    if ((st = add_metrics(h, err)) != KVF_OK || (st = load_model(h, err)) != KVF_OK)
         goto fail;
     evthread_use_pthreads();
     h->base = event_base_new();
@@ -784,7 +809,7 @@ kvf_status kvf_router_http_create(const kvf_router_http_cfg *cfg, kvf_router_htt
         evsignal_add(h->sig_hup, NULL);
     }
     if ((st = kvf_router_fleet_create(&cfg->fleet, &h->fleet, err)) != KVF_OK ||
-        (st = kvf_router_watch_create(h->fleet, h->policy, h->metrics, h, &h->watch, err)) != KVF_OK)
+        (st = kvf_router_watch_create(h->fleet, h->policy, &h->kv, h->metrics, h, &h->watch, err)) != KVF_OK)
         goto fail;
     /* The requests borrow the model's pieces, the limits and the pools. */
     kvf_router_reqs_cfg rc = {

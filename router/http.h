@@ -13,6 +13,24 @@
 #include "common/status.h"
 #include "router/fleet.h"
 
+/* The kv policy's knobs (kvfleet router's --load-bound ... --approx-ttl), copied into each pool's
+ * kvf_router_pool_cfg (router/policy.h says what each does). */
+typedef struct kvf_router_kv_cfg {
+    double load_bound;       /* bounded load: 0 = off, or >= 1 */
+    double load_window_s;    /* > 0 */
+    double load_penalty;     /* >= 0 */
+    double host_s_per_block, disk_s_per_block; /* >= 0: tier hit prices until a worker reports its own */
+    bool approx;             /* predict caches from the router's own decisions; KV events ignored */
+    double approx_ttl_s;     /* > 0 */
+    int64_t approx_max_blocks; /* predictions per worker (>= 1); a worker's Info capacity bounds it further */
+} kvf_router_kv_cfg;
+
+/* kvf_router_pool_cfg_default's knobs, but an approximate TTL of 3600 s; approx off. These two
+ * live in watch.c, which hands the knobs to the pools. */
+void kvf_router_kv_cfg_default(kvf_router_kv_cfg *cfg);
+/* Refuses a value out of range naming its flag, the value and what is allowed. */
+kvf_status kvf_router_kv_cfg_check(const kvf_router_kv_cfg *cfg, kvf_err *err);
+
 typedef struct kvf_router_http_cfg {
     const char *host;            /* "127.0.0.1" */
     int32_t port;                /* 0: pick a free one (kvf_router_http_port) */
@@ -23,6 +41,7 @@ typedef struct kvf_router_http_cfg {
     const char *tool_call_parser; /* chat answers to requests with tools: "auto" (NULL: from the
                                      chat template), "hermes", "llama3_json" or "none" */
     const char *policy;          /* "round-robin", "least-loaded", "kv", "sticky" */
+    const kvf_router_kv_cfg *kv; /* the kv policy's knobs (copied); NULL: kvf_router_kv_cfg_default */
     int32_t max_inflight;        /* requests per decode worker before it counts as saturated */
     int32_t max_attempts;        /* decode workers tried before the first token (>= 1) */
     int64_t request_timeout_ms;  /* whole-request deadline on the Generate call; 0: none */

@@ -51,6 +51,7 @@ struct kvf_router_index {
     uint64_t registered;
     tier_bits *tiers;    /* [capacity] parallel to slots; NULL until a lower-tier block arrives */
     int64_t lower_pairs; /* (block, worker) pairs in the host or disk tier */
+    int64_t host_pairs;  /* of which in the host tier (the rest on disk) */
     worker w[KVF_ROUTER_MAX_WORKERS];
     kvf_router_index_stats st;
 };
@@ -169,6 +170,7 @@ static int set_tier(kvf_router_index *idx, uint64_t i, int32_t w, int tier)
     }
     tier_bits *t = &idx->tiers[i];
     idx->lower_pairs -= (int64_t)((t->host & bit) != 0) + (int64_t)((t->disk & bit) != 0);
+    idx->host_pairs -= (int64_t)((t->host & bit) != 0);
     t->host &= ~bit;
     t->disk &= ~bit;
     if (tier == KVF_ROUTER_TIER_HOST)
@@ -176,6 +178,7 @@ static int set_tier(kvf_router_index *idx, uint64_t i, int32_t w, int tier)
     else if (tier == KVF_ROUTER_TIER_DISK)
         t->disk |= bit;
     idx->lower_pairs += tier != KVF_ROUTER_TIER_POOL;
+    idx->host_pairs += tier == KVF_ROUTER_TIER_HOST;
     return 0;
 }
 
@@ -719,6 +722,8 @@ void kvf_router_index_stats_get(const kvf_router_index *idx, kvf_router_index_st
         out->n_pairs += idx->w[w].n_held;
         bytes += (int64_t)idx->w[w].held_cap * 8;
     }
+    out->n_pairs_host = idx->host_pairs;
+    out->n_pairs_disk = idx->lower_pairs - idx->host_pairs;
     out->bytes = bytes;
     out->bytes_per_block = idx->count ? (double)bytes / (double)idx->count : 0.0;
 }

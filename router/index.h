@@ -69,6 +69,7 @@ typedef struct kvf_router_event {
 typedef struct kvf_router_index_stats {
     int64_t n_blocks;       /* distinct indexed hashes */
     int64_t n_pairs;        /* (block, worker) pairs */
+    int64_t n_pairs_host, n_pairs_disk; /* of which in workers' host / disk tiers (the rest in pools) */
     int64_t bytes;          /* table + reverse lists + per-worker state, as allocated */
     double bytes_per_block; /* bytes / n_blocks (0 when empty) */
     int64_t events, gaps, refused, orphans; /* orphans: snapshot blocks whose parent is absent */

@@ -226,6 +226,29 @@ kvf_status kvf_router_pool_worker_add(kvf_router_pool *p, int32_t worker, const 
     return KVF_OK;
 }
 
+kvf_status kvf_router_pool_worker_capacity(kvf_router_pool *p, int32_t worker, int64_t blocks,
+                                           kvf_err *err)
+{
+    if (worker < 0 || worker >= KVF_ROUTER_MAX_WORKERS || !p->w[worker].present)
+        return kvf_err_set(err, KVF_ERR_INVALID, "router: worker %d is not in the pool", (int)worker);
+    pool_worker *pw = &p->w[worker];
+    if (!pw->approx || !pw->pred)
+        return KVF_OK;
+    int64_t cap = blocks > 0 && blocks < p->cfg.approx_max_blocks ? blocks : p->cfg.approx_max_blocks;
+    if (cap == kvf_router_lru_capacity(pw->pred))
+        return KVF_OK;
+    kvf_router_lru *pred;
+    kvf_status st = kvf_router_lru_create(cap, &pred, err);
+    if (st != KVF_OK)
+        return st;
+    uint64_t key;
+    while (kvf_router_lru_pop(pw->pred, INFINITY, &key))
+        kvf_router_index_block_remove(p->idx, worker, key);
+    kvf_router_lru_destroy(pw->pred);
+    pw->pred = pred;
+    return KVF_OK;
+}
+
 void kvf_router_pool_worker_remove(kvf_router_pool *p, int32_t worker)
 {
     if (worker < 0 || worker >= KVF_ROUTER_MAX_WORKERS || !p->w[worker].present)
@@ -256,6 +279,11 @@ void kvf_router_pool_load_set(kvf_router_pool *p, int32_t worker, const kvf_rout
     if (worker < 0 || worker >= KVF_ROUTER_MAX_WORKERS || !p->w[worker].present)
         return;
     p->w[worker].load = *load;
+    /* a price that is not a positive number falls back to the pool's default */
+    double *price[2] = {&p->w[worker].load.host_s_per_block, &p->w[worker].load.disk_s_per_block};
+    for (int i = 0; i < 2; i++)
+        if (!(*price[i] > 0) || !isfinite(*price[i]))
+            *price[i] = 0;
     p->w[worker].pending_tokens = 0;
     kvf_router_index_heartbeat(p->idx, worker, now);
 }
@@ -509,7 +537,10 @@ kvf_status kvf_router_pool_pick(kvf_router_pool *p, const kvf_router_request *re
             double cached = (double)ov[w] * bs;
             cached = (cached < n_tok ? cached : n_tok) * kvf_router_index_trust(p->idx, w, now);
             const pool_worker *pw = &p->w[w];
-            double promote = p->cfg.host_s_per_block * ov_host[w] + p->cfg.disk_s_per_block * ov_disk[w];
+            /* the worker's measured promotion times when it reports them, else the pool's */
+            double host_s = pw->load.host_s_per_block > 0 ? pw->load.host_s_per_block : p->cfg.host_s_per_block;
+            double disk_s = pw->load.disk_s_per_block > 0 ? pw->load.disk_s_per_block : p->cfg.disk_s_per_block;
+            double promote = host_s * ov_host[w] + disk_s * ov_disk[w];
             double c = p->cfg.w_uncached * (p->a + p->b * (n_tok - cached) + promote) +
                        p->cfg.w_queue * p->b *
                            ((double)pw->load.queued_prefill_tokens + pw->pending_tokens) +

@@ -71,6 +71,10 @@ void kvf_router_pool_cfg_default(kvf_router_pool_cfg *cfg);
 typedef struct kvf_router_load {
     int64_t queued_prefill_tokens; /* prompt tokens waiting for or in prefill */
     double decode_load;            /* running decode sequences */
+    /* The worker's own measured seconds to promote one block from its host / disk tier into its
+     * pool (WatchKv load reports); 0 (not measured, no such tier; also a negative or non-finite
+     * value): the pool's host_s_per_block / disk_s_per_block price its tier hits. */
+    double host_s_per_block, disk_s_per_block;
 } kvf_router_load;
 
 typedef struct kvf_router_request {
@@ -107,12 +111,19 @@ void kvf_router_pool_destroy(kvf_router_pool *p);
 kvf_status kvf_router_pool_worker_add(kvf_router_pool *p, int32_t worker, const char *model,
                                       int32_t block_size, bool publishes_events, double now,
                                       kvf_err *err);
+/* Approximate mode: bounds a worker's predicted blocks by its KV capacity (Info's
+ * capacity_blocks) when that is below approx_max_blocks; blocks <= 0 keeps approx_max_blocks.
+ * When the bound changes the predictions made so far are forgotten. Nothing for a worker that
+ * publishes events. KVF_ERR_INVALID for a worker not in the pool, KVF_ERR_NOMEM. */
+kvf_status kvf_router_pool_worker_capacity(kvf_router_pool *p, int32_t worker, int64_t blocks,
+                                           kvf_err *err);
 /* A worker that left or failed: out of the index and the ring at once. */
 void kvf_router_pool_worker_remove(kvf_router_pool *p, int32_t worker);
 /* Per-worker busy limits (0 = none); a worker at a limit is skipped while others are not. */
 void kvf_router_pool_worker_limits(kvf_router_pool *p, int32_t worker, int64_t queued_tokens,
                                    double decode_load);
-/* A load report (also proof of life for staleness). Clears the work this router added since. */
+/* A load report (also proof of life for staleness). Clears the work this router added since.
+ * Its promotion prices replace the worker's previous ones (0: back to the pool's defaults). */
 void kvf_router_pool_load_set(kvf_router_pool *p, int32_t worker, const kvf_router_load *load,
                               double now);
 /* A finished prefill of `tokens` uncached tokens that took `seconds`: refits a and b. */

@@ -11,18 +11,44 @@
 
 #include "common/metrics.h"
 #include "common/status.h"
+#include "proto/worker.h"
 #include "router/fleet.h"
 #include "router/http_int.h"
 #include "router/policy.h"
 
 typedef struct kvf_router_watch kvf_router_watch;
 
+/* One worker's WatchKv messages into its pool, the watch's reader (open for tests): snapshot
+ * parts gathered, each part's blocks in its tier, and applied once; deltas with their tier (a
+ * STORED of a block already held moves it there, a REMOVED drops it from every tier); load
+ * reports with the worker's measured promotion prices. The caller allocates; zeroed is empty. */
+typedef struct kvf_router_feed {
+    uint64_t *snap_h, *snap_p; /* [snap_cap] a snapshot being gathered: hashes, parents */
+    uint8_t *snap_t;           /* [snap_cap] and each block's tier */
+    size_t snap_n, snap_cap;
+    bool synced;               /* a snapshot was applied since the stream opened */
+    bool have_load;
+    kvf_router_load load;      /* the last load report */
+} kvf_router_feed;
+
+/* Applies one decoded WatchKv message of worker `id` to pool p. With approx the pool predicts
+ * caches from the router's decisions: KV events are dropped unread, load reports still count.
+ * KVF_ERR_STATE: a sequence gap, or a snapshot part in no known tier (reopen the stream: the
+ * index waits for a snapshot);
+ * KVF_ERR_NOMEM; another status: the event was refused (err says why), the stream goes on. */
+kvf_status kvf_router_feed_apply(kvf_router_feed *f, kvf_router_pool *p, int32_t id,
+                                 const kvf_rpc_watch_msg *m, bool approx, double now, kvf_err *err);
+/* The stream closed: gathered parts, the load report and `synced` are forgotten. */
+void kvf_router_feed_reset(kvf_router_feed *f);
+void kvf_router_feed_fini(kvf_router_feed *f); /* frees the buffers */
+
 /* Registers its metrics in m (healthy workers per role; index workers by state and index blocks,
- * kept under the kv policy). Borrows fleet, m and h (whose loop its streams wake) for its life.
- * Pools are created at the first sync that finds a healthy worker of their role. */
+ * kept under the kv policy). kv (the pools' knobs) is copied. Borrows fleet, m and h (whose
+ * loop its streams wake) for its life. Pools are created at the first sync that finds a healthy
+ * worker of their role. */
 kvf_status kvf_router_watch_create(kvf_router_fleet *fleet, kvf_router_policy policy,
-                                   kvf_metrics *m, kvf_router_http *h, kvf_router_watch **out,
-                                   kvf_err *err);
+                                   const kvf_router_kv_cfg *kv, kvf_metrics *m, kvf_router_http *h,
+                                   kvf_router_watch **out, kvf_err *err);
 /* Closes the WatchKv streams (before the fleet, which owns their channels, is destroyed) and
  * frees the pools. NULL is fine. */
 void kvf_router_watch_destroy(kvf_router_watch *w);

@@ -20,6 +20,7 @@
 #include "common/time.h"
 #include "engine/backends.h"
 #include "kv/hash.h"
+#include "kv/tier.h"
 #include "proto/worker.h"
 #include "worker/worker.h"
 #ifdef KVF_HAVE_CUDA
@@ -48,6 +49,7 @@ typedef struct watcher {
 /* KV events waiting to go out, in order, as runs of one kind. */
 typedef struct ev_buf {
     int kind; /* KVF_KV_EVENT_STORED or _REMOVED, 0: empty */
+    int32_t tier; /* STORED: the tier every event of the run names (kvf_kv_tier_kind); 0 else */
     uint64_t *hashes, *parents;
     size_t n, cap;
 } ev_buf;
@@ -61,6 +63,8 @@ struct kvf_worker {
     int32_t n_blocks;
     kvf_engine *engine; /* the one scheduler, for both roles */
     kvf_kv_pool *pool;  /* the engine's */
+    kvf_kv_tier *tier;  /* --kv-host-memory (and --kv-disk-dir): under the pool; NULL: none */
+    double promote_ewma[3]; /* seconds per block promoted, per tier; 0: none measured (loop) */
     kvf_xfer *xfer;
     char xfer_host[64]; /* the transfer plane's numeric address; "0.0.0.0": every interface */
     uint8_t *desc;
@@ -74,6 +78,10 @@ struct kvf_worker {
         *m_watchers, *m_events, *m_prefix_hit, *m_draws;
     /* --device cuda: the device's memory and the decode step's CUDA graphs (NULL otherwise) */
     kvf_metric *m_gpu_used, *m_graph_replays, *m_graph_captures;
+    /* with tiers: per tier (kvf_kv_tier_kind index; [0] only where the pool has one) */
+    kvf_metric *m_tier_hits[3], *m_tier_demoted[3], *m_tier_promoted[3], *m_tier_demoted_bytes[3],
+        *m_tier_promoted_bytes[3], *m_tier_promote_s[3], *m_tier_used[3], *m_tier_capacity[3],
+        *m_tier_corrupt;
     int64_t gpu_stats_ns; /* when they were last read */
     kvf_worker_hooks hooks;
     /* loop */
@@ -115,6 +123,15 @@ static const kvf_cfg_opt worker_opts[] = {
      offsetof(kvf_worker_cfg, kv_memory), KVF_CFG_SIZE},
     {"kv-blocks", "0", "KV pool blocks (overrides --kv-memory)",
      offsetof(kvf_worker_cfg, kv_blocks), KVF_CFG_INT},
+    {"kv-host-memory", "0", "host-memory KV tier under the pool (K/M/G suffixes): cached blocks "
+     "the pool evicts move here, and a prefix hit copies them back instead of recomputing; 0: "
+     "none", offsetof(kvf_worker_cfg, kv_host_memory), KVF_CFG_SIZE},
+    {"kv-disk-dir", NULL, "directory of a local-disk KV tier under the host tier (with "
+     "--kv-host-memory and --kv-disk-bytes): private to this worker, made 0700 if missing, its "
+     "kvfleet-kv-* files removed at start; checksummed, a bad block is a miss",
+     offsetof(kvf_worker_cfg, kv_disk_dir), KVF_CFG_STR},
+    {"kv-disk-bytes", "0", "size of the disk KV tier file (K/M/G suffixes)",
+     offsetof(kvf_worker_cfg, kv_disk_bytes), KVF_CFG_SIZE},
     {"block-size", "16", "tokens per KV block (a power of two; the same across the fleet)",
      offsetof(kvf_worker_cfg, block_size), KVF_CFG_INT},
     {"kv-dtype", "f32", "KV cache dtype: f32, f16 or bf16", offsetof(kvf_worker_cfg, kv_dtype),
@@ -276,13 +293,13 @@ static void watcher_send(kvf_worker *w, watcher *wt, const kvf_rpc_watch_msg *m)
     (void)w;
 }
 
-static void send_event(kvf_worker *w, watcher *only, kvf_rpc_kv_event_kind kind, uint64_t seq,
-                       const uint64_t *h, const uint64_t *p, size_t n, bool done)
+static void send_event(kvf_worker *w, watcher *only, kvf_rpc_kv_event_kind kind, int32_t tier,
+                       uint64_t seq, const uint64_t *h, const uint64_t *p, size_t n, bool done)
 {
     kvf_rpc_watch_msg m = {.event = {.seq = seq, .kind = kind, .block_hashes = h,
                                      .parent_hashes = p, .n = n,
                                      .block_size = w->layout.block_size, .model_id = w->model_id,
-                                     .snapshot_done = done}};
+                                     .snapshot_done = done, .tier = tier}};
     for (watcher *wt = w->watchers; wt; wt = wt->next)
         if (!only || wt == only)
             watcher_send(w, wt, &m);
@@ -299,22 +316,27 @@ void kvf_worker_flush_events(kvf_worker *w)
         w->ev_seq++;
         if (w->watchers)
             send_event(w, NULL, stored ? KVF_RPC_KV_STORED : KVF_RPC_KV_REMOVED,
-                       w->ev_seq, b->hashes + off, stored ? b->parents + off : NULL, n, false);
+                       stored ? b->tier : KVF_RPC_TIER_POOL, w->ev_seq, b->hashes + off,
+                       stored ? b->parents + off : NULL, n, false);
         if (w->m_events)
             kvf_metric_add(w->m_events, 1);
     }
     b->n = 0;
     b->kind = 0;
+    b->tier = 0;
 }
 
 /* Pool callback (loop thread, inside engine/pool calls): buffer, flushing on a change of kind
- * so the order of STORED and REMOVED is kept. */
+ * or (for STORED) of tier, so the order of STORED and REMOVED is kept and one message names one
+ * tier (a REMOVED leaves every tier: it carries none). */
 static void on_kv_event(void *ctx, const kvf_kv_event *ev)
 {
     kvf_worker *w = ctx;
-    if (w->evs.kind && w->evs.kind != (int)ev->type)
+    int32_t tier = ev->type == KVF_KV_EVENT_STORED ? ev->tier : KVF_RPC_TIER_POOL;
+    if (w->evs.kind && (w->evs.kind != (int)ev->type || w->evs.tier != tier))
         kvf_worker_flush_events(w);
     w->evs.kind = (int)ev->type;
+    w->evs.tier = tier;
     if (ev_push(&w->evs, ev->hash, ev->parent_hash) != KVF_OK)
         kvf_log(KVF_LOG_ERROR, "worker: out of memory buffering KV events; watchers will miss one");
 }
@@ -322,17 +344,25 @@ static void on_kv_event(void *ctx, const kvf_kv_event *ev)
 typedef struct snap_ctx {
     kvf_worker *w;
     watcher *wt;
+    int32_t tier; /* of the blocks in h */
     uint64_t h[WATCH_BATCH], p[WATCH_BATCH];
     size_t n;
 } snap_ctx;
 
+/* Snapshot blocks in messages of one tier each (the pool's come first, then host, then disk). */
 static void snap_cb(void *ctx, const kvf_kv_event *ev)
 {
     snap_ctx *s = ctx;
+    if (s->n > 0 && ev->tier != s->tier) {
+        send_event(s->w, s->wt, KVF_RPC_KV_SNAPSHOT, s->tier, s->w->ev_seq, s->h, s->p, s->n,
+                   false);
+        s->n = 0;
+    }
+    s->tier = ev->tier;
     s->h[s->n] = ev->hash;
     s->p[s->n] = ev->parent_hash;
     if (++s->n == WATCH_BATCH) {
-        send_event(s->w, s->wt, KVF_RPC_KV_SNAPSHOT, s->w->ev_seq, s->h,
+        send_event(s->w, s->wt, KVF_RPC_KV_SNAPSHOT, s->tier, s->w->ev_seq, s->h,
                    s->p, s->n, false);
         s->n = 0;
     }
@@ -346,7 +376,8 @@ static void send_load(kvf_worker *w, watcher *wt, const kvf_worker_load *l)
         .free_blocks = l->free_blocks + l->cached_blocks, .total_blocks = l->total_blocks,
         .queued_prefill_tokens = w->hooks.queued_prefill_tokens
                                      ? w->hooks.queued_prefill_tokens(w->hooks.ctx) : 0,
-        .unix_ms = kvf_wall_ms()};
+        .unix_ms = kvf_wall_ms(), .host_promote_s_per_block = l->host_promote_s_per_block,
+        .disk_promote_s_per_block = l->disk_promote_s_per_block};
     watcher_send(w, wt, &m);
     wt->last = *l;
     wt->last_load_ns = kvf_now_ns();
@@ -379,7 +410,7 @@ static void watch_start_job(kvf_worker *w, void *arg)
         s->w = w;
         s->wt = wt;
         kvf_kv_prefix_snapshot(w->pool, snap_cb, s);
-        send_event(w, wt, KVF_RPC_KV_SNAPSHOT, w->ev_seq, s->h, s->p, s->n,
+        send_event(w, wt, KVF_RPC_KV_SNAPSHOT, s->tier, w->ev_seq, s->h, s->p, s->n,
                    true);
         free(s);
     }
@@ -513,6 +544,44 @@ static int admin_get(void *ctx, const char *path, kvf_sbuf *body, const char **c
 
 /* ---- the loop ------------------------------------------------------------------------------ */
 
+/* The tiers' counters and gauges on /metrics (loop thread, every pass). */
+static void publish_tiers(kvf_worker *w, const kvf_kv_pool_stats *ps)
+{
+    kvf_kv_tier_stats ts;
+    kvf_kv_tier_get_stats(w->tier, &ts);
+    int64_t lower_hits = 0;
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        const kvf_kv_tier_level_stats *t = &ts.tier[k];
+        if (!w->m_tier_hits[k])
+            continue;
+        lower_hits += t->promoted;
+        kvf_metric_set(w->m_tier_hits[k], (double)t->hits);
+        kvf_metric_set(w->m_tier_demoted[k], (double)t->demoted);
+        kvf_metric_set(w->m_tier_promoted[k], (double)t->promoted);
+        kvf_metric_set(w->m_tier_demoted_bytes[k], (double)t->bytes_demoted);
+        kvf_metric_set(w->m_tier_promoted_bytes[k], (double)t->bytes_promoted);
+        kvf_metric_set(w->m_tier_used[k], (double)t->used);
+        kvf_metric_set(w->m_tier_capacity[k], (double)t->capacity);
+    }
+    if (w->m_tier_hits[KVF_KV_TIER_POOL])
+        kvf_metric_set(w->m_tier_hits[KVF_KV_TIER_POOL], (double)(ps->hit_blocks - lower_hits));
+    if (w->m_tier_corrupt)
+        kvf_metric_set(w->m_tier_corrupt, (double)ts.tier[KVF_KV_TIER_DISK].corrupt);
+}
+
+/* kvf_kv_tier_cfg.on_promote (loop thread, inside a prefix lookup): the latency histogram and
+ * the EWMA the load reports carry (the router prices a tier hit by it). */
+static void on_promote(void *ctx, kvf_kv_tier_kind tier, double seconds)
+{
+    kvf_worker *w = ctx;
+    if (tier < KVF_KV_TIER_HOST || tier > KVF_KV_TIER_DISK)
+        return;
+    double *e = &w->promote_ewma[tier];
+    *e = *e > 0 ? 0.9 * *e + 0.1 * seconds : (seconds > 0 ? seconds : 1e-9);
+    if (w->m_tier_promote_s[tier])
+        kvf_metric_observe(w->m_tier_promote_s[tier], seconds);
+}
+
 static void publish_load(kvf_worker *w)
 {
     kvf_worker_load l = {0};
@@ -539,6 +608,10 @@ static void publish_load(kvf_worker *w)
     l.free_blocks = ps.free;
     l.cached_blocks = ps.cached + ps.pinned;
     l.used_blocks = ps.used;
+    l.host_promote_s_per_block = w->promote_ewma[KVF_KV_TIER_HOST];
+    l.disk_promote_s_per_block = w->promote_ewma[KVF_KV_TIER_DISK];
+    if (w->tier)
+        publish_tiers(w, &ps);
     if (w->hooks.fill_load)
         w->hooks.fill_load(w->hooks.ctx, &l);
     pthread_mutex_lock(&w->mu);
@@ -747,6 +820,90 @@ static kvf_status add_metric(kvf_worker *w, int gauge, const char *name, const c
     snprintf(labels, sizeof labels, "role=\"%s\"", w->role == KVF_WORKER_PREFILL ? "prefill" : "decode");
     return gauge ? kvf_metrics_gauge(w->metrics, name, labels, help, out, err)
                  : kvf_metrics_counter(w->metrics, name, labels, help, out, err);
+}
+
+/* One series per tier: name{role="...",tier="host"}; a histogram when bounds is set. */
+static kvf_status add_tier_metric(kvf_worker *w, int gauge, int tier, const char *name,
+                                  const char *help, const double *bounds, size_t n_bounds,
+                                  kvf_metric **out, kvf_err *err)
+{
+    static const char *names[] = {"pool", "host", "disk"};
+    char labels[96];
+    snprintf(labels, sizeof labels, "role=\"%s\",tier=\"%s\"",
+             w->role == KVF_WORKER_PREFILL ? "prefill" : "decode", names[tier]);
+    if (bounds)
+        return kvf_metrics_histogram(w->metrics, name, labels, help, bounds, n_bounds, out, err);
+    return gauge ? kvf_metrics_gauge(w->metrics, name, labels, help, out, err)
+                 : kvf_metrics_counter(w->metrics, name, labels, help, out, err);
+}
+
+/* The tier series, registered only when this worker has tiers (/metrics is as before without). */
+static kvf_status add_tier_metrics(kvf_worker *w, kvf_err *err)
+{
+    static const double bounds[] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1};
+    kvf_kv_tier_stats ts;
+    kvf_kv_tier_get_stats(w->tier, &ts);
+    kvf_status st;
+    if ((st = add_tier_metric(w, 0, KVF_KV_TIER_POOL, "kvfleet_kv_tier_hit_blocks_total",
+                              "prompt blocks a prefix lookup found, by the tier that held them",
+                              NULL, 0, &w->m_tier_hits[0], err)) != KVF_OK)
+        return st;
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        if (ts.tier[k].capacity == 0)
+            continue;
+        if ((st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_hit_blocks_total", "prompt blocks a prefix lookup found, by the tier that held them", NULL, 0, &w->m_tier_hits[k], err)) ||
+            (st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_demoted_blocks_total", "KV blocks moved down into this tier", NULL, 0, &w->m_tier_demoted[k], err)) ||
+            (st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_promoted_blocks_total", "KV blocks copied back from this tier into the pool", NULL, 0, &w->m_tier_promoted[k], err)) ||
+            (st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_demoted_bytes_total", "KV bytes moved down into this tier", NULL, 0, &w->m_tier_demoted_bytes[k], err)) ||
+            (st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_promoted_bytes_total", "KV bytes copied back from this tier into the pool", NULL, 0, &w->m_tier_promoted_bytes[k], err)) ||
+            (st = add_tier_metric(w, 0, k, "kvfleet_kv_tier_promote_seconds", "time to promote one block from this tier into the pool", bounds, sizeof bounds / sizeof *bounds, &w->m_tier_promote_s[k], err)) ||
+            (st = add_tier_metric(w, 1, k, "kvfleet_kv_tier_used_blocks", "KV blocks held in this tier", NULL, 0, &w->m_tier_used[k], err)) ||
+            (st = add_tier_metric(w, 1, k, "kvfleet_kv_tier_capacity_blocks", "KV blocks this tier can hold", NULL, 0, &w->m_tier_capacity[k], err)))
+            return st;
+    }
+    if (ts.tier[KVF_KV_TIER_DISK].capacity > 0 &&
+        (st = add_tier_metric(w, 0, KVF_KV_TIER_DISK, "kvfleet_kv_tier_corrupt_blocks_total",
+                              "disk tier reads refused (length, checksum or header): misses",
+                              NULL, 0, &w->m_tier_corrupt, err)) != KVF_OK)
+        return st;
+    return KVF_OK;
+}
+
+/* --kv-host-memory, --kv-disk-dir, --kv-disk-bytes: the tiers under the pool, or none. Errors
+ * name the flag, the value and what is allowed. */
+static kvf_status make_tiers(kvf_worker *w, const kvf_worker_cfg *cfg, const char *rn,
+                             kvf_err *err)
+{
+    bool disk = cfg->kv_disk_dir && *cfg->kv_disk_dir;
+    int64_t bb = w->layout.block_bytes;
+    if (cfg->kv_host_memory < 0 || (cfg->kv_host_memory > 0 && cfg->kv_host_memory < bb))
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-host-memory=%lld holds no KV block "
+                           "(one is %lld bytes; use 0 for no host tier, or at least %lld)", rn,
+                           (long long)cfg->kv_host_memory, (long long)bb, (long long)bb);
+    if (cfg->kv_disk_bytes < 0 || (!disk && cfg->kv_disk_bytes > 0))
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-bytes=%lld is not allowed "
+                           "(a size of at least one block, with --kv-disk-dir)", rn,
+                           (long long)cfg->kv_disk_bytes);
+    if (disk && cfg->kv_host_memory == 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-host-memory "
+                           "(the disk tier sits under the host tier)", rn, cfg->kv_disk_dir);
+    if (disk && cfg->kv_disk_bytes <= bb)
+        return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-disk-bytes of "
+                           "more than one KV block (%lld bytes); it is %lld", rn, cfg->kv_disk_dir,
+                           (long long)bb, (long long)cfg->kv_disk_bytes);
+    if (cfg->kv_host_memory == 0)
+        return KVF_OK;
+    kvf_kv_tier_cfg tc = {.host_bytes = cfg->kv_host_memory, .disk_dir = disk ? cfg->kv_disk_dir : NULL,
+                          .disk_bytes = disk ? cfg->kv_disk_bytes : 0, .on_promote = on_promote,
+                          .promote_ctx = w};
+    kvf_status st = kvf_kv_tier_create(&tc, &w->layout, &w->tier, err);
+    if (st == KVF_OK)
+        return KVF_OK;
+    if (disk)
+        return kvf_err_prefix(err, "%s: --kv-host-memory=%lld --kv-disk-dir=%s --kv-disk-bytes=%lld",
+                              rn, (long long)cfg->kv_host_memory, cfg->kv_disk_dir,
+                              (long long)cfg->kv_disk_bytes);
+    return kvf_err_prefix(err, "%s: --kv-host-memory=%lld", rn, (long long)cfg->kv_host_memory);
 }
 
 /* The transport --xfer-backend names (auto: cuda_ipc for a device pool, ucx for a host one),
@@ -991,6 +1148,9 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
     ec.tokenizer_dir = cfg->model; /* constrained decoding masks its tokens */
     ec.on_event = on_kv_event;
     ec.event_ctx = w;
+    if ((st = make_tiers(w, cfg, rn, err)) != KVF_OK)
+        goto fail;
+    ec.kv_tier = w->tier;
     if ((st = kvf_engine_create(w->model, be, &ec, &w->engine, err)) != KVF_OK)
         goto fail;
     w->pool = kvf_engine_pool(w->engine);
@@ -1043,6 +1203,8 @@ kvf_status kvf_worker_create(const kvf_worker_cfg *cfg, kvf_worker_role role, kv
         (st = add_metric(w, 1, "vllm:num_requests_waiting", "requests queued (Inference Extension TotalQueuedRequests)", &w->m_gie_waiting, err)) ||
         (st = add_metric(w, 1, "vllm:num_requests_running", "requests running (Inference Extension TotalRunningRequests)", &w->m_gie_running, err)) ||
         (st = add_metric(w, 1, "vllm:gpu_cache_usage_perc", "KV cache utilisation 0..1 (Inference Extension KVCacheUtilization)", &w->m_gie_kv_usage, err)))
+        goto fail;
+    if (w->tier && (st = add_tier_metrics(w, err)) != KVF_OK)
         goto fail;
     if (gpu && ((st = add_metric(w, 1, "kvfleet_gpu_memory_used_bytes", "GPU memory in use, all processes (cudaMemGetInfo)", &w->m_gpu_used, err)) ||
                 (st = add_metric(w, 0, "kvfleet_cuda_graph_replays_total", "decode steps replayed from a CUDA graph", &w->m_graph_replays, err)) ||
@@ -1175,6 +1337,7 @@ void kvf_worker_destroy(kvf_worker *w)
     kvf_xfer_destroy(w->xfer);
     free(w->desc);
     kvf_engine_destroy(w->engine);
+    kvf_kv_tier_destroy(w->tier); /* after the pool it served */
     kvf_model_destroy(w->model);
     kvf_metrics_destroy(w->metrics);
     free(w->evs.hashes);

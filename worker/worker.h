@@ -45,6 +45,9 @@ typedef struct kvf_worker_cfg {
                                * channel, NCCL bootstrap); NULL: the --listen host;
                                * 0.0.0.0 or ::: every interface */
     int64_t kv_memory;        /* KV pool bytes (when kv_blocks is 0) */
+    int64_t kv_host_memory;   /* host KV tier bytes under the pool; 0: none (kv/tier.h) */
+    const char *kv_disk_dir;  /* disk KV tier directory under the host tier; NULL: none */
+    int64_t kv_disk_bytes;    /* disk KV tier bytes (with kv_disk_dir) */
     int32_t kv_blocks;        /* KV pool blocks; 0: from kv_memory */
     int32_t block_size;
     const char *kv_dtype;     /* f32, f16, bf16 */
@@ -152,6 +155,8 @@ void kvf_worker_flush_events(kvf_worker *w);
 typedef struct kvf_worker_load {
     int32_t running, waiting;
     int32_t total_blocks, free_blocks, cached_blocks, used_blocks; /* used: held by sequences */
+    /* EWMA of measured seconds per block promoted from the host / disk tier; 0: none yet */
+    double host_promote_s_per_block, disk_promote_s_per_block;
 } kvf_worker_load;
 void kvf_worker_load_get(kvf_worker *w, kvf_worker_load *out);
 

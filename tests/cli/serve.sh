@@ -36,4 +36,5 @@ err=$("$KVF_BIN" bench serve --model "$fx" --workload nope 2>&1 >/dev/null); rc=
 set -e
 expect_eq "bad workload exit code" "$rc" 2
 expect_contains "bad workload message" "$err" "--workload=nope is not known"
+expect_contains "bad workload lists them all" "$err" "(use mixes, multiturn, multiturn-tier, tenants or secure)"
 finish

@@ -1,7 +1,8 @@
 /* test_workers.c: the worker roles end to end: real `kvfleet decode` / `kvfleet prefill`
  * processes (KVF_BIN) on ephemeral loopback ports, driven through the Generate stream. Greedy
  * tokens must equal every model fixture in colocated and disaggregated mode; a prefill worker
- * killed mid-request must not fail the request; a cancelled stream must return its blocks. */
+ * killed mid-request must not fail the request; a cancelled stream must return its blocks; with
+ * a host KV tier, WatchKv names the tier of each block and load reports the promotion time. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -520,7 +521,10 @@ typedef struct watch {
     int n_loads;
     int64_t total_blocks;
     uint64_t stored[4096], parents[4096];
+    int32_t stored_tier[4096];  /* KVF_RPC_TIER_* of each STORED hash, in order */
     size_t n_stored, n_snapshot;
+    size_t n_snapshot_tier[3];  /* snapshot blocks per tier */
+    double host_promote_s;      /* the last load report's */
 } watch;
 
 static void watch_open(watch *w, const char *target)
@@ -556,12 +560,15 @@ static void watch_read(watch *w, size_t want_stored, int64_t ms)
         if (r->is_load) {
             w->n_loads++;
             w->total_blocks = r->load.total_blocks;
+            w->host_promote_s = r->load.host_promote_s_per_block;
         } else {
             const kvf_rpc_kv_event *ev = &r->event;
             if (ev->kind == KVF_RPC_KV_SNAPSHOT) {
                 assert_false(w->snapshot_done);
                 w->last_seq = ev->seq; /* a snapshot carries the seq of the last delta in it */
                 w->n_snapshot += ev->n;
+                assert_true(ev->tier >= 0 && ev->tier <= 2);
+                w->n_snapshot_tier[ev->tier] += ev->n;
                 w->snapshot_done = ev->snapshot_done;
             } else {
                 assert_true(w->snapshot_done);
@@ -571,6 +578,7 @@ static void watch_read(watch *w, size_t want_stored, int64_t ms)
                     /* parents parallel to the blocks (the decoder checked the counts match) */
                     assert_true(ev->n == 0 || ev->parent_hashes != NULL);
                     for (size_t i = 0; i < ev->n && w->n_stored < 4096; i++) {
+                        w->stored_tier[w->n_stored] = ev->tier;
                         w->parents[w->n_stored] = ev->parent_hashes[i];
                         w->stored[w->n_stored++] = ev->block_hashes[i];
                     }
@@ -663,6 +671,85 @@ static void test_watch_kv_snapshot_and_deltas(void **state)
         kvf_sleep_ms(10);
     }
     assert_true(n_watch == 0);
+    json_decref(exp);
+    assert_int_equal(proc_stop(&dec), 0);
+}
+
+/* Index of the first STORED of h in tier from index `from` on; -1 when none. */
+static long stored_at(const watch *w, uint64_t h, int32_t tier, long from)
+{
+    for (size_t i = (size_t)(from < 0 ? 0 : from); i < w->n_stored; i++)
+        if (w->stored[i] == h && w->stored_tier[i] == tier)
+            return (long)i;
+    return -1;
+}
+
+/* A decode worker with a host KV tier under a 16-block pool: a prompt's blocks pushed out by a
+ * longer one are published as STORED in the host tier, and when the prompt comes again as STORED
+ * in the pool (promoted), with the right tokens; load reports then carry a measured host
+ * promotion time, and a new watcher's snapshot lists blocks of the host tier under that tier. */
+static void test_watch_kv_tiers(void **state)
+{
+    (void)state;
+    const char *model = "tiny-gqa-f32";
+    proc dec = {0};
+    proc_start(&dec, "decode", model, "--kv-blocks", "16", "--kv-host-memory", "1M", NULL);
+    json_t *exp = load_expected(model);
+    json_t *c4 = json_array_get(json_object_get(exp, "cases"), 4); /* 100 tokens */
+    int32_t prompt[256], filler[200], got[64], want[64];
+    size_t np, nwz;
+    int32_t ng;
+    ids_of(json_object_get(c4, "prompt"), prompt, &np);
+    ids_of(json_object_get(c4, "greedy"), want, &nwz);
+    int32_t nw = (int32_t)nwz;
+    for (int i = 0; i < 200; i++)
+        filler[i] = 3 + (i * 7919 + 104729) % 310;
+    watch a;
+    watch_open(&a, dec.grpc);
+    watch_read(&a, 0, 10000);
+    assert_true(a.snapshot_done);
+    assert_int_equal(generate(dec.grpc, "tier-1", prompt, np, nw, NULL, got, 64, &ng), KVF_OK);
+    assert_int_equal(ng, nw);
+    assert_memory_equal(got, want, (size_t)nw * sizeof *got);
+    assert_int_equal(generate(dec.grpc, "tier-2", filler, 200, 8, NULL, got, 64, &ng), KVF_OK);
+    uint64_t h[8];
+    size_t nh = kvf_kv_hash_blocks(kvf_kv_hash_root(model, NULL, 0), prompt, np, 16, h);
+    assert_int_equal(nh, 6);
+    watch_read(&a, 100000, 2000); /* everything so far */
+    long first_host = -1;
+    for (size_t i = 0; i < nh; i++)
+        if ((first_host = stored_at(&a, h[i], KVF_RPC_TIER_HOST, 0)) >= 0)
+            break;
+    assert_true(first_host >= 0); /* some prompt block went down to the host tier */
+    assert_int_equal(generate(dec.grpc, "tier-3", prompt, np, nw, NULL, got, 64, &ng), KVF_OK);
+    assert_int_equal(ng, nw);
+    assert_memory_equal(got, want, (size_t)nw * sizeof *got);
+    watch_read(&a, 100000, 2000);
+    int promoted = 0;
+    for (size_t i = 0; i < nh; i++) {
+        long down = stored_at(&a, h[i], KVF_RPC_TIER_HOST, 0);
+        if (down < 0)
+            continue;
+        /* stored in the pool first, moved down, then up again (promoted) */
+        long first = stored_at(&a, h[i], KVF_RPC_TIER_POOL, 0);
+        assert_true(first >= 0 && first < down);
+        assert_true(stored_at(&a, h[i], KVF_RPC_TIER_POOL, down) > down);
+        promoted++;
+    }
+    assert_true(promoted >= 1);
+    for (int i = 0; i < 25 && a.host_promote_s <= 0; i++)
+        watch_read(&a, 100000, 200); /* load reports every 100 ms */
+    assert_true(a.host_promote_s > 0 && a.host_promote_s < 1);
+    /* a new watcher: the snapshot names the host tier's blocks (the filler's, pushed down) */
+    watch b;
+    watch_open(&b, dec.grpc);
+    watch_read(&b, 0, 10000);
+    assert_true(b.snapshot_done);
+    assert_true(b.n_snapshot_tier[KVF_RPC_TIER_HOST] >= 1);
+    assert_true(b.n_snapshot_tier[KVF_RPC_TIER_POOL] >= 6);
+    assert_true(metric(dec.admin_port, "kvfleet_kv_tier_promoted_blocks_total{role=\"decode\",tier=\"host\"}") >= 1);
+    watch_close(&b);
+    watch_close(&a);
     json_decref(exp);
     assert_int_equal(proc_stop(&dec), 0);
 }
@@ -882,6 +969,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cancel_mid_stream_frees_blocks, kill_leftovers),
         cmocka_unit_test_teardown(test_prefill_timeout_falls_back, kill_leftovers),
         cmocka_unit_test_teardown(test_watch_kv_snapshot_and_deltas, kill_leftovers),
+        cmocka_unit_test_teardown(test_watch_kv_tiers, kill_leftovers),
         cmocka_unit_test_teardown(test_shutdown_mid_stream, kill_leftovers),
         cmocka_unit_test_teardown(test_cancel_rpc_health_and_deadline, kill_leftovers),
         cmocka_unit_test_teardown(test_concurrent_disaggregated, kill_leftovers),

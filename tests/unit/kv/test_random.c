@@ -3,7 +3,9 @@
  * model: each sequence's tokens and the KV value every position must hold (a hash of its
  * prefix), the set of cached hashes rebuilt from the events alone (what a router sees), and a
  * plain count of the blocks each operation needs. After every operation: the pool and swap
- * invariant checkers, every live position's KV bytes, and used blocks == distinct held ids. */
+ * invariant checkers, every live position's KV bytes, and used blocks == distinct held ids.
+ * The same runs again with host and disk tiers under the pool (kv/tier.h): the event-built set
+ * then tracks each hash's tier, and promoted blocks must hold their values. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,7 +15,10 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include <unistd.h>
+
 #include "kvtest.h"
+#include "kv/tier.h"
 
 #define BS 4
 #define N_BLOCKS 48
@@ -21,6 +26,9 @@
 #define N_SEQS 12
 #define MAX_TOK 160
 #define N_OPS 30000
+#define N_HOST 16
+#define N_DISK 16
+#define MAX_CACHED (N_BLOCKS + N_HOST + N_DISK)
 
 typedef struct model_seq {
     kvf_kv_seq s;
@@ -34,8 +42,11 @@ typedef struct world {
     kt_env env;
     kvf_kv_swap *swap;
     model_seq m[N_SEQS];
-    uint64_t cached[N_BLOCKS]; /* hashes known from STORED minus REMOVED events */
+    uint64_t cached[MAX_CACHED]; /* hashes known from STORED minus REMOVED events */
+    int32_t cached_tier[MAX_CACHED]; /* the tier the last STORED of each named */
     int n_cached;
+    kvf_kv_tier *tier; /* NULL: a pool without tiers */
+    char dir[64];
     int ev_seen;
     uint64_t rng;
     uint64_t roots[2];
@@ -66,12 +77,18 @@ static void absorb_events(world *w)
         for (int i = 0; i < w->n_cached; i++)
             if (w->cached[i] == ev->hash)
                 at = i;
-        if (ev->type == KVF_KV_EVENT_STORED) {
-            assert_int_equal(at, -1); /* never stored twice */
-            assert_true(w->n_cached < N_BLOCKS);
+        if (ev->type == KVF_KV_EVENT_STORED && at >= 0) {
+            /* stored again only as a move to another tier */
+            assert_non_null(w->tier);
+            assert_int_not_equal(w->cached_tier[at], ev->tier);
+            w->cached_tier[at] = ev->tier;
+        } else if (ev->type == KVF_KV_EVENT_STORED) {
+            assert_true(w->n_cached < (w->tier ? MAX_CACHED : N_BLOCKS));
+            w->cached_tier[w->n_cached] = ev->tier;
             w->cached[w->n_cached++] = ev->hash;
         } else {
             assert_int_not_equal(at, -1); /* only what was stored is removed */
+            w->cached_tier[at] = w->cached_tier[w->n_cached - 1];
             w->cached[at] = w->cached[--w->n_cached];
         }
     }
@@ -160,7 +177,10 @@ static void snap_check(void *ctx, const kvf_kv_event *ev)
     snap_ctx *c = ctx;
     bool found = false;
     for (int i = 0; i < c->w->n_cached; i++)
-        found |= c->w->cached[i] == ev->hash;
+        if (c->w->cached[i] == ev->hash) {
+            found = true;
+            assert_int_equal(c->w->cached_tier[i], ev->tier); /* where the events said */
+        }
     assert_true(found);
     assert_true(ev->type == KVF_KV_EVENT_STORED && ev->tokens && ev->n_tokens == BS);
     c->n++;
@@ -196,7 +216,7 @@ static void verify(world *w)
     kvf_kv_pool_stats st;
     kvf_kv_pool_get_stats(p, &st);
     assert_int_equal(st.used, distinct);
-    assert_true(w->n_cached <= N_BLOCKS);
+    assert_true(w->n_cached <= (w->tier ? MAX_CACHED : N_BLOCKS));
     /* a snapshot lists exactly the set the events built */
     snap_ctx sc = {w, 0};
     assert_int_equal(kvf_kv_prefix_snapshot(p, snap_check, &sc), w->n_cached);
@@ -242,8 +262,14 @@ static void op_new(world *w)
     assert_int_equal(kvf_kv_prefix_probe(w->env.pool, q->s.root, q->tok, len - 1), expect);
     int64_t hit = -1;
     kvf_err err = {0};
+    int32_t avail0 = kvf_kv_pool_available(w->env.pool);
     assert_int_equal(kvf_kv_prefix_lookup(&q->s, q->tok, len - 1, &hit, &err), KVF_OK);
-    assert_int_equal(hit, (int64_t)expect * BS);
+    /* with tiers, each block brought up takes a pool block: all of them when that many are
+     * available (a pool hit takes at most one too), else a prefix of them */
+    if (!w->tier || avail0 >= expect)
+        assert_int_equal(hit, (int64_t)expect * BS);
+    else
+        assert_true(hit <= (int64_t)expect * BS);
     q->n = hit; /* the hit positions already hold the right values: verify checks them */
     int32_t avail = kvf_kv_pool_available(w->env.pool);
     int64_t need = kvf_kv_blocks_for(len, BS) - q->s.n_blocks;
@@ -369,13 +395,27 @@ static void op_pin(world *w)
     assert_true(n >= 0 && n <= 2);
 }
 
-static void run(uint64_t seed)
+static void run(uint64_t seed, bool tiers)
 {
     world *w = calloc(1, sizeof *w);
     assert_non_null(w);
     w->rng = seed | 1;
-    kt_open(&w->env, N_BLOCKS, BS, 400);
     kvf_err err = {0};
+    if (tiers) {
+        memset(&w->env, 0, sizeof w->env);
+        w->env.now = 1000;
+        kvf_kv_pool_cfg c = kt_cfg(&w->env, N_BLOCKS, BS);
+        c.retention_ns = 400;
+        snprintf(w->dir, sizeof w->dir, "/tmp/kvf-rand-XXXXXX");
+        assert_non_null(mkdtemp(w->dir));
+        kvf_kv_tier_cfg tc = {.host_bytes = N_HOST * c.layout.block_bytes, .disk_dir = w->dir,
+                              .disk_bytes = N_DISK * (48 + BS * 4 + c.layout.block_bytes)};
+        assert_int_equal(kvf_kv_tier_create(&tc, &c.layout, &w->tier, &err), KVF_OK);
+        c.tier = w->tier;
+        assert_int_equal(kvf_kv_pool_create(&c, &w->env.pool, &err), KVF_OK);
+    } else {
+        kt_open(&w->env, N_BLOCKS, BS, 400);
+    }
     assert_int_equal(kvf_kv_swap_create(w->env.pool, N_SLOTS_SWAP, &w->swap, &err), KVF_OK);
     w->roots[0] = kvf_kv_hash_root("rand", NULL, 0);
     w->roots[1] = kvf_kv_hash_root("rand", "salt", 4);
@@ -407,14 +447,28 @@ static void run(uint64_t seed)
     }
     kvf_kv_pool_stats st;
     kvf_kv_pool_get_stats(w->env.pool, &st);
-    fprintf(stderr, "seed %llu: %lld ok, %lld full; hits %lld of %lld blocks, %lld stored, "
-            "%lld evicted, %lld expired, %lld copy-on-write\n", (unsigned long long)seed,
-            (long long)w->ok, (long long)w->full, (long long)st.hit_blocks,
-            (long long)st.lookup_blocks, (long long)st.stored, (long long)st.evicted,
-            (long long)st.expired, (long long)st.cow_copies);
+    fprintf(stderr, "seed %llu%s: %lld ok, %lld full; hits %lld of %lld blocks, %lld stored, "
+            "%lld evicted, %lld expired, %lld copy-on-write, %lld demoted, %lld promoted\n",
+            (unsigned long long)seed, tiers ? " (tiers)" : "", (long long)w->ok,
+            (long long)w->full, (long long)st.hit_blocks, (long long)st.lookup_blocks,
+            (long long)st.stored, (long long)st.evicted, (long long)st.expired,
+            (long long)st.cow_copies, (long long)st.demoted, (long long)st.promoted);
     /* the run must have exercised the interesting paths */
     assert_true(st.hit_blocks > 100 && st.evicted > 100 && st.cow_copies > 10 && w->full > 10 &&
                 st.expired > 10);
+    if (tiers) {
+        kvf_kv_tier_stats ts;
+        kvf_kv_tier_get_stats(w->tier, &ts);
+        fprintf(stderr, "  host: %lld promoted, %lld dropped; disk: %lld demoted, %lld promoted, "
+                "%lld dropped\n", (long long)ts.tier[KVF_KV_TIER_HOST].promoted,
+                (long long)ts.tier[KVF_KV_TIER_HOST].dropped,
+                (long long)ts.tier[KVF_KV_TIER_DISK].demoted,
+                (long long)ts.tier[KVF_KV_TIER_DISK].promoted,
+                (long long)ts.tier[KVF_KV_TIER_DISK].dropped);
+        assert_true(ts.tier[KVF_KV_TIER_HOST].promoted > 50 &&
+                    ts.tier[KVF_KV_TIER_DISK].promoted > 10 &&
+                    ts.tier[KVF_KV_TIER_DISK].dropped > 10);
+    }
     for (int i = 0; i < N_SEQS; i++)
         if (w->m[i].live)
             kvf_kv_seq_fini(&w->m[i].s);
@@ -425,6 +479,9 @@ static void run(uint64_t seed)
     assert_int_equal(kvf_kv_swap_slots_free(w->swap), N_SLOTS_SWAP);
     kvf_kv_swap_destroy(w->swap);
     kvf_kv_pool_destroy(w->env.pool);
+    kvf_kv_tier_destroy(w->tier);
+    if (w->dir[0])
+        rmdir(w->dir);
     free(w);
 }
 
@@ -432,11 +489,14 @@ static void test_random_ops(void **state)
 {
     const char *s = getenv("KVF_SEED");
     if (s && *s) {
-        run(strtoull(s, NULL, 10));
+        run(strtoull(s, NULL, 10), false);
+        run(strtoull(s, NULL, 10), true);
         return;
     }
-    run(1);
-    run(20261125);
+    run(1, false);
+    run(20261125, false);
+    run(1, true);
+    run(20261125, true);
 }
 
 int main(void)

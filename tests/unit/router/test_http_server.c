@@ -2,7 +2,7 @@
  * served in this process (the Worker service's Info, Health and Generate on kvf_rpc): errors,
  * plain and SSE answers, n > 1, 64 concurrent streams, retry before the first token, cancel on
  * client disconnect, 429 when saturated, a loop that wakes on stream messages rather than a clock,
- * one KV block size for the fleet.
+ * one KV block size for the fleet, KV tiers and approximate mode over a fake WatchKv stream.
  * Real workers are tests/e2e's. */
 #include <setjmp.h>
 #include <signal.h>
@@ -45,6 +45,10 @@ typedef struct fake {
     atomic_int n_generate, n_cancelled;
     atomic_int last_prior, last_n_tokens; /* of the last GenerateRequest */
     atomic_int block_size;                /* what Info says (0: 16) */
+    atomic_int n_watch_sent;              /* WatchKv messages sent (all streams) */
+    atomic_int n_health;                  /* Health calls answered */
+    atomic_int slow_health;               /* the next this many Health answers come 800 ms late
+                                             (-1: every one) */
     char last_id[128];
     pthread_mutex_t mu;
 } fake;
@@ -74,8 +78,16 @@ static kvf_status fake_info(void *ctx, kvf_rpc_call *call, kvf_rpc_info *r, kvf_
 
 static kvf_status fake_health(void *ctx, kvf_rpc_call *call, kvf_rpc_health *r, kvf_err *err)
 {
-    (void)ctx, (void)call, (void)err;
+    (void)call, (void)err;
+    fake *f = ctx;
+    int slow = atomic_load(&f->slow_health);
+    if (slow != 0) {
+        if (slow > 0)
+            atomic_fetch_sub(&f->slow_health, 1);
+        kvf_sleep_ms(800); /* past the router's 500 ms deadline */
+    }
     r->status = KVF_RPC_SERVING;
+    atomic_fetch_add(&f->n_health, 1);
     return KVF_OK;
 }
 
@@ -166,6 +178,36 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g
 }
 
 /* A fake whose Info says block_size (0: 16). */
+/* WatchKv as a worker with a host tier streams it: a snapshot in two parts (blocks 0-1 in the
+ * pool, 2-3 in host memory), block 1 demoted to host (a STORED of a held block), block 3 removed,
+ * a load report with a measured host promotion time; then nothing until the router leaves (10 s
+ * at most). The index should end with block 0 in the pool and blocks 1 and 2 in host memory. */
+static void fake_watch(void *ctx, kvf_rpc_call *call, kvf_rpc_watch_req *req)
+{
+    fake *f = ctx;
+    free(req);
+    static const uint64_t h[4] = {0x1111, 0x2222, 0x3333, 0x4444}, par[4] = {0, 0x1111, 0x2222, 0x3333};
+    int32_t bs = atomic_load(&f->block_size) ? atomic_load(&f->block_size) : 16;
+    kvf_rpc_watch_msg m[5] = {
+        {.event = {.seq = 1, .kind = KVF_RPC_KV_SNAPSHOT, .block_hashes = h, .parent_hashes = par, .n = 2,
+                   .block_size = bs, .model_id = "tiny-gqa-f32", .tier = KVF_RPC_TIER_POOL}},
+        {.event = {.seq = 1, .kind = KVF_RPC_KV_SNAPSHOT, .block_hashes = h + 2, .parent_hashes = par + 2, .n = 2,
+                   .block_size = bs, .model_id = "tiny-gqa-f32", .snapshot_done = true, .tier = KVF_RPC_TIER_HOST}},
+        {.event = {.seq = 2, .kind = KVF_RPC_KV_STORED, .block_hashes = h + 1, .parent_hashes = par + 1, .n = 1,
+                   .block_size = bs, .model_id = "tiny-gqa-f32", .tier = KVF_RPC_TIER_HOST}},
+        {.event = {.seq = 3, .kind = KVF_RPC_KV_REMOVED, .block_hashes = h + 3, .n = 1, .block_size = bs,
+                   .model_id = "tiny-gqa-f32"}},
+        {.is_load = true, .load = {.total_blocks = 100, .free_blocks = 96, .host_promote_s_per_block = 1e-3}},
+    };
+    kvf_err e = {0};
+    for (int i = 0; i < 5; i++)
+        if (kvf_rpc_call_send_watch(call, &m[i], &e) == KVF_OK)
+            atomic_fetch_add(&f->n_watch_sent, 1);
+    for (int i = 0; i < 2000 && !kvf_rpc_call_is_cancelled(call); i++)
+        kvf_sleep_ms(5);
+    kvf_rpc_call_finish(call, kvf_rpc_call_is_cancelled(call) ? KVF_ERR_CANCELLED : KVF_OK, NULL);
+}
+
 static void fake_start_bs(fake *f, int mode, int32_t block_size)
 {
     memset(f, 0, sizeof *f);
@@ -178,6 +220,7 @@ static void fake_start_bs(fake *f, int mode, int32_t block_size)
     assert_int_equal(kvf_rpc_serve_info(f->srv, fake_info, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_serve_health(f->srv, fake_health, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_serve_generate(f->srv, fake_generate, f, &e), KVF_OK);
+    assert_int_equal(kvf_rpc_serve_watch(f->srv, fake_watch, f, &e), KVF_OK);
     assert_int_equal(kvf_rpc_server_start(f->srv, &e), KVF_OK);
     f->port = kvf_rpc_server_port(f->srv);
 }
@@ -334,6 +377,8 @@ static const char *g_decode_dns; /* set by the DNS test */
 static int32_t g_block_size;      /* set by the block size test */
 static int32_t g_max_model_len;   /* set by the tool calls test (the tiny tokenizer is verbose) */
 static const char *g_tool_parser; /* set by the tool calls test */
+static const char *g_policy;      /* set by the KV tiers test (NULL: round-robin) */
+static const kvf_router_kv_cfg *g_kv; /* set by the KV tiers test */
 
 static void router_start_model(fixture *x, const char *model, const char *decode, int max_inflight)
 {
@@ -346,7 +391,8 @@ static void router_start_model(fixture *x, const char *model, const char *decode
     c.host = "127.0.0.1";
     c.model = model;
     c.served_name = "tiny-gqa-f32";
-    c.policy = "round-robin";
+    c.policy = g_policy ? g_policy : "round-robin";
+    c.kv = g_kv;
     c.max_inflight = max_inflight;
     c.fleet.decode = decode;
     c.fleet.health_interval_ms = 100;
@@ -1073,6 +1119,54 @@ static bool bs_log_has(const char *a, const char *b, const char *c)
     return false;
 }
 
+/* A Health answer that is merely late (a loaded host) does not take a healthy worker out: two
+ * late answers in a row leave it serving, as the router never says "no decode worker" in
+ * between; a worker late every time goes out after the third and comes back when it answers in
+ * time. (Before, one late answer took the only worker out and requests got 503.) */
+static void test_late_health_tolerated(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_OK);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    router_start(&x, d, 256);
+    wait_ready(&x, 200);
+    int base = atomic_load(&x.f[0].n_health);
+    atomic_store(&x.f[0].slow_health, 2);
+    int64_t end = kvf_now_ns() + 60000000000LL;
+    resp r;
+    /* the two late answers, then one in time: the worker stays in the whole while */
+    while (atomic_load(&x.f[0].n_health) < base + 3 && kvf_now_ns() < end) {
+        http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+        if (!strstr(r.body, "kvfleet_router_healthy_workers{role=\"decode\"} 1\n"))
+            fail_msg("the worker went out after %d late Health answers",
+                     atomic_load(&x.f[0].n_health) - base);
+        free(r.body);
+        kvf_sleep_ms(20);
+    }
+    assert_true(atomic_load(&x.f[0].n_health) >= base + 3);
+    http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":3}",
+         NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    /* late every time: out after the third */
+    atomic_store(&x.f[0].slow_health, -1);
+    bool out = false;
+    while (!out && kvf_now_ns() < end) {
+        http(x.r.port, "GET", "/metrics", NULL, NULL, &r);
+        out = strstr(r.body, "kvfleet_router_healthy_workers{role=\"decode\"} 0\n") != NULL;
+        free(r.body);
+        kvf_sleep_ms(20);
+    }
+    assert_true(out);
+    atomic_store(&x.f[0].slow_health, 0);
+    wait_ready(&x, 200);
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+}
+
 /* One KV block size for the whole fleet (DESIGN section 3), checked at Info: the first worker's
  * Info sets it, and a worker whose Info disagrees is refused (never healthy, never sent a
  * request) with a warning naming both sizes and its address. A configured size refuses even the
@@ -1591,6 +1685,76 @@ static void test_wire_framing_json(void **state)
     router_stop(&x);
 }
 
+/* /metrics has this line (polled for up to 5 s). */
+static void wait_metric(fixture *x, const char *line)
+{
+    resp r;
+    for (int i = 0; i < 100; i++) {
+        http(x->r.port, "GET", "/metrics", NULL, NULL, &r);
+        bool found = strstr(r.body, line) != NULL;
+        if (found || i == 99) {
+            if (!found)
+                fail_msg("/metrics never had %s:\n%s", line, r.body);
+            free(r.body);
+            return;
+        }
+        free(r.body);
+        kvf_sleep_ms(50);
+    }
+}
+
+/* Issue 22 over a real WatchKv stream: under the kv policy the worker's snapshot parts, tier
+ * moves and removals reach the index with their tiers (/metrics per tier); under --approx the
+ * same stream's events are ignored (the index holds only the router's predictions, in the pool
+ * tier) and /ready waits for no snapshot. */
+static void test_kv_tiers_over_watch(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_OK);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    g_policy = "kv";
+    router_start(&x, d, 256);
+    wait_ready(&x, 200); /* under kv: after the snapshot */
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"host\"} 2\n");
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"pool\"} 1\n");
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"disk\"} 0\n");
+    wait_metric(&x, "kvfleet_router_index_blocks{role=\"decode\"} 3\n");
+    router_stop(&x);
+
+    kvf_router_kv_cfg kv;
+    kvf_router_kv_cfg_default(&kv);
+    kv.approx = true;
+    g_kv = &kv;
+    int sent = atomic_load(&x.f[0].n_watch_sent);
+    router_start(&x, d, 256);
+    wait_ready(&x, 200);
+    for (int i = 0; i < 200 && atomic_load(&x.f[0].n_watch_sent) < sent + 5; i++)
+        kvf_sleep_ms(10);
+    assert_int_equal(atomic_load(&x.f[0].n_watch_sent), sent + 5); /* the stream was read ... */
+    kvf_sleep_ms(300);
+    wait_metric(&x, "kvfleet_router_index_blocks{role=\"decode\"} 0\n"); /* ... and its events ignored */
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"host\"} 0\n");
+    /* a 40-token prompt: its 2 full blocks are predicted on the worker, in its pool */
+    resp r;
+    char body[512];
+    int n = snprintf(body, sizeof body, "{\"model\":\"tiny-gqa-f32\",\"max_tokens\":2,\"prompt\":[");
+    for (int i = 0; i < 40; i++)
+        n += snprintf(body + n, sizeof body - (size_t)n, "%s%d", i ? "," : "", i + 1);
+    snprintf(body + n, sizeof body - (size_t)n, "]}");
+    http(x.r.port, "POST", "/v1/completions", body, NULL, &r);
+    assert_int_equal(r.status, 200);
+    free(r.body);
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"pool\"} 2\n");
+    wait_metric(&x, "kvfleet_router_index_worker_blocks{role=\"decode\",tier=\"host\"} 0\n");
+    router_stop(&x);
+    g_kv = NULL;
+    g_policy = NULL;
+    fake_stop(&x.f[0]);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN); /* as kvfleet router does: clients here close mid-answer */
@@ -1614,6 +1778,8 @@ int main(void)
         cmocka_unit_test(test_text_stop_and_chat),
         cmocka_unit_test(test_tool_calls),
         cmocka_unit_test(test_wire_framing_json),
+        cmocka_unit_test(test_kv_tiers_over_watch),
+        cmocka_unit_test(test_late_health_tolerated),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

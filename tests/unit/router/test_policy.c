@@ -2,6 +2,7 @@
  * softmax), the online prefill fit, round-robin, least-loaded, sticky with bounded load and
  * session keys, the sticky fallback, approximate mode with its TTL and size bound, and picking
  * prefill and decode workers separately. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -475,6 +476,46 @@ static void test_tier_hit_priced_by_promotion(void **state)
     }
 }
 
+/* Every worker reports an idle load with its host promotion price (0: the pool's), then a pick. */
+static int32_t pick_priced(kvf_router_pool *p, const double *host_s, int n_workers, int chain, int n_blocks)
+{
+    for (int w = 0; w < n_workers; w++) {
+        kvf_router_load l = {.host_s_per_block = host_s[w]};
+        kvf_router_pool_load_set(p, w, &l, 0);
+    }
+    return pick(p, chain, n_blocks, NULL).worker;
+}
+
+/* A worker's own measured promotion time prices its tier hits (issue 22): a host hit reported
+ * slow (10 ms a block) loses to a miss and to a host hit reported fast, and wins once its own
+ * report is fast; a report of 0 (or a bad number) goes back to the pool's default. */
+static void test_tier_hit_priced_per_worker(void **state)
+{
+    (void)state;
+    kvf_router_pool *p = make_pool(KVF_ROUTER_POLICY_KV, 3, true, unbounded_tweak);
+    hold_tier(p, 1, 6, 30, KVF_ROUTER_TIER_HOST);
+    /* worker 1 alone holds it: at the default price (3 ms for 30 blocks) its hit beats a miss
+     * (about 24 ms of prefill) */
+    assert_int_equal(pick_priced(p, (double[]){0, 0, 0}, 3, 6, 30), 1);
+    /* reported 10 ms a block: 300 ms of copies, more than recomputing elsewhere */
+    int32_t w = pick_priced(p, (double[]){0, 1e-2, 0}, 3, 6, 30);
+    assert_int_not_equal(w, 1);
+    /* a NaN or negative report is no price: the default again */
+    assert_int_equal(pick_priced(p, (double[]){0, NAN, 0}, 3, 6, 30), 1);
+    assert_int_equal(pick_priced(p, (double[]){0, -1, 0}, 3, 6, 30), 1);
+    /* worker 2 also holds it in host memory: the cheaper reported promotion wins */
+    hold_tier(p, 2, 6, 30, KVF_ROUTER_TIER_HOST);
+    assert_int_equal(pick_priced(p, (double[]){0, 1e-2, 1e-5}, 3, 6, 30), 2);
+    assert_int_equal(pick_priced(p, (double[]){0, 1e-6, 1e-5}, 3, 6, 30), 1);
+    /* and against the pool's default: slower than it loses, faster wins */
+    assert_int_equal(pick_priced(p, (double[]){0, 1e-3, 0}, 3, 6, 30), 2);
+    assert_int_equal(pick_priced(p, (double[]){0, 1e-6, 0}, 3, 6, 30), 1);
+    /* a pool hit beats even a fast host hit */
+    hold_tier(p, 0, 6, 30, KVF_ROUTER_TIER_POOL);
+    assert_int_equal(pick_priced(p, (double[]){0, 1e-9, 1e-9}, 3, 6, 30), 0);
+    kvf_router_pool_destroy(p);
+}
+
 int main(void)
 {
     kvf_log_set_level(KVF_LOG_ERROR);
@@ -492,6 +533,7 @@ int main(void)
         cmocka_unit_test(test_bad_config_and_parse),
         cmocka_unit_test(test_bounded_load_spreads_a_hot_prefix),
         cmocka_unit_test(test_tier_hit_priced_by_promotion),
+        cmocka_unit_test(test_tier_hit_priced_per_worker),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,656 @@
+/* tier.c: the host and disk KV tiers of kv/tier.h. Each tier is a set of fixed slots with an
+ * LRU list, a free stack and an open-addressing hash index (as the pool's); the host tier keeps
+ * block bytes in one allocation, the disk tier in one file of slots written with pwrite and read
+ * back with pread, each checked against its checksummed header. The pool decides when to call. */
+#include "kv/tier.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/hash.h"
+#include "common/log.h"
+#include "common/time.h"
+#include "kv/tier_internal.h"
+
+#define DISK_MAGIC 0x3152454954564b46ULL /* "FKVTIER1" little-endian */
+#define DISK_FILE "kvfleet-kv-tier.bin"
+#define DISK_PREFIX "kvfleet-kv-"
+
+/* The header at the start of every disk slot, followed by tokens [bs] and the block bytes. */
+typedef struct disk_hdr {
+    uint64_t magic;
+    uint64_t hash, parent;
+    int64_t block_bytes;
+    int32_t n_tokens, slot;
+    uint64_t check; /* XXH3 of header (check = 0), tokens and bytes */
+} disk_hdr;
+
+typedef struct tier_slot {
+    uint64_t hash, parent;
+    int64_t stamp;      /* when it came in (LRU order) */
+    int32_t prev, next; /* LRU links while used, else -1 */
+    int32_t free_pos;   /* index in the free stack while free, else -1 */
+    uint8_t used;
+} tier_slot;
+
+typedef struct tier_level {
+    kvf_kv_tier_kind kind;
+    int32_t n;
+    tier_slot *slot;  /* [n] */
+    int32_t *tokens;  /* [n][bs] */
+    int32_t *free_stack; /* [n] */
+    int32_t n_free;
+    int32_t head, tail, n_used; /* head: least recently used */
+    int32_t *map;     /* [mask + 1] slot ids or -1 */
+    uint64_t mask;
+} tier_level;
+
+struct kvf_kv_tier {
+    kvf_kv_tier_cfg cfg;
+    kvf_kv_layout layout;
+    int64_t block_bytes;
+    int32_t bs;
+    tier_level lv[3]; /* [HOST], [DISK]; [0] unused */
+    char *host_mem;   /* [n_host][block_bytes] */
+    int fd;           /* disk file, -1 without */
+    char path[PATH_MAX];
+    int64_t slot_bytes; /* disk slot: header + tokens + bytes */
+    char *io;         /* [slot_bytes]: one disk slot in flight */
+    char *stage;      /* [block_bytes]: a disk block on its way up */
+    kvf_kv_event_fn on_event;
+    void *event_ctx;
+    bool attached;
+    kvf_kv_tier_stats st;
+};
+
+/* ---- one level: slots, LRU, index ---------------------------------------------------------- */
+
+static kvf_status level_init(tier_level *l, kvf_kv_tier_kind kind, int64_t n, int32_t bs)
+{
+    l->kind = kind;
+    l->n = (int32_t)n;
+    l->head = l->tail = -1;
+    uint64_t cap = 16;
+    while (cap < 2 * (uint64_t)n)
+        cap <<= 1;
+    l->mask = cap - 1;
+    l->slot = calloc((size_t)n, sizeof *l->slot);
+    l->tokens = calloc((size_t)n * (size_t)bs, sizeof *l->tokens);
+    l->free_stack = calloc((size_t)n, sizeof *l->free_stack);
+    l->map = malloc(cap * sizeof *l->map);
+    if (!l->slot || !l->tokens || !l->free_stack || !l->map)
+        return KVF_ERR_NOMEM;
+    memset(l->map, 0xff, cap * sizeof *l->map);
+    for (int32_t i = 0; i < l->n; i++) {
+        int32_t id = l->n - 1 - i; /* slot 0 on top */
+        l->slot[id].prev = l->slot[id].next = -1;
+        l->slot[id].free_pos = l->n_free;
+        l->free_stack[l->n_free++] = id;
+    }
+    return KVF_OK;
+}
+
+static void level_fini(tier_level *l)
+{
+    free(l->slot);
+    free(l->tokens);
+    free(l->free_stack);
+    free(l->map);
+    memset(l, 0, sizeof *l);
+}
+
+static int32_t map_find(const tier_level *l, uint64_t h)
+{
+    if (l->n == 0)
+        return -1;
+    for (uint64_t i = h & l->mask;; i = (i + 1) & l->mask) {
+        int32_t id = l->map[i];
+        if (id < 0 || l->slot[id].hash == h)
+            return id;
+    }
+}
+
+static void map_insert(tier_level *l, int32_t id)
+{
+    uint64_t i = l->slot[id].hash & l->mask;
+    while (l->map[i] >= 0)
+        i = (i + 1) & l->mask;
+    l->map[i] = id;
+}
+
+static void map_remove(tier_level *l, int32_t id)
+{
+    uint64_t i = l->slot[id].hash & l->mask;
+    while (l->map[i] != id)
+        i = (i + 1) & l->mask;
+    uint64_t hole = i; /* backward-shift deletion, as in pool.c */
+    for (uint64_t j = (i + 1) & l->mask; l->map[j] >= 0; j = (j + 1) & l->mask) {
+        uint64_t home = l->slot[l->map[j]].hash & l->mask;
+        if (((j - home) & l->mask) >= ((j - hole) & l->mask)) {
+            l->map[hole] = l->map[j];
+            hole = j;
+        }
+    }
+    l->map[hole] = -1;
+}
+
+/* A free slot, off the free stack (not yet used); -1 when none. */
+static int32_t level_take_free(tier_level *l)
+{
+    if (l->n_free == 0)
+        return -1;
+    int32_t id = l->free_stack[--l->n_free];
+    l->slot[id].free_pos = -1;
+    return id;
+}
+
+static void level_push_free(tier_level *l, int32_t id)
+{
+    l->slot[id].free_pos = l->n_free;
+    l->free_stack[l->n_free++] = id;
+}
+
+/* Registers a taken slot under hash at the LRU tail. */
+static void level_use(tier_level *l, int32_t id, uint64_t hash, uint64_t parent,
+                      const int32_t *tokens, int32_t bs, int64_t now)
+{
+    tier_slot *s = &l->slot[id];
+    s->hash = hash;
+    s->parent = parent;
+    s->stamp = now;
+    s->used = 1;
+    memcpy(l->tokens + (int64_t)id * bs, tokens, (size_t)bs * sizeof *tokens);
+    s->prev = l->tail;
+    s->next = -1;
+    if (l->tail >= 0)
+        l->slot[l->tail].next = id;
+    else
+        l->head = id;
+    l->tail = id;
+    l->n_used++;
+    map_insert(l, id);
+}
+
+/* Unregisters a used slot and puts it back on the free stack. */
+static void level_release(tier_level *l, int32_t id)
+{
+    tier_slot *s = &l->slot[id];
+    map_remove(l, id);
+    if (s->prev >= 0)
+        l->slot[s->prev].next = s->next;
+    else
+        l->head = s->next;
+    if (s->next >= 0)
+        l->slot[s->next].prev = s->prev;
+    else
+        l->tail = s->prev;
+    s->prev = s->next = -1;
+    s->used = 0;
+    l->n_used--;
+    level_push_free(l, id);
+}
+
+static void emit(kvf_kv_tier *t, kvf_kv_event_type type, const tier_level *l, int32_t id)
+{
+    if (!t->on_event)
+        return;
+    const tier_slot *s = &l->slot[id];
+    kvf_kv_event ev = {.type = type, .hash = s->hash, .parent_hash = s->parent, .block = -1,
+                       .tier = (int32_t)l->kind};
+    if (type == KVF_KV_EVENT_STORED) {
+        ev.tokens = l->tokens + (int64_t)id * t->bs;
+        ev.n_tokens = t->bs;
+    }
+    t->on_event(t->event_ctx, &ev);
+}
+
+/* Drops a used slot with a REMOVED event (the hash is gone from every tier). */
+static void level_drop(kvf_kv_tier *t, tier_level *l, int32_t id)
+{
+    emit(t, KVF_KV_EVENT_REMOVED, l, id);
+    level_release(l, id);
+    t->st.tier[l->kind].dropped++;
+}
+
+/* ---- disk slots ---------------------------------------------------------------------------- */
+
+static uint64_t disk_checksum(const kvf_kv_tier *t, const char *slot_buf)
+{
+    disk_hdr h;
+    memcpy(&h, slot_buf, sizeof h);
+    h.check = 0;
+    return kvf_hash64_concat(&h, sizeof h, slot_buf + sizeof h,
+                             (size_t)(t->slot_bytes - (int64_t)sizeof h));
+}
+
+/* Writes host slot hs to disk slot ds; false on a short or failed write. */
+static bool disk_write(kvf_kv_tier *t, int32_t hs, int32_t ds)
+{
+    tier_level *host = &t->lv[KVF_KV_TIER_HOST];
+    const tier_slot *s = &host->slot[hs];
+    disk_hdr h = {.magic = DISK_MAGIC, .hash = s->hash, .parent = s->parent,
+                  .block_bytes = t->block_bytes, .n_tokens = t->bs, .slot = ds};
+    memcpy(t->io, &h, sizeof h);
+    memcpy(t->io + sizeof h, host->tokens + (int64_t)hs * t->bs, (size_t)t->bs * sizeof(int32_t));
+    memcpy(t->io + sizeof h + (size_t)t->bs * sizeof(int32_t),
+           t->host_mem + (int64_t)hs * t->block_bytes, (size_t)t->block_bytes);
+    h.check = disk_checksum(t, t->io);
+    memcpy(t->io, &h, sizeof h);
+    off_t off = (off_t)ds * t->slot_bytes;
+    for (int64_t done = 0; done < t->slot_bytes;) {
+        ssize_t n = pwrite(t->fd, t->io + done, (size_t)(t->slot_bytes - done), off + done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            kvf_log(KVF_LOG_WARN, "kv: disk tier %s: write of slot %d failed: %s (block dropped)",
+                    t->path, ds, n < 0 ? strerror(errno) : "no progress");
+            return false;
+        }
+        done += n;
+    }
+    return true;
+}
+
+/* Reads disk slot ds into t->io and checks it against the index; NULL (with why) on anything
+ * that disagrees, else the block bytes inside t->io. */
+static const char *disk_read(kvf_kv_tier *t, int32_t ds, const char **why)
+{
+    const tier_level *disk = &t->lv[KVF_KV_TIER_DISK];
+    off_t off = (off_t)ds * t->slot_bytes;
+    int64_t done = 0;
+    while (done < t->slot_bytes) {
+        ssize_t n = pread(t->fd, t->io + done, (size_t)(t->slot_bytes - done), off + done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        done += n;
+    }
+    if (done != t->slot_bytes)
+        return *why = "short read", NULL;
+    disk_hdr h;
+    memcpy(&h, t->io, sizeof h);
+    const tier_slot *s = &disk->slot[ds];
+    if (h.magic != DISK_MAGIC || h.block_bytes != t->block_bytes || h.n_tokens != t->bs ||
+        h.slot != ds)
+        return *why = "bad header", NULL;
+    if (h.hash != s->hash || h.parent != s->parent ||
+        memcmp(t->io + sizeof h, disk->tokens + (int64_t)ds * t->bs,
+               (size_t)t->bs * sizeof(int32_t)) != 0)
+        return *why = "hash or tokens differ from the index", NULL;
+    if (disk_checksum(t, t->io) != h.check)
+        return *why = "checksum mismatch", NULL;
+    return t->io + sizeof h + (size_t)t->bs * sizeof(int32_t);
+}
+
+/* Removes kvfleet's own files (kvfleet-kv-*) from dir, creating it (0700) when missing. */
+static kvf_status disk_prepare_dir(const char *dir, kvf_err *err)
+{
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be created: %s",
+                           dir, strerror(errno));
+    DIR *d = opendir(dir);
+    if (!d)
+        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be opened: %s", dir,
+                           strerror(errno));
+    struct dirent *e;
+    char p[PATH_MAX];
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, DISK_PREFIX, strlen(DISK_PREFIX)) != 0)
+            continue;
+        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < (int)sizeof p)
+            unlink(p);
+    }
+    closedir(d);
+    return KVF_OK;
+}
+
+/* ---- create / destroy ---------------------------------------------------------------------- */
+
+kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *layout,
+                              kvf_kv_tier **out, kvf_err *err)
+{
+    if (!cfg || !layout || !out || layout->block_bytes <= 0 || layout->block_size <= 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: tier_create needs a cfg, a layout and an "
+                           "out pointer");
+    int64_t bb = layout->block_bytes;
+    int64_t n_host = cfg->host_bytes / bb;
+    if (cfg->host_bytes < 0 || n_host < 1 || n_host > INT32_MAX / 2)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: host tier of %lld bytes is not allowed "
+                           "(one block of %lld bytes up to %lld blocks)",
+                           (long long)cfg->host_bytes, (long long)bb, (long long)(INT32_MAX / 2));
+    bool disk = cfg->disk_dir && *cfg->disk_dir;
+    int64_t slot_bytes = (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * 4 + bb;
+    int64_t n_disk = disk ? cfg->disk_bytes / slot_bytes : 0;
+    if (disk && (cfg->disk_bytes < 0 || n_disk < 1 || n_disk > INT32_MAX / 2))
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier of %lld bytes is not allowed "
+                           "(one slot of %lld bytes up to %lld slots)", (long long)cfg->disk_bytes,
+                           (long long)slot_bytes, (long long)(INT32_MAX / 2));
+    if (!disk && cfg->disk_bytes != 0)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier of %lld bytes has no directory",
+                           (long long)cfg->disk_bytes);
+    if ((uint64_t)n_host * (uint64_t)bb > (uint64_t)SIZE_MAX / 2)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: host tier of %lld bytes overflows",
+                           (long long)cfg->host_bytes);
+
+    kvf_kv_tier *t = calloc(1, sizeof *t);
+    if (!t)
+        return kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of memory for the tiers");
+    kvf_status st;
+    t->cfg = *cfg;
+    t->cfg.disk_dir = NULL; /* not kept: the path is */
+    t->layout = *layout;
+    t->block_bytes = bb;
+    t->bs = layout->block_size;
+    t->fd = -1;
+    t->slot_bytes = disk ? slot_bytes : 0;
+    if (level_init(&t->lv[KVF_KV_TIER_HOST], KVF_KV_TIER_HOST, n_host, t->bs) != KVF_OK ||
+        level_init(&t->lv[KVF_KV_TIER_DISK], KVF_KV_TIER_DISK, n_disk, t->bs) != KVF_OK ||
+        !(t->host_mem = malloc((size_t)(n_host * bb))) || !(t->stage = malloc((size_t)bb)) ||
+        (disk && !(t->io = malloc((size_t)slot_bytes)))) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of memory for a host tier of %lld blocks "
+                         "of %lld bytes", (long long)n_host, (long long)bb);
+        goto fail;
+    }
+    if (disk) {
+        if ((st = disk_prepare_dir(cfg->disk_dir, err)) != KVF_OK)
+            goto fail;
+        if (snprintf(t->path, sizeof t->path, "%s/%s", cfg->disk_dir, DISK_FILE) >=
+            (int)sizeof t->path) {
+            st = kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier directory %s: path too long",
+                             cfg->disk_dir);
+            goto fail;
+        }
+        t->fd = open(t->path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        if (t->fd < 0) {
+            st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s cannot be created: %s",
+                             t->path, strerror(errno));
+            goto fail;
+        }
+    }
+    t->st.tier[KVF_KV_TIER_HOST].capacity = n_host;
+    t->st.tier[KVF_KV_TIER_DISK].capacity = n_disk;
+    kvf_log(KVF_LOG_INFO, "kv: host tier of %lld blocks (%lld bytes)%s%s (%lld slots)",
+            (long long)n_host, (long long)(n_host * bb), disk ? ", disk tier " : "",
+            disk ? t->path : "", (long long)n_disk);
+    *out = t;
+    return KVF_OK;
+fail:
+    kvf_kv_tier_destroy(t);
+    return st;
+}
+
+void kvf_kv_tier_destroy(kvf_kv_tier *t)
+{
+    if (!t)
+        return;
+    if (t->fd >= 0) {
+        close(t->fd);
+        unlink(t->path);
+    }
+    level_fini(&t->lv[KVF_KV_TIER_HOST]);
+    level_fini(&t->lv[KVF_KV_TIER_DISK]);
+    free(t->host_mem);
+    free(t->stage);
+    free(t->io);
+    free(t);
+}
+
+void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out)
+{
+    *out = t->st;
+    out->tier[KVF_KV_TIER_HOST].used = t->lv[KVF_KV_TIER_HOST].n_used;
+    out->tier[KVF_KV_TIER_DISK].used = t->lv[KVF_KV_TIER_DISK].n_used;
+}
+
+const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t) { return t->path; }
+int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t) { return t->slot_bytes; }
+
+/* ---- what the pool calls ------------------------------------------------------------------- */
+
+kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout, kvf_kv_event_fn fn,
+                              void *ctx, kvf_err *err)
+{
+    if (t->attached)
+        return kvf_err_set(err, KVF_ERR_STATE, "kv: the tiers already serve another pool");
+    if (layout->block_bytes != t->block_bytes || layout->block_size != t->bs)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: tiers made for blocks of %lld bytes and %d "
+                           "tokens cannot serve a pool of %lld bytes and %d tokens",
+                           (long long)t->block_bytes, t->bs, (long long)layout->block_bytes,
+                           layout->block_size);
+    t->attached = true;
+    t->on_event = fn;
+    t->event_ctx = ctx;
+    return KVF_OK;
+}
+
+void kvf_kv_tier_detach(kvf_kv_tier *t)
+{
+    t->attached = false;
+    t->on_event = NULL;
+}
+
+/* Moves the host tier's LRU victim down to disk (STORED, tier DISK), dropping disk's own LRU
+ * victim first when disk is full; without disk (or when the write fails) it is dropped. */
+static void host_evict_one(kvf_kv_tier *t)
+{
+    tier_level *host = &t->lv[KVF_KV_TIER_HOST], *disk = &t->lv[KVF_KV_TIER_DISK];
+    int32_t hs = host->head;
+    if (disk->n == 0) {
+        level_drop(t, host, hs);
+        return;
+    }
+    if (disk->n_free == 0)
+        level_drop(t, disk, disk->head);
+    int32_t ds = level_take_free(disk);
+    if (!disk_write(t, hs, ds)) {
+        level_push_free(disk, ds);
+        level_drop(t, host, hs);
+        return;
+    }
+    const tier_slot *s = &host->slot[hs];
+    level_use(disk, ds, s->hash, s->parent, host->tokens + (int64_t)hs * t->bs, t->bs, s->stamp);
+    level_release(host, hs);
+    t->st.tier[KVF_KV_TIER_DISK].demoted++;
+    t->st.tier[KVF_KV_TIER_DISK].bytes_demoted += t->block_bytes;
+    emit(t, KVF_KV_EVENT_STORED, disk, ds);
+}
+
+void *kvf_kv_tier_put_begin(kvf_kv_tier *t, int32_t *slot_out)
+{
+    tier_level *host = &t->lv[KVF_KV_TIER_HOST];
+    if (host->n_free == 0)
+        host_evict_one(t);
+    int32_t id = level_take_free(host);
+    *slot_out = id;
+    return t->host_mem + (int64_t)id * t->block_bytes;
+}
+
+void kvf_kv_tier_put_commit(kvf_kv_tier *t, int32_t slot, uint64_t hash, uint64_t parent,
+                            const int32_t *tokens, int64_t now)
+{
+    tier_level *host = &t->lv[KVF_KV_TIER_HOST];
+    /* a disk copy is older than the pool's: the hash stays in one place */
+    int32_t old = map_find(&t->lv[KVF_KV_TIER_DISK], hash);
+    if (old >= 0)
+        level_release(&t->lv[KVF_KV_TIER_DISK], old);
+    /* stamps never go back (the LRU check), even with a clock that does */
+    if (host->tail >= 0 && host->slot[host->tail].stamp > now)
+        now = host->slot[host->tail].stamp;
+    level_use(host, slot, hash, parent, tokens, t->bs, now);
+    t->st.tier[KVF_KV_TIER_HOST].demoted++;
+    t->st.tier[KVF_KV_TIER_HOST].bytes_demoted += t->block_bytes;
+    emit(t, KVF_KV_EVENT_STORED, host, slot);
+}
+
+void kvf_kv_tier_put_abort(kvf_kv_tier *t, int32_t slot)
+{
+    level_push_free(&t->lv[KVF_KV_TIER_HOST], slot);
+}
+
+bool kvf_kv_tier_find(kvf_kv_tier *t, uint64_t hash, uint64_t parent, const int32_t *tokens,
+                      bool count, kvf_kv_tier_ref *out)
+{
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        tier_level *l = &t->lv[k];
+        int32_t id = map_find(l, hash);
+        if (id < 0)
+            continue;
+        if (l->slot[id].parent != parent ||
+            memcmp(l->tokens + (int64_t)id * t->bs, tokens, (size_t)t->bs * sizeof *tokens) != 0) {
+            t->st.tier[k].mismatches++;
+            return false; /* a hash lives in one tier only: no other copy to find */
+        }
+        if (count)
+            t->st.tier[k].hits++;
+        *out = (kvf_kv_tier_ref){.tier = (kvf_kv_tier_kind)k, .slot = id};
+        return true;
+    }
+    return false;
+}
+
+const void *kvf_kv_tier_take(kvf_kv_tier *t, kvf_kv_tier_ref r, int64_t *t0_out)
+{
+    *t0_out = kvf_now_ns();
+    tier_level *l = &t->lv[r.tier];
+    if (r.tier == KVF_KV_TIER_HOST) {
+        memcpy(t->stage, t->host_mem + (int64_t)r.slot * t->block_bytes, (size_t)t->block_bytes);
+    } else {
+        const char *why = NULL;
+        const char *bytes = disk_read(t, r.slot, &why);
+        if (!bytes) {
+            kvf_log(KVF_LOG_WARN, "kv: disk tier %s: slot %d (block %016llx) refused: %s (a miss)",
+                    t->path, r.slot, (unsigned long long)l->slot[r.slot].hash, why);
+            t->st.tier[r.tier].corrupt++;
+            level_drop(t, l, r.slot);
+            return NULL;
+        }
+        memcpy(t->stage, bytes, (size_t)t->block_bytes);
+    }
+    level_release(l, r.slot);
+    return t->stage;
+}
+
+void kvf_kv_tier_promoted(kvf_kv_tier *t, kvf_kv_tier_kind tier, int64_t t0)
+{
+    double s = (double)(kvf_now_ns() - t0) / 1e9;
+    t->st.tier[tier].promoted++;
+    t->st.tier[tier].bytes_promoted += t->block_bytes;
+    if (t->cfg.on_promote)
+        t->cfg.on_promote(t->cfg.promote_ctx, tier, s < 0 ? 0 : s);
+}
+
+void kvf_kv_tier_forget(kvf_kv_tier *t, uint64_t hash)
+{
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        int32_t id = map_find(&t->lv[k], hash);
+        if (id >= 0)
+            level_release(&t->lv[k], id);
+    }
+}
+
+void kvf_kv_tier_clear(kvf_kv_tier *t, int32_t *n_out)
+{
+    int32_t n = 0;
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++)
+        while (t->lv[k].head >= 0) {
+            level_drop(t, &t->lv[k], t->lv[k].head);
+            n++;
+        }
+    if (n_out)
+        *n_out = n;
+}
+
+int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx)
+{
+    int32_t n = 0;
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        const tier_level *l = &t->lv[k];
+        for (int32_t id = l->head; id >= 0; id = l->slot[id].next) {
+            const tier_slot *s = &l->slot[id];
+            kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = s->hash,
+                               .parent_hash = s->parent, .block = -1,
+                               .tokens = l->tokens + (int64_t)id * t->bs, .n_tokens = t->bs,
+                               .tier = k};
+            if (fn)
+                fn(ctx, &ev);
+            n++;
+        }
+    }
+    return n;
+}
+
+kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *ctx, uint64_t h),
+                             const void *pool_ctx, kvf_err *err)
+{
+    static const char *names[] = {"pool", "host", "disk"};
+    for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
+        const tier_level *l = &t->lv[k];
+        const char *nm = names[k];
+        /* the LRU: used slots only, linked both ways, oldest first, each found in the index */
+        int32_t walked = 0, prev = -1;
+        for (int32_t id = l->head; id >= 0; prev = id, id = l->slot[id].next) {
+            const tier_slot *s = &l->slot[id];
+            if (++walked > l->n)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: the %s tier's LRU loops",
+                                   nm);
+            if (!s->used || s->prev != prev || s->free_pos >= 0)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU entry %d "
+                                   "(slot %d, used %d, prev %d expected %d, free_pos %d) is not a "
+                                   "used slot", nm, walked - 1, id, s->used, s->prev, prev,
+                                   s->free_pos);
+            if (prev >= 0 && l->slot[prev].stamp > s->stamp)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU out of order "
+                                   "at slot %d (%lld after %lld)", nm, id, (long long)s->stamp,
+                                   (long long)l->slot[prev].stamp);
+            if (map_find(l, s->hash) != id)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier slot %d holds "
+                                   "%016llx but the index does not find it there", nm, id,
+                                   (unsigned long long)s->hash);
+            int other = k == KVF_KV_TIER_HOST ? KVF_KV_TIER_DISK : KVF_KV_TIER_HOST;
+            if (map_find(&t->lv[other], s->hash) >= 0)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: block %016llx is in both "
+                                   "the host and the disk tier", (unsigned long long)s->hash);
+            if (pool_has && pool_has(pool_ctx, s->hash))
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: block %016llx is in both "
+                                   "the pool and the %s tier", (unsigned long long)s->hash, nm);
+        }
+        if (prev != l->tail)
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU tail is %d but "
+                               "the walk ends at %d", nm, l->tail, prev);
+        /* counts: used + free == slots; the index holds exactly the used slots */
+        int32_t n_idx = 0, n_used = 0;
+        for (uint64_t i = 0; l->n > 0 && i <= l->mask; i++)
+            if (l->map[i] >= 0) {
+                n_idx++;
+                if (l->map[i] >= l->n || !l->slot[l->map[i]].used)
+                    return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier index "
+                                       "entry %llu points at slot %d, which is not used", nm,
+                                       (unsigned long long)i, l->map[i]);
+            }
+        for (int32_t id = 0; id < l->n; id++) {
+            const tier_slot *s = &l->slot[id];
+            n_used += s->used;
+            bool on_free = s->free_pos >= 0 && s->free_pos < l->n_free &&
+                           l->free_stack[s->free_pos] == id;
+            /* a slot between put_begin and commit is neither: none is, between pool calls */
+            if (on_free == (bool)s->used)
+                return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier slot %d is %s "
+                                   "and %son the free stack", nm, id, s->used ? "used" : "unused",
+                                   on_free ? "" : "not ");
+        }
+        if (walked != n_used || n_used != l->n_used || n_idx != n_used ||
+            n_used + l->n_free != l->n)
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier counts disagree: "
+                               "used %d/%d (counted/kept), LRU walk %d, index %d, free %d, "
+                               "slots %d", nm, n_used, l->n_used, walked, n_idx, l->n_free, l->n);
+    }
+    return KVF_OK;
+}

@@ -1,0 +1,75 @@
+/* tier.h: the worker's KV tiers under the block pool: a host-memory tier, and under it an
+ * optional local-disk tier (one file of fixed, checksummed slots). The pool (kv/pool.h) drives
+ * them: a CACHED block it evicts is demoted into the host tier instead of dropped, the host
+ * tier's LRU victim goes to disk (or is dropped), and a prefix lookup that runs out of pool hits
+ * continues into the tiers, promoting each further block it finds back into a pool block.
+ *
+ * A hash lives in one place at a time: the pool, the host tier or the disk tier (demotion moves
+ * it down, promotion moves it up and frees the tier slot). Each tier is an LRU of its own. A
+ * disk slot carries its hash, parent hash, token ids and an XXH3 checksum over header and bytes;
+ * a read whose length, checksum or stored hash/tokens disagree is a miss and the slot is dropped.
+ *
+ * Copies are synchronous, inside the pool call that caused them (to_host / from_host of the
+ * pool's kvf_kv_mem_ops, pwrite / pread for disk): the engine is single-threaded over the pool.
+ * Not thread-safe; one tier set belongs to one pool (kvf_kv_pool_cfg.tier), which it must
+ * outlive. The caller creates and destroys it. */
+#ifndef KVF_KV_TIER_H
+#define KVF_KV_TIER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kv/layout.h"
+
+typedef struct kvf_kv_tier kvf_kv_tier;
+
+/* Where a block is held; kvf_kv_event.tier. The same numbers as the wire's KVF_RPC_TIER_*. */
+typedef enum kvf_kv_tier_kind {
+    KVF_KV_TIER_POOL = 0,
+    KVF_KV_TIER_HOST = 1,
+    KVF_KV_TIER_DISK = 2,
+} kvf_kv_tier_kind;
+
+typedef struct kvf_kv_tier_cfg {
+    int64_t host_bytes;   /* host tier bytes, rounded down to whole blocks (>= 1 block) */
+    const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; kvfleet's own
+                           * files in it (kvfleet-kv-*) are removed at create */
+    int64_t disk_bytes;   /* disk tier bytes, rounded down to whole slots (>= 1 with a dir) */
+    /* Called after each block promoted from tier (HOST or DISK) with the seconds it took
+     * (copy in, checks, copy into the pool); may be NULL. Must not call back into the pool. */
+    void (*on_promote)(void *ctx, kvf_kv_tier_kind tier, double seconds);
+    void *promote_ctx;
+} kvf_kv_tier_cfg;
+
+/* Per tier (index KVF_KV_TIER_HOST or KVF_KV_TIER_DISK; index 0 unused). */
+typedef struct kvf_kv_tier_level_stats {
+    int64_t capacity, used;    /* slots */
+    int64_t hits;              /* blocks a lookup found here (token-verified) */
+    int64_t demoted, promoted; /* blocks moved in from above / up into the pool */
+    int64_t bytes_demoted, bytes_promoted;
+    int64_t dropped;           /* blocks dropped from here (LRU victims with nowhere to go,
+                                * failed copies, clears) */
+    int64_t corrupt;           /* disk: reads refused (length, checksum, header mismatch) */
+    int64_t mismatches;        /* hash found but tokens or parent differed (a miss) */
+} kvf_kv_tier_level_stats;
+
+typedef struct kvf_kv_tier_stats {
+    kvf_kv_tier_level_stats tier[3];
+} kvf_kv_tier_stats;
+
+/* Creates the tiers for blocks of layout. host_bytes below one block is ERR_INVALID; a disk
+ * dir without disk_bytes for one slot (or disk_bytes without a dir) is ERR_INVALID; a dir that
+ * cannot be made or written is ERR_IO naming it. The caller owns *out. */
+kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *layout,
+                              kvf_kv_tier **out, kvf_err *err);
+/* Frees the tiers and removes the disk file. NULL is a no-op. */
+void kvf_kv_tier_destroy(kvf_kv_tier *t);
+
+void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out);
+/* The disk file's path ("" without a disk tier). Borrowed. */
+const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t);
+/* Bytes of one disk slot (header, token ids, block bytes); 0 without a disk tier. */
+int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t);
+
+#endif
