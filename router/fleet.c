@@ -25,7 +25,8 @@ typedef struct fleet_slot {
     bool from_dns;
     int32_t slow_checks;        /* Health calls in a row that ran past their deadline */
     bool refused;               /* its last Info had another block size (logged once a value) */
-    bool silent;                /* its last Info or Health call got no answer at all */
+    bool silent;                /* its last Info or Health call got no answer at all, and it
+                                   is counted out for it */
     int32_t refused_block_size;
 } fleet_slot;
 
@@ -242,7 +243,7 @@ done:
         s->w.max_n = info->max_n;
     }
     healthy = healthy && s->info_ok;
-    s->silent = !answered;
+    s->silent = !answered && !healthy; /* unanswered, and counted out (late: HEALTH_SLOW_MAX) */
     if (healthy != s->w.healthy)
         kvf_log(healthy ? KVF_LOG_INFO : KVF_LOG_WARN, "router: %s worker %s is %s", role ? "prefill" : "decode",
                 addr, healthy ? "healthy" : "not healthy");

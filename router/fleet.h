@@ -60,8 +60,8 @@ int32_t kvf_router_fleet_snapshot(kvf_router_fleet *f, kvf_router_role role,
 /* A call to the worker failed (peer lost): it counts as unhealthy until a Health check passes. */
 void kvf_router_fleet_mark_failed(kvf_router_fleet *f, kvf_router_role role, int32_t id);
 /* The worker's last Info or Health call got no answer at all (timed out, or the connection
- * failed): stopped, cut off or gone, as against one that answers DRAINING or NOT_SERVING.
- * Any thread. */
+ * failed) and that counted it out (a late answer does after HEALTH_SLOW_MAX checks in a row):
+ * stopped, cut off or gone, as against one that answers DRAINING or NOT_SERVING. Any thread. */
 bool kvf_router_fleet_silent(kvf_router_fleet *f, kvf_router_role role, int32_t id);
 /* Healthy workers of a role right now. */
 int32_t kvf_router_fleet_n_healthy(kvf_router_fleet *f, kvf_router_role role);

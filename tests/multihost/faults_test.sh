@@ -37,9 +37,10 @@ source "$HERE/netns.sh"
 mh_need_root
 mh_watchdog 280
 
-TIMEOUT_MS=4000   # the router's deadline of one attempt (--request-timeout-ms)
+TIMEOUT_MS=10000  # the router's deadline of one attempt (--request-timeout-ms): past the
+                  # 3 late Health answers in a row (1 s each) that count a worker out
 ATTEMPTS=3        # its --max-attempts
-HOLD_S=5          # how long blackhole, link-down and sigstop last: past the deadline
+HOLD_S=11         # how long blackhole, link-down and sigstop last: past the deadline
 PREFILL_TIMEOUT_MS=2000 # the decode workers' remote prefill deadline before a local fallback
 DEADLINE_S=$((ATTEMPTS * TIMEOUT_MS / 1000 + HOLD_S + 10)) # the client's, per request
 N=${MH_N:-100}
