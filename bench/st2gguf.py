@@ -129,9 +129,9 @@ def main():
                 hdim = rows // heads
                 out = bytearray(nb)
                 for h in range(heads):
-                    for r in range(hdim):  # new row 2i+j = old row j*hdim/2 + i
-                        i, j = r // 2, r % 2
-                        src_r = h * hdim + j * (hdim // 2) + i
+                    for r in range(hdim):  # new row 2k+j = old row j*hdim/2 + k
+                        k, j = r // 2, r % 2
+                        src_r = h * hdim + j * (hdim // 2) + k
                         dst_r = h * hdim + r
                         out[dst_r * rb:(dst_r + 1) * rb] = data[src_r * rb:(src_r + 1) * rb]
                 data = bytes(out)

@@ -2,8 +2,8 @@
 """stream_clients.py: N streaming clients against one OpenAI-compatible /v1/completions
 (kvfleet's router or llama-server), each sending R requests one after another: a prompt of P
 random common words (--prompt words) (each request its own; text, since llama-server's /v1/completions takes no ids), max_tokens M, greedy, ignore_eos. Prints one line:
-`clients=N requests=K tokens=T wall_s=W tok_s=X ttft_p50_ms=Y` (tokens counted from the SSE
-chunks). Used by bench/llamacpp_side.sh; Python stdlib only.
+`clients=N requests=K tokens=T wall_s=W tok_s=X ttft_p50_ms=Y` (a request that ends on its
+length counts max_tokens; chunks are not tokens). Used by bench/llamacpp_side.sh; Python stdlib only.
 
   stream_clients.py HOST:PORT MODEL [--clients 8] [--requests 4] [--prompt 64] [--max-tokens 64]
                     [--seed 1]"""
@@ -20,7 +20,7 @@ def one(addr, model, text, max_tokens):
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError("HTTP %d: %s" % (r.status, r.read()[:300]))
-    n, ttft, buf = 0, None, b""
+    n, ttft, buf, finish = 0, None, b"", None
     while True:
         chunk = r.read1(65536)
         if not chunk:
@@ -40,8 +40,12 @@ def one(addr, model, text, max_tokens):
                         n += 1
                         if ttft is None:
                             ttft = time.monotonic() - t0
+                    if ch.get("finish_reason"):
+                        finish = ch["finish_reason"]
     c.close()
-    return n, ttft if ttft is not None else float("nan")
+    # chunks are not tokens (a server may coalesce them): with ignore_eos a request that ends
+    # on its length produced exactly max_tokens; anything else is counted by its chunks
+    return (max_tokens if finish == "length" else n), ttft if ttft is not None else float("nan")
 
 
 def main():
@@ -92,7 +96,7 @@ def main():
     total = sum(toks)
     print("clients=%d requests=%d tokens=%d wall_s=%.2f tok_s=%.1f ttft_p50_ms=%.0f" % (
         a.clients, a.clients * a.requests, total, wall, total / wall,
-        1e3 * statistics.median(ttfts)))
+        1e3 * statistics.median(ttfts) if ttfts else float("nan")))
 
 
 if __name__ == "__main__":

@@ -1107,6 +1107,23 @@ static kvf_status check_event(const Kvfleet__V1__KvEvent *e, kvf_err *err)
 
 static kvf_status check_load(const Kvfleet__V1__LoadReport *l, kvf_err *err)
 {
+    /* a router adds these into its costs: a negative or absurd count would attract or repel
+     * traffic (2^40 tokens or blocks is far past any worker) */
+    const int64_t big = (int64_t)1 << 40;
+    if (l->running < 0 || l->waiting < 0 || l->active_blocks < 0 || l->active_blocks > big ||
+        l->free_blocks < 0 || l->free_blocks > big || l->total_blocks < 0 || l->total_blocks > big ||
+        l->queued_prefill_tokens < 0 || l->queued_prefill_tokens > big)
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: LoadReport: running %d, waiting %d, "
+                           "active_blocks %lld, free_blocks %lld, total_blocks %lld or "
+                           "queued_prefill_tokens %lld out of range (0 to 2^40)", (int)l->running,
+                           (int)l->waiting, (long long)l->active_blocks, (long long)l->free_blocks,
+                           (long long)l->total_blocks, (long long)l->queued_prefill_tokens);
+    if (!(l->prefill_ms_mean >= 0 && l->prefill_ms_mean < 1e12) ||
+        !(l->prefill_ms_p90 >= 0 && l->prefill_ms_p90 < 1e12) ||
+        !(l->prefill_tokens_per_s >= 0 && l->prefill_tokens_per_s < 1e12))
+        return kvf_err_set(err, KVF_ERR_INVALID, "rpc: LoadReport: prefill_ms_mean %g, "
+                           "prefill_ms_p90 %g or prefill_tokens_per_s %g out of range [0, 1e12)",
+                           l->prefill_ms_mean, l->prefill_ms_p90, l->prefill_tokens_per_s);
     /* a router divides and compares with these: NaN, infinite or negative is refused */
     if (!(l->host_promote_s_per_block >= 0 && l->host_promote_s_per_block < 1e6) ||
         !(l->disk_promote_s_per_block >= 0 && l->disk_promote_s_per_block < 1e6))

@@ -24,6 +24,7 @@ typedef struct fleet_slot {
     bool used, info_ok;
     bool from_dns;
     int32_t slow_checks;        /* Health calls in a row that ran past their deadline */
+    int32_t unanswered;         /* Info/Health calls in a row that got no answer at all */
     bool refused;               /* its last Info had another block size (logged once a value) */
     bool silent;                /* its last Info or Health call got no answer at all, and it
                                    is counted out for it */
@@ -243,7 +244,10 @@ done:
         s->w.max_n = info->max_n;
     }
     healthy = healthy && s->info_ok;
-    s->silent = !answered && !healthy; /* unanswered, and counted out (late: HEALTH_SLOW_MAX) */
+    /* silent: HEALTH_SLOW_MAX calls in a row got no answer (late or lost), whether it was
+     * healthy, draining or out after a failed call; any answer (DRAINING too) resets it */
+    s->unanswered = answered ? 0 : s->unanswered + 1;
+    s->silent = s->unanswered >= HEALTH_SLOW_MAX && !healthy;
     if (healthy != s->w.healthy)
         kvf_log(healthy ? KVF_LOG_INFO : KVF_LOG_WARN, "router: %s worker %s is %s", role ? "prefill" : "decode",
                 addr, healthy ? "healthy" : "not healthy");

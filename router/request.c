@@ -22,6 +22,9 @@
 
 /* One sequence of a request (n > 1 gives several): its tokens, their text so far, and how much
  * of both the client has been sent. */
+/* A stream must have been quiet this long before its silent decode worker's loss moves it. */
+#define SILENT_STREAM_NS 1000000000LL
+
 typedef struct seq_state {
     kvf_text_detok *detok;
     kvf_sbuf text;
@@ -76,6 +79,7 @@ struct kvf_router_req {
     int64_t cached_tokens;
     uint32_t overlap; /* prompt blocks the index says the decode worker holds */
     int64_t next_peek_ns;
+    int64_t last_msg_ns; /* when the current attempt opened or last sent a message */
     size_t max_stop;
     kvf_router_toolcall_format tool_fmt; /* the answers' tool-call parser (none: no tools) */
     kvf_router_req *prev, *next; /* the list in flight, or the list being prepared */
@@ -585,6 +589,7 @@ static kvf_status open_stream(kvf_router_reqs *rs, kvf_router_req *r, kvf_err *e
     if (st != KVF_OK)
         return st;
     kvf_rpc_stream_notify(r->stream, kvf_router_wake_notify, &r->wake);
+    r->last_msg_ns = kvf_now_ns();
     r->attempts++;
     r->started = true;
     rs->inflight[r->worker]++;
@@ -1662,7 +1667,12 @@ static void pump(kvf_router_req *r)
              * cut off, silent) would hold this stream to its deadline: move it now, as if the
              * worker were lost (the safety timer pumps every request, so this is noticed
              * within one health period and a timer tick). */
-            if (resumable && kvf_router_fleet_silent(r->rs->cfg.fleet, KVF_ROUTER_ROLE_DECODE, r->worker)) {
+            /* Only a stream that is itself quiet moves (a worker still sending tokens is
+             * not lost, however late its Health answers), and only when another decode worker
+             * is healthy (else the move would fail the request that might still finish). */
+            if (resumable && kvf_now_ns() - r->last_msg_ns >= SILENT_STREAM_NS &&
+                kvf_router_fleet_silent(r->rs->cfg.fleet, KVF_ROUTER_ROLE_DECODE, r->worker) &&
+                kvf_router_fleet_n_healthy(r->rs->cfg.fleet, KVF_ROUTER_ROLE_DECODE) > 0) {
                 if (!retry(r, KVF_ERR_PEER_LOST, "its health checks go unanswered"))
                     return;
                 continue;
@@ -1670,6 +1680,7 @@ static void pump(kvf_router_req *r)
             return;
         }
         if (!done && st == KVF_OK) {
+            r->last_msg_ns = kvf_now_ns();
             kvf_rpc_generate_resp *g = NULL;
             if (kvf_rpc_generate_resp_decode(m.data, m.len, &g, &err) != KVF_OK)
                 kvf_log(KVF_LOG_WARN, "router: req %s: bad Generate message: %s", r->id, err.msg);

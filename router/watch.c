@@ -82,9 +82,21 @@ kvf_status kvf_router_kv_cfg_check(const kvf_router_kv_cfg *c, kvf_err *err)
     return KVF_OK;
 }
 
+/* The most blocks one worker's snapshot may name (pool and tiers together): 4 Mi blocks of 16
+ * tokens are 64 Mi cached tokens; the parts gathered hold 17 bytes a block. */
+#define FEED_SNAPSHOT_MAX (1 << 22)
+
 /* Adds one snapshot part (its blocks all in its tier) to what is gathered. */
 static kvf_status feed_gather(kvf_router_feed *f, const kvf_rpc_kv_event *e, kvf_err *err)
 {
+    if (e->n > FEED_SNAPSHOT_MAX || f->snap_n + e->n > FEED_SNAPSHOT_MAX) {
+        /* a worker that never ends its snapshot must not grow the router without bound */
+        size_t had = f->snap_n;
+        f->snap_n = 0;
+        return kvf_err_set(err, KVF_ERR_STATE, "router: a snapshot of more than %d blocks (%zu "
+                           "gathered, %zu more) is refused; a new snapshot is asked for",
+                           FEED_SNAPSHOT_MAX, had, e->n);
+    }
     if (f->snap_n + e->n > f->snap_cap) {
         size_t cap = (f->snap_n + e->n) * 2 + 64;
         uint64_t *hh = realloc(f->snap_h, cap * sizeof *hh);

@@ -33,8 +33,8 @@ typedef struct kvf_router_feed {
 
 /* Applies one decoded WatchKv message of worker `id` to pool p. With approx the pool predicts
  * caches from the router's decisions: KV events are dropped unread, load reports still count.
- * KVF_ERR_STATE: a sequence gap, or a snapshot part in no known tier (reopen the stream: the
- * index waits for a snapshot);
+ * KVF_ERR_STATE: a sequence gap, a snapshot part in no known tier, or a snapshot past 4 Mi
+ * blocks (reopen the stream: the index waits for a snapshot);
  * KVF_ERR_NOMEM; another status: the event was refused (err says why), the stream goes on. */
 kvf_status kvf_router_feed_apply(kvf_router_feed *f, kvf_router_pool *p, int32_t id,
                                  const kvf_rpc_watch_msg *m, bool approx, double now, kvf_err *err);

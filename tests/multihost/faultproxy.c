@@ -137,15 +137,17 @@ static const char *mode_name(void)
     return g.blackhole ? "blackhole" : g.drop ? "drop" : "pass";
 }
 
-static void conn_accept(int lfd)
+/* Returns false when accept ran out of descriptors (the listener is then left alone a while,
+ * else it would stay readable and the loop would spin). */
+static bool conn_accept(int lfd)
 {
     int fd = accept(lfd, NULL, NULL);
     if (fd < 0)
-        return;
+        return !(errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM);
     g.accepted++;
     if (g.drop) {
         close_rst(fd);
-        return;
+        return true;
     }
     fp_conn *c = NULL;
     for (int i = 0; i < FP_MAX_CONNS; i++)
@@ -155,7 +157,7 @@ static void conn_accept(int lfd)
         }
     if (!c || set_nonblock(fd) < 0) {
         close_rst(fd);
-        return;
+        return true;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -165,7 +167,7 @@ static void conn_accept(int lfd)
     c->ufd = socket(g.target.ss_family, SOCK_STREAM, 0);
     if (c->ufd < 0 || set_nonblock(c->ufd) < 0) {
         conn_close(c, true);
-        return;
+        return true;
     }
     setsockopt(c->ufd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     int64_t t = now_ms();
@@ -173,10 +175,11 @@ static void conn_accept(int lfd)
     if (connect(c->ufd, (struct sockaddr *)&g.target, g.target_len) < 0) {
         if (errno != EINPROGRESS) {
             conn_close(c, true);
-            return;
+            return true;
         }
         c->connecting = true;
     }
+    return true;
 }
 
 /* reads what src has into free segments; returns -1 on a reset or error */
@@ -298,9 +301,9 @@ static void ctl_exec(fp_ctl *k, char *line)
         g.delay_ms = 0;
         g.throttle_bps = 0;
         g.drop = g.blackhole = false;
-    } else if (strcmp(cmd, "delay") == 0 && n == 2 && arg >= 0) {
-        g.delay_ms = arg;
-    } else if (strcmp(cmd, "throttle") == 0 && n == 2 && arg >= 0) {
+    } else if (strcmp(cmd, "delay") == 0 && n == 2 && arg >= 0 && arg <= 3600000) {
+        g.delay_ms = arg; /* at most an hour: times stay far from overflow */
+    } else if (strcmp(cmd, "throttle") == 0 && n == 2 && arg >= 0 && arg <= 1000000000000LL) {
         g.throttle_bps = arg;
         int64_t t = now_ms();
         for (int i = 0; i < FP_MAX_CONNS; i++) {
@@ -446,10 +449,13 @@ static int cmd_serve(int argc, char **argv)
 
     /* pollfd slots: 0 listener, 1 control listener, then 2 per connection, then control clients */
     static struct pollfd pf[2 + 2 * FP_MAX_CONNS + FP_MAX_CTL];
+    int64_t listen_pause = 0; /* out of descriptors: the listener rests until then */
     for (;;) {
         int64_t t = now_ms(), wake = INT64_MAX;
         int n = 0;
-        pf[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
+        if (t < listen_pause)
+            wake = listen_pause;
+        pf[n++] = (struct pollfd){.fd = t < listen_pause ? -1 : lfd, .events = POLLIN};
         pf[n++] = (struct pollfd){.fd = cfd, .events = POLLIN};
         for (int i = 0; i < FP_MAX_CONNS; i++) {
             fp_conn *c = &conns[i];
@@ -474,8 +480,12 @@ static int cmd_serve(int argc, char **argv)
                 }
             }
             /* a side we neither read from (FIN seen) nor write to (FIN sent) is not polled */
-            bool cl = c->used && !g.blackhole && !(c->c2u.eof && c->u2c.shut);
-            bool ul = c->used && !g.blackhole && (c->connecting || !(c->u2c.eof && c->c2u.shut));
+            /* nor is one with nothing to do now (its buffer full, its output held by delay or
+             * throttle): a hang-up there would be reported again and again and spin the loop;
+             * it is seen once the buffer drains. A connecting one's client is polled for its
+             * hang-up alone. */
+            bool cl = c->used && !g.blackhole && !(c->c2u.eof && c->u2c.shut) && (ce || c->connecting);
+            bool ul = c->used && !g.blackhole && (c->connecting || !(c->u2c.eof && c->c2u.shut)) && ue;
             pf[n++] = (struct pollfd){.fd = cl ? c->cfd : -1, .events = ce};
             pf[n++] = (struct pollfd){.fd = ul ? c->ufd : -1, .events = ue};
         }
@@ -487,8 +497,8 @@ static int cmd_serve(int argc, char **argv)
             return 1;
         }
         t = now_ms();
-        if (pf[0].revents & POLLIN)
-            conn_accept(lfd);
+        if ((pf[0].revents & POLLIN) && !conn_accept(lfd))
+            listen_pause = t + 100;
         if (pf[1].revents & POLLIN) {
             int k = accept(cfd, NULL, NULL);
             if (k >= 0) {
@@ -512,6 +522,10 @@ static int cmd_serve(int argc, char **argv)
             if (!c->used || g.blackhole)
                 continue;
             if (c->connecting) {
+                if (cr & (POLLERR | POLLHUP)) { /* the client left before the target answered */
+                    conn_close(c, true);
+                    continue;
+                }
                 if (!(ur & (POLLOUT | POLLERR | POLLHUP)))
                     continue;
                 int e = 0;

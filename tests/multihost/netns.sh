@@ -39,7 +39,8 @@ mh_cleanup() {
         rm -rf "/etc/netns/${NS[$n]}"
     done
     # the namespaces' veth ends take the host ends with them; these are for a half-made fleet
-    ip -o link show 2>/dev/null | sed -n "s/^[0-9]*: \($MH_PFX[^:@]*\).*/\1/p" | while read -r l; do
+    # exactly this run's names (kvfmh12 must not match kvfmh123's links)
+    ip -o link show 2>/dev/null | sed -n "s/^[0-9]*: \(${MH_PFX}[bhn][0-9]*\)[:@].*/\1/p" | while read -r l; do
         ip link del "$l" 2>/dev/null
     done
     [ -n "$MH_BR" ] && ip link del "$MH_BR" 2>/dev/null

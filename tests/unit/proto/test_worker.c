@@ -721,6 +721,22 @@ static void test_watch_and_small_messages(void **state)
     assert_true(out->load.host_promote_s_per_block == 2.5e-5);
     assert_true(out->load.disk_promote_s_per_block == 4e-4);
     free(out);
+    /* a negative queue or a NaN prefill time is refused too (the router's cost adds them) */
+    lw.load.disk_promote_s_per_block = 0;
+    for (int bad = 0; bad < 2; bad++) {
+        kvf_rpc_buf lb = {0};
+        kvf_rpc_watch_msg bl = lw;
+        if (bad)
+            bl.load.prefill_ms_p90 = NAN;
+        else
+            bl.load.queued_prefill_tokens = -5;
+        assert_int_equal(kvf_rpc_watch_msg_encode(&bl, &lb, &e), KVF_OK);
+        kvf_rpc_watch_msg *lout = (void *)1;
+        assert_int_equal(kvf_rpc_watch_msg_decode(lb.data, lb.len, &lout, &e), KVF_ERR_INVALID);
+        assert_ptr_equal(lout, (void *)1);
+        assert_msg_has(&e, bad ? "prefill_ms_p90 nan" : "queued_prefill_tokens -5");
+        kvf_rpc_buf_free(&lb);
+    }
     for (int bad = 0; bad < 2; bad++) {
         kvf_rpc_buf lb = {0};
         lw.load.disk_promote_s_per_block = bad ? NAN : -1;

@@ -36,7 +36,8 @@
 
 enum { FAKE_OK, FAKE_FAIL, FAKE_SLOW, FAKE_MID /* 3 tokens, then lost */,
        FAKE_HOLD /* sends nothing until cancelled (10 s at most) */,
-       FAKE_SCRIPT /* sends g_script's tokens one by one to every sequence, then stops */ };
+       FAKE_SCRIPT /* sends g_script's tokens one by one to every sequence, then stops */,
+       FAKE_PAUSE /* sends nothing for 4 s (unless cancelled), then answers as FAKE_OK */ };
 
 typedef struct fake {
     kvf_rpc_server *srv;
@@ -139,6 +140,16 @@ static void fake_generate(void *ctx, kvf_rpc_call *call, kvf_rpc_generate_req *g
             atomic_fetch_add(&f->n_cancelled, 1);
         kvf_rpc_call_finish(call, cancelled ? KVF_ERR_CANCELLED : KVF_OK, NULL);
         return;
+    }
+    if (mode == FAKE_PAUSE) {
+        for (int i = 0; i < 800 && !kvf_rpc_call_is_cancelled(call); i++)
+            kvf_sleep_ms(5);
+        if (kvf_rpc_call_is_cancelled(call)) {
+            free(g);
+            atomic_fetch_add(&f->n_cancelled, 1);
+            kvf_rpc_call_finish(call, KVF_ERR_CANCELLED, "cancelled");
+            return;
+        }
     }
     if (mode == FAKE_SCRIPT) {
         int32_t n = g->sampling.n, np = (int32_t)g->n_token_ids;
@@ -1167,6 +1178,35 @@ static void test_late_health_tolerated(void **state)
     fake_stop(&x.f[0]);
 }
 
+/* The only decode worker stops answering Health (every answer late) while a request on it is
+ * quiet: the router counts it out and calls it silent, but with no other decode worker to move
+ * to it leaves the request alone, which then finishes. (Before, the move failed the request
+ * that was about to finish.) */
+static void test_silent_only_worker_keeps_stream(void **state)
+{
+    (void)state;
+    fixture x = {0};
+    fake_start(&x.f[0], FAKE_PAUSE);
+    x.n_fakes = 1;
+    char d[64];
+    snprintf(d, sizeof d, "127.0.0.1:%d", x.f[0].port);
+    router_start(&x, d, 256);
+    wait_ready(&x, 200);
+    atomic_store(&x.f[0].slow_health, -1);
+    resp r;
+    http(x.r.port, "POST", "/v1/completions", "{\"model\":\"tiny-gqa-f32\",\"prompt\":[1,2],\"max_tokens\":3}",
+         NULL, &r);
+    if (r.status != 200)
+        fail_msg("status %d: %s", r.status, r.body);
+    assert_non_null(strstr(r.body, "\"completion_tokens\":3"));
+    free(r.body);
+    assert_int_equal(atomic_load(&x.f[0].n_generate), 1);
+    assert_int_equal(atomic_load(&x.f[0].n_cancelled), 0);
+    atomic_store(&x.f[0].slow_health, 0);
+    router_stop(&x);
+    fake_stop(&x.f[0]);
+}
+
 /* One KV block size for the whole fleet (DESIGN section 3), checked at Info: the first worker's
  * Info sets it, and a worker whose Info disagrees is refused (never healthy, never sent a
  * request) with a warning naming both sizes and its address. A configured size refuses even the
@@ -1780,6 +1820,7 @@ int main(void)
         cmocka_unit_test(test_wire_framing_json),
         cmocka_unit_test(test_kv_tiers_over_watch),
         cmocka_unit_test(test_late_health_tolerated),
+        cmocka_unit_test(test_silent_only_worker_keeps_stream),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -220,6 +220,37 @@ static void test_approx_ignores_events(void **state)
 }
 
 /* The router's kv flags: defaults as documented, and each bad value refused naming its flag. */
+/* A worker whose snapshot never ends (parts without snapshot_done) cannot grow the router
+ * without bound: past 4 Mi gathered blocks the parts are dropped and a new snapshot is asked
+ * for (STATE); a proper snapshot afterwards is applied as usual. */
+static void test_snapshot_bounded(void **state)
+{
+    (void)state;
+    kvf_router_pool *p = make_pool(1, false);
+    kvf_router_feed f = {0};
+    size_t part = (size_t)1 << 20;
+    uint64_t *h = malloc(part * sizeof *h), *par = calloc(part, sizeof *par);
+    assert_non_null(h);
+    assert_non_null(par);
+    for (size_t i = 0; i < part; i++)
+        h[i] = 0x1234567ull + i;
+    kvf_err err = {0};
+    kvf_status st = KVF_OK;
+    int parts = 0;
+    for (; parts < 6 && st == KVF_OK; parts++) {
+        kvf_rpc_watch_msg m = {.event = {.seq = (uint64_t)parts, .kind = KVF_RPC_KV_SNAPSHOT, .block_hashes = h,
+                                         .parent_hashes = par, .n = part, .block_size = BS, .model_id = "m"}};
+        st = kvf_router_feed_apply(&f, p, 0, &m, false, 0, &err);
+    }
+    assert_int_equal(st, KVF_ERR_STATE);
+    assert_int_equal(parts, 5); /* 4 parts fill the bound, the fifth passes it */
+    assert_non_null(strstr(err.msg, "a new snapshot is asked for"));
+    free(h);
+    free(par);
+    kvf_router_feed_fini(&f);
+    kvf_router_pool_destroy(p);
+}
+
 static void test_kv_cfg_check(void **state)
 {
     (void)state;
@@ -257,6 +288,7 @@ int main(void)
         cmocka_unit_test(test_load_report_prices_tier_hits),
         cmocka_unit_test(test_approx_ignores_events),
         cmocka_unit_test(test_kv_cfg_check),
+        cmocka_unit_test(test_snapshot_bounded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
