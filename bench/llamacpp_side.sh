@@ -4,6 +4,7 @@
 #
 #   bench/llamacpp_side.sh KVFLEET LLAMA_BIN_DIR [ROUNDS] [PRESETS]
 #
+# PHASES=engine or PHASES=server runs only those rows (default both).
 # KVFLEET is a kvfleet binary; LLAMA_BIN_DIR holds llama-bench and llama-batched-bench of a
 # llama.cpp built outside this repository (e.g. cmake -DGGML_NATIVE=ON -DLLAMA_CURL=OFF; that
 # snapshot's llama-bench needs "f32" added to its --cache-type-k/-v names if it lacks it).
@@ -52,7 +53,7 @@ wait_http() {
 # the clients against the server on port $1 (model $2), recorded as engine $3 with $4 threads
 clients() {
     python3 "$HERE/stream_clients.py" "127.0.0.1:$1" "$2" --clients 8 --requests 4 --prompt 48 \
-        --max-tokens 64 | awk -v e="$3" -v p="$2" -v t="$4" '{
+        --max-tokens 64 | tee -a "$T/clients.log" | awk -v e="$3" -v p="$2" -v t="$4" '{
             for (i = 1; i <= NF; i++) if ($i ~ /^tok_s=/) { sub("tok_s=", "", $i); print e, p, "server", t, $i } }' >>"$OUT"
 }
 
@@ -65,6 +66,7 @@ done
 
 for r in $(seq "$ROUNDS"); do
     for p in "${PS[@]}"; do
+      if [[ ${PHASES:-engine,server} == *engine* ]]; then
         echo "llamacpp_side: round $r/$ROUNDS, $p: kvfleet bench engine" >&2
         "$KVF" bench engine --presets "$p" --weights f32 --seed 1 --batches 1,8,32 --prompt 64 \
             --decode 32 --decode-medium 32 --threads "$NT" 2>/dev/null |
@@ -90,8 +92,9 @@ for line in sys.stdin:
     if "speed_tg" in d:
         print("llama.cpp", sys.argv[1], "b%d" % d["pl"], sys.argv[2], d["speed_tg"])' "$p" "$t" >>"$OUT"
         done
+      fi
         for t in ${THREADS//,/ }; do
-            [[ $SERVER == 1 ]] || break
+            [[ $SERVER == 1 && ${PHASES:-engine,server} == *server* ]] || break
             echo "llamacpp_side: round $r/$ROUNDS, $p: 8 streaming clients, $t thread(s)" >&2
             port=$(free_port)
             "$LB/llama-server" -m "$T/$p.gguf" --host 127.0.0.1 --port "$port" -t "$t" -tb "$t" \
@@ -132,3 +135,7 @@ for (p, m, t) in sorted(vals, key=lambda k: (k[0], order.get(k[1], 9), k[2])):
     print("%-8s %-8s %7d %12.1f %12.1f %6.2fx" % (p, m, t, a, b, r))
 print("\nllamacpp_side: min_ratio=%.2f (kvfleet / llama.cpp; the aim is >= 1.0, >= 2.0 for b32)" % (worst or float("nan")))
 EOF
+if [[ -s $T/clients.log ]]; then
+    echo "server runs, in order (llama.cpp then kvfleet per thread count; tokens: max_tokens per request ended on its length):"
+    cat "$T/clients.log"
+fi

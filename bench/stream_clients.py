@@ -2,7 +2,7 @@
 """stream_clients.py: N streaming clients against one OpenAI-compatible /v1/completions
 (kvfleet's router or llama-server), each sending R requests one after another: a prompt of P
 random common words (--prompt words) (each request its own; text, since llama-server's /v1/completions takes no ids), max_tokens M, greedy, ignore_eos. Prints one line:
-`clients=N requests=K tokens=T wall_s=W tok_s=X ttft_p50_ms=Y` (a request that ends on its
+`clients=N requests=K tokens=T chunks=C wall_s=W tok_s=X ttft_p50_ms=Y` (a request that ends on its
 length counts max_tokens; chunks are not tokens). Used by bench/llamacpp_side.sh; Python stdlib only.
 
   stream_clients.py HOST:PORT MODEL [--clients 8] [--requests 4] [--prompt 64] [--max-tokens 64]
@@ -45,7 +45,7 @@ def one(addr, model, text, max_tokens):
     c.close()
     # chunks are not tokens (a server may coalesce them): with ignore_eos a request that ends
     # on its length produced exactly max_tokens; anything else is counted by its chunks
-    return (max_tokens if finish == "length" else n), ttft if ttft is not None else float("nan")
+    return (max_tokens if finish == "length" else n), n, ttft if ttft is not None else float("nan")
 
 
 def main():
@@ -69,19 +69,20 @@ def main():
              "great think say help low line differ turn cause much mean before move right boy old").split()
     prompts = [[" ".join(rng.choice(words) for _ in range(a.prompt)) for _ in range(a.requests)]
                for _ in range(a.clients)]
-    toks, ttfts, errs = [0] * a.clients, [], []
+    toks, chunks, ttfts, errs = [0] * a.clients, [0] * a.clients, [], []
     lock = threading.Lock()
 
     def client(i):
         for text in prompts[i]:
             try:
-                n, t = one(a.addr, a.model, text, a.max_tokens)
+                n, k, t = one(a.addr, a.model, text, a.max_tokens)
             except Exception as e:  # reported below, the run then fails
                 with lock:
                     errs.append(str(e))
                 return
             with lock:
                 toks[i] += n
+                chunks[i] += k
                 ttfts.append(t)
 
     th = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
@@ -94,8 +95,8 @@ def main():
     if errs:
         sys.exit("stream_clients: %d request(s) failed, first: %s" % (len(errs), errs[0]))
     total = sum(toks)
-    print("clients=%d requests=%d tokens=%d wall_s=%.2f tok_s=%.1f ttft_p50_ms=%.0f" % (
-        a.clients, a.clients * a.requests, total, wall, total / wall,
+    print("clients=%d requests=%d tokens=%d chunks=%d wall_s=%.2f tok_s=%.1f ttft_p50_ms=%.0f" % (
+        a.clients, a.clients * a.requests, total, sum(chunks), wall, total / wall,
         1e3 * statistics.median(ttfts) if ttfts else float("nan")))
 
 
