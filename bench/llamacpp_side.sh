@@ -12,7 +12,8 @@
 # by bench/st2gguf.py (ours, stdlib Python); `kvfleet bench engine --seed 1 --weights f32`
 # regenerates the same matrices. Rounds alternate the two engines; the table gives medians
 # and kvfleet / llama.cpp:
-#   decode  batch-1 decode tok/s (llama-bench tg32 | bench engine batch 1)
+#   decode  batch-1 decode tok/s, 32 tokens after a 64-token context (llama-bench tg32 -d 64 |
+#           bench engine batch 1)
 #   prefill 64-token prompt tok/s (llama-bench pp64 | bench engine batch-1 prefill)
 #   b8, b32 aggregate decode tok/s of 8 / 32 sequences (llama-batched-bench S_TG, 64-token
 #           prompts, 32 new tokens | bench engine batch 8 / 32)
@@ -74,7 +75,10 @@ for r in $(seq "$ROUNDS"); do
                 if ($4==1) { print "kvfleet", p, "prefill", $3, $5; print "kvfleet", p, "decode", $3, $6 }
                 else print "kvfleet", p, "b" $4, $3, $6 }' >>"$OUT"
         echo "llamacpp_side: round $r/$ROUNDS, $p: llama-bench" >&2
-        "$LB/llama-bench" -m "$T/$p.gguf" -p 64 -n 32 -t "$THREADS" -ctk f32 -ctv f32 -r 1 -o jsonl 2>/dev/null |
+        # prefill from an empty context; decode 32 tokens after 64 in context (-d 64), as bench
+        # engine decodes after its 64-token prompt
+        { "$LB/llama-bench" -m "$T/$p.gguf" -p 64 -n 0 -t "$THREADS" -ctk f32 -ctv f32 -r 1 -o jsonl 2>/dev/null
+          "$LB/llama-bench" -m "$T/$p.gguf" -p 0 -n 32 -d 64 -t "$THREADS" -ctk f32 -ctv f32 -r 1 -o jsonl 2>/dev/null; } |
             python3 -c '
 import json, sys
 for line in sys.stdin:

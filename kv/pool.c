@@ -28,6 +28,11 @@ static kvf_status host_alloc(void *ctx, int64_t bytes, void **base_out, kvf_err 
     if (!p)
         return kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of host memory for a pool of %lld bytes",
                            (long long)bytes);
+    /* Touched now, at start: left to the first write of each page, decode paid a page fault and
+     * a page clear inside its KV write every few tokens (a 15M model's 1-token KV write took
+     * 10 us a layer), and a server its first request per page. The pool is the worker's to
+     * keep, so its memory is committed up front (as llama.cpp clears its KV buffer). */
+    memset(p, 0, (size_t)rounded);
     *base_out = p;
     return KVF_OK;
 }
