@@ -10,8 +10,8 @@
  *   USED     refcount > 0 (held by that many block tables), registered or not;
  *   LANDING  refcount 0, a promotion's copy still writing into it (its sequence was freed
  *            meanwhile): it becomes CACHED (or FREE, when the copy failed) when the copy ends.
- * free + cached + pinned + used + landing == total. Allocation takes FREE blocks first, then evicts the
- * least-recently-used CACHED block (publishing a REMOVED event), or, with tiers
+ * free + cached + pinned + used + landing == total. Allocation takes FREE blocks first, then
+ * evicts the least-recently-used CACHED block (publishing a REMOVED event), or, with tiers
  * (kvf_kv_pool_cfg.tier, kv/tier.h), demotes it into the host tier (a STORED event with tier
  * KVF_KV_TIER_HOST). Prefix lookups continue past the pool's hits into the tiers and promote
  * what they find there back into pool blocks: through the tiers' copy thread (kv/tier.h) when
@@ -109,7 +109,7 @@ typedef struct kvf_kv_pool_cfg {
 } kvf_kv_pool_cfg;
 
 typedef struct kvf_kv_pool_stats {
-    int32_t total, free, cached, pinned, used; /* free + cached + pinned + used + landing == total */
+    int32_t total, free, cached, pinned, used; /* + landing: == total */
     int32_t landing;   /* freed by their sequence while a promotion still writes into them */
     int32_t promoting; /* blocks a promotion is writing into now (held or landing) */
     int64_t lookups;       /* kvf_kv_prefix_lookup calls */

@@ -61,9 +61,12 @@ typedef struct tier_level {
 
 enum { JOB_FREE = 0, JOB_BEGUN, JOB_QUEUED, JOB_DONE, JOB_FAILED };
 
-/* One promotion: tier slot -> pool block. Written by the pool's thread until queued; state, t1,
- * corrupt and why by the copy thread under mu. */
+/* One promotion: tier slot -> pool block. The pool's thread writes it until it is queued and
+ * alone reads live and stale; the copy thread copies tier, slot, block, hash and parent under mu
+ * when it takes the job, and writes state, t1, corrupt and why under mu, which the pool's
+ * thread reads only under mu (reap). */
 typedef struct tier_job {
+    bool live;    /* begun and not yet reaped (pool thread only) */
     int32_t state;
     kvf_kv_tier_kind tier;
     int32_t slot, block;
@@ -561,7 +564,9 @@ static void *copy_main(void *arg)
         int32_t id = t->qring[t->qh];
         t->qh = (t->qh + 1) % t->q;
         t->qn--;
-        tier_job j = t->job[id]; /* its fields do not change while queued */
+        const tier_job *q = &t->job[id]; /* these fields do not change while queued */
+        tier_job j = {.tier = q->tier, .slot = q->slot, .block = q->block, .hash = q->hash,
+                      .parent = q->parent};
         pthread_mutex_unlock(&t->mu);
         if (t->cfg.copy_hook)
             t->cfg.copy_hook(t->cfg.hook_ctx, j.tier, j.block);
@@ -627,9 +632,10 @@ void kvf_kv_tier_detach(kvf_kv_tier *t)
     /* jobs never reaped: their slots go, silently (the pool is going away) */
     for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
         tier_job *j = &t->job[id];
-        if (j->state == JOB_FREE)
+        if (!j->live)
             continue;
         level_unpin_free(&t->lv[j->tier], j->slot);
+        j->live = false;
         j->state = JOB_FREE;
         t->job_free[t->n_job_free++] = id;
         t->n_jobs--;
@@ -650,8 +656,9 @@ int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
     int32_t id = t->job_free[--t->n_job_free];
     tier_level *l = &t->lv[r.tier];
     const tier_slot *s = &l->slot[r.slot];
-    t->job[id] = (tier_job){.state = JOB_BEGUN, .tier = r.tier, .slot = r.slot, .block = -1,
-                            .hash = s->hash, .parent = s->parent, .t0 = kvf_now_ns()};
+    t->job[id] = (tier_job){.live = true, .state = JOB_BEGUN, .tier = r.tier, .slot = r.slot,
+                            .block = -1, .hash = s->hash, .parent = s->parent,
+                            .t0 = kvf_now_ns()};
     level_pin(l, r.slot);
     t->n_jobs++;
     return id;
@@ -689,6 +696,7 @@ void kvf_kv_tier_job_abort(kvf_kv_tier *t, int32_t id)
     l->tail = j->slot;
     l->n_used++;
     map_insert(l, j->slot);
+    j->live = false;
     j->state = JOB_FREE;
     t->job_free[t->n_job_free++] = id;
     t->n_jobs--;
@@ -707,6 +715,7 @@ bool kvf_kv_tier_reap(kvf_kv_tier *t, kvf_kv_tier_done *out)
     t->dh = (t->dh + 1) % t->q;
     t->dn--;
     tier_job j = t->job[id];
+    t->job[id].state = JOB_FREE;
     pthread_mutex_unlock(&t->mu);
     tier_level *l = &t->lv[j.tier];
     bool ok = j.state == JOB_DONE;
@@ -729,7 +738,7 @@ bool kvf_kv_tier_reap(kvf_kv_tier *t, kvf_kv_tier_done *out)
         }
     }
     level_unpin_free(l, j.slot);
-    t->job[id].state = JOB_FREE;
+    t->job[id].live = false;
     t->job_free[t->n_job_free++] = id;
     t->n_jobs--;
     *out = (kvf_kv_tier_done){.block = j.block, .ok = ok, .stale = j.stale};
@@ -756,7 +765,7 @@ void kvf_kv_tier_wait(kvf_kv_tier *t, int64_t timeout_ns)
 static void jobs_mark_stale(kvf_kv_tier *t, uint64_t hash)
 {
     for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++)
-        if (t->job[id].state != JOB_FREE && t->job[id].hash == hash)
+        if (t->job[id].live && t->job[id].hash == hash)
             t->job[id].stale = true;
 }
 
@@ -916,7 +925,7 @@ int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx
         /* slots a promotion is copying up: still here until it completes */
         for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
             const tier_job *j = &t->job[id];
-            if (j->state == JOB_FREE || j->stale || (int)j->tier != k)
+            if (!j->live || j->stale || (int)j->tier != k)
                 continue;
             kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = j->hash,
                                .parent_hash = j->parent, .block = -1,
@@ -1009,7 +1018,7 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
     int32_t n_jobs = 0;
     for (int32_t id = 0; id < t->q; id++) {
         const tier_job *j = &t->job[id];
-        if (j->state == JOB_FREE)
+        if (!j->live)
             continue;
         n_jobs++;
         const tier_level *l = &t->lv[j->tier];
