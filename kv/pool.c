@@ -973,41 +973,30 @@ static int32_t promote(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_
     return id;
 }
 
-/* The copy thread's promotion of tier block (h, parent, toks) into a new pool block for seq:
- * the block (refcount 1, not registered, promoting) is appended to seq's table at its next
- * position; the hash is registered when the copy completes (kvf_kv_pool_poll_promotions).
- * -1 when no tier holds it, no pool block is available or the copy queue is full. */
-static int32_t promote_async(kvf_kv_pool *p, kvf_kv_seq *seq, uint64_t h, uint64_t parent,
-                             const int32_t *toks)
+/* Promotions through the copy thread go in two passes over the chain, so that the demotions
+ * the new pool blocks cause cannot push a later block of the same chain out of a tier: the
+ * walk (lookup_one) pins each tier hit's slot with a job (the sequence's table holds the job as
+ * -(job + 2) meanwhile) while at most as many as the pool can give are planned; then
+ * promote_planned takes a pool block for each, in chain order, and queues its copy. */
+static int32_t plan_promotion(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks,
+                              int32_t *planned)
 {
     kvf_kv_tier_ref r;
-    if (kvf_kv_pool_available(p) == 0 || !kvf_kv_tier_find(p->tier, h, parent, toks, true, &r))
+    if (*planned >= kvf_kv_pool_available(p) ||
+        !kvf_kv_tier_find(p->tier, h, parent, toks, true, &r))
         return -1;
-    int32_t job = kvf_kv_tier_job_begin(p->tier, r); /* pins the slot: demotion cannot take it */
+    int32_t job = kvf_kv_tier_job_begin(p->tier, r); /* pins the slot */
     if (job < 0)
-        return -1;
-    int32_t id = kvf_kv_pool_take_block(p); /* may demote another block */
-    if (id < 0) {
-        kvf_kv_tier_job_abort(p->tier, job);
-        return -1;
-    }
-    kv_block *b = &p->blk[id];
-    b->hash = h;
-    b->parent = parent;
-    memcpy(p->tokens + (int64_t)id * p->bs, toks, (size_t)p->bs * sizeof *toks);
-    b->promoting = 1;
-    b->promo_seq = seq;
-    b->promo_pos = seq->n_blocks;
-    p->n_promoting++;
-    seq->n_promoting++;
-    kvf_kv_tier_job_submit(p->tier, job, id);
-    return id;
+        return -1; /* the copy queue is full */
+    (*planned)++;
+    return -(job + 2);
 }
 
 /* The block at chain position (h, parent, toks) with a reference taken for seq: a live pool
- * hit, or a tier hit promoted (synchronously, or queued for the copy thread); -1 on a miss. */
-static int32_t lookup_one(kvf_kv_pool *p, kvf_kv_seq *seq, uint64_t h, uint64_t parent,
-                          const int32_t *toks, int64_t now)
+ * hit, or a tier hit promoted synchronously; with the copy thread, a planned promotion
+ * (-(job + 2), see above); -1 on a miss. */
+static int32_t lookup_one(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks,
+                          int64_t now, int32_t *planned)
 {
     int32_t id = match_live(p, h, parent, toks, now);
     if (id >= 0) {
@@ -1016,8 +1005,45 @@ static int32_t lookup_one(kvf_kv_pool *p, kvf_kv_seq *seq, uint64_t h, uint64_t 
     }
     if (!p->tier)
         return -1;
-    return kvf_kv_tier_async(p->tier) ? promote_async(p, seq, h, parent, toks)
+    return kvf_kv_tier_async(p->tier) ? plan_promotion(p, h, parent, toks, planned)
                                        : promote(p, h, parent, toks);
+}
+
+/* The second pass: each planned promotion of seq's new table (tokens: the lookup's, block i at
+ * tokens + i * bs) takes a pool block (evicting/demoting as allocation does; the planned
+ * count fits what was available) and queues its copy; the block is USED by seq, not
+ * registered, promoting. Should a block be missing after all, the table ends before it. */
+static void promote_planned(kvf_kv_pool *p, kvf_kv_seq *seq, const int32_t *tokens)
+{
+    int64_t now = pool_now(p);
+    for (int32_t i = 0; i < seq->n_blocks; i++) {
+        if (seq->blocks[i] >= 0)
+            continue;
+        int32_t job = -seq->blocks[i] - 2;
+        int32_t id = kvf_kv_pool_take_block(p);
+        if (id < 0) { /* not expected: give back this job and everything after it */
+            for (int32_t k = seq->n_blocks - 1; k >= i; k--) {
+                if (seq->blocks[k] < 0)
+                    kvf_kv_tier_job_abort(p->tier, -seq->blocks[k] - 2);
+                else
+                    release(p, seq->blocks[k], now);
+            }
+            seq->n_blocks = i;
+            return;
+        }
+        kv_block *b = &p->blk[id];
+        b->hash = seq->hashes[i];
+        b->parent = i ? seq->hashes[i - 1] : seq->root;
+        memcpy(p->tokens + (int64_t)id * p->bs, tokens + (int64_t)i * p->bs,
+               (size_t)p->bs * sizeof *tokens);
+        b->promoting = 1;
+        b->promo_seq = seq;
+        b->promo_pos = i;
+        p->n_promoting++;
+        seq->n_promoting++;
+        seq->blocks[i] = id;
+        kvf_kv_tier_job_submit(p->tier, job, id);
+    }
 }
 
 /* Appends a block already referenced for seq. */
@@ -1113,15 +1139,18 @@ kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens, int64_t 
     kvf_kv_pool *p = seq->pool;
     int64_t now = pool_now(p);
     uint64_t parent = seq->root;
+    int32_t planned = 0;
     for (int64_t i = 0; i < n_full; i++) {
         const int32_t *toks = tokens + i * p->bs;
         uint64_t h = kvf_kv_hash_block(parent, toks, p->bs);
-        int32_t id = lookup_one(p, seq, h, parent, toks, now);
-        if (id < 0)
+        int32_t id = lookup_one(p, h, parent, toks, now, &planned);
+        if (id == -1)
             break;
         lookup_take(p, seq, id, h);
         parent = h;
     }
+    if (planned > 0)
+        promote_planned(p, seq, tokens);
     seq->n_hashed = seq->n_blocks;
     seq->n_tokens = (int64_t)seq->n_blocks * p->bs;
     p->st.lookups++;
@@ -1144,13 +1173,17 @@ kvf_status kvf_kv_prefix_lookup_hashes(kvf_kv_seq *seq, const uint64_t *hashes,
         return st;
     kvf_kv_pool *p = seq->pool;
     int64_t now = pool_now(p);
+    int32_t planned = 0;
     for (int32_t i = 0; i < n_blocks; i++) {
         uint64_t parent = i ? hashes[i - 1] : seq->root;
-        int32_t id = lookup_one(p, seq, hashes[i], parent, tokens + (int64_t)i * p->bs, now);
-        if (id < 0)
+        int32_t id = lookup_one(p, hashes[i], parent, tokens + (int64_t)i * p->bs, now,
+                                &planned);
+        if (id == -1)
             break;
         lookup_take(p, seq, id, hashes[i]);
     }
+    if (planned > 0)
+        promote_planned(p, seq, tokens);
     seq->n_hashed = seq->n_blocks;
     seq->n_tokens = (int64_t)seq->n_blocks * p->bs;
     p->st.lookups++;

@@ -289,10 +289,10 @@ static void op_new(world *w)
     int32_t avail0 = kvf_kv_pool_available(w->env.pool);
     assert_int_equal(kvf_kv_prefix_lookup(&q->s, q->tok, len - 1, &hit, &err), KVF_OK);
     /* with tiers, each block brought up takes a pool block: all of them when that many are
-     * available (a pool hit takes at most one too), else a prefix of them. Through the copy
-     * thread, a promoted block's tier slot is held while that pool block's demotion makes room,
-     * which may push a later block of the same chain out of the (tiny) disk tier: a prefix too */
-    if (!w->tier || (avail0 >= expect && !w->async))
+     * available (a pool hit takes at most one too), else a prefix of them. (Through the copy
+     * thread too: every tier slot of the chain is pinned before the pool blocks are taken, so
+     * their demotions cannot push a later block of the chain out of a tier.) */
+    if (!w->tier || avail0 >= expect)
         assert_int_equal(hit, (int64_t)expect * BS);
     else
         assert_true(hit <= (int64_t)expect * BS);
