@@ -126,7 +126,8 @@ typedef struct kvf_kv_pool_stats {
 /* Creates a pool of cfg->n_blocks blocks of cfg->layout.block_bytes in one allocation made by
  * cfg->mem. The pool owns that allocation and frees it in destroy. */
 kvf_status kvf_kv_pool_create(const kvf_kv_pool_cfg *cfg, kvf_kv_pool **out, kvf_err *err);
-/* Frees the pool and its memory. Sequences still pointing at it must not be used again
+/* Frees the pool and its memory, after the tiers' copy thread has finished the copies still
+ * queued (it is joined). Sequences still pointing at it must not be used again
  * (kvf_kv_seq_fini on them stays safe only before destroy). NULL is a no-op. */
 void kvf_kv_pool_destroy(kvf_kv_pool *pool);
 
@@ -142,7 +143,7 @@ int32_t kvf_kv_pool_available(const kvf_kv_pool *pool);
  * how many. A no-op when retention_ns is 0. */
 void kvf_kv_pool_expire(kvf_kv_pool *pool, int32_t *n_out);
 /* Drops every idle cached block (not pinned, not used), and every tier block, as for a model
- * reload. */
+ * reload (blocks a promotion is copying up go too: REMOVED now, never registered). */
 void kvf_kv_pool_clear_cache(kvf_kv_pool *pool, int32_t *n_out);
 
 /* ---- sequences and their block tables ---------------------------------------------------- */

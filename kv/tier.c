@@ -903,6 +903,16 @@ void kvf_kv_tier_clear(kvf_kv_tier *t, int32_t *n_out)
             level_drop(t, &t->lv[k], t->lv[k].head);
             n++;
         }
+    /* blocks a promotion is copying up go too: their jobs finish, but nothing is registered */
+    for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
+        tier_job *j = &t->job[id];
+        if (!j->live || j->stale)
+            continue;
+        emit(t, KVF_KV_EVENT_REMOVED, &t->lv[j->tier], j->slot);
+        t->st.tier[j->tier].dropped++;
+        j->stale = true;
+        n++;
+    }
     if (n_out)
         *n_out = n;
 }

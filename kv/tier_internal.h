@@ -72,8 +72,8 @@ void kvf_kv_tier_promoted(kvf_kv_tier *t, kvf_kv_tier_kind tier, int64_t t0);
 /* The pool registered hash itself: any tier copy goes, silently (the pool's STORED moves it);
  * a promotion in flight for it is marked stale. */
 void kvf_kv_tier_forget(kvf_kv_tier *t, uint64_t hash);
-/* Drops every tier block (REMOVED events) except those a promotion is copying up; *n_out gets
- * how many. */
+/* Drops every tier block (REMOVED events); a promotion copying one up is marked stale (its
+ * block is not registered when it lands); *n_out gets how many. */
 void kvf_kv_tier_clear(kvf_kv_tier *t, int32_t *n_out);
 /* Calls fn with a STORED event (tier set, block -1) for every tier block; returns how many. */
 int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx);

@@ -752,6 +752,42 @@ static void test_async_disk_corrupt_cuts(void **state)
     env_close(&v);
 }
 
+/* clear_cache while copies are in flight: their hashes are REMOVED at once; the copies land
+ * in the sequence (its bytes are right) but are not registered. */
+static void test_async_clear_in_flight(void **state)
+{
+    (void)state;
+    env v;
+    env_open(&v, 4, 8, 0);
+    put_prompt(&v, 1, 2);
+    put_prompt(&v, 2, 4); /* prompt 1 -> host */
+    gate_set(true);
+    kvf_kv_seq a;
+    assert_int_equal(lookup(&v, &a, 1, 2), 2 * BS);
+    int n0 = v.e.n_ev;
+    int32_t n = 0;
+    kvf_kv_pool_clear_cache(v.e.pool, &n);
+    assert_true(find_ev(&v, n0, KVF_KV_EVENT_REMOVED, hash_of(&v, 1, 0), KVF_KV_TIER_HOST) >= 0);
+    assert_true(find_ev(&v, n0, KVF_KV_EVENT_REMOVED, hash_of(&v, 1, 1), KVF_KV_TIER_HOST) >= 0);
+    kvf_kv_seq *one[] = {&a};
+    kt_check(v.e.pool, one, 1);
+    kt_env snap;
+    memset(&snap, 0, sizeof snap);
+    assert_int_equal(kvf_kv_prefix_snapshot(v.e.pool, kt_on_event, &snap), 0);
+    gate_set(false);
+    while (kvf_kv_seq_promotions_pending(&a) > 0) {
+        kvf_kv_pool_wait_promotions(v.e.pool, 1000000000);
+        kt_check(v.e.pool, one, 1);
+    }
+    assert_int_equal(a.n_tokens, 2 * BS);
+    assert_true(stamped(&a, 1, 0) && stamped(&a, 1, 1));
+    int32_t toks[8];
+    kt_tokens(toks, 8, 1);
+    assert_int_equal(kvf_kv_prefix_probe(v.e.pool, v.root, toks, 8), 0); /* not registered */
+    kvf_kv_seq_fini(&a);
+    env_close(&v);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -769,6 +805,7 @@ int main(void)
         cmocka_unit_test(test_async_in_flight_invisible),
         cmocka_unit_test(test_async_free_in_flight),
         cmocka_unit_test(test_async_disk_corrupt_cuts),
+        cmocka_unit_test(test_async_clear_in_flight),
     };
     g_sync = false; /* the default: the copy thread */
     int rc = cmocka_run_group_tests_name("copy thread", tests, NULL, NULL);
