@@ -13,7 +13,13 @@
  * (need_logits) and never takes the backend's draw or argmax, so a GPU honours them exactly as
  * the CPU does; every other sequence keeps the backend's draw and downloads nothing. A
  * sequence with prompt_logprobs computes its prompt one token per step without the prefix
- * cache, keeping each step's log-probability of the next prompt token. */
+ * cache, keeping each step's log-probability of the next prompt token.
+ *
+ * With KV tiers whose promotions run on the tiers' copy thread (kv/tier.h), a sequence whose
+ * prefix lookup hit a tier is admitted PROMOTING: it holds its blocks (and its seats) but is
+ * not computed until every copy has completed; the other sequences keep running meanwhile.
+ * Each step polls the completions first; a step with nothing else to run waits for the copy
+ * thread on its condition variable (bounded by ENGINE_PROMOTE_WAIT_NS), never spinning. */
 #include "engine/engine.h"
 
 #include <math.h>
@@ -35,6 +41,8 @@ typedef enum seq_state {
     SEQ_FREE = 0,
     SEQ_WAITING,   /* queued; holds no blocks */
     SEQ_RUNNING,   /* holds blocks for positions [0, n_computed) */
+    SEQ_PROMOTING, /* admitted: holds its prefix's blocks while the tiers' copy thread fills some
+                    * of them; RUNNING (n_computed = what landed) once every copy completed */
     SEQ_SWAPPED,   /* its blocks are in host slots */
     SEQ_FORK_WAIT, /* sample i > 0 waiting for sample 0's prompt to fork from */
     SEQ_REMOTE,    /* holds the prompt's blocks while another process writes them */
@@ -92,6 +100,8 @@ typedef struct guide_ent {
 } guide_ent;
 
 #define ENGINE_GUIDES_KEPT 16
+/* A step with nothing to run but promotions in flight waits at most this long for one. */
+#define ENGINE_PROMOTE_WAIT_NS 2000000
 /* ... and their mask caches (each grammar's is bounded by text/grammar.h) at most this many
  * bytes together, so distinct hostile schemas cannot hold a worker's memory */
 #define ENGINE_GUIDES_IDLE_BYTES ((size_t)256 << 20)
@@ -835,7 +845,7 @@ static int32_t seats_used(const kvf_engine *e)
     int32_t n = 0;
     for (int32_t i = 0; i < e->n_order; i++) {
         const eng_seq *s = &e->seqs[e->order[i]];
-        if (s->state == SEQ_RUNNING || s->state == SEQ_REMOTE)
+        if (s->state == SEQ_RUNNING || s->state == SEQ_REMOTE || s->state == SEQ_PROMOTING)
             n += seat_need(s);
     }
     return n;
@@ -1108,6 +1118,11 @@ kvf_status kvf_engine_add_remote(kvf_engine *e, const kvf_engine_request *req,
     if (e->cfg.prefix_cache &&
         (st = kvf_kv_prefix_lookup(&s->kv, s->tokens, s->n_prompt, &hit, err)) != KVF_OK)
         goto undo;
+    /* the writer is told which blocks hold the prefix: their copies from the tiers must have
+     * landed (a failed one cuts the prefix), so a remote prefill waits for them here */
+    while (kvf_kv_seq_promotions_pending(&s->kv) > 0)
+        kvf_kv_pool_wait_promotions(e->pool, ENGINE_PROMOTE_WAIT_NS);
+    hit = s->kv.n_tokens;
     if ((st = kvf_kv_seq_prepare_write(&s->kv, s->n_prompt - hit, err)) != KVF_OK)
         goto undo;
     memcpy(block_ids_out, s->kv.blocks, (size_t)s->kv.n_blocks * sizeof *block_ids_out);
@@ -1258,7 +1273,8 @@ kvf_status kvf_engine_req_info_get(const kvf_engine *e, uint64_t id, kvf_engine_
                            (unsigned long long)id);
     kvf_engine_req_state st = KVF_ENGINE_REQ_QUEUED;
     switch (s->state) {
-    case SEQ_RUNNING: st = KVF_ENGINE_REQ_RUNNING; break;
+    case SEQ_RUNNING:
+    case SEQ_PROMOTING: st = KVF_ENGINE_REQ_RUNNING; break;
     case SEQ_REMOTE: st = KVF_ENGINE_REQ_REMOTE; break;
     case SEQ_KEPT: st = KVF_ENGINE_REQ_KEPT; break;
     case SEQ_HELD: st = KVF_ENGINE_REQ_HELD; break;
@@ -1415,6 +1431,26 @@ static void reclaim(kvf_engine *e)
     e->n_order = w;
 }
 
+/* Completes finished promotions and lets each PROMOTING sequence whose copies all landed run:
+ * its prefix is what landed (a failed copy cut it there). Returns how many started. */
+static int32_t promotions_land(kvf_engine *e)
+{
+    kvf_kv_pool_poll_promotions(e->pool);
+    int32_t n = 0;
+    for (int32_t i = 0; i < e->n_order; i++) {
+        eng_seq *s = slot_seq(e, e->order[i]);
+        if (s->state != SEQ_PROMOTING || kvf_kv_seq_promotions_pending(&s->kv) > 0)
+            continue;
+        int64_t hit = s->kv.n_tokens;
+        s->n_computed = (int32_t)hit;
+        s->n_cached = hit;
+        e->st.prefix_hit_tokens += hit;
+        s->state = SEQ_RUNNING;
+        n++;
+    }
+    return n;
+}
+
 /* Chooses this step's sequences and chunks (see the file comment). */
 static void schedule(kvf_engine *e)
 {
@@ -1494,10 +1530,16 @@ static void schedule(kvf_engine *e)
                     (unsigned long long)s->id, s->index, err.msg);
             hit = 0;
         }
-        s->n_computed = (int32_t)hit;
-        s->n_cached = hit;
         if (!s->admitted_ns)
             s->admitted_ns = kvf_now_ns();
+        if (kvf_kv_seq_promotions_pending(&s->kv) > 0) {
+            /* admitted, its blocks held; computed once the copies land (promotions_land) */
+            s->state = SEQ_PROMOTING;
+            seats += seat_need(s);
+            continue;
+        }
+        s->n_computed = (int32_t)hit;
+        s->n_cached = hit;
         e->st.prefix_hit_tokens += hit;
         c = chunk_cap(s, s->n_tokens - hit < budget ? (int32_t)(s->n_tokens - hit) : budget);
         s->state = SEQ_RUNNING;
@@ -1581,14 +1623,22 @@ kvf_status kvf_engine_step(kvf_engine *e, const kvf_engine_output **out_out, int
     e->in_step = true;
     flush_pending(e);
     release_expired(e, t_step);
+    promotions_land(e);
     schedule(e);
+    if (e->n_set == 0 && count_state(e, SEQ_PROMOTING) > 0) {
+        /* only promotions are pending: wait for the copy thread (bounded), then try again */
+        kvf_kv_pool_wait_promotions(e->pool, ENGINE_PROMOTE_WAIT_NS);
+        if (promotions_land(e) > 0)
+            schedule(e);
+    }
     e->st.last_step_seqs = 0;
     kvf_status st = KVF_OK;
     if (e->n_set == 0) {
         /* nothing runs: a lone sequence that cannot be admitted would wait forever */
-        /* (held and kept blocks come back when released: wait for them) */
+        /* (held and kept blocks come back when released, promotions when copied: wait) */
         if (count_state(e, SEQ_RUNNING) == 0 && count_state(e, SEQ_REMOTE) == 0 &&
-            count_state(e, SEQ_HELD) == 0 && count_state(e, SEQ_KEPT) == 0) {
+            count_state(e, SEQ_HELD) == 0 && count_state(e, SEQ_KEPT) == 0 &&
+            count_state(e, SEQ_PROMOTING) == 0) {
             for (int32_t i = 0; i < e->n_order; i++) {
                 eng_seq *s = slot_seq(e, e->order[i]);
                 if (s->state == SEQ_WAITING || s->state == SEQ_SWAPPED) {
@@ -1717,7 +1767,8 @@ bool kvf_engine_busy(const kvf_engine *e)
 void kvf_engine_get_stats(const kvf_engine *e, kvf_engine_stats *out)
 {
     *out = e->st;
-    out->running = count_state(e, SEQ_RUNNING) + count_state(e, SEQ_FORK_WAIT);
+    out->promoting = count_state(e, SEQ_PROMOTING);
+    out->running = count_state(e, SEQ_RUNNING) + count_state(e, SEQ_FORK_WAIT) + out->promoting;
     out->waiting = count_state(e, SEQ_WAITING);
     out->swapped = count_state(e, SEQ_SWAPPED);
     out->remote = count_state(e, SEQ_REMOTE);
@@ -1759,6 +1810,14 @@ kvf_status kvf_engine_check(const kvf_engine *e, kvf_err *err)
             st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu.%d: table holds %lld "
                              "positions but %d are computed", (unsigned long long)s->id,
                              s->index, (long long)s->kv.n_tokens, s->n_computed);
+        else if (s->state == SEQ_PROMOTING && !s->kv_live)
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu.%d: promoting without "
+                             "a block table", (unsigned long long)s->id, s->index);
+        else if (s->state != SEQ_PROMOTING && s->kv_live &&
+                 kvf_kv_seq_promotions_pending(&s->kv) > 0)
+            st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu.%d: %d promotions pending "
+                             "outside the PROMOTING state", (unsigned long long)s->id, s->index,
+                             kvf_kv_seq_promotions_pending(&s->kv));
         else if (s->state == SEQ_HELD && (!s->kv_live || s->kv.state != KVF_KV_SEQ_ACTIVE))
             st = kvf_err_set(err, KVF_ERR_INTERNAL, "engine: req %llu: held but its blocks "
                              "were released", (unsigned long long)s->id);

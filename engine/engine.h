@@ -206,7 +206,9 @@ typedef struct kvf_engine_output {
 } kvf_engine_output;
 
 typedef struct kvf_engine_stats {
-    int32_t running, waiting, swapped, remote; /* sequences in each state */
+    int32_t running, waiting, swapped, remote; /* sequences in each state (running counts
+                                                * promoting ones) */
+    int32_t promoting; /* admitted, waiting for their prefix's copies from the KV tiers */
     int32_t held, held_blocks; /* given-up remote prefills holding blocks (kvf_engine_hold) */
     int32_t kept, kept_blocks; /* prefilled prefill-only requests keeping their blocks */
     int32_t free_blocks, cached_blocks, total_blocks;

@@ -75,6 +75,7 @@ const kvf_kv_mem_ops kvf_kv_mem_host = {
     .copy_block = host_copy_block,
     .to_host = host_to_host,
     .from_host = host_from_host,
+    .from_host_any_thread = true,
 };
 
 /* ---- the pool ------------------------------------------------------------------------------ */
@@ -86,6 +87,10 @@ typedef struct kv_block {
     int32_t prev, next; /* LRU links while CACHED, else -1 */
     int32_t free_pos;   /* index in the free stack while FREE, else -1 */
     uint8_t registered;
+    uint8_t promoting;  /* a tier promotion's copy writes into it (hash/parent/tokens set, not
+                         * registered until it completes) */
+    int32_t promo_pos;  /* while promoting and held: its position in promo_seq's table */
+    kvf_kv_seq *promo_seq; /* while promoting: the sequence holding it; NULL once it lands */
 } kv_block;
 
 struct kvf_kv_pool {
@@ -100,6 +105,7 @@ struct kvf_kv_pool {
     int32_t n_free;
     int32_t lru_head, lru_tail, n_cached; /* head: least recently used */
     int32_t n_pinned, n_used;
+    int32_t n_landing, n_promoting; /* LANDING blocks; blocks a promotion writes into */
     int32_t *map; /* [map_mask + 1] block ids or -1, keyed by blk[id].hash */
     uint64_t map_mask;
     int32_t n_map;
@@ -236,6 +242,10 @@ static void evict_registered(kvf_kv_pool *p, int32_t id)
         int32_t slot;
         void *dst = kvf_kv_tier_put_begin(p->tier, &slot);
         kvf_err err = {0};
+        if (!dst) { /* every host slot is busy with a promotion */
+            unregister(p, id);
+            return;
+        }
         if (p->mem->to_host(p->cfg.mem_ctx, dst, p->base, p->block_bytes, id, &err) == KVF_OK) {
             map_remove(p, id);
             b->registered = 0;
@@ -299,6 +309,11 @@ static void release(kvf_kv_pool *p, int32_t id, int64_t now)
     if (--b->ref > 0)
         return;
     p->n_used--;
+    if (b->promoting) { /* LANDING: its copy ends in kvf_kv_pool_poll_promotions */
+        b->promo_seq = NULL;
+        p->n_landing++;
+        return;
+    }
     if (!b->registered)
         free_push(p, id);
     else if (b->pin > 0)
@@ -389,13 +404,12 @@ kvf_status kvf_kv_pool_create(const kvf_kv_pool_cfg *cfg, kvf_kv_pool **out, kvf
                          p->n);
         goto fail_meta;
     }
-    if (cfg->tier &&
-        (st = kvf_kv_tier_attach(cfg->tier, l, pool_tier_event, p, err)) != KVF_OK)
-        goto fail_meta;
     st = mem->alloc(cfg->mem_ctx, p->bytes, &p->base, err);
-    if (st != KVF_OK) {
-        if (cfg->tier)
-            kvf_kv_tier_detach(cfg->tier);
+    if (st != KVF_OK)
+        goto fail_meta;
+    if (cfg->tier && (st = kvf_kv_tier_attach(cfg->tier, l, mem, cfg->mem_ctx, p->base,
+                                              pool_tier_event, p, err)) != KVF_OK) {
+        mem->free(cfg->mem_ctx, p->base, p->bytes);
         goto fail_meta;
     }
     p->tier = cfg->tier;
@@ -453,6 +467,8 @@ void kvf_kv_pool_get_stats(const kvf_kv_pool *p, kvf_kv_pool_stats *out)
     out->cached = p->n_cached;
     out->pinned = p->n_pinned;
     out->used = p->n_used;
+    out->landing = p->n_landing;
+    out->promoting = p->n_promoting;
 }
 
 void kvf_kv_pool_expire(kvf_kv_pool *p, int32_t *n_out)
@@ -565,6 +581,21 @@ static kvf_status seq_check_active(const kvf_kv_seq *seq, const char *what, kvf_
     return KVF_OK;
 }
 
+/* seq_check_active, and no promotion still copying into its blocks. */
+static kvf_status seq_check_ready(const kvf_kv_seq *seq, const char *what, kvf_err *err)
+{
+    kvf_status st = seq_check_active(seq, what, err);
+    if (st == KVF_OK && seq->n_promoting > 0)
+        return kvf_err_set(err, KVF_ERR_STATE, "kv: %s: %d blocks of the sequence are still being "
+                           "promoted from a tier (poll them first)", what, seq->n_promoting);
+    return st;
+}
+
+int32_t kvf_kv_seq_promotions_pending(const kvf_kv_seq *seq)
+{
+    return seq->state == KVF_KV_SEQ_ACTIVE ? seq->n_promoting : 0;
+}
+
 /* Blocks a write of n_new tokens takes for seq: new blocks, plus 1 when the partial last
  * block is shared and must be copied first (*cow_out). */
 static int64_t seq_need(const kvf_kv_pool *p, const kvf_kv_seq *seq, int64_t n_new, int *cow_out)
@@ -614,7 +645,7 @@ static kvf_status check_n_new(const kvf_kv_seq *seq, int64_t n_new, kvf_err *err
 
 kvf_status kvf_kv_seq_prepare_write(kvf_kv_seq *seq, int64_t n_new, kvf_err *err)
 {
-    kvf_status st = seq_check_active(seq, "prepare_write", err);
+    kvf_status st = seq_check_ready(seq, "prepare_write", err);
     if (st != KVF_OK || (st = check_n_new(seq, n_new, err)) != KVF_OK)
         return st;
     kvf_kv_pool *p = seq->pool;
@@ -671,7 +702,7 @@ kvf_status kvf_kv_pool_alloc_step(kvf_kv_pool *p, kvf_kv_seq *const *seqs, const
                                   size_t n, kvf_err *err)
 {
     for (size_t i = 0; i < n; i++) {
-        kvf_status st = seq_check_active(seqs[i], "alloc_step", err);
+        kvf_status st = seq_check_ready(seqs[i], "alloc_step", err);
         if (st == KVF_OK && seqs[i]->pool != p)
             st = kvf_err_set(err, KVF_ERR_INVALID, "kv: alloc_step: sequence %zu belongs to "
                              "another pool", i);
@@ -702,7 +733,7 @@ kvf_status kvf_kv_pool_alloc_step(kvf_kv_pool *p, kvf_kv_seq *const *seqs, const
 
 kvf_status kvf_kv_seq_fork(kvf_kv_seq *parent, kvf_kv_seq *child, kvf_err *err)
 {
-    kvf_status st = seq_check_active(parent, "fork (parent)", err);
+    kvf_status st = seq_check_ready(parent, "fork (parent)", err);
     if (st != KVF_OK || (st = seq_check_active(child, "fork (child)", err)) != KVF_OK)
         return st;
     if (parent == child || child->pool != parent->pool)
@@ -802,8 +833,9 @@ void kvf_kv_seq_release_blocks(kvf_kv_seq *seq)
     kvf_kv_pool *p = seq->pool;
     int64_t now = pool_now(p);
     for (int32_t i = seq->n_blocks - 1; i >= 0; i--)
-        release(p, seq->blocks[i], now);
+        release(p, seq->blocks[i], now); /* a block still being promoted becomes LANDING */
     seq->n_blocks = 0;
+    seq->n_promoting = 0;
 }
 
 kvf_status kvf_kv_seq_free(kvf_kv_seq *seq, kvf_err *err)
@@ -827,7 +859,7 @@ kvf_status kvf_kv_seq_free(kvf_kv_seq *seq, kvf_err *err)
 kvf_status kvf_kv_seq_adopt(kvf_kv_seq *seq, const int32_t *ids, int32_t n_ids, int64_t n_tokens,
                             kvf_err *err)
 {
-    kvf_status st = seq_check_active(seq, "adopt", err);
+    kvf_status st = seq_check_ready(seq, "adopt", err);
     if (st != KVF_OK)
         return st;
     kvf_kv_pool *p = seq->pool;
@@ -847,9 +879,10 @@ kvf_status kvf_kv_seq_adopt(kvf_kv_seq *seq, const int32_t *ids, int32_t n_ids, 
             break;
         }
         const kv_block *b = &p->blk[id];
-        if (b->ref > 0 || b->pin > 0 || p->scratch[id]) {
+        if (b->ref > 0 || b->pin > 0 || b->promoting || p->scratch[id]) {
             st = kvf_err_set(err, KVF_ERR_STATE, "kv: adopt: block %d is %s (must be free or "
                              "cached)", id, p->scratch[id] ? "listed twice" : b->ref > 0 ? "in use"
+                             : b->promoting ? "landing (a promotion still writes into it)"
                              : "pinned");
             break;
         }
@@ -945,17 +978,77 @@ static int32_t promote(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_
     return id;
 }
 
-/* The block at chain position (h, parent, toks) with a reference taken for a sequence: a live
- * pool hit, or a tier hit promoted; -1 on a miss. */
+/* Promotions through the copy thread go in two passes over the chain, so that the demotions
+ * the new pool blocks cause cannot push a later block of the same chain out of a tier: the
+ * walk (lookup_one) pins each tier hit's slot with a job (the sequence's table holds the job as
+ * -(job + 2) meanwhile) while at most as many as the pool can give are planned; then
+ * promote_planned takes a pool block for each, in chain order, and queues its copy. */
+static int32_t plan_promotion(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks,
+                              int32_t *planned)
+{
+    kvf_kv_tier_ref r;
+    if (*planned >= kvf_kv_pool_available(p) ||
+        !kvf_kv_tier_find(p->tier, h, parent, toks, true, &r))
+        return -1;
+    int32_t job = kvf_kv_tier_job_begin(p->tier, r); /* pins the slot */
+    if (job < 0)
+        return -1; /* the copy queue is full */
+    (*planned)++;
+    return -(job + 2);
+}
+
+/* The block at chain position (h, parent, toks) with a reference taken for seq: a live pool
+ * hit, or a tier hit promoted synchronously; with the copy thread, a planned promotion
+ * (-(job + 2), see above); -1 on a miss. */
 static int32_t lookup_one(kvf_kv_pool *p, uint64_t h, uint64_t parent, const int32_t *toks,
-                          int64_t now)
+                          int64_t now, int32_t *planned)
 {
     int32_t id = match_live(p, h, parent, toks, now);
     if (id >= 0) {
         acquire(p, id);
         return id;
     }
-    return p->tier ? promote(p, h, parent, toks) : -1;
+    if (!p->tier)
+        return -1;
+    return kvf_kv_tier_async(p->tier) ? plan_promotion(p, h, parent, toks, planned)
+                                       : promote(p, h, parent, toks);
+}
+
+/* The second pass: each planned promotion of seq's new table (tokens: the lookup's, block i at
+ * tokens + i * bs) takes a pool block (evicting/demoting as allocation does; the planned
+ * count fits what was available) and queues its copy; the block is USED by seq, not
+ * registered, promoting. Should a block be missing after all, the table ends before it. */
+static void promote_planned(kvf_kv_pool *p, kvf_kv_seq *seq, const int32_t *tokens)
+{
+    int64_t now = pool_now(p);
+    for (int32_t i = 0; i < seq->n_blocks; i++) {
+        if (seq->blocks[i] >= 0)
+            continue;
+        int32_t job = -seq->blocks[i] - 2;
+        int32_t id = kvf_kv_pool_take_block(p);
+        if (id < 0) { /* not expected: give back this job and everything after it */
+            for (int32_t k = seq->n_blocks - 1; k >= i; k--) {
+                if (seq->blocks[k] < 0)
+                    kvf_kv_tier_job_abort(p->tier, -seq->blocks[k] - 2);
+                else
+                    release(p, seq->blocks[k], now);
+            }
+            seq->n_blocks = i;
+            return;
+        }
+        kv_block *b = &p->blk[id];
+        b->hash = seq->hashes[i];
+        b->parent = i ? seq->hashes[i - 1] : seq->root;
+        memcpy(p->tokens + (int64_t)id * p->bs, tokens + (int64_t)i * p->bs,
+               (size_t)p->bs * sizeof *tokens);
+        b->promoting = 1;
+        b->promo_seq = seq;
+        b->promo_pos = i;
+        p->n_promoting++;
+        seq->n_promoting++;
+        seq->blocks[i] = id;
+        kvf_kv_tier_job_submit(p->tier, job, id);
+    }
 }
 
 /* Appends a block already referenced for seq. */
@@ -965,6 +1058,78 @@ static void lookup_take(kvf_kv_pool *p, kvf_kv_seq *seq, int32_t id, uint64_t h)
     seq->blocks[seq->n_blocks] = id;
     seq->hashes[seq->n_blocks] = h;
     seq->n_blocks++;
+}
+
+/* Cuts seq's table at position pos (a failed promotion there): releases blocks [pos, n_blocks)
+ * last first (one still being promoted becomes LANDING) and sets n_blocks, n_hashed and
+ * n_tokens back to pos. */
+static void seq_cut(kvf_kv_pool *p, kvf_kv_seq *seq, int32_t pos, int64_t now)
+{
+    int32_t n0 = seq->n_blocks;
+    for (int32_t i = seq->n_blocks - 1; i >= pos; i--) {
+        int32_t id = seq->blocks[i];
+        if (p->blk[id].promoting && p->blk[id].promo_seq == seq)
+            seq->n_promoting--;
+        release(p, id, now);
+    }
+    seq->n_blocks = pos;
+    if (seq->n_hashed > pos)
+        seq->n_hashed = pos;
+    seq->n_tokens = (int64_t)pos * p->bs;
+    p->st.hit_blocks -= n0 - pos;
+}
+
+/* One finished copy into block id (the tier slot is freed already). */
+static void promotion_end(kvf_kv_pool *p, const kvf_kv_tier_done *d, int64_t now)
+{
+    int32_t id = d->block;
+    kv_block *b = &p->blk[id];
+    kvf_kv_seq *seq = b->promo_seq;
+    int32_t pos = b->promo_pos;
+    b->promoting = 0;
+    b->promo_seq = NULL;
+    p->n_promoting--;
+    if (d->ok && !d->stale && map_find(p, b->hash) < 0) {
+        b->registered = 1;
+        map_insert(p, id);
+        p->st.promoted++;
+        emit(p, KVF_KV_EVENT_STORED, id);
+    }
+    if (!d->ok)
+        p->st.promote_failed++;
+    if (b->ref == 0) { /* LANDING: its sequence is gone */
+        p->n_landing--;
+        if (b->registered)
+            lru_push_tail(p, id, now);
+        else
+            free_push(p, id);
+        return;
+    }
+    seq->n_promoting--;
+    if (!d->ok) /* wrong or missing bytes: the prefix ends before this block */
+        seq_cut(p, seq, pos, now);
+}
+
+int32_t kvf_kv_pool_poll_promotions(kvf_kv_pool *p)
+{
+    if (!p->tier || p->n_promoting == 0)
+        return 0;
+    int32_t n = 0;
+    int64_t now = pool_now(p);
+    kvf_kv_tier_done d;
+    while (kvf_kv_tier_reap(p->tier, &d)) {
+        promotion_end(p, &d, now);
+        n++;
+    }
+    return n;
+}
+
+int32_t kvf_kv_pool_wait_promotions(kvf_kv_pool *p, int64_t timeout_ns)
+{
+    if (!p->tier || p->n_promoting == 0)
+        return 0;
+    kvf_kv_tier_wait(p->tier, timeout_ns);
+    return kvf_kv_pool_poll_promotions(p);
 }
 
 kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens, int64_t n_tokens,
@@ -979,15 +1144,18 @@ kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens, int64_t 
     kvf_kv_pool *p = seq->pool;
     int64_t now = pool_now(p);
     uint64_t parent = seq->root;
+    int32_t planned = 0;
     for (int64_t i = 0; i < n_full; i++) {
         const int32_t *toks = tokens + i * p->bs;
         uint64_t h = kvf_kv_hash_block(parent, toks, p->bs);
-        int32_t id = lookup_one(p, h, parent, toks, now);
-        if (id < 0)
+        int32_t id = lookup_one(p, h, parent, toks, now, &planned);
+        if (id == -1)
             break;
         lookup_take(p, seq, id, h);
         parent = h;
     }
+    if (planned > 0)
+        promote_planned(p, seq, tokens);
     seq->n_hashed = seq->n_blocks;
     seq->n_tokens = (int64_t)seq->n_blocks * p->bs;
     p->st.lookups++;
@@ -1010,13 +1178,17 @@ kvf_status kvf_kv_prefix_lookup_hashes(kvf_kv_seq *seq, const uint64_t *hashes,
         return st;
     kvf_kv_pool *p = seq->pool;
     int64_t now = pool_now(p);
+    int32_t planned = 0;
     for (int32_t i = 0; i < n_blocks; i++) {
         uint64_t parent = i ? hashes[i - 1] : seq->root;
-        int32_t id = lookup_one(p, hashes[i], parent, tokens + (int64_t)i * p->bs, now);
-        if (id < 0)
+        int32_t id = lookup_one(p, hashes[i], parent, tokens + (int64_t)i * p->bs, now,
+                                &planned);
+        if (id == -1)
             break;
         lookup_take(p, seq, id, hashes[i]);
     }
+    if (planned > 0)
+        promote_planned(p, seq, tokens);
     seq->n_hashed = seq->n_blocks;
     seq->n_tokens = (int64_t)seq->n_blocks * p->bs;
     p->st.lookups++;
@@ -1163,11 +1335,20 @@ kvf_status kvf_kv_check_invariants(const kvf_kv_pool *p, const kvf_kv_seq *const
                     (long long)s->n_tokens, p->bs);
             break;
         }
+        int32_t s_promoting = 0;
         for (int32_t i = 0; i < s->n_blocks; i++) {
             int32_t id = s->blocks[i];
             if (id < 0 || id >= p->n) {
                 KV_FAIL("kv: invariant: sequence %zu position %d holds foreign block %d", si, i, id);
                 break;
+            }
+            if (p->blk[id].promoting && p->blk[id].promo_seq == s) {
+                s_promoting++;
+                if (p->blk[id].promo_pos != i) {
+                    KV_FAIL("kv: invariant: sequence %zu position %d: block %d is promoted for "
+                            "position %d", si, i, id, p->blk[id].promo_pos);
+                    break;
+                }
             }
             if (i < s->n_hashed && p->blk[id].registered && p->blk[id].hash != s->hashes[i]) {
                 KV_FAIL("kv: invariant: sequence %zu position %d: block %d registered as %016llx, "
@@ -1177,9 +1358,15 @@ kvf_status kvf_kv_check_invariants(const kvf_kv_pool *p, const kvf_kv_seq *const
             }
             p->scratch[id]++;
         }
+        if (st == KVF_OK && s_promoting != s->n_promoting) {
+            KV_FAIL("kv: invariant: sequence %zu has %d blocks being promoted but says %d", si,
+                    s_promoting, s->n_promoting);
+            break;
+        }
     }
     /* 2. Per block: refcount == holders, state fields agree. */
-    int32_t n_free = 0, n_cached = 0, n_pinned = 0, n_used = 0, n_reg = 0;
+    int32_t n_free = 0, n_cached = 0, n_pinned = 0, n_used = 0, n_reg = 0, n_landing = 0,
+            n_promoting = 0;
     for (int32_t id = 0; id < p->n && st == KVF_OK; id++) {
         const kv_block *b = &p->blk[id];
         if (b->ref != p->scratch[id]) {
@@ -1192,16 +1379,31 @@ kvf_status kvf_kv_check_invariants(const kvf_kv_pool *p, const kvf_kv_seq *const
                     b->registered ? "" : "not ");
             break;
         }
+        if (b->promoting && (b->registered || b->pin > 0 || b->ref > 1 ||
+                             (b->ref == 1) != (b->promo_seq != NULL))) {
+            KV_FAIL("kv: invariant: block %d is being promoted with refcount %d, pin %d, "
+                    "%sregistered, %s sequence", id, b->ref, b->pin, b->registered ? "" : "not ",
+                    b->promo_seq ? "a" : "no");
+            break;
+        }
+        if (!b->promoting && b->promo_seq) {
+            KV_FAIL("kv: invariant: block %d is not being promoted but names a sequence", id);
+            break;
+        }
         n_reg += b->registered;
+        n_promoting += b->promoting;
         if (b->ref > 0)
             n_used++;
+        else if (b->promoting)
+            n_landing++;
         else if (!b->registered)
             n_free++;
         else if (b->pin > 0)
             n_pinned++;
         else
             n_cached++;
-        bool on_free = b->free_pos >= 0, want_free = b->ref == 0 && !b->registered;
+        bool on_free = b->free_pos >= 0, want_free = b->ref == 0 && !b->registered &&
+                                                   !b->promoting;
         if (on_free != want_free ||
             (on_free && (b->free_pos >= p->n_free || p->free_stack[b->free_pos] != id))) {
             KV_FAIL("kv: invariant: block %d (refcount %d, %sregistered) is %son the free list",
@@ -1240,12 +1442,18 @@ kvf_status kvf_kv_check_invariants(const kvf_kv_pool *p, const kvf_kv_seq *const
         map_used += p->map[i] >= 0;
     if (walked != n_cached || n_cached != p->n_cached || n_free != p->n_free ||
         n_pinned != p->n_pinned || n_used != p->n_used || n_reg != p->n_map || map_used != n_reg ||
-        n_free + n_cached + n_pinned + n_used != p->n)
+        n_landing != p->n_landing || n_promoting != p->n_promoting ||
+        n_free + n_cached + n_pinned + n_used + n_landing != p->n)
         return KV_FAIL("kv: invariant: counts disagree: free %d/%d, cached %d/%d (LRU walk %d), "
-                       "pinned %d/%d, used %d/%d (counted/kept), registered %d, map %d/%d, "
-                       "total %d",
+                       "pinned %d/%d, used %d/%d, landing %d/%d, promoting %d/%d (counted/kept), "
+                       "registered %d, map %d/%d, total %d",
                        n_free, p->n_free, n_cached, p->n_cached, walked, n_pinned, p->n_pinned,
-                       n_used, p->n_used, n_reg, map_used, p->n_map, p->n);
+                       n_used, p->n_used, n_landing, p->n_landing, n_promoting, p->n_promoting,
+                       n_reg, map_used, p->n_map, p->n);
+    /* every block a promotion writes into has its job in the tiers, and no other job runs */
+    if (p->tier && n_promoting != kvf_kv_tier_jobs(p->tier))
+        return KV_FAIL("kv: invariant: %d blocks are being promoted but the tiers have %d "
+                       "promotion jobs", n_promoting, kvf_kv_tier_jobs(p->tier));
     /* 5. The tiers, and no hash both in them and in the pool. */
     if (p->tier)
         return kvf_kv_tier_check(p->tier, pool_has, p, err);

@@ -7,12 +7,17 @@
  *   FREE     on the free list, no hash, no holder;
  *   CACHED   refcount 0, registered under its hash, on the LRU (evictable);
  *   PINNED   refcount 0, registered, pinned: kept, not evictable, not expiring;
- *   USED     refcount > 0 (held by that many block tables), registered or not.
- * free + cached + pinned + used == total. Allocation takes FREE blocks first, then evicts the
- * least-recently-used CACHED block (publishing a REMOVED event), or, with tiers
+ *   USED     refcount > 0 (held by that many block tables), registered or not;
+ *   LANDING  refcount 0, a promotion's copy still writing into it (its sequence was freed
+ *            meanwhile): it becomes CACHED (or FREE, when the copy failed) when the copy ends.
+ * free + cached + pinned + used + landing == total. Allocation takes FREE blocks first, then
+ * evicts the least-recently-used CACHED block (publishing a REMOVED event), or, with tiers
  * (kvf_kv_pool_cfg.tier, kv/tier.h), demotes it into the host tier (a STORED event with tier
  * KVF_KV_TIER_HOST). Prefix lookups continue past the pool's hits into the tiers and promote
- * what they find there back into pool blocks, synchronously, inside the lookup.
+ * what they find there back into pool blocks: through the tiers' copy thread (kv/tier.h) when
+ * it runs, the sequence then holding blocks whose bytes are still on their way (USED, not
+ * registered, "promoting") until kvf_kv_pool_poll_promotions completes them; else
+ * synchronously, inside the lookup.
  *
  * Not thread-safe: one pool belongs to one thread (the engine's step loop). The hot calls
  * (prepare_write, alloc_step, lookup, commit, free) do not allocate memory unless a block
@@ -48,6 +53,10 @@ typedef struct kvf_kv_mem_ops {
                           int32_t block, kvf_err *err);
     kvf_status (*from_host)(void *ctx, void *base, int64_t block_bytes, int32_t block,
                             const void *host_src, kvf_err *err);
+    /* from_host may run on another thread (the tiers' copy thread) while the pool's thread
+     * calls the others and reads the memory (other blocks): host memory yes; false keeps tier
+     * promotions synchronous (CUDA: its copies sync the compute stream). */
+    bool from_host_any_thread;
 } kvf_kv_mem_ops;
 
 /* Host memory: 64-byte aligned malloc and memcpy. */
@@ -100,20 +109,25 @@ typedef struct kvf_kv_pool_cfg {
 } kvf_kv_pool_cfg;
 
 typedef struct kvf_kv_pool_stats {
-    int32_t total, free, cached, pinned, used; /* free + cached + pinned + used == total */
+    int32_t total, free, cached, pinned, used; /* + landing: == total */
+    int32_t landing;   /* freed by their sequence while a promotion still writes into them */
+    int32_t promoting; /* blocks a promotion is writing into now (held or landing) */
     int64_t lookups;       /* kvf_kv_prefix_lookup calls */
     int64_t lookup_blocks; /* full blocks asked for */
     int64_t hit_blocks;    /* of those, served from the cache (pool hits and promotions) */
     int64_t token_mismatches; /* hash found but stored tokens or parent differed */
     int64_t stored, removed, evicted, expired, cow_copies;
     int64_t demoted;  /* evicted blocks moved into the host tier (not removed) */
-    int64_t promoted; /* blocks lookups brought back from a tier (kvf_kv_tier_get_stats: which) */
+    int64_t promoted; /* blocks lookups brought back from a tier (kvf_kv_tier_get_stats: which);
+                       * with the copy thread, counted when the copy completes */
+    int64_t promote_failed; /* promotions whose copy failed (a sequence's prefix was cut there) */
 } kvf_kv_pool_stats;
 
 /* Creates a pool of cfg->n_blocks blocks of cfg->layout.block_bytes in one allocation made by
  * cfg->mem. The pool owns that allocation and frees it in destroy. */
 kvf_status kvf_kv_pool_create(const kvf_kv_pool_cfg *cfg, kvf_kv_pool **out, kvf_err *err);
-/* Frees the pool and its memory. Sequences still pointing at it must not be used again
+/* Frees the pool and its memory, after the tiers' copy thread has finished the copies still
+ * queued (it is joined). Sequences still pointing at it must not be used again
  * (kvf_kv_seq_fini on them stays safe only before destroy). NULL is a no-op. */
 void kvf_kv_pool_destroy(kvf_kv_pool *pool);
 
@@ -129,7 +143,7 @@ int32_t kvf_kv_pool_available(const kvf_kv_pool *pool);
  * how many. A no-op when retention_ns is 0. */
 void kvf_kv_pool_expire(kvf_kv_pool *pool, int32_t *n_out);
 /* Drops every idle cached block (not pinned, not used), and every tier block, as for a model
- * reload. */
+ * reload (blocks a promotion is copying up go too: REMOVED now, never registered). */
 void kvf_kv_pool_clear_cache(kvf_kv_pool *pool, int32_t *n_out);
 
 /* ---- sequences and their block tables ---------------------------------------------------- */
@@ -155,6 +169,7 @@ typedef struct kvf_kv_seq {
     uint64_t root;    /* h[-1]: kvf_kv_hash_root(model_id, cache_salt) */
     kvf_kv_seq_state state;
     struct kvf_kv_swap *swap; /* while SWAPPED */
+    int32_t n_promoting; /* blocks of the table a promotion is still copying into */
 } kvf_kv_seq;
 
 /* Makes seq an empty ACTIVE table of pool whose block hashes chain from root. Allocates
@@ -224,10 +239,31 @@ kvf_status kvf_kv_seq_adopt(kvf_kv_seq *seq, const int32_t *ids /* [n_ids] */, i
  * With tiers, a block missing from the pool is looked for in the tiers (token-verified the
  * same way) and promoted: a pool block is taken (evicting/demoting as allocation does), the
  * bytes copied in with mem->from_host, the hash registered (STORED, tier POOL) and referenced
- * as a pool hit. The walk stops at the first miss, when no pool block is available, or when a
- * disk read is refused. */
+ * as a pool hit; through the copy thread, the copy and registration come later (below). The
+ * walk stops at the first miss, when no pool block is available, when the copy queue is full,
+ * or (synchronous) when a disk read is refused. */
 kvf_status kvf_kv_prefix_lookup(kvf_kv_seq *seq, const int32_t *tokens /* [n_tokens] */,
                                 int64_t n_tokens, int64_t *n_hit_tokens_out, kvf_err *err);
+
+/* ---- promotions through the tiers' copy thread ----
+ * A lookup that promotes through the copy thread appends the blocks (with the sequence's
+ * reference) and counts them in n_tokens/n_hashed at once, but registers each hash only when its
+ * copy completes, so no other lookup can hit half-copied KV (it misses there for now). Until
+ * kvf_kv_seq_promotions_pending(seq) is 0 the sequence must not be computed: prepare_write,
+ * alloc_step, fork, adopt and swap out refuse it (ERR_STATE); free and fini are fine (a block
+ * still being written is LANDING until its copy ends, never FREE before). A copy that fails (a
+ * disk read refused, a failed copy) cuts the sequence's prefix at that block: n_blocks, n_hashed
+ * and n_tokens go back to there and the blocks after it are released. */
+
+/* Completes every finished promotion: registers the hash (STORED, tier POOL; unless the pool
+ * computed it meanwhile), frees the tier slot, lands LANDING blocks, cuts sequences at failed
+ * copies. Never blocks. Returns how many completed. A no-op without the copy thread. */
+int32_t kvf_kv_pool_poll_promotions(kvf_kv_pool *pool);
+/* Blocks (on a condition variable, not spinning) until a promotion has finished or timeout_ns
+ * passed, then polls; returns how many completed. At once when none is in flight. */
+int32_t kvf_kv_pool_wait_promotions(kvf_kv_pool *pool, int64_t timeout_ns);
+/* Blocks of seq a promotion is still copying into: seq may be computed when this is 0. */
+int32_t kvf_kv_seq_promotions_pending(const kvf_kv_seq *seq);
 
 /* The same with the block hashes given by the caller (e.g. computed by the router):
  * hashes[i] must be the chain hash of block i of tokens; tokens holds n_blocks full blocks. */

@@ -80,6 +80,9 @@ kvf_status kvf_kv_swap_out(kvf_kv_swap *s, kvf_kv_seq *seq, kvf_err *err)
     if (seq->state != KVF_KV_SEQ_ACTIVE)
         return kvf_err_set(err, KVF_ERR_STATE, "kv: swap_out: sequence is %s (must be active)",
                            seq->state == KVF_KV_SEQ_SWAPPED ? "already swapped out" : "released");
+    if (seq->n_promoting > 0)
+        return kvf_err_set(err, KVF_ERR_STATE, "kv: swap_out: %d blocks of the sequence are still "
+                           "being promoted from a tier", seq->n_promoting);
     if (seq->n_blocks > s->n_free)
         return kvf_err_set(err, KVF_ERR_FULL, "kv: swap_out: %d blocks but only %d host slots "
                            "are free", seq->n_blocks, s->n_free);

@@ -1,17 +1,22 @@
 /* tier.c: the host and disk KV tiers of kv/tier.h. Each tier is a set of fixed slots with an
  * LRU list, a free stack and an open-addressing hash index (as the pool's); the host tier keeps
  * block bytes in one allocation, the disk tier in one file of slots written with pwrite and read
- * back with pread, each checked against its checksummed header. The pool decides when to call. */
+ * back with pread, each checked against its checksummed header. The pool decides when to call.
+ * Promotions go through a copy thread (a bounded job queue in, a completion queue out, one mutex):
+ * the thread only reads a pinned ("busy") slot and writes one pool block through from_host;
+ * every change of tier state (slots, LRU, index, events, stats) stays on the pool's thread. */
 #include "kv/tier.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/hash.h"
@@ -38,6 +43,7 @@ typedef struct tier_slot {
     int32_t prev, next; /* LRU links while used, else -1 */
     int32_t free_pos;   /* index in the free stack while free, else -1 */
     uint8_t used;
+    uint8_t busy;       /* used, pinned by a promotion job: off the LRU and the index */
 } tier_slot;
 
 typedef struct tier_level {
@@ -47,10 +53,31 @@ typedef struct tier_level {
     int32_t *tokens;  /* [n][bs] */
     int32_t *free_stack; /* [n] */
     int32_t n_free;
-    int32_t head, tail, n_used; /* head: least recently used */
+    int32_t head, tail, n_used; /* head: least recently used; n_used counts busy slots */
+    int32_t n_busy;
     int32_t *map;     /* [mask + 1] slot ids or -1 */
     uint64_t mask;
 } tier_level;
+
+enum { JOB_FREE = 0, JOB_BEGUN, JOB_QUEUED, JOB_DONE, JOB_FAILED };
+
+/* One promotion: tier slot -> pool block. The pool's thread writes it until it is queued and
+ * alone reads live and stale; the copy thread copies tier, slot, block, hash and parent under mu
+ * when it takes the job, and writes state, t1, corrupt and why under mu, which the pool's
+ * thread reads only under mu (reap). */
+typedef struct tier_job {
+    bool live;    /* begun and not yet reaped (pool thread only) */
+    int32_t state;
+    kvf_kv_tier_kind tier;
+    int32_t slot, block;
+    uint64_t hash, parent;
+    bool stale;   /* the hash went elsewhere meanwhile (the pool computed it): not registered */
+    bool corrupt; /* the disk read was refused */
+    int64_t t0, t1; /* submitted, finished (ns) */
+    char why[200];
+} tier_job;
+
+#define DEFAULT_MAX_COPIES 256
 
 struct kvf_kv_tier {
     kvf_kv_tier_cfg cfg;
@@ -68,6 +95,20 @@ struct kvf_kv_tier {
     void *event_ctx;
     bool attached;
     kvf_kv_tier_stats st;
+    /* the copy thread (async promotions); pool memory from attach */
+    const kvf_kv_mem_ops *mem;
+    void *mem_ctx, *base;
+    bool thread_on, stop, sync_made;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work, cv_done;
+    int32_t q;             /* max_copies */
+    tier_job *job;         /* [q] */
+    int32_t *job_free;     /* [q] free job ids (pool thread) */
+    int32_t n_job_free, n_jobs;
+    int32_t *qring, qh, qn; /* [q] queued for the thread (mu) */
+    int32_t *dring, dh, dn; /* [q] finished, to reap (mu) */
+    char *cio;             /* [slot_bytes]: the copy thread's disk buffer */
 };
 
 /* ---- one level: slots, LRU, index ---------------------------------------------------------- */
@@ -258,15 +299,17 @@ static bool disk_write(kvf_kv_tier *t, int32_t hs, int32_t ds)
     return true;
 }
 
-/* Reads disk slot ds into t->io and checks it against the index; NULL (with why) on anything
- * that disagrees, else the block bytes inside t->io. */
-static const char *disk_read(kvf_kv_tier *t, int32_t ds, const char **why)
+/* Reads disk slot ds into buf [slot_bytes] and checks it against hash, parent and the index's
+ * tokens; NULL (with why) on anything that disagrees, else the block bytes inside buf. Runs on
+ * the copy thread for a busy slot (whose index entry nobody changes meanwhile). */
+static const char *disk_read(kvf_kv_tier *t, char *buf, int32_t ds, uint64_t hash,
+                             uint64_t parent, const char **why)
 {
     const tier_level *disk = &t->lv[KVF_KV_TIER_DISK];
     off_t off = (off_t)ds * t->slot_bytes;
     int64_t done = 0;
     while (done < t->slot_bytes) {
-        ssize_t n = pread(t->fd, t->io + done, (size_t)(t->slot_bytes - done), off + done);
+        ssize_t n = pread(t->fd, buf + done, (size_t)(t->slot_bytes - done), off + done);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
@@ -276,18 +319,17 @@ static const char *disk_read(kvf_kv_tier *t, int32_t ds, const char **why)
     if (done != t->slot_bytes)
         return *why = "short read", NULL;
     disk_hdr h;
-    memcpy(&h, t->io, sizeof h);
-    const tier_slot *s = &disk->slot[ds];
+    memcpy(&h, buf, sizeof h);
     if (h.magic != DISK_MAGIC || h.block_bytes != t->block_bytes || h.n_tokens != t->bs ||
         h.slot != ds)
         return *why = "bad header", NULL;
-    if (h.hash != s->hash || h.parent != s->parent ||
-        memcmp(t->io + sizeof h, disk->tokens + (int64_t)ds * t->bs,
+    if (h.hash != hash || h.parent != parent ||
+        memcmp(buf + sizeof h, disk->tokens + (int64_t)ds * t->bs,
                (size_t)t->bs * sizeof(int32_t)) != 0)
         return *why = "hash or tokens differ from the index", NULL;
-    if (disk_checksum(t, t->io) != h.check)
+    if (disk_checksum(t, buf) != h.check)
         return *why = "checksum mismatch", NULL;
-    return t->io + sizeof h + (size_t)t->bs * sizeof(int32_t);
+    return buf + sizeof h + (size_t)t->bs * sizeof(int32_t);
 }
 
 /* Removes kvfleet's own files (kvfleet-kv-*) from dir, creating it (0700) when missing. */
@@ -351,6 +393,34 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     t->bs = layout->block_size;
     t->fd = -1;
     t->slot_bytes = disk ? slot_bytes : 0;
+    t->q = cfg->max_copies > 0 ? cfg->max_copies : DEFAULT_MAX_COPIES;
+    if (cfg->max_copies < 0 || t->q > (1 << 20)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: tier max_copies %d is not allowed (0 for %d, "
+                         "up to %d)", cfg->max_copies, DEFAULT_MAX_COPIES, 1 << 20);
+        goto fail;
+    }
+    pthread_condattr_t ca;
+    if (pthread_condattr_init(&ca) != 0 ||
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) != 0 ||
+        pthread_mutex_init(&t->mu, NULL) != 0) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: tier: cannot make the copy thread's lock");
+        goto fail;
+    }
+    pthread_cond_init(&t->cv_work, &ca);
+    pthread_cond_init(&t->cv_done, &ca);
+    pthread_condattr_destroy(&ca);
+    t->sync_made = true;
+    t->job = calloc((size_t)t->q, sizeof *t->job);
+    t->job_free = calloc((size_t)t->q, sizeof *t->job_free);
+    t->qring = calloc((size_t)t->q, sizeof *t->qring);
+    t->dring = calloc((size_t)t->q, sizeof *t->dring);
+    if (!t->job || !t->job_free || !t->qring || !t->dring ||
+        (disk && !(t->cio = malloc((size_t)slot_bytes)))) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of memory for %d tier copy jobs", t->q);
+        goto fail;
+    }
+    for (int32_t i = 0; i < t->q; i++)
+        t->job_free[t->n_job_free++] = t->q - 1 - i;
     if (level_init(&t->lv[KVF_KV_TIER_HOST], KVF_KV_TIER_HOST, n_host, t->bs) != KVF_OK ||
         level_init(&t->lv[KVF_KV_TIER_DISK], KVF_KV_TIER_DISK, n_disk, t->bs) != KVF_OK ||
         !(t->host_mem = malloc((size_t)(n_host * bb))) || !(t->stage = malloc((size_t)bb)) ||
@@ -391,6 +461,18 @@ void kvf_kv_tier_destroy(kvf_kv_tier *t)
 {
     if (!t)
         return;
+    if (t->attached)
+        kvf_kv_tier_detach(t);
+    if (t->sync_made) {
+        pthread_mutex_destroy(&t->mu);
+        pthread_cond_destroy(&t->cv_work);
+        pthread_cond_destroy(&t->cv_done);
+    }
+    free(t->job);
+    free(t->job_free);
+    free(t->qring);
+    free(t->dring);
+    free(t->cio);
     if (t->fd >= 0) {
         close(t->fd);
         unlink(t->path);
@@ -408,6 +490,8 @@ void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out)
     *out = t->st;
     out->tier[KVF_KV_TIER_HOST].used = t->lv[KVF_KV_TIER_HOST].n_used;
     out->tier[KVF_KV_TIER_DISK].used = t->lv[KVF_KV_TIER_DISK].n_used;
+    out->tier[KVF_KV_TIER_HOST].in_flight = t->lv[KVF_KV_TIER_HOST].n_busy;
+    out->tier[KVF_KV_TIER_DISK].in_flight = t->lv[KVF_KV_TIER_DISK].n_busy;
 }
 
 const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t) { return t->path; }
@@ -415,8 +499,98 @@ int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t) { return t->slot_bytes
 
 /* ---- what the pool calls ------------------------------------------------------------------- */
 
-kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout, kvf_kv_event_fn fn,
-                              void *ctx, kvf_err *err)
+/* Unlinks a used slot from the LRU and the index, keeping it used (busy: a job holds it). */
+static void level_pin(tier_level *l, int32_t id)
+{
+    tier_slot *s = &l->slot[id];
+    map_remove(l, id);
+    if (s->prev >= 0)
+        l->slot[s->prev].next = s->next;
+    else
+        l->head = s->next;
+    if (s->next >= 0)
+        l->slot[s->next].prev = s->prev;
+    else
+        l->tail = s->prev;
+    s->prev = s->next = -1;
+    s->busy = 1;
+    l->n_busy++;
+}
+
+/* A busy slot goes back to the free stack. */
+static void level_unpin_free(tier_level *l, int32_t id)
+{
+    tier_slot *s = &l->slot[id];
+    s->busy = 0;
+    s->used = 0;
+    l->n_busy--;
+    l->n_used--;
+    level_push_free(l, id);
+}
+
+/* Moves one block from a busy slot into pool block `block`; false with why on a refused disk
+ * read (*corrupt set) or a failed copy. Copy thread. */
+static bool copy_one(kvf_kv_tier *t, const tier_job *j, bool *corrupt, char *why, size_t why_len)
+{
+    const char *src;
+    if (j->tier == KVF_KV_TIER_HOST) {
+        src = t->host_mem + (int64_t)j->slot * t->block_bytes;
+    } else {
+        const char *w = NULL;
+        src = disk_read(t, t->cio, j->slot, j->hash, j->parent, &w);
+        if (!src) {
+            *corrupt = true;
+            snprintf(why, why_len, "%s", w);
+            return false;
+        }
+    }
+    kvf_err err = {0};
+    if (t->mem->from_host(t->mem_ctx, t->base, t->block_bytes, j->block, src, &err) != KVF_OK) {
+        snprintf(why, why_len, "copy into the pool failed: %.160s", err.msg);
+        return false;
+    }
+    return true;
+}
+
+static void *copy_main(void *arg)
+{
+    kvf_kv_tier *t = arg;
+    pthread_mutex_lock(&t->mu);
+    for (;;) {
+        while (!t->stop && t->qn == 0)
+            pthread_cond_wait(&t->cv_work, &t->mu);
+        if (t->qn == 0)
+            break; /* stopping, and every queued job is done */
+        int32_t id = t->qring[t->qh];
+        t->qh = (t->qh + 1) % t->q;
+        t->qn--;
+        const tier_job *q = &t->job[id]; /* these fields do not change while queued */
+        tier_job j = {.tier = q->tier, .slot = q->slot, .block = q->block, .hash = q->hash,
+                      .parent = q->parent};
+        pthread_mutex_unlock(&t->mu);
+        if (t->cfg.copy_hook)
+            t->cfg.copy_hook(t->cfg.hook_ctx, j.tier, j.block);
+        bool corrupt = false;
+        char why[sizeof j.why] = "";
+        bool ok = copy_one(t, &j, &corrupt, why, sizeof why);
+        int64_t t1 = kvf_now_ns();
+        pthread_mutex_lock(&t->mu);
+        tier_job *jp = &t->job[id];
+        jp->state = ok ? JOB_DONE : JOB_FAILED;
+        jp->corrupt = corrupt;
+        jp->t1 = t1;
+        memcpy(jp->why, why, sizeof why);
+        t->dring[(t->dh + t->dn) % t->q] = id;
+        t->dn++;
+        pthread_cond_broadcast(&t->cv_done);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout,
+                              const kvf_kv_mem_ops *mem, void *mem_ctx, void *base,
+                              kvf_kv_event_fn fn, void *ctx, kvf_err *err)
 {
     if (t->attached)
         return kvf_err_set(err, KVF_ERR_STATE, "kv: the tiers already serve another pool");
@@ -425,16 +599,174 @@ kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout, kvf_k
                            "tokens cannot serve a pool of %lld bytes and %d tokens",
                            (long long)t->block_bytes, t->bs, (long long)layout->block_bytes,
                            layout->block_size);
+    t->mem = mem;
+    t->mem_ctx = mem_ctx;
+    t->base = base;
+    t->stop = false;
+    t->qh = t->qn = t->dh = t->dn = 0;
+    if (!t->cfg.synchronous && mem->from_host_any_thread) {
+        int rc = pthread_create(&t->thread, NULL, copy_main, t);
+        if (rc != 0)
+            return kvf_err_set(err, KVF_ERR_NOMEM, "kv: tier: cannot start the copy thread: %s",
+                               strerror(rc));
+        t->thread_on = true;
+    }
     t->attached = true;
     t->on_event = fn;
     t->event_ctx = ctx;
+    kvf_log(KVF_LOG_DEBUG, "kv: tier promotions %s", t->thread_on ? "on a copy thread" :
+            "synchronous");
     return KVF_OK;
 }
 
 void kvf_kv_tier_detach(kvf_kv_tier *t)
 {
+    if (t->thread_on) { /* the thread finishes every queued copy before it ends */
+        pthread_mutex_lock(&t->mu);
+        t->stop = true;
+        pthread_cond_broadcast(&t->cv_work);
+        pthread_mutex_unlock(&t->mu);
+        pthread_join(t->thread, NULL);
+        t->thread_on = false;
+    }
+    /* jobs never reaped: their slots go, silently (the pool is going away) */
+    for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
+        tier_job *j = &t->job[id];
+        if (!j->live)
+            continue;
+        level_unpin_free(&t->lv[j->tier], j->slot);
+        j->live = false;
+        j->state = JOB_FREE;
+        t->job_free[t->n_job_free++] = id;
+        t->n_jobs--;
+    }
+    t->dn = t->qn = 0;
     t->attached = false;
     t->on_event = NULL;
+}
+
+bool kvf_kv_tier_async(const kvf_kv_tier *t) { return t->thread_on; }
+
+int32_t kvf_kv_tier_jobs(const kvf_kv_tier *t) { return t->n_jobs; }
+
+int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
+{
+    if (!t->thread_on || t->n_job_free == 0)
+        return -1;
+    int32_t id = t->job_free[--t->n_job_free];
+    tier_level *l = &t->lv[r.tier];
+    const tier_slot *s = &l->slot[r.slot];
+    t->job[id] = (tier_job){.live = true, .state = JOB_BEGUN, .tier = r.tier, .slot = r.slot,
+                            .block = -1, .hash = s->hash, .parent = s->parent,
+                            .t0 = kvf_now_ns()};
+    level_pin(l, r.slot);
+    t->n_jobs++;
+    return id;
+}
+
+void kvf_kv_tier_job_submit(kvf_kv_tier *t, int32_t id, int32_t block)
+{
+    pthread_mutex_lock(&t->mu);
+    t->job[id].block = block;
+    t->job[id].state = JOB_QUEUED;
+    t->qring[(t->qh + t->qn) % t->q] = id;
+    t->qn++;
+    pthread_cond_signal(&t->cv_work);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void kvf_kv_tier_job_abort(kvf_kv_tier *t, int32_t id)
+{
+    tier_job *j = &t->job[id];
+    tier_level *l = &t->lv[j->tier];
+    tier_slot *s = &l->slot[j->slot];
+    /* back at the LRU tail (stamps never go back) and into the index */
+    s->busy = 0;
+    l->n_busy--;
+    l->n_used--;
+    if (l->tail >= 0 && l->slot[l->tail].stamp > s->stamp)
+        s->stamp = l->slot[l->tail].stamp;
+    s->used = 1;
+    s->prev = l->tail;
+    s->next = -1;
+    if (l->tail >= 0)
+        l->slot[l->tail].next = j->slot;
+    else
+        l->head = j->slot;
+    l->tail = j->slot;
+    l->n_used++;
+    map_insert(l, j->slot);
+    j->live = false;
+    j->state = JOB_FREE;
+    t->job_free[t->n_job_free++] = id;
+    t->n_jobs--;
+}
+
+bool kvf_kv_tier_reap(kvf_kv_tier *t, kvf_kv_tier_done *out)
+{
+    if (t->n_jobs == 0)
+        return false;
+    pthread_mutex_lock(&t->mu);
+    if (t->dn == 0) {
+        pthread_mutex_unlock(&t->mu);
+        return false;
+    }
+    int32_t id = t->dring[t->dh];
+    t->dh = (t->dh + 1) % t->q;
+    t->dn--;
+    tier_job j = t->job[id];
+    t->job[id].state = JOB_FREE;
+    pthread_mutex_unlock(&t->mu);
+    tier_level *l = &t->lv[j.tier];
+    bool ok = j.state == JOB_DONE;
+    if (ok) {
+        t->st.tier[j.tier].promoted++;
+        t->st.tier[j.tier].bytes_promoted += t->block_bytes;
+        double sec = (double)(j.t1 - j.t0) / 1e9;
+        if (t->cfg.on_promote)
+            t->cfg.on_promote(t->cfg.promote_ctx, j.tier, sec < 0 ? 0 : sec);
+    } else {
+        kvf_log(KVF_LOG_WARN, "kv: %s tier%s%s: slot %d (block %016llx) not promoted: %s (a miss)",
+                j.tier == KVF_KV_TIER_DISK ? "disk" : "host", j.tier == KVF_KV_TIER_DISK ? " " : "",
+                j.tier == KVF_KV_TIER_DISK ? t->path : "", j.slot, (unsigned long long)j.hash,
+                j.why);
+        if (j.corrupt)
+            t->st.tier[j.tier].corrupt++;
+        if (!j.stale) { /* gone from every tier */
+            emit(t, KVF_KV_EVENT_REMOVED, l, j.slot);
+            t->st.tier[j.tier].dropped++;
+        }
+    }
+    level_unpin_free(l, j.slot);
+    t->job[id].live = false;
+    t->job_free[t->n_job_free++] = id;
+    t->n_jobs--;
+    *out = (kvf_kv_tier_done){.block = j.block, .ok = ok, .stale = j.stale};
+    return true;
+}
+
+void kvf_kv_tier_wait(kvf_kv_tier *t, int64_t timeout_ns)
+{
+    if (t->n_jobs == 0 || timeout_ns <= 0)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t ns = (int64_t)ts.tv_nsec + timeout_ns;
+    ts.tv_sec += (time_t)(ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    pthread_mutex_lock(&t->mu);
+    while (t->dn == 0 && pthread_cond_timedwait(&t->cv_done, &t->mu, &ts) == 0) {
+    }
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* A job in flight for hash: the hash now lives elsewhere (the pool computed it, or it came down
+ * again), so the job's block must not be registered and its end raises no event. */
+static void jobs_mark_stale(kvf_kv_tier *t, uint64_t hash)
+{
+    for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++)
+        if (t->job[id].live && t->job[id].hash == hash)
+            t->job[id].stale = true;
 }
 
 /* Moves the host tier's LRU victim down to disk (STORED, tier DISK), dropping disk's own LRU
@@ -443,7 +775,7 @@ static void host_evict_one(kvf_kv_tier *t)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST], *disk = &t->lv[KVF_KV_TIER_DISK];
     int32_t hs = host->head;
-    if (disk->n == 0) {
+    if (disk->n == 0 || (disk->n_free == 0 && disk->head < 0)) { /* (every disk slot busy) */
         level_drop(t, host, hs);
         return;
     }
@@ -466,6 +798,8 @@ static void host_evict_one(kvf_kv_tier *t)
 void *kvf_kv_tier_put_begin(kvf_kv_tier *t, int32_t *slot_out)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST];
+    if (host->n_free == 0 && host->head < 0)
+        return NULL; /* every host slot is busy with a promotion */
     if (host->n_free == 0)
         host_evict_one(t);
     int32_t id = level_take_free(host);
@@ -481,6 +815,8 @@ void kvf_kv_tier_put_commit(kvf_kv_tier *t, int32_t slot, uint64_t hash, uint64_
     int32_t old = map_find(&t->lv[KVF_KV_TIER_DISK], hash);
     if (old >= 0)
         level_release(&t->lv[KVF_KV_TIER_DISK], old);
+    if (t->n_jobs > 0)
+        jobs_mark_stale(t, hash);
     /* stamps never go back (the LRU check), even with a clock that does */
     if (host->tail >= 0 && host->slot[host->tail].stamp > now)
         now = host->slot[host->tail].stamp;
@@ -524,7 +860,8 @@ const void *kvf_kv_tier_take(kvf_kv_tier *t, kvf_kv_tier_ref r, int64_t *t0_out)
         memcpy(t->stage, t->host_mem + (int64_t)r.slot * t->block_bytes, (size_t)t->block_bytes);
     } else {
         const char *why = NULL;
-        const char *bytes = disk_read(t, r.slot, &why);
+        const char *bytes = disk_read(t, t->io, r.slot, l->slot[r.slot].hash,
+                                      l->slot[r.slot].parent, &why);
         if (!bytes) {
             kvf_log(KVF_LOG_WARN, "kv: disk tier %s: slot %d (block %016llx) refused: %s (a miss)",
                     t->path, r.slot, (unsigned long long)l->slot[r.slot].hash, why);
@@ -549,6 +886,8 @@ void kvf_kv_tier_promoted(kvf_kv_tier *t, kvf_kv_tier_kind tier, int64_t t0)
 
 void kvf_kv_tier_forget(kvf_kv_tier *t, uint64_t hash)
 {
+    if (t->n_jobs > 0)
+        jobs_mark_stale(t, hash);
     for (int k = KVF_KV_TIER_HOST; k <= KVF_KV_TIER_DISK; k++) {
         int32_t id = map_find(&t->lv[k], hash);
         if (id >= 0)
@@ -564,6 +903,16 @@ void kvf_kv_tier_clear(kvf_kv_tier *t, int32_t *n_out)
             level_drop(t, &t->lv[k], t->lv[k].head);
             n++;
         }
+    /* blocks a promotion is copying up go too: their jobs finish, but nothing is registered */
+    for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
+        tier_job *j = &t->job[id];
+        if (!j->live || j->stale)
+            continue;
+        emit(t, KVF_KV_EVENT_REMOVED, &t->lv[j->tier], j->slot);
+        t->st.tier[j->tier].dropped++;
+        j->stale = true;
+        n++;
+    }
     if (n_out)
         *n_out = n;
 }
@@ -578,6 +927,19 @@ int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx
             kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = s->hash,
                                .parent_hash = s->parent, .block = -1,
                                .tokens = l->tokens + (int64_t)id * t->bs, .n_tokens = t->bs,
+                               .tier = k};
+            if (fn)
+                fn(ctx, &ev);
+            n++;
+        }
+        /* slots a promotion is copying up: still here until it completes */
+        for (int32_t id = 0; id < t->q && t->n_jobs > 0; id++) {
+            const tier_job *j = &t->job[id];
+            if (!j->live || j->stale || (int)j->tier != k)
+                continue;
+            kvf_kv_event ev = {.type = KVF_KV_EVENT_STORED, .hash = j->hash,
+                               .parent_hash = j->parent, .block = -1,
+                               .tokens = l->tokens + (int64_t)j->slot * t->bs, .n_tokens = t->bs,
                                .tier = k};
             if (fn)
                 fn(ctx, &ev);
@@ -601,7 +963,7 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
             if (++walked > l->n)
                 return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: the %s tier's LRU loops",
                                    nm);
-            if (!s->used || s->prev != prev || s->free_pos >= 0)
+            if (!s->used || s->busy || s->prev != prev || s->free_pos >= 0)
                 return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU entry %d "
                                    "(slot %d, used %d, prev %d expected %d, free_pos %d) is not a "
                                    "used slot", nm, walked - 1, id, s->used, s->prev, prev,
@@ -626,7 +988,7 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
             return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier LRU tail is %d but "
                                "the walk ends at %d", nm, l->tail, prev);
         /* counts: used + free == slots; the index holds exactly the used slots */
-        int32_t n_idx = 0, n_used = 0;
+        int32_t n_idx = 0, n_used = 0, n_busy = 0;
         for (uint64_t i = 0; l->n > 0 && i <= l->mask; i++)
             if (l->map[i] >= 0) {
                 n_idx++;
@@ -638,6 +1000,15 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
         for (int32_t id = 0; id < l->n; id++) {
             const tier_slot *s = &l->slot[id];
             n_used += s->used;
+            if (s->busy) {
+                n_busy++;
+                if (!s->used || s->prev >= 0 || s->next >= 0 || l->tail == id ||
+                    l->head == id || map_find(l, s->hash) == id)
+                    return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier slot %d is "
+                                       "busy (a promotion copies it) but is %s", nm, id,
+                                       !s->used ? "not used" : map_find(l, s->hash) == id ?
+                                       "in the index" : "on the LRU");
+            }
             bool on_free = s->free_pos >= 0 && s->free_pos < l->n_free &&
                            l->free_stack[s->free_pos] == id;
             /* a slot between put_begin and commit is neither: none is, between pool calls */
@@ -646,11 +1017,39 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
                                    "and %son the free stack", nm, id, s->used ? "used" : "unused",
                                    on_free ? "" : "not ");
         }
-        if (walked != n_used || n_used != l->n_used || n_idx != n_used ||
-            n_used + l->n_free != l->n)
+        if (walked + n_busy != n_used || n_used != l->n_used || n_idx != walked ||
+            n_busy != l->n_busy || n_used + l->n_free != l->n)
             return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier counts disagree: "
-                               "used %d/%d (counted/kept), LRU walk %d, index %d, free %d, "
-                               "slots %d", nm, n_used, l->n_used, walked, n_idx, l->n_free, l->n);
+                               "used %d/%d (counted/kept), busy %d/%d, LRU walk %d, index %d, "
+                               "free %d, slots %d", nm, n_used, l->n_used, n_busy, l->n_busy,
+                               walked, n_idx, l->n_free, l->n);
     }
+    /* jobs: one per busy slot; a live (not stale) one's hash is nowhere else */
+    int32_t n_jobs = 0;
+    for (int32_t id = 0; id < t->q; id++) {
+        const tier_job *j = &t->job[id];
+        if (!j->live)
+            continue;
+        n_jobs++;
+        const tier_level *l = &t->lv[j->tier];
+        if (j->slot < 0 || j->slot >= l->n || !l->slot[j->slot].busy ||
+            l->slot[j->slot].hash != j->hash)
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: promotion job %d holds %s "
+                               "tier slot %d, which is not busy with its block %016llx", id,
+                               names[j->tier], j->slot, (unsigned long long)j->hash);
+        if (!j->stale && (map_find(&t->lv[KVF_KV_TIER_HOST], j->hash) >= 0 ||
+                          map_find(&t->lv[KVF_KV_TIER_DISK], j->hash) >= 0 ||
+                          (pool_has && pool_has(pool_ctx, j->hash))))
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: block %016llx is being "
+                               "promoted from the %s tier but is also held elsewhere",
+                               (unsigned long long)j->hash, names[j->tier]);
+    }
+    if (n_jobs != t->n_jobs || n_jobs != t->lv[KVF_KV_TIER_HOST].n_busy +
+                                            t->lv[KVF_KV_TIER_DISK].n_busy ||
+        n_jobs + t->n_job_free != t->q)
+        return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %d promotion jobs counted, %d "
+                           "kept, %d busy slots, %d free of %d", n_jobs, t->n_jobs,
+                           t->lv[KVF_KV_TIER_HOST].n_busy + t->lv[KVF_KV_TIER_DISK].n_busy,
+                           t->n_job_free, t->q);
     return KVF_OK;
 }

@@ -9,10 +9,28 @@
  * disk slot carries its hash, parent hash, token ids and an XXH3 checksum over header and bytes;
  * a read whose length, checksum or stored hash/tokens disagree is a miss and the slot is dropped.
  *
- * Copies are synchronous, inside the pool call that caused them (to_host / from_host of the
- * pool's kvf_kv_mem_ops, pwrite / pread for disk): the engine is single-threaded over the pool.
- * Not thread-safe; one tier set belongs to one pool (kvf_kv_pool_cfg.tier), which it must
- * outlive. The caller creates and destroys it. */
+ * Promotions run on a copy thread the tier set owns (started when a pool attaches, joined when
+ * it detaches): a prefix lookup that hits a tier takes the pool block, pins the tier slot (off
+ * the LRU and the index: nothing evicts, drops or finds it) and queues a job (source: a host
+ * slot, or a disk slot to pread and verify; destination: the pool block). The thread only moves
+ * bytes (memcpy, or pread + checksum, then the pool's from_host) and reports each job done or
+ * failed; everything that changes pool or tier state (registering the hash, events, freeing the
+ * slot, stats, on_promote) runs on the pool's thread when it polls (kvf_kv_pool_poll_promotions).
+ * The queue is bounded (max_copies): a lookup that finds it full stops there (a miss).
+ * Demotion (to_host, pwrite) stays synchronous, inside the pool call that evicts.
+ *
+ * The copy thread is used only when the pool's memory ops say from_host may run on another
+ * thread (kvf_kv_mem_ops.from_host_any_thread: host memory does). The CUDA backend's do not: its
+ * from_host is a cudaMemcpyAsync + cudaStreamSynchronize on the compute stream, which the engine
+ * thread is using (and may be capturing into a CUDA graph), so a CUDA pool keeps synchronous
+ * promotions, as does cfg.synchronous. What a GPU needs for the copy thread: tier memory pinned
+ * (cudaHostAlloc, through a mem op that allocates it, so the host tier and the disk staging
+ * buffer are DMA-able), a copy stream of its own, cudaMemcpyAsync on it per job with an event
+ * recorded after it, and completion when that event has completed (cudaEventQuery from the poll,
+ * or cudaEventSynchronize on the thread), never a sync of the compute stream.
+ *
+ * Apart from that thread, not thread-safe; one tier set belongs to one pool
+ * (kvf_kv_pool_cfg.tier), which it must outlive. The caller creates and destroys it. */
 #ifndef KVF_KV_TIER_H
 #define KVF_KV_TIER_H
 
@@ -36,10 +54,20 @@ typedef struct kvf_kv_tier_cfg {
     const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; kvfleet's own
                            * files in it (kvfleet-kv-*) are removed at create */
     int64_t disk_bytes;   /* disk tier bytes, rounded down to whole slots (>= 1 with a dir) */
-    /* Called after each block promoted from tier (HOST or DISK) with the seconds it took
-     * (copy in, checks, copy into the pool); may be NULL. Must not call back into the pool. */
+    /* Called after each block promoted from tier (HOST or DISK) with the seconds it took: with
+     * the copy thread, from the job's submission (in the lookup) to the end of its copy into the
+     * pool (queueing included); synchronous, the copy in, checks and copy into the pool. Runs on
+     * the pool's thread (in the poll, or the lookup); may be NULL. Must not call back into the
+     * pool. */
     void (*on_promote)(void *ctx, kvf_kv_tier_kind tier, double seconds);
     void *promote_ctx;
+    /* true: promote synchronously inside the lookup, no copy thread (tests compare the two). */
+    bool synchronous;
+    int32_t max_copies; /* promotion jobs in flight at once; 0: 256 */
+    /* Tests: called on the copy thread before each copy (to slow it down or hold it); may be
+     * NULL. Must not call into the pool or the tiers. */
+    void (*copy_hook)(void *ctx, kvf_kv_tier_kind tier, int32_t block);
+    void *hook_ctx;
 } kvf_kv_tier_cfg;
 
 /* Per tier (index KVF_KV_TIER_HOST or KVF_KV_TIER_DISK; index 0 unused). */
@@ -52,6 +80,7 @@ typedef struct kvf_kv_tier_level_stats {
                                 * failed copies, clears) */
     int64_t corrupt;           /* disk: reads refused (length, checksum, header mismatch) */
     int64_t mismatches;        /* hash found but tokens or parent differed (a miss) */
+    int64_t in_flight;         /* slots a promotion is copying up now (counted in used) */
 } kvf_kv_tier_level_stats;
 
 typedef struct kvf_kv_tier_stats {

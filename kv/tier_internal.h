@@ -13,14 +13,47 @@ typedef struct kvf_kv_tier_ref {
 } kvf_kv_tier_ref;
 
 /* Binds t to one pool: its layout must match the tiers' (block bytes, block size); events go
- * to fn (may be NULL). ERR_STATE when t already serves a pool. */
-kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout, kvf_kv_event_fn fn,
-                              void *ctx, kvf_err *err);
+ * to fn (may be NULL). Starts the copy thread unless cfg.synchronous or !mem->from_host_any_thread
+ * (it copies into base through mem). ERR_STATE when t already serves a pool. */
+kvf_status kvf_kv_tier_attach(kvf_kv_tier *t, const kvf_kv_layout *layout,
+                              const kvf_kv_mem_ops *mem, void *mem_ctx, void *base,
+                              kvf_kv_event_fn fn, void *ctx, kvf_err *err);
+/* Joins the copy thread after it finished every queued copy; jobs not reaped free their slots
+ * silently. */
 void kvf_kv_tier_detach(kvf_kv_tier *t);
 
+/* ---- promotions through the copy thread (when kvf_kv_tier_async) ---- */
+
+bool kvf_kv_tier_async(const kvf_kv_tier *t);
+/* Jobs begun and not yet reaped. */
+int32_t kvf_kv_tier_jobs(const kvf_kv_tier *t);
+/* Takes a job for the slot r (from kvf_kv_tier_find) and pins it: off the LRU and the index, so
+ * no lookup finds it, no eviction or clear drops it; snapshots still list it under its tier.
+ * -1 when max_copies jobs are in flight. Then submit (once the pool block is taken) or abort. */
+int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r);
+/* Queues the job: the copy thread copies the slot into pool block `block`. */
+void kvf_kv_tier_job_submit(kvf_kv_tier *t, int32_t job, int32_t block);
+/* Gives a begun (not submitted) job's slot back to its LRU and index. */
+void kvf_kv_tier_job_abort(kvf_kv_tier *t, int32_t job);
+
+typedef struct kvf_kv_tier_done {
+    int32_t block; /* the pool block the job wrote */
+    bool ok;       /* the bytes are in the block (else a disk read was refused or the copy failed:
+                    * the hash was dropped with a REMOVED event unless stale) */
+    bool stale;    /* the hash was registered elsewhere meanwhile (forget / put_commit): do not
+                    * register this block */
+} kvf_kv_tier_done;
+/* Takes one finished job, if any: frees its slot (stats, on_promote, or the drop's event) and
+ * says which block and how it went. Never blocks. */
+bool kvf_kv_tier_reap(kvf_kv_tier *t, kvf_kv_tier_done *out);
+/* Blocks until a finished job is waiting to be reaped, or timeout_ns passed (at once when no
+ * job is in flight). */
+void kvf_kv_tier_wait(kvf_kv_tier *t, int64_t timeout_ns);
+
 /* Demotion in two steps: begin makes room in the host tier (its LRU victim moves to disk or is
- * dropped) and returns the slot's buffer [block_bytes] to copy the block into; commit registers
- * it there (STORED, tier HOST); abort gives the slot back. */
+ * dropped) and returns the slot's buffer [block_bytes] to copy the block into, or NULL when every
+ * host slot is busy with a promotion (drop the block instead); commit registers it there
+ * (STORED, tier HOST); abort gives the slot back. */
 void *kvf_kv_tier_put_begin(kvf_kv_tier *t, int32_t *slot_out);
 void kvf_kv_tier_put_commit(kvf_kv_tier *t, int32_t slot, uint64_t hash, uint64_t parent,
                             const int32_t *tokens /* [block_size] */, int64_t now);
@@ -36,9 +69,11 @@ bool kvf_kv_tier_find(kvf_kv_tier *t, uint64_t hash, uint64_t parent,
 const void *kvf_kv_tier_take(kvf_kv_tier *t, kvf_kv_tier_ref r, int64_t *t0_out);
 /* A block taken from r.tier has landed in the pool after starting at t0 (stats, on_promote). */
 void kvf_kv_tier_promoted(kvf_kv_tier *t, kvf_kv_tier_kind tier, int64_t t0);
-/* The pool registered hash itself: any tier copy goes, silently (the pool's STORED moves it). */
+/* The pool registered hash itself: any tier copy goes, silently (the pool's STORED moves it);
+ * a promotion in flight for it is marked stale. */
 void kvf_kv_tier_forget(kvf_kv_tier *t, uint64_t hash);
-/* Drops every tier block (REMOVED events); *n_out gets how many. */
+/* Drops every tier block (REMOVED events); a promotion copying one up is marked stale (its
+ * block is not registered when it lands); *n_out gets how many. */
 void kvf_kv_tier_clear(kvf_kv_tier *t, int32_t *n_out);
 /* Calls fn with a STORED event (tier set, block -1) for every tier block; returns how many. */
 int32_t kvf_kv_tier_snapshot(const kvf_kv_tier *t, kvf_kv_event_fn fn, void *ctx);

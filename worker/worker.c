@@ -569,8 +569,9 @@ static void publish_tiers(kvf_worker *w, const kvf_kv_pool_stats *ps)
         kvf_metric_set(w->m_tier_corrupt, (double)ts.tier[KVF_KV_TIER_DISK].corrupt);
 }
 
-/* kvf_kv_tier_cfg.on_promote (loop thread, inside a prefix lookup): the latency histogram and
- * the EWMA the load reports carry (the router prices a tier hit by it). */
+/* kvf_kv_tier_cfg.on_promote (loop thread, in the engine step's poll of the copy thread's
+ * completions; seconds from the job's submission to the end of its copy): the latency histogram
+ * and the EWMA the load reports carry (the router prices a tier hit by it). */
 static void on_promote(void *ctx, kvf_kv_tier_kind tier, double seconds)
 {
     kvf_worker *w = ctx;

@@ -5,7 +5,10 @@
  * plain count of the blocks each operation needs. After every operation: the pool and swap
  * invariant checkers, every live position's KV bytes, and used blocks == distinct held ids.
  * The same runs again with host and disk tiers under the pool (kv/tier.h): the event-built set
- * then tracks each hash's tier, and promoted blocks must hold their values. */
+ * then tracks each hash's tier, and promoted blocks must hold their values; once with
+ * synchronous promotions and once through the tiers' copy thread, where half the lookups leave
+ * their promotions in flight across later operations (writes to those sequences refused until
+ * they land, frees while in flight, polls at random). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -46,6 +49,7 @@ typedef struct world {
     int32_t cached_tier[MAX_CACHED]; /* the tier the last STORED of each named */
     int n_cached;
     kvf_kv_tier *tier; /* NULL: a pool without tiers */
+    bool async;        /* the tiers promote through their copy thread */
     char dir[64];
     int ev_seen;
     uint64_t rng;
@@ -93,6 +97,25 @@ static void absorb_events(world *w)
         }
     }
     w->env.n_ev = w->ev_seen = 0;
+}
+
+/* Whether sequence q may be written (no promotion still copying into it). */
+static bool ready(const model_seq *q)
+{
+    return kvf_kv_seq_promotions_pending(&q->s) == 0;
+}
+
+/* Completes every promotion in flight. */
+static void land_all(world *w)
+{
+    kvf_kv_pool_stats st;
+    for (int i = 0; i < 100000; i++) {
+        kvf_kv_pool_get_stats(w->env.pool, &st);
+        if (st.promoting == 0)
+            return;
+        kvf_kv_pool_wait_promotions(w->env.pool, 1000000000);
+    }
+    fail_msg("promotions never completed");
 }
 
 static bool in_cache_model(const world *w, uint64_t h)
@@ -207,7 +230,7 @@ static void verify(world *w)
         if (!q->live || q->s.state != KVF_KV_SEQ_ACTIVE)
             continue;
         assert_int_equal(q->s.n_tokens, q->n);
-        for (int64_t pos = 0; pos < q->n; pos++)
+        for (int64_t pos = 0; pos < q->n && ready(q); pos++) /* (bytes still on their way) */
             assert_true(*kt_slot(&q->s, pos) == q->val[pos]);
         for (int32_t j = 0; j < q->s.n_blocks; j++)
             if (!held[q->s.blocks[j]]++)
@@ -251,6 +274,7 @@ static void op_new(world *w)
     for (int64_t t = shared; t < len; t++)
         src[t] = (int32_t)rnd(w, 3);
     model_extend(w, q, len, src);
+    land_all(w); /* in-flight hashes are nowhere a probe can see */
     kvf_kv_pool_expire(w->env.pool, NULL); /* so the event set and probe agree on expiry */
     absorb_events(w);
     /* the event-built set predicts the probe exactly */
@@ -265,12 +289,22 @@ static void op_new(world *w)
     int32_t avail0 = kvf_kv_pool_available(w->env.pool);
     assert_int_equal(kvf_kv_prefix_lookup(&q->s, q->tok, len - 1, &hit, &err), KVF_OK);
     /* with tiers, each block brought up takes a pool block: all of them when that many are
-     * available (a pool hit takes at most one too), else a prefix of them */
+     * available (a pool hit takes at most one too), else a prefix of them. (Through the copy
+     * thread too: every tier slot of the chain is pinned before the pool blocks are taken, so
+     * their demotions cannot push a later block of the chain out of a tier.) */
     if (!w->tier || avail0 >= expect)
         assert_int_equal(hit, (int64_t)expect * BS);
     else
         assert_true(hit <= (int64_t)expect * BS);
     q->n = hit; /* the hit positions already hold the right values: verify checks them */
+    if (!ready(q)) {
+        assert_int_equal(kvf_kv_seq_prepare_write(&q->s, 1, &err), KVF_ERR_STATE);
+        if (rnd(w, 2))
+            return; /* left in flight: later operations meet it */
+        while (!ready(q))
+            kvf_kv_pool_wait_promotions(w->env.pool, 1000000000);
+        assert_int_equal(q->s.n_tokens, hit); /* nothing fails here */
+    }
     int32_t avail = kvf_kv_pool_available(w->env.pool);
     int64_t need = kvf_kv_blocks_for(len, BS) - q->s.n_blocks;
     kvf_status st = kvf_kv_seq_prepare_write(&q->s, len - hit, &err);
@@ -293,11 +327,12 @@ static void op_append(world *w, bool as_step)
     int64_t k[N_SEQS];
     if (as_step) {
         for (int i = 0; i < N_SEQS; i++)
-            if (w->m[i].live && w->m[i].s.state == KVF_KV_SEQ_ACTIVE && rnd(w, 2))
+            if (w->m[i].live && w->m[i].s.state == KVF_KV_SEQ_ACTIVE && ready(&w->m[i]) &&
+                rnd(w, 2))
                 idx[n++] = i;
     } else {
         int i = pick(w, true, KVF_KV_SEQ_ACTIVE);
-        if (i >= 0)
+        if (i >= 0 && ready(&w->m[i]))
             idx[n++] = i;
     }
     for (int a = 0; a < n; a++) {
@@ -335,7 +370,7 @@ static void op_append(world *w, bool as_step)
 static void op_fork(world *w)
 {
     int i = pick(w, true, KVF_KV_SEQ_ACTIVE), j = pick(w, false, KVF_KV_SEQ_ACTIVE);
-    if (i < 0 || j < 0)
+    if (i < 0 || j < 0 || !ready(&w->m[i]))
         return;
     model_seq *a = &w->m[i], *b = &w->m[j];
     kvf_kv_seq_init(&b->s, w->env.pool, a->s.root);
@@ -368,6 +403,10 @@ static void op_swap(world *w)
         if (i < 0)
             return;
         kvf_kv_seq *s = &w->m[i].s;
+        if (!ready(&w->m[i])) {
+            assert_int_equal(kvf_kv_swap_out(w->swap, s, &err), KVF_ERR_STATE);
+            return;
+        }
         bool fits = s->n_blocks <= kvf_kv_swap_slots_free(w->swap);
         assert_int_equal(kvf_kv_swap_out(w->swap, s, &err), fits ? KVF_OK : KVF_ERR_FULL);
     } else {
@@ -395,7 +434,7 @@ static void op_pin(world *w)
     assert_true(n >= 0 && n <= 2);
 }
 
-static void run(uint64_t seed, bool tiers)
+static void run(uint64_t seed, bool tiers, bool async)
 {
     world *w = calloc(1, sizeof *w);
     assert_non_null(w);
@@ -409,7 +448,9 @@ static void run(uint64_t seed, bool tiers)
         snprintf(w->dir, sizeof w->dir, "/tmp/kvf-rand-XXXXXX");
         assert_non_null(mkdtemp(w->dir));
         kvf_kv_tier_cfg tc = {.host_bytes = N_HOST * c.layout.block_bytes, .disk_dir = w->dir,
-                              .disk_bytes = N_DISK * (48 + BS * 4 + c.layout.block_bytes)};
+                              .disk_bytes = N_DISK * (48 + BS * 4 + c.layout.block_bytes),
+                              .synchronous = !async};
+        w->async = async;
         assert_int_equal(kvf_kv_tier_create(&tc, &c.layout, &w->tier, &err), KVF_OK);
         c.tier = w->tier;
         assert_int_equal(kvf_kv_pool_create(&c, &w->env.pool, &err), KVF_OK);
@@ -424,6 +465,8 @@ static void run(uint64_t seed, bool tiers)
             w->templ[t][i] = (int32_t)rnd(w, 3);
     for (int op = 0; op < N_OPS; op++) {
         w->env.now += rnd(w, 3);
+        if (w->async && rnd(w, 2))
+            kvf_kv_pool_poll_promotions(w->env.pool);
         uint32_t r = rnd(w, 100);
         if (r < 20)
             op_new(w);
@@ -447,9 +490,11 @@ static void run(uint64_t seed, bool tiers)
     }
     kvf_kv_pool_stats st;
     kvf_kv_pool_get_stats(w->env.pool, &st);
+    land_all(w);
     fprintf(stderr, "seed %llu%s: %lld ok, %lld full; hits %lld of %lld blocks, %lld stored, "
             "%lld evicted, %lld expired, %lld copy-on-write, %lld demoted, %lld promoted\n",
-            (unsigned long long)seed, tiers ? " (tiers)" : "", (long long)w->ok,
+            (unsigned long long)seed, tiers ? (async ? " (tiers, copy thread)" : " (tiers)") : "",
+            (long long)w->ok,
             (long long)w->full, (long long)st.hit_blocks, (long long)st.lookup_blocks,
             (long long)st.stored, (long long)st.evicted, (long long)st.expired,
             (long long)st.cow_copies, (long long)st.demoted, (long long)st.promoted);
@@ -472,6 +517,7 @@ static void run(uint64_t seed, bool tiers)
     for (int i = 0; i < N_SEQS; i++)
         if (w->m[i].live)
             kvf_kv_seq_fini(&w->m[i].s);
+    land_all(w);
     kvf_kv_seq *none[] = {NULL};
     kt_check(w->env.pool, none, 0);
     kvf_kv_pool_get_stats(w->env.pool, &st);
@@ -489,14 +535,17 @@ static void test_random_ops(void **state)
 {
     const char *s = getenv("KVF_SEED");
     if (s && *s) {
-        run(strtoull(s, NULL, 10), false);
-        run(strtoull(s, NULL, 10), true);
+        run(strtoull(s, NULL, 10), false, false);
+        run(strtoull(s, NULL, 10), true, false);
+        run(strtoull(s, NULL, 10), true, true);
         return;
     }
-    run(1, false);
-    run(20261125, false);
-    run(1, true);
-    run(20261125, true);
+    run(1, false, false);
+    run(20261125, false, false);
+    run(1, true, false);
+    run(20261125, true, false);
+    run(1, true, true);
+    run(20261125, true, true);
 }
 
 int main(void)
