@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -53,9 +54,11 @@ typedef struct tier_level {
     int32_t *tokens;  /* [n][bs] */
     int32_t *free_stack; /* [n] */
     int32_t n_free;
+    int32_t n_fresh;  /* slots [n_fresh, n) were never used: free, and not yet on the stack (their
+                       * metadata is calloc's untouched zero pages until first taken) */
     int32_t head, tail, n_used; /* head: least recently used; n_used counts busy slots */
     int32_t n_busy;
-    int32_t *map;     /* [mask + 1] slot ids or -1 */
+    int32_t *map;     /* [mask + 1] slot id + 1, or 0: empty (calloc'd, so never touched whole) */
     uint64_t mask;
 } tier_level;
 
@@ -125,16 +128,11 @@ static kvf_status level_init(tier_level *l, kvf_kv_tier_kind kind, int64_t n, in
     l->slot = calloc((size_t)n, sizeof *l->slot);
     l->tokens = calloc((size_t)n * (size_t)bs, sizeof *l->tokens);
     l->free_stack = calloc((size_t)n, sizeof *l->free_stack);
-    l->map = malloc(cap * sizeof *l->map);
+    l->map = calloc(cap, sizeof *l->map);
     if (!l->slot || !l->tokens || !l->free_stack || !l->map)
         return KVF_ERR_NOMEM;
-    memset(l->map, 0xff, cap * sizeof *l->map);
-    for (int32_t i = 0; i < l->n; i++) {
-        int32_t id = l->n - 1 - i; /* slot 0 on top */
-        l->slot[id].prev = l->slot[id].next = -1;
-        l->slot[id].free_pos = l->n_free;
-        l->free_stack[l->n_free++] = id;
-    }
+    /* no slot is initialised here: level_take_free hands out never-used slots in order (0, 1,
+     * ...) once the stack is empty, so a large tier touches only the slots it ever uses */
     return KVF_OK;
 }
 
@@ -152,7 +150,7 @@ static int32_t map_find(const tier_level *l, uint64_t h)
     if (l->n == 0)
         return -1;
     for (uint64_t i = h & l->mask;; i = (i + 1) & l->mask) {
-        int32_t id = l->map[i];
+        int32_t id = l->map[i] - 1;
         if (id < 0 || l->slot[id].hash == h)
             return id;
     }
@@ -161,33 +159,45 @@ static int32_t map_find(const tier_level *l, uint64_t h)
 static void map_insert(tier_level *l, int32_t id)
 {
     uint64_t i = l->slot[id].hash & l->mask;
-    while (l->map[i] >= 0)
+    while (l->map[i] > 0)
         i = (i + 1) & l->mask;
-    l->map[i] = id;
+    l->map[i] = id + 1;
 }
 
 static void map_remove(tier_level *l, int32_t id)
 {
     uint64_t i = l->slot[id].hash & l->mask;
-    while (l->map[i] != id)
+    while (l->map[i] != id + 1)
         i = (i + 1) & l->mask;
     uint64_t hole = i; /* backward-shift deletion, as in pool.c */
-    for (uint64_t j = (i + 1) & l->mask; l->map[j] >= 0; j = (j + 1) & l->mask) {
-        uint64_t home = l->slot[l->map[j]].hash & l->mask;
+    for (uint64_t j = (i + 1) & l->mask; l->map[j] > 0; j = (j + 1) & l->mask) {
+        uint64_t home = l->slot[l->map[j] - 1].hash & l->mask;
         if (((j - home) & l->mask) >= ((j - hole) & l->mask)) {
             l->map[hole] = l->map[j];
             hole = j;
         }
     }
-    l->map[hole] = -1;
+    l->map[hole] = 0;
 }
 
-/* A free slot, off the free stack (not yet used); -1 when none. */
+/* Whether a slot is free (on the stack, or never used). */
+static bool level_has_free(const tier_level *l)
+{
+    return l->n_free > 0 || l->n_fresh < l->n;
+}
+
+/* A free slot, off the free stack (not yet used), else the next never-used one; -1 when none. */
 static int32_t level_take_free(tier_level *l)
 {
-    if (l->n_free == 0)
+    int32_t id;
+    if (l->n_free > 0) {
+        id = l->free_stack[--l->n_free];
+    } else if (l->n_fresh < l->n) {
+        id = l->n_fresh++;
+        l->slot[id].prev = l->slot[id].next = -1;
+    } else {
         return -1;
-    int32_t id = l->free_stack[--l->n_free];
+    }
     l->slot[id].free_pos = -1;
     return id;
 }
@@ -381,6 +391,13 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     if ((uint64_t)n_host * (uint64_t)bb > (uint64_t)SIZE_MAX / 2)
         return kvf_err_set(err, KVF_ERR_INVALID, "kv: host tier of %lld bytes overflows",
                            (long long)cfg->host_bytes);
+    /* more than the machine has is refused here, not found by the OOM killer later */
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0 && (uint64_t)n_host * (uint64_t)bb >
+                                     (uint64_t)pages * (uint64_t)page)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-host-memory=%lld is more than this "
+                           "machine's physical memory (%llu bytes)", (long long)cfg->host_bytes,
+                           (unsigned long long)pages * (unsigned long long)page);
 
     kvf_kv_tier *t = calloc(1, sizeof *t);
     if (!t)
@@ -410,6 +427,13 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     pthread_cond_init(&t->cv_done, &ca);
     pthread_condattr_destroy(&ca);
     t->sync_made = true;
+    /* the host tier's memory first: when it cannot be had, nothing else was touched */
+    if (!(t->host_mem = malloc((size_t)(n_host * bb)))) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: --kv-host-memory=%lld: cannot allocate %lld "
+                         "blocks of %lld bytes", (long long)cfg->host_bytes, (long long)n_host,
+                         (long long)bb);
+        goto fail;
+    }
     t->job = calloc((size_t)t->q, sizeof *t->job);
     t->job_free = calloc((size_t)t->q, sizeof *t->job_free);
     t->qring = calloc((size_t)t->q, sizeof *t->qring);
@@ -423,7 +447,7 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
         t->job_free[t->n_job_free++] = t->q - 1 - i;
     if (level_init(&t->lv[KVF_KV_TIER_HOST], KVF_KV_TIER_HOST, n_host, t->bs) != KVF_OK ||
         level_init(&t->lv[KVF_KV_TIER_DISK], KVF_KV_TIER_DISK, n_disk, t->bs) != KVF_OK ||
-        !(t->host_mem = malloc((size_t)(n_host * bb))) || !(t->stage = malloc((size_t)bb)) ||
+        !(t->stage = malloc((size_t)bb)) ||
         (disk && !(t->io = malloc((size_t)slot_bytes)))) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of memory for a host tier of %lld blocks "
                          "of %lld bytes", (long long)n_host, (long long)bb);
@@ -442,6 +466,18 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
         if (t->fd < 0) {
             st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s cannot be created: %s",
                              t->path, strerror(errno));
+            goto fail;
+        }
+        /* the file grows as slots are written: refuse a size the filesystem cannot hold now
+         * (measured after the file was emptied, so a previous run's file counts as free) */
+        struct statvfs vs;
+        if (fstatvfs(t->fd, &vs) == 0 &&
+            (uint64_t)n_disk * (uint64_t)slot_bytes >
+                (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize) {
+            st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-bytes=%lld is more than the "
+                             "free space of --kv-disk-dir=%s (%llu bytes)",
+                             (long long)cfg->disk_bytes, cfg->disk_dir,
+                             (unsigned long long)vs.f_bavail * (unsigned long long)vs.f_frsize);
             goto fail;
         }
     }
@@ -775,11 +811,11 @@ static void host_evict_one(kvf_kv_tier *t)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST], *disk = &t->lv[KVF_KV_TIER_DISK];
     int32_t hs = host->head;
-    if (disk->n == 0 || (disk->n_free == 0 && disk->head < 0)) { /* (every disk slot busy) */
+    if (disk->n == 0 || (!level_has_free(disk) && disk->head < 0)) { /* (every slot busy) */
         level_drop(t, host, hs);
         return;
     }
-    if (disk->n_free == 0)
+    if (!level_has_free(disk))
         level_drop(t, disk, disk->head);
     int32_t ds = level_take_free(disk);
     if (!disk_write(t, hs, ds)) {
@@ -798,9 +834,9 @@ static void host_evict_one(kvf_kv_tier *t)
 void *kvf_kv_tier_put_begin(kvf_kv_tier *t, int32_t *slot_out)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST];
-    if (host->n_free == 0 && host->head < 0)
+    if (!level_has_free(host) && host->head < 0)
         return NULL; /* every host slot is busy with a promotion */
-    if (host->n_free == 0)
+    if (!level_has_free(host))
         host_evict_one(t);
     int32_t id = level_take_free(host);
     *slot_out = id;
@@ -990,15 +1026,24 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
         /* counts: used + free == slots; the index holds exactly the used slots */
         int32_t n_idx = 0, n_used = 0, n_busy = 0;
         for (uint64_t i = 0; l->n > 0 && i <= l->mask; i++)
-            if (l->map[i] >= 0) {
+            if (l->map[i] > 0) {
                 n_idx++;
-                if (l->map[i] >= l->n || !l->slot[l->map[i]].used)
+                if (l->map[i] > l->n || !l->slot[l->map[i] - 1].used)
                     return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier index "
                                        "entry %llu points at slot %d, which is not used", nm,
-                                       (unsigned long long)i, l->map[i]);
+                                       (unsigned long long)i, l->map[i] - 1);
             }
+        if (l->n_fresh < 0 || l->n_fresh > l->n)
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier has %d slots used "
+                               "at some time, of %d", nm, l->n_fresh, l->n);
         for (int32_t id = 0; id < l->n; id++) {
             const tier_slot *s = &l->slot[id];
+            if (id >= l->n_fresh) { /* never used: free, not on the stack */
+                if (s->used || s->busy)
+                    return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier slot %d "
+                                       "was never handed out but is used", nm, id);
+                continue;
+            }
             n_used += s->used;
             if (s->busy) {
                 n_busy++;
@@ -1018,11 +1063,11 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
                                    on_free ? "" : "not ");
         }
         if (walked + n_busy != n_used || n_used != l->n_used || n_idx != walked ||
-            n_busy != l->n_busy || n_used + l->n_free != l->n)
+            n_busy != l->n_busy || n_used + l->n_free != l->n_fresh)
             return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier counts disagree: "
                                "used %d/%d (counted/kept), busy %d/%d, LRU walk %d, index %d, "
-                               "free %d, slots %d", nm, n_used, l->n_used, n_busy, l->n_busy,
-                               walked, n_idx, l->n_free, l->n);
+                               "free %d, slots %d (%d ever used)", nm, n_used, l->n_used, n_busy,
+                               l->n_busy, walked, n_idx, l->n_free, l->n, l->n_fresh);
     }
     /* jobs: one per busy slot; a live (not stale) one's hash is nowhere else */
     int32_t n_jobs = 0;

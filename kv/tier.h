@@ -87,9 +87,12 @@ typedef struct kvf_kv_tier_stats {
     kvf_kv_tier_level_stats tier[3];
 } kvf_kv_tier_stats;
 
-/* Creates the tiers for blocks of layout. host_bytes below one block is ERR_INVALID; a disk
- * dir without disk_bytes for one slot (or disk_bytes without a dir) is ERR_INVALID; a dir that
- * cannot be made or written is ERR_IO naming it. The caller owns *out. */
+/* Creates the tiers for blocks of layout. host_bytes below one block, or above the machine's
+ * physical memory, is ERR_INVALID; a disk dir without disk_bytes for one slot (or disk_bytes
+ * without a dir), or disk_bytes above the free space of the dir's filesystem, is ERR_INVALID; a
+ * dir that cannot be made or written is ERR_IO naming it. The host memory is allocated first
+ * (ERR_NOMEM naming its size when it cannot be); slot metadata is touched only as slots are first
+ * used. The caller owns *out. */
 kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *layout,
                               kvf_kv_tier **out, kvf_err *err);
 /* Frees the tiers and removes the disk file. NULL is a no-op. */

@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -252,6 +253,49 @@ static void test_create_errors(void **state)
     assert_int_equal(kvf_kv_pool_create(&pc, &p, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "cannot serve a pool"));
     kvf_kv_tier_destroy(t);
+}
+
+/* Sizes beyond the machine are refused at create, naming the flag and the value: host bytes
+ * above physical memory, disk bytes above the free space of the directory's filesystem. */
+static void test_create_beyond_machine(void **state)
+{
+    (void)state;
+    kvf_kv_layout l;
+    kvf_err err = {0};
+    kvf_kv_tier *t = NULL;
+    /* 32 KiB blocks: a machine's memory is far fewer blocks than the tier's INT32_MAX / 2 cap */
+    assert_int_equal(kvf_kv_layout_init(1, 1, 1024, BS, KVF_DTYPE_F32, &l, &err), KVF_OK);
+    int64_t phys = (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
+    kvf_kv_tier_cfg c = {.host_bytes = phys + 64 * l.block_bytes};
+    char want[64];
+    snprintf(want, sizeof want, "--kv-host-memory=%lld", (long long)c.host_bytes);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_ERR_INVALID);
+    assert_null(t);
+    assert_non_null(strstr(err.msg, want));
+    assert_non_null(strstr(err.msg, "physical memory"));
+
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    struct statvfs vs;
+    assert_int_equal(statvfs(dir, &vs), 0);
+    int64_t avail = (int64_t)vs.f_bavail * (int64_t)vs.f_frsize;
+    int64_t slot = 48 + BS * 4 + l.block_bytes;
+    c = (kvf_kv_tier_cfg){.host_bytes = l.block_bytes, .disk_dir = dir,
+                          .disk_bytes = 2 * avail + 1024 * slot}; /* room for others' churn */
+    if (c.disk_bytes / slot <= INT32_MAX / 2) { /* else the slot cap refuses it first */
+        snprintf(want, sizeof want, "--kv-disk-bytes=%lld", (long long)c.disk_bytes);
+        err = (kvf_err){0};
+        assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_ERR_INVALID);
+        assert_null(t);
+        assert_non_null(strstr(err.msg, want));
+        assert_non_null(strstr(err.msg, "free space"));
+    }
+    /* within both, it is made */
+    c.disk_bytes = 4 * slot;
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    kvf_kv_tier_destroy(t);
+    rmdir(dir);
 }
 
 /* Eviction demotes (STORED host, no REMOVED); lookup promotes the same bytes back (STORED pool),
@@ -792,6 +836,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_create_errors),
+        cmocka_unit_test(test_create_beyond_machine),
         cmocka_unit_test(test_demote_promote_bytes_and_events),
         cmocka_unit_test(test_host_lru),
         cmocka_unit_test(test_chain_across_tiers),
