@@ -7,7 +7,7 @@
  * every change of tier state (slots, LRU, index, events, stats) stays on the pool's thread. */
 #include "kv/tier.h"
 
-#include <dirent.h>
+#include <sys/file.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -27,7 +27,6 @@
 
 #define DISK_MAGIC 0x3152454954564b46ULL /* "FKVTIER1" little-endian */
 #define DISK_FILE "kvfleet-kv-tier.bin"
-#define DISK_PREFIX "kvfleet-kv-"
 
 /* The header at the start of every disk slot, followed by tokens [bs] and the block bytes. */
 typedef struct disk_hdr {
@@ -90,6 +89,7 @@ struct kvf_kv_tier {
     tier_level lv[3]; /* [HOST], [DISK]; [0] unused */
     char *host_mem;   /* [n_host][block_bytes] */
     int fd;           /* disk file, -1 without */
+    int dirfd;        /* its directory, locked (flock) while the tier lives; -1 without */
     char path[PATH_MAX];
     int64_t slot_bytes; /* disk slot: header + tokens + bytes */
     char *io;         /* [slot_bytes]: one disk slot in flight */
@@ -342,26 +342,69 @@ static const char *disk_read(kvf_kv_tier *t, char *buf, int32_t ds, uint64_t has
     return buf + sizeof h + (size_t)t->bs * sizeof(int32_t);
 }
 
-/* Removes kvfleet's own files (kvfleet-kv-*) from dir, creating it (0700) when missing. */
-static kvf_status disk_prepare_dir(const char *dir, kvf_err *err)
+/* Opens the disk tier's directory (made 0700 when missing) into *dirfd_out, and takes its lock:
+ * refused when it is not a directory (a symbolic link is not followed), not owned by this
+ * process's user, writable by group or others, or locked by another live tier (another worker).
+ * Then the tier file is made afresh: a previous run's (or anything planted under its name, a
+ * symbolic link included, whose target is untouched) is unlinked, and nothing else in dir is. */
+static kvf_status disk_open(const char *dir, int *dirfd_out, int *fd_out, kvf_err *err)
 {
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be created: %s",
-                           dir, strerror(errno));
-    DIR *d = opendir(dir);
-    if (!d)
-        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be opened: %s", dir,
+        return kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be created: %s", dir,
                            strerror(errno));
-    struct dirent *e;
-    char p[PATH_MAX];
-    while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, DISK_PREFIX, strlen(DISK_PREFIX)) != 0)
-            continue;
-        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < (int)sizeof p)
-            unlink(p);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0)
+        return kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be opened: %s%s", dir,
+                           strerror(errno), errno == ELOOP || errno == ENOTDIR ?
+                           " (it must be a directory, not a symbolic link)" : "");
+    kvf_status st;
+    struct stat sb;
+    if (fstat(dfd, &sb) != 0) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s: %s", dir, strerror(errno));
+        goto close_dir;
     }
-    closedir(d);
+    if (!S_ISDIR(sb.st_mode)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is not a directory", dir);
+        goto close_dir;
+    }
+    if (sb.st_uid != geteuid()) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is owned by uid %u, not by "
+                         "this process's uid %u (it must be private to this worker)", dir,
+                         (unsigned)sb.st_uid, (unsigned)geteuid());
+        goto close_dir;
+    }
+    if (sb.st_mode & (S_IWGRP | S_IWOTH)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is writable by group or "
+                         "others (mode %03o; it must be private to this worker, e.g. 0700)", dir,
+                         (unsigned)(sb.st_mode & 07777));
+        goto close_dir;
+    }
+    if (flock(dfd, LOCK_EX | LOCK_NB) != 0) {
+        st = errno == EWOULDBLOCK
+                 ? kvf_err_set(err, KVF_ERR_BUSY, "kv: --kv-disk-dir=%s is in use by another "
+                               "worker's disk tier (each worker needs its own directory)", dir)
+                 : kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be locked: %s", dir,
+                               strerror(errno));
+        goto close_dir;
+    }
+    /* the lock is ours: a tier file there is a dead run's */
+    if (unlinkat(dfd, DISK_FILE, 0) != 0 && errno != ENOENT) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s: the old %s cannot be removed: %s",
+                         dir, DISK_FILE, strerror(errno));
+        goto close_dir;
+    }
+    int fd = openat(dfd, DISK_FILE, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s/%s cannot be created: %s", dir,
+                         DISK_FILE, strerror(errno));
+        goto close_dir;
+    }
+    *dirfd_out = dfd;
+    *fd_out = fd;
     return KVF_OK;
+close_dir:
+    close(dfd); /* (drops the lock, if taken) */
+    return st;
 }
 
 /* ---- create / destroy ---------------------------------------------------------------------- */
@@ -408,7 +451,7 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     t->layout = *layout;
     t->block_bytes = bb;
     t->bs = layout->block_size;
-    t->fd = -1;
+    t->fd = t->dirfd = -1;
     t->slot_bytes = disk ? slot_bytes : 0;
     t->q = cfg->max_copies > 0 ? cfg->max_copies : DEFAULT_MAX_COPIES;
     if (cfg->max_copies < 0 || t->q > (1 << 20)) {
@@ -454,20 +497,14 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
         goto fail;
     }
     if (disk) {
-        if ((st = disk_prepare_dir(cfg->disk_dir, err)) != KVF_OK)
-            goto fail;
         if (snprintf(t->path, sizeof t->path, "%s/%s", cfg->disk_dir, DISK_FILE) >=
             (int)sizeof t->path) {
             st = kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier directory %s: path too long",
                              cfg->disk_dir);
             goto fail;
         }
-        t->fd = open(t->path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (t->fd < 0) {
-            st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s cannot be created: %s",
-                             t->path, strerror(errno));
+        if ((st = disk_open(cfg->disk_dir, &t->dirfd, &t->fd, err)) != KVF_OK)
             goto fail;
-        }
         /* the file grows as slots are written: refuse a size the filesystem cannot hold now
          * (measured after the file was emptied, so a previous run's file counts as free) */
         struct statvfs vs;
@@ -511,8 +548,10 @@ void kvf_kv_tier_destroy(kvf_kv_tier *t)
     free(t->cio);
     if (t->fd >= 0) {
         close(t->fd);
-        unlink(t->path);
+        unlinkat(t->dirfd, DISK_FILE, 0); /* the directory we locked, wherever its path leads now */
     }
+    if (t->dirfd >= 0)
+        close(t->dirfd); /* drops the lock */
     level_fini(&t->lv[KVF_KV_TIER_HOST]);
     level_fini(&t->lv[KVF_KV_TIER_DISK]);
     free(t->host_mem);

@@ -51,8 +51,10 @@ typedef enum kvf_kv_tier_kind {
 
 typedef struct kvf_kv_tier_cfg {
     int64_t host_bytes;   /* host tier bytes, rounded down to whole blocks (>= 1 block) */
-    const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; kvfleet's own
-                           * files in it (kvfleet-kv-*) are removed at create */
+    const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; refused when
+                           * not a directory of this euid writable by it alone, or locked by
+                           * another live tier. A previous kvfleet-kv-tier.bin in it is removed
+                           * at create (nothing else is) */
     int64_t disk_bytes;   /* disk tier bytes, rounded down to whole slots (>= 1 with a dir) */
     /* Called after each block promoted from tier (HOST or DISK) with the seconds it took: with
      * the copy thread, from the job's submission (in the lookup) to the end of its copy into the

@@ -127,8 +127,9 @@ static const kvf_cfg_opt worker_opts[] = {
      "the pool evicts move here, and a prefix hit copies them back instead of recomputing; 0: "
      "none", offsetof(kvf_worker_cfg, kv_host_memory), KVF_CFG_SIZE},
     {"kv-disk-dir", NULL, "directory of a local-disk KV tier under the host tier (with "
-     "--kv-host-memory and --kv-disk-bytes): private to this worker, made 0700 if missing, its "
-     "kvfleet-kv-* files removed at start; checksummed, a bad block is a miss",
+     "--kv-host-memory and --kv-disk-bytes): private to this worker (this user's, not group or "
+     "world writable; made 0700 if missing; locked while in use), its kvfleet-kv-tier.bin made "
+     "afresh at start; checksummed, a bad block is a miss",
      offsetof(kvf_worker_cfg, kv_disk_dir), KVF_CFG_STR},
     {"kv-disk-bytes", "0", "size of the disk KV tier file (K/M/G suffixes)",
      offsetof(kvf_worker_cfg, kv_disk_bytes), KVF_CFG_SIZE},

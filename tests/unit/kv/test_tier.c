@@ -567,17 +567,22 @@ static void test_events_through_every_tier(void **state)
     env_close(&v);
 }
 
-/* Tier files of a previous run are removed at start; the file goes at destroy. */
+/* A previous run's tier file is removed at start, a foreign file of kvfleet-kv-* kind is not;
+ * the file goes at destroy. */
 static void test_disk_dir_emptied(void **state)
 {
     (void)state;
     char dir[64];
     snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
     assert_non_null(mkdtemp(dir));
-    char old[128], keep[128];
-    snprintf(old, sizeof old, "%s/kvfleet-kv-old.bin", dir);
+    char old[128], other[128], keep[128];
+    snprintf(old, sizeof old, "%s/kvfleet-kv-tier.bin", dir);
+    snprintf(other, sizeof other, "%s/kvfleet-kv-other", dir);
     snprintf(keep, sizeof keep, "%s/notes.txt", dir);
-    close(open(old, O_CREAT | O_WRONLY, 0600));
+    int fd = open(old, O_CREAT | O_WRONLY, 0600);
+    assert_int_equal(write(fd, "stale", 5), 5);
+    close(fd);
+    close(open(other, O_CREAT | O_WRONLY, 0600));
     close(open(keep, O_CREAT | O_WRONLY, 0600));
     kvf_kv_layout l;
     kvf_err err = {0};
@@ -585,14 +590,70 @@ static void test_disk_dir_emptied(void **state)
     kvf_kv_tier_cfg c = {.host_bytes = l.block_bytes, .disk_dir = dir, .disk_bytes = 1 << 16};
     kvf_kv_tier *t = NULL;
     assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
-    assert_int_not_equal(access(old, F_OK), 0);
+    struct stat sb;
+    assert_int_equal(stat(old, &sb), 0); /* made afresh: empty */
+    assert_int_equal(sb.st_size, 0);
+    assert_int_equal(access(other, F_OK), 0);
     assert_int_equal(access(keep, F_OK), 0);
     assert_int_equal(access(kvf_kv_tier_disk_path(t), F_OK), 0);
     char path[256];
     snprintf(path, sizeof path, "%s", kvf_kv_tier_disk_path(t));
     kvf_kv_tier_destroy(t);
     assert_int_not_equal(access(path, F_OK), 0);
+    assert_int_equal(access(other, F_OK), 0);
+    unlink(other);
     unlink(keep);
+    rmdir(dir);
+}
+
+/* The disk directory must be private: group- or world-writable is refused naming the flag; a
+ * symbolic link planted at the tier file's name is not followed (its target keeps its bytes);
+ * a second tier on a directory a live one uses is refused, and allowed once that one is gone. */
+static void test_disk_dir_safety(void **state)
+{
+    (void)state;
+    kvf_kv_layout l;
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_layout_init(1, 1, 2, BS, KVF_DTYPE_F32, &l, &err), KVF_OK);
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    kvf_kv_tier_cfg c = {.host_bytes = l.block_bytes, .disk_dir = dir, .disk_bytes = 1 << 16};
+    kvf_kv_tier *t = NULL, *t2 = NULL;
+
+    assert_int_equal(chmod(dir, 0777), 0);
+    assert_int_not_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    assert_null(t);
+    assert_non_null(strstr(err.msg, "--kv-disk-dir="));
+    assert_non_null(strstr(err.msg, "writable by group or others"));
+    assert_int_equal(chmod(dir, 0700), 0);
+
+    /* a link at the file's name to a file of ours: removed, its target untouched */
+    char target[128], link[128];
+    snprintf(target, sizeof target, "%s-target", dir);
+    snprintf(link, sizeof link, "%s/kvfleet-kv-tier.bin", dir);
+    int fd = open(target, O_CREAT | O_WRONLY | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "precious", 8), 8);
+    close(fd);
+    assert_int_equal(symlink(target, link), 0);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    struct stat sb;
+    assert_int_equal(lstat(link, &sb), 0);
+    assert_true(S_ISREG(sb.st_mode)); /* the tier's own file, not the link */
+    assert_int_equal(stat(target, &sb), 0);
+    assert_int_equal(sb.st_size, 8);
+
+    /* a second tier on the same directory, while the first lives */
+    err = (kvf_err){0};
+    assert_int_not_equal(kvf_kv_tier_create(&c, &l, &t2, &err), KVF_OK);
+    assert_null(t2);
+    assert_non_null(strstr(err.msg, "in use by another"));
+    assert_int_equal(access(link, F_OK), 0); /* the first one's file is still there */
+    kvf_kv_tier_destroy(t);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t2, &err), KVF_OK);
+    kvf_kv_tier_destroy(t2);
+    unlink(target);
     rmdir(dir);
 }
 
@@ -845,6 +906,7 @@ int main(void)
         cmocka_unit_test(test_recomputed_block_leaves_tier),
         cmocka_unit_test(test_events_through_every_tier),
         cmocka_unit_test(test_disk_dir_emptied),
+        cmocka_unit_test(test_disk_dir_safety),
     };
     const struct CMUnitTest async_only[] = {
         cmocka_unit_test(test_async_in_flight_invisible),
