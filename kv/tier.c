@@ -75,7 +75,7 @@ typedef struct tier_job {
     uint64_t hash, parent;
     bool stale;   /* the hash went elsewhere meanwhile (the pool computed it): not registered */
     bool corrupt; /* the disk read was refused */
-    int64_t t0, t1; /* submitted, finished (ns) */
+    int64_t t0, t1; /* submitted (the pool block taken), finished (ns) */
     char why[200];
 } tier_job;
 
@@ -732,8 +732,7 @@ int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
     tier_level *l = &t->lv[r.tier];
     const tier_slot *s = &l->slot[r.slot];
     t->job[id] = (tier_job){.live = true, .state = JOB_BEGUN, .tier = r.tier, .slot = r.slot,
-                            .block = -1, .hash = s->hash, .parent = s->parent,
-                            .t0 = kvf_now_ns()};
+                            .block = -1, .hash = s->hash, .parent = s->parent};
     level_pin(l, r.slot);
     t->n_jobs++;
     return id;
@@ -741,7 +740,11 @@ int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
 
 void kvf_kv_tier_job_submit(kvf_kv_tier *t, int32_t id, int32_t block)
 {
+    /* the clock starts here, once the pool block was taken: the promotion time the router is
+     * told (on_promote) holds no other block's eviction or demotion made to free it */
+    int64_t t0 = kvf_now_ns();
     pthread_mutex_lock(&t->mu);
+    t->job[id].t0 = t0;
     t->job[id].block = block;
     t->job[id].state = JOB_QUEUED;
     t->qring[(t->qh + t->qn) % t->q] = id;

@@ -57,8 +57,10 @@ typedef struct kvf_kv_tier_cfg {
                            * at create (nothing else is) */
     int64_t disk_bytes;   /* disk tier bytes, rounded down to whole slots (>= 1 with a dir) */
     /* Called after each block promoted from tier (HOST or DISK) with the seconds it took: with
-     * the copy thread, from the job's submission (in the lookup) to the end of its copy into the
-     * pool (queueing included); synchronous, the copy in, checks and copy into the pool. Runs on
+     * the copy thread, from the job's submission (in the lookup, once its pool block was taken)
+     * to the end of its copy into the pool (queueing included); synchronous, the copy in, checks
+     * and copy into the pool. Neither counts the eviction or demotion of another block made to
+     * free the pool block. Runs on
      * the pool's thread (in the poll, or the lookup); may be NULL. Must not call back into the
      * pool. */
     void (*on_promote)(void *ctx, kvf_kv_tier_kind tier, double seconds);
