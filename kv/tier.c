@@ -422,7 +422,7 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
                            "(one block of %lld bytes up to %lld blocks)",
                            (long long)cfg->host_bytes, (long long)bb, (long long)(INT32_MAX / 2));
     bool disk = cfg->disk_dir && *cfg->disk_dir;
-    int64_t slot_bytes = (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * 4 + bb;
+    int64_t slot_bytes = kvf_kv_tier_slot_bytes_for(layout);
     int64_t n_disk = disk ? cfg->disk_bytes / slot_bytes : 0;
     if (disk && (cfg->disk_bytes < 0 || n_disk < 1 || n_disk > INT32_MAX / 2))
         return kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier of %lld bytes is not allowed "
@@ -571,6 +571,12 @@ void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out)
 
 const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t) { return t->path; }
 int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t) { return t->slot_bytes; }
+
+int64_t kvf_kv_tier_slot_bytes_for(const kvf_kv_layout *layout)
+{
+    return (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * (int64_t)sizeof(int32_t) +
+           layout->block_bytes;
+}
 
 /* ---- what the pool calls ------------------------------------------------------------------- */
 

@@ -107,5 +107,7 @@ void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out);
 const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t);
 /* Bytes of one disk slot (header, token ids, block bytes); 0 without a disk tier. */
 int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t);
+/* Bytes of one disk slot for blocks of layout: the least disk_bytes a disk tier takes. */
+int64_t kvf_kv_tier_slot_bytes_for(const kvf_kv_layout *layout);
 
 #endif

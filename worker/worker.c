@@ -889,10 +889,12 @@ static kvf_status make_tiers(kvf_worker *w, const kvf_worker_cfg *cfg, const cha
     if (disk && cfg->kv_host_memory == 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-host-memory "
                            "(the disk tier sits under the host tier)", rn, cfg->kv_disk_dir);
-    if (disk && cfg->kv_disk_bytes <= bb)
+    int64_t slot = kvf_kv_tier_slot_bytes_for(&w->layout); /* block, header, token ids */
+    if (disk && cfg->kv_disk_bytes < slot)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-disk-bytes of "
-                           "more than one KV block (%lld bytes); it is %lld", rn, cfg->kv_disk_dir,
-                           (long long)bb, (long long)cfg->kv_disk_bytes);
+                           "at least one disk slot (%lld bytes: a KV block of %lld, its header "
+                           "and token ids); --kv-disk-bytes=%lld", rn, cfg->kv_disk_dir,
+                           (long long)slot, (long long)bb, (long long)cfg->kv_disk_bytes);
     if (cfg->kv_host_memory == 0)
         return KVF_OK;
     kvf_kv_tier_cfg tc = {.host_bytes = cfg->kv_host_memory, .disk_dir = disk ? cfg->kv_disk_dir : NULL,
