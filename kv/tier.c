@@ -7,7 +7,7 @@
  * every change of tier state (slots, LRU, index, events, stats) stays on the pool's thread. */
 #include "kv/tier.h"
 
-#include <dirent.h>
+#include <sys/file.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,7 +27,6 @@
 
 #define DISK_MAGIC 0x3152454954564b46ULL /* "FKVTIER1" little-endian */
 #define DISK_FILE "kvfleet-kv-tier.bin"
-#define DISK_PREFIX "kvfleet-kv-"
 
 /* The header at the start of every disk slot, followed by tokens [bs] and the block bytes. */
 typedef struct disk_hdr {
@@ -53,9 +53,11 @@ typedef struct tier_level {
     int32_t *tokens;  /* [n][bs] */
     int32_t *free_stack; /* [n] */
     int32_t n_free;
+    int32_t n_fresh;  /* slots [n_fresh, n) were never used: free, and not yet on the stack (their
+                       * metadata is calloc's untouched zero pages until first taken) */
     int32_t head, tail, n_used; /* head: least recently used; n_used counts busy slots */
     int32_t n_busy;
-    int32_t *map;     /* [mask + 1] slot ids or -1 */
+    int32_t *map;     /* [mask + 1] slot id + 1, or 0: empty (calloc'd, so never touched whole) */
     uint64_t mask;
 } tier_level;
 
@@ -73,7 +75,7 @@ typedef struct tier_job {
     uint64_t hash, parent;
     bool stale;   /* the hash went elsewhere meanwhile (the pool computed it): not registered */
     bool corrupt; /* the disk read was refused */
-    int64_t t0, t1; /* submitted, finished (ns) */
+    int64_t t0, t1; /* submitted (the pool block taken), finished (ns) */
     char why[200];
 } tier_job;
 
@@ -87,6 +89,7 @@ struct kvf_kv_tier {
     tier_level lv[3]; /* [HOST], [DISK]; [0] unused */
     char *host_mem;   /* [n_host][block_bytes] */
     int fd;           /* disk file, -1 without */
+    int dirfd;        /* its directory, locked (flock) while the tier lives; -1 without */
     char path[PATH_MAX];
     int64_t slot_bytes; /* disk slot: header + tokens + bytes */
     char *io;         /* [slot_bytes]: one disk slot in flight */
@@ -125,16 +128,11 @@ static kvf_status level_init(tier_level *l, kvf_kv_tier_kind kind, int64_t n, in
     l->slot = calloc((size_t)n, sizeof *l->slot);
     l->tokens = calloc((size_t)n * (size_t)bs, sizeof *l->tokens);
     l->free_stack = calloc((size_t)n, sizeof *l->free_stack);
-    l->map = malloc(cap * sizeof *l->map);
+    l->map = calloc(cap, sizeof *l->map);
     if (!l->slot || !l->tokens || !l->free_stack || !l->map)
         return KVF_ERR_NOMEM;
-    memset(l->map, 0xff, cap * sizeof *l->map);
-    for (int32_t i = 0; i < l->n; i++) {
-        int32_t id = l->n - 1 - i; /* slot 0 on top */
-        l->slot[id].prev = l->slot[id].next = -1;
-        l->slot[id].free_pos = l->n_free;
-        l->free_stack[l->n_free++] = id;
-    }
+    /* no slot is initialised here: level_take_free hands out never-used slots in order (0, 1,
+     * ...) once the stack is empty, so a large tier touches only the slots it ever uses */
     return KVF_OK;
 }
 
@@ -152,7 +150,7 @@ static int32_t map_find(const tier_level *l, uint64_t h)
     if (l->n == 0)
         return -1;
     for (uint64_t i = h & l->mask;; i = (i + 1) & l->mask) {
-        int32_t id = l->map[i];
+        int32_t id = l->map[i] - 1;
         if (id < 0 || l->slot[id].hash == h)
             return id;
     }
@@ -161,33 +159,45 @@ static int32_t map_find(const tier_level *l, uint64_t h)
 static void map_insert(tier_level *l, int32_t id)
 {
     uint64_t i = l->slot[id].hash & l->mask;
-    while (l->map[i] >= 0)
+    while (l->map[i] > 0)
         i = (i + 1) & l->mask;
-    l->map[i] = id;
+    l->map[i] = id + 1;
 }
 
 static void map_remove(tier_level *l, int32_t id)
 {
     uint64_t i = l->slot[id].hash & l->mask;
-    while (l->map[i] != id)
+    while (l->map[i] != id + 1)
         i = (i + 1) & l->mask;
     uint64_t hole = i; /* backward-shift deletion, as in pool.c */
-    for (uint64_t j = (i + 1) & l->mask; l->map[j] >= 0; j = (j + 1) & l->mask) {
-        uint64_t home = l->slot[l->map[j]].hash & l->mask;
+    for (uint64_t j = (i + 1) & l->mask; l->map[j] > 0; j = (j + 1) & l->mask) {
+        uint64_t home = l->slot[l->map[j] - 1].hash & l->mask;
         if (((j - home) & l->mask) >= ((j - hole) & l->mask)) {
             l->map[hole] = l->map[j];
             hole = j;
         }
     }
-    l->map[hole] = -1;
+    l->map[hole] = 0;
 }
 
-/* A free slot, off the free stack (not yet used); -1 when none. */
+/* Whether a slot is free (on the stack, or never used). */
+static bool level_has_free(const tier_level *l)
+{
+    return l->n_free > 0 || l->n_fresh < l->n;
+}
+
+/* A free slot, off the free stack (not yet used), else the next never-used one; -1 when none. */
 static int32_t level_take_free(tier_level *l)
 {
-    if (l->n_free == 0)
+    int32_t id;
+    if (l->n_free > 0) {
+        id = l->free_stack[--l->n_free];
+    } else if (l->n_fresh < l->n) {
+        id = l->n_fresh++;
+        l->slot[id].prev = l->slot[id].next = -1;
+    } else {
         return -1;
-    int32_t id = l->free_stack[--l->n_free];
+    }
     l->slot[id].free_pos = -1;
     return id;
 }
@@ -332,26 +342,69 @@ static const char *disk_read(kvf_kv_tier *t, char *buf, int32_t ds, uint64_t has
     return buf + sizeof h + (size_t)t->bs * sizeof(int32_t);
 }
 
-/* Removes kvfleet's own files (kvfleet-kv-*) from dir, creating it (0700) when missing. */
-static kvf_status disk_prepare_dir(const char *dir, kvf_err *err)
+/* Opens the disk tier's directory (made 0700 when missing) into *dirfd_out, and takes its lock:
+ * refused when it is not a directory (a symbolic link is not followed), not owned by this
+ * process's user, writable by group or others, or locked by another live tier (another worker).
+ * Then the tier file is made afresh: a previous run's (or anything planted under its name, a
+ * symbolic link included, whose target is untouched) is unlinked, and nothing else in dir is. */
+static kvf_status disk_open(const char *dir, int *dirfd_out, int *fd_out, kvf_err *err)
 {
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be created: %s",
-                           dir, strerror(errno));
-    DIR *d = opendir(dir);
-    if (!d)
-        return kvf_err_set(err, KVF_ERR_IO, "kv: disk tier directory %s cannot be opened: %s", dir,
+        return kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be created: %s", dir,
                            strerror(errno));
-    struct dirent *e;
-    char p[PATH_MAX];
-    while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, DISK_PREFIX, strlen(DISK_PREFIX)) != 0)
-            continue;
-        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) < (int)sizeof p)
-            unlink(p);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0)
+        return kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be opened: %s%s", dir,
+                           strerror(errno), errno == ELOOP || errno == ENOTDIR ?
+                           " (it must be a directory, not a symbolic link)" : "");
+    kvf_status st;
+    struct stat sb;
+    if (fstat(dfd, &sb) != 0) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s: %s", dir, strerror(errno));
+        goto close_dir;
     }
-    closedir(d);
+    if (!S_ISDIR(sb.st_mode)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is not a directory", dir);
+        goto close_dir;
+    }
+    if (sb.st_uid != geteuid()) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is owned by uid %u, not by "
+                         "this process's uid %u (it must be private to this worker)", dir,
+                         (unsigned)sb.st_uid, (unsigned)geteuid());
+        goto close_dir;
+    }
+    if (sb.st_mode & (S_IWGRP | S_IWOTH)) {
+        st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-dir=%s is writable by group or "
+                         "others (mode %03o; it must be private to this worker, e.g. 0700)", dir,
+                         (unsigned)(sb.st_mode & 07777));
+        goto close_dir;
+    }
+    if (flock(dfd, LOCK_EX | LOCK_NB) != 0) {
+        st = errno == EWOULDBLOCK
+                 ? kvf_err_set(err, KVF_ERR_BUSY, "kv: --kv-disk-dir=%s is in use by another "
+                               "worker's disk tier (each worker needs its own directory)", dir)
+                 : kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s cannot be locked: %s", dir,
+                               strerror(errno));
+        goto close_dir;
+    }
+    /* the lock is ours: a tier file there is a dead run's */
+    if (unlinkat(dfd, DISK_FILE, 0) != 0 && errno != ENOENT) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: --kv-disk-dir=%s: the old %s cannot be removed: %s",
+                         dir, DISK_FILE, strerror(errno));
+        goto close_dir;
+    }
+    int fd = openat(dfd, DISK_FILE, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s/%s cannot be created: %s", dir,
+                         DISK_FILE, strerror(errno));
+        goto close_dir;
+    }
+    *dirfd_out = dfd;
+    *fd_out = fd;
     return KVF_OK;
+close_dir:
+    close(dfd); /* (drops the lock, if taken) */
+    return st;
 }
 
 /* ---- create / destroy ---------------------------------------------------------------------- */
@@ -369,7 +422,7 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
                            "(one block of %lld bytes up to %lld blocks)",
                            (long long)cfg->host_bytes, (long long)bb, (long long)(INT32_MAX / 2));
     bool disk = cfg->disk_dir && *cfg->disk_dir;
-    int64_t slot_bytes = (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * 4 + bb;
+    int64_t slot_bytes = kvf_kv_tier_slot_bytes_for(layout);
     int64_t n_disk = disk ? cfg->disk_bytes / slot_bytes : 0;
     if (disk && (cfg->disk_bytes < 0 || n_disk < 1 || n_disk > INT32_MAX / 2))
         return kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier of %lld bytes is not allowed "
@@ -381,6 +434,13 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     if ((uint64_t)n_host * (uint64_t)bb > (uint64_t)SIZE_MAX / 2)
         return kvf_err_set(err, KVF_ERR_INVALID, "kv: host tier of %lld bytes overflows",
                            (long long)cfg->host_bytes);
+    /* more than the machine has is refused here, not found by the OOM killer later */
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0 && (uint64_t)n_host * (uint64_t)bb >
+                                     (uint64_t)pages * (uint64_t)page)
+        return kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-host-memory=%lld is more than this "
+                           "machine's physical memory (%llu bytes)", (long long)cfg->host_bytes,
+                           (unsigned long long)pages * (unsigned long long)page);
 
     kvf_kv_tier *t = calloc(1, sizeof *t);
     if (!t)
@@ -391,7 +451,7 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     t->layout = *layout;
     t->block_bytes = bb;
     t->bs = layout->block_size;
-    t->fd = -1;
+    t->fd = t->dirfd = -1;
     t->slot_bytes = disk ? slot_bytes : 0;
     t->q = cfg->max_copies > 0 ? cfg->max_copies : DEFAULT_MAX_COPIES;
     if (cfg->max_copies < 0 || t->q > (1 << 20)) {
@@ -410,6 +470,13 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
     pthread_cond_init(&t->cv_done, &ca);
     pthread_condattr_destroy(&ca);
     t->sync_made = true;
+    /* the host tier's memory first: when it cannot be had, nothing else was touched */
+    if (!(t->host_mem = malloc((size_t)(n_host * bb)))) {
+        st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: --kv-host-memory=%lld: cannot allocate %lld "
+                         "blocks of %lld bytes", (long long)cfg->host_bytes, (long long)n_host,
+                         (long long)bb);
+        goto fail;
+    }
     t->job = calloc((size_t)t->q, sizeof *t->job);
     t->job_free = calloc((size_t)t->q, sizeof *t->job_free);
     t->qring = calloc((size_t)t->q, sizeof *t->qring);
@@ -423,25 +490,31 @@ kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *l
         t->job_free[t->n_job_free++] = t->q - 1 - i;
     if (level_init(&t->lv[KVF_KV_TIER_HOST], KVF_KV_TIER_HOST, n_host, t->bs) != KVF_OK ||
         level_init(&t->lv[KVF_KV_TIER_DISK], KVF_KV_TIER_DISK, n_disk, t->bs) != KVF_OK ||
-        !(t->host_mem = malloc((size_t)(n_host * bb))) || !(t->stage = malloc((size_t)bb)) ||
+        !(t->stage = malloc((size_t)bb)) ||
         (disk && !(t->io = malloc((size_t)slot_bytes)))) {
         st = kvf_err_set(err, KVF_ERR_NOMEM, "kv: out of memory for a host tier of %lld blocks "
                          "of %lld bytes", (long long)n_host, (long long)bb);
         goto fail;
     }
     if (disk) {
-        if ((st = disk_prepare_dir(cfg->disk_dir, err)) != KVF_OK)
-            goto fail;
         if (snprintf(t->path, sizeof t->path, "%s/%s", cfg->disk_dir, DISK_FILE) >=
             (int)sizeof t->path) {
             st = kvf_err_set(err, KVF_ERR_INVALID, "kv: disk tier directory %s: path too long",
                              cfg->disk_dir);
             goto fail;
         }
-        t->fd = open(t->path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-        if (t->fd < 0) {
-            st = kvf_err_set(err, KVF_ERR_IO, "kv: disk tier file %s cannot be created: %s",
-                             t->path, strerror(errno));
+        if ((st = disk_open(cfg->disk_dir, &t->dirfd, &t->fd, err)) != KVF_OK)
+            goto fail;
+        /* the file grows as slots are written: refuse a size the filesystem cannot hold now
+         * (measured after the file was emptied, so a previous run's file counts as free) */
+        struct statvfs vs;
+        if (fstatvfs(t->fd, &vs) == 0 &&
+            (uint64_t)n_disk * (uint64_t)slot_bytes >
+                (uint64_t)vs.f_bavail * (uint64_t)vs.f_frsize) {
+            st = kvf_err_set(err, KVF_ERR_INVALID, "kv: --kv-disk-bytes=%lld is more than the "
+                             "free space of --kv-disk-dir=%s (%llu bytes)",
+                             (long long)cfg->disk_bytes, cfg->disk_dir,
+                             (unsigned long long)vs.f_bavail * (unsigned long long)vs.f_frsize);
             goto fail;
         }
     }
@@ -475,8 +548,10 @@ void kvf_kv_tier_destroy(kvf_kv_tier *t)
     free(t->cio);
     if (t->fd >= 0) {
         close(t->fd);
-        unlink(t->path);
+        unlinkat(t->dirfd, DISK_FILE, 0); /* the directory we locked, wherever its path leads now */
     }
+    if (t->dirfd >= 0)
+        close(t->dirfd); /* drops the lock */
     level_fini(&t->lv[KVF_KV_TIER_HOST]);
     level_fini(&t->lv[KVF_KV_TIER_DISK]);
     free(t->host_mem);
@@ -496,6 +571,12 @@ void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out)
 
 const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t) { return t->path; }
 int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t) { return t->slot_bytes; }
+
+int64_t kvf_kv_tier_slot_bytes_for(const kvf_kv_layout *layout)
+{
+    return (int64_t)sizeof(disk_hdr) + (int64_t)layout->block_size * (int64_t)sizeof(int32_t) +
+           layout->block_bytes;
+}
 
 /* ---- what the pool calls ------------------------------------------------------------------- */
 
@@ -657,8 +738,7 @@ int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
     tier_level *l = &t->lv[r.tier];
     const tier_slot *s = &l->slot[r.slot];
     t->job[id] = (tier_job){.live = true, .state = JOB_BEGUN, .tier = r.tier, .slot = r.slot,
-                            .block = -1, .hash = s->hash, .parent = s->parent,
-                            .t0 = kvf_now_ns()};
+                            .block = -1, .hash = s->hash, .parent = s->parent};
     level_pin(l, r.slot);
     t->n_jobs++;
     return id;
@@ -666,7 +746,11 @@ int32_t kvf_kv_tier_job_begin(kvf_kv_tier *t, kvf_kv_tier_ref r)
 
 void kvf_kv_tier_job_submit(kvf_kv_tier *t, int32_t id, int32_t block)
 {
+    /* the clock starts here, once the pool block was taken: the promotion time the router is
+     * told (on_promote) holds no other block's eviction or demotion made to free it */
+    int64_t t0 = kvf_now_ns();
     pthread_mutex_lock(&t->mu);
+    t->job[id].t0 = t0;
     t->job[id].block = block;
     t->job[id].state = JOB_QUEUED;
     t->qring[(t->qh + t->qn) % t->q] = id;
@@ -775,11 +859,11 @@ static void host_evict_one(kvf_kv_tier *t)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST], *disk = &t->lv[KVF_KV_TIER_DISK];
     int32_t hs = host->head;
-    if (disk->n == 0 || (disk->n_free == 0 && disk->head < 0)) { /* (every disk slot busy) */
+    if (disk->n == 0 || (!level_has_free(disk) && disk->head < 0)) { /* (every slot busy) */
         level_drop(t, host, hs);
         return;
     }
-    if (disk->n_free == 0)
+    if (!level_has_free(disk))
         level_drop(t, disk, disk->head);
     int32_t ds = level_take_free(disk);
     if (!disk_write(t, hs, ds)) {
@@ -798,9 +882,9 @@ static void host_evict_one(kvf_kv_tier *t)
 void *kvf_kv_tier_put_begin(kvf_kv_tier *t, int32_t *slot_out)
 {
     tier_level *host = &t->lv[KVF_KV_TIER_HOST];
-    if (host->n_free == 0 && host->head < 0)
+    if (!level_has_free(host) && host->head < 0)
         return NULL; /* every host slot is busy with a promotion */
-    if (host->n_free == 0)
+    if (!level_has_free(host))
         host_evict_one(t);
     int32_t id = level_take_free(host);
     *slot_out = id;
@@ -990,15 +1074,24 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
         /* counts: used + free == slots; the index holds exactly the used slots */
         int32_t n_idx = 0, n_used = 0, n_busy = 0;
         for (uint64_t i = 0; l->n > 0 && i <= l->mask; i++)
-            if (l->map[i] >= 0) {
+            if (l->map[i] > 0) {
                 n_idx++;
-                if (l->map[i] >= l->n || !l->slot[l->map[i]].used)
+                if (l->map[i] > l->n || !l->slot[l->map[i] - 1].used)
                     return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier index "
                                        "entry %llu points at slot %d, which is not used", nm,
-                                       (unsigned long long)i, l->map[i]);
+                                       (unsigned long long)i, l->map[i] - 1);
             }
+        if (l->n_fresh < 0 || l->n_fresh > l->n)
+            return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier has %d slots used "
+                               "at some time, of %d", nm, l->n_fresh, l->n);
         for (int32_t id = 0; id < l->n; id++) {
             const tier_slot *s = &l->slot[id];
+            if (id >= l->n_fresh) { /* never used: free, not on the stack */
+                if (s->used || s->busy)
+                    return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier slot %d "
+                                       "was never handed out but is used", nm, id);
+                continue;
+            }
             n_used += s->used;
             if (s->busy) {
                 n_busy++;
@@ -1018,11 +1111,11 @@ kvf_status kvf_kv_tier_check(const kvf_kv_tier *t, bool (*pool_has)(const void *
                                    on_free ? "" : "not ");
         }
         if (walked + n_busy != n_used || n_used != l->n_used || n_idx != walked ||
-            n_busy != l->n_busy || n_used + l->n_free != l->n)
+            n_busy != l->n_busy || n_used + l->n_free != l->n_fresh)
             return kvf_err_set(err, KVF_ERR_INTERNAL, "kv: invariant: %s tier counts disagree: "
                                "used %d/%d (counted/kept), busy %d/%d, LRU walk %d, index %d, "
-                               "free %d, slots %d", nm, n_used, l->n_used, n_busy, l->n_busy,
-                               walked, n_idx, l->n_free, l->n);
+                               "free %d, slots %d (%d ever used)", nm, n_used, l->n_used, n_busy,
+                               l->n_busy, walked, n_idx, l->n_free, l->n, l->n_fresh);
     }
     /* jobs: one per busy slot; a live (not stale) one's hash is nowhere else */
     int32_t n_jobs = 0;

@@ -51,12 +51,16 @@ typedef enum kvf_kv_tier_kind {
 
 typedef struct kvf_kv_tier_cfg {
     int64_t host_bytes;   /* host tier bytes, rounded down to whole blocks (>= 1 block) */
-    const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; kvfleet's own
-                           * files in it (kvfleet-kv-*) are removed at create */
+    const char *disk_dir; /* NULL or "": no disk tier. Created (0700) if missing; refused when
+                           * not a directory of this euid writable by it alone, or locked by
+                           * another live tier. A previous kvfleet-kv-tier.bin in it is removed
+                           * at create (nothing else is) */
     int64_t disk_bytes;   /* disk tier bytes, rounded down to whole slots (>= 1 with a dir) */
     /* Called after each block promoted from tier (HOST or DISK) with the seconds it took: with
-     * the copy thread, from the job's submission (in the lookup) to the end of its copy into the
-     * pool (queueing included); synchronous, the copy in, checks and copy into the pool. Runs on
+     * the copy thread, from the job's submission (in the lookup, once its pool block was taken)
+     * to the end of its copy into the pool (queueing included); synchronous, the copy in, checks
+     * and copy into the pool. Neither counts the eviction or demotion of another block made to
+     * free the pool block. Runs on
      * the pool's thread (in the poll, or the lookup); may be NULL. Must not call back into the
      * pool. */
     void (*on_promote)(void *ctx, kvf_kv_tier_kind tier, double seconds);
@@ -87,9 +91,12 @@ typedef struct kvf_kv_tier_stats {
     kvf_kv_tier_level_stats tier[3];
 } kvf_kv_tier_stats;
 
-/* Creates the tiers for blocks of layout. host_bytes below one block is ERR_INVALID; a disk
- * dir without disk_bytes for one slot (or disk_bytes without a dir) is ERR_INVALID; a dir that
- * cannot be made or written is ERR_IO naming it. The caller owns *out. */
+/* Creates the tiers for blocks of layout. host_bytes below one block, or above the machine's
+ * physical memory, is ERR_INVALID; a disk dir without disk_bytes for one slot (or disk_bytes
+ * without a dir), or disk_bytes above the free space of the dir's filesystem, is ERR_INVALID; a
+ * dir that cannot be made or written is ERR_IO naming it. The host memory is allocated first
+ * (ERR_NOMEM naming its size when it cannot be); slot metadata is touched only as slots are first
+ * used. The caller owns *out. */
 kvf_status kvf_kv_tier_create(const kvf_kv_tier_cfg *cfg, const kvf_kv_layout *layout,
                               kvf_kv_tier **out, kvf_err *err);
 /* Frees the tiers and removes the disk file. NULL is a no-op. */
@@ -100,5 +107,7 @@ void kvf_kv_tier_get_stats(const kvf_kv_tier *t, kvf_kv_tier_stats *out);
 const char *kvf_kv_tier_disk_path(const kvf_kv_tier *t);
 /* Bytes of one disk slot (header, token ids, block bytes); 0 without a disk tier. */
 int64_t kvf_kv_tier_disk_slot_bytes(const kvf_kv_tier *t);
+/* Bytes of one disk slot for blocks of layout: the least disk_bytes a disk tier takes. */
+int64_t kvf_kv_tier_slot_bytes_for(const kvf_kv_layout *layout);
 
 #endif

@@ -127,8 +127,9 @@ static const kvf_cfg_opt worker_opts[] = {
      "the pool evicts move here, and a prefix hit copies them back instead of recomputing; 0: "
      "none", offsetof(kvf_worker_cfg, kv_host_memory), KVF_CFG_SIZE},
     {"kv-disk-dir", NULL, "directory of a local-disk KV tier under the host tier (with "
-     "--kv-host-memory and --kv-disk-bytes): private to this worker, made 0700 if missing, its "
-     "kvfleet-kv-* files removed at start; checksummed, a bad block is a miss",
+     "--kv-host-memory and --kv-disk-bytes): private to this worker (this user's, not group or "
+     "world writable; made 0700 if missing; locked while in use), its kvfleet-kv-tier.bin made "
+     "afresh at start; checksummed, a bad block is a miss",
      offsetof(kvf_worker_cfg, kv_disk_dir), KVF_CFG_STR},
     {"kv-disk-bytes", "0", "size of the disk KV tier file (K/M/G suffixes)",
      offsetof(kvf_worker_cfg, kv_disk_bytes), KVF_CFG_SIZE},
@@ -888,10 +889,12 @@ static kvf_status make_tiers(kvf_worker *w, const kvf_worker_cfg *cfg, const cha
     if (disk && cfg->kv_host_memory == 0)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-host-memory "
                            "(the disk tier sits under the host tier)", rn, cfg->kv_disk_dir);
-    if (disk && cfg->kv_disk_bytes <= bb)
+    int64_t slot = kvf_kv_tier_slot_bytes_for(&w->layout); /* block, header, token ids */
+    if (disk && cfg->kv_disk_bytes < slot)
         return kvf_err_set(err, KVF_ERR_INVALID, "%s: --kv-disk-dir=%s needs --kv-disk-bytes of "
-                           "more than one KV block (%lld bytes); it is %lld", rn, cfg->kv_disk_dir,
-                           (long long)bb, (long long)cfg->kv_disk_bytes);
+                           "at least one disk slot (%lld bytes: a KV block of %lld, its header "
+                           "and token ids); --kv-disk-bytes=%lld", rn, cfg->kv_disk_dir,
+                           (long long)slot, (long long)bb, (long long)cfg->kv_disk_bytes);
     if (cfg->kv_host_memory == 0)
         return KVF_OK;
     kvf_kv_tier_cfg tc = {.host_bytes = cfg->kv_host_memory, .disk_dir = disk ? cfg->kv_disk_dir : NULL,

@@ -14,8 +14,13 @@ N=8
 # --- flags: refused with the flag, the value and what is allowed ---------------------------
 out=$("$KVF_BIN" decode --model "$M" --kv-host-memory=100 2>&1) && fail "decode took --kv-host-memory=100"
 expect_contains "decode: --kv-host-memory below a block is refused" "$out" "--kv-host-memory=100 holds no KV block"
+bb=$(printf '%s\n' "$out" | sed -n 's/.*(one is \([0-9]*\) bytes.*/\1/p' | head -1)
+[ -n "$bb" ] || fail "no block size in: $out"
 out=$("$KVF_BIN" decode --model "$M" --kv-host-memory=1M --kv-disk-dir="$TMP/d" 2>&1) && fail "decode took a disk dir without bytes"
 expect_contains "decode: --kv-disk-dir without --kv-disk-bytes is refused" "$out" "needs --kv-disk-bytes"
+out=$("$KVF_BIN" decode --model "$M" --kv-host-memory=1M --kv-disk-dir="$TMP/d" --kv-disk-bytes=$((bb + 1)) 2>&1) && fail "decode took --kv-disk-bytes of one block and a byte"
+expect_contains "decode: --kv-disk-bytes under one disk slot is refused" "$out" "--kv-disk-bytes=$((bb + 1))"
+expect_contains "decode: ... naming the slot as the minimum" "$out" "at least one disk slot"
 out=$("$KVF_BIN" decode --model "$M" --kv-host-memory=lots 2>&1) && fail "decode took --kv-host-memory=lots"
 expect_contains "decode: --kv-host-memory=lots is refused" "$out" "kv-host-memory"
 

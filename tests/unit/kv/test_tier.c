@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -69,13 +70,20 @@ typedef struct env {
     uint64_t root;
 } env;
 
+/* For one case: the pool's memory ops (NULL: host) and the tiers' on_promote (NULL: none). */
+static const kvf_kv_mem_ops *g_mem;
+static void (*g_on_promote)(void *ctx, kvf_kv_tier_kind tier, double seconds);
+static void *g_promote_ctx;
+
 static void env_open(env *v, int32_t n_blocks, int64_t host_blocks, int64_t disk_slots)
 {
     memset(v, 0, sizeof *v);
     v->e.now = 1000;
     kvf_kv_pool_cfg c = kt_cfg(&v->e, n_blocks, BS);
     kvf_kv_tier_cfg tc = {.host_bytes = host_blocks * c.layout.block_bytes,
-                          .synchronous = g_sync, .copy_hook = gate_hook, .hook_ctx = &g_gate};
+                          .synchronous = g_sync, .copy_hook = gate_hook, .hook_ctx = &g_gate,
+                          .on_promote = g_on_promote, .promote_ctx = g_promote_ctx};
+    c.mem = g_mem;
     if (disk_slots > 0) {
         snprintf(v->dir, sizeof v->dir, "/tmp/kvf-tier-XXXXXX");
         assert_non_null(mkdtemp(v->dir));
@@ -252,6 +260,97 @@ static void test_create_errors(void **state)
     assert_int_equal(kvf_kv_pool_create(&pc, &p, &err), KVF_ERR_INVALID);
     assert_non_null(strstr(err.msg, "cannot serve a pool"));
     kvf_kv_tier_destroy(t);
+}
+
+/* Host memory ops whose to_host (a demotion's copy out) takes 40 ms. */
+static kvf_status slow_to_host(void *ctx, void *host_dst, const void *base, int64_t block_bytes,
+                               int32_t block, kvf_err *err)
+{
+    struct timespec ts = {0, 40 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    return kvf_kv_mem_host.to_host(ctx, host_dst, base, block_bytes, block, err);
+}
+
+typedef struct promote_log {
+    int n;
+    double max_s;
+} promote_log;
+
+static void log_promote(void *ctx, kvf_kv_tier_kind tier, double seconds)
+{
+    (void)tier;
+    promote_log *pl = ctx;
+    pl->n++;
+    if (seconds > pl->max_s)
+        pl->max_s = seconds;
+}
+
+/* The promotion time on_promote reports (the router prices tier hits by it) holds no other
+ * block's demotion made to free the pool block it lands in: with 40 ms demotions, each of the
+ * four promotions (each evicting and demoting one block) is reported well under 40 ms. */
+static void test_promote_time_excludes_demotion(void **state)
+{
+    (void)state;
+    kvf_kv_mem_ops slow = kvf_kv_mem_host;
+    slow.to_host = slow_to_host;
+    promote_log pl = {0};
+    g_mem = &slow;
+    g_on_promote = log_promote;
+    g_promote_ctx = &pl;
+    env v;
+    env_open(&v, 4, 8, 0);
+    g_mem = NULL;
+    g_on_promote = NULL;
+    g_promote_ctx = NULL;
+    put_prompt(&v, 1, 4);
+    put_prompt(&v, 2, 4); /* prompt 1 goes down into the host tier */
+    assert_int_equal(get_prompt(&v, 1, 4), 4); /* each promotion demotes a block of prompt 2 */
+    assert_int_equal(pl.n, 4);
+    assert_true(pl.max_s < 0.020);
+    env_close(&v);
+}
+
+/* Sizes beyond the machine are refused at create, naming the flag and the value: host bytes
+ * above physical memory, disk bytes above the free space of the directory's filesystem. */
+static void test_create_beyond_machine(void **state)
+{
+    (void)state;
+    kvf_kv_layout l;
+    kvf_err err = {0};
+    kvf_kv_tier *t = NULL;
+    /* 32 KiB blocks: a machine's memory is far fewer blocks than the tier's INT32_MAX / 2 cap */
+    assert_int_equal(kvf_kv_layout_init(1, 1, 1024, BS, KVF_DTYPE_F32, &l, &err), KVF_OK);
+    int64_t phys = (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
+    kvf_kv_tier_cfg c = {.host_bytes = phys + 64 * l.block_bytes};
+    char want[64];
+    snprintf(want, sizeof want, "--kv-host-memory=%lld", (long long)c.host_bytes);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_ERR_INVALID);
+    assert_null(t);
+    assert_non_null(strstr(err.msg, want));
+    assert_non_null(strstr(err.msg, "physical memory"));
+
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    struct statvfs vs;
+    assert_int_equal(statvfs(dir, &vs), 0);
+    int64_t avail = (int64_t)vs.f_bavail * (int64_t)vs.f_frsize;
+    int64_t slot = 48 + BS * 4 + l.block_bytes;
+    c = (kvf_kv_tier_cfg){.host_bytes = l.block_bytes, .disk_dir = dir,
+                          .disk_bytes = 2 * avail + 1024 * slot}; /* room for others' churn */
+    if (c.disk_bytes / slot <= INT32_MAX / 2) { /* else the slot cap refuses it first */
+        snprintf(want, sizeof want, "--kv-disk-bytes=%lld", (long long)c.disk_bytes);
+        err = (kvf_err){0};
+        assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_ERR_INVALID);
+        assert_null(t);
+        assert_non_null(strstr(err.msg, want));
+        assert_non_null(strstr(err.msg, "free space"));
+    }
+    /* within both, it is made */
+    c.disk_bytes = 4 * slot;
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    kvf_kv_tier_destroy(t);
+    rmdir(dir);
 }
 
 /* Eviction demotes (STORED host, no REMOVED); lookup promotes the same bytes back (STORED pool),
@@ -523,17 +622,22 @@ static void test_events_through_every_tier(void **state)
     env_close(&v);
 }
 
-/* Tier files of a previous run are removed at start; the file goes at destroy. */
+/* A previous run's tier file is removed at start, a foreign file of kvfleet-kv-* kind is not;
+ * the file goes at destroy. */
 static void test_disk_dir_emptied(void **state)
 {
     (void)state;
     char dir[64];
     snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
     assert_non_null(mkdtemp(dir));
-    char old[128], keep[128];
-    snprintf(old, sizeof old, "%s/kvfleet-kv-old.bin", dir);
+    char old[128], other[128], keep[128];
+    snprintf(old, sizeof old, "%s/kvfleet-kv-tier.bin", dir);
+    snprintf(other, sizeof other, "%s/kvfleet-kv-other", dir);
     snprintf(keep, sizeof keep, "%s/notes.txt", dir);
-    close(open(old, O_CREAT | O_WRONLY, 0600));
+    int fd = open(old, O_CREAT | O_WRONLY, 0600);
+    assert_int_equal(write(fd, "stale", 5), 5);
+    close(fd);
+    close(open(other, O_CREAT | O_WRONLY, 0600));
     close(open(keep, O_CREAT | O_WRONLY, 0600));
     kvf_kv_layout l;
     kvf_err err = {0};
@@ -541,14 +645,70 @@ static void test_disk_dir_emptied(void **state)
     kvf_kv_tier_cfg c = {.host_bytes = l.block_bytes, .disk_dir = dir, .disk_bytes = 1 << 16};
     kvf_kv_tier *t = NULL;
     assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
-    assert_int_not_equal(access(old, F_OK), 0);
+    struct stat sb;
+    assert_int_equal(stat(old, &sb), 0); /* made afresh: empty */
+    assert_int_equal(sb.st_size, 0);
+    assert_int_equal(access(other, F_OK), 0);
     assert_int_equal(access(keep, F_OK), 0);
     assert_int_equal(access(kvf_kv_tier_disk_path(t), F_OK), 0);
     char path[256];
     snprintf(path, sizeof path, "%s", kvf_kv_tier_disk_path(t));
     kvf_kv_tier_destroy(t);
     assert_int_not_equal(access(path, F_OK), 0);
+    assert_int_equal(access(other, F_OK), 0);
+    unlink(other);
     unlink(keep);
+    rmdir(dir);
+}
+
+/* The disk directory must be private: group- or world-writable is refused naming the flag; a
+ * symbolic link planted at the tier file's name is not followed (its target keeps its bytes);
+ * a second tier on a directory a live one uses is refused, and allowed once that one is gone. */
+static void test_disk_dir_safety(void **state)
+{
+    (void)state;
+    kvf_kv_layout l;
+    kvf_err err = {0};
+    assert_int_equal(kvf_kv_layout_init(1, 1, 2, BS, KVF_DTYPE_F32, &l, &err), KVF_OK);
+    char dir[64];
+    snprintf(dir, sizeof dir, "/tmp/kvf-tier-XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    kvf_kv_tier_cfg c = {.host_bytes = l.block_bytes, .disk_dir = dir, .disk_bytes = 1 << 16};
+    kvf_kv_tier *t = NULL, *t2 = NULL;
+
+    assert_int_equal(chmod(dir, 0777), 0);
+    assert_int_not_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    assert_null(t);
+    assert_non_null(strstr(err.msg, "--kv-disk-dir="));
+    assert_non_null(strstr(err.msg, "writable by group or others"));
+    assert_int_equal(chmod(dir, 0700), 0);
+
+    /* a link at the file's name to a file of ours: removed, its target untouched */
+    char target[128], link[128];
+    snprintf(target, sizeof target, "%s-target", dir);
+    snprintf(link, sizeof link, "%s/kvfleet-kv-tier.bin", dir);
+    int fd = open(target, O_CREAT | O_WRONLY | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "precious", 8), 8);
+    close(fd);
+    assert_int_equal(symlink(target, link), 0);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t, &err), KVF_OK);
+    struct stat sb;
+    assert_int_equal(lstat(link, &sb), 0);
+    assert_true(S_ISREG(sb.st_mode)); /* the tier's own file, not the link */
+    assert_int_equal(stat(target, &sb), 0);
+    assert_int_equal(sb.st_size, 8);
+
+    /* a second tier on the same directory, while the first lives */
+    err = (kvf_err){0};
+    assert_int_not_equal(kvf_kv_tier_create(&c, &l, &t2, &err), KVF_OK);
+    assert_null(t2);
+    assert_non_null(strstr(err.msg, "in use by another"));
+    assert_int_equal(access(link, F_OK), 0); /* the first one's file is still there */
+    kvf_kv_tier_destroy(t);
+    assert_int_equal(kvf_kv_tier_create(&c, &l, &t2, &err), KVF_OK);
+    kvf_kv_tier_destroy(t2);
+    unlink(target);
     rmdir(dir);
 }
 
@@ -792,6 +952,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_create_errors),
+        cmocka_unit_test(test_create_beyond_machine),
+        cmocka_unit_test(test_promote_time_excludes_demotion),
         cmocka_unit_test(test_demote_promote_bytes_and_events),
         cmocka_unit_test(test_host_lru),
         cmocka_unit_test(test_chain_across_tiers),
@@ -800,6 +962,7 @@ int main(void)
         cmocka_unit_test(test_recomputed_block_leaves_tier),
         cmocka_unit_test(test_events_through_every_tier),
         cmocka_unit_test(test_disk_dir_emptied),
+        cmocka_unit_test(test_disk_dir_safety),
     };
     const struct CMUnitTest async_only[] = {
         cmocka_unit_test(test_async_in_flight_invisible),
