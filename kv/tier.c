@@ -229,8 +229,8 @@ static void level_use(tier_level *l, int32_t id, uint64_t hash, uint64_t parent,
     map_insert(l, id);
 }
 
-/* Unregisters a used slot and puts it back on the free stack. */
-static void level_release(tier_level *l, int32_t id)
+/* Takes a used slot out of the index and the LRU list (it stays used). */
+static void level_unlink(tier_level *l, int32_t id)
 {
     tier_slot *s = &l->slot[id];
     map_remove(l, id);
@@ -243,6 +243,13 @@ static void level_release(tier_level *l, int32_t id)
     else
         l->tail = s->prev;
     s->prev = s->next = -1;
+}
+
+/* Unregisters a used slot and puts it back on the free stack. */
+static void level_release(tier_level *l, int32_t id)
+{
+    tier_slot *s = &l->slot[id];
+    level_unlink(l, id);
     s->used = 0;
     l->n_used--;
     level_push_free(l, id);
@@ -584,16 +591,7 @@ int64_t kvf_kv_tier_slot_bytes_for(const kvf_kv_layout *layout)
 static void level_pin(tier_level *l, int32_t id)
 {
     tier_slot *s = &l->slot[id];
-    map_remove(l, id);
-    if (s->prev >= 0)
-        l->slot[s->prev].next = s->next;
-    else
-        l->head = s->next;
-    if (s->next >= 0)
-        l->slot[s->next].prev = s->prev;
-    else
-        l->tail = s->prev;
-    s->prev = s->next = -1;
+    level_unlink(l, id);
     s->busy = 1;
     l->n_busy++;
 }
