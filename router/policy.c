@@ -189,7 +189,8 @@ static kvf_status ring_rebuild(kvf_router_pool *p)
         for (int32_t v = 0; v < p->cfg.sticky_vnodes; v++)
             r[k++] = (ring_point){mix64(((uint64_t)w << 32 | (uint64_t)v) + 0x51ed27u), w};
     }
-    qsort(r, n, sizeof *r, ring_cmp);
+    if (n) /* no workers: no ring (qsort's array may not be NULL) */
+        qsort(r, n, sizeof *r, ring_cmp);
     free(p->ring);
     p->ring = r;
     p->n_ring = n;
