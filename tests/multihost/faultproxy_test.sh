@@ -5,16 +5,8 @@
 # client ECONNRESET; blackhole makes a read time out (no RST, no FIN) and pass resumes it; the
 # proxy survives clients that reset and answers stats. Bounds are generous: only "at least".
 source "$(dirname "$0")/../cli/lib.sh"
+source "$(dirname "$0")/../e2e/fleet.sh" # TMP, PIDS and their cleanup on exit
 : "${FAULTPROXY:?FAULTPROXY must name the faultproxy binary}"
-PY=/usr/bin/python3
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
 
 # the echo server: prints its port, then echoes every connection until it closes
 $PY -u - >"$TMP/echo.out" 2>&1 <<'EOF2' &
